@@ -1,0 +1,32 @@
+# Shared by run.sh and test.sh: install missing Debian packages, configure and
+# build Release into build/. Sourced, not executed.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+DEEPSEEK_PACKAGES=(
+  build-essential cmake ninja-build pkg-config
+  libdnnl-dev libopenblas-dev libomp-dev
+  nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+install_missing_packages() {
+  local missing=()
+  for p in "${DEEPSEEK_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+}
+
+build() {
+  local jobs="${DEEPSEEK_JOBS:-$(nproc)}"
+  cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+  cmake --build build -j "$jobs"
+}

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the whole test suite.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+install_missing_packages
+build
+cd build
+ctest --output-on-failure -j "${DEEPSEEK_JOBS:-$(nproc)}" "$@"

@@ -1,0 +1,47 @@
+// Element types and their conversions to and from float32.
+//
+// Every narrowing conversion rounds to nearest, ties to even. fp8 follows the
+// OCP FP8 formats used by DeepSeek-V3 checkpoints and PyTorch:
+//   e4m3 ("e4m3fn"): bias 7, no infinities, max finite 448, NaN = S.1111.111;
+//                    out-of-range finite values and +-inf saturate to +-448.
+//   e5m2:            bias 15, IEEE-like with infinities, max finite 57344;
+//                    out-of-range finite values saturate to +-57344, inf stays inf.
+// NaN maps to NaN in every format.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace ds {
+
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64 };
+
+size_t dtype_size(DType t);
+std::string_view dtype_name(DType t);
+bool dtype_is_float(DType t);
+
+uint16_t f32_to_bf16(float x);
+float bf16_to_f32(uint16_t h);
+uint16_t f32_to_f16(float x);
+float f16_to_f32(uint16_t h);
+uint8_t f32_to_e4m3(float x);
+float e4m3_to_f32(uint8_t b);
+uint8_t f32_to_e5m2(float x);
+float e5m2_to_f32(uint8_t b);
+
+// Converts n elements between any two floating dtypes (through float32).
+void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
+
+template <typename T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() { return DType::F32; }
+template <>
+constexpr DType dtype_of<int32_t>() { return DType::I32; }
+template <>
+constexpr DType dtype_of<uint32_t>() { return DType::U32; }
+template <>
+constexpr DType dtype_of<int64_t>() { return DType::I64; }
+
+}  // namespace ds

@@ -1,0 +1,39 @@
+// AdamW (Loshchilov & Hutter) with bias correction and decoupled weight decay,
+// and global gradient-norm clipping.
+//
+// step t (1-based):
+//   m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2
+//   p -= lr * ( (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * p )
+// Clipping: norm = sqrt(sum over all tensors of sum g^2) (double accumulation,
+// fixed block order: bitwise the same for any thread count); if norm > max_norm
+// every gradient is scaled by max_norm / (norm + 1e-6).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace ds::ops {
+
+struct AdamWConfig {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;
+};
+
+void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamWConfig& cfg,
+                  int64_t step);
+
+struct GradSpan {
+  float* data;
+  int64_t n;
+};
+
+// Returns the global L2 norm of all gradients.
+double global_grad_norm(const std::vector<GradSpan>& grads);
+// Scales the gradients so their global norm is at most max_norm; returns the
+// norm before clipping.
+double clip_grad_norm(const std::vector<GradSpan>& grads, double max_norm);
+
+}  // namespace ds::ops

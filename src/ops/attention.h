@@ -1,0 +1,36 @@
+// Causal multi-head attention with segment ids, computed in tiles with an
+// online softmax (FlashAttention-2 style): no [T, T] matrix is ever held.
+//
+//   s[i, j] = scale * q[i] . k[j]   allowed when j <= i and seg[i] == seg[j]
+//   p = softmax_j(s), out[i] = sum_j p[i, j] v[j]
+// Forward saves lse[i] = log sum_j exp(s[i, j]) per (batch, head, query).
+// Backward recomputes p from q, k and lse tile by tile:
+//   D[i] = dout[i] . out[i],  dp = dout v^T,  ds = p * (dp - D)
+//   dq = scale * ds k, dk = scale * ds^T q, dv = p^T dout   (all `=`)
+//
+// Layouts (row-major): q, k [B, T, H, Dqk]; v, out, dout [B, T, H, Dv];
+// lse [B, H, T]; segment_ids [B, T] (null: one segment per sequence). Packed
+// documents never attend across a segment boundary. Every query has at least
+// itself to attend to, so lse is always finite.
+#pragma once
+
+#include <cstdint>
+
+namespace ds::ops {
+
+struct AttentionDims {
+  int64_t batch = 1;
+  int64_t seq = 1;
+  int64_t heads = 1;
+  int64_t qk_dim = 1;  // qk_nope_head_dim + qk_rope_head_dim in MLA
+  int64_t v_dim = 1;
+  float scale = 1.0f;  // softmax scale (1/sqrt(qk_dim) times any mscale correction)
+};
+
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const int32_t* segment_ids, const AttentionDims& d);
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                        const float* q, const float* k, const float* v, const int32_t* segment_ids,
+                        const AttentionDims& d);
+
+}  // namespace ds::ops
