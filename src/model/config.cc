@@ -1,0 +1,357 @@
+#include "model/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace ds::model {
+
+namespace {
+
+using json = nlohmann::json;
+
+double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream in(path);
+  DS_CHECK(in.good(), "cannot read {} '{}'", what, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Typed access to a config.json field, naming the key on a type mismatch.
+template <typename T>
+T get(const json& j, const char* key, const std::string& src) {
+  try {
+    return j.at(key).get<T>();
+  } catch (const json::exception&) {
+    DS_FAIL("{}: key '{}' is missing or has the wrong type (got {})", src, key,
+            j.contains(key) ? j.at(key).dump() : std::string("nothing"));
+  }
+}
+template <typename T>
+T get_or(const json& j, const char* key, T fallback, const std::string& src) {
+  if (!j.contains(key) || j.at(key).is_null()) return fallback;
+  return get<T>(j, key, src);
+}
+
+}  // namespace
+
+bool ModelConfig::is_moe_layer(int64_t layer) const {
+  return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+}
+
+double ModelConfig::softmax_scale() const {
+  double s = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
+  if (rope_scaling.enabled && rope_scaling.mscale_all_dim != 0.0) {
+    const double m = yarn_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim);
+    s *= m * m;
+  }
+  return s;
+}
+
+void ModelConfig::validate() const {
+  auto positive = [](int64_t v, const char* k) { DS_CHECK(v > 0, "config: {} must be positive, got {}", k, v); };
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(kv_lora_rank, "kv_lora_rank");
+  positive(qk_nope_head_dim, "qk_nope_head_dim");
+  positive(qk_rope_head_dim, "qk_rope_head_dim");
+  positive(v_head_dim, "v_head_dim");
+  positive(max_position_embeddings, "max_position_embeddings");
+  DS_CHECK(q_lora_rank >= 0, "config: q_lora_rank must be 0 (none) or positive, got {}", q_lora_rank);
+  DS_CHECK(qk_rope_head_dim % 2 == 0, "config: qk_rope_head_dim must be even for rotary pairs, got {}",
+           qk_rope_head_dim);
+  DS_CHECK(rope_theta > 1.0, "config: rope_theta must exceed 1, got {}", rope_theta);
+  DS_CHECK(rms_norm_eps > 0.0, "config: rms_norm_eps must be positive, got {}", rms_norm_eps);
+  if (rope_scaling.enabled) {
+    DS_CHECK(rope_scaling.factor >= 1.0, "config: rope_scaling.factor must be >= 1, got {}", rope_scaling.factor);
+    DS_CHECK(rope_scaling.original_max_position_embeddings > 0,
+             "config: rope_scaling.original_max_position_embeddings must be positive");
+    DS_CHECK(rope_scaling.beta_fast > 0 && rope_scaling.beta_slow > 0 && rope_scaling.beta_fast > rope_scaling.beta_slow,
+             "config: rope_scaling needs beta_fast > beta_slow > 0 (got {} and {})", rope_scaling.beta_fast,
+             rope_scaling.beta_slow);
+    // Hugging Face multiplies cos/sin by mscale(mscale)/mscale(mscale_all_dim);
+    // every DeepSeek checkpoint has the two equal, so the ratio is 1.
+    DS_CHECK(yarn_mscale(rope_scaling.factor, rope_scaling.mscale) ==
+                 yarn_mscale(rope_scaling.factor, rope_scaling.mscale_all_dim),
+             "config: rope_scaling.mscale ({}) differs from mscale_all_dim ({}); rotary magnitude scaling is not "
+             "supported",
+             rope_scaling.mscale, rope_scaling.mscale_all_dim);
+  }
+  DS_CHECK(first_k_dense_replace >= 0 && first_k_dense_replace <= num_hidden_layers,
+           "config: first_k_dense_replace {} outside [0, num_hidden_layers={}]", first_k_dense_replace,
+           num_hidden_layers);
+  bool any_dense = n_routed_experts == 0 || first_k_dense_replace > 0 || moe_layer_freq > 1;
+  if (any_dense) positive(intermediate_size, "intermediate_size");
+  if (n_routed_experts > 0) {
+    positive(moe_intermediate_size, "moe_intermediate_size");
+    positive(moe_layer_freq, "moe_layer_freq");
+    DS_CHECK(num_experts_per_tok >= 1 && num_experts_per_tok <= n_routed_experts,
+             "config: num_experts_per_tok {} must be in [1, n_routed_experts={}]", num_experts_per_tok,
+             n_routed_experts);
+    DS_CHECK(n_shared_experts >= 0, "config: n_shared_experts must be non-negative");
+    DS_CHECK(n_group >= 1 && n_routed_experts % n_group == 0,
+             "config: n_group {} must divide n_routed_experts {}", n_group, n_routed_experts);
+    DS_CHECK(topk_group >= 1 && topk_group <= n_group, "config: topk_group {} must be in [1, n_group={}]", topk_group,
+             n_group);
+    if (topk_method != TopkMethod::Greedy) {
+      // The chosen groups must hold enough experts for top-k.
+      DS_CHECK(topk_group * (n_routed_experts / n_group) >= num_experts_per_tok,
+               "config: topk_group {} groups of {} experts cannot supply num_experts_per_tok {}", topk_group,
+               n_routed_experts / n_group, num_experts_per_tok);
+    }
+    if (topk_method == TopkMethod::NoauxTc)
+      DS_CHECK(n_routed_experts / n_group >= 2, "config: noaux_tc scores a group by its top-2, so groups need >= 2 "
+                                                 "experts (n_routed_experts {}, n_group {})",
+               n_routed_experts, n_group);
+    DS_CHECK(routed_scaling_factor > 0, "config: routed_scaling_factor must be positive, got {}",
+             routed_scaling_factor);
+  }
+  DS_CHECK(num_nextn_predict_layers >= 0, "config: num_nextn_predict_layers must be non-negative");
+  if (index_n_heads > 0) {
+    positive(index_head_dim, "index_head_dim");
+    positive(index_topk, "index_topk");
+    DS_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim {} must hold the rope part {}",
+             index_head_dim, qk_rope_head_dim);
+  }
+  DS_CHECK(bos_token_id >= 0 && bos_token_id < vocab_size && eos_token_id >= 0 && eos_token_id < vocab_size,
+           "config: bos/eos token ids ({}, {}) outside the vocabulary of {}", bos_token_id, eos_token_id, vocab_size);
+  DS_CHECK((fp8_block_rows == 0) == (fp8_block_cols == 0) && fp8_block_rows >= 0 && fp8_block_cols >= 0,
+           "config: fp8 weight_block_size [{}, {}] is invalid", fp8_block_rows, fp8_block_cols);
+}
+
+ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::string& src) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    DS_FAIL("{} is not valid JSON: {}", src, e.what());
+  }
+  DS_CHECK(j.is_object(), "{} must be a JSON object", src);
+  ModelConfig c;
+  c.model_type = get<std::string>(j, "model_type", src);
+  const bool v2 = c.model_type == "deepseek_v2";
+  DS_CHECK(v2 || c.model_type == "deepseek_v3" || c.model_type == "deepseek_v32",
+           "{}: model_type '{}' is not supported (deepseek_v2, deepseek_v3, deepseek_v32)", src, c.model_type);
+  const std::string act = get_or<std::string>(j, "hidden_act", "silu", src);
+  DS_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", src, act);
+
+  c.vocab_size = get<int64_t>(j, "vocab_size", src);
+  c.hidden_size = get<int64_t>(j, "hidden_size", src);
+  c.intermediate_size = get<int64_t>(j, "intermediate_size", src);
+  c.num_hidden_layers = get<int64_t>(j, "num_hidden_layers", src);
+  c.num_attention_heads = get<int64_t>(j, "num_attention_heads", src);
+  const int64_t kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.num_attention_heads, src);
+  DS_CHECK(kv_heads == c.num_attention_heads, "{}: num_key_value_heads {} differs from num_attention_heads {}; MLA "
+                                              "has one latent shared by all heads",
+           src, kv_heads, c.num_attention_heads);
+  c.q_lora_rank = get_or<int64_t>(j, "q_lora_rank", 0, src);
+  c.kv_lora_rank = get<int64_t>(j, "kv_lora_rank", src);
+  c.qk_nope_head_dim = get<int64_t>(j, "qk_nope_head_dim", src);
+  c.qk_rope_head_dim = get<int64_t>(j, "qk_rope_head_dim", src);
+  c.v_head_dim = get<int64_t>(j, "v_head_dim", src);
+  c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, src);
+  c.max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings", v2 ? 2048 : 4096, src);
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const json& r = j["rope_scaling"];
+    DS_CHECK(r.is_object(), "{}: rope_scaling must be an object or null", src);
+    std::string type = r.contains("type") ? get<std::string>(r, "type", src)
+                                          : get_or<std::string>(r, "rope_type", "", src);
+    DS_CHECK(type == "yarn", "{}: rope_scaling type '{}' is not supported (yarn)", src, type);
+    c.rope_scaling.enabled = true;
+    c.rope_scaling.factor = get<double>(r, "factor", src);
+    c.rope_scaling.original_max_position_embeddings = get<int64_t>(r, "original_max_position_embeddings", src);
+    c.rope_scaling.beta_fast = get_or<double>(r, "beta_fast", 32.0, src);
+    c.rope_scaling.beta_slow = get_or<double>(r, "beta_slow", 1.0, src);
+    c.rope_scaling.mscale = get_or<double>(r, "mscale", 1.0, src);
+    c.rope_scaling.mscale_all_dim = get_or<double>(r, "mscale_all_dim", 0.0, src);
+  }
+  // Routing knobs default as the Hugging Face config classes do.
+  c.n_routed_experts = get_or<int64_t>(j, "n_routed_experts", v2 ? 0 : 256, src);
+  if (c.n_routed_experts > 0) c.moe_intermediate_size = get<int64_t>(j, "moe_intermediate_size", src);
+  c.n_shared_experts = get_or<int64_t>(j, "n_shared_experts", v2 ? 0 : 1, src);
+  c.num_experts_per_tok = get_or<int64_t>(j, "num_experts_per_tok", v2 ? 0 : 8, src);
+  c.n_group = get_or<int64_t>(j, "n_group", v2 ? 1 : 8, src);
+  c.topk_group = get_or<int64_t>(j, "topk_group", v2 ? 1 : 4, src);
+  const std::string tm = get_or<std::string>(j, "topk_method", v2 ? "greedy" : "noaux_tc", src);
+  if (tm == "noaux_tc") c.topk_method = TopkMethod::NoauxTc;
+  else if (tm == "group_limited_greedy") c.topk_method = TopkMethod::GroupLimitedGreedy;
+  else if (tm == "greedy") c.topk_method = TopkMethod::Greedy;
+  else DS_FAIL("{}: topk_method '{}' is not supported (noaux_tc, group_limited_greedy, greedy)", src, tm);
+  const std::string sf = get_or<std::string>(j, "scoring_func", v2 ? "softmax" : "sigmoid", src);
+  if (sf == "sigmoid") c.scoring_func = ScoringFunc::Sigmoid;
+  else if (sf == "softmax") c.scoring_func = ScoringFunc::Softmax;
+  else DS_FAIL("{}: scoring_func '{}' is not supported (sigmoid, softmax)", src, sf);
+  c.norm_topk_prob = get_or<bool>(j, "norm_topk_prob", !v2, src);
+  c.routed_scaling_factor = get_or<double>(j, "routed_scaling_factor", v2 ? 1.0 : 2.5, src);
+  c.first_k_dense_replace = get_or<int64_t>(j, "first_k_dense_replace", v2 ? 0 : 3, src);
+  c.moe_layer_freq = get_or<int64_t>(j, "moe_layer_freq", 1, src);
+  c.rms_norm_eps = get_or<double>(j, "rms_norm_eps", 1e-6, src);
+  c.tie_word_embeddings = get_or<bool>(j, "tie_word_embeddings", false, src);
+  c.num_nextn_predict_layers = get_or<int64_t>(j, "num_nextn_predict_layers", 0, src);
+  c.bos_token_id = get_or<int64_t>(j, "bos_token_id", 0, src);
+  c.eos_token_id = get_or<int64_t>(j, "eos_token_id", 1, src);
+  if (c.model_type == "deepseek_v32") {
+    c.index_n_heads = get<int64_t>(j, "index_n_heads", src);
+    c.index_head_dim = get<int64_t>(j, "index_head_dim", src);
+    c.index_topk = get<int64_t>(j, "index_topk", src);
+  }
+  if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
+    const json& q = j["quantization_config"];
+    const std::string method = get_or<std::string>(q, "quant_method", "", src);
+    const std::string fmt = get_or<std::string>(q, "fmt", "e4m3", src);
+    DS_CHECK(method == "fp8" && fmt == "e4m3", "{}: quantization '{}' ({}) is not supported (fp8 e4m3)", src, method,
+             fmt);
+    auto block = get_or<std::vector<int64_t>>(q, "weight_block_size", {128, 128}, src);
+    DS_CHECK(block.size() == 2 && block[0] > 0 && block[1] > 0, "{}: weight_block_size must be [rows, cols]", src);
+    c.fp8_block_rows = block[0];
+    c.fp8_block_cols = block[1];
+  }
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: {}", src, e.what()));
+  }
+  return c;
+}
+
+ModelConfig ModelConfig::from_hf_json_file(const std::string& path) {
+  return from_hf_json_text(read_file(path, "config"), path);
+}
+
+namespace {
+
+// MaxText key -> setter. Keys keep MaxText's names so its users need no glossary.
+using Setter = void (*)(ModelConfig&, const YAML::Node&);
+const std::map<std::string, Setter>& yaml_keys() {
+  static const std::map<std::string, Setter> keys = {
+#define DS_INT(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<int64_t>(); }}
+#define DS_DBL(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<double>(); }}
+#define DS_BOOL(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<bool>(); }}
+      DS_INT("vocab_size", vocab_size),
+      DS_INT("base_emb_dim", hidden_size),
+      DS_INT("base_mlp_dim", intermediate_size),
+      DS_INT("base_moe_mlp_dim", moe_intermediate_size),
+      DS_INT("base_num_decoder_layers", num_hidden_layers),
+      DS_INT("base_num_query_heads", num_attention_heads),
+      DS_INT("q_lora_rank", q_lora_rank),
+      DS_INT("kv_lora_rank", kv_lora_rank),
+      DS_INT("qk_nope_head_dim", qk_nope_head_dim),
+      DS_INT("qk_rope_head_dim", qk_rope_head_dim),
+      DS_INT("v_head_dim", v_head_dim),
+      DS_DBL("rope_max_timescale", rope_theta),
+      DS_INT("max_position_embeddings", max_position_embeddings),
+      DS_INT("original_max_position_embeddings", rope_scaling.original_max_position_embeddings),
+      DS_DBL("rope_factor", rope_scaling.factor),
+      DS_DBL("beta_fast", rope_scaling.beta_fast),
+      DS_DBL("beta_slow", rope_scaling.beta_slow),
+      {"mscale", [](ModelConfig& c, const YAML::Node& n) { c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = n.as<double>(); }},
+      DS_INT("num_experts", n_routed_experts),
+      DS_INT("shared_experts", n_shared_experts),
+      DS_INT("num_experts_per_tok", num_experts_per_tok),
+      DS_INT("n_routing_groups", n_group),
+      DS_INT("topk_routing_group", topk_group),
+      DS_DBL("routed_scaling_factor", routed_scaling_factor),
+      DS_DBL("routed_bias_update_rate", routed_bias_update_rate),
+      DS_INT("first_num_dense_layers", first_k_dense_replace),
+      DS_INT("interleave_moe_layer_step", moe_layer_freq),
+      DS_DBL("normalization_layer_epsilon", rms_norm_eps),
+      DS_BOOL("logits_via_embedding", tie_word_embeddings),
+      DS_INT("mtp_num_layers", num_nextn_predict_layers),
+      DS_INT("indexer_n_heads", index_n_heads),
+      DS_INT("indexer_head_dim", index_head_dim),
+      DS_INT("indexer_topk", index_topk),
+#undef DS_INT
+#undef DS_DBL
+#undef DS_BOOL
+      {"routed_score_func", [](ModelConfig& c, const YAML::Node& n) {
+         const auto s = n.as<std::string>();
+         DS_CHECK(s == "sigmoid" || s == "softmax", "routed_score_func '{}' is not sigmoid or softmax", s);
+         c.scoring_func = s == "sigmoid" ? ScoringFunc::Sigmoid : ScoringFunc::Softmax;
+       }},
+      {"topk_method", [](ModelConfig& c, const YAML::Node& n) {
+         const auto s = n.as<std::string>();
+         if (s == "noaux_tc") c.topk_method = TopkMethod::NoauxTc;
+         else if (s == "group_limited_greedy") c.topk_method = TopkMethod::GroupLimitedGreedy;
+         else if (s == "greedy") c.topk_method = TopkMethod::Greedy;
+         else DS_FAIL("topk_method '{}' is not noaux_tc, group_limited_greedy or greedy", s);
+       }},
+      {"norm_topk_prob", [](ModelConfig& c, const YAML::Node& n) { c.norm_topk_prob = n.as<bool>(); }},
+      {"use_yarn", [](ModelConfig& c, const YAML::Node& n) { c.rope_scaling.enabled = n.as<bool>(); }},
+      {"model_type", [](ModelConfig& c, const YAML::Node& n) { c.model_type = n.as<std::string>(); }},
+      {"decoder_block", [](ModelConfig&, const YAML::Node& n) {
+         DS_CHECK(n.as<std::string>() == "deepseek", "decoder_block '{}' is not supported (deepseek)",
+                  n.as<std::string>());
+       }},
+  };
+  return keys;
+}
+
+void apply_yaml_key(ModelConfig& c, const std::string& key, const YAML::Node& value, const std::string& src) {
+  const auto& keys = yaml_keys();
+  auto it = keys.find(key);
+  if (it == keys.end()) {
+    std::string known;
+    for (const auto& [k, _] : keys) known += (known.empty() ? "" : ", ") + k;
+    DS_FAIL("{}: unknown key '{}' (known: {})", src, key, known);
+  }
+  try {
+    it->second(c, value);
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{}: key '{}' has a value of the wrong type: {}", src, key, e.what());
+  }
+}
+
+}  // namespace
+
+ModelConfig ModelConfig::from_yaml_text(const std::string& text, const std::vector<std::string>& overrides,
+                                        const std::string& src) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{} is not valid YAML: {}", src, e.what());
+  }
+  DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", src);
+  ModelConfig c;
+  c.model_type = "deepseek_v3";
+  c.rope_scaling.enabled = false;
+  c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = 1.0;  // MaxText's default mscale
+  for (auto it = root.begin(); it != root.end(); ++it) apply_yaml_key(c, it->first.as<std::string>(), it->second, src);
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    DS_CHECK(eq != std::string::npos && eq > 0, "override '{}' is not key=value", o);
+    YAML::Node v;
+    try {
+      v = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      DS_FAIL("override '{}': bad value: {}", o, e.what());
+    }
+    apply_yaml_key(c, o.substr(0, eq), v, "override");
+  }
+  // A preset that sets a YaRN factor above 1 means YaRN, as MaxText does.
+  if (c.rope_scaling.factor > 1.0) c.rope_scaling.enabled = true;
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: {}", src, e.what()));
+  }
+  return c;
+}
+
+ModelConfig ModelConfig::from_yaml_file(const std::string& path, const std::vector<std::string>& overrides) {
+  return from_yaml_text(read_file(path, "preset"), overrides, path);
+}
+
+}  // namespace ds::model

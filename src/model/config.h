@@ -1,0 +1,88 @@
+// Model configuration: the numbers that change a DeepSeek model's math.
+//
+// Read from a Hugging Face config.json (model_type deepseek_v3, deepseek_v2,
+// deepseek_v32) or from a YAML preset with MaxText's key names plus
+// `key=value` overrides. Impossible or unsupported values are errors, never
+// silent defaults.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace ds::model {
+
+enum class TopkMethod { NoauxTc, GroupLimitedGreedy, Greedy };
+enum class ScoringFunc { Sigmoid, Softmax };
+
+struct YarnScaling {
+  bool enabled = false;  // false: plain RoPE (rope_scaling null)
+  double factor = 1.0;
+  int64_t original_max_position_embeddings = 4096;
+  double beta_fast = 32.0;
+  double beta_slow = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+};
+
+struct ModelConfig {
+  std::string model_type = "deepseek_v3";
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;      // dense MLP width
+  int64_t moe_intermediate_size = 0;  // routed and shared expert width
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  // MLA
+  int64_t q_lora_rank = 0;  // 0: plain q_proj
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  double rope_theta = 10000.0;
+  YarnScaling rope_scaling;
+  int64_t max_position_embeddings = 4096;
+  // MoE
+  int64_t n_routed_experts = 0;  // 0: every layer dense
+  int64_t n_shared_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  TopkMethod topk_method = TopkMethod::NoauxTc;
+  ScoringFunc scoring_func = ScoringFunc::Sigmoid;
+  bool norm_topk_prob = true;
+  double routed_scaling_factor = 1.0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  double routed_bias_update_rate = 0.0;  // aux-loss-free bias step (training)
+  // Other
+  double rms_norm_eps = 1e-6;
+  bool tie_word_embeddings = false;
+  int64_t num_nextn_predict_layers = 0;  // MTP modules in the checkpoint
+  // DeepSeek-V3.2 sparse-attention indexer (0 heads: none)
+  int64_t index_n_heads = 0;
+  int64_t index_head_dim = 0;
+  int64_t index_topk = 0;
+  int64_t bos_token_id = 0;
+  int64_t eos_token_id = 1;
+  // fp8 checkpoints: weight_block_size of the quantization_config ({0, 0}: none)
+  int64_t fp8_block_rows = 0, fp8_block_cols = 0;
+
+  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool is_moe_layer(int64_t layer) const;
+  // (qk_nope + qk_rope)^-0.5, times mscale^2 when YaRN is active.
+  double softmax_scale() const;
+  // Throws ds::Error naming the first impossible or unsupported value.
+  void validate() const;
+
+  // Hugging Face config.json (text or file).
+  static ModelConfig from_hf_json_text(const std::string& text, const std::string& source = "config.json");
+  static ModelConfig from_hf_json_file(const std::string& path);
+  // YAML with MaxText key names; overrides are "key=value" strings applied on
+  // top (values parsed as YAML scalars). Unknown keys are errors.
+  static ModelConfig from_yaml_text(const std::string& text, const std::vector<std::string>& overrides = {},
+                                    const std::string& source = "yaml");
+  static ModelConfig from_yaml_file(const std::string& path, const std::vector<std::string>& overrides = {});
+};
+
+}  // namespace ds::model
