@@ -1,0 +1,44 @@
+// Linear layers over weights kept in the checkpoint's own dtype.
+//
+//   y[M, out] = x[M, in] @ W[out, in]^T        (Hugging Face Linear layout)
+//
+// W may be float32, bf16, f16, or fp8 (e4m3/e5m2) with per-block float32
+// `scale_inv` of shape [ceil(out/br), ceil(in/bc)] (DeepSeek-V3: 128x128
+// blocks, partial blocks at the edges): W[r, c] = fp8[r, c] * s[r/br, c/bc].
+// Narrow weights are widened to float32 a block of rows at a time inside the
+// kernel, so a model never needs a float32 copy of its weights; the product
+// runs through ops::gemm on each widened block.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace ds::ops {
+
+struct WeightView {
+  const void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t rows = 0;  // out features
+  int64_t cols = 0;  // in features
+  const float* scale_inv = nullptr;  // fp8 only
+  int64_t block_rows = 128, block_cols = 128;
+};
+
+// Widens rows [r0, r1) of W into out[(r1 - r0), cols] (float32, dequantized).
+void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
+
+// y = x W^T; x [M, in] row-major with row stride ldx, y [M, out] with row
+// stride ldy. With accumulate, y += x W^T.
+void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
+                    bool accumulate = false);
+inline void linear_forward(float* y, const float* x, const WeightView& w, int64_t M) {
+  linear_forward(y, x, w, M, w.cols, w.rows);
+}
+
+// Block quantization to fp8 e4m3 as DeepSeek-V3 checkpoints store it:
+// scale_inv[b] = amax(block b) / 448 (1 for an all-zero block), q = w / scale_inv.
+void quantize_fp8_blocks(uint8_t* q, float* scale_inv, const float* w, int64_t rows, int64_t cols,
+                         int64_t block_rows = 128, int64_t block_cols = 128);
+
+}  // namespace ds::ops

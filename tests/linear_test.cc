@@ -1,0 +1,119 @@
+// Linear layers over narrow weights: every storage dtype against a float32
+// product with independently widened (and, for fp8, block-dequantized)
+// weights; fp8 block quantization error bounds.
+#include "ops/linear.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/reference/matmul.h"
+#include "test_util.h"
+
+using ds::DType;
+using ds::ops::WeightView;
+
+namespace {
+
+// Weight [out, in] in `dtype` plus its float32 value, widened by the scalar
+// conversions (not by the kernel under test).
+struct NarrowWeight {
+  std::vector<uint8_t> bytes;
+  std::vector<float> scale_inv;
+  std::vector<float> value;  // what the kernel must multiply by
+  WeightView view;
+};
+
+NarrowWeight make_weight(DType dtype, int64_t out, int64_t in, int64_t br, int64_t bc, uint64_t seed) {
+  NarrowWeight w;
+  auto f = ds::test::randn(out * in, seed, 0.5f);
+  w.bytes.resize(out * in * ds::dtype_size(dtype));
+  w.value.resize(out * in);
+  if (dtype == DType::F8E4M3) {
+    const int64_t sr = (out + br - 1) / br, sc = (in + bc - 1) / bc;
+    w.scale_inv.resize(sr * sc);
+    ds::ops::quantize_fp8_blocks(w.bytes.data(), w.scale_inv.data(), f.data(), out, in, br, bc);
+    for (int64_t r = 0; r < out; ++r)
+      for (int64_t c = 0; c < in; ++c)
+        w.value[r * in + c] = ds::e4m3_to_f32(w.bytes[r * in + c]) * w.scale_inv[(r / br) * sc + c / bc];
+  } else {
+    ds::convert(w.bytes.data(), dtype, f.data(), DType::F32, f.size());
+    ds::convert(w.value.data(), DType::F32, w.bytes.data(), dtype, f.size());
+  }
+  w.view = {w.bytes.data(), dtype, out, in, w.scale_inv.empty() ? nullptr : w.scale_inv.data(), br, bc};
+  return w;
+}
+
+}  // namespace
+
+TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
+  // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
+  // also leave a partial row block inside the kernel.
+  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
+    for (int64_t M : {1, 7, 64}) {
+      auto w = make_weight(dt, 130, 200, 128, 128, 11);
+      auto x = ds::test::randn(M * 200, 12);
+      std::vector<float> y(M * 130);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+      auto want = ds::ref::matmul<double>(ds::test::to_double(x), ds::test::to_double(w.value), M, 130, 200, false,
+                                          true);
+      // float32 accumulation over 200 terms of O(1) values: ~1e-5 relative.
+      ds::test::expect_close(y, want, 2e-5, 0, ds::dtype_name(dt).data());
+    }
+  }
+}
+
+TEST(Linear, StridesAndAccumulation) {
+  auto w = make_weight(DType::BF16, 70, 33, 128, 128, 21);
+  const int64_t M = 5, ldx = 40, ldy = 90;
+  auto x = ds::test::randn(M * ldx, 22);
+  std::vector<float> y(M * ldy, 1.0f);
+  ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t o = 0; o < 70; ++o) {
+      double s = 1.0;  // the accumulated initial value
+      for (int64_t c = 0; c < 33; ++c) s += static_cast<double>(x[i * ldx + c]) * w.value[o * 33 + c];
+      EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;  // float32 sums of 33 O(1) terms
+    }
+    for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
+  }
+}
+
+TEST(Linear, Fp8BlockQuantizationErrorIsBounded) {
+  const int64_t R = 150, C = 260;
+  auto f = ds::test::randn(R * C, 31);
+  f[5] = 0;  // a zero stays zero
+  std::vector<uint8_t> q(R * C);
+  std::vector<float> s(2 * 3);
+  ds::ops::quantize_fp8_blocks(q.data(), s.data(), f.data(), R, C);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) {
+      const float scale = s[(r / 128) * 3 + c / 128];
+      const float back = ds::e4m3_to_f32(q[r * C + c]) * scale;
+      const float v = f[r * C + c];
+      // e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal values,
+      // absolute error <= half the smallest subnormal step (2^-10) x scale below.
+      EXPECT_LE(std::fabs(back - v), std::max(std::fabs(v) * 0.0625f, scale * 0x1p-10f)) << r << "," << c;
+    }
+  EXPECT_EQ(ds::e4m3_to_f32(q[5]), 0.0f);
+  // Each block's largest magnitude maps to the format's maximum, 448.
+  float amax = 0;
+  for (int64_t r = 0; r < 128; ++r)
+    for (int64_t c = 0; c < 128; ++c) amax = std::max(amax, std::fabs(f[r * C + c]));
+  EXPECT_FLOAT_EQ(s[0], amax / 448.0f);
+}
+
+TEST(Linear, BadWeightsAreErrors) {
+  std::vector<float> x(4), y(4);
+  WeightView none{};
+  EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), none, 1), ds::Error);
+  std::vector<uint8_t> q(4);
+  WeightView no_scale{q.data(), DType::F8E4M3, 2, 2, nullptr, 128, 128};
+  EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), no_scale, 1), ds::Error);
+  WeightView ints{q.data(), DType::I32, 1, 1, nullptr, 128, 128};
+  EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), ints, 1), ds::Error);
+  std::vector<float> w(4, 1.0f);
+  WeightView ok{w.data(), DType::F32, 2, 2, nullptr, 128, 128};
+  EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), ok, 1, 1, 2), ds::Error);  // ldx < in
+}
