@@ -10,35 +10,58 @@ namespace ds {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::F32: case DType::I32: case DType::U32: return 4;
-    case DType::BF16: case DType::F16: return 2;
-    case DType::F8E4M3: case DType::F8E5M2: return 1;
-    case DType::I64: return 8;
+    case DType::F32:
+    case DType::I32:
+    case DType::U32:
+      return 4;
+    case DType::BF16:
+    case DType::F16:
+      return 2;
+    case DType::F8E4M3:
+    case DType::F8E5M2:
+      return 1;
+    case DType::I64:
+      return 8;
   }
   DS_FAIL("unknown dtype {}", static_cast<int>(t));
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "f32";
-    case DType::BF16: return "bf16";
-    case DType::F16: return "f16";
-    case DType::F8E4M3: return "f8_e4m3";
-    case DType::F8E5M2: return "f8_e5m2";
-    case DType::I32: return "i32";
-    case DType::U32: return "u32";
-    case DType::I64: return "i64";
+    case DType::F32:
+      return "f32";
+    case DType::BF16:
+      return "bf16";
+    case DType::F16:
+      return "f16";
+    case DType::F8E4M3:
+      return "f8_e4m3";
+    case DType::F8E5M2:
+      return "f8_e5m2";
+    case DType::I32:
+      return "i32";
+    case DType::U32:
+      return "u32";
+    case DType::I64:
+      return "i64";
   }
   return "?";
 }
 
 bool dtype_is_float(DType t) {
-  return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F8E4M3 ||
-         t == DType::F8E5M2;
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16 || t == DType::F8E4M3 || t == DType::F8E5M2;
 }
 
-static inline uint32_t bits_of(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
-static inline float float_of(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
+static inline uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+static inline float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 // bf16 is the top half of a float32: round the dropped 16 bits to nearest even.
 uint16_t f32_to_bf16(float x) {
@@ -125,29 +148,47 @@ float e5m2_to_f32(uint8_t b) { return decode_mini(b, kE5M2, 8); }
 
 static float load_f32(const void* src, DType t, size_t i) {
   switch (t) {
-    case DType::F32: return static_cast<const float*>(src)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
-    case DType::F8E4M3: return e4m3_to_f32(static_cast<const uint8_t*>(src)[i]);
-    case DType::F8E5M2: return e5m2_to_f32(static_cast<const uint8_t*>(src)[i]);
-    default: DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
+    case DType::F32:
+      return static_cast<const float*>(src)[i];
+    case DType::BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
+    case DType::F16:
+      return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
+    case DType::F8E4M3:
+      return e4m3_to_f32(static_cast<const uint8_t*>(src)[i]);
+    case DType::F8E5M2:
+      return e5m2_to_f32(static_cast<const uint8_t*>(src)[i]);
+    default:
+      DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
   }
 }
 
 static void store_f32(void* dst, DType t, size_t i, float v) {
   switch (t) {
-    case DType::F32: static_cast<float*>(dst)[i] = v; return;
-    case DType::BF16: static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v); return;
-    case DType::F16: static_cast<uint16_t*>(dst)[i] = f32_to_f16(v); return;
-    case DType::F8E4M3: static_cast<uint8_t*>(dst)[i] = f32_to_e4m3(v); return;
-    case DType::F8E5M2: static_cast<uint8_t*>(dst)[i] = f32_to_e5m2(v); return;
-    default: DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
+    case DType::F32:
+      static_cast<float*>(dst)[i] = v;
+      return;
+    case DType::BF16:
+      static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+      return;
+    case DType::F16:
+      static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
+      return;
+    case DType::F8E4M3:
+      static_cast<uint8_t*>(dst)[i] = f32_to_e4m3(v);
+      return;
+    case DType::F8E5M2:
+      static_cast<uint8_t*>(dst)[i] = f32_to_e5m2(v);
+      return;
+    default:
+      DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
   }
 }
 
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n) {
-  DS_CHECK(dtype_is_float(dst_type) && dtype_is_float(src_type),
-           "convert: only floating dtypes convert ({} -> {})", dtype_name(src_type), dtype_name(dst_type));
+  DS_CHECK(dtype_is_float(dst_type) && dtype_is_float(src_type), "convert: only floating dtypes convert ({} -> {})",
+           dtype_name(src_type), dtype_name(dst_type));
+  if (n == 0) return;  // pointers may be null for empty tensors
   if (dst_type == src_type) {
     std::memcpy(dst, src, n * dtype_size(dst_type));
     return;

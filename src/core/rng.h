@@ -12,7 +12,8 @@ namespace ds {
 
 class Philox {
  public:
-  explicit Philox(uint64_t seed, uint64_t stream = 0) : key_{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, stream_(stream) {}
+  explicit Philox(uint64_t seed, uint64_t stream = 0)
+      : key_{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)}, stream_(stream) {}
 
   // Four 32-bit words for counter `index`.
   std::array<uint32_t, 4> block(uint64_t index) const;

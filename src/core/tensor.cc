@@ -182,36 +182,42 @@ Tensor Tensor::reshape(Shape shape) const {
     t.shape_ = std::move(shape);
     return t;
   }
-  // Walk old and new dims together, matching groups of equal element count;
-  // each old group must be contiguous within itself to be re-split freely.
-  Shape new_strides(shape.size());
-  size_t oi = 0, ni = 0;
-  const size_t on = shape_.size(), nn = shape.size();
-  while (ni < nn || oi < on) {
-    // Size-1 dims take any stride.
-    if (ni < nn && shape[ni] == 1) { new_strides[ni++] = 1; continue; }
-    if (oi < on && shape_[oi] == 1) { ++oi; continue; }
-    DS_CHECK(ni < nn && oi < on, "reshape of {} to {}: internal mismatch", shape_str(shape_), shape_str(shape));
-    int64_t osz = shape_[oi], nsz = shape[ni];
-    size_t o_end = oi, n_end = ni;
-    while (osz != nsz) {
-      if (osz < nsz) osz *= shape_[++o_end];
-      else nsz *= shape[++n_end];
+  // Dims of size 1 carry no layout information (their stride is never used to
+  // reach an element), so they are dropped from the old shape first.
+  Shape os, ost;
+  for (size_t i = 0; i < shape_.size(); ++i) {
+    if (shape_[i] != 1) {
+      os.push_back(shape_[i]);
+      ost.push_back(strides_[i]);
     }
-    for (size_t k = oi; k < o_end; ++k) {
-      if (shape_[k + 1] == 1) continue;
-      DS_CHECK(strides_[k] == strides_[k + 1] * shape_[k + 1],
-               "reshape of {} (strides {}) to {} needs a copy; call contiguous() first", shape_str(shape_),
-               shape_str(strides_), shape_str(shape));
-    }
-    int64_t st = strides_[o_end];
-    for (size_t k = n_end + 1; k-- > ni;) {
-      new_strides[k] = st;
-      st *= shape[k];
-    }
-    oi = o_end + 1;
-    ni = n_end + 1;
   }
+  // From the innermost dim outwards, old dims merge into chunks that are
+  // contiguous among themselves (stride[k] == stride[k+1] * size[k+1]). Each
+  // chunk must be covered exactly by a run of new dims, which then get strides
+  // stepping through the chunk from its innermost stride `base`. A new dim that
+  // would straddle two chunks cannot be expressed without a copy.
+  const int64_t nn = static_cast<int64_t>(shape.size());
+  Shape new_strides(shape.size(), 1);
+  int64_t view_d = nn - 1;
+  int64_t base = os.empty() ? 1 : ost.back();
+  int64_t chunk_numel = 1, view_numel = 1;
+  for (int64_t d = static_cast<int64_t>(os.size()) - 1; d >= 0; --d) {
+    chunk_numel *= os[d];
+    if (d > 0 && ost[d - 1] == chunk_numel * base) continue;  // chunk goes on
+    while (view_d >= 0 && (view_numel < chunk_numel || shape[view_d] == 1)) {
+      new_strides[view_d] = view_numel * base;
+      view_numel *= shape[view_d];
+      --view_d;
+    }
+    DS_CHECK(view_numel == chunk_numel, "reshape of {} (strides {}) to {} needs a copy; call contiguous() first",
+             shape_str(shape_), shape_str(strides_), shape_str(shape));
+    if (d > 0) {
+      base = ost[d - 1];
+      chunk_numel = view_numel = 1;
+    }
+  }
+  // Whatever new dims remain are leading dims of size 1 (the element counts
+  // match); their stride is irrelevant and stays 1.
   Tensor t = *this;
   t.shape_ = std::move(shape);
   t.strides_ = std::move(new_strides);
@@ -229,7 +235,10 @@ static void for_each_offset(const Shape& shape, const Shape& strides, F&& f) {
   for (int64_t i = 0; i < n; ++i) {
     f(i, off);
     for (size_t d = nd; d-- > 0;) {
-      if (++idx[d] < shape[d]) { off += strides[d]; break; }
+      if (++idx[d] < shape[d]) {
+        off += strides[d];
+        break;
+      }
       off -= strides[d] * (shape[d] - 1);
       idx[d] = 0;
     }
@@ -239,28 +248,41 @@ static void for_each_offset(const Shape& shape, const Shape& strides, F&& f) {
 void Tensor::copy_from(const Tensor& src) {
   DS_CHECK(src.shape_ == shape_, "copy_from: shape {} into {}", shape_str(src.shape_), shape_str(shape_));
   DS_CHECK(device() == Device::CPU && src.device() == Device::CPU, "copy_from: only CPU tensors are copied here");
+  DS_CHECK(src.dtype_ == dtype_ || (dtype_is_float(dtype_) && dtype_is_float(src.dtype_)),
+           "copy_from: cannot convert {} to {}", dtype_name(src.dtype_), dtype_name(dtype_));
+  if (numel() == 0) return;
   if (src.dtype_ == dtype_ && is_contiguous() && src.is_contiguous()) {
     std::memmove(raw(), src.raw(), nbytes());
     return;
   }
   const size_t es = dtype_size(dtype_), ss = dtype_size(src.dtype_);
-  // Gather the source into logical order, then scatter into this view.
-  std::vector<char> tmp(static_cast<size_t>(numel()) * es);
-  const char* sbase = static_cast<const char*>(src.raw());
-  if (src.dtype_ == dtype_) {
+  const size_t n = static_cast<size_t>(numel());
+  // Gather the source into a dense buffer in logical order (also protects
+  // against this view overlapping the source), convert in bulk, then scatter
+  // into this view.
+  std::vector<char> packed;
+  const char* dense = static_cast<const char*>(src.raw());
+  if (!src.is_contiguous() || src.dtype_ == dtype_) {
+    packed.resize(n * ss);
+    const char* sbase = static_cast<const char*>(src.raw());
     for_each_offset(src.shape_, src.strides_, [&](int64_t i, int64_t off) {
-      std::memcpy(tmp.data() + i * es, sbase + off * static_cast<int64_t>(ss), es);
+      std::memcpy(packed.data() + i * ss, sbase + off * static_cast<int64_t>(ss), ss);
     });
-  } else {
-    DS_CHECK(dtype_is_float(dtype_) && dtype_is_float(src.dtype_), "copy_from: cannot convert {} to {}",
-             dtype_name(src.dtype_), dtype_name(dtype_));
-    for_each_offset(src.shape_, src.strides_, [&](int64_t i, int64_t off) {
-      convert(tmp.data() + i * es, dtype_, sbase + off * static_cast<int64_t>(ss), src.dtype_, 1);
-    });
+    dense = packed.data();
+  }
+  std::vector<char> converted;
+  if (src.dtype_ != dtype_) {
+    converted.resize(n * es);
+    convert(converted.data(), dtype_, dense, src.dtype_, n);
+    dense = converted.data();
   }
   char* dbase = static_cast<char*>(raw());
+  if (is_contiguous()) {
+    std::memcpy(dbase, dense, n * es);
+    return;
+  }
   for_each_offset(shape_, strides_, [&](int64_t i, int64_t off) {
-    std::memcpy(dbase + off * static_cast<int64_t>(es), tmp.data() + i * es, es);
+    std::memcpy(dbase + off * static_cast<int64_t>(es), dense + i * es, es);
   });
 }
 
