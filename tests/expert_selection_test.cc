@@ -98,13 +98,17 @@ TEST(ExpertSelection, BackwardMatchesFiniteDifferences) {
     // float32 scores add ~1e-6 relative.
     ds::test::expect_close(dl, num, 1e-5, 1e-7, "dlogits");
     // Unchosen experts get gradient only through the softmax normaliser.
-    if (c.scoring == ExpertScoring::Sigmoid)
-      for (int64_t t = 0; t < T; ++t)
+    if (c.scoring == ExpertScoring::Sigmoid) {
+      for (int64_t t = 0; t < T; ++t) {
         for (int64_t e = 0; e < c.num_experts; ++e) {
           bool chosen = false;
           for (int64_t j = 0; j < c.k; ++j) chosen |= r.experts[t * c.k + j] == e;
-          if (!chosen) EXPECT_EQ(dl[t * c.num_experts + e], 0.0f);
+          if (!chosen) {
+            EXPECT_EQ(dl[t * c.num_experts + e], 0.0f);
+          }
         }
+      }
+    }
   }
 }
 

@@ -32,6 +32,7 @@ void matmul_batched_forward(float* c, const float* a, const float* b, int64_t ba
                             int64_t stride_a, int64_t stride_b, int64_t stride_c, bool trans_a = false,
                             bool trans_b = false);
 // da is overwritten; db is accumulated (over the batch too when stride_b is 0).
+// A broadcast a (stride_a 0) gets the sum of its gradients over the batch.
 void matmul_batched_backward(float* da, float* db, const float* dc, const float* a, const float* b, int64_t batch,
                              int64_t M, int64_t N, int64_t K, int64_t stride_a, int64_t stride_b, int64_t stride_c,
                              bool trans_a = false, bool trans_b = false);

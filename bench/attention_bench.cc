@@ -1,0 +1,167 @@
+// Attention throughput: the tiled causal kernels at DeepSeek-V3's MLA head
+// sizes (Dqk 192, Dv 128), against raw sgemm (oneDNN and OpenBLAS) at
+// comparable sizes, so that the fraction of the BLAS rate the attention
+// reaches can be read off.
+//
+//   OMP_NUM_THREADS=2 build/bench/attention_bench --benchmark_min_time=0.2
+//
+// FLOP counts (reported as GFLOP/s):
+//   forward: the two products over the allowed (query, key) pairs,
+//            2 (Dqk + Dv) per pair; causal: B H T (T + 1) / 2 pairs.
+//   backward: 2.5x the forward count, the convention of the FlashAttention
+//            papers (five products instead of two). The kernel actually
+//            multiplies more: it recomputes S and dP in both of its passes,
+//            2 (4 Dqk + 3 Dv) per pair, 3.6x the forward count at these sizes.
+//   sgemm: 2 M N K.
+// Packed-document variants count only the pairs inside each document.
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <dnnl.h>
+#include <fmt/format.h>
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "ops/attention.h"
+
+namespace {
+
+struct Shape {
+  int64_t B, T, H, Dqk, Dv;
+  int64_t segment;  // document length in a packed row; 0: one document
+};
+
+// Allowed (query, key) pairs over the whole batch.
+double pairs(const Shape& s) {
+  auto tri = [](double n) { return n * (n + 1) / 2; };
+  if (s.segment == 0) return s.B * s.H * tri(s.T);
+  const int64_t full = s.T / s.segment, rest = s.T % s.segment;
+  return s.B * s.H * (full * tri(s.segment) + tri(rest));
+}
+
+struct Buffers {
+  ds::ops::AttentionDims d;
+  std::vector<float> q, k, v, out, lse, dout, dq, dk, dv;
+  std::vector<int32_t> seg;
+  explicit Buffers(const Shape& s)
+      : d{s.B, s.T, s.H, s.Dqk, s.Dv, static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.Dqk)))},
+        q(s.B * s.T * s.H * s.Dqk),
+        k(q.size()),
+        v(s.B * s.T * s.H * s.Dv),
+        out(v.size()),
+        lse(s.B * s.H * s.T),
+        dout(v.size()),
+        dq(q.size()),
+        dk(q.size()),
+        dv(v.size()) {
+    ds::fill_normal(q.data(), q.size(), 1.0f, 1);
+    ds::fill_normal(k.data(), k.size(), 1.0f, 2);
+    ds::fill_normal(v.data(), v.size(), 1.0f, 3);
+    ds::fill_normal(dout.data(), dout.size(), 1.0f, 4);
+    if (s.segment > 0)
+      for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t t = 0; t < s.T; ++t) seg.push_back(static_cast<int32_t>(t / s.segment));
+  }
+  const int32_t* ids() const { return seg.empty() ? nullptr : seg.data(); }
+  void forward() { ds::ops::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), ids(), d); }
+  void backward() {
+    ds::ops::attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), out.data(), lse.data(), q.data(),
+                                k.data(), v.data(), ids(), d);
+  }
+};
+
+void set_rate(benchmark::State& state, double flops_per_iter) {
+  state.counters["GFLOP/s"] = benchmark::Counter(flops_per_iter * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_Forward(benchmark::State& state, Shape s) {
+  Buffers x(s);
+  for (auto _ : state) {
+    x.forward();
+    benchmark::DoNotOptimize(x.out.data());
+  }
+  set_rate(state, 2.0 * pairs(s) * (s.Dqk + s.Dv));
+}
+
+void BM_Backward(benchmark::State& state, Shape s) {
+  Buffers x(s);
+  x.forward();
+  for (auto _ : state) {
+    x.backward();
+    benchmark::DoNotOptimize(x.dq.data());
+  }
+  set_rate(state, 2.5 * 2.0 * pairs(s) * (s.Dqk + s.Dv));
+}
+
+struct Gemm {
+  int64_t M, N, K;
+};
+
+void BM_Dnnl(benchmark::State& state, Gemm g) {
+  std::vector<float> a(g.M * g.K), b(g.K * g.N), c(g.M * g.N);
+  ds::fill_normal(a.data(), a.size(), 1.0f, 5);
+  ds::fill_normal(b.data(), b.size(), 1.0f, 6);
+  for (auto _ : state) {
+    dnnl_sgemm('N', 'N', g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.N, 0.0f, c.data(), g.N);
+    benchmark::DoNotOptimize(c.data());
+  }
+  set_rate(state, 2.0 * g.M * g.N * g.K);
+}
+
+void BM_Cblas(benchmark::State& state, Gemm g) {
+  std::vector<float> a(g.M * g.K), b(g.K * g.N), c(g.M * g.N);
+  ds::fill_normal(a.data(), a.size(), 1.0f, 5);
+  ds::fill_normal(b.data(), b.size(), 1.0f, 6);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, g.M, g.N, g.K, 1.0f, a.data(), g.K, b.data(), g.N, 0.0f,
+                c.data(), g.N);
+    benchmark::DoNotOptimize(c.data());
+  }
+  set_rate(state, 2.0 * g.M * g.N * g.K);
+}
+
+std::string name(const Shape& s) {
+  std::string n = fmt::format("B{}_T{}_H{}_Dqk{}_Dv{}", s.B, s.T, s.H, s.Dqk, s.Dv);
+  if (s.segment) n += fmt::format("_docs{}", s.segment);
+  return n;
+}
+
+std::string name(const Gemm& g) { return fmt::format("{}x{}x{}", g.M, g.N, g.K); }
+
+void register_all() {
+  // MLA heads at T = 1024, one sequence; then the same tokens packed as four
+  // documents of 256 (most key tiles are skipped); then a longer sequence.
+  const Shape shapes[] = {
+      {1, 1024, 16, 192, 128, 0},
+      {1, 1024, 16, 192, 128, 256},
+      {1, 4096, 4, 192, 128, 0},
+  };
+  for (const Shape& s : shapes) {
+    benchmark::RegisterBenchmark(("attention/fwd/" + name(s)).c_str(), BM_Forward, s)->UseRealTime();
+    benchmark::RegisterBenchmark(("attention/bwd/" + name(s)).c_str(), BM_Backward, s)->UseRealTime();
+  }
+  // Square, and the skinny product of the score tiles' shape (K = Dqk).
+  const Gemm gemms[] = {{1024, 1024, 1024}, {1024, 1024, 192}};
+  for (const Gemm& g : gemms)
+    benchmark::RegisterBenchmark(("sgemm/dnnl/" + name(g)).c_str(), BM_Dnnl, g)->UseRealTime();
+  // OpenBLAS last: its worker threads keep spinning for a while after each
+  // call and would steal the cores from whatever OpenMP code runs next.
+  for (const Gemm& g : gemms)
+    benchmark::RegisterBenchmark(("sgemm/cblas/" + name(g)).c_str(), BM_Cblas, g)->UseRealTime();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,407 @@
+// Causal attention with segment ids, FlashAttention-2 style. See
+// ops/attention.h for the math; the comments here are about the tiling.
+//
+// Forward: one work item per (batch, head, query tile). The item walks the key
+// tiles left of (and on) the causal diagonal, computing S = scale Q K^T for
+// the tile pair with one gemm, masking, and folding the tile into a running
+// row max m, row sum l and unnormalized output O:
+//   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,
+//   O = O exp(m - m') + P V                                  (second gemm)
+// and finally out = O / l, lse = m + log l. Scratch is one tile pair per
+// thread; no [T, T] matrix exists.
+//
+// Backward recomputes P = exp(S - lse) tile by tile, with D = dout . out per
+// row computed up front:
+//   dP = dO V^T,  dS = P (dP - D),  dV = P^T dO,  dK = scale dS^T Q,  dQ = scale dS K.
+// dK and dV are sums over query tiles, dQ a sum over key tiles. Rather than
+// adding into shared rows from several threads (atomics, or partials whose
+// summation order would depend on the schedule) the backward runs as two
+// passes whose items each own their output rows: pass 1, one item per
+// (batch, head, key tile), sums dK and dV over the query tiles in order;
+// pass 2, one item per (batch, head, query tile), sums dQ over the key tiles in
+// order. S, P and dP are computed twice, which costs 1.4x the products of a
+// single pass at MLA's head sizes, but every output element is the same
+// sequence of single-threaded operations whatever the thread count, so the
+// gradients are bitwise reproducible.
+//
+// Tiles whose keys all lie right of the diagonal are never visited. With
+// segment ids, a tile pair whose query and key segment-id ranges [min, max]
+// are disjoint is skipped (in packed sequences, where ids do not decrease,
+// this skips everything outside the documents the query tile touches); a
+// pair whose ids are all one value needs no segment mask. Neither shortcut
+// assumes the ids are sorted: any id layout gives the exact result.
+#include "ops/attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/matmul.h"
+
+namespace ds::ops {
+
+namespace detail {
+float attention_exp_row(float* x, int64_t n, float shift);
+}  // namespace detail
+
+namespace {
+
+// Tile edges: query rows per work item and keys per step. The tile products
+// are small gemm calls whose fixed costs (packing, dispatch) need about this
+// much work to amortize: forward at MLA's head sizes (Dqk 192, Dv 128),
+// T = 1024, 16 heads, 2 threads ran at ~75 GFLOP/s with 64 x 64 tiles,
+// ~115 with 64 x 128 or 128 x 64, ~130 with 128 x 128, and no better with
+// 256-row or 256-key tiles, which also waste more work on the half-masked
+// diagonal tiles and leave fewer items to share out for short sequences.
+constexpr int64_t kTileQ = 128;
+constexpr int64_t kTileK = 128;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// exp(x) in float for x <= 88, written so that a loop over it vectorizes
+// (no calls, no branches): x = n ln2 + r with |r| <= ln2/2, exp(r) by the
+// degree-6 minimax polynomial of Cephes' expf, 2^n by building the exponent
+// bits. Relative error below 1e-7 (about 1 ulp); x below -87.3 (including
+// -inf, a masked score) gives exactly 0, and exp(0) is exactly 1.
+inline float exp_approx(float x) {
+  const float xc = std::min(88.0f, std::max(x, -87.33654f));
+  // Round-to-nearest of x / ln2 by the 1.5 * 2^23 trick (no -ffast-math here,
+  // so the compiler keeps the add and subtract).
+  const float kn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  // ln2 split in two so that kn * hi is exact for |kn| <= 128.
+  float r = xc - kn * 0.693359375f;
+  r = r + kn * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const int32_t n = static_cast<int32_t>(kn);
+  const float scale = std::bit_cast<float>(static_cast<uint32_t>(n + 127) << 23);
+  return x < -87.33654f ? 0.0f : y * scale;
+}
+
+// Largest of x[0..n); 16 independent lanes so that the loop vectorizes
+// without reassociation, combined in a fixed order.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float row_max(const float* x, int64_t n) {
+  float lane[16];
+  for (float& l : lane) l = kNegInf;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) lane[l] = std::max(lane[l], x[j + l]);
+  float m = kNegInf;
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  for (float l : lane) m = std::max(m, l);
+  return m;
+}
+
+// x[j] = exp(x[j] - shift) for j < n, returning the sum of the new x in a
+// fixed order (16 lane sums, then the tail, then the lanes in order).
+__attribute__((target_clones("avx512f", "avx2", "default"))) float exp_row(float* x, int64_t n, float shift) {
+  float lane[16] = {};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int l = 0; l < 16; ++l) {
+      const float e = exp_approx(x[j + l] - shift);
+      x[j + l] = e;
+      lane[l] += e;
+    }
+  float sum = 0.0f;
+  for (; j < n; ++j) {
+    x[j] = exp_approx(x[j] - shift);
+    sum += x[j];
+  }
+  for (float l : lane) sum += l;
+  return sum;
+}
+
+// ds[j] = p[j] (ds[j] - d) for j < n: dP becomes dS in place.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void softmax_grad_row(float* __restrict ds,
+                                                                                   const float* __restrict p, int64_t n,
+                                                                                   float d) {
+  for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - d);
+}
+
+// Sizes, strides and tile counts shared by the passes. Rows of one head are
+// H * D floats apart in q, k, v, out and their gradients.
+struct Geometry {
+  int64_t B, T, H, Dqk, Dv;
+  float scale;
+  int64_t nq_tiles, nk_tiles;
+
+  explicit Geometry(const AttentionDims& d)
+      : B(d.batch),
+        T(d.seq),
+        H(d.heads),
+        Dqk(d.qk_dim),
+        Dv(d.v_dim),
+        scale(d.scale),
+        nq_tiles((d.seq + kTileQ - 1) / kTileQ),
+        nk_tiles((d.seq + kTileK - 1) / kTileK) {}
+  int64_t ld_qk() const { return H * Dqk; }
+  int64_t ld_v() const { return H * Dv; }
+  // Offset of row (b, t) of head h in a [B, T, H, D] tensor.
+  int64_t row(int64_t b, int64_t t, int64_t h, int64_t D) const { return ((b * T + t) * H + h) * D; }
+};
+
+// Segment-id range [lo, hi] of every tile of `tile` positions, per batch row:
+// index b * ntiles + tile. Empty without segment ids.
+struct TileRanges {
+  std::vector<int32_t> lo, hi;
+};
+
+TileRanges tile_ranges(const int32_t* seg, int64_t B, int64_t T, int64_t tile) {
+  TileRanges r;
+  if (!seg) return r;
+  const int64_t n = (T + tile - 1) / tile;
+  r.lo.resize(B * n);
+  r.hi.resize(B * n);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t* s = seg + b * T + t * tile;
+      const auto [lo, hi] = std::minmax_element(s, s + std::min(tile, T - t * tile));
+      r.lo[b * n + t] = *lo;
+      r.hi[b * n + t] = *hi;
+    }
+  return r;
+}
+
+// One tile pair: queries [i0, i0 + nq), keys [j0, j0 + nk) of batch row b.
+struct Pair {
+  int64_t i0, nq, j0, nk;
+  bool skip;     // no query may attend to any key of the tile
+  bool causal;   // some keys lie right of some queries' diagonal
+  bool segment;  // the ids are not all one value: compare them per element
+};
+
+Pair tile_pair(const Geometry& g, const int32_t* seg, const TileRanges& qr, const TileRanges& kr, int64_t b, int64_t qt,
+               int64_t kt) {
+  Pair p;
+  p.i0 = qt * kTileQ;
+  p.nq = std::min(kTileQ, g.T - p.i0);
+  p.j0 = kt * kTileK;
+  p.nk = std::min(kTileK, g.T - p.j0);
+  p.skip = p.j0 > p.i0 + p.nq - 1;
+  p.causal = p.j0 + p.nk - 1 > p.i0;
+  p.segment = false;
+  if (seg && !p.skip) {
+    const int32_t qlo = qr.lo[b * g.nq_tiles + qt], qhi = qr.hi[b * g.nq_tiles + qt];
+    const int32_t klo = kr.lo[b * g.nk_tiles + kt], khi = kr.hi[b * g.nk_tiles + kt];
+    p.skip = khi < qlo || klo > qhi;
+    p.segment = !(qlo == qhi && klo == khi && qlo == klo);
+  }
+  return p;
+}
+
+// Sets the scores s [nq, nk] of disallowed (query, key) pairs to -inf.
+void apply_mask(float* s, const Pair& p, const int32_t* seg_b) {
+  for (int64_t r = 0; r < p.nq; ++r) {
+    const int64_t i = p.i0 + r;
+    float* sr = s + r * p.nk;
+    // Keys [j0, j0 + allowed) are at or left of the diagonal.
+    const int64_t allowed = p.causal ? std::clamp<int64_t>(i - p.j0 + 1, 0, p.nk) : p.nk;
+    if (p.segment) {
+      const int32_t id = seg_b[i];
+      for (int64_t c = 0; c < allowed; ++c)
+        if (seg_b[p.j0 + c] != id) sr[c] = kNegInf;
+    }
+    for (int64_t c = allowed; c < p.nk; ++c) sr[c] = kNegInf;
+  }
+}
+
+// s [nq, nk] = scale Q K^T for the pair, masked.
+void scores(float* s, const Pair& p, const float* q, const float* k, const int32_t* seg, const Geometry& g, int64_t b,
+            int64_t h) {
+  gemm(false, true, p.nq, p.nk, g.Dqk, g.scale, q + g.row(b, p.i0, h, g.Dqk), g.ld_qk(), k + g.row(b, p.j0, h, g.Dqk),
+       g.ld_qk(), 0.0f, s, p.nk);
+  if (p.causal || p.segment) apply_mask(s, p, seg ? seg + b * g.T : nullptr);
+}
+
+// Runs body(item, scratch) for items [0, n) over the threads, each item on one
+// thread with its gemm calls single-threaded, giving each thread its own
+// scratch of `per_thread` floats. Items are taken dynamically (each item's
+// result does not depend on which thread runs it). An exception must not
+// leave the parallel region, so the first one is carried out of it.
+template <typename Body>
+void run_items(int64_t n, int64_t per_thread, Body body) {
+  const int threads = static_cast<int>(std::clamp<int64_t>(n, 1, omp_get_max_threads()));
+  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
+  std::exception_ptr error;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t it = 0; it < n; ++it) {
+    try {
+      body(it, scratch.data() + omp_get_thread_num() * per_thread);
+    } catch (...) {
+#pragma omp critical(attention_error)
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+void check_dims(const AttentionDims& d, const char* what) {
+  DS_CHECK(d.batch > 0 && d.seq > 0 && d.heads > 0 && d.qk_dim > 0 && d.v_dim > 0,
+           "{}: sizes must be positive, got batch={} seq={} heads={} qk_dim={} v_dim={}", what, d.batch, d.seq, d.heads,
+           d.qk_dim, d.v_dim);
+  DS_CHECK(std::isfinite(d.scale), "{}: softmax scale must be finite, got {}", what, d.scale);
+}
+
+// Work item it of n_tiles per (b, h), ordered so that the tiles with the most
+// work (the last query tiles, the first key tiles) are handed out first.
+struct ItemIndex {
+  int64_t b, h, tile;
+};
+ItemIndex item_index(int64_t it, const Geometry& g, int64_t n_tiles, bool last_first) {
+  const int64_t bh = it % (g.B * g.H), t = it / (g.B * g.H);
+  return {bh / g.H, bh % g.H, last_first ? n_tiles - 1 - t : t};
+}
+
+// Backward of the pair (S and dS for one query tile against one key tile):
+// s becomes P = exp(S - lse), dp becomes dS = P (dO V^T - D).
+void pair_grads(float* s, float* dp, const Pair& p, const float* dout, const float* lse, const float* dd,
+                const float* q, const float* k, const float* v, const int32_t* seg, const Geometry& g, int64_t b,
+                int64_t h) {
+  scores(s, p, q, k, seg, g, b, h);
+  const float* lse_bh = lse + (b * g.H + h) * g.T + p.i0;
+  const float* d_bh = dd + (b * g.H + h) * g.T + p.i0;
+  // Masked scores are -inf and give p = 0; lse is finite for every query.
+  for (int64_t r = 0; r < p.nq; ++r) exp_row(s + r * p.nk, p.nk, lse_bh[r]);
+  gemm(false, true, p.nq, p.nk, g.Dv, 1.0f, dout + g.row(b, p.i0, h, g.Dv), g.ld_v(), v + g.row(b, p.j0, h, g.Dv),
+       g.ld_v(), 0.0f, dp, p.nk);
+  for (int64_t r = 0; r < p.nq; ++r) softmax_grad_row(dp + r * p.nk, s + r * p.nk, p.nk, d_bh[r]);
+}
+
+}  // namespace
+
+namespace detail {
+// Exposed for the accuracy test of the vectorized exp against std::exp.
+float attention_exp_row(float* x, int64_t n, float shift) { return exp_row(x, n, shift); }
+}  // namespace detail
+
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const int32_t* segment_ids, const AttentionDims& d) {
+  check_dims(d, "attention_forward");
+  DS_CHECK(out && lse && q && k && v, "attention_forward: null tensor pointer");
+  const Geometry g(d);
+  const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
+  const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
+  // Scratch: s/p [TileQ, TileK], O [TileQ, Dv], m and l [TileQ].
+  const int64_t per_thread = kTileQ * kTileK + kTileQ * g.Dv + 2 * kTileQ;
+  run_items(g.B * g.H * g.nq_tiles, per_thread, [&](int64_t it, float* w) {
+    const auto [b, h, qt] = item_index(it, g, g.nq_tiles, true);
+    float* s = w;
+    float* o = s + kTileQ * kTileK;
+    float* m = o + kTileQ * g.Dv;
+    float* l = m + kTileQ;
+    const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, g.T - i0);
+    std::fill(o, o + nq * g.Dv, 0.0f);
+    std::fill(m, m + nq, kNegInf);
+    std::fill(l, l + nq, 0.0f);
+    for (int64_t kt = 0; kt * kTileK < i0 + nq; ++kt) {
+      const Pair p = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
+      if (p.skip) continue;
+      scores(s, p, q, k, segment_ids, g, b, h);
+      for (int64_t r = 0; r < nq; ++r) {
+        float* sr = s + r * p.nk;
+        const float mnew = std::max(m[r], row_max(sr, p.nk));
+        if (mnew == kNegInf) {
+          // Nothing allowed for this query yet: its p row is 0 (exp(-inf -
+          // -inf) would be NaN), and O, l stay 0.
+          std::fill(sr, sr + p.nk, 0.0f);
+          continue;
+        }
+        const float alpha = std::exp(m[r] - mnew);  // 0 on the first allowed tile
+        l[r] = l[r] * alpha + exp_row(sr, p.nk, mnew);
+        m[r] = mnew;
+        if (alpha != 1.0f)
+          for (int64_t c = 0; c < g.Dv; ++c) o[r * g.Dv + c] *= alpha;
+      }
+      gemm(false, false, nq, g.Dv, p.nk, 1.0f, s, p.nk, v + g.row(b, p.j0, h, g.Dv), g.ld_v(), 1.0f, o, g.Dv);
+    }
+    // Every query attends at least to itself, so l >= 1 here.
+    for (int64_t r = 0; r < nq; ++r) {
+      const float inv = 1.0f / l[r];
+      float* dst = out + g.row(b, i0 + r, h, g.Dv);
+      for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * g.Dv + c] * inv;
+      lse[(b * g.H + h) * g.T + i0 + r] = m[r] + std::log(l[r]);
+    }
+  });
+}
+
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                        const float* q, const float* k, const float* v, const int32_t* segment_ids,
+                        const AttentionDims& d) {
+  check_dims(d, "attention_backward");
+  DS_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward: null tensor pointer");
+  const Geometry g(d);
+  const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
+  const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
+
+  // D [B, H, T] = dout . out per row, summed in double: it is subtracted from
+  // dP, whose terms are of the same size, so its rounding shows in dS.
+  std::vector<float> dd(g.B * g.H * g.T);
+#pragma omp parallel for schedule(static)
+  for (int64_t bt = 0; bt < g.B * g.T; ++bt)
+    for (int64_t h = 0; h < g.H; ++h) {
+      const int64_t b = bt / g.T, t = bt % g.T;
+      const float* a = dout + g.row(b, t, h, g.Dv);
+      const float* o = out + g.row(b, t, h, g.Dv);
+      double acc = 0;
+      for (int64_t c = 0; c < g.Dv; ++c) acc += static_cast<double>(a[c]) * o[c];
+      dd[(b * g.H + h) * g.T + t] = static_cast<float>(acc);
+    }
+
+  const int64_t pair_floats = 2 * kTileQ * kTileK;
+  // Pass 1: dK and dV of one key tile, summed over the query tiles in order.
+  run_items(g.B * g.H * g.nk_tiles, pair_floats + kTileK * (g.Dqk + g.Dv), [&](int64_t it, float* w) {
+    const auto [b, h, kt] = item_index(it, g, g.nk_tiles, false);
+    float* s = w;
+    float* dp = s + kTileQ * kTileK;
+    float* dk_acc = dp + kTileQ * kTileK;
+    float* dv_acc = dk_acc + kTileK * g.Dqk;
+    const int64_t j0 = kt * kTileK, nk = std::min(kTileK, g.T - j0);
+    std::fill(dk_acc, dk_acc + nk * g.Dqk, 0.0f);
+    std::fill(dv_acc, dv_acc + nk * g.Dv, 0.0f);
+    for (int64_t qt = j0 / kTileQ; qt < g.nq_tiles; ++qt) {
+      const Pair p = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
+      if (p.skip) continue;
+      pair_grads(s, dp, p, dout, lse, dd.data(), q, k, v, segment_ids, g, b, h);
+      gemm(true, false, nk, g.Dv, p.nq, 1.0f, s, nk, dout + g.row(b, p.i0, h, g.Dv), g.ld_v(), 1.0f, dv_acc, g.Dv);
+      gemm(true, false, nk, g.Dqk, p.nq, g.scale, dp, nk, q + g.row(b, p.i0, h, g.Dqk), g.ld_qk(), 1.0f, dk_acc, g.Dqk);
+    }
+    for (int64_t r = 0; r < nk; ++r) {
+      std::memcpy(dk + g.row(b, j0 + r, h, g.Dqk), dk_acc + r * g.Dqk, g.Dqk * sizeof(float));
+      std::memcpy(dv + g.row(b, j0 + r, h, g.Dv), dv_acc + r * g.Dv, g.Dv * sizeof(float));
+    }
+  });
+
+  // Pass 2: dQ of one query tile, summed over the key tiles in order.
+  run_items(g.B * g.H * g.nq_tiles, pair_floats + kTileQ * g.Dqk, [&](int64_t it, float* w) {
+    const auto [b, h, qt] = item_index(it, g, g.nq_tiles, true);
+    float* s = w;
+    float* dp = s + kTileQ * kTileK;
+    float* dq_acc = dp + kTileQ * kTileK;
+    const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, g.T - i0);
+    std::fill(dq_acc, dq_acc + nq * g.Dqk, 0.0f);
+    for (int64_t kt = 0; kt * kTileK < i0 + nq; ++kt) {
+      const Pair p = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
+      if (p.skip) continue;
+      pair_grads(s, dp, p, dout, lse, dd.data(), q, k, v, segment_ids, g, b, h);
+      gemm(false, false, nq, g.Dqk, p.nk, g.scale, dp, p.nk, k + g.row(b, p.j0, h, g.Dqk), g.ld_qk(), 1.0f, dq_acc,
+           g.Dqk);
+    }
+    for (int64_t r = 0; r < nq; ++r)
+      std::memcpy(dq + g.row(b, i0 + r, h, g.Dqk), dq_acc + r * g.Dqk, g.Dqk * sizeof(float));
+  });
+}
+
+}  // namespace ds::ops

@@ -1,0 +1,266 @@
+// Cross-entropy, plain and fused with the LM head (math: ops/cross_entropy.h).
+//
+// The fused kernels work on [token block x vocab chunk] tiles. For each token
+// block, in order, the vocabulary chunks are shared between threads; each
+// chunk's logits come from one single-threaded gemm into the thread's tile.
+//
+// Forward: each chunk leaves, per row, its maximum m_c and s_c = sum exp(l - m_c);
+// the row's lse = m + log sum_c s_c exp(m_c - m) (m = max_c m_c) is then
+// combined in chunk order. This is the online log-sum-exp, split so that the
+// chunks can be computed in parallel and still combined in a fixed order.
+//
+// Backward: dlogits for a tile is rebuilt from the tile's logits and the saved
+// lse, then used twice:
+//   dW[chunk] += dlogits^T h[block]: chunk c of dW belongs to the thread holding
+//     chunk c, and token blocks come in order, so dW's sums have a fixed order;
+//   dh[block] += dlogits W[chunk]: computed into the thread's own buffer and
+//     added into dh in chunk order (an ordered section; the add is cheap next
+//     to the gemms).
+// So both gradients are bitwise the same for any thread count, the backward
+// costs three products (recompute, dW, dh), and the scratch is one tile plus one
+// [token block, D] buffer per thread.
+//
+// exp is a vectorizable Cephes-style expf (range reduction by ln 2, degree-5
+// polynomial, ~1 ulp): the libm call does not vectorize without -ffast-math,
+// and the fused loss evaluates N V exponentials in each direction.
+#include "ops/cross_entropy.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "ops/matmul.h"
+
+namespace ds::ops {
+namespace {
+
+constexpr int kLanes = 16;
+
+// Below this many elements a parallel region costs more than it saves.
+constexpr int64_t kMinParallelWork = 1 << 15;
+
+// exp(x) for x <= 0 (softmax arguments; a tiny positive x from rounding is
+// fine too). Below -87 the result is flushed to 0 (exp(-87) = 1.6e-38, nothing
+// next to the row's largest term, 1); the clamp keeps 2^n a normal number. A
+// NaN argument gives NaN. The clamp and the flush are bit masks rather than
+// conditionals: GCC does not if-convert a float comparison under the default
+// -ftrapping-math, and a conditional would keep the loops from vectorizing.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kMin = -87.0f;
+  // All ones unless x < kMin (so NaN keeps its bits and propagates).
+  const int32_t keep = -static_cast<int32_t>(!(x < kMin));
+  const float xc = std::bit_cast<float>((std::bit_cast<int32_t>(x) & keep) | (std::bit_cast<int32_t>(kMin) & ~keep));
+  const float n = (xc * kLog2e + kRound) - kRound;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;  // |r| <= ln2 / 2
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // Multiply by 2^n through the exponent bits.
+  const int32_t bits = std::bit_cast<int32_t>(p) + (static_cast<int32_t>(n) << 23);
+  return std::bit_cast<float>(bits & keep);
+}
+
+// max of x[0..n), n >= 1 (NaN is skipped here; sum_exp propagates it). A
+// GCC vector type, because the select of a 16-lane array does not vectorize
+// under -ftrapping-math either; each clone lowers it to its own registers.
+__attribute__((target_clones("avx512f", "avx2", "default"))) float row_max(const float* x, int64_t n) {
+  typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+  Lanes acc;
+  for (int l = 0; l < kLanes; ++l) acc[l] = -std::numeric_limits<float>::infinity();
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Lanes v;
+    std::memcpy(&v, x + j, sizeof(Lanes));
+    acc = v > acc ? v : acc;
+  }
+  float m = -std::numeric_limits<float>::infinity();
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (int l = 0; l < kLanes; ++l) m = acc[l] > m ? acc[l] : m;
+  return m;
+}
+
+// sum_j exp(x_j - shift) over x[0..n), accumulated in 16 float lanes (the
+// terms are in [0, 1], so float lanes lose ~sqrt(n / 16) ulp) and returned in double.
+__attribute__((target_clones("avx512f", "avx2", "default"))) double sum_exp(const float* x, float shift, int64_t n) {
+  float lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] += exp_nonpositive(x[j + l] - shift);
+  double s = 0;
+  for (; j < n; ++j) s += exp_nonpositive(x[j] - shift);
+  for (float v : lane) s += v;
+  return s;
+}
+
+// y_j = exp(x_j - shift) * scale; y may equal x.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void scaled_softmax(float* y, const float* x, float shift,
+                                                                                 float scale, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpositive(x[j] - shift) * scale;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void add_into(float* __restrict y,
+                                                                           const float* __restrict x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) y[j] += x[j];
+}
+
+// Rejects targets >= V (negative ones mean "ignore").
+void check_targets(const int32_t* targets, int64_t N, int64_t V, const char* what) {
+  for (int64_t t = 0; t < N; ++t)
+    DS_CHECK(targets[t] < V, "{}: target {} of token {} is not below the vocabulary size {}", what, targets[t], t, V);
+}
+
+void check_sizes(int64_t N, int64_t D, int64_t V, const CrossEntropyChunks& c, const char* what) {
+  DS_CHECK(N >= 0 && D >= 1 && V >= 1, "{}: N={} D={} V={}", what, N, D, V);
+  DS_CHECK(c.token_block >= 1 && c.vocab_chunk >= 1, "{}: token_block={} vocab_chunk={} must be positive", what,
+           c.token_block, c.vocab_chunk);
+}
+
+// Per-thread scratch of the fused kernels.
+struct Tile {
+  std::vector<float> logits;  // [token_block, vocab_chunk], row stride = the chunk's width
+  std::vector<float> dh;      // [token_block, D] (backward only)
+};
+
+// logits[r, v] = h[t0 + r] . W[v0 + v] for the tile's rows and columns.
+void tile_logits(float* logits, const float* h, const float* w, int64_t t0, int64_t rows, int64_t v0, int64_t cols,
+                 int64_t D) {
+  gemm(false, true, rows, cols, D, 1.0f, h + t0 * D, D, w + v0 * D, D, 0.0f, logits, cols);
+}
+
+}  // namespace
+
+void cross_entropy_forward(float* loss, float* lse, const float* logits, const int32_t* targets, int64_t N, int64_t V) {
+  DS_CHECK(N >= 0 && V >= 1, "cross_entropy_forward: N={} V={}", N, V);
+  check_targets(targets, N, V, "cross_entropy_forward");
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* l = logits + t * V;  // [V]
+    const float m = row_max(l, V);
+    const float s = static_cast<float>(m + std::log(sum_exp(l, m, V)));
+    lse[t] = s;
+    loss[t] = targets[t] < 0 ? 0.0f : s - l[targets[t]];
+  }
+}
+
+void cross_entropy_backward(float* dlogits, const float* dloss, const float* logits, const int32_t* targets,
+                            const float* lse, int64_t N, int64_t V) {
+  DS_CHECK(N >= 0 && V >= 1, "cross_entropy_backward: N={} V={}", N, V);
+  check_targets(targets, N, V, "cross_entropy_backward");
+#pragma omp parallel for schedule(static) if (N * V >= kMinParallelWork)
+  for (int64_t t = 0; t < N; ++t) {
+    float* d = dlogits + t * V;  // [V]
+    if (targets[t] < 0) {
+      std::fill(d, d + V, 0.0f);
+      continue;
+    }
+    scaled_softmax(d, logits + t * V, lse[t], dloss[t], V);
+    d[targets[t]] -= dloss[t];
+  }
+}
+
+void lm_head_cross_entropy_forward(float* loss, float* lse, const float* h, const float* w, const int32_t* targets,
+                                   int64_t N, int64_t D, int64_t V, CrossEntropyChunks chunks) {
+  check_sizes(N, D, V, chunks, "lm_head_cross_entropy_forward");
+  check_targets(targets, N, V, "lm_head_cross_entropy_forward");
+  const int64_t TB = std::min(chunks.token_block, std::max<int64_t>(N, 1));
+  const int64_t VC = std::min(chunks.vocab_chunk, V);
+  const int64_t nc = (V + VC - 1) / VC;
+  // Per row of the current block and per chunk: the chunk's max and sum of exp.
+  std::vector<float> cmax(TB * nc);  // [TB, nc]
+  std::vector<double> csum(TB * nc);
+  std::vector<float> tlogit(TB);  // the target's logit, from whichever chunk holds it
+#pragma omp parallel
+  {
+    Tile tile;
+    tile.logits.resize(TB * VC);
+    for (int64_t t0 = 0; t0 < N; t0 += TB) {
+      const int64_t rows = std::min(TB, N - t0);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t v0 = c * VC, cols = std::min(VC, V - v0);
+        float* l = tile.logits.data();  // [rows, cols]
+        tile_logits(l, h, w, t0, rows, v0, cols, D);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* lr = l + r * cols;
+          const float m = row_max(lr, cols);
+          cmax[r * nc + c] = m;
+          csum[r * nc + c] = sum_exp(lr, m, cols);
+          const int64_t tg = targets[t0 + r];
+          if (tg >= v0 && tg < v0 + cols) tlogit[r] = lr[tg - v0];
+        }
+      }  // implicit barrier: every chunk of this block is done
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        float m = cmax[r * nc];
+        for (int64_t c = 1; c < nc; ++c) m = std::max(m, cmax[r * nc + c]);
+        double s = 0;
+        for (int64_t c = 0; c < nc; ++c) s += csum[r * nc + c] * std::exp(static_cast<double>(cmax[r * nc + c]) - m);
+        const float v = static_cast<float>(m + std::log(s));
+        lse[t0 + r] = v;
+        loss[t0 + r] = targets[t0 + r] < 0 ? 0.0f : v - tlogit[r];
+      }  // implicit barrier before the next block reuses cmax / csum
+    }
+  }
+}
+
+void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, const float* h, const float* w,
+                                    const int32_t* targets, const float* lse, int64_t N, int64_t D, int64_t V,
+                                    CrossEntropyChunks chunks) {
+  check_sizes(N, D, V, chunks, "lm_head_cross_entropy_backward");
+  check_targets(targets, N, V, "lm_head_cross_entropy_backward");
+  if (!dh && !dw) return;
+  const int64_t TB = std::min(chunks.token_block, std::max<int64_t>(N, 1));
+  const int64_t VC = std::min(chunks.vocab_chunk, V);
+  const int64_t nc = (V + VC - 1) / VC;
+#pragma omp parallel
+  {
+    Tile tile;
+    tile.logits.resize(TB * VC);
+    if (dh) tile.dh.resize(TB * D);
+    for (int64_t t0 = 0; t0 < N; t0 += TB) {
+      const int64_t rows = std::min(TB, N - t0);
+#pragma omp for ordered schedule(dynamic, 1)
+      for (int64_t c = 0; c < nc; ++c) {
+        const int64_t v0 = c * VC, cols = std::min(VC, V - v0);
+        float* l = tile.logits.data();  // [rows, cols], turned into dlogits in place
+        tile_logits(l, h, w, t0, rows, v0, cols, D);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* lr = l + r * cols;
+          const int64_t t = t0 + r, tg = targets[t];
+          if (tg < 0) {
+            std::fill(lr, lr + cols, 0.0f);
+            continue;
+          }
+          scaled_softmax(lr, lr, lse[t], dloss[t], cols);
+          if (tg >= v0 && tg < v0 + cols) lr[tg - v0] -= dloss[t];
+        }
+        // dW[v0 : v0 + cols] [cols, D] += dlogits^T [cols, rows] h[t0 : t0 + rows] [rows, D].
+        if (dw) gemm(true, false, cols, D, rows, 1.0f, l, cols, h + t0 * D, D, 1.0f, dw + v0 * D, D);
+        // This chunk's share of dh[block] [rows, D] = dlogits [rows, cols] W[v0 : v0 + cols] [cols, D].
+        if (dh) gemm(false, false, rows, D, cols, 1.0f, l, cols, w + v0 * D, D, 0.0f, tile.dh.data(), D);
+#pragma omp ordered
+        if (dh) {
+          float* dst = dh + t0 * D;
+          if (c == 0)
+            std::copy(tile.dh.begin(), tile.dh.begin() + rows * D, dst);
+          else
+            add_into(dst, tile.dh.data(), rows * D);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace ds::ops
