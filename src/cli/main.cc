@@ -8,6 +8,7 @@
 #include <exception>
 #include <vector>
 
+#include "cli/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -22,7 +23,7 @@ namespace {
 // against the scalar reference, and an RMSNorm and attention forward producing
 // finite numbers. The test suite is the real proof; this catches a broken
 // install in seconds.
-int selfcheck() {
+int run_selfcheck() {
   using namespace ds;
   const int64_t M = 37, N = 29, K = 53;
   std::vector<float> a(M * K), b(K * N), c(M * N);
@@ -59,13 +60,22 @@ int selfcheck() {
 
 }  // namespace
 
+namespace ds::cli {
+void add_selfcheck_command(CLI::App& app, CommandList& commands) {
+  auto* cmd = app.add_subcommand("selfcheck", "run a quick numerical check of this build");
+  commands.emplace_back(cmd, run_selfcheck);
+}
+}  // namespace ds::cli
+
 int main(int argc, char** argv) {
   CLI::App app{"deepseek.cpp: train and serve DeepSeek-V3-family models", "deepseek"};
   app.require_subcommand(0, 1);
   int threads = 0;
   app.add_option("--threads", threads, "worker threads (default: all cores)")->check(CLI::PositiveNumber);
   app.set_version_flag("--version", "deepseek.cpp 0.1.0");
-  auto* check = app.add_subcommand("selfcheck", "run a quick numerical check of this build");
+  ds::cli::CommandList commands;
+  ds::cli::add_selfcheck_command(app, commands);
+  ds::cli::add_tokenizer_commands(app, commands);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -78,7 +88,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (threads > 0) ds::set_num_threads(threads);
-    if (*check) return selfcheck();
+    for (auto& [cmd, run] : commands)
+      if (cmd->parsed()) return run();
     std::fputs(app.help().c_str(), stdout);
     return 0;
   } catch (const ds::Error& e) {

@@ -1,0 +1,20 @@
+// Subcommands of the `deepseek` program. Each command file adds its
+// subcommand(s) to the app and returns the function that runs them; main()
+// parses, then runs the one that was chosen. Commands report bad input by
+// throwing ds::Error (main prints one line and exits 2).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <utility>
+#include <vector>
+
+namespace ds::cli {
+
+using CommandList = std::vector<std::pair<CLI::App*, std::function<int()>>>;
+
+void add_selfcheck_command(CLI::App& app, CommandList& commands);
+void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize, detokenize
+
+}  // namespace ds::cli
