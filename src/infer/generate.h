@@ -1,0 +1,37 @@
+// Autoregressive generation over a batch of prompts with a KV cache: one
+// prefill step for all prompts, then one decode step per new token for the
+// sequences still running. Tokens are handed to a callback as they are made.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "infer/kv_cache.h"
+#include "infer/sampler.h"
+#include "model/transformer.h"
+
+namespace ds::infer {
+
+struct GenerateOptions {
+  int64_t max_new_tokens = 64;
+  SamplerConfig sampler;
+  CacheKind cache = CacheKind::Latent;
+  int64_t eos_token_id = -1;  // < 0: never stop early
+  std::function<void(int64_t sequence, int32_t token)> on_token;
+};
+
+struct GenerateStats {
+  int64_t prompt_tokens = 0, generated_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  size_t cache_bytes = 0;
+  double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0; }
+  double decode_tokens_per_second() const;
+  int64_t decode_steps_tokens = 0;  // tokens produced by decode steps (excludes the first, from prefill)
+};
+
+// Returns the new tokens of every sequence (EOS included when produced).
+std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+                                           const GenerateOptions& opt, GenerateStats* stats = nullptr);
+
+}  // namespace ds::infer

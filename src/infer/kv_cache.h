@@ -1,0 +1,48 @@
+// KV caches for generation.
+//
+// Latent (the default, as DeepSeek serves MLA): per layer and token only the
+// normalised latent c_kv [kv_lora_rank] and the rotated shared key k_pe
+// [qk_rope_head_dim]; attention runs in the latent space (W_UK folded into the
+// query, W_UV applied after). Naive: the expanded per-head K [heads, qk_head]
+// and V [heads, v_head], the plain formulation, kept as the oracle the latent
+// path is checked against.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ds::infer {
+
+enum class CacheKind { Latent, Naive };
+
+struct SequenceCache {
+  int64_t length = 0;  // tokens cached
+  // Per layer, rows appended as tokens arrive.
+  std::vector<std::vector<float>> c_kv, k_pe;  // latent: [T, kv_lora_rank], [T, qk_rope_head_dim]
+  std::vector<std::vector<float>> k, v;        // naive: [T, heads, qk_head_dim], [T, heads, v_head_dim]
+};
+
+struct KvCache {
+  CacheKind kind = CacheKind::Latent;
+  std::vector<SequenceCache> seqs;
+
+  KvCache(CacheKind k, int64_t num_sequences, int64_t num_layers) : kind(k), seqs(num_sequences) {
+    for (auto& s : seqs) {
+      s.c_kv.resize(num_layers);
+      s.k_pe.resize(num_layers);
+      s.k.resize(num_layers);
+      s.v.resize(num_layers);
+    }
+  }
+  // Bytes of cached activations (float32 elements).
+  size_t bytes() const {
+    size_t n = 0;
+    for (const auto& s : seqs)
+      for (size_t l = 0; l < s.c_kv.size(); ++l)
+        n += s.c_kv[l].size() + s.k_pe[l].size() + s.k[l].size() + s.v[l].size();
+    return n * sizeof(float);
+  }
+};
+
+}  // namespace ds::infer

@@ -1,0 +1,280 @@
+#include "model/transformer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "ops/activations.h"
+#include "ops/attention.h"
+#include "ops/expert_selection.h"
+#include "ops/matmul.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/routing.h"
+
+namespace ds::model {
+
+struct Transformer::Batch {
+  int64_t n = 0;                // packed new tokens
+  std::vector<int32_t> token;   // [n]
+  std::vector<int32_t> pos;     // [n] absolute position within its sequence
+  struct Seq {
+    int64_t index, row0, count, past;  // sequence, first packed row, new tokens, cached before
+  };
+  std::vector<Seq> seqs;  // sequences with new tokens
+};
+
+Transformer::Transformer(const ModelConfig& cfg, const ModelWeights& w) : cfg_(cfg), w_(w) {
+  ops::RopeConfig rc;
+  rc.dim = cfg.qk_rope_head_dim;
+  rc.theta = cfg.rope_theta;
+  if (cfg.rope_scaling.enabled) {
+    rc.factor = cfg.rope_scaling.factor;
+    rc.original_max_position = cfg.rope_scaling.original_max_position_embeddings;
+    rc.beta_fast = cfg.rope_scaling.beta_fast;
+    rc.beta_slow = cfg.rope_scaling.beta_slow;
+  }
+  rope_freqs_.resize(cfg.qk_rope_head_dim / 2);
+  ops::rope_frequencies(rope_freqs_.data(), rc);
+  softmax_scale_ = static_cast<float>(cfg.softmax_scale());
+}
+
+static void rmsnorm_rows(float* y, const float* x, const std::vector<float>& w, int64_t rows, double eps) {
+  std::vector<float> rstd(rows);
+  ops::rmsnorm_forward(y, rstd.data(), x, w.data(), rows, static_cast<int64_t>(w.size()), static_cast<float>(eps));
+}
+
+void Transformer::mlp(float* out, const float* x, const Mlp& m, int64_t rows) const {
+  const int64_t I = m.gate.out();
+  std::vector<float> g(rows * I), u(rows * I);
+  ops::linear_forward(g.data(), x, m.gate.view, rows);
+  ops::linear_forward(u.data(), x, m.up.view, rows);
+  ops::silu_mul_forward(g.data(), g.data(), u.data(), rows * I);
+  ops::linear_forward(out, g.data(), m.down.view, rows);
+}
+
+void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) const {
+  const int64_t D = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
+  // Router in float32 over the (possibly bf16) gate weight.
+  std::vector<float> logits(rows * E), scores(rows * E), weights(rows * K);
+  std::vector<int32_t> experts(rows * K);
+  ops::linear_forward(logits.data(), x, m.gate.view, rows);
+  ops::ExpertSelectionConfig sc;
+  sc.num_experts = E;
+  sc.k = K;
+  sc.n_group = cfg_.n_group;
+  sc.topk_group = cfg_.topk_group;
+  sc.scoring = cfg_.scoring_func == ScoringFunc::Sigmoid ? ops::ExpertScoring::Sigmoid : ops::ExpertScoring::Softmax;
+  sc.group_score = cfg_.topk_method == TopkMethod::NoauxTc              ? ops::GroupScore::Top2Sum
+                   : cfg_.topk_method == TopkMethod::GroupLimitedGreedy ? ops::GroupScore::Max
+                                                                        : ops::GroupScore::None;
+  sc.norm_topk_prob = cfg_.norm_topk_prob;
+  sc.routed_scaling_factor = static_cast<float>(cfg_.routed_scaling_factor);
+  ops::expert_selection_forward(experts.data(), weights.data(), scores.data(), logits.data(),
+                                m.bias.empty() ? nullptr : m.bias.data(), rows, sc);
+  // Dropless dispatch: sort assignments by expert, run each expert on its
+  // contiguous rows, then combine in assignment order (deterministic).
+  const int64_t n = rows * K;
+  std::vector<int32_t> order(n), inverse(n), sizes(E);
+  ops::route_indices(order.data(), inverse.data(), sizes.data(), experts.data(), n, E);
+  std::vector<float> xs(n * D), ys(n * D);
+  ops::route_forward(xs.data(), x, order.data(), rows, K, D);
+  int64_t off = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (sizes[e] > 0) mlp(ys.data() + off * D, xs.data() + off * D, m.experts[e], sizes[e]);
+    off += sizes[e];
+  }
+  if (m.has_shared) {
+    mlp(out, x, m.shared, rows);
+  } else {
+    std::fill(out, out + rows * D, 0.0f);
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const float wj = weights[t * K + j];
+      const float* y = ys.data() + inverse[t * K + j] * D;
+      float* o = out + t * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
+    }
+}
+
+void Transformer::attention(float* out, const float* x, const Layer& L, int64_t layer, const Batch& b,
+                            infer::KvCache& cache) {
+  const Attention& a = L.attn;
+  const int64_t N = b.n, H = cfg_.num_attention_heads, nope = cfg_.qk_nope_head_dim, rope = cfg_.qk_rope_head_dim;
+  const int64_t qk = nope + rope, vd = cfg_.v_head_dim, kvl = cfg_.kv_lora_rank;
+  // Queries [N, H, qk].
+  std::vector<float> q(N * H * qk);
+  if (cfg_.q_lora_rank > 0) {
+    std::vector<float> qa(N * cfg_.q_lora_rank);
+    ops::linear_forward(qa.data(), x, a.q_a.view, N);
+    rmsnorm_rows(qa.data(), qa.data(), a.q_a_norm, N, cfg_.rms_norm_eps);
+    ops::linear_forward(q.data(), qa.data(), a.q_b.view, N);
+  } else {
+    ops::linear_forward(q.data(), x, a.q.view, N);
+  }
+  ops::rope_forward(q.data() + nope, q.data() + nope, b.pos.data(), rope_freqs_.data(), N, H, rope, H * qk, qk,
+                    ops::RopeLayout::Interleaved);
+  // Latent and shared rope key: kv_a gives [N, kvl + rope].
+  std::vector<float> kva(N * (kvl + rope)), ckv(N * kvl), kpe(N * rope);
+  ops::linear_forward(kva.data(), x, a.kv_a.view, N);
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(&ckv[t * kvl], &kva[t * (kvl + rope)], kvl * sizeof(float));
+    std::memcpy(&kpe[t * rope], &kva[t * (kvl + rope) + kvl], rope * sizeof(float));
+  }
+  rmsnorm_rows(ckv.data(), ckv.data(), a.kv_a_norm, N, cfg_.rms_norm_eps);
+  ops::rope_forward(kpe.data(), kpe.data(), b.pos.data(), rope_freqs_.data(), N, 1, rope, rope, rope,
+                    ops::RopeLayout::Interleaved);
+
+  std::vector<float> ctx(N * H * vd);  // attention output [N, H, v]
+  const bool latent = cache.kind == infer::CacheKind::Latent;
+  // The expanded keys/values of the new tokens: needed by the naive cache and
+  // by the flash path of a fresh sequence.
+  bool any_fresh = false;
+  for (const auto& s : b.seqs) any_fresh |= s.past == 0;
+  std::vector<float> kv, kfull, vfull;
+  if (!latent || any_fresh) {
+    kv.resize(N * H * (nope + vd));
+    ops::linear_forward(kv.data(), ckv.data(), a.kv_b.view, N);
+    kfull.resize(N * H * qk);
+    vfull.resize(N * H * vd);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = &kv[(t * H + h) * (nope + vd)];
+        float* k = &kfull[(t * H + h) * qk];
+        std::memcpy(k, src, nope * sizeof(float));
+        std::memcpy(k + nope, &kpe[t * rope], rope * sizeof(float));
+        std::memcpy(&vfull[(t * H + h) * vd], src + nope, vd * sizeof(float));
+      }
+  }
+  // Widened kv_b for the absorbed path: per head rows [nope | v] x kvl.
+  std::vector<float> wkvb;
+  for (const auto& s : b.seqs) {
+    infer::SequenceCache& sc = cache.seqs[s.index];
+    const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
+    if (latent) {
+      sc.c_kv[layer].insert(sc.c_kv[layer].end(), ckv.begin() + r0 * kvl, ckv.begin() + (r0 + n) * kvl);
+      sc.k_pe[layer].insert(sc.k_pe[layer].end(), kpe.begin() + r0 * rope, kpe.begin() + (r0 + n) * rope);
+    } else {
+      sc.k[layer].insert(sc.k[layer].end(), kfull.begin() + r0 * H * qk, kfull.begin() + (r0 + n) * H * qk);
+      sc.v[layer].insert(sc.v[layer].end(), vfull.begin() + r0 * H * vd, vfull.begin() + (r0 + n) * H * vd);
+    }
+    if (P == 0) {
+      // A fresh sequence: tiled causal attention over its own tokens.
+      std::vector<float> lse(H * n);
+      ops::AttentionDims d{1, n, H, qk, vd, softmax_scale_};
+      ops::attention_forward(&ctx[r0 * H * vd], lse.data(), &q[r0 * H * qk], &kfull[r0 * H * qk],
+                             &vfull[r0 * H * vd], nullptr, d);
+      continue;
+    }
+    if (latent && wkvb.empty()) {
+      wkvb.resize(a.kv_b.out() * kvl);
+      ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
+    }
+    // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.
+#pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<float> S(n * T);
+      const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
+      std::vector<float> lat;                    // [n, kvl] latent queries / contexts
+      if (latent) {
+        const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
+        lat.resize(n * kvl);
+        // q_abs = q_nope W_UK: the key up-projection folded into the query.
+        ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
+        ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
+                  T);
+        ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
+                  S.data(), T);
+      } else {
+        ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
+                  S.data(), T);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        float* row = &S[i * T];
+        const int64_t visible = P + i + 1;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+        double z = 0;
+        for (int64_t t = 0; t < visible; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          z += row[t];
+        }
+        const float inv = static_cast<float>(1.0 / z);
+        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+        for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+      }
+      float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
+      if (latent) {
+        // Attend in the latent space, then apply W_UV.
+        ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
+        const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
+        ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
+      } else {
+        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
+      }
+    }
+  }
+  ops::linear_forward(out, ctx.data(), a.o.view, N);
+}
+
+std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<std::vector<int32_t>>& tokens,
+                                     bool all_logits) {
+  DS_CHECK(tokens.size() == cache.seqs.size(), "step: {} token lists for a cache of {} sequences", tokens.size(),
+           cache.seqs.size());
+  const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
+  Batch b;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    if (tokens[s].empty()) continue;
+    const int64_t past = cache.seqs[s].length, n = static_cast<int64_t>(tokens[s].size());
+    DS_CHECK(past + n <= cfg_.max_position_embeddings,
+             "sequence {} would reach {} tokens, beyond max_position_embeddings {}", s, past + n,
+             cfg_.max_position_embeddings);
+    b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t t = tokens[s][i];
+      DS_CHECK(t >= 0 && t < V, "token id {} outside the vocabulary of {}", t, V);
+      b.token.push_back(t);
+      b.pos.push_back(static_cast<int32_t>(past + i));
+    }
+    b.n += n;
+  }
+  if (b.n == 0) return {};
+  const int64_t N = b.n;
+  std::vector<float> h(N * D), x(N * D), y(N * D);
+  const size_t es = dtype_size(w_.embed.dtype());
+  const char* emb = static_cast<const char*>(w_.embed.raw());
+  for (int64_t t = 0; t < N; ++t) convert(&h[t * D], DType::F32, emb + b.token[t] * D * es, w_.embed.dtype(), D);
+
+  for (size_t l = 0; l < w_.layers.size(); ++l) {
+    const Layer& L = w_.layers[l];
+    rmsnorm_rows(x.data(), h.data(), L.input_norm, N, cfg_.rms_norm_eps);
+    attention(y.data(), x.data(), L, static_cast<int64_t>(l), b, cache);
+    for (int64_t i = 0; i < N * D; ++i) h[i] += y[i];
+    rmsnorm_rows(x.data(), h.data(), L.post_attention_norm, N, cfg_.rms_norm_eps);
+    if (L.is_moe) moe(y.data(), x.data(), L.moe, N);
+    else mlp(y.data(), x.data(), L.mlp, N);
+    for (int64_t i = 0; i < N * D; ++i) h[i] += y[i];
+  }
+  for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;
+
+  // Final norm and head on the rows that need logits.
+  std::vector<int64_t> rows;
+  if (all_logits) {
+    for (int64_t t = 0; t < N; ++t) rows.push_back(t);
+  } else {
+    for (const auto& s : b.seqs) rows.push_back(s.row0 + s.count - 1);
+  }
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<float> hr(R * D);
+  for (int64_t i = 0; i < R; ++i) std::memcpy(&hr[i * D], &h[rows[i] * D], D * sizeof(float));
+  rmsnorm_rows(hr.data(), hr.data(), w_.final_norm, R, cfg_.rms_norm_eps);
+  std::vector<float> logits(R * V);
+  ops::linear_forward(logits.data(), hr.data(), w_.lm_head.view, R);
+  return logits;
+}
+
+}  // namespace ds::model

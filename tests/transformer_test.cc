@@ -1,0 +1,143 @@
+// The inference path's internal consistency on random tiny checkpoints:
+// incremental decoding through either cache equals the full forward, the
+// latent cache holds exactly the latent and the rope key, batches of prompts
+// of different lengths equal separate runs, and bad checkpoints are errors.
+// (Agreement with the independent reference is in reference_model_test.cc.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "core/error.h"
+#include "model/load.h"
+#include "model_fixture.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using ds::infer::CacheKind;
+using ds::infer::KvCache;
+
+namespace {
+
+class TransformerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/ds_transformer_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string dir_;
+};
+
+std::vector<int32_t> tokens(int64_t n, int64_t vocab, uint64_t seed) {
+  ds::Philox r(seed);
+  std::vector<int32_t> t(n);
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(r.u32(i) % vocab);
+  return t;
+}
+
+std::vector<float> full_logits(ds::model::LoadedModel& m, const std::vector<int32_t>& ids, CacheKind kind) {
+  KvCache cache(kind, 1, m.config.num_hidden_layers);
+  return m.transformer->step(cache, {ids}, true);
+}
+
+std::vector<float> incremental_logits(ds::model::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
+                                      CacheKind kind) {
+  KvCache cache(kind, 1, m.config.num_hidden_layers);
+  auto out = m.transformer->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
+  for (size_t t = prefix; t < ids.size(); ++t) {
+    auto one = m.transformer->step(cache, {{ids[t]}}, true);
+    out.insert(out.end(), one.begin(), one.end());
+  }
+  return out;
+}
+
+}  // namespace
+
+// Different summation orders (flash tiles vs. latent-space products) in
+// float32 over O(10) logits: 1e-5 of the largest logit.
+constexpr double kTol = 1e-5;
+
+TEST_F(TransformerTest, IncrementalDecodingEqualsTheFullForward) {
+  for (bool qlora : {true, false}) {
+    auto cfg = ds::test::tiny_v3_config();
+    if (!qlora) cfg["q_lora_rank"] = nullptr;
+    ds::test::write_random_model(dir_, cfg);
+    auto m = ds::model::load_model(dir_);
+    auto ids = tokens(19, m->config.vocab_size, 3);
+    auto full = full_logits(*m, ids, CacheKind::Latent);
+    ASSERT_EQ(full.size(), ids.size() * m->config.vocab_size);
+    for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
+      for (size_t prefix : {1u, 5u, 18u}) {
+        auto inc = incremental_logits(*m, ids, prefix, kind);
+        ds::test::expect_close(inc, full, kTol, 0, kind == CacheKind::Latent ? "latent" : "naive");
+      }
+    }
+  }
+}
+
+TEST_F(TransformerTest, LatentCacheHoldsOnlyTheLatentAndTheRopeKey) {
+  ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
+  auto m = ds::model::load_model(dir_);
+  const auto& c = m->config;
+  KvCache cache(CacheKind::Latent, 2, c.num_hidden_layers);
+  m->transformer->step(cache, {tokens(7, c.vocab_size, 1), tokens(3, c.vocab_size, 2)}, false);
+  m->transformer->step(cache, {{5}, {}}, false);
+  const size_t want = static_cast<size_t>(c.num_hidden_layers) * (8 + 3) * (c.kv_lora_rank + c.qk_rope_head_dim) *
+                      sizeof(float);
+  EXPECT_EQ(cache.bytes(), want);
+  EXPECT_EQ(cache.seqs[0].length, 8);
+  EXPECT_EQ(cache.seqs[1].length, 3);
+  KvCache naive(CacheKind::Naive, 1, c.num_hidden_layers);
+  m->transformer->step(naive, {tokens(4, c.vocab_size, 1)}, false);
+  EXPECT_EQ(naive.bytes(), static_cast<size_t>(c.num_hidden_layers) * 4 * c.num_attention_heads *
+                               (c.qk_head_dim() + c.v_head_dim) * sizeof(float));
+}
+
+TEST_F(TransformerTest, ABatchOfDifferentLengthsEqualsSeparateRuns) {
+  ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
+  auto m = ds::model::load_model(dir_);
+  const int64_t V = m->config.vocab_size;
+  std::vector<std::vector<int32_t>> prompts = {tokens(9, V, 11), tokens(2, V, 12), tokens(14, V, 13)};
+  KvCache batch(CacheKind::Latent, 3, m->config.num_hidden_layers);
+  auto last = m->transformer->step(batch, prompts, false);
+  ASSERT_EQ(last.size(), 3u * V);
+  // One decode step for two of the three sequences.
+  auto next = m->transformer->step(batch, {{4}, {}, {7}}, false);
+  ASSERT_EQ(next.size(), 2u * V);
+  for (size_t s = 0; s < prompts.size(); ++s) {
+    auto alone = full_logits(*m, prompts[s], CacheKind::Latent);
+    std::vector<float> want(alone.end() - V, alone.end());
+    std::vector<float> got(last.begin() + s * V, last.begin() + (s + 1) * V);
+    ds::test::expect_close(got, want, kTol, 0, "prefill");
+  }
+  auto p0 = prompts[0];
+  p0.push_back(4);
+  auto alone = full_logits(*m, p0, CacheKind::Latent);
+  ds::test::expect_close(std::vector<float>(next.begin(), next.begin() + V),
+                         std::vector<float>(alone.end() - V, alone.end()), kTol, 0, "decode");
+}
+
+TEST_F(TransformerTest, MtpTensorsAreRecognisedAndStrayTensorsAreErrors) {
+  auto cfg = ds::test::tiny_v3_config();
+  cfg["num_nextn_predict_layers"] = 1;
+  ds::Tensor t = ds::Tensor::zeros({32}, ds::DType::F32);
+  ds::test::write_random_model(dir_, cfg, 7, {{"model.layers.3.enorm.weight", t}, {"model.layers.3.hnorm.weight", t}});
+  EXPECT_NO_THROW(ds::model::load_model(dir_));
+  ds::test::write_random_model(dir_, cfg, 7, {{"model.layers.1.mystery.weight", t}});
+  EXPECT_THROW(ds::model::load_model(dir_), ds::Error);
+  // A config that disagrees with the weights' shapes.
+  cfg["hidden_size"] = 40;
+  std::ofstream(fs::path(dir_) / "config.json") << cfg.dump();
+  EXPECT_THROW(ds::model::load_model(dir_), ds::Error);
+  EXPECT_THROW(ds::model::load_model(dir_ + "/missing"), ds::Error);
+}
+
+TEST_F(TransformerTest, OutOfVocabularyTokensAndOverlongSequencesAreErrors) {
+  ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
+  auto m = ds::model::load_model(dir_);
+  KvCache cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
+  EXPECT_THROW(m->transformer->step(cache, {{static_cast<int32_t>(m->config.vocab_size)}}, false), ds::Error);
+  EXPECT_THROW(m->transformer->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
+}
