@@ -17,5 +17,6 @@ using CommandList = std::vector<std::pair<CLI::App*, std::function<int()>>>;
 void add_selfcheck_command(CLI::App& app, CommandList& commands);
 void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize, detokenize
 void add_logits_command(CLI::App& app, CommandList& commands);
+void add_model_commands(CLI::App& app, CommandList& commands);  // init, generate, bench
 
 }  // namespace ds::cli

@@ -18,6 +18,9 @@ std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std:
   for (size_t s = 0; s < prompts.size(); ++s) DS_CHECK(!prompts[s].empty(), "generate: prompt {} is empty", s);
   const auto& cfg = model.config();
   const int64_t V = cfg.vocab_size, S = static_cast<int64_t>(prompts.size());
+  DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= V, "generate: sample_vocab {} outside [0, {}]",
+           opt.sample_vocab, V);
+  const int64_t draw_vocab = opt.sample_vocab > 0 ? opt.sample_vocab : V;
   KvCache cache(opt.cache, S, cfg.num_hidden_layers);
   std::vector<std::vector<int32_t>> out(S);
   std::vector<bool> done(S, opt.max_new_tokens == 0);
@@ -28,7 +31,7 @@ std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std:
   auto emit = [&](const std::vector<float>& logits, const std::vector<int64_t>& rows_for) {
     for (size_t r = 0; r < rows_for.size(); ++r) {
       const int64_t s = rows_for[r];
-      const int32_t tok = sample_token(&logits[r * V], V, opt.sampler, static_cast<uint64_t>(s), out[s].size());
+      const int32_t tok = sample_token(&logits[r * V], draw_vocab, opt.sampler, static_cast<uint64_t>(s), out[s].size());
       out[s].push_back(tok);
       ++st.generated_tokens;
       if (opt.on_token) opt.on_token(s, tok);

@@ -18,6 +18,9 @@ struct GenerateOptions {
   SamplerConfig sampler;
   CacheKind cache = CacheKind::Latent;
   int64_t eos_token_id = -1;  // < 0: never stop early
+  // Sample only ids below this (0: the whole vocabulary). Checkpoints pad
+  // their vocabulary beyond the tokenizer's ids; those rows are never drawn.
+  int64_t sample_vocab = 0;
   std::function<void(int64_t sequence, int32_t token)> on_token;
 };
 

@@ -13,6 +13,8 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "io/atomic_file.h"
+
 namespace ds::io {
 
 namespace {
@@ -276,51 +278,21 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
   }
   std::string header = h.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // keep the data block 8-byte aligned
-  namespace fs = std::filesystem;
-  const fs::path target(path);
-  const fs::path tmp = target.parent_path() / (target.filename().string() + ".tmp." + std::to_string(getpid()));
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  DS_CHECK(fd >= 0, "cannot create '{}': {}", tmp.string(), errno_str());
-  auto write_all = [&](const void* p, size_t n) {
-    const char* c = static_cast<const char*>(p);
-    while (n > 0) {
-      ssize_t w = ::write(fd, c, n);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) {
-        const std::string err = errno_str();
-        ::close(fd);
-        ::unlink(tmp.c_str());
-        DS_FAIL("writing '{}' failed: {}", tmp.string(), err);
-      }
-      c += w;
-      n -= static_cast<size_t>(w);
-    }
-  };
+  AtomicFile f(path);
   unsigned char len[8];
   const uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
-  write_all(len, 8);
-  write_all(header.data(), header.size());
+  f.write(len, 8);
+  f.write(header);
   for (const auto& [name, t] : tensors) {
     if (t.is_contiguous()) {
-      write_all(t.raw(), t.nbytes());
+      f.write(t.raw(), t.nbytes());
     } else {
       Tensor c = t.contiguous();
-      write_all(c.raw(), c.nbytes());
+      f.write(c.raw(), c.nbytes());
     }
   }
-  const int synced = fsync(fd);
-  const int closed = ::close(fd);
-  if (synced != 0 || closed != 0) {
-    const std::string err = errno_str();
-    ::unlink(tmp.c_str());
-    DS_FAIL("flushing '{}' failed: {}", tmp.string(), err);
-  }
-  if (::rename(tmp.c_str(), target.c_str()) != 0) {
-    const std::string err = errno_str();
-    ::unlink(tmp.c_str());
-    DS_FAIL("renaming '{}' to '{}' failed: {}", tmp.string(), path, err);
-  }
+  f.commit();
 }
 
 }  // namespace ds::io

@@ -1,0 +1,247 @@
+// Model commands:
+//   deepseek init --config FILE --out DIR [--seed S] [--dtype bf16|f16|f32] [--set key=value ...]
+//   deepseek generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
+//                     [--top-p P] [--seed S] [--kv-cache latent|naive]
+//   deepseek bench --model DIR [--batch B] [--prompt-len P] [--new-tokens N] [--kv-cache latent|naive]
+#include <fmt/format.h>
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "infer/generate.h"
+#include "io/tokenizer.h"
+#include "model/init.h"
+#include "model/load.h"
+
+namespace ds::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Peak resident set of this process (file-backed mmapped weights included).
+size_t peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<size_t>(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+// Bytes of the weight files in a model folder.
+size_t weight_file_bytes(const std::string& dir) {
+  size_t n = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") n += e.file_size();
+  return n;
+}
+
+infer::CacheKind cache_kind(const std::string& s) {
+  return s == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;
+}
+
+std::string mib(size_t bytes) {
+  if (bytes < (1u << 20)) return fmt::format("{:.1f} KiB", bytes / 1024.0);
+  return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0));
+}
+
+// ---- init -----------------------------------------------------------------
+
+struct InitArgs {
+  std::string config, out, dtype = "bf16";
+  std::vector<std::string> overrides;
+  uint64_t seed = 0;
+};
+
+int run_init(const InitArgs& a) {
+  const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
+  DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
+  const model::ModelConfig cfg =
+      yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides) : model::ModelConfig::from_hf_json_file(a.config);
+  model::InitOptions opt;
+  opt.seed = a.seed;
+  opt.dtype = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
+  model::write_random_checkpoint(cfg, a.out, opt);
+  fmt::print("wrote a randomly initialised {} model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
+             cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, a.out,
+             mib(weight_file_bytes(a.out)));
+  return 0;
+}
+
+// ---- generate -------------------------------------------------------------
+
+struct GenerateArgs {
+  std::string model, prompt, tokenizer, cache = "latent";
+  int64_t max_new_tokens = 128;
+  float temperature = 0.7f, top_p = 0.95f;
+  int64_t top_k = 0;
+  uint64_t seed = 0;
+  bool raw = false;
+};
+
+// Prints the text of the generated ids as it grows. A byte-level token can
+// end inside a UTF-8 character, so text ending in U+FFFD is held back until
+// a later token completes it (or the end, when it is printed as it is).
+class TextStream {
+ public:
+  explicit TextStream(const io::Tokenizer& tok) : tok_(tok) {}
+  void push(int32_t id) {
+    ids_.push_back(id);
+    const std::string text = tok_.decode(ids_, /*skip_special_tokens=*/true);
+    if (text.ends_with("\xEF\xBF\xBD")) return;
+    emit(text);
+  }
+  void finish() { emit(tok_.decode(ids_, true)); }
+
+ private:
+  void emit(const std::string& text) {
+    if (text.size() > printed_ && text.compare(0, printed_, printed_text_) == 0) {
+      std::fwrite(text.data() + printed_, 1, text.size() - printed_, stdout);
+      std::fflush(stdout);
+      printed_ = text.size();
+      printed_text_ = text;
+    }
+  }
+  const io::Tokenizer& tok_;
+  std::vector<int32_t> ids_;
+  size_t printed_ = 0;
+  std::string printed_text_;
+};
+
+int run_generate(const GenerateArgs& a) {
+  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
+  DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
+  auto m = model::load_model(a.model);
+  const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
+  DS_CHECK(tok.vocab_size() <= m->config.vocab_size, "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+           tok.vocab_size(), m->config.vocab_size);
+  const std::vector<int32_t> prompt = tok.encode(a.prompt, /*add_special_tokens=*/!a.raw);
+  DS_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
+
+  infer::GenerateOptions opt;
+  opt.max_new_tokens = a.max_new_tokens;
+  opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
+  opt.cache = cache_kind(a.cache);
+  opt.eos_token_id = m->config.eos_token_id;
+  opt.sample_vocab = tok.vocab_size();
+  TextStream stream(tok);
+  opt.on_token = [&](int64_t, int32_t id) {
+    if (id != opt.eos_token_id) stream.push(id);
+  };
+  std::fputs(a.prompt.c_str(), stdout);
+  std::fflush(stdout);
+  infer::GenerateStats st;
+  infer::generate(*m->transformer, {prompt}, opt, &st);
+  stream.finish();
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  std::fprintf(stderr, "%s",
+               fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
+                           "KV cache ({}): {} for {} tokens; weights {}; peak RSS {}; {} threads\n",
+                           st.prompt_tokens, st.prefill_seconds, st.prefill_tokens_per_second(),
+                           st.decode_steps_tokens, st.decode_seconds, st.decode_tokens_per_second(), a.cache,
+                           mib(st.cache_bytes), st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)),
+                           mib(peak_rss_bytes()), num_threads())
+                   .c_str());
+  return 0;
+}
+
+// ---- bench ----------------------------------------------------------------
+
+struct BenchArgs {
+  std::string model, cache = "latent";
+  int64_t batch = 1, prompt_len = 128, new_tokens = 32;
+  uint64_t seed = 0;
+};
+
+int run_bench(const BenchArgs& a) {
+  const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
+  auto m = model::load_model(a.model);
+  const auto& cfg = m->config;
+  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= cfg.max_position_embeddings,
+           "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
+           cfg.max_position_embeddings);
+  Philox rng(a.seed);
+  std::vector<std::vector<int32_t>> prompts(a.batch);
+  for (int64_t s = 0; s < a.batch; ++s)
+    for (int64_t i = 0; i < a.prompt_len; ++i)
+      prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % cfg.vocab_size));
+  infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
+  opt.cache = cache_kind(a.cache);
+  // Warm-up (page in the weights, grow the allocator's arenas), not timed.
+  opt.max_new_tokens = 2;
+  infer::generate(*m->transformer, {std::vector<int32_t>(prompts[0].begin(), prompts[0].begin() + std::min<int64_t>(8, a.prompt_len))},
+                  opt);
+  // One token comes from the prefill, then new_tokens decode steps.
+  opt.max_new_tokens = a.new_tokens + 1;
+  infer::GenerateStats st;
+  infer::generate(*m->transformer, prompts, opt, &st);
+  nlohmann::json j = {{"impl", "deepseek.cpp"},
+                      {"batch", a.batch},
+                      {"prompt_len", a.prompt_len},
+                      {"new_tokens", a.new_tokens},
+                      {"threads", num_threads()},
+                      {"kv_cache", a.cache},
+                      {"prefill_tokens_per_s", st.prefill_tokens_per_second()},
+                      {"decode_tokens_per_s", st.decode_tokens_per_second()},
+                      {"cache_bytes", st.cache_bytes},
+                      {"weight_file_bytes", weight_file_bytes(a.model)},
+                      {"base_rss_bytes", base_rss},
+                      {"peak_rss_bytes", peak_rss_bytes()}};
+  fmt::print("{}\n", j.dump());
+  return 0;
+}
+
+}  // namespace
+
+void add_model_commands(CLI::App& app, CommandList& commands) {
+  {
+    auto args = std::make_shared<InitArgs>();
+    auto* cmd = app.add_subcommand("init", "write a randomly initialised model folder from a config");
+    cmd->add_option("--config", args->config, "YAML preset (MaxText key names) or Hugging Face config.json")
+        ->required()
+        ->check(CLI::ExistingFile);
+    cmd->add_option("--out", args->out, "model folder to write")->required();
+    cmd->add_option("--seed", args->seed, "initialisation seed");
+    cmd->add_option("--dtype", args->dtype, "weight dtype: bf16 (default), f16 or f32")
+        ->check(CLI::IsMember({"bf16", "f16", "f32"}));
+    cmd->add_option("--set", args->overrides, "override a YAML key: key=value (repeatable)");
+    commands.emplace_back(cmd, [args] { return run_init(*args); });
+  }
+  {
+    auto args = std::make_shared<GenerateArgs>();
+    auto* cmd = app.add_subcommand("generate", "continue a prompt with a model, streaming the text");
+    cmd->add_option("--model", args->model, "Hugging Face model folder (config.json, safetensors, tokenizer.json)")
+        ->required();
+    cmd->add_option("--prompt", args->prompt, "prompt text")->required();
+    cmd->add_option("--tokenizer", args->tokenizer, "tokenizer.json (default: the model folder's)");
+    cmd->add_option("--max-new-tokens", args->max_new_tokens, "tokens to generate at most (default 128)")
+        ->check(CLI::NonNegativeNumber);
+    cmd->add_option("--temperature", args->temperature, "sampling temperature; 0 is greedy (default 0.7)");
+    cmd->add_option("--top-k", args->top_k, "keep the K most likely tokens; 0 keeps all (default)");
+    cmd->add_option("--top-p", args->top_p, "nucleus: keep the smallest set of probability >= P (default 0.95)");
+    cmd->add_option("--seed", args->seed, "sampling seed (default 0)");
+    cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
+        ->check(CLI::IsMember({"latent", "naive"}));
+    cmd->add_flag("--raw", args->raw, "do not prepend the tokenizer's BOS token");
+    commands.emplace_back(cmd, [args] { return run_generate(*args); });
+  }
+  {
+    auto args = std::make_shared<BenchArgs>();
+    auto* cmd = app.add_subcommand("bench", "measure prefill and decode tokens/s on random prompts (JSON line)");
+    cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
+    cmd->add_option("--batch", args->batch, "prompts decoded together (default 1)")->check(CLI::PositiveNumber);
+    cmd->add_option("--prompt-len", args->prompt_len, "tokens per prompt (default 128)")->check(CLI::PositiveNumber);
+    cmd->add_option("--new-tokens", args->new_tokens, "decode steps (default 32)")->check(CLI::PositiveNumber);
+    cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
+        ->check(CLI::IsMember({"latent", "naive"}));
+    cmd->add_option("--seed", args->seed, "seed of the random prompts");
+    commands.emplace_back(cmd, [args] { return run_bench(*args); });
+  }
+}
+
+}  // namespace ds::cli

@@ -1,0 +1,142 @@
+#include "model/init.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+
+namespace ds::model {
+
+nlohmann::json to_hf_json(const ModelConfig& c) {
+  nlohmann::json j;
+  const bool v2 = c.model_type == "deepseek_v2";
+  j["architectures"] = {v2 ? "DeepseekV2ForCausalLM" : c.model_type == "deepseek_v32" ? "DeepseekV32ForCausalLM"
+                                                                                       : "DeepseekV3ForCausalLM"};
+  j["model_type"] = c.model_type;
+  j["hidden_act"] = "silu";
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["moe_intermediate_size"] = c.moe_intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_attention_heads;
+  j["q_lora_rank"] = c.q_lora_rank > 0 ? nlohmann::json(c.q_lora_rank) : nlohmann::json(nullptr);
+  j["kv_lora_rank"] = c.kv_lora_rank;
+  j["qk_nope_head_dim"] = c.qk_nope_head_dim;
+  j["qk_rope_head_dim"] = c.qk_rope_head_dim;
+  j["v_head_dim"] = c.v_head_dim;
+  j["rope_theta"] = c.rope_theta;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  if (c.rope_scaling.enabled) {
+    const auto& r = c.rope_scaling;
+    j["rope_scaling"] = {{"type", "yarn"},
+                         {"factor", r.factor},
+                         {"original_max_position_embeddings", r.original_max_position_embeddings},
+                         {"beta_fast", r.beta_fast},
+                         {"beta_slow", r.beta_slow},
+                         {"mscale", r.mscale},
+                         {"mscale_all_dim", r.mscale_all_dim}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["n_routed_experts"] = c.n_routed_experts;
+  j["n_shared_experts"] = c.n_shared_experts;
+  j["num_experts_per_tok"] = c.num_experts_per_tok;
+  j["n_group"] = c.n_group;
+  j["topk_group"] = c.topk_group;
+  j["topk_method"] = c.topk_method == TopkMethod::NoauxTc              ? "noaux_tc"
+                     : c.topk_method == TopkMethod::GroupLimitedGreedy ? "group_limited_greedy"
+                                                                       : "greedy";
+  j["scoring_func"] = c.scoring_func == ScoringFunc::Sigmoid ? "sigmoid" : "softmax";
+  j["norm_topk_prob"] = c.norm_topk_prob;
+  j["routed_scaling_factor"] = c.routed_scaling_factor;
+  j["first_k_dense_replace"] = c.first_k_dense_replace;
+  j["moe_layer_freq"] = c.moe_layer_freq;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["num_nextn_predict_layers"] = 0;  // the weights written here hold no MTP modules
+  j["bos_token_id"] = c.bos_token_id;
+  j["eos_token_id"] = c.eos_token_id;
+  if (c.model_type == "deepseek_v32") {
+    j["index_n_heads"] = c.index_n_heads;
+    j["index_head_dim"] = c.index_head_dim;
+    j["index_topk"] = c.index_topk;
+  }
+  j["torch_dtype"] = "bfloat16";
+  return j;
+}
+
+void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const InitOptions& opt) {
+  c.validate();
+  DS_CHECK(c.index_n_heads == 0, "init: DeepSeek-V3.2 indexer weights are not supported yet");
+  DS_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32 || opt.dtype == DType::F16,
+           "init: weights can be written as bf16, f16 or f32, not {}", dtype_name(opt.dtype));
+  DS_CHECK(opt.init_std > 0.0f, "init: init_std must be positive, got {}", opt.init_std);
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  DS_CHECK(!ec && fs::is_directory(dir), "init: cannot create the folder '{}': {}", dir, ec.message());
+  // Never mix with another checkpoint's shards: a loader would read those.
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    DS_CHECK(name == "model.safetensors" || !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")),
+             "init: '{}' already holds another checkpoint ('{}'); choose an empty folder", dir, name);
+  }
+
+  std::vector<std::pair<std::string, Tensor>> ts;
+  uint64_t stream = 0;  // one Philox stream per tensor: the same seed gives the same weights
+  auto matrix = [&](const std::string& name, Shape shape) {
+    Tensor t = Tensor::empty(shape, DType::F32);
+    fill_normal(t.data<float>(), t.numel(), opt.init_std, opt.seed, stream++);
+    ts.emplace_back(name, opt.dtype == DType::F32 ? t : t.to(opt.dtype));
+  };
+  auto ones = [&](const std::string& name, int64_t n) {
+    Tensor t = Tensor::empty({n}, DType::F32);
+    for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = 1.0f;
+    ts.emplace_back(name, opt.dtype == DType::F32 ? t : t.to(opt.dtype));
+  };
+  const int64_t D = c.hidden_size, H = c.num_attention_heads, qk = c.qk_head_dim();
+  matrix("model.embed_tokens.weight", {c.vocab_size, D});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    ones(p + ".input_layernorm.weight", D);
+    ones(p + ".post_attention_layernorm.weight", D);
+    if (c.q_lora_rank > 0) {
+      matrix(p + ".self_attn.q_a_proj.weight", {c.q_lora_rank, D});
+      ones(p + ".self_attn.q_a_layernorm.weight", c.q_lora_rank);
+      matrix(p + ".self_attn.q_b_proj.weight", {H * qk, c.q_lora_rank});
+    } else {
+      matrix(p + ".self_attn.q_proj.weight", {H * qk, D});
+    }
+    matrix(p + ".self_attn.kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, D});
+    ones(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
+    matrix(p + ".self_attn.kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
+    matrix(p + ".self_attn.o_proj.weight", {D, H * c.v_head_dim});
+    auto mlp = [&](const std::string& q, int64_t width) {
+      matrix(q + ".gate_proj.weight", {width, D});
+      matrix(q + ".up_proj.weight", {width, D});
+      matrix(q + ".down_proj.weight", {D, width});
+    };
+    if (c.is_moe_layer(l)) {
+      matrix(p + ".mlp.gate.weight", {c.n_routed_experts, D});
+      if (c.topk_method == TopkMethod::NoauxTc)
+        ts.emplace_back(p + ".mlp.gate.e_score_correction_bias", Tensor::zeros({c.n_routed_experts}, DType::F32));
+      for (int64_t e = 0; e < c.n_routed_experts; ++e)
+        mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
+      if (c.n_shared_experts > 0) mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts);
+    } else {
+      mlp(p + ".mlp", c.intermediate_size);
+    }
+  }
+  ones("model.norm.weight", D);
+  if (!c.tie_word_embeddings) matrix("lm_head.weight", {c.vocab_size, D});
+  // Weights first: a folder whose config.json is new always has its weights.
+  io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
+  io::write_file_atomic((fs::path(dir) / "config.json").string(), to_hf_json(c).dump(2) + "\n");
+}
+
+}  // namespace ds::model

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The model commands end to end: `init` writes a folder that `generate`,
+# `bench` and `logits` read; bad input gives one error line and exit code 2.
+# Usage: model_cli_test.sh DEEPSEEK SOURCE_DIR
+set -u
+bin="$1"
+src="$2"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+check() { if ! eval "$1"; then echo "FAIL: $2"; fail=1; fi; }
+expect_error() {
+  local err rc
+  err=$("$bin" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [ "$rc" -ne 2 ]; then echo "FAIL: deepseek $* exited $rc, want 2"; fail=1; fi
+  if [ "$(printf '%s\n' "$err" | wc -l)" -ne 1 ] || [[ "$err" != deepseek:\ error:* ]]; then
+    echo "FAIL: deepseek $* stderr is not one 'deepseek: error:' line: $err"; fail=1
+  fi
+}
+
+m="$tmp/tiny"
+check '"$bin" init --config "$src/configs/tiny.yml" --out "$m" --seed 3 >/dev/null' "init tiny"
+check '[ -s "$m/config.json" ] && [ -s "$m/model.safetensors" ]' "init wrote config.json and model.safetensors"
+check '! ls "$m" | grep -q tmp' "init left no temporary files"
+# The same seed gives the same bytes; another seed does not.
+"$bin" init --config "$src/configs/tiny.yml" --out "$tmp/again" --seed 3 >/dev/null
+"$bin" init --config "$src/configs/tiny.yml" --out "$tmp/other" --seed 4 >/dev/null
+check 'cmp -s "$m/model.safetensors" "$tmp/again/model.safetensors"' "init is deterministic"
+check '! cmp -s "$m/model.safetensors" "$tmp/other/model.safetensors"' "init seed changes the weights"
+# A written config.json is a valid init source too, and --set overrides YAML keys.
+check '"$bin" init --config "$m/config.json" --out "$tmp/fromjson" >/dev/null' "init from config.json"
+check '"$bin" init --config "$src/configs/tiny.yml" --set base_num_decoder_layers=2 --out "$tmp/two" >/dev/null' "init --set"
+check 'grep -q "\"num_hidden_layers\": 2" "$tmp/two/config.json"' "--set reached config.json"
+
+cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$m/"
+out=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 2>"$tmp/stats")
+check '[ $? -eq 0 ]' "generate exits 0"
+check '[[ "$out" == "hello world"* ]]' "generate prints the prompt, then the continuation"
+check 'grep -q "prefill: .*tok/s); decode: 11 tokens" "$tmp/stats"' "generate reports prefill and decode speed"
+check 'grep -q "KV cache (latent)" "$tmp/stats"' "generate reports the cache"
+naive=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 --kv-cache naive 2>/dev/null)
+check '[ "$out" == "$naive" ]' "greedy text is the same with the naive cache"
+a=$("$bin" generate --model "$m" --prompt "hi" --max-new-tokens 8 --temperature 1 --top-k 20 --top-p 0.9 --seed 5 2>/dev/null)
+b=$("$bin" generate --model "$m" --prompt "hi" --max-new-tokens 8 --temperature 1 --top-k 20 --top-p 0.9 --seed 5 2>/dev/null)
+check '[ "$a" == "$b" ]' "sampling is reproducible with a seed"
+
+json=$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 3)
+check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_tokens_per_s\""* ]]' "bench prints a JSON line: $json"
+
+echo '[[1, 2, 3], [4]]' > "$tmp/tokens.json"
+check '"$bin" logits --model "$m" --tokens "$tmp/tokens.json" --out "$tmp/l.safetensors" >/dev/null' "logits"
+
+expect_error init --config "$src/configs/tiny.yml" --set no_such_key=1 --out "$tmp/bad"
+expect_error init --config "$src/configs/tiny.yml" --out "$src/tests/data/models/v3_fp8_sharded"
+expect_error generate --model "$tmp/missing" --prompt x
+expect_error generate --model "$tmp/again" --prompt x
+expect_error generate --model "$m" --prompt x --kv-cache fancy
+expect_error generate --model "$m" --prompt x --top-p 0
+expect_error bench --model "$m" --prompt-len 5000
+echo '[[1, 100000]]' > "$tmp/oov.json"
+expect_error logits --model "$m" --tokens "$tmp/oov.json" --out "$tmp/x.safetensors"
+echo '[[1, 2' > "$tmp/broken.json"
+expect_error logits --model "$m" --tokens "$tmp/broken.json" --out "$tmp/x.safetensors"
+expect_error logits --model "$m" --tokens "$tmp/tokens.json" --out "$tmp/x.safetensors" --incremental 9
+check '[ ! -e "$tmp/x.safetensors" ]' "failed logits commands wrote no output"
+
+[ "$fail" -eq 0 ] && echo "model_cli: all checks passed"
+exit "$fail"
