@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "ops/reference/matmul.h"
 #include "test_util.h"
 
@@ -51,7 +52,7 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
   // also leave a partial row block inside the kernel.
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
-    for (int64_t M : {1, 7, 64}) {
+    for (int64_t M : {1, 2, 3, 4, 5, 7, 64}) {
       auto w = make_weight(dt, 130, 200, 128, 128, 11);
       auto x = ds::test::randn(M * 200, 12);
       std::vector<float> y(M * 130);
@@ -65,19 +66,37 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
 }
 
 TEST(Linear, StridesAndAccumulation) {
-  auto w = make_weight(DType::BF16, 70, 33, 128, 128, 21);
-  const int64_t M = 5, ldx = 40, ldy = 90;
-  auto x = ds::test::randn(M * ldx, 22);
-  std::vector<float> y(M * ldy, 1.0f);
-  ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
-  for (int64_t i = 0; i < M; ++i) {
-    for (int64_t o = 0; o < 70; ++o) {
-      double s = 1.0;  // the accumulated initial value
-      for (int64_t c = 0; c < 33; ++c) s += static_cast<double>(x[i * ldx + c]) * w.value[o * 33 + c];
-      EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;  // float32 sums of 33 O(1) terms
+  // M = 3 takes the decode (few-row) kernel, M = 5 the widen-and-gemm path.
+  for (DType dt : {DType::BF16, DType::F8E4M3, DType::F16}) {
+    for (int64_t M : {3, 5}) {
+      auto w = make_weight(dt, 70, 33, 16, 16, 21);
+      const int64_t ldx = 40, ldy = 90;
+      auto x = ds::test::randn(M * ldx, 22);
+      std::vector<float> y(M * ldy, 1.0f);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t o = 0; o < 70; ++o) {
+          double s = 1.0;  // the accumulated initial value
+          for (int64_t c = 0; c < 33; ++c) s += static_cast<double>(x[i * ldx + c]) * w.value[o * 33 + c];
+          EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;  // float32 sums of 33 O(1) terms
+        }
+        for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
+      }
     }
-    for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
   }
+}
+
+TEST(Linear, DecodeRowsDoNotDependOnTheThreadCount) {
+  auto w = make_weight(DType::BF16, 515, 301, 128, 128, 41);  // big enough to run threaded
+  auto x = ds::test::randn(2 * 301, 42);
+  std::vector<float> one(2 * 515), two(2 * 515);
+  const int before = ds::num_threads();
+  ds::set_num_threads(1);
+  ds::ops::linear_forward(one.data(), x.data(), w.view, 2);
+  ds::set_num_threads(2);
+  ds::ops::linear_forward(two.data(), x.data(), w.view, 2);
+  ds::set_num_threads(before);
+  EXPECT_EQ(one, two);
 }
 
 TEST(Linear, Fp8BlockQuantizationErrorIsBounded) {

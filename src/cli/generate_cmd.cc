@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -154,7 +155,7 @@ int run_generate(const GenerateArgs& a) {
 
 struct BenchArgs {
   std::string model, cache = "latent";
-  int64_t batch = 1, prompt_len = 128, new_tokens = 32;
+  int64_t batch = 1, prompt_len = 128, new_tokens = 32, repeat = 3;
   uint64_t seed = 0;
 };
 
@@ -172,22 +173,33 @@ int run_bench(const BenchArgs& a) {
       prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % cfg.vocab_size));
   infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
   opt.cache = cache_kind(a.cache);
-  // Warm-up (page in the weights, grow the allocator's arenas), not timed.
+  // Warm-up, not timed: the same prompts touch every weight page and grow
+  // the allocator's arenas.
   opt.max_new_tokens = 2;
-  infer::generate(*m->transformer, {std::vector<int32_t>(prompts[0].begin(), prompts[0].begin() + std::min<int64_t>(8, a.prompt_len))},
-                  opt);
-  // One token comes from the prefill, then new_tokens decode steps.
+  infer::generate(*m->transformer, prompts, opt);
+  // One token comes from the prefill, then new_tokens decode steps. The
+  // median of the repeats is reported for each phase.
   opt.max_new_tokens = a.new_tokens + 1;
+  std::vector<double> prefill, decode;
   infer::GenerateStats st;
-  infer::generate(*m->transformer, prompts, opt, &st);
+  for (int64_t r = 0; r < a.repeat; ++r) {
+    infer::generate(*m->transformer, prompts, opt, &st);
+    prefill.push_back(st.prefill_tokens_per_second());
+    decode.push_back(st.decode_tokens_per_second());
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+  };
   nlohmann::json j = {{"impl", "deepseek.cpp"},
                       {"batch", a.batch},
                       {"prompt_len", a.prompt_len},
                       {"new_tokens", a.new_tokens},
                       {"threads", num_threads()},
                       {"kv_cache", a.cache},
-                      {"prefill_tokens_per_s", st.prefill_tokens_per_second()},
-                      {"decode_tokens_per_s", st.decode_tokens_per_second()},
+                      {"repeat", a.repeat},
+                      {"prefill_tokens_per_s", median(prefill)},
+                      {"decode_tokens_per_s", median(decode)},
                       {"cache_bytes", st.cache_bytes},
                       {"weight_file_bytes", weight_file_bytes(a.model)},
                       {"base_rss_bytes", base_rss},
@@ -239,6 +251,8 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
     cmd->add_option("--new-tokens", args->new_tokens, "decode steps (default 32)")->check(CLI::PositiveNumber);
     cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
         ->check(CLI::IsMember({"latent", "naive"}));
+    cmd->add_option("--repeat", args->repeat, "timed runs; the median is reported (default 3)")
+        ->check(CLI::PositiveNumber);
     cmd->add_option("--seed", args->seed, "seed of the random prompts");
     commands.emplace_back(cmd, [args] { return run_bench(*args); });
   }

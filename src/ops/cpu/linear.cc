@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
+
+#include <omp.h>
 
 #include "core/error.h"
 #include "ops/matmul.h"
@@ -38,6 +41,88 @@ const Fp8Table& fp8_table() {
   return t;
 }
 
+// Decode-sized products (a few rows of x) are bound by reading the weight
+// once. Widening it into a buffer and calling sgemm would write and read it
+// again as float32, so these rows are multiplied straight from the stored
+// dtype: bf16 widens in registers (a 16-bit shift), other dtypes widen one
+// weight row into a small (L1-resident) buffer.
+constexpr int64_t kGemvMaxRows = 4;
+constexpr int kLanes = 16;
+
+inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// y[m] = sum_c x[m][c] * w(c) for M rows of x; w read once. Lane-wise partial
+// sums in a fixed order, so results do not depend on threads.
+template <int M, typename Load>
+inline __attribute__((always_inline)) void dot_rows(float* out, const float* const* x, Load w, int64_t cols) {
+  float lane[M][kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= cols; c += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      const float wv = w(c + l);
+      for (int m = 0; m < M; ++m) lane[m][l] += x[m][c + l] * wv;
+    }
+  for (int m = 0; m < M; ++m) {
+    float tail = 0;
+    for (int64_t t = c; t < cols; ++t) tail += x[m][t] * w(t);
+    float sum = 0;
+    for (int l = 0; l < kLanes; ++l) sum += lane[m][l];
+    out[m] = sum + tail;
+  }
+}
+
+template <int M>
+inline __attribute__((always_inline)) void gemv_bf16_impl(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                                          const uint16_t* w, int64_t cols, int64_t r0, int64_t r1,
+                                                          bool accumulate) {
+  const float* xs[M];
+  for (int m = 0; m < M; ++m) xs[m] = x + m * ldx;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint16_t* wr = w + r * cols;
+    float out[M];
+    dot_rows<M>(out, xs, [wr](int64_t c) { return bf16_bits_to_f32(wr[c]); }, cols);
+    for (int m = 0; m < M; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[m] : out[m];
+  }
+}
+
+template <int M>
+inline __attribute__((always_inline)) void gemv_f32_impl(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                                         const float* wr, int64_t cols, int64_t r, bool accumulate) {
+  const float* xs[M];
+  for (int m = 0; m < M; ++m) xs[m] = x + m * ldx;
+  float out[M];
+  dot_rows<M>(out, xs, [wr](int64_t c) { return wr[c]; }, cols);
+  for (int m = 0; m < M; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[m] : out[m];
+}
+
+#define DS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+DS_CLONES void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
+                         int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+  switch (M) {
+    case 1: return gemv_bf16_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 2: return gemv_bf16_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 3: return gemv_bf16_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    default: return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+  }
+}
+
+// One already widened weight row r.
+DS_CLONES void gemv_f32_row(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const float* wr,
+                            int64_t cols, int64_t r, bool accumulate) {
+  switch (M) {
+    case 1: return gemv_f32_impl<1>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 2: return gemv_f32_impl<2>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 3: return gemv_f32_impl<3>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    default: return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
+  }
+}
+
 }  // namespace
 
 void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
@@ -71,6 +156,26 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   const float beta = accumulate ? 1.0f : 0.0f;
   if (w.dtype == DType::F32 && !w.scale_inv) {
     gemm(false, true, M, w.rows, w.cols, 1.0f, x, ldx, static_cast<const float*>(w.data), w.cols, beta, y, ldy);
+    return;
+  }
+  if (M <= kGemvMaxRows) {
+    // Rows of W split evenly over the threads; a weight too small to repay
+    // waking them runs on the calling thread.
+    const bool parallel = w.rows * w.cols >= (int64_t{1} << 16);
+#pragma omp parallel if (parallel)
+    {
+      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+      const int64_t r0 = w.rows * t / nt, r1 = w.rows * (t + 1) / nt;
+      if (w.dtype == DType::BF16) {
+        gemv_bf16(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
+      } else {
+        std::vector<float> row(static_cast<size_t>(w.cols));
+        for (int64_t r = r0; r < r1; ++r) {
+          widen_rows(row.data(), w, r, r + 1);
+          gemv_f32_row(y, ldy, x, ldx, M, row.data(), w.cols, r, accumulate);
+        }
+      }
+    }
     return;
   }
   // Each thread widens its own blocks of output rows and multiplies them
