@@ -141,3 +141,23 @@ TEST_F(TransformerTest, OutOfVocabularyTokensAndOverlongSequencesAreErrors) {
   EXPECT_THROW(m->transformer->step(cache, {{static_cast<int32_t>(m->config.vocab_size)}}, false), ds::Error);
   EXPECT_THROW(m->transformer->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
 }
+
+TEST_F(TransformerTest, V32IndexerTensorsAreRecognisedAndDenseAttentionStopsAtIndexTopk) {
+  auto cfg = ds::test::tiny_v3_config();
+  ds::test::write_random_model(dir_, cfg, 9);
+  auto v3 = ds::model::load_model(dir_);
+  auto ids = tokens(10, v3->config.vocab_size, 4);
+  auto want = full_logits(*v3, ids, CacheKind::Latent);
+  cfg["model_type"] = "deepseek_v32";
+  cfg["index_n_heads"] = 2;
+  cfg["index_head_dim"] = 16;
+  cfg["index_topk"] = 10;
+  ds::Tensor wk = ds::Tensor::zeros({16, 32}, ds::DType::BF16);
+  ds::test::write_random_model(dir_, cfg, 9, {{"model.layers.0.self_attn.indexer.wk.weight", wk}});
+  auto v32 = ds::model::load_model(dir_);
+  // Up to index_topk keys the indexer selects every key: dense attention.
+  EXPECT_EQ(full_logits(*v32, ids, CacheKind::Latent), want);
+  KvCache cache(CacheKind::Latent, 1, v32->config.num_hidden_layers);
+  v32->transformer->step(cache, {ids}, false);
+  EXPECT_THROW(v32->transformer->step(cache, {{1}}, false), ds::Error);
+}

@@ -233,6 +233,10 @@ std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<st
     DS_CHECK(past + n <= cfg_.max_position_embeddings,
              "sequence {} would reach {} tokens, beyond max_position_embeddings {}", s, past + n,
              cfg_.max_position_embeddings);
+    DS_CHECK(cfg_.index_topk == 0 || past + n <= cfg_.index_topk,
+             "sequence {} would reach {} tokens; DeepSeek-V3.2 sparse attention beyond index_topk {} keys is not "
+             "supported yet (up to that length it equals dense attention)",
+             s, past + n, cfg_.index_topk);
     b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
     for (int64_t i = 0; i < n; ++i) {
       const int32_t t = tokens[s][i];

@@ -63,6 +63,10 @@ class Loader {
       std::smatch m;
       if (std::regex_match(name, m, layer_re) && std::stoll(m[1]) >= cfg_.num_hidden_layers) continue;
       if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // older exports carry it
+      // DeepSeek-V3.2's sparse-attention indexer: it only chooses which
+      // index_topk keys a query attends to, so up to index_topk tokens the
+      // attention is the dense one (Transformer::step enforces that bound).
+      if (cfg_.index_n_heads > 0 && name.find(".self_attn.indexer.") != std::string::npos) continue;
       DS_FAIL("checkpoint tensor '{}' is not part of a {} model with this config (wrong config.json?)", name,
               cfg_.model_type);
     }
