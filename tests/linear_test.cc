@@ -52,7 +52,7 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
   // also leave a partial row block inside the kernel.
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
-    for (int64_t M : {1, 2, 3, 4, 5, 7, 64}) {
+    for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 64}) {
       auto w = make_weight(dt, 130, 200, 128, 128, 11);
       auto x = ds::test::randn(M * 200, 12);
       std::vector<float> y(M * 130);
@@ -66,9 +66,9 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
 }
 
 TEST(Linear, StridesAndAccumulation) {
-  // M = 3 takes the decode (few-row) kernel, M = 5 the widen-and-gemm path.
+  // M = 3 and 8 take the decode (few-row) kernel, M = 9 the widen-and-gemm path.
   for (DType dt : {DType::BF16, DType::F8E4M3, DType::F16}) {
-    for (int64_t M : {3, 5}) {
+    for (int64_t M : {3, 8, 9}) {
       auto w = make_weight(dt, 70, 33, 16, 16, 21);
       const int64_t ldx = 40, ldy = 90;
       auto x = ds::test::randn(M * ldx, 22);

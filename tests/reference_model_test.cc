@@ -58,12 +58,17 @@ class ReferenceModel : public ::testing::TestWithParam<const char*> {};
 TEST_P(ReferenceModel, FullForwardMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
   auto m = ds::model::load_model(f.dir);
-  for (size_t s = 0; s < f.tokens.size(); ++s) {
-    ASSERT_EQ(f.expected[s].size(), f.tokens[s].size() * m->config.vocab_size);
-    for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
-      KvCache cache(kind, 1, m->config.num_hidden_layers);
-      auto got = m->transformer->step(cache, {f.tokens[s]}, true);
-      ds::test::expect_close(got, f.expected[s], kTol, 0, "full forward");
+  // Experts as parallel tasks (the default for these few tokens) and one
+  // expert after another (what long prompts take).
+  for (int64_t task_limit : {int64_t{1} << 20, int64_t{0}}) {
+    m->transformer->set_task_parallel_assignments(task_limit);
+    for (size_t s = 0; s < f.tokens.size(); ++s) {
+      ASSERT_EQ(f.expected[s].size(), f.tokens[s].size() * m->config.vocab_size);
+      for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
+        KvCache cache(kind, 1, m->config.num_hidden_layers);
+        auto got = m->transformer->step(cache, {f.tokens[s]}, true);
+        ds::test::expect_close(got, f.expected[s], kTol, 0, task_limit ? "full forward, expert tasks" : "full forward");
+      }
     }
   }
 }

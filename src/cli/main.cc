@@ -2,9 +2,12 @@
 // end here as one line on stderr and exit code 2.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <malloc.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <vector>
 
@@ -67,7 +70,30 @@ void add_selfcheck_command(CLI::App& app, CommandList& commands) {
 }
 }  // namespace ds::cli
 
+// OpenMP threads that go to sleep between parallel regions must be woken by
+// the kernel, and on virtual machines that wake-up costs more than a small
+// decode-step product: measured on a 2-vCPU VM, decode ran at half speed
+// (slower than one thread) whenever libgomp's spin count ran out. The
+// program therefore spins its workers by default. libgomp reads its settings
+// when it loads, before main, so they are set here and the program re-runs
+// itself once. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is respected.
+static void default_to_spinning_threads(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT") || std::getenv("DEEPSEEK_REEXEC")) return;
+  setenv("OMP_WAIT_POLICY", "active", 1);
+  setenv("DEEPSEEK_REEXEC", "1", 1);
+  execv("/proc/self/exe", argv);
+  // exec failed (no /proc): carry on with the library defaults.
+  unsetenv("OMP_WAIT_POLICY");
+}
+
 int main(int argc, char** argv) {
+  default_to_spinning_threads(argv);
+  // Activation buffers of a few MB are allocated and freed on every layer
+  // of every step. glibc would serve each from a fresh mmap (or trim it back
+  // to the system) and fault its pages in again each time; keep them in the
+  // heap instead.
+  mallopt(M_MMAP_THRESHOLD, 512 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"deepseek.cpp: train and serve DeepSeek-V3-family models", "deepseek"};
   app.require_subcommand(0, 1);
   int threads = 0;

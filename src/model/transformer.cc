@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/buffer.h"
 #include "core/error.h"
 #include "ops/activations.h"
 #include "ops/attention.h"
@@ -42,24 +43,79 @@ Transformer::Transformer(const ModelConfig& cfg, const ModelWeights& w) : cfg_(c
 }
 
 static void rmsnorm_rows(float* y, const float* x, const std::vector<float>& w, int64_t rows, double eps) {
-  std::vector<float> rstd(rows);
+  Buffer<float> rstd(rows);
   ops::rmsnorm_forward(y, rstd.data(), x, w.data(), rows, static_cast<int64_t>(w.size()), static_cast<float>(eps));
 }
 
 void Transformer::mlp(float* out, const float* x, const Mlp& m, int64_t rows) const {
   const int64_t I = m.gate.out();
-  std::vector<float> g(rows * I), u(rows * I);
+  Buffer<float> g(rows * I), u(rows * I);
   ops::linear_forward(g.data(), x, m.gate.view, rows);
   ops::linear_forward(u.data(), x, m.up.view, rows);
   ops::silu_mul_forward(g.data(), g.data(), u.data(), rows * I);
   ops::linear_forward(out, g.data(), m.down.view, rows);
 }
 
+// Few tokens (decode): each expert's product is too small to split over
+// the threads by itself, and one thread team per product costs more than the
+// product. All the active experts' gate/up products become tasks of one
+// parallel loop, their down products tasks of a second, each matrix cut in
+// two row halves so the threads stay busy. Each product is computed whole by
+// one thread, so the result does not depend on the thread count.
+void Transformer::experts_as_tasks(float* shared_out, float* ys, const float* x, const float* xs,
+                                   const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const {
+  const int64_t D = cfg_.hidden_size;
+  struct Job {
+    const Mlp* mlp;
+    const float* in;
+    float* out;
+    int64_t rows;
+    Buffer<float> g, u;
+  };
+  std::vector<Job> jobs;
+  int64_t off = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    if (sizes[e] > 0) jobs.push_back({&m.experts[e], xs + off * D, ys + off * D, sizes[e], {}, {}});
+    off += sizes[e];
+  }
+  if (m.has_shared) jobs.push_back({&m.shared, x, shared_out, rows, {}, {}});
+  for (auto& j : jobs) {
+    j.g.resize(j.rows * j.mlp->gate.out());
+    j.u.resize(j.rows * j.mlp->up.out());
+  }
+  // Split points on a 128-row boundary keep fp8 scale blocks whole.
+  auto half = [](const ops::WeightView& w) {
+    const int64_t step = w.scale_inv ? w.block_rows : 16;
+    return (w.rows / 2) / step * step;
+  };
+  auto run_part = [](float* y, const float* in, const ops::WeightView& w, int64_t M, int64_t split, int part) {
+    if (part == 1 && split == 0) return;  // too small to cut: part 0 does it all
+    const int64_t r0 = part == 0 ? 0 : split, r1 = part == 0 && split > 0 ? split : w.rows;
+    ops::linear_forward(y + r0, in, ops::row_slice(w, r0, r1), M, w.cols, w.rows);
+  };
+  const int64_t J = static_cast<int64_t>(jobs.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < J * 4; ++t) {
+    Job& j = jobs[t / 4];
+    const bool up = (t / 2) % 2, part = t % 2;
+    const ops::WeightView& w = up ? j.mlp->up.view : j.mlp->gate.view;
+    run_part(up ? j.u.data() : j.g.data(), j.in, w, j.rows, half(w), part);
+  }
+  for (auto& j : jobs) ops::silu_mul_forward(j.g.data(), j.g.data(), j.u.data(), static_cast<int64_t>(j.g.size()));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < J * 2; ++t) {
+    Job& j = jobs[t / 2];
+    const ops::WeightView& w = j.mlp->down.view;
+    run_part(j.out, j.g.data(), w, j.rows, half(w), t % 2);
+  }
+  if (!m.has_shared) std::fill(shared_out, shared_out + rows * D, 0.0f);
+}
+
 void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) const {
   const int64_t D = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
   // Router in float32 over the (possibly bf16) gate weight.
-  std::vector<float> logits(rows * E), scores(rows * E), weights(rows * K);
-  std::vector<int32_t> experts(rows * K);
+  Buffer<float> logits(rows * E), scores(rows * E), weights(rows * K);
+  Buffer<int32_t> experts(rows * K);
   ops::linear_forward(logits.data(), x, m.gate.view, rows);
   ops::ExpertSelectionConfig sc;
   sc.num_experts = E;
@@ -77,19 +133,24 @@ void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) co
   // Dropless dispatch: sort assignments by expert, run each expert on its
   // contiguous rows, then combine in assignment order (deterministic).
   const int64_t n = rows * K;
-  std::vector<int32_t> order(n), inverse(n), sizes(E);
+  Buffer<int32_t> order(n), inverse(n);
+  std::vector<int32_t> sizes(E);
   ops::route_indices(order.data(), inverse.data(), sizes.data(), experts.data(), n, E);
-  std::vector<float> xs(n * D), ys(n * D);
+  Buffer<float> xs(n * D), ys(n * D);
   ops::route_forward(xs.data(), x, order.data(), rows, K, D);
-  int64_t off = 0;
-  for (int64_t e = 0; e < E; ++e) {
-    if (sizes[e] > 0) mlp(ys.data() + off * D, xs.data() + off * D, m.experts[e], sizes[e]);
-    off += sizes[e];
-  }
-  if (m.has_shared) {
-    mlp(out, x, m.shared, rows);
+  if (n <= task_parallel_assignments_) {
+    experts_as_tasks(out, ys.data(), x, xs.data(), sizes, m, rows);
   } else {
-    std::fill(out, out + rows * D, 0.0f);
+    int64_t off = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (sizes[e] > 0) mlp(ys.data() + off * D, xs.data() + off * D, m.experts[e], sizes[e]);
+      off += sizes[e];
+    }
+    if (m.has_shared) {
+      mlp(out, x, m.shared, rows);
+    } else {
+      std::fill(out, out + rows * D, 0.0f);
+    }
   }
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < rows; ++t)
@@ -107,9 +168,9 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
   const int64_t N = b.n, H = cfg_.num_attention_heads, nope = cfg_.qk_nope_head_dim, rope = cfg_.qk_rope_head_dim;
   const int64_t qk = nope + rope, vd = cfg_.v_head_dim, kvl = cfg_.kv_lora_rank;
   // Queries [N, H, qk].
-  std::vector<float> q(N * H * qk);
+  Buffer<float> q(N * H * qk);
   if (cfg_.q_lora_rank > 0) {
-    std::vector<float> qa(N * cfg_.q_lora_rank);
+    Buffer<float> qa(N * cfg_.q_lora_rank);
     ops::linear_forward(qa.data(), x, a.q_a.view, N);
     rmsnorm_rows(qa.data(), qa.data(), a.q_a_norm, N, cfg_.rms_norm_eps);
     ops::linear_forward(q.data(), qa.data(), a.q_b.view, N);
@@ -119,7 +180,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
   ops::rope_forward(q.data() + nope, q.data() + nope, b.pos.data(), rope_freqs_.data(), N, H, rope, H * qk, qk,
                     ops::RopeLayout::Interleaved);
   // Latent and shared rope key: kv_a gives [N, kvl + rope].
-  std::vector<float> kva(N * (kvl + rope)), ckv(N * kvl), kpe(N * rope);
+  Buffer<float> kva(N * (kvl + rope)), ckv(N * kvl), kpe(N * rope);
   ops::linear_forward(kva.data(), x, a.kv_a.view, N);
   for (int64_t t = 0; t < N; ++t) {
     std::memcpy(&ckv[t * kvl], &kva[t * (kvl + rope)], kvl * sizeof(float));
@@ -129,13 +190,13 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
   ops::rope_forward(kpe.data(), kpe.data(), b.pos.data(), rope_freqs_.data(), N, 1, rope, rope, rope,
                     ops::RopeLayout::Interleaved);
 
-  std::vector<float> ctx(N * H * vd);  // attention output [N, H, v]
+  Buffer<float> ctx(N * H * vd);  // attention output [N, H, v]
   const bool latent = cache.kind == infer::CacheKind::Latent;
   // The expanded keys/values of the new tokens: needed by the naive cache and
   // by the flash path of a fresh sequence.
   bool any_fresh = false;
   for (const auto& s : b.seqs) any_fresh |= s.past == 0;
-  std::vector<float> kv, kfull, vfull;
+  Buffer<float> kv, kfull, vfull;
   if (!latent || any_fresh) {
     kv.resize(N * H * (nope + vd));
     ops::linear_forward(kv.data(), ckv.data(), a.kv_b.view, N);
@@ -151,7 +212,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
       }
   }
   // Widened kv_b for the absorbed path: per head rows [nope | v] x kvl.
-  std::vector<float> wkvb;
+  Buffer<float> wkvb;
   for (const auto& s : b.seqs) {
     infer::SequenceCache& sc = cache.seqs[s.index];
     const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
@@ -164,7 +225,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
     }
     if (P == 0) {
       // A fresh sequence: tiled causal attention over its own tokens.
-      std::vector<float> lse(H * n);
+      Buffer<float> lse(H * n);
       ops::AttentionDims d{1, n, H, qk, vd, softmax_scale_};
       ops::attention_forward(&ctx[r0 * H * vd], lse.data(), &q[r0 * H * qk], &kfull[r0 * H * qk],
                              &vfull[r0 * H * vd], nullptr, d);
@@ -177,9 +238,9 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
     // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.
 #pragma omp parallel for schedule(static)
     for (int64_t h = 0; h < H; ++h) {
-      std::vector<float> S(n * T);
+      Buffer<float> S(n * T);
       const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
-      std::vector<float> lat;                    // [n, kvl] latent queries / contexts
+      Buffer<float> lat;                    // [n, kvl] latent queries / contexts
       if (latent) {
         const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
         lat.resize(n * kvl);
@@ -248,7 +309,7 @@ std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<st
   }
   if (b.n == 0) return {};
   const int64_t N = b.n;
-  std::vector<float> h(N * D), x(N * D), y(N * D);
+  Buffer<float> h(N * D), x(N * D), y(N * D);
   const size_t es = dtype_size(w_.embed.dtype());
   const char* emb = static_cast<const char*>(w_.embed.raw());
   for (int64_t t = 0; t < N; ++t) convert(&h[t * D], DType::F32, emb + b.token[t] * D * es, w_.embed.dtype(), D);
@@ -273,7 +334,7 @@ std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<st
     for (const auto& s : b.seqs) rows.push_back(s.row0 + s.count - 1);
   }
   const int64_t R = static_cast<int64_t>(rows.size());
-  std::vector<float> hr(R * D);
+  Buffer<float> hr(R * D);
   for (int64_t i = 0; i < R; ++i) std::memcpy(&hr[i * D], &h[rows[i] * D], D * sizeof(float));
   rmsnorm_rows(hr.data(), hr.data(), w_.final_norm, R, cfg_.rms_norm_eps);
   std::vector<float> logits(R * V);

@@ -25,11 +25,20 @@ class Transformer {
 
   const ModelConfig& config() const { return cfg_; }
 
+  // Up to this many token-expert assignments in a MoE layer, the experts run
+  // as tasks of one parallel loop (decode); above it, one after another with
+  // each product threaded (prefill). Both give the same numbers; tests set
+  // it to run either path.
+  void set_task_parallel_assignments(int64_t n) { task_parallel_assignments_ = n; }
+
  private:
   struct Batch;  // the packed tokens of one step
   void attention(float* out, const float* x, const Layer& L, int64_t layer, const Batch& b, infer::KvCache& cache);
   void mlp(float* out, const float* x, const Mlp& m, int64_t rows) const;
   void moe(float* out, const float* x, const Moe& m, int64_t rows) const;
+  void experts_as_tasks(float* shared_out, float* ys, const float* x, const float* xs,
+                        const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const;
+  int64_t task_parallel_assignments_ = 64;
 
   const ModelConfig& cfg_;
   const ModelWeights& w_;

@@ -25,6 +25,10 @@ struct WeightView {
   int64_t block_rows = 128, block_cols = 128;
 };
 
+// Rows [r0, r1) of W as a weight of its own. For fp8, r0 must be a multiple
+// of block_rows (the scales are indexed by block).
+WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1);
+
 // Widens rows [r0, r1) of W into out[(r1 - r0), cols] (float32, dequantized).
 void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
 

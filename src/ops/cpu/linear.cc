@@ -7,6 +7,7 @@
 
 #include <omp.h>
 
+#include "core/buffer.h"
 #include "core/error.h"
 #include "ops/matmul.h"
 
@@ -46,7 +47,7 @@ const Fp8Table& fp8_table() {
 // again as float32, so these rows are multiplied straight from the stored
 // dtype: bf16 widens in registers (a 16-bit shift), other dtypes widen one
 // weight row into a small (L1-resident) buffer.
-constexpr int64_t kGemvMaxRows = 4;
+constexpr int64_t kGemvMaxRows = 8;
 constexpr int kLanes = 16;
 
 inline float bf16_bits_to_f32(uint16_t h) {
@@ -108,7 +109,11 @@ DS_CLONES void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int
     case 1: return gemv_bf16_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
     case 2: return gemv_bf16_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
     case 3: return gemv_bf16_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    default: return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 4: return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 5: return gemv_bf16_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 6: return gemv_bf16_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 7: return gemv_bf16_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    default: return gemv_bf16_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
   }
 }
 
@@ -119,11 +124,27 @@ DS_CLONES void gemv_f32_row(float* y, int64_t ldy, const float* x, int64_t ldx, 
     case 1: return gemv_f32_impl<1>(y, ldy, x, ldx, wr, cols, r, accumulate);
     case 2: return gemv_f32_impl<2>(y, ldy, x, ldx, wr, cols, r, accumulate);
     case 3: return gemv_f32_impl<3>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    default: return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 4: return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 5: return gemv_f32_impl<5>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 6: return gemv_f32_impl<6>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 7: return gemv_f32_impl<7>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    default: return gemv_f32_impl<8>(y, ldy, x, ldx, wr, cols, r, accumulate);
   }
 }
 
 }  // namespace
+
+WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1) {
+  DS_CHECK(0 <= r0 && r0 < r1 && r1 <= w.rows, "row_slice: rows [{}, {}) of {}", r0, r1, w.rows);
+  WeightView v = w;
+  v.data = static_cast<const char*>(w.data) + static_cast<size_t>(r0 * w.cols) * dtype_size(w.dtype);
+  v.rows = r1 - r0;
+  if (w.scale_inv) {
+    DS_CHECK(r0 % w.block_rows == 0, "row_slice: row {} is not on a {}-row scale block boundary", r0, w.block_rows);
+    v.scale_inv = w.scale_inv + (r0 / w.block_rows) * ((w.cols + w.block_cols - 1) / w.block_cols);
+  }
+  return v;
+}
 
 void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   DS_CHECK(0 <= r0 && r0 <= r1 && r1 <= w.rows, "widen_rows: rows [{}, {}) of {}", r0, r1, w.rows);
@@ -169,7 +190,7 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
       if (w.dtype == DType::BF16) {
         gemv_bf16(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
       } else {
-        std::vector<float> row(static_cast<size_t>(w.cols));
+        Buffer<float> row(static_cast<size_t>(w.cols));
         for (int64_t r = r0; r < r1; ++r) {
           widen_rows(row.data(), w, r, r + 1);
           gemv_f32_row(y, ldy, x, ldx, M, row.data(), w.cols, r, accumulate);
@@ -183,7 +204,7 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   const int64_t nblocks = (w.rows + kRowBlock - 1) / kRowBlock;
 #pragma omp parallel
   {
-    std::vector<float> buf(static_cast<size_t>(kRowBlock * w.cols));
+    Buffer<float> buf(static_cast<size_t>(kRowBlock * w.cols));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t r0 = b * kRowBlock, r1 = std::min(w.rows, r0 + kRowBlock);
