@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Generation throughput of deepseek.cpp against the same model in PyTorch eager
+# mode (float32, bench/torch_generate.py) on this CPU. Usage:
+#   bench/generate_compare.sh [BUILD_DIR]     # BUILD_DIR defaults to build
+# Both sides run a random checkpoint of the `small` preset (made by
+# `deepseek init`), a PROMPT_LEN-token prompt and NEW_TOKENS greedy decode steps
+# for each batch size in BATCHES, with every core. The ratio columns are
+# ours / torch (above 1: the engine is faster).
+# Prefill tok/s = batch * prompt_len / prefill seconds (the prefill also makes
+# each sequence's first new token); decode tok/s = batch * NEW_TOKENS / decode
+# seconds, over NEW_TOKENS decode steps. Each side reports the median of 3 runs
+# after a warm-up.
+# Needs Debian's python3-torch and python3-numpy (PYTHON, default
+# /usr/bin/python3); jq is used for the JSON when installed.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${1:-$root/build}"
+bin="$build/deepseek"
+py="${PYTHON:-/usr/bin/python3}"
+batches="${BATCHES:-1 8}"
+prompt_len="${PROMPT_LEN:-128}"
+new_tokens="${NEW_TOKENS:-32}"
+threads="$(nproc)"
+
+[ -x "$bin" ] || { echo "error: $bin not found; build the project first (or pass BUILD_DIR)" >&2; exit 1; }
+"$py" -c "import torch, numpy" 2>/dev/null ||
+  { echo "error: $py cannot import torch and numpy (apt-get install python3-torch python3-numpy)" >&2; exit 1; }
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+# field JSON KEY: one value of a flat JSON object.
+if command -v jq >/dev/null 2>&1; then
+  field() { jq -r ".$2" <<<"$1"; }
+else
+  field() { "$py" -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"; }
+fi
+# last_json: the last line of stdin that is a JSON object (the result line).
+last_json() { grep '^{' | tail -n 1; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+echo "creating a random checkpoint of configs/small.yml ..." >&2
+"$bin" init --config "$root/configs/small.yml" --out "$tmp/small" --seed 1 >&2
+
+args=(--model "$tmp/small" --prompt-len "$prompt_len" --new-tokens "$new_tokens")
+rows=()
+for b in $batches; do
+  echo "batch $b: deepseek.cpp ..." >&2
+  ours="$("$bin" --threads "$threads" bench "${args[@]}" --batch "$b" | last_json)"
+  echo "batch $b: torch ..." >&2
+  theirs="$("$py" "$root/bench/torch_generate.py" "${args[@]}" --batch "$b" --threads "$threads" | last_json)"
+  if [ -z "$ours" ] || [ -z "$theirs" ]; then
+    echo "error: a benchmark printed no JSON result" >&2
+    exit 1
+  fi
+  op="$(field "$ours" prefill_tokens_per_s)" tp="$(field "$theirs" prefill_tokens_per_s)"
+  od="$(field "$ours" decode_tokens_per_s)" td="$(field "$theirs" decode_tokens_per_s)"
+  rows+=("$(printf '%5s | %10.1f %10.1f %6s | %10.1f %10.1f %6s' \
+    "$b" "$op" "$tp" "$(ratio "$op" "$tp")" "$od" "$td" "$(ratio "$od" "$td")")")
+done
+
+echo
+echo "machine: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores," \
+  "load average $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (float32 eager), threads $threads," \
+  "OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-PASSIVE}"
+echo "model:   configs/small.yml (random weights), prompt $prompt_len tokens, $new_tokens decode steps, greedy"
+echo
+printf '%5s | %-28s | %s\n' "" "prefill tok/s" "decode tok/s"
+printf '%5s | %10s %10s %6s | %10s %10s %6s\n' batch ours torch ratio ours torch ratio
+echo "------+------------------------------+------------------------------"
+for r in "${rows[@]}"; do echo "$r"; done
