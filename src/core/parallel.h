@@ -3,6 +3,8 @@
 // it, so results are bitwise identical for any number of threads.
 #pragma once
 
+#include <omp.h>
+
 #include <cstdint>
 
 namespace ds {
@@ -16,5 +18,26 @@ void set_num_threads(int n);
 // which thread computes which block.
 inline constexpr int64_t kReduceBlock = 64;
 inline int64_t reduce_blocks(int64_t n) { return (n + kReduceBlock - 1) / kReduceBlock; }
+
+// Runs f(begin, end) over [0, n): split evenly over a thread team when
+// `parallel` holds and no team is active yet, else once on the calling
+// thread. Use it instead of `#pragma omp parallel if (...)` on hot paths: a
+// region whose if-clause is false still builds a one-thread team and ends
+// with a futex call, which on a decode step (hundreds of tiny regions) costs
+// more than the work. f must give the same result for any split.
+template <typename F>
+void parallel_ranges(int64_t n, bool parallel, F&& f) {
+  if (n <= 0) return;
+  if (!parallel || n == 1 || omp_in_parallel() || omp_get_max_threads() == 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const int64_t b = n * id / nt, e = n * (id + 1) / nt;
+    if (b < e) f(b, e);
+  }
+}
 
 }  // namespace ds

@@ -7,6 +7,7 @@
 
 #include "core/buffer.h"
 #include "core/error.h"
+#include "core/parallel.h"
 #include "ops/activations.h"
 #include "ops/attention.h"
 #include "ops/expert_selection.h"
@@ -152,14 +153,15 @@ void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) co
       std::fill(out, out + rows * D, 0.0f);
     }
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t j = 0; j < K; ++j) {
-      const float wj = weights[t * K + j];
-      const float* y = ys.data() + inverse[t * K + j] * D;
-      float* o = out + t * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
-    }
+  parallel_ranges(rows, rows * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const float wj = weights[t * K + j];
+        const float* y = ys.data() + inverse[t * K + j] * D;
+        float* o = out + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
+      }
+  });
 }
 
 void Transformer::attention(float* out, const float* x, const Layer& L, int64_t layer, const Batch& b,
@@ -236,8 +238,8 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
       ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
     }
     // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.
-#pragma omp parallel for schedule(static)
-    for (int64_t h = 0; h < H; ++h) {
+    parallel_ranges(H, n * T * H * (kvl + rope) >= (int64_t{1} << 17), [&](int64_t h0, int64_t h1) {
+    for (int64_t h = h0; h < h1; ++h) {
       Buffer<float> S(n * T);
       const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
       Buffer<float> lat;                    // [n, kvl] latent queries / contexts
@@ -278,6 +280,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
         ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
       }
     }
+    });
   }
   ops::linear_forward(out, ctx.data(), a.o.view, N);
 }

@@ -19,6 +19,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace ds::ops {
 namespace {
@@ -152,8 +153,9 @@ constexpr int64_t kChunk = 16384;
 template <typename F>
 void for_chunks(int64_t n, F&& f) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) if (chunks > 1)
-  for (int64_t c = 0; c < chunks; ++c) f(c * kChunk, std::min(kChunk, n - c * kChunk));
+  parallel_ranges(chunks, chunks > 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) f(c * kChunk, std::min(kChunk, n - c * kChunk));
+  });
 }
 
 }  // namespace

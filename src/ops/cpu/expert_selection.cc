@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace ds::ops {
 
@@ -42,12 +43,10 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
                               const float* bias, int64_t tokens, const ExpertSelectionConfig& cfg) {
   check_config(cfg, tokens);
   const int64_t E = cfg.num_experts, K = cfg.k;
-#pragma omp parallel
-  {
+  parallel_ranges(tokens, tokens * E >= 4096, [&](int64_t t0, int64_t t1) {
     std::vector<float> choice(E), gscore(cfg.n_group);
     std::vector<int32_t> idx, gsel(cfg.topk_group);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const float* l = logits + t * E;
       float* s = scores + t * E;
       if (cfg.scoring == ExpertScoring::Sigmoid) {
@@ -88,7 +87,7 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
         w[j] = static_cast<float>(wj * cfg.routed_scaling_factor);
       }
     }
-  }
+  });
 }
 
 void expert_selection_backward(float* dlogits, const float* dweights, const float* scores, const int32_t* experts,
@@ -96,7 +95,7 @@ void expert_selection_backward(float* dlogits, const float* dweights, const floa
   check_config(cfg, tokens);
   const int64_t E = cfg.num_experts, K = cfg.k;
   const double scale = cfg.routed_scaling_factor;
-#pragma omp parallel
+#pragma omp parallel if (tokens * E >= 4096)
   {
     std::vector<double> ds(E);
 #pragma omp for schedule(static)

@@ -5,10 +5,9 @@
 #include <cstring>
 #include <vector>
 
-#include <omp.h>
-
 #include "core/buffer.h"
 #include "core/error.h"
+#include "core/parallel.h"
 #include "ops/matmul.h"
 
 namespace ds::ops {
@@ -182,11 +181,7 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   if (M <= kGemvMaxRows) {
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
-    const bool parallel = w.rows * w.cols >= (int64_t{1} << 16);
-#pragma omp parallel if (parallel)
-    {
-      const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-      const int64_t r0 = w.rows * t / nt, r1 = w.rows * (t + 1) / nt;
+    parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
       if (w.dtype == DType::BF16) {
         gemv_bf16(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
       } else {
@@ -196,13 +191,13 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
           gemv_f32_row(y, ldy, x, ldx, M, row.data(), w.cols, r, accumulate);
         }
       }
-    }
+    });
     return;
   }
   // Each thread widens its own blocks of output rows and multiplies them
   // single-threaded; the blocks are independent, so no reduction is involved.
   const int64_t nblocks = (w.rows + kRowBlock - 1) / kRowBlock;
-#pragma omp parallel
+#pragma omp parallel if (!omp_in_parallel())
   {
     Buffer<float> buf(static_cast<size_t>(kRowBlock * w.cols));
 #pragma omp for schedule(dynamic, 1)

@@ -79,12 +79,14 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) double dw_row_dot(f
 void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim, float eps) {
   DS_CHECK(rows >= 0 && dim > 0, "rmsnorm: rows={} dim={}", rows, dim);
   DS_CHECK(eps >= 0.0f, "rmsnorm: eps must be non-negative, got {}", eps);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float rs = static_cast<float>(1.0 / std::sqrt(sum_squares(x + r * dim, dim) / dim + eps));
-    rstd[r] = rs;
-    scale_row(y + r * dim, x + r * dim, w, rs, dim);
-  }
+  // Rows are independent; a few rows (decode) are not worth a thread team.
+  parallel_ranges(rows, rows * dim >= (int64_t{1} << 15), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float rs = static_cast<float>(1.0 / std::sqrt(sum_squares(x + r * dim, dim) / dim + eps));
+      rstd[r] = rs;
+      scale_row(y + r * dim, x + r * dim, w, rs, dim);
+    }
+  });
 }
 
 void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w, const float* rstd,

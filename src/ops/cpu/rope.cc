@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace ds::ops {
 namespace {
@@ -48,11 +49,9 @@ void rope_apply(float* y, const float* x, const int32_t* positions, const float*
   for (int64_t t = 0; t < tokens; ++t)
     DS_CHECK(positions[t] >= 0, "{}: position {} of token {} is negative", name, positions[t], t);
   const int64_t half = dim / 2;
-#pragma omp parallel
-  {
+  parallel_ranges(tokens, tokens * heads * dim >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
     std::vector<float> c(half), s(half);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = t0; t < t1; ++t) {
       const float p = static_cast<float>(positions[t]);
       for (int64_t i = 0; i < half; ++i) {
         // The angle is rounded to float32 as the reference implementations do;
@@ -66,7 +65,7 @@ void rope_apply(float* y, const float* x, const int32_t* positions, const float*
         rotate_head(y + off, x + off, c.data(), s.data(), half, layout);
       }
     }
-  }
+  });
 }
 
 }  // namespace

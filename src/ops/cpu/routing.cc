@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace ds::ops {
 namespace {
@@ -75,9 +76,10 @@ void gather_rows(float* out, const float* src, const int32_t* idx, int64_t rows,
   const int64_t limit = src_rows * div;
   for (int64_t r = 0; r < rows; ++r)
     DS_CHECK(idx[r] >= 0 && idx[r] < limit, "{}: index {} at row {} outside [0, {})", what, idx[r], r, limit);
-#pragma omp parallel for schedule(static) if (rows * dim >= kMinParallelWork)
-  for (int64_t r = 0; r < rows; ++r)
-    std::memcpy(out + r * dim, src + static_cast<int64_t>(idx[r]) / div * dim, dim * sizeof(float));
+  parallel_ranges(rows, rows * dim >= kMinParallelWork, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(out + r * dim, src + static_cast<int64_t>(idx[r]) / div * dim, dim * sizeof(float));
+  });
 }
 
 }  // namespace
