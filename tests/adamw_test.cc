@@ -19,14 +19,11 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
-
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
 
 ref::AdamW to_ref(const ops::AdamWConfig& c) { return {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay}; }
 

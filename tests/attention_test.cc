@@ -28,15 +28,12 @@ float attention_exp_row(float* x, int64_t n, float shift);
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using ops::AttentionDims;
 using test::expect_close;
 using test::randn;
 using test::to_double;
-
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
 
 // Segment ids [T] of consecutive segments with the given lengths.
 std::vector<int32_t> from_lengths(const std::vector<int>& lengths) {

@@ -4,15 +4,7 @@
 set -u
 bin="$1"
 fail=0
-expect_error() {
-  local err rc
-  err=$("$bin" "$@" 2>&1 >/dev/null)
-  rc=$?
-  if [ "$rc" -ne 2 ]; then echo "FAIL: deepseek $* exited $rc, want 2"; fail=1; fi
-  if [ "$(printf '%s\n' "$err" | wc -l)" -ne 1 ] || [[ "$err" != deepseek:\ error:* ]]; then
-    echo "FAIL: deepseek $* stderr is not one 'deepseek: error:' line: $err"; fail=1
-  fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 "$bin" --help >/dev/null || { echo "FAIL: --help"; fail=1; }
 "$bin" --version | grep -q "deepseek.cpp" || { echo "FAIL: --version"; fail=1; }
 "$bin" selfcheck >/dev/null || { echo "FAIL: selfcheck"; fail=1; }

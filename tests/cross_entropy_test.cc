@@ -23,14 +23,11 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
-
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
 
 // Targets in [0, V), with every `ignore_every`-th one (if > 0) set to -1.
 std::vector<int32_t> random_targets(int64_t N, int64_t V, uint64_t seed, int64_t ignore_every = 0) {

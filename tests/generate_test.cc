@@ -3,6 +3,8 @@
 // generates what each prompt generates alone, EOS and length limits stop a
 // sequence, and sampling stays inside the tokenizer's ids. Also the
 // checkpoint writer: config.json round-trips and written folders load.
+#include "infer/generate.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +12,6 @@
 #include <fstream>
 
 #include "core/error.h"
-#include "infer/generate.h"
 #include "model/init.h"
 #include "model/load.h"
 #include "model_fixture.h"

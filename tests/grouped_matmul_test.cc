@@ -20,6 +20,8 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
@@ -30,11 +32,6 @@ using test::to_double;
 // or missing term is far above it.
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
-
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
 
 struct Case {
   std::string name;

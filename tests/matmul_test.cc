@@ -17,6 +17,8 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
@@ -29,11 +31,6 @@ constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
 
 // Restores the OpenMP thread count on scope exit, even when an assertion fails.
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
-
 class MatmulTrans : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 // Reference backward vs central finite differences of the reference forward,

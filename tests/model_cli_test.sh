@@ -9,15 +9,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail=0
 check() { if ! eval "$1"; then echo "FAIL: $2"; fail=1; fi; }
-expect_error() {
-  local err rc
-  err=$("$bin" "$@" 2>&1 >/dev/null)
-  rc=$?
-  if [ "$rc" -ne 2 ]; then echo "FAIL: deepseek $* exited $rc, want 2"; fail=1; fi
-  if [ "$(printf '%s\n' "$err" | wc -l)" -ne 1 ] || [[ "$err" != deepseek:\ error:* ]]; then
-    echo "FAIL: deepseek $* stderr is not one 'deepseek: error:' line: $err"; fail=1
-  fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 
 m="$tmp/tiny"
 check '"$bin" init --config "$src/configs/tiny.yml" --out "$m" --seed 3 >/dev/null' "init tiny"

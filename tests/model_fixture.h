@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "io/safetensors.h"
 #include "model/config.h"
+#include "model/load.h"
 
 namespace ds::test {
 
@@ -72,7 +73,8 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
         fill_normal(b.data<float>(), b.numel(), 0.1f, seed, stream++);
         ts.emplace_back(p + ".mlp.gate.e_score_correction_bias", b);
       }
-      for (int64_t e = 0; e < c.n_routed_experts; ++e) mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
+      for (int64_t e = 0; e < c.n_routed_experts; ++e)
+        mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
       if (c.n_shared_experts > 0) mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts);
     } else {
       mlp(p + ".mlp", c.intermediate_size);
@@ -82,6 +84,19 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
   add("lm_head.weight", {c.vocab_size, D}, 0.3f);
   for (const auto& e : extra) ts.push_back(e);
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts);
+}
+
+// Logits of every position of `ids`: the first `prefix` tokens in one step,
+// then one token per step through a cache of `kind`.
+inline std::vector<float> incremental_logits(model::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
+                                             infer::CacheKind kind) {
+  infer::KvCache cache(kind, 1, m.config.num_hidden_layers);
+  auto out = m.transformer->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
+  for (size_t t = prefix; t < ids.size(); ++t) {
+    auto one = m.transformer->step(cache, {{ids[t]}}, true);
+    out.insert(out.end(), one.begin(), one.end());
+  }
+  return out;
 }
 
 }  // namespace ds::test

@@ -15,6 +15,7 @@
 
 #include "io/safetensors.h"
 #include "model/load.h"
+#include "model_fixture.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -38,19 +39,9 @@ Fixture read_fixture(const std::string& name) {
   EXPECT_TRUE(in.good()) << f.dir;
   f.tokens = nlohmann::json::parse(in).get<std::vector<std::vector<int32_t>>>();
   auto exp = ds::io::SafetensorsFile::open(f.dir + "/expected.safetensors");
-  for (size_t s = 0; s < f.tokens.size(); ++s) f.expected.push_back(exp.tensor("logits." + std::to_string(s)).to_vector());
+  for (size_t s = 0; s < f.tokens.size(); ++s)
+    f.expected.push_back(exp.tensor("logits." + std::to_string(s)).to_vector());
   return f;
-}
-
-std::vector<float> incremental(ds::model::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
-                               CacheKind kind) {
-  KvCache cache(kind, 1, m.config.num_hidden_layers);
-  auto out = m.transformer->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
-  for (size_t t = prefix; t < ids.size(); ++t) {
-    auto one = m.transformer->step(cache, {{ids[t]}}, true);
-    out.insert(out.end(), one.begin(), one.end());
-  }
-  return out;
 }
 
 class ReferenceModel : public ::testing::TestWithParam<const char*> {};
@@ -80,8 +71,10 @@ TEST_P(ReferenceModel, DecodingThroughEitherCacheMatchesTheReference) {
     const size_t T = f.tokens[s].size();
     for (size_t prefix : {size_t{1}, T / 2 + 1}) {
       if (prefix > T) continue;
-      ds::test::expect_close(incremental(*m, f.tokens[s], prefix, CacheKind::Latent), f.expected[s], kTol, 0, "latent");
-      ds::test::expect_close(incremental(*m, f.tokens[s], prefix, CacheKind::Naive), f.expected[s], kTol, 0, "naive");
+      ds::test::expect_close(ds::test::incremental_logits(*m, f.tokens[s], prefix, CacheKind::Latent), f.expected[s],
+                             kTol, 0, "latent");
+      ds::test::expect_close(ds::test::incremental_logits(*m, f.tokens[s], prefix, CacheKind::Naive), f.expected[s],
+                             kTol, 0, "naive");
     }
   }
 }
@@ -102,17 +95,19 @@ TEST_P(ReferenceModel, ABatchOfAllSequencesMatchesTheReference) {
   EXPECT_EQ(row, got.size());
 }
 
-// The command users and scripts call: `deepseek logits ... --incremental 2`.
+// The command users and scripts call: `deepseek logits`, full and incremental.
 TEST_P(ReferenceModel, LogitsCommandMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
-  const std::string out = (fs::temp_directory_path() / (std::string("ds_ref_logits_") + GetParam() + ".safetensors")).string();
+  const std::string out =
+      (fs::temp_directory_path() / (std::string("ds_ref_logits_") + GetParam() + ".safetensors")).string();
   for (const char* extra : {"", " --incremental 1 --kv-cache naive"}) {
     const std::string cmd = std::string(DEEPSEEK_BINARY) + " logits --model " + f.dir + " --tokens " + f.dir +
                             "/tokens.json --out " + out + extra + " > /dev/null";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     auto got = ds::io::SafetensorsFile::open(out);
     for (size_t s = 0; s < f.tokens.size(); ++s)
-      ds::test::expect_close(got.tensor("logits." + std::to_string(s)).to_vector(), f.expected[s], kTol, 0, cmd.c_str());
+      ds::test::expect_close(got.tensor("logits." + std::to_string(s)).to_vector(), f.expected[s], kTol, 0,
+                             cmd.c_str());
   }
   fs::remove(out);
 }

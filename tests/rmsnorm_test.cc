@@ -19,16 +19,13 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
 
 // Restores the OpenMP thread count on scope exit, even when an assertion fails.
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
-
 // Outputs of one float32 forward + backward.
 struct Fast {
   std::vector<float> y, rstd, dx, dw;

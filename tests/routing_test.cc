@@ -21,14 +21,11 @@
 namespace ds {
 namespace {
 
+using ds::test::ThreadCountGuard;
+
 using test::expect_close;
 using test::randn;
 using test::to_double;
-
-struct ThreadCountGuard {
-  int saved = omp_get_max_threads();
-  ~ThreadCountGuard() { omp_set_num_threads(saved); }
-};
 
 // Values on a coarse grid (multiples of 1/4 in [-2, 2)) so that rows are full of ties.
 std::vector<float> coarse(size_t n, uint64_t seed) {

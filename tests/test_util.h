@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 #include <functional>
@@ -11,6 +12,12 @@
 #include "core/rng.h"
 
 namespace ds::test {
+
+// Restores the OpenMP thread count when a test that changes it ends.
+struct ThreadCountGuard {
+  int saved = omp_get_max_threads();
+  ~ThreadCountGuard() { omp_set_num_threads(saved); }
+};
 
 inline std::vector<float> randn(size_t n, uint64_t seed, float std = 1.0f) {
   std::vector<float> x(n);

@@ -42,17 +42,6 @@ std::vector<float> full_logits(ds::model::LoadedModel& m, const std::vector<int3
   return m.transformer->step(cache, {ids}, true);
 }
 
-std::vector<float> incremental_logits(ds::model::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
-                                      CacheKind kind) {
-  KvCache cache(kind, 1, m.config.num_hidden_layers);
-  auto out = m.transformer->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
-  for (size_t t = prefix; t < ids.size(); ++t) {
-    auto one = m.transformer->step(cache, {{ids[t]}}, true);
-    out.insert(out.end(), one.begin(), one.end());
-  }
-  return out;
-}
-
 }  // namespace
 
 // Different summation orders (flash tiles vs. latent-space products) in
@@ -70,7 +59,7 @@ TEST_F(TransformerTest, IncrementalDecodingEqualsTheFullForward) {
     ASSERT_EQ(full.size(), ids.size() * m->config.vocab_size);
     for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
       for (size_t prefix : {1u, 5u, 18u}) {
-        auto inc = incremental_logits(*m, ids, prefix, kind);
+        auto inc = ds::test::incremental_logits(*m, ids, prefix, kind);
         ds::test::expect_close(inc, full, kTol, 0, kind == CacheKind::Latent ? "latent" : "naive");
       }
     }

@@ -61,8 +61,8 @@ struct InitArgs {
 int run_init(const InitArgs& a) {
   const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
   DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
-  const model::ModelConfig cfg =
-      yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides) : model::ModelConfig::from_hf_json_file(a.config);
+  const model::ModelConfig cfg = yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides)
+                                      : model::ModelConfig::from_hf_json_file(a.config);
   model::InitOptions opt;
   opt.seed = a.seed;
   opt.dtype = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
@@ -140,14 +140,15 @@ int run_generate(const GenerateArgs& a) {
   stream.finish();
   std::fputs("\n", stdout);
   std::fflush(stdout);
-  std::fprintf(stderr, "%s",
-               fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
-                           "KV cache ({}): {} for {} tokens; weights {}; peak RSS {}; {} threads\n",
-                           st.prompt_tokens, st.prefill_seconds, st.prefill_tokens_per_second(),
-                           st.decode_steps_tokens, st.decode_seconds, st.decode_tokens_per_second(), a.cache,
-                           mib(st.cache_bytes), st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)),
-                           mib(peak_rss_bytes()), num_threads())
-                   .c_str());
+  std::fprintf(
+      stderr, "%s",
+      fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
+                  "KV cache ({}): {} for {} tokens; weights {}; peak RSS {}; {} threads\n",
+                  st.prompt_tokens, st.prefill_seconds, st.prefill_tokens_per_second(), st.decode_steps_tokens,
+                  st.decode_seconds, st.decode_tokens_per_second(), a.cache, mib(st.cache_bytes),
+                  st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)), mib(peak_rss_bytes()),
+                  num_threads())
+          .c_str());
   return 0;
 }
 

@@ -20,8 +20,8 @@ AtomicFile::AtomicFile(const std::string& path) : path_(path) {
   // Unique per process and per writer, so concurrent writers never share a temporary.
   static std::atomic<uint64_t> counter{0};
   const std::filesystem::path target(path);
-  tmp_ = (target.parent_path() / (target.filename().string() + ".tmp." + std::to_string(getpid()) + "." +
-                                  std::to_string(counter++)))
+  tmp_ = (target.parent_path() /
+          (target.filename().string() + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter++)))
              .string();
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   DS_CHECK(fd_ >= 0, "cannot create '{}': {}", tmp_, errno_text());

@@ -13,8 +13,9 @@ namespace ds::model {
 nlohmann::json to_hf_json(const ModelConfig& c) {
   nlohmann::json j;
   const bool v2 = c.model_type == "deepseek_v2";
-  j["architectures"] = {v2 ? "DeepseekV2ForCausalLM" : c.model_type == "deepseek_v32" ? "DeepseekV32ForCausalLM"
-                                                                                       : "DeepseekV3ForCausalLM"};
+  j["architectures"] = {v2                               ? "DeepseekV2ForCausalLM"
+                        : c.model_type == "deepseek_v32" ? "DeepseekV32ForCausalLM"
+                                                         : "DeepseekV3ForCausalLM"};
   j["model_type"] = c.model_type;
   j["hidden_act"] = "silu";
   j["vocab_size"] = c.vocab_size;
@@ -83,8 +84,9 @@ void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const
   // Never mix with another checkpoint's shards: a loader would read those.
   for (const auto& e : fs::directory_iterator(dir)) {
     const std::string name = e.path().filename().string();
-    DS_CHECK(name == "model.safetensors" || !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")),
-             "init: '{}' already holds another checkpoint ('{}'); choose an empty folder", dir, name);
+    DS_CHECK(
+        name == "model.safetensors" || !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")),
+        "init: '{}' already holds another checkpoint ('{}'); choose an empty folder", dir, name);
   }
 
   std::vector<std::pair<std::string, Tensor>> ts;

@@ -19,9 +19,9 @@
 namespace ds::model {
 
 struct Transformer::Batch {
-  int64_t n = 0;                // packed new tokens
-  std::vector<int32_t> token;   // [n]
-  std::vector<int32_t> pos;     // [n] absolute position within its sequence
+  int64_t n = 0;               // packed new tokens
+  std::vector<int32_t> token;  // [n]
+  std::vector<int32_t> pos;    // [n] absolute position within its sequence
   struct Seq {
     int64_t index, row0, count, past;  // sequence, first packed row, new tokens, cached before
   };
@@ -229,8 +229,8 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
       // A fresh sequence: tiled causal attention over its own tokens.
       Buffer<float> lse(H * n);
       ops::AttentionDims d{1, n, H, qk, vd, softmax_scale_};
-      ops::attention_forward(&ctx[r0 * H * vd], lse.data(), &q[r0 * H * qk], &kfull[r0 * H * qk],
-                             &vfull[r0 * H * vd], nullptr, d);
+      ops::attention_forward(&ctx[r0 * H * vd], lse.data(), &q[r0 * H * qk], &kfull[r0 * H * qk], &vfull[r0 * H * vd],
+                             nullptr, d);
       continue;
     }
     if (latent && wkvb.empty()) {
@@ -239,47 +239,47 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
     }
     // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.
     parallel_ranges(H, n * T * H * (kvl + rope) >= (int64_t{1} << 17), [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) {
-      Buffer<float> S(n * T);
-      const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
-      Buffer<float> lat;                    // [n, kvl] latent queries / contexts
-      if (latent) {
-        const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
-        lat.resize(n * kvl);
-        // q_abs = q_nope W_UK: the key up-projection folded into the query.
-        ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
-        ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
-                  T);
-        ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
-                  S.data(), T);
-      } else {
-        ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
-                  S.data(), T);
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        float* row = &S[i * T];
-        const int64_t visible = P + i + 1;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-        double z = 0;
-        for (int64_t t = 0; t < visible; ++t) {
-          row[t] = std::exp(row[t] - mx);
-          z += row[t];
+      for (int64_t h = h0; h < h1; ++h) {
+        Buffer<float> S(n * T);
+        const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
+        Buffer<float> lat;                        // [n, kvl] latent queries / contexts
+        if (latent) {
+          const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
+          lat.resize(n * kvl);
+          // q_abs = q_nope W_UK: the key up-projection folded into the query.
+          ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
+          ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
+                    T);
+          ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
+                    S.data(), T);
+        } else {
+          ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
+                    S.data(), T);
         }
-        const float inv = static_cast<float>(1.0 / z);
-        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-        for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+        for (int64_t i = 0; i < n; ++i) {
+          float* row = &S[i * T];
+          const int64_t visible = P + i + 1;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+          double z = 0;
+          for (int64_t t = 0; t < visible; ++t) {
+            row[t] = std::exp(row[t] - mx);
+            z += row[t];
+          }
+          const float inv = static_cast<float>(1.0 / z);
+          for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+          for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+        }
+        float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
+        if (latent) {
+          // Attend in the latent space, then apply W_UV.
+          ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
+          const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
+          ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
+        } else {
+          ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
+        }
       }
-      float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
-      if (latent) {
-        // Attend in the latent space, then apply W_UV.
-        ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
-        const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
-        ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
-      } else {
-        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
-      }
-    }
     });
   }
   ops::linear_forward(out, ctx.data(), a.o.view, N);
@@ -323,8 +323,10 @@ std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<st
     attention(y.data(), x.data(), L, static_cast<int64_t>(l), b, cache);
     for (int64_t i = 0; i < N * D; ++i) h[i] += y[i];
     rmsnorm_rows(x.data(), h.data(), L.post_attention_norm, N, cfg_.rms_norm_eps);
-    if (L.is_moe) moe(y.data(), x.data(), L.moe, N);
-    else mlp(y.data(), x.data(), L.mlp, N);
+    if (L.is_moe)
+      moe(y.data(), x.data(), L.moe, N);
+    else
+      mlp(y.data(), x.data(), L.mlp, N);
     for (int64_t i = 0; i < N * D; ++i) h[i] += y[i];
   }
   for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;

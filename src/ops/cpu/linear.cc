@@ -88,7 +88,8 @@ inline __attribute__((always_inline)) void gemv_bf16_impl(float* y, int64_t ldy,
   for (int64_t r = r0; r < r1; ++r) {
     const uint16_t* wr = w + r * cols;
     float out[M];
-    dot_rows<M>(out, xs, [wr](int64_t c) { return bf16_bits_to_f32(wr[c]); }, cols);
+    dot_rows<M>(
+        out, xs, [wr](int64_t c) { return bf16_bits_to_f32(wr[c]); }, cols);
     for (int m = 0; m < M; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[m] : out[m];
   }
 }
@@ -99,7 +100,8 @@ inline __attribute__((always_inline)) void gemv_f32_impl(float* y, int64_t ldy, 
   const float* xs[M];
   for (int m = 0; m < M; ++m) xs[m] = x + m * ldx;
   float out[M];
-  dot_rows<M>(out, xs, [wr](int64_t c) { return wr[c]; }, cols);
+  dot_rows<M>(
+      out, xs, [wr](int64_t c) { return wr[c]; }, cols);
   for (int m = 0; m < M; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[m] : out[m];
 }
 
@@ -113,15 +115,16 @@ inline __attribute__((always_inline)) void gemv_f32_impl(float* y, int64_t ldy, 
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <int M>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x,
-                                                                       int64_t ldx, const uint16_t* w, int64_t cols,
-                                                                       int64_t r0, int64_t r1, bool accumulate) {
+                                                                                int64_t ldx, const uint16_t* w,
+                                                                                int64_t cols, int64_t r0, int64_t r1,
+                                                                                bool accumulate) {
   const int64_t full = cols / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols - full)) - 1u);
 #define DS_WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-#define DS_STORE_ROW(r, acc)                                          \
-  for (int m = 0; m < M; ++m) {                                       \
-    const float v = _mm512_reduce_add_ps(acc[m]);                     \
-    y[m * ldy + (r)] = accumulate ? y[m * ldy + (r)] + v : v;         \
+#define DS_STORE_ROW(r, acc)                                  \
+  for (int m = 0; m < M; ++m) {                               \
+    const float v = _mm512_reduce_add_ps(acc[m]);             \
+    y[m * ldy + (r)] = accumulate ? y[m * ldy + (r)] + v : v; \
   }
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
@@ -168,18 +171,27 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512_impl(
 #undef DS_STORE_ROW
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx,
-                                                                  int64_t M, const uint16_t* w, int64_t cols,
-                                                                  int64_t r0, int64_t r1, bool accumulate) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512(float* y, int64_t ldy, const float* x,
+                                                                           int64_t ldx, int64_t M, const uint16_t* w,
+                                                                           int64_t cols, int64_t r0, int64_t r1,
+                                                                           bool accumulate) {
   switch (M) {
-    case 1: return gemv_bf16_avx512_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 2: return gemv_bf16_avx512_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 3: return gemv_bf16_avx512_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 4: return gemv_bf16_avx512_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 5: return gemv_bf16_avx512_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 6: return gemv_bf16_avx512_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 7: return gemv_bf16_avx512_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    default: return gemv_bf16_avx512_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 1:
+      return gemv_bf16_avx512_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 2:
+      return gemv_bf16_avx512_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 3:
+      return gemv_bf16_avx512_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 4:
+      return gemv_bf16_avx512_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 5:
+      return gemv_bf16_avx512_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 6:
+      return gemv_bf16_avx512_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 7:
+      return gemv_bf16_avx512_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    default:
+      return gemv_bf16_avx512_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
   }
 }
 
@@ -195,16 +207,24 @@ bool have_avx512bw() {
 #define DS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 DS_CLONES void gemv_bf16_portable(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
-                         int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+                                  int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
   switch (M) {
-    case 1: return gemv_bf16_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 2: return gemv_bf16_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 3: return gemv_bf16_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 4: return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 5: return gemv_bf16_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 6: return gemv_bf16_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 7: return gemv_bf16_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    default: return gemv_bf16_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 1:
+      return gemv_bf16_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 2:
+      return gemv_bf16_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 3:
+      return gemv_bf16_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 4:
+      return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 5:
+      return gemv_bf16_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 6:
+      return gemv_bf16_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    case 7:
+      return gemv_bf16_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+    default:
+      return gemv_bf16_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
   }
 }
 
@@ -221,14 +241,22 @@ void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, co
 DS_CLONES void gemv_f32_row(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const float* wr,
                             int64_t cols, int64_t r, bool accumulate) {
   switch (M) {
-    case 1: return gemv_f32_impl<1>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 2: return gemv_f32_impl<2>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 3: return gemv_f32_impl<3>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 4: return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 5: return gemv_f32_impl<5>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 6: return gemv_f32_impl<6>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 7: return gemv_f32_impl<7>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    default: return gemv_f32_impl<8>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 1:
+      return gemv_f32_impl<1>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 2:
+      return gemv_f32_impl<2>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 3:
+      return gemv_f32_impl<3>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 4:
+      return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 5:
+      return gemv_f32_impl<5>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 6:
+      return gemv_f32_impl<6>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    case 7:
+      return gemv_f32_impl<7>(y, ldy, x, ldx, wr, cols, r, accumulate);
+    default:
+      return gemv_f32_impl<8>(y, ldy, x, ldx, wr, cols, r, accumulate);
   }
 }
 
@@ -312,8 +340,8 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
 
 void quantize_fp8_blocks(uint8_t* q, float* scale_inv, const float* w, int64_t rows, int64_t cols, int64_t block_rows,
                          int64_t block_cols) {
-  DS_CHECK(rows > 0 && cols > 0 && block_rows > 0 && block_cols > 0, "quantize_fp8_blocks: [{}, {}] blocks {}x{}",
-           rows, cols, block_rows, block_cols);
+  DS_CHECK(rows > 0 && cols > 0 && block_rows > 0 && block_cols > 0, "quantize_fp8_blocks: [{}, {}] blocks {}x{}", rows,
+           cols, block_rows, block_cols);
   const int64_t br = (rows + block_rows - 1) / block_rows, bc = (cols + block_cols - 1) / block_cols;
   for (int64_t i = 0; i < br; ++i)
     for (int64_t j = 0; j < bc; ++j) {

@@ -1,0 +1,12 @@
+# Shared by the command-line tests (sourced): `expect_error ARGS...` runs
+# "$bin" ARGS and records a failure unless it exits 2 with exactly one
+# "deepseek: error:" line on stderr.
+expect_error() {
+  local err rc
+  err=$("$bin" "$@" 2>&1 >/dev/null)
+  rc=$?
+  if [ "$rc" -ne 2 ]; then echo "FAIL: deepseek $* exited $rc, want 2"; fail=1; fi
+  if [ "$(printf '%s\n' "$err" | wc -l)" -ne 1 ] || [[ "$err" != deepseek:\ error:* ]]; then
+    echo "FAIL: deepseek $* stderr is not one 'deepseek: error:' line: $err"; fail=1
+  fi
+}
