@@ -41,6 +41,7 @@ Transformer::Transformer(const ModelConfig& cfg, const ModelWeights& w) : cfg_(c
   rope_freqs_.resize(cfg.qk_rope_head_dim / 2);
   ops::rope_frequencies(rope_freqs_.data(), rc);
   softmax_scale_ = static_cast<float>(cfg.softmax_scale());
+  absorbed_kv_b_.resize(static_cast<size_t>(cfg.num_hidden_layers));
 }
 
 static void rmsnorm_rows(float* y, const float* x, const std::vector<float>& w, int64_t rows, double eps) {
@@ -213,8 +214,12 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
         std::memcpy(&vfull[(t * H + h) * vd], src + nope, vd * sizeof(float));
       }
   }
-  // Widened kv_b for the absorbed path: per head rows [nope | v] x kvl.
-  Buffer<float> wkvb;
+  // kv_b widened to float32 for the absorbed path (per head, rows
+  // [nope | v] x kvl), made on a layer's first decode step and kept: it is a
+  // small share of a layer (DeepSeek-V3: 64 MiB as float32 next to about
+  // 11 GiB of fp8 expert weights per layer), and
+  // widening it again on every step cost more than the attention itself.
+  std::vector<float>& wkvb = absorbed_kv_b_[layer];
   for (const auto& s : b.seqs) {
     infer::SequenceCache& sc = cache.seqs[s.index];
     const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
@@ -234,7 +239,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
       continue;
     }
     if (latent && wkvb.empty()) {
-      wkvb.resize(a.kv_b.out() * kvl);
+      wkvb.resize(static_cast<size_t>(a.kv_b.out() * kvl));
       ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
     }
     // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.

@@ -44,6 +44,7 @@ class Transformer {
   const ModelWeights& w_;
   std::vector<float> rope_freqs_;
   float softmax_scale_;
+  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, widened on first decode use
 };
 
 }  // namespace ds::model
