@@ -220,9 +220,10 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
   // 11 GiB of fp8 expert weights per layer), and
   // widening it again on every step cost more than the attention itself.
   std::vector<float>& wkvb = absorbed_kv_b_[layer];
+  std::vector<const Batch::Seq*> cont;  // sequences that continue a cache
   for (const auto& s : b.seqs) {
     infer::SequenceCache& sc = cache.seqs[s.index];
-    const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
+    const int64_t r0 = s.row0, n = s.count;
     if (latent) {
       sc.c_kv[layer].insert(sc.c_kv[layer].end(), ckv.begin() + r0 * kvl, ckv.begin() + (r0 + n) * kvl);
       sc.k_pe[layer].insert(sc.k_pe[layer].end(), kpe.begin() + r0 * rope, kpe.begin() + (r0 + n) * rope);
@@ -230,7 +231,7 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
       sc.k[layer].insert(sc.k[layer].end(), kfull.begin() + r0 * H * qk, kfull.begin() + (r0 + n) * H * qk);
       sc.v[layer].insert(sc.v[layer].end(), vfull.begin() + r0 * H * vd, vfull.begin() + (r0 + n) * H * vd);
     }
-    if (P == 0) {
+    if (s.past == 0) {
       // A fresh sequence: tiled causal attention over its own tokens.
       Buffer<float> lse(H * n);
       ops::AttentionDims d{1, n, H, qk, vd, softmax_scale_};
@@ -238,55 +239,69 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
                              nullptr, d);
       continue;
     }
-    if (latent && wkvb.empty()) {
-      wkvb.resize(static_cast<size_t>(a.kv_b.out() * kvl));
-      ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
-    }
-    // Queries at positions P..P+n-1 over T cached keys; query i sees keys <= P+i.
-    parallel_ranges(H, n * T * H * (kvl + rope) >= (int64_t{1} << 17), [&](int64_t h0, int64_t h1) {
-      for (int64_t h = h0; h < h1; ++h) {
-        Buffer<float> S(n * T);
-        const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
-        Buffer<float> lat;                        // [n, kvl] latent queries / contexts
-        if (latent) {
-          const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
-          lat.resize(n * kvl);
-          // q_abs = q_nope W_UK: the key up-projection folded into the query.
-          ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
-          ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
-                    T);
-          ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
-                    S.data(), T);
-        } else {
-          ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
-                    S.data(), T);
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          float* row = &S[i * T];
-          const int64_t visible = P + i + 1;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-          double z = 0;
-          for (int64_t t = 0; t < visible; ++t) {
-            row[t] = std::exp(row[t] - mx);
-            z += row[t];
-          }
-          const float inv = static_cast<float>(1.0 / z);
-          for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-          for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
-        }
-        float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
-        if (latent) {
-          // Attend in the latent space, then apply W_UV.
-          ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
-          const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
-          ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
-        } else {
-          ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
-        }
-      }
-    });
+    cont.push_back(&s);
   }
+  if (cont.empty()) {
+    ops::linear_forward(out, ctx.data(), a.o.view, N);
+    return;
+  }
+  if (latent && wkvb.empty()) {
+    wkvb.resize(static_cast<size_t>(a.kv_b.out() * kvl));
+    ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
+  }
+  // Sequences with a cache: queries at positions P..P+n-1 over T cached keys,
+  // query i seeing keys <= P+i. Every (sequence, head) pair of the batch is
+  // one task of a single thread team.
+  int64_t work = 0;
+  for (const auto* s : cont) work += s->count * (s->past + s->count) * H * (kvl + rope);
+  const int64_t C = static_cast<int64_t>(cont.size());
+  parallel_ranges(C * H, work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const Batch::Seq& s = *cont[i / H];
+      const int64_t h = i % H;
+      infer::SequenceCache& sc = cache.seqs[s.index];
+      const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
+      Buffer<float> S(n * T);
+      const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
+      Buffer<float> lat;                        // [n, kvl] latent queries / contexts
+      if (latent) {
+        const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
+        lat.resize(n * kvl);
+        // q_abs = q_nope W_UK: the key up-projection folded into the query.
+        ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
+        ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
+                  T);
+        ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
+                  S.data(), T);
+      } else {
+        ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
+                  S.data(), T);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        float* row = &S[j * T];
+        const int64_t visible = P + j + 1;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+        double z = 0;
+        for (int64_t t = 0; t < visible; ++t) {
+          row[t] = std::exp(row[t] - mx);
+          z += row[t];
+        }
+        const float inv = static_cast<float>(1.0 / z);
+        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+        for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+      }
+      float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
+      if (latent) {
+        // Attend in the latent space, then apply W_UV.
+        ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
+        const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
+        ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
+      } else {
+        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
+      }
+    }
+  });
   ops::linear_forward(out, ctx.data(), a.o.view, N);
 }
 
