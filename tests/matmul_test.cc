@@ -30,7 +30,6 @@ using test::to_double;
 constexpr double kRtol = 1e-5;
 constexpr double kAtol = 1e-6;
 
-// Restores the OpenMP thread count on scope exit, even when an assertion fails.
 class MatmulTrans : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 // Reference backward vs central finite differences of the reference forward,

@@ -25,7 +25,6 @@ using test::expect_close;
 using test::randn;
 using test::to_double;
 
-// Restores the OpenMP thread count on scope exit, even when an assertion fails.
 // Outputs of one float32 forward + backward.
 struct Fast {
   std::vector<float> y, rstd, dx, dw;

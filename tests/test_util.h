@@ -19,6 +19,18 @@ struct ThreadCountGuard {
   ~ThreadCountGuard() { omp_set_num_threads(saved); }
 };
 
+// Expects run() to return bitwise the same value on 1, 2 and 3 threads.
+template <typename F>
+void expect_same_for_any_thread_count(F run) {
+  ThreadCountGuard guard;
+  omp_set_num_threads(1);
+  const auto want = run();
+  for (int threads : {2, 3}) {
+    omp_set_num_threads(threads);
+    EXPECT_EQ(run(), want) << threads << " threads";
+  }
+}
+
 inline std::vector<float> randn(size_t n, uint64_t seed, float std = 1.0f) {
   std::vector<float> x(n);
   fill_normal(x.data(), static_cast<int64_t>(n), std, seed);
@@ -44,7 +56,10 @@ void expect_close(const std::vector<A>& got, const std::vector<B>& want, double 
   size_t wi = 0;
   for (size_t i = 0; i < got.size(); ++i) {
     double err = std::fabs(static_cast<double>(got[i]) - static_cast<double>(want[i]));
-    if (!(err <= worst)) { worst = err; wi = i; }
+    if (!(err <= worst)) {
+      worst = err;
+      wi = i;
+    }
   }
   if (got.empty()) return;
   EXPECT_LE(worst, atol + rtol * scale) << what << ": worst at " << wi << " got " << got[wi] << " want " << want[wi]

@@ -105,94 +105,87 @@ inline __attribute__((always_inline)) void gemv_f32_impl(float* y, int64_t ldy, 
   for (int m = 0; m < M; ++m) y[m * ldy + r] = accumulate ? y[m * ldy + r] + out[m] : out[m];
 }
 
-// AVX-512 (F, plus BW and VL for the masked 16-bit tail loads): 16 columns per step,
-// two weight rows at a time so each x load feeds two FMAs. GCC's own
+// AVX-512 (F, plus BW and VL for the masked 16-bit tail loads): 16 columns
+// per step, R weight rows at a time so each x load feeds R FMAs. GCC's own
 // vectorisation of the portable kernel keeps 256-bit vectors and shuffles the
 // row pointers through general registers, about half this speed.
 // GCC 12 warns inside its own headers that _mm512_undefined's value may be
 // used uninitialised (a known false positive of the masked intrinsics).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-template <int M>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x,
-                                                                                int64_t ldx, const uint16_t* w,
-                                                                                int64_t cols, int64_t r0, int64_t r1,
-                                                                                bool accumulate) {
-  const int64_t full = cols / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - full)) - 1u);
-#define DS_WIDEN_BF16(h) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
-#define DS_STORE_ROW(r, acc)                                  \
-  for (int m = 0; m < M; ++m) {                               \
-    const float v = _mm512_reduce_add_ps(acc[m]);             \
-    y[m * ldy + (r)] = accumulate ? y[m * ldy + (r)] + v : v; \
-  }
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {
-    const uint16_t* wa = w + r * cols;
-    const uint16_t* wb = wa + cols;
-    __m512 a[M], b[M];
-    for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < full; c += 16) {
-      const __m512 va = DS_WIDEN_BF16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wa + c)));
-      const __m512 vb = DS_WIDEN_BF16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + c)));
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
-        a[m] = _mm512_fmadd_ps(xv, va, a[m]);
-        b[m] = _mm512_fmadd_ps(xv, vb, b[m]);
-      }
-    }
-    if (tail) {
-      const __m512 va = DS_WIDEN_BF16(_mm256_maskz_loadu_epi16(tail, wa + full));
-      const __m512 vb = DS_WIDEN_BF16(_mm256_maskz_loadu_epi16(tail, wb + full));
-      for (int m = 0; m < M; ++m) {
-        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + full);
-        a[m] = _mm512_fmadd_ps(xv, va, a[m]);
-        b[m] = _mm512_fmadd_ps(xv, vb, b[m]);
-      }
-    }
-    DS_STORE_ROW(r, a);
-    DS_STORE_ROW(r + 1, b);
-  }
-  for (; r < r1; ++r) {
-    const uint16_t* wa = w + r * cols;
-    __m512 a[M];
-    for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < full; c += 16) {
-      const __m512 va = DS_WIDEN_BF16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wa + c)));
-      for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + c), va, a[m]);
-    }
-    if (tail) {
-      const __m512 va = DS_WIDEN_BF16(_mm256_maskz_loadu_epi16(tail, wa + full));
-      for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, x + m * ldx + full), va, a[m]);
-    }
-    DS_STORE_ROW(r, a);
-  }
-#undef DS_WIDEN_BF16
-#undef DS_STORE_ROW
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+DS_AVX512 inline __m512 widen_bf16x16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_bf16_avx512(float* y, int64_t ldy, const float* x,
-                                                                           int64_t ldx, int64_t M, const uint16_t* w,
-                                                                           int64_t cols, int64_t r0, int64_t r1,
-                                                                           bool accumulate) {
-  switch (M) {
-    case 1:
-      return gemv_bf16_avx512_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 2:
-      return gemv_bf16_avx512_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 3:
-      return gemv_bf16_avx512_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 4:
-      return gemv_bf16_avx512_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 5:
-      return gemv_bf16_avx512_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 6:
-      return gemv_bf16_avx512_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 7:
-      return gemv_bf16_avx512_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    default:
-      return gemv_bf16_avx512_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
+// Rows [r, r + R) of W against the M rows of x.
+template <int M, int R>
+DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_rows(float* y, int64_t ldy, const float* x,
+                                                                           int64_t ldx, const uint16_t* w, int64_t cols,
+                                                                           int64_t r, bool accumulate) {
+  const int64_t full = cols / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - full)) - 1u);
+  __m512 acc[R][M];
+  for (int i = 0; i < R; ++i)
+    for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < full; c += 16) {
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i)
+      wv[i] = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + i) * cols + c)));
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
+      for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+    }
   }
+  if (tail) {
+    __m512 wv[R];
+    for (int i = 0; i < R; ++i) wv[i] = widen_bf16x16(_mm256_maskz_loadu_epi16(tail, w + (r + i) * cols + full));
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + full);
+      for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int m = 0; m < M; ++m) {
+      const float v = _mm512_reduce_add_ps(acc[i][m]);
+      float& out = y[m * ldy + r + i];
+      out = accumulate ? out + v : v;
+    }
+}
+
+template <int M>
+DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
+                                     int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) gemv_bf16_avx512_rows<M, 2>(y, ldy, x, ldx, w, cols, r, accumulate);
+  if (r < r1) gemv_bf16_avx512_rows<M, 1>(y, ldy, x, ldx, w, cols, r, accumulate);
+}
+
+// Calls KERNEL<M>(args...) for the run-time row count M in [1, kGemvMaxRows].
+#define DS_FOR_ROWS(M, KERNEL, ...)  \
+  switch (M) {                       \
+    case 1:                          \
+      return KERNEL<1>(__VA_ARGS__); \
+    case 2:                          \
+      return KERNEL<2>(__VA_ARGS__); \
+    case 3:                          \
+      return KERNEL<3>(__VA_ARGS__); \
+    case 4:                          \
+      return KERNEL<4>(__VA_ARGS__); \
+    case 5:                          \
+      return KERNEL<5>(__VA_ARGS__); \
+    case 6:                          \
+      return KERNEL<6>(__VA_ARGS__); \
+    case 7:                          \
+      return KERNEL<7>(__VA_ARGS__); \
+    default:                         \
+      return KERNEL<8>(__VA_ARGS__); \
+  }
+
+DS_AVX512 void gemv_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
+                                int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+  DS_FOR_ROWS(M, gemv_bf16_avx512_impl, y, ldy, x, ldx, w, cols, r0, r1, accumulate)
 }
 
 #pragma GCC diagnostic pop
@@ -208,24 +201,7 @@ bool have_avx512bw() {
 
 DS_CLONES void gemv_bf16_portable(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
                                   int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
-  switch (M) {
-    case 1:
-      return gemv_bf16_impl<1>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 2:
-      return gemv_bf16_impl<2>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 3:
-      return gemv_bf16_impl<3>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 4:
-      return gemv_bf16_impl<4>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 5:
-      return gemv_bf16_impl<5>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 6:
-      return gemv_bf16_impl<6>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    case 7:
-      return gemv_bf16_impl<7>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-    default:
-      return gemv_bf16_impl<8>(y, ldy, x, ldx, w, cols, r0, r1, accumulate);
-  }
+  DS_FOR_ROWS(M, gemv_bf16_impl, y, ldy, x, ldx, w, cols, r0, r1, accumulate)
 }
 
 void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t cols,
@@ -240,24 +216,7 @@ void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, co
 // One already widened weight row r.
 DS_CLONES void gemv_f32_row(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const float* wr,
                             int64_t cols, int64_t r, bool accumulate) {
-  switch (M) {
-    case 1:
-      return gemv_f32_impl<1>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 2:
-      return gemv_f32_impl<2>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 3:
-      return gemv_f32_impl<3>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 4:
-      return gemv_f32_impl<4>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 5:
-      return gemv_f32_impl<5>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 6:
-      return gemv_f32_impl<6>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    case 7:
-      return gemv_f32_impl<7>(y, ldy, x, ldx, wr, cols, r, accumulate);
-    default:
-      return gemv_f32_impl<8>(y, ldy, x, ldx, wr, cols, r, accumulate);
-  }
+  DS_FOR_ROWS(M, gemv_f32_impl, y, ldy, x, ldx, wr, cols, r, accumulate)
 }
 
 }  // namespace
