@@ -1,0 +1,89 @@
+// Linear layers over bf16 weights (the checkpoint dtype the engine keeps in
+// memory) against dnnl_sgemm over the same weights already widened to
+// float32 (what a float32 framework multiplies), for the projection shapes of
+// the `small` preset: M rows of activations, N out, K in.
+//
+//   OMP_NUM_THREADS=2 build/bench/linear_bench --benchmark_min_time=0.3
+//
+// DEEPSEEK_DISABLE_AVX512=1 makes linear/bf16 take the portable path instead
+// (widen blocks of rows to float32, then sgemm for M > 8): the plain version
+// the register-widening kernel replaces. GFLOP/s counts 2 M N K.
+#include <benchmark/benchmark.h>
+#include <dnnl.h>
+#include <omp.h>
+
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/rng.h"
+#include "ops/linear.h"
+
+namespace {
+
+struct Shape {
+  int64_t M, N, K;
+  const char* what;
+};
+
+struct Operands {
+  std::vector<float> x, w32, y;
+  std::vector<uint16_t> w16;
+  explicit Operands(const Shape& s) : x(s.M * s.K), w32(s.N * s.K), y(s.M * s.N), w16(s.N * s.K) {
+    ds::fill_normal(x.data(), x.size(), 1.0f, 1);
+    ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
+    ds::convert(w16.data(), ds::DType::BF16, w32.data(), ds::DType::F32, w32.size());
+    ds::convert(w32.data(), ds::DType::F32, w16.data(), ds::DType::BF16, w16.size());  // same values
+  }
+};
+
+void set_rate(benchmark::State& state, const Shape& s) {
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * s.M * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_LinearBf16(benchmark::State& state, Shape s) {
+  Operands o(s);
+  const ds::ops::WeightView w{o.w16.data(), ds::DType::BF16, s.N, s.K, nullptr, 128, 128};
+  for (auto _ : state) {
+    ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
+    benchmark::DoNotOptimize(o.y.data());
+  }
+  set_rate(state, s);
+  state.counters["weight_GB/s"] =
+      benchmark::Counter(2.0 * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_SgemmF32(benchmark::State& state, Shape s) {
+  Operands o(s);
+  for (auto _ : state) {
+    dnnl_sgemm('N', 'T', s.M, s.N, s.K, 1.0f, o.x.data(), s.K, o.w32.data(), s.K, 0.0f, o.y.data(), s.N);
+    benchmark::DoNotOptimize(o.y.data());
+  }
+  set_rate(state, s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  const Shape shapes[] = {
+      {32, 256, 384, "expert_gate_prefill_b1"}, {32, 384, 256, "expert_down_prefill_b1"},
+      {128, 288, 192, "q_b_prefill_b1"},        {128, 1024, 384, "dense_gate_prefill_b1"},
+      {256, 256, 384, "expert_gate_prefill_b8"}, {1024, 1024, 384, "dense_gate_prefill_b8"},
+      {8, 1024, 384, "dense_gate_decode_b8"},   {1, 1024, 384, "dense_gate_decode_b1"},
+      // A 64 MiB weight, far beyond the caches: decode streams it from memory.
+      {8, 16384, 2048, "stream_decode_b8"},     {1, 16384, 2048, "stream_decode_b1"},
+  };
+  for (const Shape& s : shapes) {
+    const std::string n = std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" +
+                          std::to_string(s.K);
+    benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_LinearBf16, s)->UseRealTime();
+    benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
+  }
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
