@@ -51,7 +51,7 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
   // also leave a partial row block inside the kernel.
   for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
-    for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 64}) {
+    for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64, 100}) {
       auto w = make_weight(dt, 130, 200, 128, 128, 11);
       auto x = ds::test::randn(M * 200, 12);
       std::vector<float> y(M * 130);
@@ -65,9 +65,11 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
 }
 
 TEST(Linear, StridesAndAccumulation) {
-  // M = 3 and 8 take the decode (few-row) kernel, M = 9 the widen-and-gemm path.
+  // M = 3 and 8 take the decode (few-row) kernel, larger M the prefill path
+  // (for bf16 on AVX-512: 16 and 17 one and two vectors of rows, 40 a second
+  // panel); K = 33 is odd and leaves a partial block of 16 columns.
   for (DType dt : {DType::BF16, DType::F8E4M3, DType::F16}) {
-    for (int64_t M : {3, 8, 9}) {
+    for (int64_t M : {3, 8, 9, 16, 17, 40}) {
       auto w = make_weight(dt, 70, 33, 16, 16, 21);
       const int64_t ldx = 40, ldy = 90;
       auto x = ds::test::randn(M * ldx, 22);
@@ -91,6 +93,16 @@ TEST(Linear, DecodeRowsDoNotDependOnTheThreadCount) {
   ds::test::expect_same_for_any_thread_count([&] {
     std::vector<float> y(2 * 515);
     ds::ops::linear_forward(y.data(), x.data(), w.view, 2);
+    return y;
+  });
+}
+
+TEST(Linear, PrefillRowsDoNotDependOnTheThreadCount) {
+  auto w = make_weight(DType::BF16, 515, 301, 128, 128, 43);
+  auto x = ds::test::randn(70 * 301, 44);
+  ds::test::expect_same_for_any_thread_count([&] {
+    std::vector<float> y(70 * 515);
+    ds::ops::linear_forward(y.data(), x.data(), w.view, 70);
     return y;
   });
 }

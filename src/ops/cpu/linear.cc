@@ -119,11 +119,30 @@ DS_AVX512 inline __m512 widen_bf16x16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Rows [r, r + R) of W against the M rows of x.
+// Horizontal sums of 16 vectors in one tree of shuffles and adds (45
+// instructions instead of 16 separate reductions of 8): lane 4t + u of the
+// result is the sum of the lanes of a[4u + t]. Each sum is added in the same
+// order as _mm512_reduce_add_ps (halves, quarters, then pairs).
+DS_AVX512 inline __attribute__((always_inline)) __m512 reduce16(const __m512 a[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)  // lanes 0-7: a[2j] folded in half, 8-15: a[2j+1]
+    b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * j], a[2 * j + 1], 0xee));
+  for (int j = 0; j < 4; ++j)  // 128-bit lane t: a[4j + t] folded to 4
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xdd));
+  for (int j = 0; j < 2; ++j)  // then to 2 (elements 0+2 and 1+3)
+    d[j] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
+                         _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xee));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
+}
+
+// Rows [r, r + R) of W against M rows of x (M, R <= 4): 16 columns per step,
+// each x load feeding R FMAs and each widened weight vector M.
 template <int M, int R>
-DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_rows(float* y, int64_t ldy, const float* x,
-                                                                           int64_t ldx, const uint16_t* w, int64_t cols,
-                                                                           int64_t r, bool accumulate) {
+DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_block(float* y, int64_t ldy, const float* x,
+                                                                            int64_t ldx, const uint16_t* w,
+                                                                            int64_t cols, int64_t r, bool accumulate) {
   const int64_t full = cols / 16 * 16;
   const __mmask16 tail = static_cast<__mmask16>((1u << (cols - full)) - 1u);
   __m512 acc[R][M];
@@ -146,20 +165,46 @@ DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_rows(float
       for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
     }
   }
+  __m512 in[16];
+  for (int q = 0; q < 16; ++q) in[q] = _mm512_setzero_ps();
   for (int i = 0; i < R; ++i)
-    for (int m = 0; m < M; ++m) {
-      const float v = _mm512_reduce_add_ps(acc[i][m]);
-      float& out = y[m * ldy + r + i];
-      out = accumulate ? out + v : v;
-    }
+    for (int m = 0; m < M; ++m) in[4 * i + m] = acc[i][m];  // -> lane 4m + i
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, reduce16(in));
+  const __mmask8 rows = static_cast<__mmask8>((1u << R) - 1u);
+  for (int m = 0; m < M; ++m) {
+    float* out = y + m * ldy + r;
+    __m128 v = _mm_load_ps(sums + 4 * m);
+    if (accumulate) v = _mm_add_ps(v, _mm_maskz_loadu_ps(rows, out));
+    _mm_mask_storeu_ps(out, rows, v);
+  }
 }
 
+// Rows [r0, r1) of W against M (<= 4) rows of x.
+template <int M>
+DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_m(float* y, int64_t ldy, const float* x,
+                                                                        int64_t ldx, const uint16_t* w, int64_t cols,
+                                                                        int64_t r, int64_t r1, bool accumulate) {
+  for (; r + 4 <= r1; r += 4) gemv_bf16_avx512_block<M, 4>(y, ldy, x, ldx, w, cols, r, accumulate);
+  switch (r1 - r) {
+    case 3: return gemv_bf16_avx512_block<M, 3>(y, ldy, x, ldx, w, cols, r, accumulate);
+    case 2: return gemv_bf16_avx512_block<M, 2>(y, ldy, x, ldx, w, cols, r, accumulate);
+    case 1: return gemv_bf16_avx512_block<M, 1>(y, ldy, x, ldx, w, cols, r, accumulate);
+    default: return;
+  }
+}
+
+// M (<= 8) rows of x: four weight rows at a time (a few KiB, still in L1 for
+// the second pass), against up to four rows of x per pass.
 template <int M>
 DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
                                      int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
-  int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) gemv_bf16_avx512_rows<M, 2>(y, ldy, x, ldx, w, cols, r, accumulate);
-  if (r < r1) gemv_bf16_avx512_rows<M, 1>(y, ldy, x, ldx, w, cols, r, accumulate);
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t e = std::min(r1, r + 4);
+    gemv_bf16_avx512_m<(M < 4 ? M : 4)>(y, ldy, x, ldx, w, cols, r, e, accumulate);
+    if constexpr (M > 4)
+      gemv_bf16_avx512_m<M - 4>(y + 4 * ldy, ldy, x + 4 * ldx, ldx, w, cols, r, e, accumulate);
+  }
 }
 
 // Calls KERNEL<M>(args...) for the run-time row count M in [1, kGemvMaxRows].
@@ -186,6 +231,195 @@ DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int6
 DS_AVX512 void gemv_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
                                 int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
   DS_FOR_ROWS(M, gemv_bf16_avx512_impl, y, ldy, x, ldx, w, cols, r0, r1, accumulate)
+}
+
+// Prefill-sized products (M > kGemvMaxRows) in outer-product form: lanes run
+// along rows of x, so x is packed transposed, 32 rows per panel
+// (xt[k][0..31], zero-padded), and each weight element is broadcast straight
+// from bf16 in one instruction: a 32-bit load of the pair (k, k+1) shifted
+// left by 16 gives element k as float32, masked with 0xffff0000 it gives
+// element k+1. No horizontal sums and no float32 copy of the weight; each
+// output is one fused multiply-add chain over k in order, so the result does
+// not depend on the thread count.
+constexpr int kPanel = 32;  // rows of x per panel (two vectors)
+constexpr int kTileN = 12;  // weight rows per tile: 24 accumulators
+
+// r[i][j] <- r[j][i] for a 16 x 16 block of floats.
+DS_AVX512 inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // interleave 32-bit pairs of rows i, i+1
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // Then 64-bit pairs: r[4g + c], lane L, holds column 4L + c of rows
+  // 4g..4g+3.
+  for (int g = 0; g < 16; g += 4)
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[g + h]), b = _mm512_castps_pd(t[g + h + 2]);
+      r[g + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[g + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  // Last, a 4 x 4 transpose of the 128-bit lanes of r[c], r[4 + c],
+  // r[8 + c], r[12 + c] for each c.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// xt[k][j] = x[j][k] for j < rows (<= kPanel), zero for rows <= j < kPanel.
+DS_AVX512 void pack_panel(float* xt, const float* x, int64_t ldx, int64_t rows, int64_t K) {
+  for (int64_t j0 = 0; j0 < kPanel; j0 += 16)
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      const int64_t kn = std::min<int64_t>(16, K - k0);
+      const __mmask16 ks = static_cast<__mmask16>((1u << kn) - 1u);
+      __m512 r[16];
+      for (int64_t j = 0; j < 16; ++j)
+        r[j] = j0 + j < rows ? _mm512_maskz_loadu_ps(ks, x + (j0 + j) * ldx + k0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t k = 0; k < kn; ++k) _mm512_storeu_ps(xt + (k0 + k) * kPanel + j0, r[k]);
+    }
+}
+
+template <int NR, int MV>
+DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, const float* xt, const uint16_t* w,
+                                                                int64_t K) {
+  __m512 acc[NR][MV];
+  for (int n = 0; n < NR; ++n)
+    for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    __m512 x0[MV], x1[MV];
+    for (int v = 0; v < MV; ++v) {
+      x0[v] = _mm512_loadu_ps(xt + k * kPanel + 16 * v);
+      x1[v] = _mm512_loadu_ps(xt + (k + 1) * kPanel + 16 * v);
+    }
+    for (int n = 0; n < NR; ++n) {
+      int32_t pair;
+      std::memcpy(&pair, w + n * K + k, sizeof pair);
+      const __m512i p = _mm512_set1_epi32(pair);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
+      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(x0[v], lo, acc[n][v]);
+      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
+      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(x1[v], hi, acc[n][v]);
+    }
+  }
+  if (k < K) {  // odd K: the last column alone
+    for (int n = 0; n < NR; ++n) {
+      const __m512 b = _mm512_set1_ps(bf16_bits_to_f32(w[n * K + k]));
+      for (int v = 0; v < MV; ++v)
+        acc[n][v] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + k * kPanel + 16 * v), b, acc[n][v]);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(tile + n * kPanel + 16 * v, acc[n][v]);
+}
+
+// Weight rows [r0, r1) against one panel of `rows` (<= 32) rows of x.
+template <int MV>
+DS_AVX512 void bcast_rows(float* y, int64_t ldy, const float* xt, int64_t rows, const uint16_t* w, int64_t K,
+                          int64_t r0, int64_t r1, bool accumulate) {
+  alignas(64) float tile[kTileN * kPanel];
+  for (int64_t n0 = r0; n0 < r1; n0 += kTileN) {
+    const int nr = static_cast<int>(std::min<int64_t>(kTileN, r1 - n0));
+    const uint16_t* wn = w + n0 * K;
+    switch (nr) {
+      case 12: bcast_tile<12, MV>(tile, xt, wn, K); break;
+      case 11: bcast_tile<11, MV>(tile, xt, wn, K); break;
+      case 10: bcast_tile<10, MV>(tile, xt, wn, K); break;
+      case 9: bcast_tile<9, MV>(tile, xt, wn, K); break;
+      case 8: bcast_tile<8, MV>(tile, xt, wn, K); break;
+      case 7: bcast_tile<7, MV>(tile, xt, wn, K); break;
+      case 6: bcast_tile<6, MV>(tile, xt, wn, K); break;
+      case 5: bcast_tile<5, MV>(tile, xt, wn, K); break;
+      case 4: bcast_tile<4, MV>(tile, xt, wn, K); break;
+      case 3: bcast_tile<3, MV>(tile, xt, wn, K); break;
+      case 2: bcast_tile<2, MV>(tile, xt, wn, K); break;
+      default: bcast_tile<1, MV>(tile, xt, wn, K); break;
+    }
+    // The tile holds y transposed: turn each 16 x 16 block back.
+    const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1u);
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+      __m512 r[16];
+      for (int n = 0; n < 16; ++n) r[n] = n < nr ? _mm512_load_ps(tile + n * kPanel + m0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t m = m0; m < std::min<int64_t>(rows, m0 + 16); ++m) {
+        float* ym = y + m * ldy + n0;
+        __m512 v = r[m - m0];
+        if (accumulate) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, ym));
+        _mm512_mask_storeu_ps(ym, cols, v);
+      }
+    }
+  }
+}
+
+// Weight rows per chunk: a chunk stays in cache while every panel of x passes
+// over it.
+constexpr int64_t kChunkN = 8 * kTileN;
+
+// Panels per group when the threads split the rows of x: 128 rows, packed
+// into a per-thread buffer that stays in L2.
+constexpr int64_t kGroupPanels = 4;
+
+void linear_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t N,
+                        int64_t K, bool accumulate) {
+  const int64_t panels = (M + kPanel - 1) / kPanel;
+  // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
+  // [r0, r1), a chunk of weight rows at a time.
+  auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
+    for (int64_t c0 = r0; c0 < r1; c0 += kChunkN)
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t rows = std::min<int64_t>(kPanel, M - p * kPanel);
+        const float* panel = xt + (p - p0) * K * kPanel;
+        float* yp = y + p * kPanel * ldy;
+        if (rows > 16)
+          bcast_rows<2>(yp, ldy, panel, rows, w, K, c0, std::min(r1, c0 + kChunkN), accumulate);
+        else
+          bcast_rows<1>(yp, ldy, panel, rows, w, K, c0, std::min(r1, c0 + kChunkN), accumulate);
+      }
+  };
+  auto pack = [&](float* xt, int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      pack_panel(xt + (p - p0) * K * kPanel, x + p * kPanel * ldx, ldx, std::min<int64_t>(kPanel, M - p * kPanel), K);
+  };
+  const bool parallel = M * N * K >= (int64_t{1} << 16);
+  const int64_t groups = (panels + kGroupPanels - 1) / kGroupPanels;
+  if (groups >= 2 * num_threads()) {
+    // Many rows of x: each thread packs and multiplies its own groups of
+    // panels against the whole weight. Packing all of x up front instead
+    // would write it out to memory and read it back.
+    parallel_ranges(groups, parallel, [&](int64_t g0, int64_t g1) {
+      Buffer<float> xt(static_cast<size_t>(kGroupPanels * K * kPanel));
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * kGroupPanels, p1 = std::min(panels, p0 + kGroupPanels);
+        pack(xt.data(), p0, p1);
+        run(xt.data(), 0, N, p0, p1);
+      }
+    });
+    return;
+  }
+  // Few rows of x: pack them once; the threads split the weight rows in whole
+  // tiles (each reads only its share of the weight) when there are enough,
+  // else the panels.
+  Buffer<float> xt(static_cast<size_t>(panels * K * kPanel));
+  parallel_ranges(panels, M * K >= (int64_t{1} << 15), [&](int64_t p0, int64_t p1) { pack(xt.data() + p0 * K * kPanel, p0, p1); });
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  if (tiles >= 4 * num_threads() || tiles >= 4 * panels) {
+    parallel_ranges(tiles, parallel,
+                    [&](int64_t t0, int64_t t1) { run(xt.data(), t0 * kTileN, std::min(N, t1 * kTileN), 0, panels); });
+  } else {
+    parallel_ranges(panels, parallel,
+                    [&](int64_t p0, int64_t p1) { run(xt.data() + p0 * K * kPanel, 0, N, p0, p1); });
+  }
 }
 
 #pragma GCC diagnostic pop
@@ -280,6 +514,10 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
         }
       }
     });
+    return;
+  }
+  if (w.dtype == DType::BF16 && have_avx512bw()) {
+    linear_bf16_avx512(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.rows, w.cols, accumulate);
     return;
   }
   // Each thread widens its own blocks of output rows and multiplies them
