@@ -70,16 +70,21 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
   const Shape shapes[] = {
-      {32, 256, 384, "expert_gate_prefill_b1"}, {32, 384, 256, "expert_down_prefill_b1"},
-      {128, 288, 192, "q_b_prefill_b1"},        {128, 1024, 384, "dense_gate_prefill_b1"},
-      {256, 256, 384, "expert_gate_prefill_b8"}, {1024, 1024, 384, "dense_gate_prefill_b8"},
-      {8, 1024, 384, "dense_gate_decode_b8"},   {1, 1024, 384, "dense_gate_decode_b1"},
+      {32, 256, 384, "expert_gate_prefill_b1"},
+      {32, 384, 256, "expert_down_prefill_b1"},
+      {128, 288, 192, "q_b_prefill_b1"},
+      {128, 1024, 384, "dense_gate_prefill_b1"},
+      {256, 256, 384, "expert_gate_prefill_b8"},
+      {1024, 1024, 384, "dense_gate_prefill_b8"},
+      {8, 1024, 384, "dense_gate_decode_b8"},
+      {1, 1024, 384, "dense_gate_decode_b1"},
       // A 64 MiB weight, far beyond the caches: decode streams it from memory.
-      {8, 16384, 2048, "stream_decode_b8"},     {1, 16384, 2048, "stream_decode_b1"},
+      {8, 16384, 2048, "stream_decode_b8"},
+      {1, 16384, 2048, "stream_decode_b1"},
   };
   for (const Shape& s : shapes) {
-    const std::string n = std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" +
-                          std::to_string(s.K);
+    const std::string n =
+        std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
     benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_LinearBf16, s)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }

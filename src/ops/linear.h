@@ -5,9 +5,11 @@
 // W may be float32, bf16, f16, or fp8 (e4m3/e5m2) with per-block float32
 // `scale_inv` of shape [ceil(out/br), ceil(in/bc)] (DeepSeek-V3: 128x128
 // blocks, partial blocks at the edges): W[r, c] = fp8[r, c] * s[r/br, c/bc].
-// Narrow weights are widened to float32 a block of rows at a time inside the
-// kernel, so a model never needs a float32 copy of its weights; the product
-// runs through ops::gemm on each widened block.
+// Narrow weights are widened to float32 inside the kernels, so a model never
+// needs a float32 copy of its weights. bf16 on AVX-512 widens in registers
+// (decode-sized M: dot products over blocks of rows; larger M: an
+// outer-product kernel over x packed transposed); other dtypes, and bf16
+// elsewhere, widen a block of rows at a time and multiply it with ops::gemm.
 #pragma once
 
 #include <cstdint>

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "core/buffer.h"
@@ -57,6 +58,16 @@ inline float bf16_bits_to_f32(uint16_t h) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// Calls f(std::integral_constant<int, n>{}) for a run-time n in [1, Max], so
+// kernels can take a row count as a template argument.
+template <int Max, typename F>
+inline __attribute__((always_inline)) void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>{});
 }
 
 // y[m] = sum_c x[m][c] * w(c) for M rows of x; w read once. Lane-wise partial
@@ -132,8 +143,8 @@ DS_AVX512 inline __attribute__((always_inline)) __m512 reduce16(const __m512 a[1
     c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
                          _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xdd));
   for (int j = 0; j < 2; ++j)  // then to 2 (elements 0+2 and 1+3)
-    d[j] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44),
-                         _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xee));
+    d[j] =
+        _mm512_add_ps(_mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0x44), _mm512_shuffle_ps(c[2 * j], c[2 * j + 1], 0xee));
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
 }
 
@@ -180,18 +191,15 @@ DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_block(floa
   }
 }
 
-// Rows [r0, r1) of W against M (<= 4) rows of x.
+// Rows [r, r1) of W against M (<= 4) rows of x.
 template <int M>
 DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_m(float* y, int64_t ldy, const float* x,
                                                                         int64_t ldx, const uint16_t* w, int64_t cols,
                                                                         int64_t r, int64_t r1, bool accumulate) {
   for (; r + 4 <= r1; r += 4) gemv_bf16_avx512_block<M, 4>(y, ldy, x, ldx, w, cols, r, accumulate);
-  switch (r1 - r) {
-    case 3: return gemv_bf16_avx512_block<M, 3>(y, ldy, x, ldx, w, cols, r, accumulate);
-    case 2: return gemv_bf16_avx512_block<M, 2>(y, ldy, x, ldx, w, cols, r, accumulate);
-    case 1: return gemv_bf16_avx512_block<M, 1>(y, ldy, x, ldx, w, cols, r, accumulate);
-    default: return;
-  }
+  if (r < r1)
+    with_count<3>(r1 - r,
+                  [&](auto n) DS_AVX512 { gemv_bf16_avx512_block<M, n()>(y, ldy, x, ldx, w, cols, r, accumulate); });
 }
 
 // M (<= 8) rows of x: four weight rows at a time (a few KiB, still in L1 for
@@ -202,8 +210,7 @@ DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int6
   for (int64_t r = r0; r < r1; r += 4) {
     const int64_t e = std::min(r1, r + 4);
     gemv_bf16_avx512_m<(M < 4 ? M : 4)>(y, ldy, x, ldx, w, cols, r, e, accumulate);
-    if constexpr (M > 4)
-      gemv_bf16_avx512_m<M - 4>(y + 4 * ldy, ldy, x + 4 * ldx, ldx, w, cols, r, e, accumulate);
+    if constexpr (M > 4) gemv_bf16_avx512_m<M - 4>(y + 4 * ldy, ldy, x + 4 * ldx, ldx, w, cols, r, e, accumulate);
   }
 }
 
@@ -316,8 +323,7 @@ DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, con
   if (k < K) {  // odd K: the last column alone
     for (int n = 0; n < NR; ++n) {
       const __m512 b = _mm512_set1_ps(bf16_bits_to_f32(w[n * K + k]));
-      for (int v = 0; v < MV; ++v)
-        acc[n][v] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + k * kPanel + 16 * v), b, acc[n][v]);
+      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + k * kPanel + 16 * v), b, acc[n][v]);
     }
   }
   for (int n = 0; n < NR; ++n)
@@ -332,20 +338,7 @@ DS_AVX512 void bcast_rows(float* y, int64_t ldy, const float* xt, int64_t rows, 
   for (int64_t n0 = r0; n0 < r1; n0 += kTileN) {
     const int nr = static_cast<int>(std::min<int64_t>(kTileN, r1 - n0));
     const uint16_t* wn = w + n0 * K;
-    switch (nr) {
-      case 12: bcast_tile<12, MV>(tile, xt, wn, K); break;
-      case 11: bcast_tile<11, MV>(tile, xt, wn, K); break;
-      case 10: bcast_tile<10, MV>(tile, xt, wn, K); break;
-      case 9: bcast_tile<9, MV>(tile, xt, wn, K); break;
-      case 8: bcast_tile<8, MV>(tile, xt, wn, K); break;
-      case 7: bcast_tile<7, MV>(tile, xt, wn, K); break;
-      case 6: bcast_tile<6, MV>(tile, xt, wn, K); break;
-      case 5: bcast_tile<5, MV>(tile, xt, wn, K); break;
-      case 4: bcast_tile<4, MV>(tile, xt, wn, K); break;
-      case 3: bcast_tile<3, MV>(tile, xt, wn, K); break;
-      case 2: bcast_tile<2, MV>(tile, xt, wn, K); break;
-      default: bcast_tile<1, MV>(tile, xt, wn, K); break;
-    }
+    with_count<kTileN>(nr, [&](auto n) DS_AVX512 { bcast_tile<n(), MV>(tile, xt, wn, K); });
     // The tile holds y transposed: turn each 16 x 16 block back.
     const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1u);
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
@@ -411,14 +404,14 @@ void linear_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int6
   // tiles (each reads only its share of the weight) when there are enough,
   // else the panels.
   Buffer<float> xt(static_cast<size_t>(panels * K * kPanel));
-  parallel_ranges(panels, M * K >= (int64_t{1} << 15), [&](int64_t p0, int64_t p1) { pack(xt.data() + p0 * K * kPanel, p0, p1); });
+  parallel_ranges(panels, M * K >= (int64_t{1} << 15),
+                  [&](int64_t p0, int64_t p1) { pack(xt.data() + p0 * K * kPanel, p0, p1); });
   const int64_t tiles = (N + kTileN - 1) / kTileN;
   if (tiles >= 4 * num_threads() || tiles >= 4 * panels) {
     parallel_ranges(tiles, parallel,
                     [&](int64_t t0, int64_t t1) { run(xt.data(), t0 * kTileN, std::min(N, t1 * kTileN), 0, panels); });
   } else {
-    parallel_ranges(panels, parallel,
-                    [&](int64_t p0, int64_t p1) { run(xt.data() + p0 * K * kPanel, 0, N, p0, p1); });
+    parallel_ranges(panels, parallel, [&](int64_t p0, int64_t p1) { run(xt.data() + p0 * K * kPanel, 0, N, p0, p1); });
   }
 }
 
