@@ -66,6 +66,20 @@ TEST_F(TransformerTest, IncrementalDecodingEqualsTheFullForward) {
   }
 }
 
+TEST_F(TransformerTest, LongPromptsDoNotDependOnThreadsOrTheExpertSchedule) {
+  // 150 tokens: the shared expert's 150 rows are cut into several tasks and
+  // every product takes the many-row kernels.
+  auto cfg = ds::test::tiny_v3_config();
+  cfg["max_position_embeddings"] = 256;
+  ds::test::write_random_model(dir_, cfg);
+  auto m = ds::model::load_model(dir_);
+  auto ids = tokens(150, m->config.vocab_size, 5);
+  ds::test::expect_same_for_any_thread_count([&] { return full_logits(*m, ids, CacheKind::Latent); });
+  auto rows = full_logits(*m, ids, CacheKind::Latent);
+  m->transformer->set_task_parallel_assignments(int64_t{1} << 20);  // the decode schedule for all of them
+  ds::test::expect_close(full_logits(*m, ids, CacheKind::Latent), rows, kTol, 0, "expert schedules");
+}
+
 TEST_F(TransformerTest, LatentCacheHoldsOnlyTheLatentAndTheRopeKey) {
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
   auto m = ds::model::load_model(dir_);
@@ -73,8 +87,8 @@ TEST_F(TransformerTest, LatentCacheHoldsOnlyTheLatentAndTheRopeKey) {
   KvCache cache(CacheKind::Latent, 2, c.num_hidden_layers);
   m->transformer->step(cache, {tokens(7, c.vocab_size, 1), tokens(3, c.vocab_size, 2)}, false);
   m->transformer->step(cache, {{5}, {}}, false);
-  const size_t want = static_cast<size_t>(c.num_hidden_layers) * (8 + 3) * (c.kv_lora_rank + c.qk_rope_head_dim) *
-                      sizeof(float);
+  const size_t want =
+      static_cast<size_t>(c.num_hidden_layers) * (8 + 3) * (c.kv_lora_rank + c.qk_rope_head_dim) * sizeof(float);
   EXPECT_EQ(cache.bytes(), want);
   EXPECT_EQ(cache.seqs[0].length, 8);
   EXPECT_EQ(cache.seqs[1].length, 3);

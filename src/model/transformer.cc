@@ -113,6 +113,41 @@ void Transformer::experts_as_tasks(float* shared_out, float* ys, const float* x,
   if (!m.has_shared) std::fill(shared_out, shared_out + rows * D, 0.0f);
 }
 
+// More tokens (prefill): each expert's rows, cut in chunks of at most
+// kExpertTaskRows, are tasks of one parallel loop, each a whole MLP on one
+// thread (largest first, taken dynamically). Threading every product of
+// every expert instead costs a thread team, a packing of x and an uneven
+// split per product, and at 32 rows per expert those dominated. A row's
+// result does not depend on which thread computes it.
+constexpr int64_t kExpertTaskRows = 64;
+
+void Transformer::experts_in_row_tasks(float* shared_out, float* ys, const float* x, const float* xs,
+                                       const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const {
+  const int64_t D = cfg_.hidden_size;
+  struct Task {
+    const Mlp* mlp;
+    const float* in;
+    float* out;
+    int64_t rows;
+  };
+  std::vector<Task> tasks;
+  auto add = [&](const Mlp* mlp, const float* in, float* out, int64_t n) {
+    for (int64_t r = 0; r < n; r += kExpertTaskRows)
+      tasks.push_back({mlp, in + r * D, out + r * D, std::min(kExpertTaskRows, n - r)});
+  };
+  if (m.has_shared) add(&m.shared, x, shared_out, rows);
+  int64_t off = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    add(&m.experts[e], xs + off * D, ys + off * D, sizes[e]);
+    off += sizes[e];
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+  const int64_t T = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
+  for (int64_t t = 0; t < T; ++t) mlp(tasks[t].out, tasks[t].in, *tasks[t].mlp, tasks[t].rows);
+  if (!m.has_shared) std::fill(shared_out, shared_out + rows * D, 0.0f);
+}
+
 void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) const {
   const int64_t D = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
   // Router in float32 over the (possibly bf16) gate weight.
@@ -143,16 +178,7 @@ void Transformer::moe(float* out, const float* x, const Moe& m, int64_t rows) co
   if (n <= task_parallel_assignments_) {
     experts_as_tasks(out, ys.data(), x, xs.data(), sizes, m, rows);
   } else {
-    int64_t off = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      if (sizes[e] > 0) mlp(ys.data() + off * D, xs.data() + off * D, m.experts[e], sizes[e]);
-      off += sizes[e];
-    }
-    if (m.has_shared) {
-      mlp(out, x, m.shared, rows);
-    } else {
-      std::fill(out, out + rows * D, 0.0f);
-    }
+    experts_in_row_tasks(out, ys.data(), x, xs.data(), sizes, m, rows);
   }
   parallel_ranges(rows, rows * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)

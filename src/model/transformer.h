@@ -25,10 +25,11 @@ class Transformer {
 
   const ModelConfig& config() const { return cfg_; }
 
-  // Up to this many token-expert assignments in a MoE layer, the experts run
-  // as tasks of one parallel loop (decode); above it, one after another with
-  // each product threaded (prefill). Both give the same numbers; tests set
-  // it to run either path.
+  // Up to this many token-expert assignments in a MoE layer, each active
+  // expert's products are split into tasks of one parallel loop (decode);
+  // above it, each expert's rows are cut into chunks that run as whole MLPs,
+  // one chunk per task (prefill). Both agree to rounding; tests set it to run
+  // either path.
   void set_task_parallel_assignments(int64_t n) { task_parallel_assignments_ = n; }
 
  private:
@@ -38,6 +39,8 @@ class Transformer {
   void moe(float* out, const float* x, const Moe& m, int64_t rows) const;
   void experts_as_tasks(float* shared_out, float* ys, const float* x, const float* xs,
                         const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const;
+  void experts_in_row_tasks(float* shared_out, float* ys, const float* x, const float* xs,
+                            const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const;
   int64_t task_parallel_assignments_ = 64;
 
   const ModelConfig& cfg_;
