@@ -163,6 +163,8 @@ DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_block(floa
     __m512 wv[R];
     for (int i = 0; i < R; ++i)
       wv[i] = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + i) * cols + c)));
+    if (c % 32 == 0)
+      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R + i) * cols + c), _MM_HINT_T0);
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
       for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
