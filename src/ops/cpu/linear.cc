@@ -302,30 +302,22 @@ template <int NR, int MV>
 DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, const float* xt, const uint16_t* w,
                                                                 int64_t K) {
   __m512 acc[NR][MV];
-  for (int n = 0; n < NR; ++n)
-    for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
+  // Column 0 alone; every later column k is the high half of the 32-bit
+  // pair at k - 1, so one masked broadcast load (a single instruction)
+  // widens it, without reading outside the row.
+  for (int n = 0; n < NR; ++n) {
+    const __m512 b = _mm512_set1_ps(bf16_bits_to_f32(w[n * K]));
+    for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_mul_ps(_mm512_loadu_ps(xt + 16 * v), b);
+  }
   const __m512i hi_mask = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  int64_t k = 0;
-  for (; k + 2 <= K; k += 2) {
-    __m512 x0[MV], x1[MV];
-    for (int v = 0; v < MV; ++v) {
-      x0[v] = _mm512_loadu_ps(xt + k * kPanel + 16 * v);
-      x1[v] = _mm512_loadu_ps(xt + (k + 1) * kPanel + 16 * v);
-    }
+  for (int64_t k = 1; k < K; ++k) {
+    __m512 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xt + k * kPanel + 16 * v);
     for (int n = 0; n < NR; ++n) {
       int32_t pair;
-      std::memcpy(&pair, w + n * K + k, sizeof pair);
-      const __m512i p = _mm512_set1_epi32(pair);
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(p, 16));
-      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(x0[v], lo, acc[n][v]);
-      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(p, hi_mask));
-      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(x1[v], hi, acc[n][v]);
-    }
-  }
-  if (k < K) {  // odd K: the last column alone
-    for (int n = 0; n < NR; ++n) {
-      const __m512 b = _mm512_set1_ps(bf16_bits_to_f32(w[n * K + k]));
-      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(_mm512_loadu_ps(xt + k * kPanel + 16 * v), b, acc[n][v]);
+      std::memcpy(&pair, w + n * K + k - 1, sizeof pair);
+      const __m512 b = _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32(pair), hi_mask));
+      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(xv[v], b, acc[n][v]);
     }
   }
   for (int n = 0; n < NR; ++n)
