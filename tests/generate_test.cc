@@ -87,6 +87,30 @@ TEST_F(GenerateTest, ABatchGeneratesWhatEachPromptGeneratesAlone) {
   }
 }
 
+TEST_F(GenerateTest, ChunkedPrefillGeneratesTheSameTokens) {
+  // Chunks of 1, 2, 4 and 5 tokens split prompts across steps (their later
+  // parts continue from the cache) and put several prompts in one step.
+  std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5, 6, 7}, {8}, {9, 10, 11}};
+  for (float temperature : {0.0f, 0.8f}) {
+    GenerateOptions opt;
+    opt.max_new_tokens = 6;
+    opt.sampler.temperature = temperature;
+    opt.sampler.seed = 4;
+    opt.prefill_chunk = 0;
+    ds::infer::GenerateStats whole, chunked;
+    const auto want = ds::infer::generate(*m_->transformer, prompts, opt, &whole);
+    for (int64_t chunk : {1, 2, 4, 5, 11, 512}) {
+      opt.prefill_chunk = chunk;
+      EXPECT_EQ(ds::infer::generate(*m_->transformer, prompts, opt, &chunked), want) << "chunk " << chunk;
+      EXPECT_EQ(chunked.cache_bytes, whole.cache_bytes);
+      EXPECT_EQ(chunked.prompt_tokens, whole.prompt_tokens);
+    }
+  }
+  GenerateOptions bad;
+  bad.prefill_chunk = -1;
+  EXPECT_THROW(ds::infer::generate(*m_->transformer, prompts, bad), ds::Error);
+}
+
 TEST_F(GenerateTest, EosAndLengthStopASequence) {
   GenerateOptions opt;
   opt.max_new_tokens = 5;

@@ -33,6 +33,8 @@ check 'grep -q "prefill: .*tok/s); decode: 11 tokens" "$tmp/stats"' "generate re
 check 'grep -q "KV cache (latent)" "$tmp/stats"' "generate reports the cache"
 naive=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 --kv-cache naive 2>/dev/null)
 check '[ "$out" == "$naive" ]' "greedy text is the same with the naive cache"
+chunked=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 --prefill-chunk 1 2>/dev/null)
+check '[ "$chunked" == "$out" ]' "a prefill one token per step generates the same text"
 a=$("$bin" generate --model "$m" --prompt "hi" --max-new-tokens 8 --temperature 1 --top-k 20 --top-p 0.9 --seed 5 2>/dev/null)
 b=$("$bin" generate --model "$m" --prompt "hi" --max-new-tokens 8 --temperature 1 --top-k 20 --top-p 0.9 --seed 5 2>/dev/null)
 check '[ "$a" == "$b" ]' "sampling is reproducible with a seed"
@@ -49,6 +51,7 @@ expect_error generate --model "$tmp/missing" --prompt x
 expect_error generate --model "$tmp/again" --prompt x
 expect_error generate --model "$m" --prompt x --kv-cache fancy
 expect_error generate --model "$m" --prompt x --top-p 0
+expect_error generate --model "$m" --prompt x --prefill-chunk -1
 expect_error bench --model "$m" --prompt-len 5000
 echo '[[1, 100000]]' > "$tmp/oov.json"
 expect_error logits --model "$m" --tokens "$tmp/oov.json" --out "$tmp/x.safetensors"

@@ -80,6 +80,23 @@ TEST_F(TransformerTest, LongPromptsDoNotDependOnThreadsOrTheExpertSchedule) {
   ds::test::expect_close(full_logits(*m, ids, CacheKind::Latent), rows, kTol, 0, "expert schedules");
 }
 
+TEST_F(TransformerTest, SeveralTokensContinuingACacheEqualTheFullForward) {
+  // A prompt prefilled in two parts (a chunked prefill): the second part's
+  // queries attend to the cached first part and causally among themselves.
+  ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
+  auto m = ds::model::load_model(dir_);
+  const int64_t V = m->config.vocab_size;
+  auto ids = tokens(16, V, 8);
+  for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
+    auto full = full_logits(*m, ids, kind);
+    KvCache cache(kind, 1, m->config.num_hidden_layers);
+    m->transformer->step(cache, {{ids.begin(), ids.begin() + 7}}, true);
+    auto rest = m->transformer->step(cache, {{ids.begin() + 7, ids.end()}}, true);
+    ds::test::expect_close(rest, std::vector<float>(full.begin() + 7 * V, full.end()), kTol, 0,
+                           kind == CacheKind::Latent ? "latent" : "naive");
+  }
+}
+
 TEST_F(TransformerTest, LatentCacheHoldsOnlyTheLatentAndTheRopeKey) {
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
   auto m = ds::model::load_model(dir_);

@@ -78,6 +78,7 @@ int run_init(const InitArgs& a) {
 struct GenerateArgs {
   std::string model, prompt, tokenizer, cache = "latent";
   int64_t max_new_tokens = 128;
+  int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
   float temperature = 0.7f, top_p = 0.95f;
   int64_t top_k = 0;
   uint64_t seed = 0;
@@ -125,6 +126,7 @@ int run_generate(const GenerateArgs& a) {
 
   infer::GenerateOptions opt;
   opt.max_new_tokens = a.max_new_tokens;
+  opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = cache_kind(a.cache);
   opt.eos_token_id = m->config.eos_token_id;
@@ -157,6 +159,7 @@ int run_generate(const GenerateArgs& a) {
 struct BenchArgs {
   std::string model, cache = "latent";
   int64_t batch = 1, prompt_len = 128, new_tokens = 32, repeat = 3;
+  int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
   uint64_t seed = 0;
 };
 
@@ -174,6 +177,7 @@ int run_bench(const BenchArgs& a) {
       prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % cfg.vocab_size));
   infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
   opt.cache = cache_kind(a.cache);
+  opt.prefill_chunk = a.prefill_chunk;
   // Warm-up, not timed: the same prompts touch every weight page and grow
   // the allocator's arenas.
   opt.max_new_tokens = 2;
@@ -198,6 +202,7 @@ int run_bench(const BenchArgs& a) {
                       {"new_tokens", a.new_tokens},
                       {"threads", num_threads()},
                       {"kv_cache", a.cache},
+                      {"prefill_chunk", a.prefill_chunk},
                       {"repeat", a.repeat},
                       {"prefill_tokens_per_s", median(prefill)},
                       {"decode_tokens_per_s", median(decode)},
@@ -240,6 +245,9 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
     cmd->add_option("--seed", args->seed, "sampling seed (default 0)");
     cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
         ->check(CLI::IsMember({"latent", "naive"}));
+    cmd->add_option("--prefill-chunk", args->prefill_chunk,
+                    "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_flag("--raw", args->raw, "do not prepend the tokenizer's BOS token");
     commands.emplace_back(cmd, [args] { return run_generate(*args); });
   }
@@ -254,6 +262,9 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
         ->check(CLI::IsMember({"latent", "naive"}));
     cmd->add_option("--repeat", args->repeat, "timed runs; the median is reported (default 3)")
         ->check(CLI::PositiveNumber);
+    cmd->add_option("--prefill-chunk", args->prefill_chunk,
+                    "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
+        ->check(CLI::NonNegativeNumber);
     cmd->add_option("--seed", args->seed, "seed of the random prompts");
     commands.emplace_back(cmd, [args] { return run_bench(*args); });
   }

@@ -1,6 +1,8 @@
 #include "infer/generate.h"
 
+#include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "core/error.h"
 
@@ -15,6 +17,7 @@ std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std:
   DS_CHECK(!prompts.empty(), "generate: no prompts");
   DS_CHECK(opt.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got {}", opt.max_new_tokens);
   check_sampler(opt.sampler);
+  DS_CHECK(opt.prefill_chunk >= 0, "generate: prefill_chunk must be >= 0, got {}", opt.prefill_chunk);
   for (size_t s = 0; s < prompts.size(); ++s) DS_CHECK(!prompts[s].empty(), "generate: prompt {} is empty", s);
   const auto& cfg = model.config();
   const int64_t V = cfg.vocab_size, S = static_cast<int64_t>(prompts.size());
@@ -31,7 +34,8 @@ std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std:
   auto emit = [&](const std::vector<float>& logits, const std::vector<int64_t>& rows_for) {
     for (size_t r = 0; r < rows_for.size(); ++r) {
       const int64_t s = rows_for[r];
-      const int32_t tok = sample_token(&logits[r * V], draw_vocab, opt.sampler, static_cast<uint64_t>(s), out[s].size());
+      const int32_t tok =
+          sample_token(&logits[r * V], draw_vocab, opt.sampler, static_cast<uint64_t>(s), out[s].size());
       out[s].push_back(tok);
       ++st.generated_tokens;
       if (opt.on_token) opt.on_token(s, tok);
@@ -44,7 +48,33 @@ std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std:
 
   if (opt.max_new_tokens > 0) {
     auto t0 = clock::now();
-    auto logits = model.step(cache, prompts, false);
+    // Prefill in steps of at most prefill_chunk tokens, taken from the
+    // prompts in order; a sequence's first logits come from the step that
+    // reaches the end of its prompt.
+    std::vector<float> logits(static_cast<size_t>(S * V));
+    std::vector<size_t> fed(S, 0);
+    for (int64_t next = 0; next < S;) {
+      std::vector<std::vector<int32_t>> part(S);
+      int64_t budget = opt.prefill_chunk > 0 ? opt.prefill_chunk : std::numeric_limits<int64_t>::max();
+      for (int64_t s = next; s < S && budget > 0; ++s) {
+        const auto& p = prompts[s];
+        const size_t n = std::min<size_t>(p.size() - fed[s], static_cast<size_t>(budget));
+        part[s].assign(p.begin() + static_cast<std::ptrdiff_t>(fed[s]),
+                       p.begin() + static_cast<std::ptrdiff_t>(fed[s] + n));
+        fed[s] += n;
+        budget -= static_cast<int64_t>(n);
+      }
+      const auto lg = model.step(cache, part, false);
+      // step returns one row per sequence that received tokens, in order.
+      int64_t row = 0;
+      for (int64_t s = next; s < S; ++s) {
+        if (part[s].empty()) continue;
+        if (fed[s] == prompts[s].size())
+          std::copy(lg.begin() + row * V, lg.begin() + (row + 1) * V, logits.begin() + s * V);
+        ++row;
+      }
+      while (next < S && fed[next] == prompts[next].size()) ++next;
+    }
     st.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
     std::vector<int64_t> all(S);
     for (int64_t s = 0; s < S; ++s) all[s] = s;

@@ -1,6 +1,6 @@
-// Autoregressive generation over a batch of prompts with a KV cache: one
-// prefill step for all prompts, then one decode step per new token for the
-// sequences still running. Tokens are handed to a callback as they are made.
+// Autoregressive generation over a batch of prompts with a KV cache: the
+// prompts are prefilled (in steps of at most prefill_chunk tokens), then one
+// decode step per new token runs for the sequences still going. Tokens are handed to a callback as they are made.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +22,10 @@ struct GenerateOptions {
   // their vocabulary beyond the tokenizer's ids; those rows are never drawn.
   int64_t sample_vocab = 0;
   std::function<void(int64_t sequence, int32_t token)> on_token;
+  // Prompt tokens per prefill step, over all sequences (0: all in one step).
+  // Bounds the activation memory of long prompts and big batches; a prompt
+  // longer than this continues from its cache in the next step.
+  int64_t prefill_chunk = 512;
 };
 
 struct GenerateStats {
