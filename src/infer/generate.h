@@ -1,6 +1,7 @@
 // Autoregressive generation over a batch of prompts with a KV cache: the
 // prompts are prefilled (in steps of at most prefill_chunk tokens), then one
-// decode step per new token runs for the sequences still going. Tokens are handed to a callback as they are made.
+// decode step per new token runs for the sequences still going. Tokens are
+// handed to a callback as they are made.
 #pragma once
 
 #include <cstdint>

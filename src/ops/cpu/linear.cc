@@ -245,11 +245,9 @@ DS_AVX512 void gemv_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t l
 // Prefill-sized products (M > kGemvMaxRows) in outer-product form: lanes run
 // along rows of x, so x is packed transposed, 32 rows per panel
 // (xt[k][0..31], zero-padded), and each weight element is broadcast straight
-// from bf16 in one instruction: a 32-bit load of the pair (k, k+1) shifted
-// left by 16 gives element k as float32, masked with 0xffff0000 it gives
-// element k+1. No horizontal sums and no float32 copy of the weight; each
-// output is one fused multiply-add chain over k in order, so the result does
-// not depend on the thread count.
+// from bf16 (see bcast_tile). No horizontal sums and no float32 copy of the
+// weight; each output is one fused multiply-add chain over k in order, so
+// the result does not depend on the thread count or on how rows are split.
 constexpr int kPanel = 32;  // rows of x per panel (two vectors)
 constexpr int kTileN = 12;  // weight rows per tile: 24 accumulators
 
@@ -302,9 +300,11 @@ template <int NR, int MV>
 DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, const float* xt, const uint16_t* w,
                                                                 int64_t K) {
   __m512 acc[NR][MV];
-  // Column 0 alone; every later column k is the high half of the 32-bit
-  // pair at k - 1, so one masked broadcast load (a single instruction)
-  // widens it, without reading outside the row.
+  // A bf16 value is the high half of a float32. Column 0 is read alone;
+  // every later column k is the high half of the 32-bit pair that starts at
+  // k - 1, so a broadcast of that pair masked with 0xffff0000 (one vpandd
+  // with a memory operand) is element k as float32, and nothing outside the
+  // row is read.
   for (int n = 0; n < NR; ++n) {
     const __m512 b = _mm512_set1_ps(bf16_bits_to_f32(w[n * K]));
     for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_mul_ps(_mm512_loadu_ps(xt + 16 * v), b);
