@@ -98,8 +98,11 @@ TEST_P(ReferenceModel, ABatchOfAllSequencesMatchesTheReference) {
 // The command users and scripts call: `deepseek logits`, full and incremental.
 TEST_P(ReferenceModel, LogitsCommandMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
-  const std::string out =
-      (fs::temp_directory_path() / (std::string("ds_ref_logits_") + GetParam() + ".safetensors")).string();
+  // A directory of its own: the suite also runs concurrently with itself
+  // (with the portable kernels).
+  std::string dir = (fs::temp_directory_path() / "ds_ref_logits_XXXXXX").string();
+  ASSERT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string out = dir + "/" + GetParam() + ".safetensors";
   for (const char* extra : {"", " --incremental 1 --kv-cache naive"}) {
     const std::string cmd = std::string(DEEPSEEK_BINARY) + " logits --model " + f.dir + " --tokens " + f.dir +
                             "/tokens.json --out " + out + extra + " > /dev/null";
@@ -109,7 +112,7 @@ TEST_P(ReferenceModel, LogitsCommandMatchesTheReference) {
       ds::test::expect_close(got.tensor("logits." + std::to_string(s)).to_vector(), f.expected[s], kTol, 0,
                              cmd.c_str());
   }
-  fs::remove(out);
+  fs::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceModel,
