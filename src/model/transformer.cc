@@ -276,56 +276,67 @@ void Transformer::attention(float* out, const float* x, const Layer& L, int64_t 
     ops::widen_rows(wkvb.data(), a.kv_b.view, 0, a.kv_b.out());
   }
   // Sequences with a cache: queries at positions P..P+n-1 over T cached keys,
-  // query i seeing keys <= P+i. Every (sequence, head) pair of the batch is
-  // one task of a single thread team.
+  // query j seeing keys <= P+j. The latent cache is shared by all heads, so
+  // each sequence's heads attend together (H*n rows of scores from one pass
+  // over c_kv); the naive cache has keys per head, so there each (sequence,
+  // head) pair is a task. All tasks of the batch run in one thread team.
   int64_t work = 0;
   for (const auto* s : cont) work += s->count * (s->past + s->count) * H * (kvl + rope);
-  const int64_t C = static_cast<int64_t>(cont.size());
-  parallel_ranges(C * H, work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
+  const int64_t C = static_cast<int64_t>(cont.size()), heads_per_task = latent ? H : 1;
+  // Softmax of rows r of S [rows, T] in place; row r is query r % n.
+  auto softmax_rows = [](float* S, int64_t rows, int64_t n, int64_t P, int64_t T) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = &S[r * T];
+      const int64_t visible = P + r % n + 1;
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+      double z = 0;
+      for (int64_t t = 0; t < visible; ++t) {
+        row[t] = std::exp(row[t] - mx);
+        z += row[t];
+      }
+      const float inv = static_cast<float>(1.0 / z);
+      for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+      for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+    }
+  };
+  parallel_ranges(C * H / heads_per_task, work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const Batch::Seq& s = *cont[i / H];
-      const int64_t h = i % H;
+      const Batch::Seq& s = *cont[i * heads_per_task / H];
       infer::SequenceCache& sc = cache.seqs[s.index];
       const int64_t r0 = s.row0, n = s.count, P = s.past, T = P + n;
-      Buffer<float> S(n * T);
-      const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
-      Buffer<float> lat;                        // [n, kvl] latent queries / contexts
-      if (latent) {
-        const float* Wuk = &wkvb[h * (nope + vd) * kvl];  // [nope, kvl]
-        lat.resize(n * kvl);
-        // q_abs = q_nope W_UK: the key up-projection folded into the query.
-        ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, Wuk, kvl, 0.0f, lat.data(), kvl);
-        ops::gemm(false, true, n, T, kvl, softmax_scale_, lat.data(), kvl, sc.c_kv[layer].data(), kvl, 0.0f, S.data(),
-                  T);
-        ops::gemm(false, true, n, T, rope, softmax_scale_, qh + nope, H * qk, sc.k_pe[layer].data(), rope, 1.0f,
-                  S.data(), T);
-      } else {
+      if (!latent) {
+        const int64_t h = i % H;
+        const float* qh = &q[(r0 * H + h) * qk];  // rows strided by H*qk
+        Buffer<float> S(n * T);
         ops::gemm(false, true, n, T, qk, softmax_scale_, qh, H * qk, sc.k[layer].data() + h * qk, H * qk, 0.0f,
                   S.data(), T);
+        softmax_rows(S.data(), n, n, P, T);
+        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
+                  &ctx[(r0 * H + h) * vd], H * vd);
+        continue;
       }
-      for (int64_t j = 0; j < n; ++j) {
-        float* row = &S[j * T];
-        const int64_t visible = P + j + 1;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-        double z = 0;
-        for (int64_t t = 0; t < visible; ++t) {
-          row[t] = std::exp(row[t] - mx);
-          z += row[t];
-        }
-        const float inv = static_cast<float>(1.0 / z);
-        for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-        for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+      // Rows h*n + j: head h, query j.
+      const int64_t R = H * n;
+      Buffer<float> lat(R * kvl), qpe(R * rope), S(R * T);
+      for (int64_t h = 0; h < H; ++h) {
+        const float* qh = &q[(r0 * H + h) * qk];
+        // q_abs = q_nope W_UK: the key up-projection folded into the query.
+        ops::gemm(false, false, n, kvl, nope, 1.0f, qh, H * qk, &wkvb[h * (nope + vd) * kvl], kvl, 0.0f,
+                  &lat[h * n * kvl], kvl);
+        for (int64_t j = 0; j < n; ++j)
+          std::memcpy(&qpe[(h * n + j) * rope], qh + j * H * qk + nope, rope * sizeof(float));
       }
-      float* oh = &ctx[(r0 * H + h) * vd];  // rows strided by H*vd
-      if (latent) {
-        // Attend in the latent space, then apply W_UV.
-        ops::gemm(false, false, n, kvl, T, 1.0f, S.data(), T, sc.c_kv[layer].data(), kvl, 0.0f, lat.data(), kvl);
-        const float* Wuv = &wkvb[(h * (nope + vd) + nope) * kvl];  // [v, kvl]
-        ops::gemm(false, true, n, vd, kvl, 1.0f, lat.data(), kvl, Wuv, kvl, 0.0f, oh, H * vd);
-      } else {
-        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, oh, H * vd);
-      }
+      const float* ckv_l = sc.c_kv[layer].data();
+      ops::gemm(false, true, R, T, kvl, softmax_scale_, lat.data(), kvl, ckv_l, kvl, 0.0f, S.data(), T);
+      ops::gemm(false, true, R, T, rope, softmax_scale_, qpe.data(), rope, sc.k_pe[layer].data(), rope, 1.0f, S.data(),
+                T);
+      softmax_rows(S.data(), R, n, P, T);
+      // Attend in the latent space, then apply each head's W_UV.
+      ops::gemm(false, false, R, kvl, T, 1.0f, S.data(), T, ckv_l, kvl, 0.0f, lat.data(), kvl);
+      for (int64_t h = 0; h < H; ++h)
+        ops::gemm(false, true, n, vd, kvl, 1.0f, &lat[h * n * kvl], kvl, &wkvb[(h * (nope + vd) + nope) * kvl], kvl,
+                  0.0f, &ctx[(r0 * H + h) * vd], H * vd);
     }
   });
   ops::linear_forward(out, ctx.data(), a.o.view, N);
