@@ -29,9 +29,13 @@ struct Shape {
 struct Operands {
   std::vector<float> x, w32, y;
   std::vector<uint16_t> w16;
-  explicit Operands(const Shape& s) : x(s.M * s.K), w32(s.N * s.K), y(s.M * s.N), w16(s.N * s.K) {
+  std::vector<uint8_t> w8;          // fp8 e4m3 with 128 x 128 block scales
+  std::vector<float> w8_scale_inv;  // (DeepSeek-V3's checkpoint format)
+  explicit Operands(const Shape& s) : x(s.M * s.K), w32(s.N * s.K), y(s.M * s.N), w16(s.N * s.K), w8(s.N * s.K) {
     ds::fill_normal(x.data(), x.size(), 1.0f, 1);
     ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
+    w8_scale_inv.resize(((s.N + 127) / 128) * ((s.K + 127) / 128));
+    ds::ops::quantize_fp8_blocks(w8.data(), w8_scale_inv.data(), w32.data(), s.N, s.K);
     ds::convert(w16.data(), ds::DType::BF16, w32.data(), ds::DType::F32, w32.size());
     ds::convert(w32.data(), ds::DType::F32, w16.data(), ds::DType::BF16, w16.size());  // same values
   }
@@ -52,6 +56,17 @@ void BM_LinearBf16(benchmark::State& state, Shape s) {
   set_rate(state, s);
   state.counters["weight_GB/s"] =
       benchmark::Counter(2.0 * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_LinearFp8(benchmark::State& state, Shape s) {
+  Operands o(s);
+  const ds::ops::WeightView w{o.w8.data(), ds::DType::F8E4M3, s.N, s.K, o.w8_scale_inv.data(), 128, 128};
+  for (auto _ : state) {
+    ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
+    benchmark::DoNotOptimize(o.y.data());
+  }
+  set_rate(state, s);
+  state.counters["weight_GB/s"] = benchmark::Counter(1.0 * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_SgemmF32(benchmark::State& state, Shape s) {
@@ -86,6 +101,7 @@ int main(int argc, char** argv) {
     const std::string n =
         std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
     benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_LinearBf16, s)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_LinearFp8, s)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
   benchmark::RunSpecifiedBenchmarks();

@@ -88,13 +88,15 @@ TEST(Linear, StridesAndAccumulation) {
 }
 
 TEST(Linear, DecodeRowsDoNotDependOnTheThreadCount) {
-  auto w = make_weight(DType::BF16, 515, 301, 128, 128, 41);  // big enough to run threaded
-  auto x = ds::test::randn(2 * 301, 42);
-  ds::test::expect_same_for_any_thread_count([&] {
-    std::vector<float> y(2 * 515);
-    ds::ops::linear_forward(y.data(), x.data(), w.view, 2);
-    return y;
-  });
+  for (DType dt : {DType::BF16, DType::F8E4M3}) {
+    auto w = make_weight(dt, 515, 301, 128, 128, 41);  // big enough to run threaded
+    auto x = ds::test::randn(2 * 301, 42);
+    ds::test::expect_same_for_any_thread_count([&] {
+      std::vector<float> y(2 * 515);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, 2);
+      return y;
+    });
+  }
 }
 
 TEST(Linear, PrefillRowsDoNotDependOnTheThreadCount) {

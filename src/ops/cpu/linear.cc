@@ -148,34 +148,121 @@ DS_AVX512 inline __attribute__((always_inline)) __m512 reduce16(const __m512 a[1
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xdd));
 }
 
+// Weight sources for the decode kernel: Rows<R>(r) widens 16 columns of rows
+// r..r+R-1 at a time into float32 registers. Columns come in blocks of
+// block_cols() that share a scale (the whole row when there is none);
+// start_block(c0) is called where each block starts.
+struct Bf16Weight {
+  const uint16_t* w;
+  int64_t cols;
+  template <int R>
+  struct Rows {
+    const uint16_t* w;
+    int64_t cols, r;
+    int64_t block_cols() const { return cols; }
+    void start_block(int64_t) {}
+    DS_AVX512 __m512 load(int i, int64_t c) const {
+      return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + i) * cols + c)));
+    }
+    DS_AVX512 __m512 load_tail(int i, int64_t c, __mmask16 m) const {
+      return widen_bf16x16(_mm256_maskz_loadu_epi16(m, w + (r + i) * cols + c));
+    }
+    // The same columns of the next block of rows, one cache line at a time.
+    static constexpr int64_t kColumnsPerLine = 32;
+    DS_AVX512 __attribute__((always_inline)) void prefetch_next(int i, int64_t c) const {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R + i) * cols + c), _MM_HINT_T0);
+    }
+  };
+  template <int R>
+  Rows<R> rows(int64_t r) const {
+    return {w, cols, r};
+  }
+};
+
+// fp8 e4m3 with block scales (DeepSeek-V3 checkpoints). A byte sign-extended
+// to 32 bits and shifted left by 20 has the sign in bit 31 (and copies of it
+// in 28-30, masked off) and exponent and mantissa in bits 20-26: as float32
+// that is the e4m3 value times 2^-120, exact for subnormals too, so
+// multiplying by 2^120 and then by the block's scale gives the same float32
+// weight widen_rows does.
+struct Fp8Weight {
+  const uint8_t* w;
+  int64_t cols;
+  const float* scale_inv;
+  int64_t block_rows, block_cols, scale_cols;
+  template <int R>
+  struct Rows {
+    const uint8_t* w;
+    int64_t cols, r, bc;
+    const float* srow[R];
+    __m512 scale[R];
+    int64_t block_cols() const { return bc; }
+    DS_AVX512 void start_block(int64_t c0) {
+      for (int i = 0; i < R; ++i) scale[i] = _mm512_set1_ps(srow[i][c0 / bc]);
+    }
+    DS_AVX512 __m512 widen(__m128i bytes, int i) const {
+      const __m512i v = _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20),
+                                         _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)));
+      return _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(v), _mm512_set1_ps(0x1p120f)), scale[i]);
+    }
+    DS_AVX512 __m512 load(int i, int64_t c) const {
+      return widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (r + i) * cols + c)), i);
+    }
+    DS_AVX512 __m512 load_tail(int i, int64_t c, __mmask16 m) const {
+      return widen(_mm_maskz_loadu_epi8(m, w + (r + i) * cols + c), i);
+    }
+    static constexpr int64_t kColumnsPerLine = 64;
+    DS_AVX512 __attribute__((always_inline)) void prefetch_next(int i, int64_t c) const {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + R + i) * cols + c), _MM_HINT_T0);
+    }
+  };
+  template <int R>
+  Rows<R> rows(int64_t r) const {
+    Rows<R> s{w, cols, r, block_cols, {}, {}};
+    for (int i = 0; i < R; ++i) s.srow[i] = scale_inv + ((r + i) / block_rows) * scale_cols;
+    return s;
+  }
+};
+
 // Rows [r, r + R) of W against M rows of x (M, R <= 4): 16 columns per step,
 // each x load feeding R FMAs and each widened weight vector M.
-template <int M, int R>
-DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_block(float* y, int64_t ldy, const float* x,
-                                                                            int64_t ldx, const uint16_t* w,
-                                                                            int64_t cols, int64_t r, bool accumulate) {
-  const int64_t full = cols / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (cols - full)) - 1u);
+template <int M, int R, typename Weight>
+DS_AVX512 inline __attribute__((always_inline)) void gemv_avx512_block(float* y, int64_t ldy, const float* x,
+                                                                       int64_t ldx, const Weight& wt, int64_t cols,
+                                                                       int64_t r, bool accumulate) {
+  auto src = wt.template rows<R>(r);
   __m512 acc[R][M];
   for (int i = 0; i < R; ++i)
     for (int m = 0; m < M; ++m) acc[i][m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < full; c += 16) {
-    __m512 wv[R];
-    for (int i = 0; i < R; ++i)
-      wv[i] = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r + i) * cols + c)));
-    if (c % 32 == 0)
-      for (int i = 0; i < R; ++i) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R + i) * cols + c), _MM_HINT_T0);
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
-      for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+  const int64_t B = src.block_cols();
+  for (int64_t c0 = 0; c0 < cols; c0 += B) {
+    src.start_block(c0);
+    const int64_t c1 = std::min(cols, c0 + B);
+    auto step = [&](int64_t c) DS_AVX512 {
+      __m512 wv[R];
+      for (int i = 0; i < R; ++i) wv[i] = src.load(i, c);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_loadu_ps(x + m * ldx + c);
+        for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+      }
+    };
+    // One cache line of each weight row per iteration, with a prefetch of
+    // the same line of the next block's rows.
+    constexpr int64_t kLine = decltype(src)::kColumnsPerLine;
+    int64_t c = c0;
+    for (; c + kLine <= c1; c += kLine) {
+      for (int i = 0; i < R; ++i) src.prefetch_next(i, c);
+      for (int64_t s = 0; s < kLine; s += 16) step(c + s);
     }
-  }
-  if (tail) {
-    __m512 wv[R];
-    for (int i = 0; i < R; ++i) wv[i] = widen_bf16x16(_mm256_maskz_loadu_epi16(tail, w + (r + i) * cols + full));
-    for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + full);
-      for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+    for (; c + 16 <= c1; c += 16) step(c);
+    if (c < c1) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (c1 - c)) - 1u);
+      __m512 wv[R];
+      for (int i = 0; i < R; ++i) wv[i] = src.load_tail(i, c, tail);
+      for (int m = 0; m < M; ++m) {
+        const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * ldx + c);
+        for (int i = 0; i < R; ++i) acc[i][m] = _mm512_fmadd_ps(xv, wv[i], acc[i][m]);
+      }
     }
   }
   __m512 in[16];
@@ -194,25 +281,25 @@ DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_block(floa
 }
 
 // Rows [r, r1) of W against M (<= 4) rows of x.
-template <int M>
-DS_AVX512 inline __attribute__((always_inline)) void gemv_bf16_avx512_m(float* y, int64_t ldy, const float* x,
-                                                                        int64_t ldx, const uint16_t* w, int64_t cols,
-                                                                        int64_t r, int64_t r1, bool accumulate) {
-  for (; r + 4 <= r1; r += 4) gemv_bf16_avx512_block<M, 4>(y, ldy, x, ldx, w, cols, r, accumulate);
+template <int M, typename Weight>
+DS_AVX512 inline __attribute__((always_inline)) void gemv_avx512_m(float* y, int64_t ldy, const float* x, int64_t ldx,
+                                                                   const Weight& wt, int64_t cols, int64_t r,
+                                                                   int64_t r1, bool accumulate) {
+  for (; r + 4 <= r1; r += 4) gemv_avx512_block<M, 4>(y, ldy, x, ldx, wt, cols, r, accumulate);
   if (r < r1)
     with_count<3>(r1 - r,
-                  [&](auto n) DS_AVX512 { gemv_bf16_avx512_block<M, n()>(y, ldy, x, ldx, w, cols, r, accumulate); });
+                  [&](auto n) DS_AVX512 { gemv_avx512_block<M, n()>(y, ldy, x, ldx, wt, cols, r, accumulate); });
 }
 
 // M (<= 8) rows of x: four weight rows at a time (a few KiB, still in L1 for
 // the second pass), against up to four rows of x per pass.
-template <int M>
-DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int64_t ldx, const uint16_t* w,
-                                     int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+template <int M, typename Weight>
+DS_AVX512 void gemv_avx512_impl(float* y, int64_t ldy, const float* x, int64_t ldx, const Weight& wt, int64_t cols,
+                                int64_t r0, int64_t r1, bool accumulate) {
   for (int64_t r = r0; r < r1; r += 4) {
     const int64_t e = std::min(r1, r + 4);
-    gemv_bf16_avx512_m<(M < 4 ? M : 4)>(y, ldy, x, ldx, w, cols, r, e, accumulate);
-    if constexpr (M > 4) gemv_bf16_avx512_m<M - 4>(y + 4 * ldy, ldy, x + 4 * ldx, ldx, w, cols, r, e, accumulate);
+    gemv_avx512_m<(M < 4 ? M : 4)>(y, ldy, x, ldx, wt, cols, r, e, accumulate);
+    if constexpr (M > 4) gemv_avx512_m<M - 4>(y + 4 * ldy, ldy, x + 4 * ldx, ldx, wt, cols, r, e, accumulate);
   }
 }
 
@@ -237,9 +324,10 @@ DS_AVX512 void gemv_bf16_avx512_impl(float* y, int64_t ldy, const float* x, int6
       return KERNEL<8>(__VA_ARGS__); \
   }
 
-DS_AVX512 void gemv_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
-                                int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
-  DS_FOR_ROWS(M, gemv_bf16_avx512_impl, y, ldy, x, ldx, w, cols, r0, r1, accumulate)
+template <typename Weight>
+DS_AVX512 void gemv_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Weight& wt,
+                           int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+  DS_FOR_ROWS(M, gemv_avx512_impl, y, ldy, x, ldx, wt, cols, r0, r1, accumulate)
 }
 
 // Prefill-sized products (M > kGemvMaxRows) in outer-product form: lanes run
@@ -428,7 +516,7 @@ DS_CLONES void gemv_bf16_portable(float* y, int64_t ldy, const float* x, int64_t
 void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t cols,
                int64_t r0, int64_t r1, bool accumulate) {
   if (have_avx512bw()) {
-    gemv_bf16_avx512(y, ldy, x, ldx, M, w, cols, r0, r1, accumulate);
+    gemv_avx512(y, ldy, x, ldx, M, Bf16Weight{w, cols}, cols, r0, r1, accumulate);
   } else {
     gemv_bf16_portable(y, ldy, x, ldx, M, w, cols, r0, r1, accumulate);
   }
@@ -471,7 +559,10 @@ void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* o = out + (r - r0) * w.cols;
       const float* s = w.scale_inv + (r / w.block_rows) * sc;
-      for (int64_t c = 0; c < w.cols; ++c) o[c] *= s[c / w.block_cols];
+      for (int64_t b = 0; b < sc; ++b) {  // one scale per run of block_cols columns
+        const float f = s[b];
+        for (int64_t c = b * w.block_cols; c < std::min(w.cols, (b + 1) * w.block_cols); ++c) o[c] *= f;
+      }
     }
   }
 }
@@ -488,11 +579,18 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     return;
   }
   if (M <= kGemvMaxRows) {
+    // e4m3 with scale blocks a whole number of 16-column steps wide (128 in
+    // DeepSeek-V3) widens in registers too; other fp8 layouts go row by row.
+    const bool fp8_kernel = w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 16 == 0 && have_avx512bw();
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
       if (w.dtype == DType::BF16) {
         gemv_bf16(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
+      } else if (fp8_kernel) {
+        const Fp8Weight f{static_cast<const uint8_t*>(w.data),       w.cols, w.scale_inv, w.block_rows, w.block_cols,
+                          (w.cols + w.block_cols - 1) / w.block_cols};
+        gemv_avx512(y, ldy, x, ldx, M, f, w.cols, r0, r1, accumulate);
       } else {
         Buffer<float> row(static_cast<size_t>(w.cols));
         for (int64_t r = r0; r < r1; ++r) {
