@@ -15,6 +15,7 @@
 #include "model/init.h"
 #include "model/load.h"
 #include "model_fixture.h"
+#include "ops/linear.h"
 
 namespace fs = std::filesystem;
 using ds::infer::CacheKind;
@@ -171,18 +172,42 @@ TEST(CheckpointInit, WrittenFoldersLoadAndRun) {
   ASSERT_NE(mkdtemp(tmpl), nullptr);
   const std::string dir = tmpl;
   auto c = ds::model::ModelConfig::from_yaml_file(source("configs/tiny.yml"));
-  for (ds::DType dt : {ds::DType::BF16, ds::DType::F32}) {
+  for (ds::DType dt : {ds::DType::BF16, ds::DType::F32, ds::DType::F8E4M3}) {
     ds::model::InitOptions opt;
     opt.dtype = dt;
     opt.seed = 5;
     ds::model::write_random_checkpoint(c, dir, opt);
     auto m = ds::model::load_model(dir);
-    EXPECT_EQ(m->weights.embed.dtype(), dt);
+    // fp8 checkpoints keep the embedding in bf16, as DeepSeek-V3's do.
+    EXPECT_EQ(m->weights.embed.dtype(), dt == ds::DType::F8E4M3 ? ds::DType::BF16 : dt);
+    if (dt == ds::DType::F8E4M3) {
+      EXPECT_EQ(m->config.fp8_block_rows, 128);
+      const auto& o = m->weights.layers[0].attn.o.view;
+      EXPECT_EQ(o.dtype, ds::DType::F8E4M3);
+      EXPECT_NE(o.scale_inv, nullptr);
+    }
     ds::infer::KvCache cache(CacheKind::Latent, 1, c.num_hidden_layers);
     auto logits = m->transformer->step(cache, {{1, 2, 3}}, false);
     ASSERT_EQ(logits.size(), static_cast<size_t>(c.vocab_size));
     for (float v : logits) ASSERT_TRUE(std::isfinite(v));
   }
+  // The fp8 checkpoint is the f32 one quantized: each weight, with its
+  // block's scale, within e4m3's rounding of the f32 value.
+  std::vector<std::vector<float>> o_proj;
+  for (ds::DType dt : {ds::DType::F32, ds::DType::F8E4M3}) {
+    ds::model::InitOptions opt;
+    opt.dtype = dt;
+    opt.seed = 5;
+    ds::model::write_random_checkpoint(c, dir, opt);
+    auto m = ds::model::load_model(dir);
+    const auto& v = m->weights.layers[1].attn.o.view;
+    o_proj.emplace_back(v.rows * v.cols);
+    ds::ops::widen_rows(o_proj.back().data(), v, 0, v.rows);
+  }
+  float amax = 0;
+  for (float w : o_proj[0]) amax = std::max(amax, std::fabs(w));
+  for (size_t i = 0; i < o_proj[0].size(); ++i)  // 3 mantissa bits; subnormals below 2^-6 of the block scale
+    ASSERT_LE(std::fabs(o_proj[1][i] - o_proj[0][i]), std::max(std::fabs(o_proj[0][i]) / 16, amax / 448 / 1024)) << i;
   ds::model::InitOptions bad;
   bad.dtype = ds::DType::I32;
   EXPECT_THROW(ds::model::write_random_checkpoint(c, dir, bad), ds::Error);

@@ -20,6 +20,10 @@ check '! ls "$m" | grep -q tmp' "init left no temporary files"
 "$bin" init --config "$src/configs/tiny.yml" --out "$tmp/other" --seed 4 >/dev/null
 check 'cmp -s "$m/model.safetensors" "$tmp/again/model.safetensors"' "init is deterministic"
 check '! cmp -s "$m/model.safetensors" "$tmp/other/model.safetensors"' "init seed changes the weights"
+"$bin" init --config "$src/configs/tiny.yml" --out "$tmp/fp8" --seed 3 --dtype fp8 >/dev/null
+check 'grep -q "\"quant_method\": \"fp8\"" "$tmp/fp8/config.json"' "init --dtype fp8 writes a quantization_config"
+check '"$bin" bench --model "$tmp/fp8" --batch 2 --prompt-len 5 --new-tokens 3 | grep -q decode_tokens_per_s' \
+  "an fp8 checkpoint from init runs"
 # A written config.json is a valid init source too, and --set overrides YAML keys.
 check '"$bin" init --config "$m/config.json" --out "$tmp/fromjson" >/dev/null' "init from config.json"
 check '"$bin" init --config "$src/configs/tiny.yml" --set base_num_decoder_layers=2 --out "$tmp/two" >/dev/null' "init --set"

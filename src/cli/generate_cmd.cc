@@ -1,5 +1,5 @@
 // Model commands:
-//   deepseek init --config FILE --out DIR [--seed S] [--dtype bf16|f16|f32] [--set key=value ...]
+//   deepseek init --config FILE --out DIR [--seed S] [--dtype bf16|f16|f32|fp8] [--set key=value ...]
 //   deepseek generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
 //                     [--top-p P] [--seed S] [--kv-cache latent|naive]
 //   deepseek bench --model DIR [--batch B] [--prompt-len P] [--new-tokens N] [--kv-cache latent|naive]
@@ -65,7 +65,10 @@ int run_init(const InitArgs& a) {
                                       : model::ModelConfig::from_hf_json_file(a.config);
   model::InitOptions opt;
   opt.seed = a.seed;
-  opt.dtype = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
+  opt.dtype = a.dtype == "f32"   ? DType::F32
+              : a.dtype == "f16" ? DType::F16
+              : a.dtype == "fp8" ? DType::F8E4M3
+                                 : DType::BF16;
   model::write_random_checkpoint(cfg, a.out, opt);
   fmt::print("wrote a randomly initialised {} model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
              cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, a.out,
@@ -225,8 +228,10 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
         ->check(CLI::ExistingFile);
     cmd->add_option("--out", args->out, "model folder to write")->required();
     cmd->add_option("--seed", args->seed, "initialisation seed");
-    cmd->add_option("--dtype", args->dtype, "weight dtype: bf16 (default), f16 or f32")
-        ->check(CLI::IsMember({"bf16", "f16", "f32"}));
+    cmd->add_option("--dtype", args->dtype,
+                    "weight dtype: bf16 (default), f16, f32, or fp8 (e4m3 projections with 128x128 block scales, "
+                    "as DeepSeek-V3 ships)")
+        ->check(CLI::IsMember({"bf16", "f16", "f32", "fp8"}));
     cmd->add_option("--set", args->overrides, "override a YAML key: key=value (repeatable)");
     commands.emplace_back(cmd, [args] { return run_init(*args); });
   }

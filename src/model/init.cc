@@ -7,6 +7,7 @@
 #include "core/tensor.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "ops/linear.h"
 
 namespace ds::model {
 
@@ -67,15 +68,23 @@ nlohmann::json to_hf_json(const ModelConfig& c) {
     j["index_head_dim"] = c.index_head_dim;
     j["index_topk"] = c.index_topk;
   }
+  if (c.fp8_block_rows > 0)
+    j["quantization_config"] = {{"quant_method", "fp8"},
+                                {"fmt", "e4m3"},
+                                {"activation_scheme", "dynamic"},
+                                {"weight_block_size", {c.fp8_block_rows, c.fp8_block_cols}}};
   j["torch_dtype"] = "bfloat16";
   return j;
 }
 
-void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const InitOptions& opt) {
-  c.validate();
-  DS_CHECK(c.index_n_heads == 0, "init: DeepSeek-V3.2 indexer weights are not supported yet");
-  DS_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32 || opt.dtype == DType::F16,
-           "init: weights can be written as bf16, f16 or f32, not {}", dtype_name(opt.dtype));
+void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, const InitOptions& opt) {
+  cfg.validate();
+  DS_CHECK(cfg.index_n_heads == 0, "init: DeepSeek-V3.2 indexer weights are not supported yet");
+  const bool fp8 = opt.dtype == DType::F8E4M3;
+  DS_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32 || opt.dtype == DType::F16 || fp8,
+           "init: weights can be written as bf16, f16, f32 or fp8 (e4m3), not {}", dtype_name(opt.dtype));
+  ModelConfig c = cfg;
+  if (fp8) c.fp8_block_rows = c.fp8_block_cols = 128;
   DS_CHECK(opt.init_std > 0.0f, "init: init_std must be positive, got {}", opt.init_std);
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -91,18 +100,31 @@ void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const
 
   std::vector<std::pair<std::string, Tensor>> ts;
   uint64_t stream = 0;  // one Philox stream per tensor: the same seed gives the same weights
-  auto matrix = [&](const std::string& name, Shape shape) {
+  // fp8 as DeepSeek-V3 ships it: projections and MLP matrices in e4m3 with
+  // a float32 weight_scale_inv per 128 x 128 block; the embedding, the
+  // router, the LM head and the norms in bf16.
+  const DType plain = fp8 ? DType::BF16 : opt.dtype;
+  auto matrix = [&](const std::string& name, Shape shape, bool quantize = true) {
     Tensor t = Tensor::empty(shape, DType::F32);
     fill_normal(t.data<float>(), t.numel(), opt.init_std, opt.seed, stream++);
-    ts.emplace_back(name, opt.dtype == DType::F32 ? t : t.to(opt.dtype));
+    if (fp8 && quantize) {
+      const int64_t rows = shape[0], cols = shape[1], b = c.fp8_block_rows;
+      Tensor q = Tensor::empty(shape, DType::F8E4M3);
+      Tensor scale = Tensor::empty({(rows + b - 1) / b, (cols + b - 1) / b}, DType::F32);
+      ops::quantize_fp8_blocks(static_cast<uint8_t*>(q.raw()), scale.data<float>(), t.data<float>(), rows, cols, b, b);
+      ts.emplace_back(name, q);
+      ts.emplace_back(name + "_scale_inv", scale);
+      return;
+    }
+    ts.emplace_back(name, plain == DType::F32 ? t : t.to(plain));
   };
   auto ones = [&](const std::string& name, int64_t n) {
     Tensor t = Tensor::empty({n}, DType::F32);
     for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = 1.0f;
-    ts.emplace_back(name, opt.dtype == DType::F32 ? t : t.to(opt.dtype));
+    ts.emplace_back(name, plain == DType::F32 ? t : t.to(plain));
   };
   const int64_t D = c.hidden_size, H = c.num_attention_heads, qk = c.qk_head_dim();
-  matrix("model.embed_tokens.weight", {c.vocab_size, D});
+  matrix("model.embed_tokens.weight", {c.vocab_size, D}, false);
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l);
     ones(p + ".input_layernorm.weight", D);
@@ -124,7 +146,7 @@ void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const
       matrix(q + ".down_proj.weight", {D, width});
     };
     if (c.is_moe_layer(l)) {
-      matrix(p + ".mlp.gate.weight", {c.n_routed_experts, D});
+      matrix(p + ".mlp.gate.weight", {c.n_routed_experts, D}, false);
       if (c.topk_method == TopkMethod::NoauxTc)
         ts.emplace_back(p + ".mlp.gate.e_score_correction_bias", Tensor::zeros({c.n_routed_experts}, DType::F32));
       for (int64_t e = 0; e < c.n_routed_experts; ++e)
@@ -135,7 +157,7 @@ void write_random_checkpoint(const ModelConfig& c, const std::string& dir, const
     }
   }
   ones("model.norm.weight", D);
-  if (!c.tie_word_embeddings) matrix("lm_head.weight", {c.vocab_size, D});
+  if (!c.tie_word_embeddings) matrix("lm_head.weight", {c.vocab_size, D}, false);
   // Weights first: a folder whose config.json is new always has its weights.
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
   io::write_file_atomic((fs::path(dir) / "config.json").string(), to_hf_json(c).dump(2) + "\n");

@@ -18,8 +18,11 @@ nlohmann::json to_hf_json(const ModelConfig& cfg);
 
 struct InitOptions {
   uint64_t seed = 0;
-  DType dtype = DType::BF16;  // of the matrices; norms are 1 and the routing bias 0, stored in f32
-  float init_std = 0.006f;    // normal std of every matrix (DeepSeek-V3's initialisation)
+  // Of the matrices; norms are 1 and the routing bias 0 (f32). F8E4M3 writes
+  // the projections and MLPs as DeepSeek-V3 ships them: e4m3 with a
+  // weight_scale_inv per 128 x 128 block, the rest in bf16.
+  DType dtype = DType::BF16;
+  float init_std = 0.006f;  // normal std of every matrix (DeepSeek-V3's initialisation)
 };
 
 // Writes DIR/config.json and DIR/model.safetensors (atomically). DIR is
