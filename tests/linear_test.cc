@@ -100,13 +100,15 @@ TEST(Linear, DecodeRowsDoNotDependOnTheThreadCount) {
 }
 
 TEST(Linear, PrefillRowsDoNotDependOnTheThreadCount) {
-  auto w = make_weight(DType::BF16, 515, 301, 128, 128, 43);
-  auto x = ds::test::randn(70 * 301, 44);
-  ds::test::expect_same_for_any_thread_count([&] {
-    std::vector<float> y(70 * 515);
-    ds::ops::linear_forward(y.data(), x.data(), w.view, 70);
-    return y;
-  });
+  for (DType dt : {DType::BF16, DType::F8E4M3}) {
+    auto w = make_weight(dt, 515, 301, 128, 128, 43);
+    auto x = ds::test::randn(70 * 301, 44);
+    ds::test::expect_same_for_any_thread_count([&] {
+      std::vector<float> y(70 * 515);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, 70);
+      return y;
+    });
+  }
 }
 
 TEST(Linear, Fp8BlockQuantizationErrorIsBounded) {

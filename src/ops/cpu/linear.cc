@@ -385,6 +385,26 @@ DS_AVX512 void pack_panel(float* xt, const float* x, int64_t ldx, int64_t rows, 
 }
 
 template <int NR, int MV>
+DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, const float* xt, const float* w,
+                                                                int64_t K) {
+  // Weights already widened (row-major, stride K): a broadcast memory
+  // operand of the FMA.
+  __m512 acc[NR][MV];
+  for (int n = 0; n < NR; ++n)
+    for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = _mm512_loadu_ps(xt + k * kPanel + 16 * v);
+    for (int n = 0; n < NR; ++n) {
+      const __m512 b = _mm512_set1_ps(w[n * K + k]);
+      for (int v = 0; v < MV; ++v) acc[n][v] = _mm512_fmadd_ps(xv[v], b, acc[n][v]);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int v = 0; v < MV; ++v) _mm512_storeu_ps(tile + n * kPanel + 16 * v, acc[n][v]);
+}
+
+template <int NR, int MV>
 DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, const float* xt, const uint16_t* w,
                                                                 int64_t K) {
   __m512 acc[NR][MV];
@@ -412,14 +432,15 @@ DS_AVX512 inline __attribute__((always_inline)) void bcast_tile(float* tile, con
     for (int v = 0; v < MV; ++v) _mm512_storeu_ps(tile + n * kPanel + 16 * v, acc[n][v]);
 }
 
-// Weight rows [r0, r1) against one panel of `rows` (<= 32) rows of x.
-template <int MV>
-DS_AVX512 void bcast_rows(float* y, int64_t ldy, const float* xt, int64_t rows, const uint16_t* w, int64_t K,
-                          int64_t r0, int64_t r1, bool accumulate) {
+// Weight rows [r0, r1) (bf16, or float32 already widened) against one panel
+// of `rows` (<= 32) rows of x.
+template <int MV, typename T>
+DS_AVX512 void bcast_rows(float* y, int64_t ldy, const float* xt, int64_t rows, const T* w, int64_t K, int64_t r0,
+                          int64_t r1, bool accumulate) {
   alignas(64) float tile[kTileN * kPanel];
   for (int64_t n0 = r0; n0 < r1; n0 += kTileN) {
     const int nr = static_cast<int>(std::min<int64_t>(kTileN, r1 - n0));
-    const uint16_t* wn = w + n0 * K;
+    const T* wn = w + n0 * K;
     with_count<kTileN>(nr, [&](auto n) DS_AVX512 { bcast_tile<n(), MV>(tile, xt, wn, K); });
     // The tile holds y transposed: turn each 16 x 16 block back.
     const __mmask16 cols = static_cast<__mmask16>((1u << nr) - 1u);
@@ -445,22 +466,54 @@ constexpr int64_t kChunkN = 8 * kTileN;
 // into a per-thread buffer that stays in L2.
 constexpr int64_t kGroupPanels = 4;
 
-void linear_bf16_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t N,
-                        int64_t K, bool accumulate) {
+// Widens rows [r0, r1) of an e4m3 weight with block scales to float32
+// (the values widen_rows gives), 16 columns per instruction sequence.
+DS_AVX512 void widen_fp8_rows(float* out, const Fp8Weight& f, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    auto src = f.rows<1>(r);
+    float* o = out + (r - r0) * f.cols;
+    for (int64_t c0 = 0; c0 < f.cols; c0 += f.block_cols) {
+      src.start_block(c0);
+      const int64_t c1 = std::min(f.cols, c0 + f.block_cols);
+      int64_t c = c0;
+      for (; c + 16 <= c1; c += 16) _mm512_storeu_ps(o + c, src.load(0, c));
+      if (c < c1) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (c1 - c)) - 1u);
+        _mm512_mask_storeu_ps(o + c, tail, src.load_tail(0, c, tail));
+      }
+    }
+  }
+}
+
+// bf16 weights are read in place; e4m3 weights (fp8 non-null) are widened a
+// chunk of rows at a time into a per-thread buffer that every panel of x
+// then reuses, small enough (about 256 KiB) to stay in L2.
+void linear_avx512(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint16_t* w,
+                   const Fp8Weight* fp8, int64_t N, int64_t K, bool accumulate) {
   const int64_t panels = (M + kPanel - 1) / kPanel;
+  const int64_t chunk =
+      fp8 ? std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN) : kChunkN;
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
   // [r0, r1), a chunk of weight rows at a time.
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
-    for (int64_t c0 = r0; c0 < r1; c0 += kChunkN)
+    Buffer<float> wide(fp8 ? static_cast<size_t>(chunk * K) : 0);
+    for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+      const int64_t c1 = std::min(r1, c0 + chunk);
+      if (fp8) widen_fp8_rows(wide.data(), *fp8, c0, c1);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t rows = std::min<int64_t>(kPanel, M - p * kPanel);
         const float* panel = xt + (p - p0) * K * kPanel;
         float* yp = y + p * kPanel * ldy;
-        if (rows > 16)
-          bcast_rows<2>(yp, ldy, panel, rows, w, K, c0, std::min(r1, c0 + kChunkN), accumulate);
+        if (fp8 && rows > 16)
+          bcast_rows<2>(yp + c0, ldy, panel, rows, wide.data(), K, 0, c1 - c0, accumulate);
+        else if (fp8)
+          bcast_rows<1>(yp + c0, ldy, panel, rows, wide.data(), K, 0, c1 - c0, accumulate);
+        else if (rows > 16)
+          bcast_rows<2>(yp, ldy, panel, rows, w, K, c0, c1, accumulate);
         else
-          bcast_rows<1>(yp, ldy, panel, rows, w, K, c0, std::min(r1, c0 + kChunkN), accumulate);
+          bcast_rows<1>(yp, ldy, panel, rows, w, K, c0, c1, accumulate);
       }
+    }
   };
   auto pack = [&](float* xt, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
@@ -524,8 +577,12 @@ void gemv_bf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, co
 
 // One already widened weight row r.
 DS_CLONES void gemv_f32_row(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const float* wr,
-                            int64_t cols, int64_t r, bool accumulate) {
-  DS_FOR_ROWS(M, gemv_f32_impl, y, ldy, x, ldx, wr, cols, r, accumulate)
+                            int64_t cols, int64_t r,
+                            bool accumulate){DS_FOR_ROWS(M, gemv_f32_impl, y, ldy, x, ldx, wr, cols, r, accumulate)}
+
+Fp8Weight fp8_weight(const WeightView& w) {
+  return {static_cast<const uint8_t*>(w.data),       w.cols, w.scale_inv, w.block_rows, w.block_cols,
+          (w.cols + w.block_cols - 1) / w.block_cols};
 }
 
 }  // namespace
@@ -578,19 +635,18 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     gemm(false, true, M, w.rows, w.cols, 1.0f, x, ldx, static_cast<const float*>(w.data), w.cols, beta, y, ldy);
     return;
   }
+  // e4m3 with scale blocks a whole number of 16-column steps wide (128 in
+  // DeepSeek-V3) widens in registers too; other fp8 layouts widen rows with
+  // the table.
+  const bool fp8_kernel = w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 16 == 0 && have_avx512bw();
   if (M <= kGemvMaxRows) {
-    // e4m3 with scale blocks a whole number of 16-column steps wide (128 in
-    // DeepSeek-V3) widens in registers too; other fp8 layouts go row by row.
-    const bool fp8_kernel = w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 16 == 0 && have_avx512bw();
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
       if (w.dtype == DType::BF16) {
         gemv_bf16(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
       } else if (fp8_kernel) {
-        const Fp8Weight f{static_cast<const uint8_t*>(w.data),       w.cols, w.scale_inv, w.block_rows, w.block_cols,
-                          (w.cols + w.block_cols - 1) / w.block_cols};
-        gemv_avx512(y, ldy, x, ldx, M, f, w.cols, r0, r1, accumulate);
+        gemv_avx512(y, ldy, x, ldx, M, fp8_weight(w), w.cols, r0, r1, accumulate);
       } else {
         Buffer<float> row(static_cast<size_t>(w.cols));
         for (int64_t r = r0; r < r1; ++r) {
@@ -602,7 +658,12 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     return;
   }
   if (w.dtype == DType::BF16 && have_avx512bw()) {
-    linear_bf16_avx512(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.rows, w.cols, accumulate);
+    linear_avx512(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), nullptr, w.rows, w.cols, accumulate);
+    return;
+  }
+  if (fp8_kernel) {
+    const Fp8Weight f = fp8_weight(w);
+    linear_avx512(y, ldy, x, ldx, M, nullptr, &f, w.rows, w.cols, accumulate);
     return;
   }
   // Each thread widens its own blocks of output rows and multiplies them
