@@ -1,7 +1,7 @@
 // libFuzzer target for the safetensors header parser. Any input must either
 // parse or raise ds::Error. Build with clang:
 //   clang++ -std=c++20 -g -O1 -fsanitize=fuzzer,address -Isrc fuzz/safetensors_header_fuzz.cc \
-//     src/io/safetensors.cc src/core/*.cc -lfmt -fopenmp -o safetensors_fuzz
+//     src/io/safetensors.cc src/io/atomic_file.cc src/core/*.cc -lfmt -fopenmp -o safetensors_fuzz
 //   ./safetensors_fuzz -max_total_time=60
 #include <cstddef>
 #include <cstdint>
