@@ -93,6 +93,9 @@ int main(int argc, char** argv) {
       {1024, 1024, 384, "dense_gate_prefill_b8"},
       {8, 1024, 384, "dense_gate_decode_b8"},
       {1, 1024, 384, "dense_gate_decode_b1"},
+      // DeepSeek-V2-Lite-sized projections (hidden 2048, expert width 1408).
+      {256, 1408, 2048, "v2lite_expert_prefill"},
+      {512, 2048, 1408, "v2lite_expert_down_prefill"},
       // A 64 MiB weight, far beyond the caches: decode streams it from memory.
       {8, 16384, 2048, "stream_decode_b8"},
       {1, 16384, 2048, "stream_decode_b1"},
