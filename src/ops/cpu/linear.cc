@@ -184,7 +184,8 @@ struct Bf16Weight {
 // in 28-30, masked off) and exponent and mantissa in bits 20-26: as float32
 // that is the e4m3 value times 2^-120, exact for subnormals too, so
 // multiplying by 2^120 and then by the block's scale gives the same float32
-// weight widen_rows does.
+// weight widen_rows does. (The one exception is e4m3's NaN code, 0x7f/0xff,
+// which reads as 480 here; quantized checkpoints do not contain it.)
 struct Fp8Weight {
   const uint8_t* w;
   int64_t cols;
