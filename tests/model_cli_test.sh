@@ -24,6 +24,8 @@ check '! cmp -s "$m/model.safetensors" "$tmp/other/model.safetensors"' "init see
 check 'grep -q "\"quant_method\": \"fp8\"" "$tmp/fp8/config.json"' "init --dtype fp8 writes a quantization_config"
 check '"$bin" bench --model "$tmp/fp8" --batch 2 --prompt-len 5 --new-tokens 3 | grep -q decode_tokens_per_s' \
   "an fp8 checkpoint from init runs"
+"$bin" init --config "$tmp/fp8/config.json" --out "$tmp/fp8_to_bf16" >/dev/null
+check '! grep -q quantization_config "$tmp/fp8_to_bf16/config.json"' "a bf16 folder made from an fp8 config.json claims no quantization"
 # A written config.json is a valid init source too, and --set overrides YAML keys.
 check '"$bin" init --config "$m/config.json" --out "$tmp/fromjson" >/dev/null' "init from config.json"
 check '"$bin" init --config "$src/configs/tiny.yml" --set base_num_decoder_layers=2 --out "$tmp/two" >/dev/null' "init --set"

@@ -83,8 +83,8 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
   const bool fp8 = opt.dtype == DType::F8E4M3;
   DS_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32 || opt.dtype == DType::F16 || fp8,
            "init: weights can be written as bf16, f16, f32 or fp8 (e4m3), not {}", dtype_name(opt.dtype));
-  ModelConfig c = cfg;
-  if (fp8) c.fp8_block_rows = c.fp8_block_cols = 128;
+  ModelConfig c = cfg;  // its quantization_config describes what is written here
+  c.fp8_block_rows = c.fp8_block_cols = fp8 ? 128 : 0;
   DS_CHECK(opt.init_std > 0.0f, "init: init_std must be positive, got {}", opt.init_std);
   namespace fs = std::filesystem;
   std::error_code ec;
