@@ -1,13 +1,14 @@
-// Linear layers over bf16 weights (the checkpoint dtype the engine keeps in
-// memory) against dnnl_sgemm over the same weights already widened to
-// float32 (what a float32 framework multiplies), for the projection shapes of
-// the `small` preset: M rows of activations, N out, K in.
+// Linear layers over bf16 and fp8 weights (the checkpoint dtypes the engine
+// keeps in memory) against dnnl_sgemm over the same weights already widened
+// to float32 (what a float32 framework multiplies), for the projection shapes
+// of the `small` preset and a few larger ones: M rows of activations, N out,
+// K in.
 //
 //   OMP_NUM_THREADS=2 build/bench/linear_bench --benchmark_min_time=0.3
 //
-// DEEPSEEK_DISABLE_AVX512=1 makes linear/bf16 take the portable path instead
+// DEEPSEEK_DISABLE_AVX512=1 makes linear/* take the portable path instead
 // (widen blocks of rows to float32, then sgemm for M > 8): the plain version
-// the register-widening kernel replaces. GFLOP/s counts 2 M N K.
+// the register-widening kernels replace. GFLOP/s counts 2 M N K.
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 #include <omp.h>
@@ -46,27 +47,25 @@ void set_rate(benchmark::State& state, const Shape& s) {
       benchmark::Counter(2.0 * s.M * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_LinearBf16(benchmark::State& state, Shape s) {
+// The weight as a checkpoint stores it: bf16, or fp8 e4m3 with 128 x 128
+// block scales.
+void BM_Linear(benchmark::State& state, Shape s, ds::DType dt) {
   Operands o(s);
-  const ds::ops::WeightView w{o.w16.data(), ds::DType::BF16, s.N, s.K, nullptr, 128, 128};
+  const bool fp8 = dt == ds::DType::F8E4M3;
+  const ds::ops::WeightView w{fp8 ? static_cast<const void*>(o.w8.data()) : o.w16.data(),
+                              dt,
+                              s.N,
+                              s.K,
+                              fp8 ? o.w8_scale_inv.data() : nullptr,
+                              128,
+                              128};
   for (auto _ : state) {
     ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
     benchmark::DoNotOptimize(o.y.data());
   }
   set_rate(state, s);
-  state.counters["weight_GB/s"] =
-      benchmark::Counter(2.0 * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-}
-
-void BM_LinearFp8(benchmark::State& state, Shape s) {
-  Operands o(s);
-  const ds::ops::WeightView w{o.w8.data(), ds::DType::F8E4M3, s.N, s.K, o.w8_scale_inv.data(), 128, 128};
-  for (auto _ : state) {
-    ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
-    benchmark::DoNotOptimize(o.y.data());
-  }
-  set_rate(state, s);
-  state.counters["weight_GB/s"] = benchmark::Counter(1.0 * s.N * s.K * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(s.N * s.K * ds::dtype_size(dt)) * 1e-9,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_SgemmF32(benchmark::State& state, Shape s) {
@@ -103,8 +102,8 @@ int main(int argc, char** argv) {
   for (const Shape& s : shapes) {
     const std::string n =
         std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
-    benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_LinearBf16, s)->UseRealTime();
-    benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_LinearFp8, s)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_Linear, s, ds::DType::BF16)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_Linear, s, ds::DType::F8E4M3)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
   benchmark::RunSpecifiedBenchmarks();
