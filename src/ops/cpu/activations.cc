@@ -1,9 +1,7 @@
 // Elementwise and row-wise activations (math and gradients: ops/activations.h).
 //
 // On tensors larger than the caches these are memory-bound once exp is
-// vectorized, and libm's expf is not (no -ffast-math, so no vector math
-// library): exp_nonpos below is a branch-free polynomial exp that the compiler
-// vectorizes, accurate to ~1 ulp, at about one cycle per element with AVX-512. The kernels
+// vectorized (fast_exp, shared with attention and cross-entropy). The kernels
 // are multiversioned (AVX-512, AVX2, baseline); reductions use fixed lanes, so
 // results do not depend on the thread count (the AVX-512 clone may contract
 // multiply-adds into FMAs, so its last bits can differ from the other clones').
@@ -20,43 +18,15 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/cpu/fast_exp.h"
 
 namespace ds::ops {
 namespace {
 
-// exp(x) for x <= 0 (the only arguments used here: -|a| and x - max), within
-// ~1 ulp; arguments below -87.34 (where exp leaves the normal range), -inf
-// included, give 0. Written without floating-point branches or selects that
-// the compiler could only keep by speculating arithmetic, which it may not do
-// under the default -ftrapping-math and would then leave the loop scalar:
-// the clamp is an unsigned min on the bit pattern (for negative floats it
-// orders by magnitude) and the flush to zero multiplies by a selected scale.
-inline float exp_nonpos(float x) {
-  constexpr uint32_t kLowBits = 0xC2AEAC50u;  // -87.33654f = ln(2^-126)
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const bool under = bits > kLowBits;  // x < -87.33654, or -inf
-  const float xc = std::bit_cast<float>(std::min(bits, kLowBits));
-  // n = round(x / ln2) by the 1.5 * 2^23 trick (kept: no reassociation allowed).
-  const float kn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  // r = x - n ln2 with ln2 split in two, so kn * 0.693359375 is exact for |n| <= 128.
-  float r = xc - kn * 0.693359375f;
-  r = r + kn * 2.12194440e-4f;
-  // exp(r) on [-ln2/2, ln2/2] (Cephes expf polynomial).
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t scale = static_cast<uint32_t>(static_cast<int32_t>(kn) + 127) << 23;  // 2^n
-  return p * std::bit_cast<float>(under ? 0u : scale);
-}
-
 // sigmoid(x) and exp(-|x|) computed without overflow: 1 / (1 + e) for x >= 0,
 // e / (1 + e) for x < 0, with e = exp(-|x|) <= 1.
 inline float sigmoid_stable(float x) {
-  const float e = exp_nonpos(-std::fabs(x));
+  const float e = fast_exp(-std::fabs(x));
   return (std::signbit(x) ? e : 1.0f) / (1.0f + e);
 }
 
@@ -106,7 +76,7 @@ DS_CLONES float row_max(const float* x, int64_t n) {
 
 // y_j = exp(x_j - m).
 DS_CLONES void exp_row(float* y, const float* x, int64_t n, float m) {
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpos(x[j] - m);
+  for (int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - m);
 }
 
 // sum_j y_j in 16 fixed lanes. Float is enough: the terms are positive, so

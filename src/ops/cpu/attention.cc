@@ -35,7 +35,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -43,6 +42,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cpu/fast_exp.h"
 #include "ops/matmul.h"
 
 namespace ds::ops {
@@ -65,31 +65,6 @@ constexpr int64_t kTileK = 128;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) in float for x <= 88, written so that a loop over it vectorizes
-// (no calls, no branches): x = n ln2 + r with |r| <= ln2/2, exp(r) by the
-// degree-6 minimax polynomial of Cephes' expf, 2^n by building the exponent
-// bits. Relative error below 1e-7 (about 1 ulp); x below -87.3 (including
-// -inf, a masked score) gives exactly 0, and exp(0) is exactly 1.
-inline float exp_approx(float x) {
-  const float xc = std::min(88.0f, std::max(x, -87.33654f));
-  // Round-to-nearest of x / ln2 by the 1.5 * 2^23 trick (no -ffast-math here,
-  // so the compiler keeps the add and subtract).
-  const float kn = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  // ln2 split in two so that kn * hi is exact for |kn| <= 128.
-  float r = xc - kn * 0.693359375f;
-  r = r + kn * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t n = static_cast<int32_t>(kn);
-  const float scale = std::bit_cast<float>(static_cast<uint32_t>(n + 127) << 23);
-  return x < -87.33654f ? 0.0f : y * scale;
-}
-
 // Largest of x[0..n); 16 independent lanes so that the loop vectorizes
 // without reassociation, combined in a fixed order.
 __attribute__((target_clones("avx512f", "avx2", "default"))) float row_max(const float* x, int64_t n) {
@@ -111,13 +86,13 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) float exp_row(float
   int64_t j = 0;
   for (; j + 16 <= n; j += 16)
     for (int l = 0; l < 16; ++l) {
-      const float e = exp_approx(x[j + l] - shift);
+      const float e = fast_exp(x[j + l] - shift);
       x[j + l] = e;
       lane[l] += e;
     }
   float sum = 0.0f;
   for (; j < n; ++j) {
-    x[j] = exp_approx(x[j] - shift);
+    x[j] = fast_exp(x[j] - shift);
     sum += x[j];
   }
   for (float l : lane) sum += l;

@@ -28,13 +28,13 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
 #include "core/error.h"
+#include "ops/cpu/fast_exp.h"
 #include "ops/matmul.h"
 
 namespace ds::ops {
@@ -44,33 +44,6 @@ constexpr int kLanes = 16;
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinParallelWork = 1 << 15;
-
-// exp(x) for x <= 0 (softmax arguments; a tiny positive x from rounding is
-// fine too). Below -87 the result is flushed to 0 (exp(-87) = 1.6e-38, nothing
-// next to the row's largest term, 1); the clamp keeps 2^n a normal number. A
-// NaN argument gives NaN. The clamp and the flush are bit masks rather than
-// conditionals: GCC does not if-convert a float comparison under the default
-// -ftrapping-math, and a conditional would keep the loops from vectorizing.
-inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  constexpr float kMin = -87.0f;
-  // All ones unless x < kMin (so NaN keeps its bits and propagates).
-  const int32_t keep = -static_cast<int32_t>(!(x < kMin));
-  const float xc = std::bit_cast<float>((std::bit_cast<int32_t>(x) & keep) | (std::bit_cast<int32_t>(kMin) & ~keep));
-  const float n = (xc * kLog2e + kRound) - kRound;
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;  // |r| <= ln2 / 2
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // Multiply by 2^n through the exponent bits.
-  const int32_t bits = std::bit_cast<int32_t>(p) + (static_cast<int32_t>(n) << 23);
-  return std::bit_cast<float>(bits & keep);
-}
 
 // max of x[0..n), n >= 1 (NaN is skipped here; sum_exp propagates it). A
 // GCC vector type, because the select of a 16-lane array does not vectorize
@@ -97,9 +70,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) double sum_exp(cons
   float lane[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += exp_nonpositive(x[j + l] - shift);
+    for (int l = 0; l < kLanes; ++l) lane[l] += fast_exp(x[j + l] - shift);
   double s = 0;
-  for (; j < n; ++j) s += exp_nonpositive(x[j] - shift);
+  for (; j < n; ++j) s += fast_exp(x[j] - shift);
   for (float v : lane) s += v;
   return s;
 }
@@ -107,7 +80,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) double sum_exp(cons
 // y_j = exp(x_j - shift) * scale; y may equal x.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void scaled_softmax(float* y, const float* x, float shift,
                                                                                  float scale, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) y[j] = exp_nonpositive(x[j] - shift) * scale;
+  for (int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - shift) * scale;
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default"))) void add_into(float* __restrict y,
