@@ -18,12 +18,12 @@
 #include <cblas.h>
 #include <dnnl.h>
 #include <fmt/format.h>
-#include <omp.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
 
+#include "bench_main.h"
 #include "core/rng.h"
 #include "ops/attention.h"
 
@@ -155,13 +155,4 @@ void register_all() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
-  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
-  register_all();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return ds::bench::bench_main(argc, argv, register_all); }

@@ -11,11 +11,11 @@
 // the register-widening kernels replace. GFLOP/s counts 2 M N K.
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
-#include <omp.h>
 
 #include <string>
 #include <vector>
 
+#include "bench_main.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "ops/linear.h"
@@ -77,12 +77,7 @@ void BM_SgemmF32(benchmark::State& state, Shape s) {
   set_rate(state, s);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+void register_all() {
   const Shape shapes[] = {
       {32, 256, 384, "expert_gate_prefill_b1"},
       {32, 384, 256, "expert_down_prefill_b1"},
@@ -106,7 +101,8 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_Linear, s, ds::DType::F8E4M3)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
 }
+
+}  // namespace
+
+int main(int argc, char** argv) { return ds::bench::bench_main(argc, argv, register_all); }

@@ -10,12 +10,12 @@
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 #include <dnnl.h>
-#include <omp.h>
 
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "bench_main.h"
 #include "core/rng.h"
 #include "ops/grouped_matmul.h"
 #include "ops/matmul.h"
@@ -163,16 +163,4 @@ void register_all() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  // Debian's OpenBLAS picks its kernels at run time; on CPUs newer than it
-  // knows it falls back to an older (slower) set, which this makes visible.
-  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
-  benchmark::AddCustomContext("openblas_config", openblas_get_config());
-  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
-  register_all();
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return ds::bench::bench_main(argc, argv, register_all); }

@@ -1,0 +1,29 @@
+// The main() of the Google Benchmark executables: the run's context (OpenMP
+// threads, the OpenBLAS kernel set) in the report header, then every
+// benchmark register_all() registered.
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+#include <omp.h>
+
+#include <string>
+
+namespace ds::bench {
+
+inline int bench_main(int argc, char** argv, void (*register_all)()) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  // Debian's OpenBLAS picks its kernels at run time; on CPUs newer than it
+  // knows it falls back to an older (slower) set, which this makes visible
+  // wherever cblas_sgemm is a baseline.
+  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+  benchmark::AddCustomContext("openblas_config", openblas_get_config());
+  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+}  // namespace ds::bench
