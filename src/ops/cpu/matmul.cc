@@ -6,6 +6,7 @@
 #include <dnnl.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "core/error.h"
@@ -26,30 +27,43 @@ class SingleThreaded {
   int saved_;
 };
 
-// Below this many multiply-adds a product is not worth sharing out (~20 us of
-// work on one core).
+// Below this many multiply-adds a product is one block (~20 us of work on
+// one core): not worth sharing out.
 constexpr double kMinSplitWork = 1 << 21;
 
-// How gemm shares C [M, N] between T threads: a grid of tm x tn blocks with
-// tm * tn = T, one single-threaded sgemm per block. Of the grids whose blocks
-// keep at least 16 rows and 16 columns, it picks the one that packs the least:
-// every block packs its rows of A (M/tm x K) and its columns of B (K x N/tn),
-// K (M tn + N tm) in all. Returns {1, 1} when the product is too small.
-std::pair<int64_t, int64_t> split_grid(int64_t M, int64_t N, int64_t K, int T) {
-  std::pair<int64_t, int64_t> best{1, 1};
-  if (static_cast<double>(M) * N * K < kMinSplitWork) return best;
-  double best_cost = -1;
-  for (int64_t tm = 1; tm <= T; ++tm) {
-    if (T % tm) continue;
-    const int64_t tn = T / tm;
-    if ((tm > 1 && M < 16 * tm) || (tn > 1 && N < 16 * tn)) continue;
-    const double cost = static_cast<double>(M) * tn + static_cast<double>(N) * tm;
-    if (best_cost < 0 || cost < best_cost) {
-      best = {tm, tn};
-      best_cost = cost;
-    }
+// Largest block of C one sgemm call computes. Big enough that packing its
+// rows of A and columns of B (K (rows + cols) floats) costs little next to
+// its K rows cols multiply-adds, small enough that mid-sized products still
+// give every thread of a many-core machine a block.
+constexpr int64_t kBlockRows = 512;
+constexpr int64_t kBlockCols = 1024;
+// Large products are cut further, down to 32 x 64 blocks of at least
+// 2 kMinSplitWork, until there are this many blocks to share out.
+constexpr int64_t kMinBlocks = 8;
+
+// Splits n into ceil(n / max_block) blocks of nearly equal size, rounded up
+// to a multiple of 16 so that blocks start on a cache line of C.
+int64_t block_edge(int64_t n, int64_t max_block) {
+  const int64_t blocks = (n + max_block - 1) / max_block;
+  return std::min(n, ((n + blocks - 1) / blocks + 15) / 16 * 16);
+}
+
+// The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
+// alone (see gemm).
+std::pair<int64_t, int64_t> block_shape(int64_t M, int64_t N, int64_t K) {
+  if (static_cast<double>(M) * N * K < kMinSplitWork) return {M, N};
+  int64_t bm = block_edge(M, kBlockRows), bn = block_edge(N, kBlockCols);
+  while (((M + bm - 1) / bm) * ((N + bn - 1) / bn) < kMinBlocks &&
+         static_cast<double>(bm) * bn * K >= 2 * kMinSplitWork) {
+    // Halve the longer edge (columns count double: they are the fast
+    // dimension of C and of the packed panels).
+    const bool cols = bn >= 2 * bm ? bn > 64 : bm <= 32;
+    const int64_t nbm = cols ? bm : block_edge(M, bm / 2), nbn = cols ? block_edge(N, bn / 2) : bn;
+    if ((nbm == bm && nbn == bn) || (nbn < 64 && nbn < N) || (nbm < 32 && nbm < M)) break;
+    bm = nbm;
+    bn = nbn;
   }
-  return best;
+  return {bm, bn};
 }
 
 dnnl_status_t sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
@@ -80,15 +94,14 @@ void backward_products(float* da, float beta_a, float* db, const float* dc, cons
 
 }  // namespace
 
-// Outside a parallel region the product is split into a grid of blocks, one
-// single-threaded sgemm each, rather than left to oneDNN's own threading: with
-// a row-major B^T (a Linear weight) oneDNN's partition ran 15-35% slower than
-// this split on projection shapes (512x1408x2048, 256x2048x7168, 2 threads),
-// and no slower elsewhere. The
-// split never cuts the reduction over K, so each element of C comes from one
-// single-threaded dot product whatever the thread count. For the same reason a
-// matrix-vector product, whose reduction oneDNN would cut into per-thread
-// pieces, runs on one thread when it is too small or too thin to split.
+// The product is cut into blocks of C whose edges depend on M, N and K alone
+// (block_shape), one single-threaded sgemm each; the threads share out the
+// blocks. No block cuts the reduction over K, and a block's bits depend only
+// on its shape and data, so C is bitwise the same for any thread count, also
+// where oneDNN's kernels (its AVX2 ones) give different bits for different
+// call shapes. oneDNN's own threading is never used: it cuts K for a
+// matrix-vector product, and with a row-major B^T (a Linear weight) its
+// partition ran 15-35% slower than blocks on projection shapes.
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
           const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   DS_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
@@ -102,19 +115,22 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
       for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
     return;
   }
-  const int T = omp_in_parallel() ? 1 : omp_get_max_threads();
-  const auto [tm, tn] = T > 1 ? split_grid(M, N, K, T) : std::pair<int64_t, int64_t>{1, 1};
+  // The blocks depend on the shape alone. oneDNN's result for an element
+  // depends on the shape of the call that computes it (its blocking of K
+  // does, on some ISAs), so the thread count may only decide which thread
+  // runs which block, never where the blocks are.
+  const auto [bm, bn] = block_shape(M, N, K);
+  const int64_t gm = (M + bm - 1) / bm, gn = (N + bn - 1) / bn;
   dnnl_status_t st = dnnl_success;
-  if (tm * tn > 1) {
-    // Block (i, j): rows [M i / tm, M (i+1) / tm), columns likewise but on
-    // multiples of 16 so that every block starts on a cache line of C.
-#pragma omp parallel for schedule(static) num_threads(T)
-    for (int64_t blk = 0; blk < tm * tn; ++blk) {
-      const int64_t i = blk / tn, j = blk % tn;
-      const int64_t m0 = M * i / tm, m1 = M * (i + 1) / tm;
-      const int64_t n0 = N * j / tn / 16 * 16, n1 = j + 1 == tn ? N : N * (j + 1) / tn / 16 * 16;
+  if (gm * gn > 1) {
+    const int T = omp_in_parallel() ? 1 : static_cast<int>(std::min<int64_t>(omp_get_max_threads(), gm * gn));
+#pragma omp parallel for schedule(static) num_threads(T) if (T > 1)
+    for (int64_t blk = 0; blk < gm * gn; ++blk) {
+      const int64_t m0 = blk / gn * bm, n0 = blk % gn * bn;
+      const int64_t m1 = std::min(M, m0 + bm), n1 = std::min(N, n0 + bn);
       const float* Ab = A + (trans_a ? m0 : m0 * lda);
       const float* Bb = B + (trans_b ? n0 * ldb : n0);
+      SingleThreaded one;
       const dnnl_status_t s =
           sgemm(trans_a, trans_b, m1 - m0, n1 - n0, K, alpha, Ab, lda, Bb, ldb, beta, C + m0 * ldc + n0, ldc);
       if (s != dnnl_success) {
@@ -122,10 +138,11 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
         st = s;
       }
     }
-  } else if (T > 1 && (M == 1 || N == 1)) {
-    SingleThreaded one;
-    st = sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   } else {
+    // One block: oneDNN may thread it, but a product this small or this thin
+    // (a matrix-vector product) would have its reduction over K cut into
+    // per-thread pieces, so it runs on one thread.
+    SingleThreaded one;
     st = sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   DS_CHECK(st == dnnl_success, "gemm: oneDNN sgemm failed with status {} (M={} N={} K={})", static_cast<int>(st), M, N,
