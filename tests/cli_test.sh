@@ -11,5 +11,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 expect_error --no-such-flag
 expect_error --threads 0 selfcheck
 expect_error no-such-command
+# An unknown SIMD cap is refused before any work; a known one is named by selfcheck.
+DEEPSEEK_MAX_CPU_ISA=avx9000 expect_error selfcheck
+DEEPSEEK_MAX_CPU_ISA=scalar "$bin" selfcheck | grep -Eq "SIMD kernels: (SCALAR|EMU128)" ||
+  { echo "FAIL: selfcheck does not name the capped scalar target"; fail=1; }
 [ "$fail" -eq 0 ] && echo "cli: all checks passed"
 exit "$fail"

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 
 #include "core/error.h"
@@ -49,57 +50,63 @@ NarrowWeight make_weight(DType dtype, int64_t out, int64_t in, int64_t br, int64
 
 TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
-  // also leave a partial row block inside the kernel.
-  for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
-    for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64, 100}) {
-      auto w = make_weight(dt, 130, 200, 128, 128, 11);
-      auto x = ds::test::randn(M * 200, 12);
-      std::vector<float> y(M * 130);
-      ds::ops::linear_forward(y.data(), x.data(), w.view, M);
-      auto want =
-          ds::ref::matmul<double>(ds::test::to_double(x), ds::test::to_double(w.value), M, 130, 200, false, true);
-      // float32 accumulation over 200 terms of O(1) values: ~1e-5 relative.
-      ds::test::expect_close(y, want, 2e-5, 0, ds::dtype_name(dt).data());
+  // also leave a partial row block inside the kernel. Every SIMD target.
+  ds::test::for_each_simd_target([](const char*) {
+    for (DType dt : {DType::F32, DType::BF16, DType::F16, DType::F8E4M3}) {
+      for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 64, 100}) {
+        auto w = make_weight(dt, 130, 200, 128, 128, 11);
+        auto x = ds::test::randn(M * 200, 12);
+        std::vector<float> y(M * 130);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+        auto want =
+            ds::ref::matmul<double>(ds::test::to_double(x), ds::test::to_double(w.value), M, 130, 200, false, true);
+        // float32 accumulation over 200 terms of O(1) values: ~1e-5 relative.
+        ds::test::expect_close(y, want, 2e-5, 0, ds::dtype_name(dt).data());
+      }
     }
-  }
+  });
 }
 
 TEST(Linear, StridesAndAccumulation) {
   // M = 3 and 8 take the decode (few-row) kernel, larger M the prefill path
-  // (for bf16 on AVX-512: 16 and 17 one and two vectors of rows, 40 a second
+  // (with 16 lanes: 16 and 17 one and two vectors of rows, 40 a second
   // panel); K = 33 is odd and leaves a partial block of 16 columns.
-  for (DType dt : {DType::BF16, DType::F8E4M3, DType::F16}) {
-    for (int64_t M : {3, 8, 9, 16, 17, 40}) {
-      auto w = make_weight(dt, 70, 33, 16, 16, 21);
-      const int64_t ldx = 40, ldy = 90;
-      auto x = ds::test::randn(M * ldx, 22);
-      std::vector<float> y(M * ldy, 1.0f);
-      ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
-      for (int64_t i = 0; i < M; ++i) {
-        for (int64_t o = 0; o < 70; ++o) {
-          double s = 1.0;  // the accumulated initial value
-          for (int64_t c = 0; c < 33; ++c) s += static_cast<double>(x[i * ldx + c]) * w.value[o * 33 + c];
-          EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;  // float32 sums of 33 O(1) terms
+  ds::test::for_each_simd_target([](const char*) {
+    for (DType dt : {DType::BF16, DType::F8E4M3, DType::F16}) {
+      for (int64_t M : {3, 8, 9, 16, 17, 40}) {
+        auto w = make_weight(dt, 70, 33, 16, 16, 21);
+        const int64_t ldx = 40, ldy = 90;
+        auto x = ds::test::randn(M * ldx, 22);
+        std::vector<float> y(M * ldy, 1.0f);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
+        for (int64_t i = 0; i < M; ++i) {
+          for (int64_t o = 0; o < 70; ++o) {
+            double s = 1.0;  // the accumulated initial value
+            for (int64_t c = 0; c < 33; ++c) s += static_cast<double>(x[i * ldx + c]) * w.value[o * 33 + c];
+            EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;  // float32 sums of 33 O(1) terms
+          }
+          for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
         }
-        for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
       }
     }
-  }
+  });
 }
 
 TEST(Linear, ResultsDoNotDependOnTheThreadCount) {
   // 2 rows take the decode kernel, 70 the prefill one; the weight is big
   // enough to run threaded.
-  for (DType dt : {DType::BF16, DType::F8E4M3})
-    for (int64_t M : {2, 70}) {
-      auto w = make_weight(dt, 515, 301, 128, 128, 41);
-      auto x = ds::test::randn(M * 301, 42);
-      ds::test::expect_same_for_any_thread_count([&] {
-        std::vector<float> y(M * 515);
-        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
-        return y;
-      });
-    }
+  ds::test::for_each_simd_target([](const char*) {
+    for (DType dt : {DType::BF16, DType::F8E4M3})
+      for (int64_t M : {2, 70}) {
+        auto w = make_weight(dt, 515, 301, 128, 128, 41);
+        auto x = ds::test::randn(M * 301, 42);
+        ds::test::expect_same_for_any_thread_count([&] {
+          std::vector<float> y(M * 515);
+          ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+          return y;
+        });
+      }
+  });
 }
 
 TEST(Linear, Fp8BlockQuantizationErrorIsBounded) {
@@ -138,4 +145,27 @@ TEST(Linear, BadWeightsAreErrors) {
   std::vector<float> w(4, 1.0f);
   WeightView ok{w.data(), DType::F32, 2, 2, nullptr, 128, 128};
   EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), ok, 1, 1, 2), ds::Error);  // ldx < in
+}
+
+TEST(Linear, E4m3WidensExactlyAsTheScalarDecode) {
+  // Every code but the NaN pair (0x7f, 0xff) in each 128-column block,
+  // subnormals included, under scales from tiny to the largest the
+  // in-register path takes (below 2^8) and one above it (the table path).
+  const int64_t rows = 2, cols = 4 * 128;
+  std::vector<uint8_t> q(rows * cols);
+  for (int64_t i = 0; i < rows * cols; ++i) q[i] = static_cast<uint8_t>(i * 7 + i / 256);
+  for (float big : {255.9f, 300.0f}) {
+    const std::vector<float> scale = {1e-30f, 3.7e-3f, 1.0f, big};  // [1, 4] blocks
+    const WeightView w{q.data(), DType::F8E4M3, rows, cols, scale.data(), 128, 128};
+    ds::test::for_each_simd_target([&](const char*) {
+      std::vector<float> out(rows * cols);
+      ds::ops::widen_rows(out.data(), w, 0, rows);
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        if ((q[i] & 0x7f) == 0x7f) continue;
+        const float want = ds::e4m3_to_f32(q[i]) * scale[(i % cols) / 128];
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want))
+            << "code " << int{q[i]} << " at " << i;
+      }
+    });
+  }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 #include <omp.h>
 
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "core/simd.h"
 
 namespace ds::test {
 
@@ -29,6 +31,20 @@ void expect_same_for_any_thread_count(F run) {
     omp_set_num_threads(threads);
     EXPECT_EQ(run(), want) << threads << " threads";
   }
+}
+
+// Runs fn(name) once for every SIMD target this build compiled and this CPU
+// runs (within the environment's cap), each time with the kernels
+// dispatching to that target, so one run of a test covers every path.
+template <typename F>
+void for_each_simd_target(F fn) {
+  ensure_simd_targets();  // the environment's cap first
+  for (int64_t target : hwy::SupportedAndGeneratedTargets()) {
+    hwy::SetSupportedTargetsForTest(target);
+    SCOPED_TRACE(hwy::TargetName(target));
+    fn(hwy::TargetName(target));
+  }
+  hwy::SetSupportedTargetsForTest(0);  // back to what the CPU has
 }
 
 inline std::vector<float> randn(size_t n, uint64_t seed, float std = 1.0f) {

@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/rng.h"
+#include "core/simd.h"
 #include "ops/attention.h"
 #include "ops/matmul.h"
 #include "ops/reference/matmul.h"
@@ -57,6 +58,7 @@ int run_selfcheck() {
     for (int64_t j = 0; j < 16; ++j)
       DS_CHECK(std::fabs(o[h * 16 + j] - v[h * 16 + j]) < 1e-5, "selfcheck: attention of token 0 is not v[0]");
   fmt::print("attention T=64: first token equals its own value row; threads {}\n", num_threads());
+  fmt::print("SIMD kernels: {} (DEEPSEEK_MAX_CPU_ISA caps it)\n", simd_target_name());
   fmt::print("selfcheck passed\n");
   return 0;
 }
@@ -116,6 +118,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (threads > 0) ds::set_num_threads(threads);
+    ds::init_simd_targets();  // a bad DEEPSEEK_MAX_CPU_ISA is an error before any work
     for (auto& [cmd, run] : commands)
       if (cmd->parsed()) return run();
     std::fputs(app.help().c_str(), stdout);

@@ -6,10 +6,12 @@
 // `scale_inv` of shape [ceil(out/br), ceil(in/bc)] (DeepSeek-V3: 128x128
 // blocks, partial blocks at the edges): W[r, c] = fp8[r, c] * s[r/br, c/bc].
 // Narrow weights are widened to float32 inside the kernels, so a model never
-// needs a float32 copy of its weights. bf16 on AVX-512 widens in registers
-// (decode-sized M: dot products over blocks of rows; larger M: an
-// outer-product kernel over x packed transposed); other dtypes, and bf16
-// elsewhere, widen a block of rows at a time and multiply it with ops::gemm.
+// needs a float32 copy of its weights. The kernels are SIMD code for every
+// CPU (ops/cpu/linear.cc): for decode-sized M, dot products over blocks of
+// rows that widen bf16 and block-scaled e4m3 in registers (other dtypes a row
+// at a time); for larger M, an outer-product kernel over x packed transposed
+// that broadcasts bf16 weights in place and other dtypes from a widened
+// chunk of rows. float32 weights go to ops::gemm.
 #pragma once
 
 #include <cstdint>
