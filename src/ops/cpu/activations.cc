@@ -1,10 +1,11 @@
 // Elementwise and row-wise activations (math and gradients: ops/activations.h).
 //
 // On tensors larger than the caches these are memory-bound once exp is
-// vectorized (fast_exp, shared with attention and cross-entropy). The kernels
-// are multiversioned (AVX-512, AVX2, baseline); reductions use fixed lanes, so
-// results do not depend on the thread count (the AVX-512 clone may contract
-// multiply-adds into FMAs, so its last bits can differ from the other clones').
+// vectorized (FastExp, shared with attention and cross-entropy). The kernels
+// are Highway code compiled for every SIMD target and dispatched at run time
+// (core/simd.h). Reductions keep a fixed number of accumulators whose lanes
+// are combined in a fixed order, so results do not depend on the thread
+// count; they do depend on the target (vector width, fused multiply-adds).
 //
 // Outputs may alias inputs elementwise (out == a in a gated MLP, y == x for an
 // in-place softmax): every element is read before it is written.
@@ -12,109 +13,153 @@
 
 #include <algorithm>
 #include <bit>
-#include <cmath>
 #include <cstdint>
 #include <limits>
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "ops/cpu/fast_exp.h"
 
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cpu/activations.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+#include "ops/cpu/fast_exp-inl.h"
+#include "ops/cpu/lanes-inl.h"
+
+HWY_BEFORE_NAMESPACE();
 namespace ds::ops {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
 namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
 
-// sigmoid(x) and exp(-|x|) computed without overflow: 1 / (1 + e) for x >= 0,
-// e / (1 + e) for x < 0, with e = exp(-|x|) <= 1.
-inline float sigmoid_stable(float x) {
-  const float e = fast_exp(-std::fabs(x));
-  return (std::signbit(x) ? e : 1.0f) / (1.0f + e);
+// sigmoid(x) computed without overflow: 1 / (1 + e) for x >= 0, e / (1 + e)
+// for x < 0, with e = exp(-|x|) <= 1.
+HWY_INLINE VF Sigmoid(DF d, VF x) {
+  const VF one = hn::Set(d, 1.0f);
+  const VF e = FastExp(d, hn::Neg(hn::Abs(x)));
+  return hn::Div(hn::IfNegativeThenElse(x, e, one), hn::Add(one, e));
 }
 
-#define DS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+void SiluMulSpan(float* out, const float* a, const float* b, int64_t n) {
+  const DF d;
+  Map2(d, out, a, b, static_cast<size_t>(n),
+       [d](VF x, VF y) HWY_ATTR { return hn::Mul(hn::Mul(x, Sigmoid(d, x)), y); });
+}
 
-DS_CLONES void silu_mul_span(float* out, const float* a, const float* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = a[i];
-    out[i] = x * sigmoid_stable(x) * b[i];
+// One pass that reads a, b and dout once and writes both gradients; da and db
+// may alias a and b, as every vector is loaded before either store.
+void SiluMulGradSpan(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n) {
+  const DF d;
+  const VF one = hn::Set(d, 1.0f);
+  const size_t N = hn::Lanes(d), len = static_cast<size_t>(n);
+  // The last vector may be partial: loaded into and stored from buffers.
+  for (size_t i = 0; i < len; i += N) {
+    const size_t r = len - i;
+    const VF x = LoadUpTo(d, a + i, r), g = LoadUpTo(d, dout + i, r), bi = LoadUpTo(d, b + i, r);
+    const VF s = Sigmoid(d, x);
+    // d/da silu(a) b = b s (1 + a (1 - s)); d/db = silu(a).
+    StoreUpTo(d, hn::Mul(hn::Mul(hn::Mul(g, bi), s), hn::MulAdd(x, hn::Sub(one, s), one)), da + i, r);
+    StoreUpTo(d, hn::Mul(g, hn::Mul(x, s)), db + i, r);
   }
 }
 
-DS_CLONES void silu_mul_grad_span(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = a[i], g = dout[i], bi = b[i];
-    const float s = sigmoid_stable(x);
-    const float gda = g * bi * s * (1.0f + x * (1.0f - s));
-    const float gdb = g * (x * s);
-    da[i] = gda;
-    db[i] = gdb;
-  }
+void SigmoidSpan(float* y, const float* x, int64_t n) {
+  const DF d;
+  Map1(d, y, x, static_cast<size_t>(n), [d](VF v) HWY_ATTR { return Sigmoid(d, v); });
 }
 
-DS_CLONES void sigmoid_span(float* y, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = sigmoid_stable(x[i]);
+void SigmoidGradSpan(float* dx, const float* dy, const float* y, int64_t n) {
+  const DF d;
+  Map2(d, dx, dy, y, static_cast<size_t>(n),
+       [d](VF g, VF s) HWY_ATTR { return hn::Mul(hn::Mul(g, s), hn::Sub(hn::Set(d, 1.0f), s)); });
 }
-
-DS_CLONES void sigmoid_grad_span(float* dx, const float* dy, const float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dx[i] = dy[i] * y[i] * (1.0f - y[i]);
-}
-
-constexpr int kLanes = 16;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Float bits mapped to int32 so that integer order is float order (-0 < +0,
-// -inf lowest): the compiler vectorizes an integer max reduction but not a
-// float one (std::max on floats is not associative in the presence of NaN).
-// The map is its own inverse.
-inline int32_t float_order(int32_t bits) { return bits ^ ((bits >> 31) & 0x7FFFFFFF); }
-
-// max_j x_j (exact, so the reduction order does not matter).
-DS_CLONES float row_max(const float* x, int64_t n) {
-  int32_t m = std::numeric_limits<int32_t>::min();
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, float_order(std::bit_cast<int32_t>(x[j])));
-  return std::bit_cast<float>(float_order(m));
+// -inf lowest, a NaN above +inf or below -inf by its sign): an integer max is
+// exact and has no NaN rule to reconcile between targets. The map is its own
+// inverse.
+template <class DI, class VI = hn::Vec<DI>>
+HWY_INLINE VI FloatOrder(DI di, VI bits) {
+  return hn::Xor(bits, hn::And(hn::ShiftRight<31>(bits), hn::Set(di, 0x7FFFFFFF)));
 }
 
-// y_j = exp(x_j - m).
-DS_CLONES void exp_row(float* y, const float* x, int64_t n, float m) {
-  for (int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - m);
+// max_j x_j (exact, so two accumulators change nothing).
+float RowMax(const float* x, size_t n) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const size_t N = hn::Lanes(d);
+  const float pad = std::bit_cast<float>(int32_t{-1});  // a NaN whose order is INT32_MIN: below everything
+  auto m0 = hn::Set(di, hwy::LimitsMin<int32_t>());
+  auto m1 = m0;
+  size_t j = 0;
+  for (; j + 2 * N <= n; j += 2 * N) {
+    m0 = hn::Max(m0, FloatOrder(di, hn::BitCast(di, hn::LoadU(d, x + j))));
+    m1 = hn::Max(m1, FloatOrder(di, hn::BitCast(di, hn::LoadU(d, x + j + N))));
+  }
+  for (; j < n; j += N) m0 = hn::Max(m0, FloatOrder(di, hn::BitCast(di, LoadUpTo(d, x + j, n - j, pad))));
+  const auto m = FloatOrder(di, hn::MaxOfLanes(di, hn::Max(m0, m1)));
+  return hn::GetLane(hn::BitCast(d, m));
 }
 
-// sum_j y_j in 16 fixed lanes. Float is enough: the terms are positive, so
-// there is no cancellation. (A separate pass over the row, in cache: summing
-// inside exp_row, which may write over its input, kept the lanes in memory.)
-DS_CLONES float row_sum(const float* y, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += y[j + l];
-  float s = 0.0f;
-  for (; j < n; ++j) s += y[j];
-  for (float l : lane) s += l;
-  return s;
+// y_j = exp(x_j - m) / sum_k exp(x_k - m) for the row, m = max_j x_j, except
+// that y is 0 where the sum is 0 (a fully masked row, m = -inf). The sum (in
+// float) is taken while the exps are computed and stored.
+void SoftmaxRow(float* y, const float* x, int64_t cols) {
+  const DF d;
+  const size_t n = static_cast<size_t>(cols);
+  const float m = RowMax(x, n);
+  const float s =
+      static_cast<float>(ExpShiftedSum<true>(d, y, x, n, m == -std::numeric_limits<float>::infinity() ? 0.0f : m));
+  const float scale = s > 0.0f ? 1.0f / s : 0.0f;
+  Map1(d, y, y, n, [d, scale](VF v) HWY_ATTR { return hn::Mul(v, hn::Set(d, scale)); });
 }
 
-DS_CLONES void scale_row(float* y, int64_t n, float s) {
-  for (int64_t j = 0; j < n; ++j) y[j] *= s;
+// dx_j = y_j (dy_j - D) with D = sum_j dy_j y_j in double: dy has both signs,
+// so the sum can cancel, and double costs nothing on a memory-bound row. The
+// float products are exact in double, so fused or not, each step rounds once.
+void SoftmaxGradRow(float* dx, const float* dy, const float* y, int64_t cols) {
+  const hn::ScalableTag<double> dd;
+  const hn::Rebind<float, decltype(dd)> dh;  // as many floats as doubles
+  const size_t N = hn::Lanes(dd), n = static_cast<size_t>(cols);
+  auto a0 = hn::Zero(dd), a1 = a0, a2 = a0, a3 = a0;
+  size_t j = 0;
+  for (; j + 4 * N <= n; j += 4 * N) {
+    a0 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, dy + j)), hn::PromoteTo(dd, hn::LoadU(dh, y + j)), a0);
+    a1 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, dy + j + N)), hn::PromoteTo(dd, hn::LoadU(dh, y + j + N)), a1);
+    a2 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, dy + j + 2 * N)), hn::PromoteTo(dd, hn::LoadU(dh, y + j + 2 * N)),
+                    a2);
+    a3 = hn::MulAdd(hn::PromoteTo(dd, hn::LoadU(dh, dy + j + 3 * N)), hn::PromoteTo(dd, hn::LoadU(dh, y + j + 3 * N)),
+                    a3);
+  }
+  for (; j < n; j += N)
+    a0 = hn::MulAdd(hn::PromoteTo(dd, LoadUpTo(dh, dy + j, n - j)), hn::PromoteTo(dd, LoadUpTo(dh, y + j, n - j)), a0);
+  const float dot = static_cast<float>(SumLanesInOrder(dd, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  const DF df;
+  Map2(df, dx, dy, y, n, [df, dot](VF g, VF p) HWY_ATTR { return hn::Mul(p, hn::Sub(g, hn::Set(df, dot))); });
 }
 
-// sum_j dy_j y_j in double over 16 lanes: dy has both signs, so the sum can
-// cancel, and double costs nothing on a memory-bound row.
-DS_CLONES double dot_row(const float* dy, const float* y, int64_t n) {
-  double lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(dy[j + l]) * y[j + l];
-  double s = 0;
-  for (; j < n; ++j) s += static_cast<double>(dy[j]) * y[j];
-  for (double l : lane) s += l;
-  return s;
-}
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds::ops
+HWY_AFTER_NAMESPACE();
 
-DS_CLONES void softmax_grad_row(float* dx, const float* dy, const float* y, int64_t n, float d) {
-  for (int64_t j = 0; j < n; ++j) dx[j] = y[j] * (dy[j] - d);
-}
+#if HWY_ONCE
+#include "core/simd.h"
 
-#undef DS_CLONES
+namespace ds::ops {
+
+HWY_EXPORT(SiluMulSpan);
+HWY_EXPORT(SiluMulGradSpan);
+HWY_EXPORT(SigmoidSpan);
+HWY_EXPORT(SigmoidGradSpan);
+HWY_EXPORT(SoftmaxRow);
+HWY_EXPORT(SoftmaxGradRow);
+
+namespace {
 
 // Elementwise work is split into chunks of this many elements; smaller inputs
 // stay on the calling thread, where a parallel region would cost more than it saves.
@@ -132,22 +177,24 @@ void for_chunks(int64_t n, F&& f) {
 
 void silu_mul_forward(float* out, const float* a, const float* b, int64_t n) {
   DS_CHECK(n >= 0, "silu_mul: n={}", n);
-  for_chunks(n, [&](int64_t i, int64_t len) { silu_mul_span(out + i, a + i, b + i, len); });
+  for_chunks(n, [&](int64_t i, int64_t len) { DS_DISPATCH(SiluMulSpan)(out + i, a + i, b + i, len); });
 }
 
 void silu_mul_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n) {
   DS_CHECK(n >= 0, "silu_mul_backward: n={}", n);
-  for_chunks(n, [&](int64_t i, int64_t len) { silu_mul_grad_span(da + i, db + i, dout + i, a + i, b + i, len); });
+  for_chunks(n, [&](int64_t i, int64_t len) {
+    DS_DISPATCH(SiluMulGradSpan)(da + i, db + i, dout + i, a + i, b + i, len);
+  });
 }
 
 void sigmoid_forward(float* y, const float* x, int64_t n) {
   DS_CHECK(n >= 0, "sigmoid: n={}", n);
-  for_chunks(n, [&](int64_t i, int64_t len) { sigmoid_span(y + i, x + i, len); });
+  for_chunks(n, [&](int64_t i, int64_t len) { DS_DISPATCH(SigmoidSpan)(y + i, x + i, len); });
 }
 
 void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
   DS_CHECK(n >= 0, "sigmoid_backward: n={}", n);
-  for_chunks(n, [&](int64_t i, int64_t len) { sigmoid_grad_span(dx + i, dy + i, y + i, len); });
+  for_chunks(n, [&](int64_t i, int64_t len) { DS_DISPATCH(SigmoidGradSpan)(dx + i, dy + i, y + i, len); });
 }
 
 // A row whose entries are all -inf (fully masked) has no probability mass to
@@ -155,23 +202,14 @@ void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols) {
   DS_CHECK(rows >= 0 && cols > 0, "softmax: rows={} cols={}", rows, cols);
 #pragma omp parallel for schedule(static) if (rows * cols > kChunk)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * cols;  // [cols]
-    float* yr = y + r * cols;
-    const float m = row_max(xr, cols);
-    exp_row(yr, xr, cols, m == kNegInf ? 0.0f : m);
-    const float sum = row_sum(yr, cols);
-    scale_row(yr, cols, sum > 0.0f ? 1.0f / sum : 0.0f);
-  }
+  for (int64_t r = 0; r < rows; ++r) DS_DISPATCH(SoftmaxRow)(y + r * cols, x + r * cols, cols);
 }
 
 void softmax_backward(float* dx, const float* dy, const float* y, int64_t rows, int64_t cols) {
   DS_CHECK(rows >= 0 && cols > 0, "softmax_backward: rows={} cols={}", rows, cols);
 #pragma omp parallel for schedule(static) if (rows * cols > kChunk)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float d = static_cast<float>(dot_row(dy + r * cols, y + r * cols, cols));
-    softmax_grad_row(dx + r * cols, dy + r * cols, y + r * cols, cols, d);
-  }
+  for (int64_t r = 0; r < rows; ++r) DS_DISPATCH(SoftmaxGradRow)(dx + r * cols, dy + r * cols, y + r * cols, cols);
 }
 
 }  // namespace ds::ops
+#endif  // HWY_ONCE

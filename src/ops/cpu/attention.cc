@@ -42,14 +42,61 @@
 #include <vector>
 
 #include "core/error.h"
-#include "ops/cpu/fast_exp.h"
 #include "ops/matmul.h"
+
+// The row kernels below are Highway code, compiled once per SIMD target and
+// dispatched at run time (core/simd.h); the tiling after them is plain C++.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cpu/attention.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+#include "ops/cpu/fast_exp-inl.h"
+#include "ops/cpu/lanes-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ds::ops {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Largest of x[0, n), skipping NaN, as std::max would.
+float RowMax(const float* x, int64_t n) {
+  return RowMaxSkippingNaN(hn::ScalableTag<float>(), x, static_cast<size_t>(n));
+}
+
+// x[j] = exp(x[j] - shift) for j < n, returning the sum of the new x in a
+// fixed order (per lane, then the lanes in order).
+float ExpRow(float* x, int64_t n, float shift) {
+  return static_cast<float>(ExpShiftedSum<true>(hn::ScalableTag<float>(), x, x, static_cast<size_t>(n), shift));
+}
+
+// ds[j] = p[j] (ds[j] - d) for j < n: dP becomes dS in place.
+void SoftmaxGradRow(float* ds, const float* p, int64_t n, float d) {
+  const hn::ScalableTag<float> df;
+  using V = hn::Vec<decltype(df)>;
+  Map2(df, ds, ds, p, static_cast<size_t>(n),
+       [df, d](V g, V pr) HWY_ATTR { return hn::Mul(pr, hn::Sub(g, hn::Set(df, d))); });
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds::ops
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "core/simd.h"
 
 namespace ds::ops {
 
 namespace detail {
 float attention_exp_row(float* x, int64_t n, float shift);
 }  // namespace detail
+
+HWY_EXPORT(RowMax);
+HWY_EXPORT(ExpRow);
+HWY_EXPORT(SoftmaxGradRow);
 
 namespace {
 
@@ -65,46 +112,9 @@ constexpr int64_t kTileK = 128;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Largest of x[0..n); 16 independent lanes so that the loop vectorizes
-// without reassociation, combined in a fixed order.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float row_max(const float* x, int64_t n) {
-  float lane[16];
-  for (float& l : lane) l = kNegInf;
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int l = 0; l < 16; ++l) lane[l] = std::max(lane[l], x[j + l]);
-  float m = kNegInf;
-  for (; j < n; ++j) m = std::max(m, x[j]);
-  for (float l : lane) m = std::max(m, l);
-  return m;
-}
-
-// x[j] = exp(x[j] - shift) for j < n, returning the sum of the new x in a
-// fixed order (16 lane sums, then the tail, then the lanes in order).
-__attribute__((target_clones("avx512f", "avx2", "default"))) float exp_row(float* x, int64_t n, float shift) {
-  float lane[16] = {};
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    for (int l = 0; l < 16; ++l) {
-      const float e = fast_exp(x[j + l] - shift);
-      x[j + l] = e;
-      lane[l] += e;
-    }
-  float sum = 0.0f;
-  for (; j < n; ++j) {
-    x[j] = fast_exp(x[j] - shift);
-    sum += x[j];
-  }
-  for (float l : lane) sum += l;
-  return sum;
-}
-
-// ds[j] = p[j] (ds[j] - d) for j < n: dP becomes dS in place.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void softmax_grad_row(float* __restrict ds,
-                                                                                   const float* __restrict p, int64_t n,
-                                                                                   float d) {
-  for (int64_t j = 0; j < n; ++j) ds[j] = p[j] * (ds[j] - d);
-}
+float row_max(const float* x, int64_t n) { return DS_DISPATCH(RowMax)(x, n); }
+float exp_row(float* x, int64_t n, float shift) { return DS_DISPATCH(ExpRow)(x, n, shift); }
+void softmax_grad_row(float* ds, const float* p, int64_t n, float d) { DS_DISPATCH(SoftmaxGradRow)(ds, p, n, d); }
 
 // Sizes, strides and tile counts shared by the passes. Rows of one head are
 // H * D floats apart in q, k, v, out and their gradients.
@@ -380,3 +390,4 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 }
 
 }  // namespace ds::ops
+#endif  // HWY_ONCE

@@ -20,73 +20,86 @@
 // costs three products (recompute, dW, dh), and the scratch is one tile plus one
 // [token block, D] buffer per thread.
 //
-// exp is a vectorizable Cephes-style expf (range reduction by ln 2, degree-5
-// polynomial, ~1 ulp): the libm call does not vectorize without -ffast-math,
-// and the fused loss evaluates N V exponentials in each direction.
+// exp is a vectorized Cephes-style expf (range reduction by ln 2 and a
+// minimax polynomial, ~1 ulp; ops/cpu/fast_exp-inl.h): libm's expf works one element
+// at a time, and the fused loss evaluates N V exponentials in each direction.
+// The row kernels are Highway code, compiled once per SIMD target and
+// dispatched at run time (core/simd.h).
 #include "ops/cross_entropy.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <vector>
 
 #include "core/error.h"
-#include "ops/cpu/fast_exp.h"
 #include "ops/matmul.h"
 
-namespace ds::ops {
-namespace {
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cpu/cross_entropy.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
 
-constexpr int kLanes = 16;
+#include "ops/cpu/fast_exp-inl.h"
+#include "ops/cpu/lanes-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ds::ops {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// max of x[0..n), n >= 1 (NaN is skipped here; SumExp propagates it).
+float RowMax(const float* x, int64_t n) { return RowMaxSkippingNaN(DF(), x, static_cast<size_t>(n)); }
+
+// sum_j exp(x_j - shift) over x[0..n), accumulated in float lanes (the terms
+// are in [0, 1]) and returned in double.
+double SumExp(const float* x, float shift, int64_t n) {
+  return ExpShiftedSum<false>(DF(), nullptr, x, static_cast<size_t>(n), shift);
+}
+
+// y_j = exp(x_j - shift) * scale; y may equal x.
+void ScaledSoftmax(float* y, const float* x, float shift, float scale, int64_t n) {
+  const DF d;
+  Map1(d, y, x, static_cast<size_t>(n), [d, shift, scale](VF v) HWY_ATTR {
+    return hn::Mul(FastExp(d, hn::Sub(v, hn::Set(d, shift))), hn::Set(d, scale));
+  });
+}
+
+void AddInto(float* y, const float* x, int64_t n) {
+  Map2(DF(), y, y, x, static_cast<size_t>(n), [](VF a, VF b) HWY_ATTR { return hn::Add(a, b); });
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds::ops
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "core/simd.h"
+
+namespace ds::ops {
+
+HWY_EXPORT(RowMax);
+HWY_EXPORT(SumExp);
+HWY_EXPORT(ScaledSoftmax);
+HWY_EXPORT(AddInto);
+
+namespace {
 
 // Below this many elements a parallel region costs more than it saves.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
-// max of x[0..n), n >= 1 (NaN is skipped here; sum_exp propagates it). A
-// GCC vector type, because the select of a 16-lane array does not vectorize
-// under -ftrapping-math either; each clone lowers it to its own registers.
-__attribute__((target_clones("avx512f", "avx2", "default"))) float row_max(const float* x, int64_t n) {
-  typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-  Lanes acc;
-  for (int l = 0; l < kLanes; ++l) acc[l] = -std::numeric_limits<float>::infinity();
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    Lanes v;
-    std::memcpy(&v, x + j, sizeof(Lanes));
-    acc = v > acc ? v : acc;
-  }
-  float m = -std::numeric_limits<float>::infinity();
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  for (int l = 0; l < kLanes; ++l) m = acc[l] > m ? acc[l] : m;
-  return m;
+float row_max(const float* x, int64_t n) { return DS_DISPATCH(RowMax)(x, n); }
+double sum_exp(const float* x, float shift, int64_t n) { return DS_DISPATCH(SumExp)(x, shift, n); }
+void scaled_softmax(float* y, const float* x, float shift, float scale, int64_t n) {
+  DS_DISPATCH(ScaledSoftmax)(y, x, shift, scale, n);
 }
-
-// sum_j exp(x_j - shift) over x[0..n), accumulated in 16 float lanes (the
-// terms are in [0, 1], so float lanes lose ~sqrt(n / 16) ulp) and returned in double.
-__attribute__((target_clones("avx512f", "avx2", "default"))) double sum_exp(const float* x, float shift, int64_t n) {
-  float lane[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int l = 0; l < kLanes; ++l) lane[l] += fast_exp(x[j + l] - shift);
-  double s = 0;
-  for (; j < n; ++j) s += fast_exp(x[j] - shift);
-  for (float v : lane) s += v;
-  return s;
-}
-
-// y_j = exp(x_j - shift) * scale; y may equal x.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void scaled_softmax(float* y, const float* x, float shift,
-                                                                                 float scale, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) y[j] = fast_exp(x[j] - shift) * scale;
-}
-
-__attribute__((target_clones("avx512f", "avx2", "default"))) void add_into(float* __restrict y,
-                                                                           const float* __restrict x, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) y[j] += x[j];
-}
+void add_into(float* y, const float* x, int64_t n) { DS_DISPATCH(AddInto)(y, x, n); }
 
 // Rejects targets >= V (negative ones mean "ignore").
 void check_targets(const int32_t* targets, int64_t N, int64_t V, const char* what) {
@@ -237,3 +250,4 @@ void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, co
 }
 
 }  // namespace ds::ops
+#endif  // HWY_ONCE
