@@ -5,19 +5,25 @@
 // nearest one (ties to the even code), on inputs chosen where rounding is
 // delicate (representable values, exact midpoints and their float neighbours)
 // plus millions of sampled float32 bit patterns. Nothing here shares code or
-// method with src/core/dtype.cc.
+// method with src/core/dtype.cc. convert()'s vector kernels are then compared
+// bit for bit with the scalar functions, on every SIMD target the machine
+// runs.
 #include "core/dtype.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
+#include "test_util.h"
 
 namespace ds {
 namespace {
@@ -394,7 +400,7 @@ std::vector<uint8_t> store(DType t, float v) {
   return b;
 }
 
-TEST(DType, ConvertMatchesScalarFunctions) {
+void convert_matches_scalar_functions() {
   // 70000 elements: above the sizes where convert() goes parallel. Sources are
   // every bit pattern (16-bit formats), all 256 patterns repeated (fp8), or
   // random bits with specials (f32).
@@ -434,6 +440,10 @@ TEST(DType, ConvertMatchesScalarFunctions) {
   }
 }
 
+TEST(DType, ConvertMatchesScalarFunctions) {
+  test::for_each_simd_target([](const char*) { convert_matches_scalar_functions(); });
+}
+
 TEST(DType, ConvertRejectsIntegerTypes) {
   std::vector<uint8_t> a(64), b(64);
   for (DType it : {DType::I32, DType::U32, DType::I64}) {
@@ -446,6 +456,76 @@ TEST(DType, ConvertRejectsIntegerTypes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("i32"), std::string::npos) << e.what();
   }
+}
+
+// ---------------------------------------------------------------- bulk kernels
+
+// convert(src -> dst) against the scalar function, bit for bit, on slices of
+// `src` that leave every remainder after whole vectors: the whole input (its
+// length is odd), all but its first element (a misaligned start), and every
+// length 0..67 from the first few offsets (67 covers a partial vector of every
+// width up to 64 lanes). The element after each slice must stay untouched.
+template <typename Src, typename Dst, typename Scalar>
+void expect_bulk_matches(DType dt, DType st, const std::vector<Src>& src, Scalar scalar, const char* what) {
+  ASSERT_EQ(sizeof(Src), dtype_size(st));
+  ASSERT_EQ(sizeof(Dst), dtype_size(dt));
+  std::vector<std::pair<size_t, size_t>> slices = {{0, src.size()}, {1, src.size() - 1}};
+  for (size_t off = 0; off < 4; ++off)
+    for (size_t len = 0; len <= 67 && off + len <= src.size(); ++len) slices.push_back({off, len});
+  using SrcBits =
+      std::conditional_t<sizeof(Src) == 4, uint32_t, std::conditional_t<sizeof(Src) == 2, uint16_t, uint8_t>>;
+  const Dst sentinel = static_cast<Dst>(0xcdcdcdcdu);
+  std::vector<Dst> dst(src.size() + 1);
+  size_t bad = 0;
+  for (const auto& [off, len] : slices) {
+    std::fill(dst.begin(), dst.end(), sentinel);
+    convert(dst.data(), dt, src.data() + off, st, len);
+    for (size_t i = 0; i < len; ++i) {
+      const Dst want = std::bit_cast<Dst>(scalar(src[off + i]));
+      if (std::memcmp(&dst[i], &want, sizeof(Dst)) != 0 && ++bad <= 8)
+        ADD_FAILURE() << what << ": slice [" << off << ", +" << len << ") element " << i << " input 0x" << std::hex
+                      << static_cast<uint64_t>(std::bit_cast<SrcBits>(src[off + i])) << " gives 0x"
+                      << static_cast<uint64_t>(dst[i]) << ", scalar 0x" << static_cast<uint64_t>(want) << std::dec;
+    }
+    if (dst[len] != sentinel && ++bad <= 8) ADD_FAILURE() << what << ": wrote past the slice [" << off << ", +" << len;
+  }
+  EXPECT_EQ(bad, 0u) << what;
+}
+
+TEST(DType, BulkWideningMatchesScalarOnEveryPattern) {
+  // Every 16-bit pattern, then three more so that the length is odd.
+  std::vector<uint16_t> h(65536 + 3);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(i * 40503u);  // odd multiplier: a permutation
+  // Every 8-bit pattern, five times, plus three.
+  std::vector<uint8_t> b(256 * 5 + 3);
+  for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i * 167u);
+  test::for_each_simd_target([&](const char*) {
+    expect_bulk_matches<uint16_t, uint32_t>(DType::F32, DType::BF16, h, bf16_to_f32, "bf16 -> f32");
+    expect_bulk_matches<uint16_t, uint32_t>(DType::F32, DType::F16, h, f16_to_f32, "f16 -> f32");
+    expect_bulk_matches<uint8_t, uint32_t>(DType::F32, DType::F8E4M3, b, e4m3_to_f32, "e4m3 -> f32");
+    expect_bulk_matches<uint8_t, uint32_t>(DType::F32, DType::F8E5M2, b, e5m2_to_f32, "e5m2 -> f32");
+  });
+}
+
+TEST(DType, BulkNarrowingMatchesScalar) {
+  // Float bit patterns where rounding is decided for either format, specials
+  // (NaN payloads of both signs, infinities, zeros, f32 subnormals), every
+  // 4099th pattern, and random bits, in an odd count.
+  std::vector<float> in = critical_inputs(value_table(kBF16));
+  const auto f16_critical = critical_inputs(value_table(kF16));
+  in.insert(in.end(), f16_critical.begin(), f16_critical.end());
+  for (uint32_t e = 0; e < 256; ++e)
+    for (uint32_t hi : {0x000000u, 0x002000u, 0x3fe000u, 0x7fe000u, 0x7fc000u, 0x400000u, 0x7f0000u})
+      for (uint32_t lo : {0x0000u, 0x0001u, 0x0fffu, 0x1000u, 0x1001u, 0x1fffu, 0x7fffu, 0x8000u, 0x8001u, 0xffffu})
+        for (uint32_t sign : {0u, 0x80000000u}) in.push_back(from_bits(sign | e << 23 | hi | lo));
+  for (uint64_t u = 0; u < (1ull << 32); u += 4099) in.push_back(from_bits(static_cast<uint32_t>(u)));
+  SplitMix rng{7};
+  for (int i = 0; i < 300000; ++i) in.push_back(from_bits(static_cast<uint32_t>(rng.next())));
+  if (in.size() % 2 == 0) in.push_back(from_bits(0x7f800001u));
+  test::for_each_simd_target([&](const char*) {
+    expect_bulk_matches<float, uint16_t>(DType::BF16, DType::F32, in, f32_to_bf16, "f32 -> bf16");
+    expect_bulk_matches<float, uint16_t>(DType::F16, DType::F32, in, f32_to_f16, "f32 -> f16");
+  });
 }
 
 }  // namespace

@@ -1,12 +1,192 @@
+// Element types and their conversions (formats and rounding: core/dtype.h).
+//
+// The scalar functions below define every conversion. convert() runs the
+// bulk paths that weights and activations take (bf16 and f16 both ways, fp8
+// to f32) as Highway kernels, compiled once per SIMD target and dispatched
+// at run time (core/simd.h), that give the same bits as the scalar functions
+// for every input: they round with integer operations rather than the
+// library's or the CPU's own conversions, whose NaN payloads (and, in
+// emulation, rounding) differ.
 #include "core/dtype.h"
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "core/error.h"
 
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "core/dtype.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
 namespace ds {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+using DU = hn::ScalableTag<uint32_t>;
+using VU = hn::Vec<DU>;
+using DI = hn::RebindToSigned<DU>;
+using DF = hn::RebindToFloat<DU>;
+
+// The magnitudes compared below are at most 0x7fffffff, so signed compares
+// order them as unsigned ones would.
+HWY_INLINE auto Below(VU a, uint32_t b) {
+  const DI di;
+  return hn::RebindMask(DU(), hn::Lt(hn::BitCast(di, a), hn::Set(di, static_cast<int32_t>(b))));
+}
+
+// f32_to_bf16 on float bits: NaN keeps its top half, made quiet; everything
+// else (inf and overflow included) rounds the dropped 16 bits to nearest even.
+HWY_INLINE VU Bf16FromF32Bits(VU u) {
+  const DU du;
+  const VU rounded =
+      hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u)))));
+  const VU quiet = hn::Or(hn::ShiftRight<16>(u), hn::Set(du, 0x40u));
+  const auto is_nan = hn::Not(Below(hn::And(u, hn::Set(du, 0x7fffffffu)), 0x7f800001u));
+  return hn::IfThenElse(is_nan, quiet, rounded);
+}
+
+// f32_to_f16 on float bits, round to nearest even: NaN -> 0x7e00, magnitudes
+// from 65520 (where rounding reaches 2^16) -> inf, and below 2^-14 a float
+// addition of 0.5 (in the default rounding mode) rounds the magnitude to a
+// multiple of 2^-24, the f16 subnormal step, whose count then sits in the
+// sum's low bits.
+HWY_INLINE VU F16FromF32Bits(VU u) {
+  const DU du;
+  const DF df;
+  const VU sign = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 0x8000u));
+  const VU a = hn::And(u, hn::Set(du, 0x7fffffffu));
+  const VU sub = hn::Sub(hn::BitCast(du, hn::Add(hn::BitCast(df, a), hn::Set(df, 0.5f))), hn::Set(du, 0x3f000000u));
+  // Normal: add (15 - 127) << 23 to rebias the exponent (0xc8000000, the sum
+  // wraps) and 0xfff plus the kept mantissa's low bit to round the 13 dropped
+  // bits to nearest even; a carry into the exponent is right, up to inf.
+  const VU odd = hn::And(hn::ShiftRight<13>(a), hn::Set(du, 1u));
+  const VU normal = hn::ShiftRight<13>(hn::Add(hn::Add(a, hn::Set(du, 0xc8000fffu)), odd));
+  const VU special = hn::IfThenElse(Below(a, 0x7f800001u), hn::Set(du, 0x7c00u), hn::Set(du, 0x7e00u));
+  VU v = hn::IfThenElse(Below(a, 0x38800000u), sub, normal);  // 0x38800000 = 2^-14
+  v = hn::IfThenElse(Below(a, 0x47800000u), v, special);      // 0x47800000 = 2^16
+  return hn::Or(v, sign);
+}
+
+// The float bits of a 1 + kEBits + kMBits bit IEEE-style code (in the low
+// bits of each lane), as decode_mini gives them: subnormals scaled exactly
+// in float, NaN as the quiet NaN 0x7fc00000 with the code's sign; without
+// infinities (e4m3fn) only S.1111.111 is NaN.
+template <int kEBits, int kMBits, bool kInf>
+HWY_INLINE VU F32BitsFromMini(VU b) {
+  const DU du;
+  const DF df;
+  const DI di;
+  constexpr int kTotal = 1 + kEBits + kMBits, kBias = (1 << (kEBits - 1)) - 1;
+  constexpr uint32_t kMagMask = (1u << (kTotal - 1)) - 1, kInfCode = ((1u << kEBits) - 1) << kMBits;
+  constexpr float kSubScale = std::bit_cast<float>(static_cast<uint32_t>(127 + 1 - kBias - kMBits) << 23);
+  const VU sign = hn::ShiftLeft<32 - kTotal>(hn::And(b, hn::Set(du, 1u << (kTotal - 1))));
+  const VU mag = hn::And(b, hn::Set(du, kMagMask));
+  const VU normal = hn::Add(hn::ShiftLeft<23 - kMBits>(mag), hn::Set(du, static_cast<uint32_t>(127 - kBias) << 23));
+  const VU sub = hn::BitCast(du, hn::Mul(hn::ConvertTo(df, hn::BitCast(di, mag)), hn::Set(df, kSubScale)));
+  VU v = hn::IfThenElse(Below(mag, 1u << kMBits), sub, normal);
+  const VU qnan = hn::Set(du, 0x7fc00000u);
+  if constexpr (kInf) {
+    const VU special = hn::IfThenElse(hn::Eq(mag, hn::Set(du, kInfCode)), hn::Set(du, 0x7f800000u), qnan);
+    v = hn::IfThenElse(Below(mag, kInfCode), v, special);
+  } else {
+    v = hn::IfThenElse(hn::Eq(mag, hn::Set(du, kMagMask)), qnan, v);
+  }
+  return hn::Or(v, sign);
+}
+
+// The bulk kernels: whole vectors, then the last n mod Lanes elements through
+// the scalar functions, which give the same bits.
+template <class Narrow>
+using DN = hn::Rebind<Narrow, DU>;  // as many narrow lanes as DU has
+
+void Bf16ToF32(float* out, const uint16_t* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::BitCast(DF(), hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(DN<uint16_t>(), in + i)))), DF(),
+               out + i);
+  for (; i < n; ++i) out[i] = bf16_to_f32(in[i]);
+}
+
+void F32ToBf16(uint16_t* out, const float* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VU h = Bf16FromF32Bits(hn::BitCast(du, hn::LoadU(DF(), in + i)));
+    // Every lane is below 2^16, so the saturating narrowing is exact.
+    hn::StoreU(hn::DemoteTo(DN<uint16_t>(), hn::BitCast(DI(), h)), DN<uint16_t>(), out + i);
+  }
+  for (; i < n; ++i) out[i] = f32_to_bf16(in[i]);
+}
+
+void F16ToF32(float* out, const uint16_t* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VU f = F32BitsFromMini<5, 10, true>(hn::PromoteTo(du, hn::LoadU(DN<uint16_t>(), in + i)));
+    hn::StoreU(hn::BitCast(DF(), f), DF(), out + i);
+  }
+  for (; i < n; ++i) out[i] = f16_to_f32(in[i]);
+}
+
+void F32ToF16(uint16_t* out, const float* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VU h = F16FromF32Bits(hn::BitCast(du, hn::LoadU(DF(), in + i)));
+    hn::StoreU(hn::DemoteTo(DN<uint16_t>(), hn::BitCast(DI(), h)), DN<uint16_t>(), out + i);
+  }
+  for (; i < n; ++i) out[i] = f32_to_f16(in[i]);
+}
+
+void E4m3ToF32(float* out, const uint8_t* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VU f = F32BitsFromMini<4, 3, false>(hn::PromoteTo(du, hn::LoadU(DN<uint8_t>(), in + i)));
+    hn::StoreU(hn::BitCast(DF(), f), DF(), out + i);
+  }
+  for (; i < n; ++i) out[i] = e4m3_to_f32(in[i]);
+}
+
+void E5m2ToF32(float* out, const uint8_t* in, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VU f = F32BitsFromMini<5, 2, true>(hn::PromoteTo(du, hn::LoadU(DN<uint8_t>(), in + i)));
+    hn::StoreU(hn::BitCast(DF(), f), DF(), out + i);
+  }
+  for (; i < n; ++i) out[i] = e5m2_to_f32(in[i]);
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "core/simd.h"
+
+namespace ds {
+
+HWY_EXPORT(Bf16ToF32);
+HWY_EXPORT(F32ToBf16);
+HWY_EXPORT(F16ToF32);
+HWY_EXPORT(F32ToF16);
+HWY_EXPORT(E4m3ToF32);
+HWY_EXPORT(E5m2ToF32);
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -146,44 +326,54 @@ float e4m3_to_f32(uint8_t b) { return decode_mini(b, kE4M3, 8); }
 uint8_t f32_to_e5m2(float x) { return static_cast<uint8_t>(encode_mini(x, kE5M2, 8)); }
 float e5m2_to_f32(uint8_t b) { return decode_mini(b, kE5M2, 8); }
 
-static float load_f32(const void* src, DType t, size_t i) {
+namespace {
+
+// Elements per step of convert(): a narrow-to-narrow conversion goes through
+// a float buffer of this many elements on the stack.
+constexpr size_t kConvertChunk = 4096;
+
+// out[0, len) = src[i, i + len) of floating type t, as float.
+void decode_f32(float* out, const void* src, DType t, size_t i, size_t len) {
   switch (t) {
     case DType::F32:
-      return static_cast<const float*>(src)[i];
+      std::memcpy(out, static_cast<const float*>(src) + i, len * sizeof(float));
+      return;
     case DType::BF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
+      return DS_DISPATCH(Bf16ToF32)(out, static_cast<const uint16_t*>(src) + i, len);
     case DType::F16:
-      return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
+      return DS_DISPATCH(F16ToF32)(out, static_cast<const uint16_t*>(src) + i, len);
     case DType::F8E4M3:
-      return e4m3_to_f32(static_cast<const uint8_t*>(src)[i]);
+      return DS_DISPATCH(E4m3ToF32)(out, static_cast<const uint8_t*>(src) + i, len);
     case DType::F8E5M2:
-      return e5m2_to_f32(static_cast<const uint8_t*>(src)[i]);
+      return DS_DISPATCH(E5m2ToF32)(out, static_cast<const uint8_t*>(src) + i, len);
     default:
-      DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
+      return;  // convert() admits floating types only
   }
 }
 
-static void store_f32(void* dst, DType t, size_t i, float v) {
+// dst[i, i + len) of floating type t = in[0, len), rounded. The fp8 encoders
+// stay scalar (checkpoints are quantized once, offline).
+void encode_f32(void* dst, DType t, size_t i, const float* in, size_t len) {
   switch (t) {
     case DType::F32:
-      static_cast<float*>(dst)[i] = v;
+      std::memcpy(static_cast<float*>(dst) + i, in, len * sizeof(float));
       return;
     case DType::BF16:
-      static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
-      return;
+      return DS_DISPATCH(F32ToBf16)(static_cast<uint16_t*>(dst) + i, in, len);
     case DType::F16:
-      static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
-      return;
+      return DS_DISPATCH(F32ToF16)(static_cast<uint16_t*>(dst) + i, in, len);
     case DType::F8E4M3:
-      static_cast<uint8_t*>(dst)[i] = f32_to_e4m3(v);
+      for (size_t j = 0; j < len; ++j) static_cast<uint8_t*>(dst)[i + j] = f32_to_e4m3(in[j]);
       return;
     case DType::F8E5M2:
-      static_cast<uint8_t*>(dst)[i] = f32_to_e5m2(v);
+      for (size_t j = 0; j < len; ++j) static_cast<uint8_t*>(dst)[i + j] = f32_to_e5m2(in[j]);
       return;
     default:
-      DS_FAIL("convert: {} is not a floating dtype", dtype_name(t));
+      return;  // convert() admits floating types only
   }
 }
+
+}  // namespace
 
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n) {
   DS_CHECK(dtype_is_float(dst_type) && dtype_is_float(src_type), "convert: only floating dtypes convert ({} -> {})",
@@ -193,16 +383,25 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t 
     std::memcpy(dst, src, n * dtype_size(dst_type));
     return;
   }
-  // bf16 -> f32 is the hot path when widening checkpoint weights.
-  if (src_type == DType::BF16 && dst_type == DType::F32) {
-    const auto* s = static_cast<const uint16_t*>(src);
-    auto* d = static_cast<uint32_t*>(dst);
-#pragma omp parallel for simd schedule(static) if (n > (1u << 16))
-    for (size_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-    return;
+  // Elementwise, so any split gives the same bits. The vector kernels run at
+  // memory speed and need a larger input than the scalar fp8 encoders to be
+  // worth a thread team.
+  const bool scalar_encode = dst_type == DType::F8E4M3 || dst_type == DType::F8E5M2;
+  const size_t chunks = (n + kConvertChunk - 1) / kConvertChunk;
+#pragma omp parallel for schedule(static) if (n > (scalar_encode ? (size_t{1} << 14) : (size_t{1} << 16)))
+  for (size_t c = 0; c < chunks; ++c) {
+    const size_t i = c * kConvertChunk, len = std::min(kConvertChunk, n - i);
+    if (dst_type == DType::F32) {
+      decode_f32(static_cast<float*>(dst) + i, src, src_type, i, len);
+    } else if (src_type == DType::F32) {
+      encode_f32(dst, dst_type, i, static_cast<const float*>(src) + i, len);
+    } else {
+      float buf[kConvertChunk];
+      decode_f32(buf, src, src_type, i, len);
+      encode_f32(dst, dst_type, i, buf, len);
+    }
   }
-#pragma omp parallel for schedule(static) if (n > (1u << 14))
-  for (size_t i = 0; i < n; ++i) store_f32(dst, dst_type, i, load_f32(src, src_type, i));
 }
 
 }  // namespace ds
+#endif  // HWY_ONCE
