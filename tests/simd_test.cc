@@ -2,6 +2,7 @@
 #include "core/simd.h"
 
 #include <gtest/gtest.h>
+#include <hwy/targets.h>
 
 #include <cstdlib>
 #include <string>
@@ -39,16 +40,34 @@ TEST(SimdTargets, CapFromTheEnvironmentIsHonoured) {
     EXPECT_EQ(target, avx2 ? "AVX2" : target) << "capped to AVX2";
     EXPECT_NE(target, "AVX3");
   } else if (cap.empty()) {
-    if (avx512)
+    if (avx512) {
       EXPECT_EQ(target, "AVX3");
-    else if (avx2)
+    } else if (avx2) {
       EXPECT_EQ(target, "AVX2");
+    }
   }
 #elif defined(__aarch64__)
-  if (cap == "neon") EXPECT_EQ(target, "NEON");
-  if (cap == "sve") EXPECT_NE(target, "SVE2");
+  if (cap == "neon") {
+    EXPECT_EQ(target, "NEON");
+  }
+  if (cap == "sve") {
+    EXPECT_NE(target, "SVE2");
+  }
   EXPECT_FALSE(is_fallback(target)) << "every aarch64 CPU has NEON";
 #endif
+}
+
+// The name is that of the target a dispatch reaches, and nothing resets it:
+// neither Highway's own query of the CPU's targets (which in Highway 1.0
+// refreshes the dispatch choice) nor a loop over every target.
+TEST(SimdTargets, CapSurvivesQueriesAndTargetLoops) {
+  const std::string before = ds::simd_target_name();
+  (void)hwy::SupportedTargets();
+  EXPECT_EQ(ds::simd_target_name(), before);
+  ds::test::for_each_simd_target([](const char*) {});
+  EXPECT_EQ(ds::simd_target_name(), before);
+  (void)hwy::SupportedTargets();
+  EXPECT_EQ(ds::simd_target_name(), before);
 }
 
 // A cap that names no target is one clear error for the program to report.
@@ -73,6 +92,8 @@ TEST(SimdTargets, EveryTargetCanBeDispatchedInTurn) {
   EXPECT_GE(visited, 1);
 #if defined(__x86_64__)
   // The scalar fallback plus at least AVX2 on any CPU that has it, unless capped.
-  if (__builtin_cpu_supports("avx2") && env("DEEPSEEK_MAX_CPU_ISA") != "scalar") EXPECT_GE(visited, 2);
+  if (__builtin_cpu_supports("avx2") && env("DEEPSEEK_MAX_CPU_ISA") != "scalar") {
+    EXPECT_GE(visited, 2);
+  }
 #endif
 }

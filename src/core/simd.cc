@@ -1,8 +1,27 @@
 #include "core/simd.h"
 
+// One tiny kernel compiled for every target, so that simd_target_name()
+// reports the target a dispatch really reaches, not what the CPU supports.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "core/simd.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace ds {
+namespace HWY_NAMESPACE {
+namespace {
+int64_t DispatchedTarget() { return HWY_TARGET; }
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
 #include <hwy/targets.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <cstdlib>
@@ -68,15 +87,32 @@ int64_t disabled_by_environment() {
 
 }  // namespace
 
+// The capped set of targets, 0 while there is no cap.
+std::atomic<int64_t> g_capped{0};
+
 void init_simd_targets() {
   const int64_t disabled = disabled_by_environment();
   static std::once_flag once;
   std::call_once(once, [&] {
-    if (disabled) hwy::DisableTargets(disabled);
+    if (!disabled) return;
+    // Not hwy::DisableTargets: Highway 1.0's SupportedTargets() resets the
+    // dispatch choice to every target the CPU has before it applies that
+    // mask, so any later call of it (a test's loop over targets, a report)
+    // would silently undo the cap. A fixed set of supported targets is
+    // returned as it is and leaves the choice alone.
+    int64_t capped = hwy::SupportedTargets() & ~disabled;
+    if (capped == 0) capped = HWY_STATIC_TARGET;
+    g_capped = capped;
+    hwy::SetSupportedTargetsForTest(capped);
   });
 }
 
 namespace detail {
+int64_t capped_simd_targets() {
+  ensure_simd_targets();
+  return g_capped;
+}
+
 void init_simd_targets_nothrow() {
   try {
     init_simd_targets();
@@ -86,11 +122,9 @@ void init_simd_targets_nothrow() {
 }
 }  // namespace detail
 
-std::string simd_target_name() {
-  ensure_simd_targets();
-  const int64_t targets = hwy::SupportedTargets() & HWY_TARGETS;
-  // The best (lowest) bit is the one dispatch picks.
-  return hwy::TargetName(targets & -targets);
-}
+HWY_EXPORT(DispatchedTarget);
+
+std::string simd_target_name() { return hwy::TargetName(DS_DISPATCH(DispatchedTarget)()); }
 
 }  // namespace ds
+#endif  // HWY_ONCE

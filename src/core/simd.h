@@ -31,7 +31,10 @@ std::string simd_target_name();
 
 namespace detail {
 void init_simd_targets_nothrow();
-}
+// The set of Highway targets the cap leaves (HWY_* bits), or 0 without a cap:
+// what a test that switches targets must restore afterwards.
+int64_t capped_simd_targets();
+}  // namespace detail
 
 inline void ensure_simd_targets() {
   static const bool done = (detail::init_simd_targets_nothrow(), true);
