@@ -103,8 +103,12 @@ TEST_P(ReferenceModel, LogitsCommandMatchesTheReference) {
   std::string dir = (fs::temp_directory_path() / "ds_ref_logits_XXXXXX").string();
   ASSERT_NE(mkdtemp(dir.data()), nullptr);
   const std::string out = dir + "/" + GetParam() + ".safetensors";
+  // DEEPSEEK_TEST_BINARY runs the program some other way (through an
+  // emulator, when the tests are cross-built).
+  const char* override_bin = std::getenv("DEEPSEEK_TEST_BINARY");
+  const std::string bin = override_bin && *override_bin ? override_bin : DEEPSEEK_BINARY;
   for (const char* extra : {"", " --incremental 1 --kv-cache naive"}) {
-    const std::string cmd = std::string(DEEPSEEK_BINARY) + " logits --model " + f.dir + " --tokens " + f.dir +
+    const std::string cmd = bin + " logits --model " + f.dir + " --tokens " + f.dir +
                             "/tokens.json --out " + out + extra + " > /dev/null";
     ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
     auto got = ds::io::SafetensorsFile::open(out);
