@@ -67,6 +67,27 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   });
 }
 
+TEST(Linear, Fp8DecodeIsRightWhereScalingXWouldOverflow) {
+  // The decode kernel moves e4m3's block scales (times 2^120) onto x when
+  // the product stays finite. Activations of 3e5 against scales of about
+  // 0.5 * 4 / 448 overflow that product, so the kernel must keep the scales
+  // on the weight; moderate activations in the same call shape take the
+  // scaled-x path. Both must match the widened product.
+  ds::test::for_each_simd_target([](const char*) {
+    for (float amplitude : {1.0f, 3e5f}) {
+      for (int64_t M : {1, 4, 8}) {
+        auto w = make_weight(DType::F8E4M3, 260, 384, 128, 128, 51);
+        auto x = ds::test::randn(M * 384, 52, amplitude);
+        std::vector<float> y(M * 260);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+        auto want =
+            ds::ref::matmul<double>(ds::test::to_double(x), ds::test::to_double(w.value), M, 260, 384, false, true);
+        ds::test::expect_close(y, want, 2e-5, 0, amplitude > 1 ? "large x" : "moderate x");
+      }
+    }
+  });
+}
+
 TEST(Linear, StridesAndAccumulation) {
   // M = 3 and 8 take the decode (few-row) kernel, larger M the prefill path
   // (with 16 lanes: 16 and 17 one and two vectors of rows, 40 a second

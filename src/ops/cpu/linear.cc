@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "core/buffer.h"
@@ -126,13 +127,14 @@ HWY_INLINE VF LoadBf16(DF d, const uint16_t* HWY_RESTRICT p) {
 // value * scale once, as widen_rows does (callers check scale * 2^120 is
 // finite). The one exception is e4m3's NaN code (0x7f/0xff), which reads as
 // 480 here; quantized checkpoints do not contain it.
-HWY_INLINE VF LoadE4m3(DF d, const uint8_t* HWY_RESTRICT p, VF scale) {
+HWY_INLINE VF E4m3Bits(DF d, const uint8_t* HWY_RESTRICT p) {
   const hn::Rebind<int8_t, DF> d8;
   const hn::RebindToSigned<DF> di;
   const auto bits = hn::And(hn::ShiftLeft<20>(hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p)))),
                             hn::Set(di, static_cast<int32_t>(0x87f00000u)));
-  return hn::Mul(hn::BitCast(d, bits), scale);
+  return hn::BitCast(d, bits);
 }
+HWY_INLINE VF LoadE4m3(DF d, const uint8_t* HWY_RESTRICT p, VF scale) { return hn::Mul(E4m3Bits(d, p), scale); }
 
 constexpr float kE4m3Shift = 0x1p120f;
 
@@ -158,16 +160,18 @@ void WidenE4m3Rows(float* HWY_RESTRICT out, const Fp8Weight& f, int64_t r0, int6
 // ---------------------------------------------------------------- decode
 
 // Weight sources for the decode kernel. Each has blocks of BlockCols()
-// columns sharing a scale (the whole row when there is none): Start(i, c0)
-// gives the scale vector of row r + i's block at c0, Load(d, i, c, s) widens
-// N columns of row r + i, and Scalar(i, c, s) one column (for row tails).
+// columns sharing a scale (the whole row when there is none): Scales(r) is
+// row r's scales, one per block (computed once per row and call: it
+// divides), Start(d, sc, b) the scale vector of block b, Load(d, r, c, s)
+// widens N columns of row r, and Scalar(r, c, s) one column (for row tails).
 struct Bf16Rows {
   const uint16_t* w;
   int64_t cols;
   static constexpr int64_t kColumnsPerLine = 32;  // 64-byte cache line
   int64_t BlockCols() const { return cols; }
-  VF Start(DF d, int64_t, int64_t) const { return hn::Zero(d); }
-  float ScalarScale(int64_t, int64_t) const { return 1.0f; }
+  const float* Scales(int64_t) const { return nullptr; }
+  VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
+  float ScalarScale(const float*, int64_t) const { return 1.0f; }
   const uint16_t* Row(int64_t r) const { return w + r * cols; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return LoadBf16(d, Row(r) + c); }
   float Scalar(int64_t r, int64_t c, float) const { return bf16_bits_to_f32(Row(r)[c]); }
@@ -177,11 +181,28 @@ struct Fp8Rows {
   Fp8Weight f;
   static constexpr int64_t kColumnsPerLine = 64;
   int64_t BlockCols() const { return f.block_cols; }
-  VF Start(DF d, int64_t r, int64_t c0) const { return hn::Set(d, ScalarScale(r, c0) * kE4m3Shift); }
-  float ScalarScale(int64_t r, int64_t c0) const { return f.scale_row(r)[c0 / f.block_cols]; }
+  const float* Scales(int64_t r) const { return f.scale_row(r); }
+  VF Start(DF d, const float* sc, int64_t b) const { return hn::Set(d, sc[b] * kE4m3Shift); }
+  float ScalarScale(const float* sc, int64_t b) const { return sc[b]; }
   const uint8_t* Row(int64_t r) const { return f.w + r * f.cols; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const { return LoadE4m3(d, Row(r) + c, s); }
   float Scalar(int64_t r, int64_t c, float s) const { return fp8_table().e4m3[Row(r)[c]] * s; }
+};
+
+// e4m3 codes as the bare float32 bits of value * 2^-120 (no scale): for x
+// already multiplied by the block's scale * 2^120, which saves a multiply
+// per widened weight vector and the scale bookkeeping of the inner loop.
+struct Fp8BitsRows {
+  const uint8_t* w;
+  int64_t cols;
+  static constexpr int64_t kColumnsPerLine = 64;
+  int64_t BlockCols() const { return cols; }
+  const float* Scales(int64_t) const { return nullptr; }
+  VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
+  float ScalarScale(const float*, int64_t) const { return 1.0f; }
+  const uint8_t* Row(int64_t r) const { return w + r * cols; }
+  HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return E4m3Bits(d, Row(r) + c); }
+  float Scalar(int64_t r, int64_t c, float) const { return fp8_table().e4m3[Row(r)[c]] * (1.0f / kE4m3Shift); }
 };
 
 struct F32Rows {
@@ -189,8 +210,9 @@ struct F32Rows {
   int64_t cols;
   static constexpr int64_t kColumnsPerLine = 16;
   int64_t BlockCols() const { return cols; }
-  VF Start(DF d, int64_t, int64_t) const { return hn::Zero(d); }
-  float ScalarScale(int64_t, int64_t) const { return 1.0f; }
+  const float* Scales(int64_t) const { return nullptr; }
+  VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
+  float ScalarScale(const float*, int64_t) const { return 1.0f; }
   const float* Row(int64_t r) const { return w + r * cols; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return hn::LoadU(d, Row(r) + c); }
   float Scalar(int64_t r, int64_t c, float) const { return Row(r)[c]; }
@@ -228,12 +250,14 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
   // of the same line of the next block of rows.
   const int64_t line = std::max<int64_t>(Src::kColumnsPerLine, N);
   const int64_t B = src.BlockCols();
-  for (int64_t c0 = 0; c0 < cols; c0 += B) {
+  const float* sc[4] = {src.Scales(r), R > 1 ? src.Scales(r + 1) : nullptr, R > 2 ? src.Scales(r + 2) : nullptr,
+                        R > 3 ? src.Scales(r + 3) : nullptr};
+  for (int64_t c0 = 0, b = 0; c0 < cols; c0 += B, ++b) {
     const int64_t c1 = std::min(cols, c0 + B);
-    const VF s0 = src.Start(d, r, c0);
-    const VF s1 = R > 1 ? src.Start(d, r + 1, c0) : s0;
-    const VF s2 = R > 2 ? src.Start(d, r + 2, c0) : s0;
-    const VF s3 = R > 3 ? src.Start(d, r + 3, c0) : s0;
+    const VF s0 = src.Start(d, sc[0], b);
+    const VF s1 = R > 1 ? src.Start(d, sc[1], b) : s0;
+    const VF s2 = R > 2 ? src.Start(d, sc[2], b) : s0;
+    const VF s3 = R > 3 ? src.Start(d, sc[3], b) : s0;
     // One step: N columns of every weight row against every x row (a macro
     // rather than a lambda, which could not capture SVE vectors).
 #define DS_STEP(col)                                       \
@@ -253,9 +277,9 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
     for (; c + N <= c1; c += N) DS_STEP(c)
 #undef DS_STEP
     for (int i = 0; i < R; ++i) {
-      const float sc = src.ScalarScale(r + i, c0);
+      const float si = src.ScalarScale(sc[i], b);
       for (int64_t t = c; t < c1; ++t) {
-        const float wv = src.Scalar(r + i, t, sc);
+        const float wv = src.Scalar(r + i, t, si);
         for (int m = 0; m < M; ++m) tail[m][i] += x[m * ldx + t] * wv;
       }
     }
@@ -293,6 +317,34 @@ void GemvBf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, con
 void GemvFp8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Fp8Weight& f, int64_t r0, int64_t r1,
              bool accumulate) {
   Gemv(y, ldy, x, ldx, M, Fp8Rows{f}, f.cols, r0, r1, accumulate);
+}
+
+// As GemvFp8, with the scales moved from the weight to x: for each block of
+// weight rows, x times each column block's scale * 2^120 (the caller checks
+// that this is finite) against the bare bits of the codes. Per row block
+// that is M * cols multiplies instead of one per weight, and the inner loop
+// is load, widen, FMA.
+void GemvFp8ScaledX(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Fp8Weight& f, int64_t r0,
+                    int64_t r1, bool accumulate) {
+  const DF d;
+  const int64_t K = f.cols, N = static_cast<int64_t>(hn::Lanes(d));
+  Buffer<float> xs(static_cast<size_t>(M * K));
+  const Fp8BitsRows src{f.w, K};
+  for (int64_t ra = r0; ra < r1;) {
+    const int64_t rb = std::min(r1, (ra / f.block_rows + 1) * f.block_rows);
+    const float* sc = f.scale_row(ra);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c0 = 0, b = 0; c0 < K; c0 += f.block_cols, ++b) {
+        const int64_t c1 = std::min(K, c0 + f.block_cols);
+        const float s = sc[b] * kE4m3Shift;
+        const VF sv = hn::Set(d, s);
+        int64_t c = c0;
+        for (; c + N <= c1; c += N) hn::StoreU(hn::Mul(hn::LoadU(d, x + m * ldx + c), sv), d, xs.data() + m * K + c);
+        for (; c < c1; ++c) xs[m * K + c] = x[m * ldx + c] * s;
+      }
+    Gemv(y, ldy, xs.data(), K, M, src, K, ra, rb, accumulate);
+    ra = rb;
+  }
 }
 
 // Rows of an already widened weight w [rows, cols] into y[m][0, rows).
@@ -494,6 +546,7 @@ HWY_EXPORT(VectorLanes);
 HWY_EXPORT(WidenE4m3Rows);
 HWY_EXPORT(GemvBf16);
 HWY_EXPORT(GemvFp8);
+HWY_EXPORT(GemvFp8ScaledX);
 HWY_EXPORT(GemvF32);
 HWY_EXPORT(Prefill);
 
@@ -512,15 +565,34 @@ Fp8Weight fp8_weight(const WeightView& w) {
           (w.cols + w.block_cols - 1) / w.block_cols};
 }
 
+// The largest |scale| of an e4m3 weight, or infinity if any is not finite
+// (or the weight is not block-scaled e4m3).
+float max_e4m3_scale(const WeightView& w) {
+  if (w.dtype != DType::F8E4M3 || !w.scale_inv) return std::numeric_limits<float>::infinity();
+  const int64_t n = ((w.rows + w.block_rows - 1) / w.block_rows) * ((w.cols + w.block_cols - 1) / w.block_cols);
+  float m = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(w.scale_inv[i]);
+    if (!(a <= std::numeric_limits<float>::max())) return std::numeric_limits<float>::infinity();
+    m = std::max(m, a);
+  }
+  return m;
+}
+
 // Whether the e4m3 kernels widen w exactly: every scale times 2^120 must be
 // finite (scales below 2^8; DeepSeek-V3's are amax / 448 of weights well
 // below 1). Otherwise the table path does.
-bool e4m3_scales_in_range(const WeightView& w) {
-  if (w.dtype != DType::F8E4M3 || !w.scale_inv) return false;
-  const int64_t n = ((w.rows + w.block_rows - 1) / w.block_rows) * ((w.cols + w.block_cols - 1) / w.block_cols);
-  for (int64_t i = 0; i < n; ++i)
-    if (!(std::fabs(w.scale_inv[i]) < 0x1p8f)) return false;
-  return true;
+bool e4m3_scales_in_range(const WeightView& w) { return max_e4m3_scale(w) < 0x1p8f; }
+
+// Whether every x times every scale * 2^120 is a finite float, so that the
+// scales can be applied to x instead (|x| scale below about 2^8; DeepSeek-V3's
+// activations are far below 2^8 / (amax / 448)). A NaN in x passes: it gives
+// NaN either way.
+bool x_takes_e4m3_scales(const float* x, int64_t M, int64_t ldx, const WeightView& w) {
+  float mx = 0.0f;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < w.cols; ++c) mx = std::max(mx, std::fabs(x[m * ldx + c]));
+  return static_cast<double>(mx) * max_e4m3_scale(w) * 0x1p120 < static_cast<double>(std::numeric_limits<float>::max());
 }
 
 }  // namespace
@@ -582,11 +654,14 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     // columns in DeepSeek-V3); other layouts and dtypes widen row by row.
     const bool fp8_kernel =
         e4m3_scales_in_range(w) && w.block_cols % static_cast<int64_t>(DS_DISPATCH(VectorLanes)()) == 0;
+    const bool scale_x = fp8_kernel && x_takes_e4m3_scales(x, M, ldx, w);
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
       if (w.dtype == DType::BF16) {
         DS_DISPATCH(GemvBf16)(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
+      } else if (scale_x) {
+        DS_DISPATCH(GemvFp8ScaledX)(y, ldy, x, ldx, M, fp8_weight(w), r0, r1, accumulate);
       } else if (fp8_kernel) {
         DS_DISPATCH(GemvFp8)(y, ldy, x, ldx, M, fp8_weight(w), r0, r1, accumulate);
       } else {
