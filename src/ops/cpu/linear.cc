@@ -358,14 +358,50 @@ void GemvF32(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
 // x rows per panel: two vectors.
 int64_t PanelRows() { return 2 * static_cast<int64_t>(hn::Lanes(DF())); }
 
-// xt[k][j] = x[j][k] for j < rows (<= P), zero for rows <= j < P. A scalar
-// transpose: it moves M K floats against the N M K multiply-adds of the
-// product.
+// The one-lane scalar target transposes one float at a time.
+constexpr bool kVectorTranspose = HWY_TARGET != HWY_SCALAR;
+
+// dst[i * ldd + j] (+)= src[j * lds + i] for i, j < 4: a 4 x 4 block
+// transposed in 128-bit vectors by two rounds of interleaves.
+HWY_INLINE void Transpose4x4(const float* HWY_RESTRICT src, int64_t lds, float* HWY_RESTRICT dst, int64_t ldd,
+                             bool accumulate) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::FixedTag<float, 4> d4;
+  const hn::Repartition<uint64_t, decltype(d4)> d64;
+  const auto a = hn::LoadU(d4, src), b = hn::LoadU(d4, src + lds);
+  const auto c = hn::LoadU(d4, src + 2 * lds), e = hn::LoadU(d4, src + 3 * lds);
+  // [a0 b0 a1 b1], [a2 b2 a3 b3], [c0 e0 c1 e1], [c2 e2 c3 e3]
+  const auto ab_lo = hn::BitCast(d64, hn::InterleaveLower(d4, a, b));
+  const auto ab_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, a, b));
+  const auto ce_lo = hn::BitCast(d64, hn::InterleaveLower(d4, c, e));
+  const auto ce_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, c, e));
+  const decltype(a) col[4] = {hn::BitCast(d4, hn::InterleaveLower(d64, ab_lo, ce_lo)),
+                              hn::BitCast(d4, hn::InterleaveUpper(d64, ab_lo, ce_lo)),
+                              hn::BitCast(d4, hn::InterleaveLower(d64, ab_hi, ce_hi)),
+                              hn::BitCast(d4, hn::InterleaveUpper(d64, ab_hi, ce_hi))};
+  for (int i = 0; i < 4; ++i) {
+    float* o = dst + i * ldd;
+    hn::StoreU(accumulate ? hn::Add(hn::LoadU(d4, o), col[i]) : col[i], d4, o);
+  }
+#else
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) dst[i * ldd + j] = accumulate ? dst[i * ldd + j] + src[j * lds + i] : src[j * lds + i];
+#endif
+}
+
+// xt[k][j] = x[j][k] for j < rows (<= P), zero for rows <= j < P: 4 x 4
+// blocks, then the edges one float at a time.
 void PackPanel(float* HWY_RESTRICT xt, const float* HWY_RESTRICT x, int64_t ldx, int64_t rows, int64_t K, int64_t P) {
+  const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, K4 = K / 4 * 4;
+  for (int64_t j = 0; j < rows4; j += 4) {
+    for (int64_t k = 0; k < K4; k += 4) Transpose4x4(x + j * ldx + k, ldx, xt + k * P + j, P, false);
+    for (int64_t k = K4; k < K; ++k)
+      for (int64_t i = 0; i < 4; ++i) xt[k * P + j + i] = x[(j + i) * ldx + k];
+  }
   for (int64_t k = 0; k < K; ++k) {
     float* o = xt + k * P;
-    for (int64_t j = 0; j < rows; ++j) o[j] = x[j * ldx + k];
-    for (int64_t j = rows; j < P; ++j) o[j] = 0.0f;
+    for (int64_t i = rows4; i < rows; ++i) o[i] = x[i * ldx + k];
+    for (int64_t i = rows; i < P; ++i) o[i] = 0.0f;
   }
 }
 
@@ -455,9 +491,13 @@ void PanelRowsRange(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRIC
       with_count<kTileN>(nr, [&](auto n) HWY_ATTR { Tile<n(), true>(tile, xt, src, K); });
     else
       with_count<kTileN>(nr, [&](auto n) HWY_ATTR { Tile<n(), false>(tile, xt, src, K); });
+    // y[m][n0 + n] (+)= tile[n][m]: 4 x 4 blocks, then the edges.
+    const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, nr4 = kVectorTranspose ? nr / 4 * 4 : 0;
+    for (int64_t m = 0; m < rows4; m += 4)
+      for (int64_t n = 0; n < nr4; n += 4) Transpose4x4(tile + n * P + m, P, y + m * ldy + n0 + n, ldy, accumulate);
     for (int64_t m = 0; m < rows; ++m) {
       float* ym = y + m * ldy + n0;
-      for (int n = 0; n < nr; ++n) ym[n] = accumulate ? ym[n] + tile[n * P + m] : tile[n * P + m];
+      for (int64_t n = m < rows4 ? nr4 : 0; n < nr; ++n) ym[n] = accumulate ? ym[n] + tile[n * P + m] : tile[n * P + m];
     }
   }
 }
