@@ -375,14 +375,12 @@ HWY_INLINE void Transpose4x4(const float* HWY_RESTRICT src, int64_t lds, float* 
   const auto ab_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, a, b));
   const auto ce_lo = hn::BitCast(d64, hn::InterleaveLower(d4, c, e));
   const auto ce_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, c, e));
-  const decltype(a) col[4] = {hn::BitCast(d4, hn::InterleaveLower(d64, ab_lo, ce_lo)),
-                              hn::BitCast(d4, hn::InterleaveUpper(d64, ab_lo, ce_lo)),
-                              hn::BitCast(d4, hn::InterleaveLower(d64, ab_hi, ce_hi)),
-                              hn::BitCast(d4, hn::InterleaveUpper(d64, ab_hi, ce_hi))};
-  for (int i = 0; i < 4; ++i) {
-    float* o = dst + i * ldd;
-    hn::StoreU(accumulate ? hn::Add(hn::LoadU(d4, o), col[i]) : col[i], d4, o);
-  }
+  // (Separate stores: SVE vectors cannot be array elements.)
+  const auto store = [&](auto v, float* o) HWY_ATTR { hn::StoreU(accumulate ? hn::Add(hn::LoadU(d4, o), v) : v, d4, o); };
+  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_lo, ce_lo)), dst);
+  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_lo, ce_lo)), dst + ldd);
+  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_hi, ce_hi)), dst + 2 * ldd);
+  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_hi, ce_hi)), dst + 3 * ldd);
 #else
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 4; ++j) dst[i * ldd + j] = accumulate ? dst[i * ldd + j] + src[j * lds + i] : src[j * lds + i];
