@@ -391,11 +391,13 @@ HWY_INLINE void Transpose4x4(const float* HWY_RESTRICT src, int64_t lds, float* 
 // blocks, then the edges one float at a time.
 void PackPanel(float* HWY_RESTRICT xt, const float* HWY_RESTRICT x, int64_t ldx, int64_t rows, int64_t K, int64_t P) {
   const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, K4 = K / 4 * 4;
-  for (int64_t j = 0; j < rows4; j += 4) {
-    for (int64_t k = 0; k < K4; k += 4) Transpose4x4(x + j * ldx + k, ldx, xt + k * P + j, P, false);
-    for (int64_t k = K4; k < K; ++k)
-      for (int64_t i = 0; i < 4; ++i) xt[k * P + j + i] = x[(j + i) * ldx + k];
-  }
+  // Four rows of xt at a time, written front to back (a panel of xt is
+  // larger than L1, so sweeping it once per 4 rows of x would miss on every
+  // store).
+  for (int64_t k = 0; k < K4; k += 4)
+    for (int64_t j = 0; j < rows4; j += 4) Transpose4x4(x + j * ldx + k, ldx, xt + k * P + j, P, false);
+  for (int64_t k = K4; k < K; ++k)
+    for (int64_t j = 0; j < rows4; ++j) xt[k * P + j] = x[j * ldx + k];
   for (int64_t k = 0; k < K; ++k) {
     float* o = xt + k * P;
     for (int64_t i = rows4; i < rows; ++i) o[i] = x[i * ldx + k];
