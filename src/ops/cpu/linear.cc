@@ -624,15 +624,15 @@ float max_e4m3_scale(const WeightView& w) {
 // below 1). Otherwise the table path does.
 bool e4m3_scales_in_range(const WeightView& w) { return max_e4m3_scale(w) < 0x1p8f; }
 
-// Whether every x times every scale * 2^120 is a finite float, so that the
-// scales can be applied to x instead (|x| scale below about 2^8; DeepSeek-V3's
-// activations are far below 2^8 / (amax / 448)). A NaN in x passes: it gives
-// NaN either way.
-bool x_takes_e4m3_scales(const float* x, int64_t M, int64_t ldx, const WeightView& w) {
+// Whether every x times every scale * 2^120 is a finite float, given the
+// largest |scale|, so that the scales can be applied to x instead (|x| scale
+// below about 2^8; DeepSeek-V3's activations are far below 2^8 / (amax / 448)).
+// A NaN in x passes: it gives NaN either way.
+bool x_takes_e4m3_scales(const float* x, int64_t M, int64_t ldx, int64_t cols, float max_scale) {
   float mx = 0.0f;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < w.cols; ++c) mx = std::max(mx, std::fabs(x[m * ldx + c]));
-  return static_cast<double>(mx) * max_e4m3_scale(w) * 0x1p120 < static_cast<double>(std::numeric_limits<float>::max());
+    for (int64_t c = 0; c < cols; ++c) mx = std::max(mx, std::fabs(x[m * ldx + c]));
+  return static_cast<double>(mx) * max_scale * 0x1p120 < static_cast<double>(std::numeric_limits<float>::max());
 }
 
 }  // namespace
@@ -692,9 +692,11 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   if (M <= 8) {
     // e4m3 widens in registers when its scale blocks are whole vectors (128
     // columns in DeepSeek-V3); other layouts and dtypes widen row by row.
+    // One pass over the scales serves both checks.
+    const float max_scale = max_e4m3_scale(w);
     const bool fp8_kernel =
-        e4m3_scales_in_range(w) && w.block_cols % static_cast<int64_t>(DS_DISPATCH(VectorLanes)()) == 0;
-    const bool scale_x = fp8_kernel && x_takes_e4m3_scales(x, M, ldx, w);
+        max_scale < 0x1p8f && w.block_cols % static_cast<int64_t>(DS_DISPATCH(VectorLanes)()) == 0;
+    const bool scale_x = fp8_kernel && x_takes_e4m3_scales(x, M, ldx, w.cols, max_scale);
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
