@@ -119,7 +119,7 @@ void Transformer::experts_as_tasks(float* shared_out, float* ys, const float* x,
 // every expert instead costs a thread team, a packing of x and an uneven
 // split per product, and at 32 rows per expert those dominated. A row's
 // result does not depend on which thread computes it.
-constexpr int64_t kExpertTaskRows = 64;
+constexpr int64_t kExpertTaskRows = 128;
 
 void Transformer::experts_in_row_tasks(float* shared_out, float* ys, const float* x, const float* xs,
                                        const std::vector<int32_t>& sizes, const Moe& m, int64_t rows) const {

@@ -405,22 +405,7 @@ void PackPanel(float* HWY_RESTRICT xt, const float* HWY_RESTRICT x, int64_t ldx,
   }
 }
 
-// Broadcast sources for the tile kernel: B(n, k) is W[n0 + n][k] in every
-// lane. bf16 reads column k as the high half of the 32-bit pair that starts
-// at k - 1 (one broadcast load and one AND, nothing outside the row is read),
-// so column 0 is read alone by First(n).
-struct Bf16Bcast {
-  const uint16_t* w;
-  int64_t K;
-  HWY_INLINE VF First(DF d, int n) const { return hn::Set(d, bf16_bits_to_f32(w[n * K])); }
-  HWY_INLINE VF B(DF d, int n, int64_t k) const {
-    const hn::RebindToSigned<DF> di;
-    int32_t pair;
-    std::memcpy(&pair, w + n * K + k - 1, sizeof pair);
-    return hn::BitCast(d, hn::And(hn::Set(di, pair), hn::Set(di, static_cast<int32_t>(0xffff0000u))));
-  }
-};
-
+// Broadcast source for the tile kernel: B(n, k) is W[n0 + n][k] in every lane.
 struct F32Bcast {
   const float* w;
   int64_t K;
@@ -509,31 +494,25 @@ constexpr int64_t kChunkN = 8 * kTileN;
 // per-thread buffer that stays in L2.
 constexpr int64_t kGroupRows = 128;
 
-// y (+)= x W^T for M > kMaxXRows. bf16 weights are read in place; other
-// dtypes are widened a chunk of rows at a time (about 256 KiB, L2-sized) into
-// a per-thread buffer that every panel of x then reuses.
+// y (+)= x W^T for M > kMaxXRows. The weight is widened to f32 a chunk of
+// rows at a time (about 256 KiB, L2-sized) into a per-thread buffer that every
+// panel of x then reuses: the tile kernel then folds each broadcast into its
+// FMA, where reading bf16 in place costs one more vector op per weight.
 void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate) {
   const int64_t N = w.rows, K = w.cols, P = PanelRows();
-  const bool bf16 = w.dtype == DType::BF16;
-  const int64_t chunk =
-      bf16 ? kChunkN : std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
+  const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
   const int64_t panels = (M + P - 1) / P;
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
   // [r0, r1), a chunk of weight rows at a time.
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
-    Buffer<float> wide(bf16 ? 0 : static_cast<size_t>(chunk * K));
+    Buffer<float> wide(static_cast<size_t>(std::min(chunk, r1 - r0) * K));
     for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
       const int64_t c1 = std::min(r1, c0 + chunk);
-      if (!bf16) widen_rows(wide.data(), w, c0, c1);
+      widen_rows(wide.data(), w, c0, c1);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t rows = std::min<int64_t>(P, M - p * P);
-        const float* panel = xt + (p - p0) * K * P;
-        float* yp = y + p * P * ldy;
-        if (bf16)
-          PanelRowsRange(yp, ldy, panel, rows, Bf16Bcast{static_cast<const uint16_t*>(w.data) + c0 * K, K}, K, c0, c1,
-                         accumulate);
-        else
-          PanelRowsRange(yp, ldy, panel, rows, F32Bcast{wide.data(), K}, K, c0, c1, accumulate);
+        PanelRowsRange(y + p * P * ldy, ldy, xt + (p - p0) * K * P, rows, F32Bcast{wide.data(), K}, K, c0, c1,
+                       accumulate);
       }
     }
   };
