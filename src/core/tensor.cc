@@ -12,7 +12,10 @@ std::string shape_str(const Shape& s) { return fmt::format("[{}]", fmt::join(s, 
 
 int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
-  for (int64_t d : s) n *= d;
+  for (int64_t d : s) {
+    DS_CHECK(d >= 0, "shape {} has a negative dimension", shape_str(s));
+    DS_CHECK(!__builtin_mul_overflow(n, d, &n), "shape {} has more elements than fit in 64 bits", shape_str(s));
+  }
   return n;
 }
 

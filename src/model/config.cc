@@ -3,6 +3,8 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
+#include <initializer_list>
+#include <type_traits>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -27,14 +29,41 @@ std::string read_file(const std::string& path, const char* what) {
   return ss.str();
 }
 
+// A JSON value shortened for an error line: a crafted file can hold a
+// number or string of any length.
+std::string brief(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 48) s = s.substr(0, 40) + "...(" + std::to_string(s.size()) + " characters)";
+  return s;
+}
+
+// A JSON integer in int64_t: 64.9, 64.0, "64" and 2^63 are all errors
+// (nlohmann would truncate the first two and wrap the last).
+int64_t strict_int(const json& v, const char* key, const std::string& src) {
+  DS_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{INT64_MAX}),
+           "{}: key '{}' must be an integer, got {}", src, key, brief(v));
+  return v.get<int64_t>();
+}
+
 // Typed access to a config.json field, naming the key on a type mismatch.
 template <typename T>
 T get(const json& j, const char* key, const std::string& src) {
-  try {
-    return j.at(key).get<T>();
-  } catch (const json::exception&) {
-    DS_FAIL("{}: key '{}' is missing or has the wrong type (got {})", src, key,
-            j.contains(key) ? j.at(key).dump() : std::string("nothing"));
+  DS_CHECK(j.contains(key), "{}: key '{}' is missing", src, key);
+  const json& v = j.at(key);
+  if constexpr (std::is_same_v<T, int64_t>) {
+    return strict_int(v, key, src);
+  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+    DS_CHECK(v.is_array() && v.size() <= 16, "{}: key '{}' must be a short array of integers, got {}", src, key,
+             brief(v));
+    std::vector<int64_t> out;
+    for (const json& e : v) out.push_back(strict_int(e, key, src));
+    return out;
+  } else {
+    try {
+      return v.get<T>();
+    } catch (const json::exception&) {
+      DS_FAIL("{}: key '{}' has the wrong type (got {})", src, key, brief(v));
+    }
   }
 }
 template <typename T>
@@ -58,8 +87,91 @@ double ModelConfig::softmax_scale() const {
   return s;
 }
 
+// Upper bounds on the sizes a config may ask for: far above every released
+// DeepSeek model (V3: vocab 129280, hidden 7168, 61 layers, 128 heads, 256
+// experts, 163840 positions), low enough that no product of them overflows
+// before parameter_count() rejects it.
+namespace limits {
+constexpr int64_t kVocab = int64_t{1} << 24, kHidden = int64_t{1} << 17, kMlp = int64_t{1} << 20;
+constexpr int64_t kLayers = 1 << 12, kHeads = 1 << 12, kRank = int64_t{1} << 17, kHeadDim = 1 << 12;
+constexpr int64_t kPositions = int64_t{1} << 24, kExperts = 1 << 16, kMtp = 64;
+constexpr int64_t kParameters = int64_t{1} << 43;  // 8.8e12
+constexpr double kMaxFloat = 1e12;
+}  // namespace limits
+
+int64_t ModelConfig::parameter_count() const {
+  // Every term is checked: the caller has bounded each size, not their products.
+  int64_t total = 0;
+  auto add = [&](std::initializer_list<int64_t> dims, int64_t times = 1) {
+    int64_t n = times;
+    for (int64_t d : dims) DS_CHECK(!__builtin_mul_overflow(n, d, &n), "config: the model's size overflows 64 bits");
+    DS_CHECK(!__builtin_add_overflow(total, n, &total), "config: the model's size overflows 64 bits");
+  };
+  const int64_t D = hidden_size, H = num_attention_heads, layers = num_hidden_layers + num_nextn_predict_layers;
+  add({vocab_size, D}, tie_word_embeddings ? 1 : 2);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (q_lora_rank > 0) add({q_lora_rank, D + H * qk_head_dim()});
+    else add({H * qk_head_dim(), D});
+    add({kv_lora_rank + qk_rope_head_dim, D});
+    add({H * (qk_nope_head_dim + v_head_dim), kv_lora_rank});
+    add({H * v_head_dim, D});
+    if (index_n_heads > 0) add({index_n_heads, index_head_dim, D + q_lora_rank});
+    if (is_moe_layer(std::min(l, num_hidden_layers - 1)))
+      add({3 * moe_intermediate_size, D}, n_routed_experts + n_shared_experts);
+    else
+      add({3 * intermediate_size, D});
+    // Checking one layer is enough when the rest repeat it: stop early on
+    // huge layer counts once the total is known to be over the limit.
+    if (total > limits::kParameters) break;
+  }
+  return total;
+}
+
 void ModelConfig::validate() const {
   auto positive = [](int64_t v, const char* k) { DS_CHECK(v > 0, "config: {} must be positive, got {}", k, v); };
+  // [0 or 1, limit]: one line naming the key and its value.
+  auto at_most = [](int64_t v, int64_t limit, const char* k) {
+    DS_CHECK(v <= limit, "config: {} = {} is above the supported limit of {}", k, v, limit);
+  };
+  auto finite = [](double v, const char* k) {
+    DS_CHECK(std::isfinite(v) && std::fabs(v) <= limits::kMaxFloat, "config: {} = {} is not a finite number of "
+                                                                    "sensible size", k, v);
+  };
+  at_most(vocab_size, limits::kVocab, "vocab_size");
+  at_most(hidden_size, limits::kHidden, "hidden_size");
+  at_most(intermediate_size, limits::kMlp, "intermediate_size");
+  at_most(moe_intermediate_size, limits::kMlp, "moe_intermediate_size");
+  at_most(num_hidden_layers, limits::kLayers, "num_hidden_layers");
+  at_most(num_attention_heads, limits::kHeads, "num_attention_heads");
+  at_most(q_lora_rank, limits::kRank, "q_lora_rank");
+  at_most(kv_lora_rank, limits::kRank, "kv_lora_rank");
+  at_most(qk_nope_head_dim, limits::kHeadDim, "qk_nope_head_dim");
+  at_most(qk_rope_head_dim, limits::kHeadDim, "qk_rope_head_dim");
+  at_most(v_head_dim, limits::kHeadDim, "v_head_dim");
+  at_most(max_position_embeddings, limits::kPositions, "max_position_embeddings");
+  at_most(rope_scaling.original_max_position_embeddings, limits::kPositions,
+          "rope_scaling.original_max_position_embeddings");
+  at_most(n_routed_experts, limits::kExperts, "n_routed_experts");
+  at_most(n_shared_experts, limits::kExperts, "n_shared_experts");
+  at_most(n_group, limits::kExperts, "n_group");
+  at_most(moe_layer_freq, limits::kLayers, "moe_layer_freq");
+  at_most(num_nextn_predict_layers, limits::kMtp, "num_nextn_predict_layers");
+  at_most(index_n_heads, limits::kHeads, "index_n_heads");
+  at_most(index_head_dim, limits::kHeadDim, "index_head_dim");
+  at_most(fp8_block_rows, limits::kHidden, "fp8 weight_block_size rows");
+  at_most(fp8_block_cols, limits::kHidden, "fp8 weight_block_size cols");
+  finite(rope_theta, "rope_theta");
+  finite(rms_norm_eps, "rms_norm_eps");
+  finite(routed_scaling_factor, "routed_scaling_factor");
+  finite(routed_bias_update_rate, "routed_bias_update_rate");
+  finite(rope_scaling.factor, "rope_scaling.factor");
+  finite(rope_scaling.beta_fast, "rope_scaling.beta_fast");
+  finite(rope_scaling.beta_slow, "rope_scaling.beta_slow");
+  finite(rope_scaling.mscale, "rope_scaling.mscale");
+  finite(rope_scaling.mscale_all_dim, "rope_scaling.mscale_all_dim");
+  DS_CHECK(moe_layer_freq >= 1, "config: moe_layer_freq must be positive, got {}", moe_layer_freq);
+  DS_CHECK(n_routed_experts >= 0, "config: n_routed_experts must be non-negative, got {}", n_routed_experts);
+  DS_CHECK(index_n_heads >= 0, "config: index_n_heads must be non-negative, got {}", index_n_heads);
   positive(vocab_size, "vocab_size");
   positive(hidden_size, "hidden_size");
   positive(num_hidden_layers, "num_hidden_layers");
@@ -129,6 +241,13 @@ void ModelConfig::validate() const {
            "config: bos/eos token ids ({}, {}) outside the vocabulary of {}", bos_token_id, eos_token_id, vocab_size);
   DS_CHECK((fp8_block_rows == 0) == (fp8_block_cols == 0) && fp8_block_rows >= 0 && fp8_block_cols >= 0,
            "config: fp8 weight_block_size [{}, {}] is invalid", fp8_block_rows, fp8_block_cols);
+  DS_CHECK(rms_norm_eps < 1.0, "config: rms_norm_eps must be below 1, got {}", rms_norm_eps);
+  if (index_n_heads > 0)
+    DS_CHECK(index_topk <= max_position_embeddings, "config: index_topk {} exceeds max_position_embeddings {}",
+             index_topk, max_position_embeddings);
+  const int64_t params = parameter_count();
+  DS_CHECK(params <= limits::kParameters, "config: the model would have {} or more parameters, above the supported "
+                                          "limit of {}", params, limits::kParameters);
 }
 
 ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::string& src) {

@@ -72,8 +72,14 @@ struct ModelConfig {
   bool is_moe_layer(int64_t layer) const;
   // (qk_nope + qk_rope)^-0.5, times mscale^2 when YaRN is active.
   double softmax_scale() const;
-  // Throws ds::Error naming the first impossible or unsupported value.
+  // Throws ds::Error naming the first impossible or unsupported value,
+  // including sizes above generous upper bounds (so no crafted config reaches
+  // an allocation or a kernel with a size that overflows).
   void validate() const;
+  // Weights of the checkpoint this config describes (MTP layers included),
+  // with checked arithmetic; ds::Error if it overflows. Stops counting once
+  // the total is past the supported limit.
+  int64_t parameter_count() const;
 
   // Hugging Face config.json (text or file).
   static ModelConfig from_hf_json_text(const std::string& text, const std::string& source = "config.json");
