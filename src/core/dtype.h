@@ -33,6 +33,11 @@ float e5m2_to_f32(uint8_t b);
 // Converts n elements between any two floating dtypes (through float32).
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
 
+// Index of the first NaN or infinity among n elements of a floating dtype
+// (e4m3's NaN codes included), or -1 if all are finite; for integer dtypes
+// always -1. Runs at memory speed: a checkpoint is scanned once at load.
+int64_t find_non_finite(const void* data, DType t, size_t n);
+
 template <typename T>
 constexpr DType dtype_of();
 template <>

@@ -401,6 +401,16 @@ std::vector<float> Transformer::step(infer::KvCache& cache, const std::vector<st
   rmsnorm_rows(hr.data(), hr.data(), w_.final_norm, R, cfg_.rms_norm_eps);
   std::vector<float> logits(R * V);
   ops::linear_forward(logits.data(), hr.data(), w_.lm_head.view, R);
+  // Non-finite logits mean a broken checkpoint or an overflow: never pass
+  // them on as a result (a sampler would draw garbage from them).
+  for (int64_t i = 0; i < R * V; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &logits[i], sizeof bits);
+    DS_CHECK((bits & 0x7f800000u) != 0x7f800000u,
+             "the model produced a non-finite logit ({}) for token id {} at position {}: the weights or the "
+             "activations overflowed",
+             logits[i], i % V, b.pos[rows[i / V]]);
+  }
   return logits;
 }
 

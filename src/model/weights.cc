@@ -18,6 +18,10 @@ class Loader {
     Tensor t = st_.tensor(name);
     DS_CHECK(t.shape() == shape, "tensor '{}' has shape {}, the config implies {}", name, shape_str(t.shape()),
              shape_str(shape));
+    // A NaN or infinity in a weight or scale would turn every output into
+    // garbage that still looks like a result: refuse it at load.
+    const int64_t bad = find_non_finite(t.raw(), t.dtype(), static_cast<size_t>(t.numel()));
+    DS_CHECK(bad < 0, "tensor '{}' holds a non-finite value (NaN or infinity) at element {}", name, bad);
     used_.insert(name);
     bytes_ += t.nbytes();
     return t;
@@ -55,13 +59,26 @@ class Loader {
   }
 
   // Every tensor in the checkpoint must be used, or belong to a multi-token
-  // prediction layer (index >= num_hidden_layers), or be a known extra.
+  // prediction layer (index in [num_hidden_layers, num_hidden_layers +
+  // num_nextn_predict_layers): not used for generation), or be a known extra.
   void check_all_used() const {
     const std::regex layer_re(R"(model\.layers\.(\d+)\..*)");
+    const int64_t L = cfg_.num_hidden_layers, mtp = cfg_.num_nextn_predict_layers;
     for (const auto& name : st_.names()) {
       if (used_.count(name)) continue;
       std::smatch m;
-      if (std::regex_match(name, m, layer_re) && std::stoll(m[1]) >= cfg_.num_hidden_layers) continue;
+      if (std::regex_match(name, m, layer_re)) {
+        // At most 9 digits: any layer index the config allows fits; more is
+        // an error below, never an overflow.
+        const std::string digits = m[1];
+        const int64_t layer = digits.size() <= 9 ? std::stoll(digits) : -1;
+        DS_CHECK(layer >= 0 && layer < L + mtp,
+                 "checkpoint tensor '{}' belongs to layer {}, but config.json has num_hidden_layers {} and "
+                 "num_nextn_predict_layers {} (layers 0 to {}); wrong config.json?",
+                 name.size() > 200 ? name.substr(0, 200) + "..." : name,
+                 digits.size() <= 20 ? digits : digits.substr(0, 20) + "...", L, mtp, L + mtp - 1);
+        if (layer >= L) continue;  // a multi-token prediction layer
+      }
       if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // older exports carry it
       // DeepSeek-V3.2's sparse-attention indexer: it only chooses which
       // index_topk keys a query attends to, so up to index_topk tokens the
