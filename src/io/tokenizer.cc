@@ -443,13 +443,14 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     size = std::max(size, id + 1);
   }
   const auto model_vocab_size = static_cast<int64_t>(t.vocab.size());
-  t.token_text.assign(size, {});
-  t.known.assign(size, false);
-  for (const auto& [tok, id] : t.vocab) {
-    DS_CHECK(!t.known[id], "{}: id {} is given to two vocab entries ({} and {})", mwhere, id, json(tok).dump(),
-             json(t.token_text[id]).dump());
-    t.known[id] = true;
-    t.token_text[id] = tok;
+  {
+    std::unordered_map<int32_t, const std::string*> by_id;
+    by_id.reserve(t.vocab.size());
+    for (const auto& [tok, id] : t.vocab) {
+      auto [it, fresh] = by_id.emplace(id, &tok);
+      DS_CHECK(fresh, "{}: id {} is given to two vocab entries ({} and {})", mwhere, id, json(tok).dump(),
+               json(*it->second).dump());
+    }
   }
   for (int b = 0; b < 256; ++b) {
     std::string sym;
@@ -458,6 +459,18 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     DS_CHECK(it != t.vocab.end(), "{}: vocab lacks the byte-level symbol {} of byte 0x{:02x}", mwhere, json(sym).dump(),
              b);
     t.byte_id[b] = it->second;
+  }
+  // Ids are 0 .. N-1 for N entries, as every released tokenizer has them: an
+  // id that names no token could be sampled and then not decoded, and a
+  // single huge id would make the id tables huge.
+  DS_CHECK(size == model_vocab_size,
+           "{}: vocab ids must be 0 to {} (one per entry, no holes); the largest is {}", mwhere,
+           model_vocab_size - 1, size - 1);
+  t.token_text.assign(size, {});
+  t.known.assign(size, false);
+  for (const auto& [tok, id] : t.vocab) {
+    t.known[id] = true;
+    t.token_text[id] = tok;
   }
   const json& merges = member(model, "merges", mwhere);
   DS_CHECK(merges.is_array(), "{}: \"merges\" must be an array", mwhere);
