@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/system.h"
 
 namespace ds::infer {
 
@@ -12,17 +13,50 @@ double GenerateStats::decode_tokens_per_second() const {
   return decode_seconds > 0 ? decode_steps_tokens / decode_seconds : 0;
 }
 
-std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
-                                           const GenerateOptions& opt, GenerateStats* stats) {
-  DS_CHECK(!prompts.empty(), "generate: no prompts");
+int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind) {
+  const int64_t per_layer = kind == CacheKind::Latent
+                                ? cfg.kv_lora_rank + cfg.qk_rope_head_dim
+                                : cfg.num_attention_heads * (cfg.qk_head_dim() + cfg.v_head_dim);
+  return cfg.num_hidden_layers * per_layer * static_cast<int64_t>(sizeof(float));
+}
+
+void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
+                            const GenerateOptions& opt) {
+  DS_CHECK(!prompt_lengths.empty(), "generate: no prompts");
+  DS_CHECK(static_cast<int64_t>(prompt_lengths.size()) <= kMaxSequences, "generate: {} prompts; at most {} at once",
+           prompt_lengths.size(), kMaxSequences);
   DS_CHECK(opt.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got {}", opt.max_new_tokens);
   check_sampler(opt.sampler);
   DS_CHECK(opt.prefill_chunk >= 0, "generate: prefill_chunk must be >= 0, got {}", opt.prefill_chunk);
-  for (size_t s = 0; s < prompts.size(); ++s) DS_CHECK(!prompts[s].empty(), "generate: prompt {} is empty", s);
+  DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= cfg.vocab_size, "generate: sample_vocab {} outside [0, {}]",
+           opt.sample_vocab, cfg.vocab_size);
+  int64_t tokens = 0;
+  for (size_t s = 0; s < prompt_lengths.size(); ++s) {
+    const int64_t n = prompt_lengths[s];
+    DS_CHECK(n > 0, "generate: prompt {} is empty", s);
+    DS_CHECK(n <= cfg.max_position_embeddings, "generate: prompt {} has {} tokens, beyond max_position_embeddings {}",
+             s, n, cfg.max_position_embeddings);
+    // Tokens that go through the model: the prompt and every new token but
+    // the last (generation stops at max_position_embeddings).
+    const int64_t fed =
+        std::min(n + std::clamp<int64_t>(opt.max_new_tokens - 1, 0, cfg.max_position_embeddings),
+                 cfg.max_position_embeddings);
+    DS_CHECK(cfg.index_topk == 0 || fed <= cfg.index_topk,
+             "generate: prompt {} ({} tokens) and {} new tokens reach {} tokens; DeepSeek-V3.2 sparse attention "
+             "beyond index_topk {} keys is not supported yet",
+             s, n, opt.max_new_tokens, fed, cfg.index_topk);
+    tokens += fed;
+  }
+  check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");
+}
+
+std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+                                           const GenerateOptions& opt, GenerateStats* stats) {
   const auto& cfg = model.config();
+  std::vector<int64_t> lengths;
+  for (const auto& p : prompts) lengths.push_back(static_cast<int64_t>(p.size()));
+  check_generate_request(cfg, lengths, opt);
   const int64_t V = cfg.vocab_size, S = static_cast<int64_t>(prompts.size());
-  DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= V, "generate: sample_vocab {} outside [0, {}]",
-           opt.sample_vocab, V);
   const int64_t draw_vocab = opt.sample_vocab > 0 ? opt.sample_vocab : V;
   KvCache cache(opt.cache, S, cfg.num_hidden_layers);
   std::vector<std::vector<int32_t>> out(S);

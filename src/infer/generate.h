@@ -14,6 +14,9 @@
 
 namespace ds::infer {
 
+// Sequences one generate() call takes at most.
+inline constexpr int64_t kMaxSequences = int64_t{1} << 16;
+
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
   SamplerConfig sampler;
@@ -37,6 +40,17 @@ struct GenerateStats {
   double decode_tokens_per_second() const;
   int64_t decode_steps_tokens = 0;  // tokens produced by decode steps (excludes the first, from prefill)
 };
+
+// Bytes the KV cache of `kind` holds per token (all layers).
+int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind);
+
+// Everything about a request that can be checked before any weight is read:
+// the options, each prompt against max_position_embeddings (and DeepSeek-V3.2's
+// index_topk, up to which its sparse attention equals dense attention), and
+// the KV cache against this machine's memory. generate() calls it first;
+// programs call it before they load a model.
+void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
+                            const GenerateOptions& opt);
 
 // Returns the new tokens of every sequence (EOS included when produced).
 std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,

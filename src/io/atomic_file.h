@@ -10,9 +10,23 @@
 
 namespace ds::io {
 
+// The file an output path names, checked before any expensive work: a
+// symlink is followed to the file it names (the link stays, its target is
+// replaced); the result must be a regular file or not exist yet, and its
+// folder must exist and be writable. Anything else (a folder, a FIFO, a
+// device, a socket, a missing folder) is a ds::Error naming the path, so an
+// output never replaces a node that is not a plain file.
+std::string resolve_output_path(const std::string& path);
+
+// The same for an output folder: it must be a folder or not exist yet, and
+// its parent must exist and be writable when it does not.
+void check_output_folder(const std::string& dir);
+
 class AtomicFile {
  public:
-  explicit AtomicFile(const std::string& path);  // ds::Error if the temporary cannot be created
+  // Resolves `path` with resolve_output_path; ds::Error if that refuses it or
+  // the temporary cannot be created.
+  explicit AtomicFile(const std::string& path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
   ~AtomicFile();

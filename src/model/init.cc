@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/system.h"
 #include "core/tensor.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
@@ -86,6 +87,12 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
   ModelConfig c = cfg;  // its quantization_config describes what is written here
   c.fp8_block_rows = c.fp8_block_cols = fp8 ? 128 : 0;
   DS_CHECK(opt.init_std > 0.0f, "init: init_std must be positive, got {}", opt.init_std);
+  // The tensors are built in memory before they are written.
+  int64_t bytes = 0;
+  DS_CHECK(!__builtin_mul_overflow(c.parameter_count(), static_cast<int64_t>(dtype_size(opt.dtype)), &bytes),
+           "init: the model's size overflows");
+  check_fits_in_memory(bytes, "init: building this model");
+  io::check_output_folder(dir);
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::create_directories(dir, ec);

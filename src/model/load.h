@@ -19,6 +19,10 @@ struct LoadedModel {
   std::unique_ptr<Transformer> transformer;  // refers to config and weights above
 };
 
+// The folder's config.json alone (checked): what a program needs to check a
+// request before it reads any weight.
+ModelConfig load_config(const std::string& dir);
+
 std::unique_ptr<LoadedModel> load_model(const std::string& dir);
 
 }  // namespace ds::model

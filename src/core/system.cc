@@ -1,0 +1,22 @@
+#include "core/system.h"
+
+#include <unistd.h>
+
+#include "core/error.h"
+
+namespace ds {
+
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  return static_cast<int64_t>(pages) * static_cast<int64_t>(page);
+}
+
+void check_fits_in_memory(int64_t bytes, const char* what) {
+  const int64_t have = physical_memory_bytes();
+  if (have <= 0) return;
+  DS_CHECK(bytes >= 0 && bytes <= have, "{} needs {:.1f} GiB, more than this machine's {:.1f} GiB of memory", what,
+           bytes / 1073741824.0, have / 1073741824.0);
+}
+
+}  // namespace ds
