@@ -14,6 +14,10 @@ namespace ds::cli {
 
 using CommandList = std::vector<std::pair<CLI::App*, std::function<int()>>>;
 
+// ds::Error if standard output has failed (full, closed): flushes it first.
+// Commands that stream call it as they go, main() once at the end.
+void check_stdout();
+
 void add_selfcheck_command(CLI::App& app, CommandList& commands);
 void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize, detokenize
 void add_logits_command(CLI::App& app, CommandList& commands);

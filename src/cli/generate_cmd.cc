@@ -16,6 +16,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "infer/generate.h"
+#include "io/atomic_file.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
@@ -25,6 +26,10 @@ namespace ds::cli {
 namespace {
 
 namespace fs = std::filesystem;
+
+// Largest token count an option may give (a model's positions are bounded far
+// lower; this keeps arithmetic on counts from overflowing first).
+constexpr int64_t kMaxCount = int64_t{1} << 30;
 
 // Peak resident set of this process (file-backed mmapped weights included).
 size_t peak_rss_bytes() {
@@ -61,6 +66,7 @@ struct InitArgs {
 int run_init(const InitArgs& a) {
   const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
   DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
+  io::check_output_folder(a.out);
   const model::ModelConfig cfg = yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides)
                                       : model::ModelConfig::from_hf_json_file(a.config);
   model::InitOptions opt;
@@ -106,7 +112,7 @@ class TextStream {
   void emit(const std::string& text) {
     if (text.size() > printed_ && text.compare(0, printed_, printed_text_) == 0) {
       std::fwrite(text.data() + printed_, 1, text.size() - printed_, stdout);
-      std::fflush(stdout);
+      check_stdout();  // a closed or full output stops the generation
       printed_ = text.size();
       printed_text_ = text;
     }
@@ -118,33 +124,39 @@ class TextStream {
 };
 
 int run_generate(const GenerateArgs& a) {
-  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
-  DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
-  auto m = model::load_model(a.model);
-  const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
-  DS_CHECK(tok.vocab_size() <= m->config.vocab_size, "the tokenizer's {} ids do not fit the model's vocabulary of {}",
-           tok.vocab_size(), m->config.vocab_size);
-  const std::vector<int32_t> prompt = tok.encode(a.prompt, /*add_special_tokens=*/!a.raw);
-  DS_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
-
+  // Everything that can be wrong with the request is found before the
+  // weights are read: options, tokenizer, prompt length.
   infer::GenerateOptions opt;
   opt.max_new_tokens = a.max_new_tokens;
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = cache_kind(a.cache);
-  opt.eos_token_id = m->config.eos_token_id;
+  infer::check_sampler(opt.sampler);
+  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
+  DS_CHECK(fs::is_directory(a.model), "model folder '{}' does not exist or is not a folder", a.model);
+  DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
+  const model::ModelConfig cfg = model::load_config(a.model);
+  const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
+  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+           tok.vocab_size(), cfg.vocab_size);
+  const std::vector<int32_t> prompt = tok.encode(a.prompt, /*add_special_tokens=*/!a.raw);
+  DS_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
+  opt.eos_token_id = cfg.eos_token_id;
   opt.sample_vocab = tok.vocab_size();
+  infer::check_generate_request(cfg, {static_cast<int64_t>(prompt.size())}, opt);
+
+  auto m = model::load_model(a.model);
   TextStream stream(tok);
   opt.on_token = [&](int64_t, int32_t id) {
     if (id != opt.eos_token_id) stream.push(id);
   };
   std::fputs(a.prompt.c_str(), stdout);
-  std::fflush(stdout);
+  check_stdout();
   infer::GenerateStats st;
   infer::generate(*m->transformer, {prompt}, opt, &st);
   stream.finish();
   std::fputs("\n", stdout);
-  std::fflush(stdout);
+  check_stdout();
   std::fprintf(
       stderr, "%s",
       fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
@@ -168,11 +180,19 @@ struct BenchArgs {
 
 int run_bench(const BenchArgs& a) {
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
+  const model::ModelConfig config = model::load_config(a.model);
+  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= config.max_position_embeddings,
+           "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
+           config.max_position_embeddings);
+  {
+    infer::GenerateOptions check;
+    check.cache = cache_kind(a.cache);
+    check.prefill_chunk = a.prefill_chunk;
+    check.max_new_tokens = a.new_tokens + 1;
+    infer::check_generate_request(config, std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
+  }
   auto m = model::load_model(a.model);
   const auto& cfg = m->config;
-  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= cfg.max_position_embeddings,
-           "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
-           cfg.max_position_embeddings);
   Philox rng(a.seed);
   std::vector<std::vector<int32_t>> prompts(a.batch);
   for (int64_t s = 0; s < a.batch; ++s)
@@ -243,7 +263,7 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
     cmd->add_option("--prompt", args->prompt, "prompt text")->required();
     cmd->add_option("--tokenizer", args->tokenizer, "tokenizer.json (default: the model folder's)");
     cmd->add_option("--max-new-tokens", args->max_new_tokens, "tokens to generate at most (default 128)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_option("--temperature", args->temperature, "sampling temperature; 0 is greedy (default 0.7)");
     cmd->add_option("--top-k", args->top_k, "keep the K most likely tokens; 0 keeps all (default)");
     cmd->add_option("--top-p", args->top_p, "nucleus: keep the smallest set of probability >= P (default 0.95)");
@@ -252,7 +272,7 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
         ->check(CLI::IsMember({"latent", "naive"}));
     cmd->add_option("--prefill-chunk", args->prefill_chunk,
                     "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_flag("--raw", args->raw, "do not prepend the tokenizer's BOS token");
     commands.emplace_back(cmd, [args] { return run_generate(*args); });
   }
@@ -260,16 +280,19 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
     auto args = std::make_shared<BenchArgs>();
     auto* cmd = app.add_subcommand("bench", "measure prefill and decode tokens/s on random prompts (JSON line)");
     cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
-    cmd->add_option("--batch", args->batch, "prompts decoded together (default 1)")->check(CLI::PositiveNumber);
-    cmd->add_option("--prompt-len", args->prompt_len, "tokens per prompt (default 128)")->check(CLI::PositiveNumber);
-    cmd->add_option("--new-tokens", args->new_tokens, "decode steps (default 32)")->check(CLI::PositiveNumber);
+    cmd->add_option("--batch", args->batch, "prompts decoded together (default 1)")
+        ->check(CLI::Range(int64_t{1}, infer::kMaxSequences));
+    cmd->add_option("--prompt-len", args->prompt_len, "tokens per prompt (default 128)")
+        ->check(CLI::Range(int64_t{1}, kMaxCount));
+    cmd->add_option("--new-tokens", args->new_tokens, "decode steps (default 32)")
+        ->check(CLI::Range(int64_t{1}, kMaxCount));
     cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
         ->check(CLI::IsMember({"latent", "naive"}));
     cmd->add_option("--repeat", args->repeat, "timed runs; the median is reported (default 3)")
-        ->check(CLI::PositiveNumber);
+        ->check(CLI::Range(int64_t{1}, int64_t{1000}));
     cmd->add_option("--prefill-chunk", args->prefill_chunk,
                     "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_option("--seed", args->seed, "seed of the random prompts");
     commands.emplace_back(cmd, [args] { return run_bench(*args); });
   }

@@ -7,12 +7,17 @@
 // and every later position goes through the KV cache one token at a time.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/system.h"
+#include "infer/generate.h"
+#include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "io/token_lists.h"
 #include "model/load.h"
 
 namespace ds::cli {
@@ -21,49 +26,57 @@ namespace {
 
 struct LogitsArgs {
   std::string model, tokens, out, cache = "latent";
-  int64_t incremental = -1;
+  int64_t incremental = 0;
+  CLI::Option* incremental_opt = nullptr;  // given or not
 };
 
-std::vector<std::vector<int32_t>> read_token_lists(const std::string& path) {
-  std::ifstream in(path);
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
   DS_CHECK(in.good(), "cannot read token file '{}'", path);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    DS_FAIL("'{}' is not valid JSON: {}", path, e.what());
-  }
-  DS_CHECK(j.is_array() && !j.empty(), "'{}' must be a non-empty JSON array of token-id arrays", path);
-  std::vector<std::vector<int32_t>> out;
-  for (const auto& seq : j) {
-    DS_CHECK(seq.is_array() && !seq.empty(), "'{}': every sequence must be a non-empty array of token ids", path);
-    std::vector<int32_t> ids;
-    for (const auto& t : seq) {
-      DS_CHECK(t.is_number_integer() && t.get<int64_t>() >= 0 && t.get<int64_t>() <= INT32_MAX,
-               "'{}': token ids must be non-negative integers, got {}", path, t.dump());
-      ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
-    }
-    out.push_back(std::move(ids));
-  }
-  return out;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  DS_CHECK(!in.bad(), "error reading token file '{}'", path);
+  return ss.str();
 }
 
 int run_logits(const LogitsArgs& a) {
-  auto seqs = read_token_lists(a.tokens);
-  auto m = model::load_model(a.model);
-  const int64_t V = m->config.vocab_size, L = m->config.num_hidden_layers;
+  // The request is checked whole before any weight is read: the output
+  // path, the token file against the config, the --incremental prefix.
+  const std::string out = io::resolve_output_path(a.out);
+  const model::ModelConfig cfg = model::load_config(a.model);
+  const auto seqs = io::parse_token_lists(read_text(a.tokens), cfg.vocab_size, a.tokens);
+  const bool incremental = a.incremental_opt != nullptr && a.incremental_opt->count() > 0;
+  const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
   const auto kind = a.cache == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;
+  int64_t tokens = 0, longest = 0;
+  for (size_t s = 0; s < seqs.size(); ++s) {
+    const auto T = static_cast<int64_t>(seqs[s].size());
+    DS_CHECK(T <= cfg.max_position_embeddings, "sequence {} has {} tokens, beyond max_position_embeddings {}", s, T,
+             cfg.max_position_embeddings);
+    DS_CHECK(cfg.index_topk == 0 || T <= cfg.index_topk,
+             "sequence {} has {} tokens; DeepSeek-V3.2 sparse attention beyond index_topk {} keys is not supported "
+             "yet", s, T, cfg.index_topk);
+    if (incremental)
+      DS_CHECK(a.incremental >= 1 && a.incremental <= T, "--incremental {} must be in [1, {}] for sequence {}",
+               a.incremental, T, s);
+    tokens += T;
+    longest = std::max(longest, T);
+  }
+  // The logits are kept until the file is written, the cache of one sequence at a time.
+  check_fits_in_memory(tokens * V * static_cast<int64_t>(sizeof(float)) +
+                           longest * infer::kv_cache_bytes_per_token(cfg, kind),
+                       "the logits of these sequences");
+
+  auto m = model::load_model(a.model);
   std::vector<std::pair<std::string, Tensor>> outs;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const auto& ids = seqs[s];
     const int64_t T = static_cast<int64_t>(ids.size());
     infer::KvCache cache(kind, 1, L);
     std::vector<float> logits;
-    if (a.incremental < 0) {
+    if (!incremental) {
       logits = m->transformer->step(cache, {ids}, /*all_logits=*/true);
     } else {
-      DS_CHECK(a.incremental >= 1 && a.incremental <= T, "--incremental {} must be in [1, {}] for sequence {}",
-               a.incremental, T, s);
       logits = m->transformer->step(cache, {{ids.begin(), ids.begin() + a.incremental}}, true);
       for (int64_t t = a.incremental; t < T; ++t) {
         auto one = m->transformer->step(cache, {{ids[t]}}, true);
@@ -73,7 +86,7 @@ int run_logits(const LogitsArgs& a) {
     Tensor t = Tensor::from_vector(logits, {T, V});
     outs.emplace_back(fmt::format("logits.{}", s), t);
   }
-  io::save_safetensors(a.out, outs, {{"model", a.model}});
+  io::save_safetensors(out, outs, {{"model", a.model}});
   fmt::print("wrote {} sequences of logits to {}\n", seqs.size(), a.out);
   return 0;
 }
@@ -86,8 +99,9 @@ void add_logits_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--model", args->model, "Hugging Face model folder")->required();
   cmd->add_option("--tokens", args->tokens, "JSON array of token-id arrays")->required();
   cmd->add_option("--out", args->out, "output .safetensors file")->required();
-  cmd->add_option("--incremental", args->incremental,
-                  "prefill this many tokens, then compute each later position through the KV cache");
+  args->incremental_opt =
+      cmd->add_option("--incremental", args->incremental,
+                      "prefill this many tokens (>= 1), then compute each later position through the KV cache");
   cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
       ->check(CLI::IsMember({"latent", "naive"}));
   commands.emplace_back(cmd, [args] { return run_logits(*args); });

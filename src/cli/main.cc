@@ -2,10 +2,14 @@
 // end here as one line on stderr and exit code 2.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -63,9 +67,40 @@ int run_selfcheck() {
   return 0;
 }
 
+// An error line as printed: runs of more than 24 digits (a crafted size, a
+// number typed by mistake) are shortened, and the whole line is capped, so
+// one bad value cannot flood the terminal.
+std::string brief_error(std::string msg) {
+  std::string out;
+  for (size_t i = 0; i < msg.size();) {
+    size_t j = i;
+    while (j < msg.size() && msg[j] >= '0' && msg[j] <= '9') ++j;
+    if (j - i > 24) {
+      out += msg.substr(i, 12) + "...(" + std::to_string(j - i) + " digits)";
+      i = j;
+    } else if (j > i) {
+      out += msg.substr(i, j - i);
+      i = j;
+    } else {
+      out += msg[i++];
+    }
+  }
+  if (out.size() > 2000) out = out.substr(0, 2000) + "...";
+  return out;
+}
+
+void print_error(const std::string& msg) { std::fprintf(stderr, "deepseek: error: %s\n", brief_error(msg).c_str()); }
+
 }  // namespace
 
 namespace ds::cli {
+void check_stdout() {
+  if (std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    const int err = errno;
+    DS_FAIL("writing to standard output failed: {}", err ? std::strerror(err) : "unknown error");
+  }
+}
+
 void add_selfcheck_command(CLI::App& app, CommandList& commands) {
   auto* cmd = app.add_subcommand("selfcheck", "run a quick numerical check of this build");
   commands.emplace_back(cmd, run_selfcheck);
@@ -88,7 +123,21 @@ static void default_to_spinning_threads(char** argv) {
   unsetenv("OMP_WAIT_POLICY");
 }
 
+// A standard descriptor the caller closed (`>&-`) would be handed to the next
+// file the program opens, and output meant for the terminal would land in
+// it. Each closed one is reopened on /dev/null first, standard output
+// read-only so that every write to it fails and is reported (check_stdout).
+static void guard_standard_descriptors() {
+  const int flags[3] = {O_RDONLY, O_RDONLY, O_WRONLY};
+  for (int fd = 0; fd < 3; ++fd)
+    if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+      const int got = open("/dev/null", flags[fd]);
+      if (got >= 0 && got != fd) close(got);  // not the lowest free one: give up on this descriptor
+    }
+}
+
 int main(int argc, char** argv) {
+  guard_standard_descriptors();
   default_to_spinning_threads(argv);
   // Activation buffers of a few MB are allocated and freed on every layer
   // of every step. glibc would serve each from a fresh mmap (or trim it back
@@ -113,21 +162,34 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "deepseek: error: %s (see deepseek --help)\n", e.what());
+    print_error(std::string(e.what()) + " (see deepseek --help)");
     return 2;
   }
   try {
     if (threads > 0) ds::set_num_threads(threads);
     ds::init_simd_targets();  // a bad DEEPSEEK_MAX_CPU_ISA is an error before any work
+    int rc = -1;
     for (auto& [cmd, run] : commands)
-      if (cmd->parsed()) return run();
-    std::fputs(app.help().c_str(), stdout);
-    return 0;
+      if (cmd->parsed()) {
+        rc = run();
+        break;
+      }
+    if (rc < 0) {
+      std::fputs(app.help().c_str(), stdout);
+      rc = 0;
+    }
+    // Output that did not reach its destination (a full disk, a closed
+    // descriptor) is an error, never a silent success.
+    ds::cli::check_stdout();
+    return rc;
   } catch (const ds::Error& e) {
-    std::fprintf(stderr, "deepseek: error: %s\n", e.what());
+    print_error(e.what());
+    return 2;
+  } catch (const std::bad_alloc&) {
+    print_error("out of memory");
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "deepseek: internal error: %s\n", e.what());
+    std::fprintf(stderr, "deepseek: internal error: %s\n", brief_error(e.what()).c_str());
     return 2;
   }
 }
