@@ -129,7 +129,8 @@ std::vector<int64_t> group_offsets(const int32_t* group_sizes, int64_t G, int64_
 
 // Zeroes rows [r0, M) of a [M, cols] matrix: rows that belong to no group.
 void zero_rows(float* x, int64_t r0, int64_t M, int64_t cols) {
-  if (r0 < M) std::memset(x + r0 * cols, 0, static_cast<size_t>((M - r0) * cols) * sizeof(float));
+  // (An empty matrix may come with a null pointer, which memset must not see.)
+  if (r0 < M && cols > 0) std::memset(x + r0 * cols, 0, static_cast<size_t>((M - r0) * cols) * sizeof(float));
 }
 
 }  // namespace
