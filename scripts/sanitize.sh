@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Builds everything (library, `deepseek`, every test) with AddressSanitizer
+# (LeakSanitizer included) and UndefinedBehaviorSanitizer into build-asan/, and
+# runs the whole ctest suite under them: the GoogleTest cases, their reruns
+# with the SIMD kernels capped (avx2/..., scalar/...), and the shell tests,
+# which run build-asan/deepseek (ctest passes them the binary of the build
+# folder it runs in; reference_model_test runs the same one).
+#
+#   ./scripts/sanitize.sh                 # everything
+#   ./scripts/sanitize.sh -R tokenizer    # extra arguments go to ctest
+#
+# Debug build at -O1 -g, so assert() stays on (no NDEBUG) and the reports name
+# file:line; -D_GLIBCXX_ASSERTIONS adds libstdc++'s bounds checks. Benchmarks
+# are off. Every sanitizer report ends its process (abort_on_error,
+# halt_on_error, -fno-sanitize-recover=all). AddressSanitizer and
+# LeakSanitizer write theirs to build-asan/sanitizer-reports/asan.<program>.<pid>
+# rather than stderr, so a report counts even where a shell test discards the
+# program's stderr and exit status; at the end each report's first line,
+# SUMMARY and top frames are printed. GCC's UndefinedBehaviorSanitizer runtime
+# ignores log_path: its reports stay on stderr, which ctest keeps in
+# build-asan/Testing/Temporary/LastTest.log, searched at the end as well.
+#
+# Environment: DEEPSEEK_JOBS (build jobs and tests run at once, default 2).
+# ASAN_OPTIONS, UBSAN_OPTIONS and LSAN_OPTIONS given by the caller are
+# appended to the defaults below (later settings win). LeakSanitizer
+# suppressions, for third-party libraries only, go in scripts/sanitize.supp
+# (used when present; none are needed so far: OpenMP and oneDNN report
+# nothing).
+# Exits non-zero if the build fails, a test fails, or any sanitizer reported.
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+BUILD="$ROOT/build-asan"
+REPORTS="$BUILD/sanitizer-reports"
+JOBS="${DEEPSEEK_JOBS:-2}"
+SAN_FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+
+install_missing_packages
+fetch_test_assets
+
+# Set for the build as well: gtest_discover_tests runs each test executable
+# (--gtest_list_tests) right after linking it.
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:halt_on_error=1:strict_string_checks=1:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=1:log_exe_name=1:log_path=$REPORTS/asan${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:abort_on_error=1:report_error_type=1${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+SUPP="$ROOT/scripts/sanitize.supp"
+[ -f "$SUPP" ] && export LSAN_OPTIONS="suppressions=$SUPP:print_suppressions=0${LSAN_OPTIONS:+:$LSAN_OPTIONS}"
+# The tests must run this build's program, not one named from outside.
+unset DEEPSEEK_TEST_BINARY
+# Two test processes share the cores: idle OpenMP workers sleep.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+
+rm -rf "$REPORTS"
+mkdir -p "$REPORTS"
+
+t0=$(date +%s)
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  -DCMAKE_CXX_FLAGS="$SAN_FLAGS -D_GLIBCXX_ASSERTIONS" \
+  -DCMAKE_EXE_LINKER_FLAGS="$SAN_FLAGS" \
+  -DDEEPSEEK_BUILD_TESTS=ON -DDEEPSEEK_BUILD_BENCH=OFF
+nice -n 10 cmake --build "$BUILD" -j "$JOBS"
+t_build=$(( $(date +%s) - t0 ))
+echo "sanitized build: ${t_build}s"
+
+t0=$(date +%s)
+status=0
+rm -f "$BUILD/Testing/Temporary/LastTest.log"
+(cd "$BUILD" && nice -n 10 ctest --output-on-failure -j "$JOBS" "$@") || status=$?
+t_test=$(( $(date +%s) - t0 ))
+
+# Every AddressSanitizer / LeakSanitizer report: its first line, summary and
+# top frames.
+shopt -s nullglob
+reports=("$REPORTS"/*)
+if [ ${#reports[@]} -gt 0 ]; then
+  status=1
+  echo
+  echo "=== ${#reports[@]} AddressSanitizer/LeakSanitizer report(s) in $REPORTS:"
+  for r in "${reports[@]}"; do
+    echo "--- $(basename "$r")"
+    grep -m1 -E 'ERROR: ' "$r" || true
+    grep -m1 '^SUMMARY:' "$r" || true
+    grep -m8 -E '^ *#[0-9]+ ' "$r" || true
+  done
+fi
+# UndefinedBehaviorSanitizer reports (and any other sanitizer output that
+# reached a test's output), each under the name of the test that printed it.
+LOG="$BUILD/Testing/Temporary/LastTest.log"
+SAN_PATTERN='ERROR: (Address|Leak)Sanitizer|runtime error:|SUMMARY: (Address|Leak|UndefinedBehavior)Sanitizer'
+n_ub=0
+if [ -f "$LOG" ] && grep -qE "$SAN_PATTERN" "$LOG"; then
+  status=1
+  n_ub=$(grep -cE "$SAN_PATTERN" "$LOG")
+  echo
+  echo "=== $n_ub sanitizer report(s) in test output ($LOG):"
+  awk -v pat="$SAN_PATTERN" '
+    /^[0-9]+\/[0-9]+ Testing: / { sub(/^[0-9]+\/[0-9]+ Testing: /, ""); test = $0; next }
+    $0 ~ pat { print "--- " test; print; frames = 6; next }
+    frames > 0 && /^ *#[0-9]+ / { print; frames-- ; next }
+    { frames = 0 }' "$LOG"
+fi
+
+echo
+echo "sanitized build ${t_build}s, tests ${t_test}s; sanitizer reports: ${#reports[@]} ASan/LSan, $n_ub in test output"
+exit "$status"
