@@ -20,6 +20,7 @@
 #include "infer/generate.h"
 #include "io/atomic_file.h"
 #include "io/token_lists.h"
+#include "io/tokenizer.h"
 #include "model/config.h"
 #include "model/init.h"
 #include "model/load.h"
@@ -268,6 +269,20 @@ TEST(Hardening, TokenListsAreCheckedAgainstTheVocabulary) {
   expect_error([] { io::parse_token_lists("[[]]", 4, "t"); }, "non-empty");
   expect_error([] { io::parse_token_lists("[]", 4, "t"); }, "non-empty");
   expect_error([] { io::parse_token_lists("[[1]", 4, "t"); }, "not valid JSON");
+}
+
+TEST(Hardening, TokenizerTypeFieldsMustBeStrings) {
+  // Found by tokenizer_json_fuzz: a non-string "type" escaped as a JSON
+  // library exception instead of a ds::Error.
+  std::ifstream in(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json");
+  const json base = json::parse(in);
+  ASSERT_NO_THROW(io::Tokenizer::from_json(base.dump()));
+  for (const char* key : {"pre_tokenizer", "decoder"})
+    for (const json& bad : {json(5), json::array(), json::object()}) {
+      json j = base;
+      j[key]["type"] = bad;
+      expect_error([&] { io::Tokenizer::from_json(j.dump()); }, "\"type\" must be a string");
+    }
 }
 
 // ---- outputs ----

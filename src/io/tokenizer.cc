@@ -546,7 +546,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   const json& pre = member(root, "pre_tokenizer", origin);
   std::vector<json> steps;
   DS_CHECK(pre.is_object(), "{}: pre_tokenizer must be an object, got {}", origin, pre.type_name());
-  if (pre.value("type", "") == "Sequence") {
+  if (string_member(pre, "type", origin + ": pre_tokenizer") == "Sequence") {
     const json& list = member(pre, "pretokenizers", origin + ": pre_tokenizer");
     DS_CHECK(list.is_array(), "{}: \"pretokenizers\" must be an array", origin);
     steps.assign(list.begin(), list.end());
@@ -587,7 +587,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     DS_CHECK(type == "ByteLevel", "{}: post_processor type {} is not supported (only null or ByteLevel)", origin, type);
   }
   const json& dec = member(root, "decoder", origin);
-  DS_CHECK(dec.is_object() && dec.value("type", "") == "ByteLevel", "{}: decoder must be ByteLevel, got {}", origin,
+  DS_CHECK(dec.is_object() && string_member(dec, "type", origin + ": decoder") == "ByteLevel",
+           "{}: decoder must be ByteLevel, got {}", origin,
            dec.dump().substr(0, 200));
 
   std::unordered_map<uint32_t, uint8_t> cp_to_byte;
