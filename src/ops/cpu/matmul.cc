@@ -119,7 +119,10 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   // depends on the shape of the call that computes it (its blocking of K
   // does, on some ISAs), so the thread count may only decide which thread
   // runs which block, never where the blocks are.
-  const auto [bm, bn] = block_shape(M, N, K);
+  // (Copied out of the pair: clang before 16 cannot capture structured
+  // bindings in the OpenMP region's lambda.)
+  const auto block = block_shape(M, N, K);
+  const int64_t bm = block.first, bn = block.second;
   const int64_t gm = (M + bm - 1) / bm, gn = (N + bn - 1) / bn;
   dnnl_status_t st = dnnl_success;
   if (gm * gn > 1) {
