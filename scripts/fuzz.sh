@@ -108,6 +108,13 @@ for t in "${TARGETS[@]}"; do
   fi
   echo "$line"
   summary+=("$line")
+  # What each finding is, from running the target on it once more.
+  for input in $found; do
+    why=$("$BUILD/fuzz/$t" "$input" 2>&1 | grep -E 'what\(\)|runtime error:|ERROR: [A-Za-z]*Sanitizer|out-of-memory|timeout' |
+      head -n 1 | sed 's/^ *//' || true)
+    echo "  $input: ${why:-did not reproduce alone}"
+    summary+=("  $input: ${why:-did not reproduce alone}")
+  done
 done
 
 echo
