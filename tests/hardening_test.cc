@@ -236,7 +236,7 @@ TEST(Hardening, GenerateRequestsAreCheckedBeforeTheModel) {
   opt.max_new_tokens = 4;
   EXPECT_NO_THROW(infer::check_generate_request(cfg, {5, 7}, opt));
   expect_error([&] { infer::check_generate_request(cfg, {129}, opt); }, "beyond max_position_embeddings 128");
-  expect_error([&] { infer::check_generate_request(cfg, {0}, opt); }, "prompt 0 is empty");
+  expect_error([&] { infer::check_generate_request(cfg, {0}, opt); }, "sequence 0 is empty");
   auto bad = opt;
   bad.sampler.top_p = 0.0f;
   expect_error([&] { infer::check_generate_request(cfg, {5}, bad); }, "top-p");

@@ -16,7 +16,6 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "infer/generate.h"
-#include "io/atomic_file.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
@@ -66,7 +65,6 @@ struct InitArgs {
 int run_init(const InitArgs& a) {
   const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
   DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
-  io::check_output_folder(a.out);
   const model::ModelConfig cfg = yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides)
                                       : model::ModelConfig::from_hf_json_file(a.config);
   model::InitOptions opt;
@@ -131,11 +129,9 @@ int run_generate(const GenerateArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = cache_kind(a.cache);
-  infer::check_sampler(opt.sampler);
-  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
-  DS_CHECK(fs::is_directory(a.model), "model folder '{}' does not exist or is not a folder", a.model);
-  DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
   const model::ModelConfig cfg = model::load_config(a.model);
+  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
+  DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
   const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "the tokenizer's {} ids do not fit the model's vocabulary of {}",
            tok.vocab_size(), cfg.vocab_size);

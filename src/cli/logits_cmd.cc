@@ -7,7 +7,6 @@
 // and every later position goes through the KV cache one token at a time.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -48,24 +47,23 @@ int run_logits(const LogitsArgs& a) {
   const bool incremental = a.incremental_opt != nullptr && a.incremental_opt->count() > 0;
   const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
   const auto kind = a.cache == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;
-  int64_t tokens = 0, longest = 0;
+  // The sequences as a request of one new token each: the same length,
+  // index_topk and KV-cache checks as generation.
+  std::vector<int64_t> lengths;
+  for (const auto& ids : seqs) lengths.push_back(static_cast<int64_t>(ids.size()));
+  infer::GenerateOptions request;
+  request.max_new_tokens = 1;
+  request.cache = kind;
+  infer::check_generate_request(cfg, lengths, request);
+  int64_t tokens = 0;
   for (size_t s = 0; s < seqs.size(); ++s) {
-    const auto T = static_cast<int64_t>(seqs[s].size());
-    DS_CHECK(T <= cfg.max_position_embeddings, "sequence {} has {} tokens, beyond max_position_embeddings {}", s, T,
-             cfg.max_position_embeddings);
-    DS_CHECK(cfg.index_topk == 0 || T <= cfg.index_topk,
-             "sequence {} has {} tokens; DeepSeek-V3.2 sparse attention beyond index_topk {} keys is not supported "
-             "yet", s, T, cfg.index_topk);
     if (incremental)
-      DS_CHECK(a.incremental >= 1 && a.incremental <= T, "--incremental {} must be in [1, {}] for sequence {}",
-               a.incremental, T, s);
-    tokens += T;
-    longest = std::max(longest, T);
+      DS_CHECK(a.incremental >= 1 && a.incremental <= lengths[s], "--incremental {} must be in [1, {}] for sequence {}",
+               a.incremental, lengths[s], s);
+    tokens += lengths[s];
   }
-  // The logits are kept until the file is written, the cache of one sequence at a time.
-  check_fits_in_memory(tokens * V * static_cast<int64_t>(sizeof(float)) +
-                           longest * infer::kv_cache_bytes_per_token(cfg, kind),
-                       "the logits of these sequences");
+  // The logits are kept until the file is written.
+  check_fits_in_memory(tokens * V * static_cast<int64_t>(sizeof(float)), "the logits of these sequences");
 
   auto m = model::load_model(a.model);
   std::vector<std::pair<std::string, Tensor>> outs;

@@ -8,11 +8,11 @@
 
 #include <cerrno>
 #include <cmath>
-#include <cstring>
-#include <string>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
+#include <string>
 #include <vector>
 
 #include "cli/commands.h"

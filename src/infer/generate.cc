@@ -33,16 +33,16 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   int64_t tokens = 0;
   for (size_t s = 0; s < prompt_lengths.size(); ++s) {
     const int64_t n = prompt_lengths[s];
-    DS_CHECK(n > 0, "generate: prompt {} is empty", s);
-    DS_CHECK(n <= cfg.max_position_embeddings, "generate: prompt {} has {} tokens, beyond max_position_embeddings {}",
-             s, n, cfg.max_position_embeddings);
+    DS_CHECK(n > 0, "sequence {} is empty", s);
+    DS_CHECK(n <= cfg.max_position_embeddings, "sequence {} has {} tokens, beyond max_position_embeddings {}", s, n,
+             cfg.max_position_embeddings);
     // Tokens that go through the model: the prompt and every new token but
     // the last (generation stops at max_position_embeddings).
     const int64_t fed =
         std::min(n + std::clamp<int64_t>(opt.max_new_tokens - 1, 0, cfg.max_position_embeddings),
                  cfg.max_position_embeddings);
     DS_CHECK(cfg.index_topk == 0 || fed <= cfg.index_topk,
-             "generate: prompt {} ({} tokens) and {} new tokens reach {} tokens; DeepSeek-V3.2 sparse attention "
+             "sequence {} ({} tokens) and {} new tokens reach {} tokens; DeepSeek-V3.2 sparse attention "
              "beyond index_topk {} keys is not supported yet",
              s, n, opt.max_new_tokens, fed, cfg.index_topk);
     tokens += fed;

@@ -120,8 +120,8 @@ int64_t ModelConfig::parameter_count() const {
       add({3 * moe_intermediate_size, D}, n_routed_experts + n_shared_experts);
     else
       add({3 * intermediate_size, D});
-    // Checking one layer is enough when the rest repeat it: stop early on
-    // huge layer counts once the total is known to be over the limit.
+    // Past the limit the exact total no longer matters: thousands of layers
+    // need not all be counted.
     if (total > limits::kParameters) break;
   }
   return total;
@@ -129,7 +129,7 @@ int64_t ModelConfig::parameter_count() const {
 
 void ModelConfig::validate() const {
   auto positive = [](int64_t v, const char* k) { DS_CHECK(v > 0, "config: {} must be positive, got {}", k, v); };
-  // [0 or 1, limit]: one line naming the key and its value.
+  // Upper bounds here, lower bounds below: one line naming the key and value.
   auto at_most = [](int64_t v, int64_t limit, const char* k) {
     DS_CHECK(v <= limit, "config: {} = {} is above the supported limit of {}", k, v, limit);
   };
