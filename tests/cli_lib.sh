@@ -1,6 +1,11 @@
-# Shared by the command-line tests (sourced): `expect_error ARGS...` runs
-# "$bin" ARGS and records a failure unless it exits 2 with exactly one
-# "deepseek: error:" line on stderr.
+# Shared by the command-line tests (sourced); failures set `fail=1`.
+
+# `check CONDITION WHAT` evaluates CONDITION and records a failure naming WHAT
+# unless it holds.
+check() { if ! eval "$1"; then echo "FAIL: $2"; fail=1; fi; }
+
+# `expect_error ARGS...` runs "$bin" ARGS and records a failure unless it
+# exits 2 with exactly one "deepseek: error:" line on stderr.
 expect_error() {
   local err rc
   err=$("$bin" "$@" 2>&1 >/dev/null)

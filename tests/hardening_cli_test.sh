@@ -10,7 +10,6 @@ src="$2"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail=0
-check() { if ! eval "$1"; then echo "FAIL: $2"; fail=1; fi; }
 source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 
 m="$tmp/tiny"
