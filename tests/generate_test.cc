@@ -30,11 +30,11 @@ class GenerateTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
     ds::test::write_random_model(dir_, ds::test::tiny_v3_config(), 21);
-    m_ = ds::model::load_model(dir_);
+    m_ = ds::infer::load_model(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
   std::string dir_;
-  std::unique_ptr<ds::model::LoadedModel> m_;
+  std::unique_ptr<ds::infer::LoadedModel> m_;
 };
 
 std::string source(const std::string& rel) { return std::string(DEEPSEEK_SOURCE_DIR) + "/" + rel; }
@@ -46,13 +46,13 @@ TEST_F(GenerateTest, GreedyTokensAreTheArgmaxOfTheFullForward) {
     opt.max_new_tokens = 12;
     opt.cache = kind;
     std::vector<int32_t> prompt = {3, 14, 15, 92, 65};
-    auto out = ds::infer::generate(*m_->transformer, {prompt}, opt);
+    auto out = ds::infer::generate(*m_->engine, {prompt}, opt);
     ASSERT_EQ(out.size(), 1u);
     ASSERT_EQ(out[0].size(), 12u);
     std::vector<int32_t> all = prompt;
     all.insert(all.end(), out[0].begin(), out[0].end() - 1);
     ds::infer::KvCache cache(CacheKind::Latent, 1, m_->config.num_hidden_layers);
-    auto logits = m_->transformer->step(cache, {all}, true);
+    auto logits = m_->engine->step(cache, {all}, true);
     for (size_t i = 0; i < out[0].size(); ++i) {
       const float* row = &logits[(prompt.size() - 1 + i) * V];
       const float best = *std::max_element(row, row + V);
@@ -68,22 +68,22 @@ TEST_F(GenerateTest, ABatchGeneratesWhatEachPromptGeneratesAlone) {
   opt.sampler.temperature = 0.8f;
   opt.sampler.seed = 9;
   std::vector<std::vector<int32_t>> prompts = {{1, 2, 3, 4, 5, 6, 7}, {8}, {9, 10, 11}};
-  auto together = ds::infer::generate(*m_->transformer, prompts, opt);
+  auto together = ds::infer::generate(*m_->engine, prompts, opt);
   ds::infer::GenerateStats st;
   GenerateOptions greedy = opt;
   greedy.sampler.temperature = 0;
-  ds::infer::generate(*m_->transformer, prompts, greedy, &st);
+  ds::infer::generate(*m_->engine, prompts, greedy, &st);
   EXPECT_EQ(st.prompt_tokens, 11);
   EXPECT_EQ(st.generated_tokens, 18);
   EXPECT_EQ(st.decode_steps_tokens, 15);
   EXPECT_EQ(st.cache_bytes, static_cast<size_t>(m_->config.num_hidden_layers) * (11 + 15) *
                                 (m_->config.kv_lora_rank + m_->config.qk_rope_head_dim) * sizeof(float));
   // Sampled runs repeat exactly (draws are keyed by seed, sequence, step).
-  EXPECT_EQ(ds::infer::generate(*m_->transformer, prompts, opt), together);
+  EXPECT_EQ(ds::infer::generate(*m_->engine, prompts, opt), together);
   GenerateOptions g = greedy;
   for (size_t s = 0; s < prompts.size(); ++s) {
-    auto batch = ds::infer::generate(*m_->transformer, prompts, g);
-    auto alone = ds::infer::generate(*m_->transformer, {prompts[s]}, g);
+    auto batch = ds::infer::generate(*m_->engine, prompts, g);
+    auto alone = ds::infer::generate(*m_->engine, {prompts[s]}, g);
     EXPECT_EQ(batch[s], alone[0]) << "prompt " << s;
   }
 }
@@ -99,35 +99,35 @@ TEST_F(GenerateTest, ChunkedPrefillGeneratesTheSameTokens) {
     opt.sampler.seed = 4;
     opt.prefill_chunk = 0;
     ds::infer::GenerateStats whole, chunked;
-    const auto want = ds::infer::generate(*m_->transformer, prompts, opt, &whole);
+    const auto want = ds::infer::generate(*m_->engine, prompts, opt, &whole);
     for (int64_t chunk : {1, 2, 4, 5, 11, 512}) {
       opt.prefill_chunk = chunk;
-      EXPECT_EQ(ds::infer::generate(*m_->transformer, prompts, opt, &chunked), want) << "chunk " << chunk;
+      EXPECT_EQ(ds::infer::generate(*m_->engine, prompts, opt, &chunked), want) << "chunk " << chunk;
       EXPECT_EQ(chunked.cache_bytes, whole.cache_bytes);
       EXPECT_EQ(chunked.prompt_tokens, whole.prompt_tokens);
     }
   }
   GenerateOptions bad;
   bad.prefill_chunk = -1;
-  EXPECT_THROW(ds::infer::generate(*m_->transformer, prompts, bad), ds::Error);
+  EXPECT_THROW(ds::infer::generate(*m_->engine, prompts, bad), ds::Error);
 }
 
 TEST_F(GenerateTest, EosAndLengthStopASequence) {
   GenerateOptions opt;
   opt.max_new_tokens = 5;
-  auto free_run = ds::infer::generate(*m_->transformer, {{4, 5, 6}}, opt);
+  auto free_run = ds::infer::generate(*m_->engine, {{4, 5, 6}}, opt);
   ASSERT_EQ(free_run[0].size(), 5u);
   opt.eos_token_id = free_run[0][2];
-  auto stopped = ds::infer::generate(*m_->transformer, {{4, 5, 6}}, opt);
+  auto stopped = ds::infer::generate(*m_->engine, {{4, 5, 6}}, opt);
   const auto first_eos = std::find(free_run[0].begin(), free_run[0].end(), opt.eos_token_id) - free_run[0].begin();
   EXPECT_EQ(stopped[0], std::vector<int32_t>(free_run[0].begin(), free_run[0].begin() + first_eos + 1));
   opt.max_new_tokens = 0;
-  EXPECT_TRUE(ds::infer::generate(*m_->transformer, {{4}}, opt)[0].empty());
+  EXPECT_TRUE(ds::infer::generate(*m_->engine, {{4}}, opt)[0].empty());
   // The sequence stops at max_position_embeddings.
   opt.max_new_tokens = 1000;
   opt.eos_token_id = -1;
   std::vector<int32_t> long_prompt(m_->config.max_position_embeddings - 3, 7);
-  EXPECT_EQ(ds::infer::generate(*m_->transformer, {long_prompt}, opt)[0].size(), 4u);
+  EXPECT_EQ(ds::infer::generate(*m_->engine, {long_prompt}, opt)[0].size(), 4u);
 }
 
 TEST_F(GenerateTest, SamplingStaysInsideTheTokenizersIds) {
@@ -135,13 +135,13 @@ TEST_F(GenerateTest, SamplingStaysInsideTheTokenizersIds) {
   opt.max_new_tokens = 40;
   opt.sampler.temperature = 5.0f;  // nearly uniform: without the limit, ids >= 10 would appear
   opt.sample_vocab = 10;
-  auto out = ds::infer::generate(*m_->transformer, {{1, 2}}, opt);
+  auto out = ds::infer::generate(*m_->engine, {{1, 2}}, opt);
   for (int32_t t : out[0]) EXPECT_LT(t, 10);
   opt.sample_vocab = m_->config.vocab_size + 1;
-  EXPECT_THROW(ds::infer::generate(*m_->transformer, {{1}}, opt), ds::Error);
+  EXPECT_THROW(ds::infer::generate(*m_->engine, {{1}}, opt), ds::Error);
   opt.sample_vocab = 0;
-  EXPECT_THROW(ds::infer::generate(*m_->transformer, {{}}, opt), ds::Error);
-  EXPECT_THROW(ds::infer::generate(*m_->transformer, {}, opt), ds::Error);
+  EXPECT_THROW(ds::infer::generate(*m_->engine, {{}}, opt), ds::Error);
+  EXPECT_THROW(ds::infer::generate(*m_->engine, {}, opt), ds::Error);
 }
 
 void expect_same_config(const ds::model::ModelConfig& a, const ds::model::ModelConfig& b) {
@@ -177,17 +177,17 @@ TEST(CheckpointInit, WrittenFoldersLoadAndRun) {
     opt.dtype = dt;
     opt.seed = 5;
     ds::model::write_random_checkpoint(c, dir, opt);
-    auto m = ds::model::load_model(dir);
+    auto m = ds::infer::load_model(dir);
     // fp8 checkpoints keep the embedding in bf16, as DeepSeek-V3's do.
-    EXPECT_EQ(m->weights.embed.dtype(), dt == ds::DType::F8E4M3 ? ds::DType::BF16 : dt);
+    EXPECT_EQ(m->weights.view.embed.dtype, dt == ds::DType::F8E4M3 ? ds::DType::BF16 : dt);
     if (dt == ds::DType::F8E4M3) {
       EXPECT_EQ(m->config.fp8_block_rows, 128);
-      const auto& o = m->weights.layers[0].attn.o.view;
+      const auto& o = m->weights.view.layers[0].attn.o;
       EXPECT_EQ(o.dtype, ds::DType::F8E4M3);
       EXPECT_NE(o.scale_inv, nullptr);
     }
     ds::infer::KvCache cache(CacheKind::Latent, 1, c.num_hidden_layers);
-    auto logits = m->transformer->step(cache, {{1, 2, 3}}, false);
+    auto logits = m->engine->step(cache, {{1, 2, 3}}, false);
     ASSERT_EQ(logits.size(), static_cast<size_t>(c.vocab_size));
     for (float v : logits) ASSERT_TRUE(std::isfinite(v));
   }
@@ -199,8 +199,8 @@ TEST(CheckpointInit, WrittenFoldersLoadAndRun) {
     opt.dtype = dt;
     opt.seed = 5;
     ds::model::write_random_checkpoint(c, dir, opt);
-    auto m = ds::model::load_model(dir);
-    const auto& v = m->weights.layers[1].attn.o.view;
+    auto m = ds::infer::load_model(dir);
+    const auto& v = m->weights.view.layers[1].attn.o;
     o_proj.emplace_back(v.rows * v.cols);
     ds::ops::widen_rows(o_proj.back().data(), v, 0, v.rows);
   }

@@ -146,15 +146,15 @@ TEST(Hardening, LayerSetMustMatchTheConfig) {
   TempDir d;
   auto j = test::tiny_v3_config();
   test::write_random_model(d.path(), j);
-  ASSERT_NO_THROW(model::load_model(d.path()));
+  ASSERT_NO_THROW(infer::load_model(d.path()));
   // Fewer layers in config.json than in the checkpoint.
   j["num_hidden_layers"] = 2;
   std::ofstream(d / "config.json") << j.dump();
-  expect_error([&] { model::load_model(d.path()); }, "belongs to layer 2, but config.json has num_hidden_layers 2");
+  expect_error([&] { infer::load_model(d.path()); }, "belongs to layer 2, but config.json has num_hidden_layers 2");
   // The same tensors are a multi-token prediction layer when the config says so.
   j["num_nextn_predict_layers"] = 1;
   std::ofstream(d / "config.json") << j.dump();
-  EXPECT_NO_THROW(model::load_model(d.path()));
+  EXPECT_NO_THROW(infer::load_model(d.path()));
 }
 
 TEST(Hardening, StrayAndHugeLayerIndicesAreErrors) {
@@ -162,7 +162,7 @@ TEST(Hardening, StrayAndHugeLayerIndicesAreErrors) {
     TempDir d;
     Tensor t = Tensor::zeros({2}, DType::F32);
     test::write_random_model(d.path(), test::tiny_v3_config(), 7, {{name, t}});
-    expect_error([&] { model::load_model(d.path()); }, "belongs to layer");
+    expect_error([&] { infer::load_model(d.path()); }, "belongs to layer");
   }
 }
 
@@ -172,7 +172,7 @@ TEST(Hardening, NonFiniteWeightsAreRefusedAtLoad) {
     TempDir d;
     test::write_random_model(d.path(), test::tiny_v3_config());
     poke(d.path(), "model.layers.1.mlp.experts.3.up_proj.weight", 17, &bits, 2);
-    expect_error([&] { model::load_model(d.path()); },
+    expect_error([&] { infer::load_model(d.path()); },
                  "tensor 'model.layers.1.mlp.experts.3.up_proj.weight' holds a non-finite value");
   }
 }
@@ -184,17 +184,17 @@ TEST(Hardening, NonFiniteFp8WeightsAndScalesAreRefusedAtLoad) {
   {
     TempDir d;
     model::write_random_checkpoint(cfg, d.path(), opt);
-    ASSERT_NO_THROW(model::load_model(d.path()));
+    ASSERT_NO_THROW(infer::load_model(d.path()));
     const float inf = std::numeric_limits<float>::infinity();
     poke(d.path(), "model.layers.0.self_attn.o_proj.weight_scale_inv", 0, &inf, 4);
-    expect_error([&] { model::load_model(d.path()); }, "o_proj.weight_scale_inv' holds a non-finite value");
+    expect_error([&] { infer::load_model(d.path()); }, "o_proj.weight_scale_inv' holds a non-finite value");
   }
   {
     TempDir d;
     model::write_random_checkpoint(cfg, d.path(), opt);
     const uint8_t e4m3_nan = 0xff;
     poke(d.path(), "model.layers.2.self_attn.kv_b_proj.weight", 5, &e4m3_nan, 1);
-    expect_error([&] { model::load_model(d.path()); }, "kv_b_proj.weight' holds a non-finite value (NaN or infinity) at element 5");
+    expect_error([&] { infer::load_model(d.path()); }, "kv_b_proj.weight' holds a non-finite value (NaN or infinity) at element 5");
   }
 }
 
@@ -223,9 +223,9 @@ TEST(Hardening, NonFiniteLogitsAreAnErrorNotAResult) {
   test::write_random_model(d.path(), test::tiny_v3_config());
   const uint16_t big = 0x7f7f;  // 3.39e38
   for (int64_t i = 0; i < 32; ++i) poke(d.path(), "lm_head.weight", 5 * 32 + i, &big, 2);
-  auto m = model::load_model(d.path());
+  auto m = infer::load_model(d.path());
   infer::KvCache cache(infer::CacheKind::Latent, 1, m->config.num_hidden_layers);
-  expect_error([&] { m->transformer->step(cache, {{1, 2, 3}}, true); }, "non-finite logit");
+  expect_error([&] { m->engine->step(cache, {{1, 2, 3}}, true); }, "non-finite logit");
 }
 
 // ---- requests ----

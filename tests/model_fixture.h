@@ -10,9 +10,10 @@
 #include <string>
 
 #include "core/rng.h"
+#include "infer/engine.h"
 #include "io/safetensors.h"
 #include "model/config.h"
-#include "model/load.h"
+#include "model/params.h"
 
 namespace ds::test {
 
@@ -44,56 +45,41 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
     for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] += mean;
     ts.emplace_back(name, t.to(DType::BF16));
   };
-  const int64_t D = c.hidden_size, H = c.num_attention_heads, qk = c.qk_head_dim();
-  add("model.embed_tokens.weight", {c.vocab_size, D}, 1.0f);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l);
-    add(p + ".input_layernorm.weight", {D}, 0.1f, 1.0f);
-    add(p + ".post_attention_layernorm.weight", {D}, 0.1f, 1.0f);
-    if (c.q_lora_rank > 0) {
-      add(p + ".self_attn.q_a_proj.weight", {c.q_lora_rank, D}, 0.2f);
-      add(p + ".self_attn.q_a_layernorm.weight", {c.q_lora_rank}, 0.1f, 1.0f);
-      add(p + ".self_attn.q_b_proj.weight", {H * qk, c.q_lora_rank}, 0.2f);
-    } else {
-      add(p + ".self_attn.q_proj.weight", {H * qk, D}, 0.2f);
-    }
-    add(p + ".self_attn.kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, D}, 0.2f);
-    add(p + ".self_attn.kv_a_layernorm.weight", {c.kv_lora_rank}, 0.1f, 1.0f);
-    add(p + ".self_attn.kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank}, 0.2f);
-    add(p + ".self_attn.o_proj.weight", {D, H * c.v_head_dim}, 0.2f);
-    auto mlp = [&](const std::string& q, int64_t width) {
-      add(q + ".gate_proj.weight", {width, D}, 0.2f);
-      add(q + ".up_proj.weight", {width, D}, 0.2f);
-      add(q + ".down_proj.weight", {D, width}, 0.2f);
-    };
-    if (c.is_moe_layer(l)) {
-      add(p + ".mlp.gate.weight", {c.n_routed_experts, D}, 0.3f);
-      if (c.topk_method == model::TopkMethod::NoauxTc) {
-        Tensor b = Tensor::empty({c.n_routed_experts}, DType::F32);
+  model::for_each_param(c, 0, [&](const model::ParamInfo& info) {
+    switch (info.role) {
+      case model::ParamRole::Embedding:
+        add(info.name, info.shape, 1.0f);
+        break;
+      case model::ParamRole::Norm:
+        add(info.name, info.shape, 0.1f, 1.0f);
+        break;
+      case model::ParamRole::Projection:
+        add(info.name, info.shape, 0.2f);
+        break;
+      case model::ParamRole::Router:
+      case model::ParamRole::LmHead:
+        add(info.name, info.shape, 0.3f);
+        break;
+      case model::ParamRole::RoutingBias: {
+        Tensor b = Tensor::empty(info.shape, DType::F32);
         fill_normal(b.data<float>(), b.numel(), 0.1f, seed, stream++);
-        ts.emplace_back(p + ".mlp.gate.e_score_correction_bias", b);
+        ts.emplace_back(info.name, b);
+        break;
       }
-      for (int64_t e = 0; e < c.n_routed_experts; ++e)
-        mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
-      if (c.n_shared_experts > 0) mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts);
-    } else {
-      mlp(p + ".mlp", c.intermediate_size);
     }
-  }
-  add("model.norm.weight", {D}, 0.1f, 1.0f);
-  add("lm_head.weight", {c.vocab_size, D}, 0.3f);
+  });
   for (const auto& e : extra) ts.push_back(e);
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts);
 }
 
 // Logits of every position of `ids`: the first `prefix` tokens in one step,
 // then one token per step through a cache of `kind`.
-inline std::vector<float> incremental_logits(model::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
+inline std::vector<float> incremental_logits(infer::LoadedModel& m, const std::vector<int32_t>& ids, size_t prefix,
                                              infer::CacheKind kind) {
   infer::KvCache cache(kind, 1, m.config.num_hidden_layers);
-  auto out = m.transformer->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
+  auto out = m.engine->step(cache, {{ids.begin(), ids.begin() + prefix}}, true);
   for (size_t t = prefix; t < ids.size(); ++t) {
-    auto one = m.transformer->step(cache, {{ids[t]}}, true);
+    auto one = m.engine->step(cache, {{ids[t]}}, true);
     out.insert(out.end(), one.begin(), one.end());
   }
   return out;

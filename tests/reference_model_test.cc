@@ -48,16 +48,16 @@ class ReferenceModel : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ReferenceModel, FullForwardMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
-  auto m = ds::model::load_model(f.dir);
+  auto m = ds::infer::load_model(f.dir);
   // Experts as parallel tasks (the default for these few tokens) and one
   // expert after another (what long prompts take).
   for (int64_t task_limit : {int64_t{1} << 20, int64_t{0}}) {
-    m->transformer->set_task_parallel_assignments(task_limit);
+    m->engine->set_task_parallel_assignments(task_limit);
     for (size_t s = 0; s < f.tokens.size(); ++s) {
       ASSERT_EQ(f.expected[s].size(), f.tokens[s].size() * m->config.vocab_size);
       for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
         KvCache cache(kind, 1, m->config.num_hidden_layers);
-        auto got = m->transformer->step(cache, {f.tokens[s]}, true);
+        auto got = m->engine->step(cache, {f.tokens[s]}, true);
         ds::test::expect_close(got, f.expected[s], kTol, 0, task_limit ? "full forward, expert tasks" : "full forward");
       }
     }
@@ -66,7 +66,7 @@ TEST_P(ReferenceModel, FullForwardMatchesTheReference) {
 
 TEST_P(ReferenceModel, DecodingThroughEitherCacheMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
-  auto m = ds::model::load_model(f.dir);
+  auto m = ds::infer::load_model(f.dir);
   for (size_t s = 0; s < f.tokens.size(); ++s) {
     const size_t T = f.tokens[s].size();
     for (size_t prefix : {size_t{1}, T / 2 + 1}) {
@@ -81,10 +81,10 @@ TEST_P(ReferenceModel, DecodingThroughEitherCacheMatchesTheReference) {
 
 TEST_P(ReferenceModel, ABatchOfAllSequencesMatchesTheReference) {
   Fixture f = read_fixture(GetParam());
-  auto m = ds::model::load_model(f.dir);
+  auto m = ds::infer::load_model(f.dir);
   const int64_t V = m->config.vocab_size;
   KvCache cache(CacheKind::Latent, static_cast<int64_t>(f.tokens.size()), m->config.num_hidden_layers);
-  auto got = m->transformer->step(cache, f.tokens, true);
+  auto got = m->engine->step(cache, f.tokens, true);
   size_t row = 0;
   for (size_t s = 0; s < f.tokens.size(); ++s) {
     const size_t n = f.tokens[s].size() * V;

@@ -37,9 +37,9 @@ std::vector<int32_t> tokens(int64_t n, int64_t vocab, uint64_t seed) {
   return t;
 }
 
-std::vector<float> full_logits(ds::model::LoadedModel& m, const std::vector<int32_t>& ids, CacheKind kind) {
+std::vector<float> full_logits(ds::infer::LoadedModel& m, const std::vector<int32_t>& ids, CacheKind kind) {
   KvCache cache(kind, 1, m.config.num_hidden_layers);
-  return m.transformer->step(cache, {ids}, true);
+  return m.engine->step(cache, {ids}, true);
 }
 
 }  // namespace
@@ -53,7 +53,7 @@ TEST_F(TransformerTest, IncrementalDecodingEqualsTheFullForward) {
     auto cfg = ds::test::tiny_v3_config();
     if (!qlora) cfg["q_lora_rank"] = nullptr;
     ds::test::write_random_model(dir_, cfg);
-    auto m = ds::model::load_model(dir_);
+    auto m = ds::infer::load_model(dir_);
     auto ids = tokens(19, m->config.vocab_size, 3);
     auto full = full_logits(*m, ids, CacheKind::Latent);
     ASSERT_EQ(full.size(), ids.size() * m->config.vocab_size);
@@ -72,11 +72,11 @@ TEST_F(TransformerTest, LongPromptsDoNotDependOnThreadsOrTheExpertSchedule) {
   auto cfg = ds::test::tiny_v3_config();
   cfg["max_position_embeddings"] = 256;
   ds::test::write_random_model(dir_, cfg);
-  auto m = ds::model::load_model(dir_);
+  auto m = ds::infer::load_model(dir_);
   auto ids = tokens(150, m->config.vocab_size, 5);
   ds::test::expect_same_for_any_thread_count([&] { return full_logits(*m, ids, CacheKind::Latent); });
   auto rows = full_logits(*m, ids, CacheKind::Latent);
-  m->transformer->set_task_parallel_assignments(int64_t{1} << 20);  // the decode schedule for all of them
+  m->engine->set_task_parallel_assignments(int64_t{1} << 20);  // the decode schedule for all of them
   ds::test::expect_close(full_logits(*m, ids, CacheKind::Latent), rows, kTol, 0, "expert schedules");
 }
 
@@ -84,14 +84,14 @@ TEST_F(TransformerTest, SeveralTokensContinuingACacheEqualTheFullForward) {
   // A prompt prefilled in two parts (a chunked prefill): the second part's
   // queries attend to the cached first part and causally among themselves.
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
-  auto m = ds::model::load_model(dir_);
+  auto m = ds::infer::load_model(dir_);
   const int64_t V = m->config.vocab_size;
   auto ids = tokens(16, V, 8);
   for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
     auto full = full_logits(*m, ids, kind);
     KvCache cache(kind, 1, m->config.num_hidden_layers);
-    m->transformer->step(cache, {{ids.begin(), ids.begin() + 7}}, true);
-    auto rest = m->transformer->step(cache, {{ids.begin() + 7, ids.end()}}, true);
+    m->engine->step(cache, {{ids.begin(), ids.begin() + 7}}, true);
+    auto rest = m->engine->step(cache, {{ids.begin() + 7, ids.end()}}, true);
     ds::test::expect_close(rest, std::vector<float>(full.begin() + 7 * V, full.end()), kTol, 0,
                            kind == CacheKind::Latent ? "latent" : "naive");
   }
@@ -99,32 +99,32 @@ TEST_F(TransformerTest, SeveralTokensContinuingACacheEqualTheFullForward) {
 
 TEST_F(TransformerTest, LatentCacheHoldsOnlyTheLatentAndTheRopeKey) {
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
-  auto m = ds::model::load_model(dir_);
+  auto m = ds::infer::load_model(dir_);
   const auto& c = m->config;
   KvCache cache(CacheKind::Latent, 2, c.num_hidden_layers);
-  m->transformer->step(cache, {tokens(7, c.vocab_size, 1), tokens(3, c.vocab_size, 2)}, false);
-  m->transformer->step(cache, {{5}, {}}, false);
+  m->engine->step(cache, {tokens(7, c.vocab_size, 1), tokens(3, c.vocab_size, 2)}, false);
+  m->engine->step(cache, {{5}, {}}, false);
   const size_t want =
       static_cast<size_t>(c.num_hidden_layers) * (8 + 3) * (c.kv_lora_rank + c.qk_rope_head_dim) * sizeof(float);
   EXPECT_EQ(cache.bytes(), want);
   EXPECT_EQ(cache.seqs[0].length, 8);
   EXPECT_EQ(cache.seqs[1].length, 3);
   KvCache naive(CacheKind::Naive, 1, c.num_hidden_layers);
-  m->transformer->step(naive, {tokens(4, c.vocab_size, 1)}, false);
+  m->engine->step(naive, {tokens(4, c.vocab_size, 1)}, false);
   EXPECT_EQ(naive.bytes(), static_cast<size_t>(c.num_hidden_layers) * 4 * c.num_attention_heads *
                                (c.qk_head_dim() + c.v_head_dim) * sizeof(float));
 }
 
 TEST_F(TransformerTest, ABatchOfDifferentLengthsEqualsSeparateRuns) {
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
-  auto m = ds::model::load_model(dir_);
+  auto m = ds::infer::load_model(dir_);
   const int64_t V = m->config.vocab_size;
   std::vector<std::vector<int32_t>> prompts = {tokens(9, V, 11), tokens(2, V, 12), tokens(14, V, 13)};
   KvCache batch(CacheKind::Latent, 3, m->config.num_hidden_layers);
-  auto last = m->transformer->step(batch, prompts, false);
+  auto last = m->engine->step(batch, prompts, false);
   ASSERT_EQ(last.size(), 3u * V);
   // One decode step for two of the three sequences.
-  auto next = m->transformer->step(batch, {{4}, {}, {7}}, false);
+  auto next = m->engine->step(batch, {{4}, {}, {7}}, false);
   ASSERT_EQ(next.size(), 2u * V);
   for (size_t s = 0; s < prompts.size(); ++s) {
     auto alone = full_logits(*m, prompts[s], CacheKind::Latent);
@@ -144,28 +144,28 @@ TEST_F(TransformerTest, MtpTensorsAreRecognisedAndStrayTensorsAreErrors) {
   cfg["num_nextn_predict_layers"] = 1;
   ds::Tensor t = ds::Tensor::zeros({32}, ds::DType::F32);
   ds::test::write_random_model(dir_, cfg, 7, {{"model.layers.3.enorm.weight", t}, {"model.layers.3.hnorm.weight", t}});
-  EXPECT_NO_THROW(ds::model::load_model(dir_));
+  EXPECT_NO_THROW(ds::infer::load_model(dir_));
   ds::test::write_random_model(dir_, cfg, 7, {{"model.layers.1.mystery.weight", t}});
-  EXPECT_THROW(ds::model::load_model(dir_), ds::Error);
+  EXPECT_THROW(ds::infer::load_model(dir_), ds::Error);
   // A config that disagrees with the weights' shapes.
   cfg["hidden_size"] = 40;
   std::ofstream(fs::path(dir_) / "config.json") << cfg.dump();
-  EXPECT_THROW(ds::model::load_model(dir_), ds::Error);
-  EXPECT_THROW(ds::model::load_model(dir_ + "/missing"), ds::Error);
+  EXPECT_THROW(ds::infer::load_model(dir_), ds::Error);
+  EXPECT_THROW(ds::infer::load_model(dir_ + "/missing"), ds::Error);
 }
 
 TEST_F(TransformerTest, OutOfVocabularyTokensAndOverlongSequencesAreErrors) {
   ds::test::write_random_model(dir_, ds::test::tiny_v3_config());
-  auto m = ds::model::load_model(dir_);
+  auto m = ds::infer::load_model(dir_);
   KvCache cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
-  EXPECT_THROW(m->transformer->step(cache, {{static_cast<int32_t>(m->config.vocab_size)}}, false), ds::Error);
-  EXPECT_THROW(m->transformer->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
+  EXPECT_THROW(m->engine->step(cache, {{static_cast<int32_t>(m->config.vocab_size)}}, false), ds::Error);
+  EXPECT_THROW(m->engine->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
 }
 
 TEST_F(TransformerTest, V32IndexerTensorsAreRecognisedAndDenseAttentionStopsAtIndexTopk) {
   auto cfg = ds::test::tiny_v3_config();
   ds::test::write_random_model(dir_, cfg, 9);
-  auto v3 = ds::model::load_model(dir_);
+  auto v3 = ds::infer::load_model(dir_);
   auto ids = tokens(10, v3->config.vocab_size, 4);
   auto want = full_logits(*v3, ids, CacheKind::Latent);
   cfg["model_type"] = "deepseek_v32";
@@ -174,10 +174,10 @@ TEST_F(TransformerTest, V32IndexerTensorsAreRecognisedAndDenseAttentionStopsAtIn
   cfg["index_topk"] = 10;
   ds::Tensor wk = ds::Tensor::zeros({16, 32}, ds::DType::BF16);
   ds::test::write_random_model(dir_, cfg, 9, {{"model.layers.0.self_attn.indexer.wk.weight", wk}});
-  auto v32 = ds::model::load_model(dir_);
+  auto v32 = ds::infer::load_model(dir_);
   // Up to index_topk keys the indexer selects every key: dense attention.
   EXPECT_EQ(full_logits(*v32, ids, CacheKind::Latent), want);
   KvCache cache(CacheKind::Latent, 1, v32->config.num_hidden_layers);
-  v32->transformer->step(cache, {ids}, false);
-  EXPECT_THROW(v32->transformer->step(cache, {{1}}, false), ds::Error);
+  v32->engine->step(cache, {ids}, false);
+  EXPECT_THROW(v32->engine->step(cache, {{1}}, false), ds::Error);
 }

@@ -141,7 +141,7 @@ int run_generate(const GenerateArgs& a) {
   opt.sample_vocab = tok.vocab_size();
   infer::check_generate_request(cfg, {static_cast<int64_t>(prompt.size())}, opt);
 
-  auto m = model::load_model(a.model);
+  auto m = infer::load_model(a.model);
   TextStream stream(tok);
   opt.on_token = [&](int64_t, int32_t id) {
     if (id != opt.eos_token_id) stream.push(id);
@@ -149,7 +149,7 @@ int run_generate(const GenerateArgs& a) {
   std::fputs(a.prompt.c_str(), stdout);
   check_stdout();
   infer::GenerateStats st;
-  infer::generate(*m->transformer, {prompt}, opt, &st);
+  infer::generate(*m->engine, {prompt}, opt, &st);
   stream.finish();
   std::fputs("\n", stdout);
   check_stdout();
@@ -187,7 +187,7 @@ int run_bench(const BenchArgs& a) {
     check.max_new_tokens = a.new_tokens + 1;
     infer::check_generate_request(config, std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
   }
-  auto m = model::load_model(a.model);
+  auto m = infer::load_model(a.model);
   const auto& cfg = m->config;
   Philox rng(a.seed);
   std::vector<std::vector<int32_t>> prompts(a.batch);
@@ -200,14 +200,14 @@ int run_bench(const BenchArgs& a) {
   // Warm-up, not timed: the same prompts touch every weight page and grow
   // the allocator's arenas.
   opt.max_new_tokens = 2;
-  infer::generate(*m->transformer, prompts, opt);
+  infer::generate(*m->engine, prompts, opt);
   // One token comes from the prefill, then new_tokens decode steps. The
   // median of the repeats is reported for each phase.
   opt.max_new_tokens = a.new_tokens + 1;
   std::vector<double> prefill, decode;
   infer::GenerateStats st;
   for (int64_t r = 0; r < a.repeat; ++r) {
-    infer::generate(*m->transformer, prompts, opt, &st);
+    infer::generate(*m->engine, prompts, opt, &st);
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
   }

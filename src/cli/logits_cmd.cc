@@ -65,7 +65,7 @@ int run_logits(const LogitsArgs& a) {
   // The logits are kept until the file is written.
   check_fits_in_memory(tokens * V * static_cast<int64_t>(sizeof(float)), "the logits of these sequences");
 
-  auto m = model::load_model(a.model);
+  auto m = infer::load_model(a.model);
   std::vector<std::pair<std::string, Tensor>> outs;
   for (size_t s = 0; s < seqs.size(); ++s) {
     const auto& ids = seqs[s];
@@ -73,11 +73,11 @@ int run_logits(const LogitsArgs& a) {
     infer::KvCache cache(kind, 1, L);
     std::vector<float> logits;
     if (!incremental) {
-      logits = m->transformer->step(cache, {ids}, /*all_logits=*/true);
+      logits = m->engine->step(cache, {ids}, /*all_logits=*/true);
     } else {
-      logits = m->transformer->step(cache, {{ids.begin(), ids.begin() + a.incremental}}, true);
+      logits = m->engine->step(cache, {{ids.begin(), ids.begin() + a.incremental}}, true);
       for (int64_t t = a.incremental; t < T; ++t) {
-        auto one = m->transformer->step(cache, {{ids[t]}}, true);
+        auto one = m->engine->step(cache, {{ids[t]}}, true);
         logits.insert(logits.end(), one.begin(), one.end());
       }
     }

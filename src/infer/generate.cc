@@ -50,7 +50,7 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");
 }
 
-std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats) {
   const auto& cfg = model.config();
   std::vector<int64_t> lengths;

@@ -10,7 +10,7 @@
 
 #include "infer/kv_cache.h"
 #include "infer/sampler.h"
-#include "model/transformer.h"
+#include "infer/engine.h"
 
 namespace ds::infer {
 
@@ -53,7 +53,7 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
                             const GenerateOptions& opt);
 
 // Returns the new tokens of every sequence (EOS included when produced).
-std::vector<std::vector<int32_t>> generate(model::Transformer& model, const std::vector<std::vector<int32_t>>& prompts,
+std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats = nullptr);
 
 }  // namespace ds::infer

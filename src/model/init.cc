@@ -8,6 +8,7 @@
 #include "core/tensor.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/params.h"
 #include "ops/linear.h"
 
 namespace ds::model {
@@ -130,41 +131,19 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
     for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = 1.0f;
     ts.emplace_back(name, plain == DType::F32 ? t : t.to(plain));
   };
-  const int64_t D = c.hidden_size, H = c.num_attention_heads, qk = c.qk_head_dim();
-  matrix("model.embed_tokens.weight", {c.vocab_size, D}, false);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l);
-    ones(p + ".input_layernorm.weight", D);
-    ones(p + ".post_attention_layernorm.weight", D);
-    if (c.q_lora_rank > 0) {
-      matrix(p + ".self_attn.q_a_proj.weight", {c.q_lora_rank, D});
-      ones(p + ".self_attn.q_a_layernorm.weight", c.q_lora_rank);
-      matrix(p + ".self_attn.q_b_proj.weight", {H * qk, c.q_lora_rank});
-    } else {
-      matrix(p + ".self_attn.q_proj.weight", {H * qk, D});
+  // Every tensor of the parameter tree, in its order (one stream each).
+  for_each_param(c, 0, [&](const ParamInfo& info) {
+    switch (info.role) {
+      case ParamRole::Norm:
+        ones(info.name, info.shape[0]);
+        break;
+      case ParamRole::RoutingBias:
+        ts.emplace_back(info.name, Tensor::zeros(info.shape, DType::F32));
+        break;
+      default:
+        matrix(info.name, info.shape, info.role == ParamRole::Projection);
     }
-    matrix(p + ".self_attn.kv_a_proj_with_mqa.weight", {c.kv_lora_rank + c.qk_rope_head_dim, D});
-    ones(p + ".self_attn.kv_a_layernorm.weight", c.kv_lora_rank);
-    matrix(p + ".self_attn.kv_b_proj.weight", {H * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank});
-    matrix(p + ".self_attn.o_proj.weight", {D, H * c.v_head_dim});
-    auto mlp = [&](const std::string& q, int64_t width) {
-      matrix(q + ".gate_proj.weight", {width, D});
-      matrix(q + ".up_proj.weight", {width, D});
-      matrix(q + ".down_proj.weight", {D, width});
-    };
-    if (c.is_moe_layer(l)) {
-      matrix(p + ".mlp.gate.weight", {c.n_routed_experts, D}, false);
-      if (c.topk_method == TopkMethod::NoauxTc)
-        ts.emplace_back(p + ".mlp.gate.e_score_correction_bias", Tensor::zeros({c.n_routed_experts}, DType::F32));
-      for (int64_t e = 0; e < c.n_routed_experts; ++e)
-        mlp(p + ".mlp.experts." + std::to_string(e), c.moe_intermediate_size);
-      if (c.n_shared_experts > 0) mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts);
-    } else {
-      mlp(p + ".mlp", c.intermediate_size);
-    }
-  }
-  ones("model.norm.weight", D);
-  if (!c.tie_word_embeddings) matrix("lm_head.weight", {c.vocab_size, D}, false);
+  });
   // Weights first: a folder whose config.json is new always has its weights.
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
   io::write_file_atomic((fs::path(dir) / "config.json").string(), to_hf_json(c).dump(2) + "\n");

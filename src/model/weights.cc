@@ -7,6 +7,12 @@
 
 namespace ds::model {
 
+const float* vector_data(const ops::WeightView& v) {
+  if (!v.data) return nullptr;
+  DS_CHECK(v.dtype == DType::F32, "internal: a vector parameter must be a float32 view");
+  return static_cast<const float*>(v.data);
+}
+
 namespace {
 
 class Loader {
@@ -18,6 +24,7 @@ class Loader {
     Tensor t = st_.tensor(name);
     DS_CHECK(t.shape() == shape, "tensor '{}' has shape {}, the config implies {}", name, shape_str(t.shape()),
              shape_str(shape));
+    DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", name, dtype_name(t.dtype()));
     // A NaN or infinity in a weight or scale would turn every output into
     // garbage that still looks like a result: refuse it at load.
     const int64_t bad = find_non_finite(t.raw(), t.dtype(), static_cast<size_t>(t.numel()));
@@ -27,35 +34,28 @@ class Loader {
     return t;
   }
 
-  std::vector<float> vec(const std::string& name, int64_t n) {
-    Tensor t = get(name, {n});
-    DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", name, dtype_name(t.dtype()));
-    return t.to_vector();
-  }
-
-  Linear linear(const std::string& prefix, int64_t out, int64_t in) {
-    Linear l;
-    l.weight = get(prefix + ".weight", {out, in});
-    const DType dt = l.weight.dtype();
-    DS_CHECK(dtype_is_float(dt), "tensor '{}.weight' has non-float dtype {}", prefix, dtype_name(dt));
-    l.view = {l.weight.raw(), dt, out, in, nullptr, 128, 128};
+  void load(const ParamInfo& info, Weight& w) {
+    w.tensor = get(info.name, info.shape);
+    const DType dt = w.tensor.dtype();
+    if (info.shape.size() == 1) {  // norms and the routing bias: float32 copies
+      w.widened = w.tensor.to_vector();
+      w.view = f32_view(w.widened.data(), info.shape[0]);
+      return;
+    }
+    const int64_t out = info.shape[0], in = info.shape[1];
+    w.view = {w.tensor.raw(), dt, out, in, nullptr, 128, 128};
     if (dt == DType::F8E4M3 || dt == DType::F8E5M2) {
+      DS_CHECK(info.role == ParamRole::Projection, "tensor '{}' is fp8; only projections may be", info.name);
       const int64_t br = cfg_.fp8_block_rows > 0 ? cfg_.fp8_block_rows : 128;
       const int64_t bc = cfg_.fp8_block_cols > 0 ? cfg_.fp8_block_cols : 128;
-      l.scale_inv = get(prefix + ".weight_scale_inv", {(out + br - 1) / br, (in + bc - 1) / bc});
-      DS_CHECK(l.scale_inv.dtype() == DType::F32, "tensor '{}.weight_scale_inv' must be F32, got {}", prefix,
-               dtype_name(l.scale_inv.dtype()));
-      l.view.scale_inv = l.scale_inv.data<float>();
-      l.view.block_rows = br;
-      l.view.block_cols = bc;
+      const std::string base = info.name.substr(0, info.name.size() - std::string(".weight").size());
+      w.scale_inv = get(base + ".weight_scale_inv", {(out + br - 1) / br, (in + bc - 1) / bc});
+      DS_CHECK(w.scale_inv.dtype() == DType::F32, "tensor '{}.weight_scale_inv' must be F32, got {}", base,
+               dtype_name(w.scale_inv.dtype()));
+      w.view.scale_inv = w.scale_inv.data<float>();
+      w.view.block_rows = br;
+      w.view.block_cols = bc;
     }
-    return l;
-  }
-
-  Mlp mlp(const std::string& prefix, int64_t width) {
-    const int64_t d = cfg_.hidden_size;
-    return {linear(prefix + ".gate_proj", width, d), linear(prefix + ".up_proj", width, d),
-            linear(prefix + ".down_proj", d, width)};
   }
 
   // Every tensor in the checkpoint must be used, or belong to a multi-token
@@ -72,17 +72,21 @@ class Loader {
         // an error below, never an overflow.
         const std::string digits = m[1];
         const int64_t layer = digits.size() <= 9 ? std::stoll(digits) : -1;
-        DS_CHECK(layer >= 0 && layer < L + mtp,
-                 "checkpoint tensor '{}' belongs to layer {}, but config.json has num_hidden_layers {} and "
-                 "num_nextn_predict_layers {} (layers 0 to {}); wrong config.json?",
-                 name.size() > 200 ? name.substr(0, 200) + "..." : name,
-                 digits.size() <= 20 ? digits : digits.substr(0, 20) + "...", L, mtp, L + mtp - 1);
+        DS_CHECK(
+            layer >= 0 &&
+                    layer<L + mtp,
+                          "checkpoint tensor '{}' belongs to layer {}, but config.json has num_hidden_layers {} and "
+                          "num_nextn_predict_layers {} (layers 0 to {}); wrong config.json?",
+                          name.size()> 200
+                ? name.substr(0, 200) + "..."
+                : name,
+            digits.size() <= 20 ? digits : digits.substr(0, 20) + "...", L, mtp, L + mtp - 1);
         if (layer >= L) continue;  // a multi-token prediction layer
       }
       if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // older exports carry it
       // DeepSeek-V3.2's sparse-attention indexer: it only chooses which
       // index_topk keys a query attends to, so up to index_topk tokens the
-      // attention is the dense one (Transformer::step enforces that bound).
+      // attention is the dense one (the generation engine enforces that bound).
       if (cfg_.index_n_heads > 0 && name.find(".self_attn.indexer.") != std::string::npos) continue;
       DS_FAIL("checkpoint tensor '{}' is not part of a {} model with this config (wrong config.json?)", name,
               cfg_.model_type);
@@ -104,53 +108,12 @@ ModelWeights ModelWeights::load(const io::SafetensorsSet& st, const ModelConfig&
   cfg.validate();
   Loader ld(st, cfg);
   ModelWeights w;
-  const int64_t D = cfg.hidden_size, H = cfg.num_attention_heads;
-  w.embed = ld.get("model.embed_tokens.weight", {cfg.vocab_size, D});
-  DS_CHECK(dtype_is_float(w.embed.dtype()), "model.embed_tokens.weight must be floating point");
-  for (int64_t i = 0; i < cfg.num_hidden_layers; ++i) {
-    const std::string p = "model.layers." + std::to_string(i);
-    Layer L;
-    L.input_norm = ld.vec(p + ".input_layernorm.weight", D);
-    L.post_attention_norm = ld.vec(p + ".post_attention_layernorm.weight", D);
-    Attention& a = L.attn;
-    const int64_t qk = cfg.qk_head_dim();
-    if (cfg.q_lora_rank > 0) {
-      a.q_a = ld.linear(p + ".self_attn.q_a_proj", cfg.q_lora_rank, D);
-      a.q_a_norm = ld.vec(p + ".self_attn.q_a_layernorm.weight", cfg.q_lora_rank);
-      a.q_b = ld.linear(p + ".self_attn.q_b_proj", H * qk, cfg.q_lora_rank);
-    } else {
-      a.q = ld.linear(p + ".self_attn.q_proj", H * qk, D);
-    }
-    a.kv_a = ld.linear(p + ".self_attn.kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, D);
-    a.kv_a_norm = ld.vec(p + ".self_attn.kv_a_layernorm.weight", cfg.kv_lora_rank);
-    a.kv_b = ld.linear(p + ".self_attn.kv_b_proj", H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank);
-    a.o = ld.linear(p + ".self_attn.o_proj", D, H * cfg.v_head_dim);
-    L.is_moe = cfg.is_moe_layer(i);
-    if (L.is_moe) {
-      const int64_t E = cfg.n_routed_experts;
-      L.moe.gate = ld.linear(p + ".mlp.gate", E, D);
-      const std::string bias = p + ".mlp.gate.e_score_correction_bias";
-      if (cfg.topk_method == TopkMethod::NoauxTc) L.moe.bias = ld.vec(bias, E);
-      for (int64_t e = 0; e < E; ++e)
-        L.moe.experts.push_back(ld.mlp(p + ".mlp.experts." + std::to_string(e), cfg.moe_intermediate_size));
-      if (cfg.n_shared_experts > 0) {
-        L.moe.has_shared = true;
-        L.moe.shared = ld.mlp(p + ".mlp.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts);
-      }
-    } else {
-      L.mlp = ld.mlp(p + ".mlp", cfg.intermediate_size);
-    }
-    w.layers.push_back(std::move(L));
-  }
-  w.final_norm = ld.vec("model.norm.weight", D);
-  if (cfg.tie_word_embeddings) {
-    w.lm_head.weight = w.embed;
-    w.lm_head.view = {w.embed.raw(), w.embed.dtype(), cfg.vocab_size, D, nullptr, 128, 128};
-  } else {
-    w.lm_head = ld.linear("lm_head", cfg.vocab_size, D);
-  }
+  w.tensors = make_params<Weight>(cfg);
+  for_each_param(
+      cfg, 0, [&](const ParamInfo& info, Weight& t) { ld.load(info, t); }, w.tensors);
   ld.check_all_used();
   w.weight_bytes = ld.bytes();
+  w.view = map_params<ops::WeightView>(cfg, w.tensors, [](const ParamInfo&, const Weight& t) { return t.view; });
   return w;
 }
 

@@ -44,6 +44,18 @@ inline void linear_forward(float* y, const float* x, const WeightView& w, int64_
   linear_forward(y, x, w, M, w.cols, w.rows);
 }
 
+// Backward of linear_forward for float32 weights (training):
+//   dx = dy W   (`=`, or `+=` with accumulate_dx; dx may be null)
+//   dW += dy^T x   (dw may be null)
+// dy [M, out] row stride ldy, x and dx [M, in] row stride ldx. Deterministic:
+// ops::gemm never splits a reduction.
+void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
+                     int64_t ldx, int64_t ldy, bool accumulate_dx = false);
+inline void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
+                            bool accumulate_dx = false) {
+  linear_backward(dx, dw, dy, x, w, M, w.cols, w.rows, accumulate_dx);
+}
+
 // Block quantization to fp8 e4m3 as DeepSeek-V3 checkpoints store it:
 // scale_inv[b] = amax(block b) / 448 (1 for an all-zero block), q = w / scale_inv.
 void quantize_fp8_blocks(uint8_t* q, float* scale_inv, const float* w, int64_t rows, int64_t cols,

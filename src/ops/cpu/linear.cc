@@ -698,6 +698,19 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate);
 }
 
+void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
+                     int64_t ldx, int64_t ldy, bool accumulate_dx) {
+  check_weight(w);
+  DS_CHECK(w.dtype == DType::F32 && !w.scale_inv, "linear backward needs float32 weights, got {}",
+           dtype_name(w.dtype));
+  DS_CHECK(M >= 0 && ldx >= w.cols && ldy >= w.rows, "linear backward: M={} ldx={} ldy={} for weight [{}, {}]", M,
+           ldx, ldy, w.rows, w.cols);
+  if (M == 0) return;
+  const float* W = static_cast<const float*>(w.data);
+  if (dx) gemm(false, false, M, w.cols, w.rows, 1.0f, dy, ldy, W, w.cols, accumulate_dx ? 1.0f : 0.0f, dx, ldx);
+  if (dw) gemm(true, false, w.rows, w.cols, M, 1.0f, dy, ldy, x, ldx, 1.0f, dw, w.cols);
+}
+
 void quantize_fp8_blocks(uint8_t* q, float* scale_inv, const float* w, int64_t rows, int64_t cols, int64_t block_rows,
                          int64_t block_cols) {
   DS_CHECK(rows > 0 && cols > 0 && block_rows > 0 && block_cols > 0, "quantize_fp8_blocks: [{}, {}] blocks {}x{}", rows,

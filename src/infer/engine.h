@@ -1,0 +1,54 @@
+// The generation engine: runs the model's one forward (model/layer.h) over
+// new tokens of many sequences, with the attention over a KV cache. Latent
+// caches attend in the latent space (ops/latent_attention.h); naive caches
+// and fresh prompts attend over expanded keys and values.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "infer/kv_cache.h"
+#include "io/safetensors.h"
+#include "model/config.h"
+#include "model/stages.h"
+#include "model/weights.h"
+
+namespace ds::infer {
+
+class Engine {
+ public:
+  Engine(const model::ModelConfig& cfg, const model::ParamsView& w);
+
+  // Appends new tokens to each sequence of `cache` (tokens[s] may be empty)
+  // and returns logits: for every new token in order (sequence by sequence)
+  // when all_logits, else one row per sequence that received tokens (its last
+  // token). Positions continue from each sequence's cached length.
+  std::vector<float> step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
+
+  const model::ModelConfig& config() const { return cfg_; }
+
+  // See model::StageConfig::task_parallel_assignments; tests set it to run
+  // either expert schedule.
+  void set_task_parallel_assignments(int64_t n) { stages_.task_parallel_assignments = n; }
+
+ private:
+  const model::ModelConfig& cfg_;
+  const model::ParamsView& w_;
+  model::StageConfig stages_;
+  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, widened on first decode use
+  friend class CacheAttention;
+};
+
+// A loaded Hugging Face model folder and an engine over it.
+struct LoadedModel {
+  model::ModelConfig config;
+  io::SafetensorsSet files;
+  model::ModelWeights weights;
+  std::unique_ptr<Engine> engine;  // refers to config and weights above
+};
+
+std::unique_ptr<LoadedModel> load_model(const std::string& dir);
+
+}  // namespace ds::infer

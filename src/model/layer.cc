@@ -1,0 +1,425 @@
+#include "model/layer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "ops/attention.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/routing.h"
+
+namespace ds::model {
+
+namespace {
+
+constexpr const char* kNames[kResidualCount] = {
+    "decoder_layer_input", "query_wa_proj", "mla_q",    "kv_wa_proj", "mla_kv",  "query_proj", "key_proj",
+    "value_proj",          "attention_out", "context",  "out_proj",   "mlpwi_0", "mlpwi_1",    "mlpwo",
+    "moe_mlpwi_0",         "moe_mlpwi_1",   "moe_mlpwo"};
+
+using R = Residual;
+
+RematPolicy with(std::initializer_list<Residual> names) {
+  RematPolicy p;
+  p.keep.set(static_cast<int>(R::decoder_layer_input));  // the scan carry: always on the device
+  for (Residual r : names) p.keep.set(static_cast<int>(r));
+  return p;
+}
+
+}  // namespace
+
+const char* residual_name(Residual r) { return kNames[static_cast<int>(r)]; }
+
+RematPolicy RematPolicy::keep_all() {
+  RematPolicy p;
+  p.keep.set();
+  return p;
+}
+
+RematPolicy RematPolicy::from_name(const std::string& name,
+                                   const std::vector<std::pair<std::string, std::string>>& custom) {
+  // MLA never produces MaxText's fused qkv_proj / kv_proj tensors, so the
+  // policies that name them keep nothing more here.
+  const auto qkv = {R::query_proj, R::key_proj, R::value_proj};
+  auto plus = [](std::initializer_list<Residual> a, std::initializer_list<Residual> b) {
+    std::vector<Residual> v(a);
+    v.insert(v.end(), b);
+    return v;
+  };
+  auto of = [](const std::vector<Residual>& v) {
+    RematPolicy p = with({});
+    for (Residual r : v) p.keep.set(static_cast<int>(r));
+    return p;
+  };
+  // In the sparse (grouped) expert path MaxText tags the routed w0 with
+  // mlpwi_0 and moe_mlpwi_0, w1 only with moe_mlpwi_1, wo with mlpwo and
+  // moe_mlpwo; layer_forward follows the same rule.
+  if (name == "full" || name == "none") return with({});
+  if (name == "minimal") return of(plus(qkv, {R::out_proj, R::mlpwi_0, R::mlpwi_1, R::mlpwo}));
+  if (name == "minimal_with_context" || name == "minimal_flash")
+    return of(plus(qkv, {R::out_proj, R::mlpwi_0, R::mlpwi_1, R::mlpwo, R::context}));
+  if (name == "save_dot_with_context_except_mlp") return of(plus(qkv, {R::context, R::out_proj}));
+  if (name == "save_dot_except_mlpwi") return of(plus(qkv, {R::out_proj, R::mlpwo}));
+  if (name == "save_dot_except_mlp") return of(plus(qkv, {R::out_proj}));
+  if (name == "save_qkv_proj") return of(plus(qkv, {}));
+  if (name == "save_out_proj") return with({R::out_proj});
+  if (name == "custom") {
+    RematPolicy p = with({});
+    for (const auto& [key, value] : custom) {
+      int idx = -1;
+      for (int i = 0; i < kResidualCount; ++i)
+        if (key == kNames[i]) idx = i;
+      // MaxText's other configurable names: tensors this model never makes.
+      const bool foreign = key == "mlpwi" || key == "kv_proj" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
+      DS_CHECK(idx >= 0 || foreign, "remat_policy custom: unknown name '{}'", key);
+      DS_CHECK(value == "remat" || value == "device" || value == "offload",
+               "remat_policy custom: {} must be remat, device or offload, got '{}'", key, value);
+      DS_CHECK(value != "offload",
+               "remat_policy custom: {}: offload needs a host-offloading accelerator; on CPU "
+               "use device or remat",
+               key);
+      if (idx >= 0) p.keep.set(static_cast<size_t>(idx), value == "device");
+    }
+    return p;
+  }
+  if (name.find("offloaded") != std::string::npos || name.find("quantization") != std::string::npos)
+    DS_FAIL(
+        "remat_policy {} offloads to host memory or saves quantization residuals, which the CPU backend does not "
+        "have; use one of full, minimal, minimal_with_context, save_dot_with_context_except_mlp, "
+        "save_dot_except_mlpwi, save_dot_except_mlp, save_qkv_proj, save_out_proj, custom",
+        name);
+  DS_FAIL(
+      "unknown remat_policy '{}' (full, none, minimal, minimal_with_context, save_dot_with_context_except_mlp, "
+      "save_dot_except_mlpwi, save_dot_except_mlp, save_qkv_proj, save_out_proj, custom)",
+      name);
+}
+
+size_t LayerSaved::bytes() const {
+  size_t n = 0;
+  for (const Buffer<float>* b : {&decoder_layer_input,
+                                 &query_wa_proj,
+                                 &mla_q,
+                                 &q_rstd,
+                                 &query_proj,
+                                 &kv_wa_proj,
+                                 &mla_kv,
+                                 &kv_rstd,
+                                 &k_pe,
+                                 &key_proj,
+                                 &value_proj,
+                                 &attention_out,
+                                 &lse,
+                                 &out_proj,
+                                 &mlpwi_0,
+                                 &mlpwi_1,
+                                 &mlpwo,
+                                 &moe_mlpwi_0,
+                                 &moe_mlpwi_1,
+                                 &moe_mlpwo})
+    n += b->size() * sizeof(float);
+  return n;
+}
+
+double balance_loss(const Routing& r, const float* bias, int64_t B, int64_t T, double w) {
+  // MaxText: p = softmax over experts of (scores + bias), f[b,e] = top-k hits
+  // of row b / T, P[b,e] = mean over the row of p; loss = w * E^2 * mean(f * P).
+  const int64_t E = static_cast<int64_t>(r.sizes.size()), K = r.k;
+  double total = 0;
+  std::vector<double> f(E), P(E), p(E);
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill(f.begin(), f.end(), 0.0);
+    std::fill(P.begin(), P.end(), 0.0);
+    for (int64_t t = b * T; t < (b + 1) * T; ++t) {
+      for (int64_t j = 0; j < K; ++j) f[r.experts[t * K + j]] += 1.0 / T;
+      double mx = -INFINITY, z = 0;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0));
+      for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0) - mx));
+      for (int64_t e = 0; e < E; ++e) P[e] += p[e] / z / T;
+    }
+    for (int64_t e = 0; e < E; ++e) total += f[e] * P[e];
+  }
+  return w * double(E) / double(B) * total;
+}
+
+namespace {
+
+// d(balance loss)/d(scores) [N, E] scaled by dloss (the bias is a constant).
+void balance_loss_backward(float* dscores, const Routing& r, const float* bias, int64_t B, int64_t T, double w,
+                           double dloss) {
+  const int64_t E = static_cast<int64_t>(r.sizes.size()), K = r.k;
+  std::vector<double> f(E), p(E);
+  for (int64_t b = 0; b < B; ++b) {
+    std::fill(f.begin(), f.end(), 0.0);
+    for (int64_t t = b * T; t < (b + 1) * T; ++t)
+      for (int64_t j = 0; j < K; ++j) f[r.experts[t * K + j]] += 1.0 / T;
+    for (int64_t t = b * T; t < (b + 1) * T; ++t) {
+      double mx = -INFINITY, z = 0;
+      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0));
+      for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0) - mx));
+      // dL/dp_e = c f_e with c = dloss w E / (B T); softmax backward.
+      const double c = dloss * w * double(E) / double(B) / double(T);
+      double dot = 0;
+      for (int64_t e = 0; e < E; ++e) dot += c * f[e] * (p[e] / z);
+      for (int64_t e = 0; e < E; ++e) dscores[t * E + e] = static_cast<float>((p[e] / z) * (c * f[e] - dot));
+    }
+  }
+}
+
+void norm_rows(float* y, float* rstd, const float* x, const ops::WeightView& w, int64_t N, const StageConfig& s) {
+  ops::rmsnorm_forward(y, rstd, x, vector_data(w), N, w.rows, static_cast<float>(s.cfg->rms_norm_eps));
+}
+
+// The unnamed intermediates of a layer, always recomputed.
+struct Scratch {
+  Buffer<float> x, rstd1, h1, m, rstd2;  // attention input (normed h), h + out_proj, FFN input, norms' rstd
+  Routing routing;
+  Buffer<float> xs;  // MoE: routed rows of m, sorted by expert
+};
+
+bool need(const Buffer<float>& b) { return b.empty(); }
+
+// Computes every residual of `S` that is empty (all of them on a forward)
+// plus the scratch. With h_out, also the layer output h2 (forward). The
+// residuals that only a forward needs (out_proj after h1 exists, mlpwo) are
+// skipped on a recompute.
+void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
+               const StageConfig& s, const TokenLayout& layout, KvAttention* kv, std::vector<int64_t>* load,
+               double* lb_loss, bool residuals) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
+  const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
+  const bool forward = h_out != nullptr;
+  X.x.resize(N * D);
+  X.rstd1.resize(N);
+  norm_rows(X.x.data(), X.rstd1.data(), h, p.input_norm, N, s);
+
+  // MLA
+  const auto& a = p.attn;
+  const bool q_latent = c.q_lora_rank > 0 && (need(S.query_wa_proj) || need(S.mla_q) || need(S.q_rstd));
+  if (q_latent || need(S.query_proj)) {
+    if (q_latent) {
+      S.query_wa_proj.resize(N * c.q_lora_rank);
+      S.mla_q.resize(N * c.q_lora_rank);
+      S.q_rstd.resize(N);
+    }
+    const bool q = need(S.query_proj);
+    if (q) S.query_proj.resize(N * H * qk);
+    QueryOut o{S.query_proj.data(), S.query_wa_proj.data(), S.mla_q.data(), S.q_rstd.data(), q_latent, q};
+    query_projection_forward(o, X.x.data(), a, s, layout.positions, N);
+  }
+  if (need(S.kv_wa_proj) || need(S.mla_kv) || need(S.kv_rstd) || need(S.k_pe)) {
+    const bool project = need(S.kv_wa_proj);
+    S.kv_wa_proj.resize(N * (kvl + rope));
+    S.mla_kv.resize(N * kvl);
+    S.kv_rstd.resize(N);
+    S.k_pe.resize(N * rope);
+    kv_projection_forward({S.kv_wa_proj.data(), S.mla_kv.data(), S.kv_rstd.data(), S.k_pe.data(), project}, X.x.data(),
+                          a, s, layout.positions, N);
+  }
+  const bool attention_missing = need(S.attention_out) || (!kv && need(S.lse));
+  if (kv) {
+    if (attention_missing) {
+      S.attention_out.resize(N * H * vd);
+      kv->attend(S.attention_out.data(), layer, S.query_proj.data(), S.mla_kv.data(), S.k_pe.data(), a, s);
+    }
+  } else {
+    if ((need(S.key_proj) || need(S.value_proj))) {
+      S.key_proj.resize(N * H * qk);
+      S.value_proj.resize(N * H * vd);
+      get_key_value_forward(S.key_proj.data(), S.value_proj.data(), S.mla_kv.data(), S.k_pe.data(), a, s, N);
+    }
+    if (attention_missing) {
+      S.attention_out.resize(N * H * vd);
+      S.lse.resize(N * H);
+      ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
+      ops::attention_forward(S.attention_out.data(), S.lse.data(), S.query_proj.data(), S.key_proj.data(),
+                             S.value_proj.data(), layout.segment_ids, d);
+    }
+  }
+  if (need(S.out_proj)) {
+    S.out_proj.resize(N * D);
+    out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
+  }
+  X.h1.resize(N * D);
+  for (int64_t i = 0; i < N * D; ++i) X.h1[i] = h[i] + S.out_proj[i];
+  X.m.resize(N * D);
+  X.rstd2.resize(N);
+  norm_rows(X.m.data(), X.rstd2.data(), X.h1.data(), p.post_attention_norm, N, s);
+
+  // FFN
+  Buffer<float> ffn_out;
+  if (forward) ffn_out.resize(N * D);
+  const bool moe = c.is_moe_layer(layer);
+  const bool shared = !moe || c.n_shared_experts > 0;
+  const int64_t I = !moe ? c.intermediate_size : c.moe_intermediate_size * c.n_shared_experts;
+  // Dense MLP or shared experts: mlpwi_0 / mlpwi_1 (mlpwo only feeds the output).
+  const bool dense_missing = shared && (need(S.mlpwi_0) || need(S.mlpwi_1));
+  if (shared && dense_missing && residuals) {
+    S.mlpwi_0.resize(N * I);
+    S.mlpwi_1.resize(N * I);
+  }
+  if (!moe) {
+    if (forward) {
+      mlp_forward(ffn_out.data(), residuals ? S.mlpwi_0.data() : nullptr, residuals ? S.mlpwi_1.data() : nullptr,
+                  X.m.data(), p.mlp, N);
+    } else if (dense_missing) {
+      ops::linear_forward(S.mlpwi_0.data(), X.m.data(), p.mlp.gate, N);
+      ops::linear_forward(S.mlpwi_1.data(), X.m.data(), p.mlp.up, N);
+    }
+  } else {
+    Routing& r = X.routing;
+    expert_selection_forward(r, X.m.data(), p.moe, s, N);
+    const int64_t n = N * r.k, Ie = c.moe_intermediate_size;
+    X.xs.resize(n * D);
+    ops::route_forward(X.xs.data(), X.m.data(), r.order.data(), N, r.k, D);
+    const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
+    if (forward || experts_missing || dense_missing) {
+      // Generation keeps no residuals: the experts' intermediates stay in per-task scratch.
+      if (residuals) {
+        S.moe_mlpwi_0.resize(n * Ie);
+        S.moe_mlpwi_1.resize(n * Ie);
+      }
+      S.moe_mlpwo.resize(n * D);
+      Buffer<float> shared_out(N * D);
+      ExpertOut o{S.moe_mlpwo.data(),
+                  shared_out.data(),
+                  residuals ? S.moe_mlpwi_0.data() : nullptr,
+                  residuals ? S.moe_mlpwi_1.data() : nullptr,
+                  shared && residuals ? S.mlpwi_0.data() : nullptr,
+                  shared && residuals ? S.mlpwi_1.data() : nullptr};
+      experts_forward(o, X.xs.data(), X.m.data(), r, p.moe, s);
+      if (forward) {
+        std::memcpy(ffn_out.data(), shared_out.data(), N * D * sizeof(float));
+        combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
+      }
+    }
+    if (load) load->assign(r.sizes.begin(), r.sizes.end());
+    if (lb_loss && s.load_balance_loss_weight > 0)
+      *lb_loss = balance_loss(r, vector_data(p.moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
+  }
+  if (forward)
+    for (int64_t i = 0; i < N * D; ++i) h_out[i] = X.h1[i] + ffn_out[i];
+}
+
+// Frees what the policy does not keep.
+void drop(LayerSaved& S, const RematPolicy& keep) {
+  auto drop_unless = [](Buffer<float>& b, bool kept) {
+    if (!kept) Buffer<float>().swap(b);
+  };
+  drop_unless(S.decoder_layer_input, keep.kept(R::decoder_layer_input));
+  drop_unless(S.query_wa_proj, keep.kept(R::query_wa_proj));
+  drop_unless(S.mla_q, keep.kept(R::mla_q));
+  drop_unless(S.q_rstd, keep.kept(R::mla_q));
+  drop_unless(S.query_proj, keep.kept(R::query_proj));
+  drop_unless(S.kv_wa_proj, keep.kept(R::kv_wa_proj));
+  drop_unless(S.mla_kv, keep.kept(R::mla_kv));
+  drop_unless(S.kv_rstd, keep.kept(R::mla_kv));
+  drop_unless(S.k_pe, false);  // unnamed: from kv_wa_proj
+  drop_unless(S.key_proj, keep.kept(R::key_proj));
+  drop_unless(S.value_proj, keep.kept(R::value_proj));
+  drop_unless(S.attention_out, keep.kept(R::attention_out) || keep.kept(R::context));
+  drop_unless(S.lse, keep.kept(R::context));
+  drop_unless(S.out_proj, keep.kept(R::out_proj));
+  drop_unless(S.mlpwi_0, keep.kept(R::mlpwi_0));
+  drop_unless(S.mlpwi_1, keep.kept(R::mlpwi_1));
+  drop_unless(S.mlpwo, keep.kept(R::mlpwo));
+  drop_unless(S.moe_mlpwi_0, keep.kept(R::moe_mlpwi_0) || keep.kept(R::mlpwi_0));
+  drop_unless(S.moe_mlpwi_1, keep.kept(R::moe_mlpwi_1));
+  drop_unless(S.moe_mlpwo, keep.kept(R::moe_mlpwo) || keep.kept(R::mlpwo));
+}
+
+}  // namespace
+
+void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
+                   KvAttention* kv, LayerSaved* saved, const RematPolicy& keep, LayerStats* stats) {
+  const int64_t N = layout.tokens(), D = s.cfg->hidden_size;
+  LayerSaved local;
+  LayerSaved& S = saved ? *saved : local;
+  S = LayerSaved{};
+  Scratch X;
+  Buffer<float> out(N * D);
+  run_layer(S, X, out.data(), h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
+            stats ? &stats->lb_loss : nullptr, saved != nullptr);
+  if (saved) {
+    S.decoder_layer_input.assign(h, h + N * D);
+    drop(S, keep);
+  }
+  std::memcpy(h, out.data(), N * D * sizeof(float));
+}
+
+void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer, const StageConfig& s,
+                    const TokenLayout& layout, double dloss_lb) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
+  const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
+  DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * D,
+           "internal: layer {} backward without its decoder_layer_input", layer);
+  const float* h = S.decoder_layer_input.data();
+  Scratch X;
+  run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
+
+  // FFN: dh holds dL/dh2 = dL/d(ffn_out) = the residual's share of dL/dh1.
+  Buffer<float> dm(N * D);
+  const bool moe = c.is_moe_layer(layer);
+  if (!moe) {
+    mlp_backward(dm.data(), g.mlp, dh, S.mlpwi_0.data(), S.mlpwi_1.data(), X.m.data(), p.mlp, N, false);
+  } else {
+    const Routing& r = X.routing;
+    const int64_t n = N * r.k, E = c.n_routed_experts;
+    Buffer<float> dweights(n), dys(n * D), dxs(n * D);
+    combine_backward(dweights.data(), dys.data(), dh, S.moe_mlpwo.data(), r, D);
+    std::fill(dm.begin(), dm.end(), 0.0f);
+    const bool shared = c.n_shared_experts > 0;
+    experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
+                     S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
+                     X.xs.data(), X.m.data(), r, p.moe, s);
+    Buffer<float> dm_routed(N * D);
+    ops::route_backward(dm_routed.data(), dxs.data(), r.inverse.data(), N, r.k, D);
+    for (int64_t i = 0; i < N * D; ++i) dm[i] += dm_routed[i];
+    Buffer<float> dscores;
+    if (s.load_balance_loss_weight > 0 && dloss_lb != 0) {
+      dscores.resize(N * E);
+      balance_loss_backward(dscores.data(), r, vector_data(p.moe.bias), layout.batch, layout.seq,
+                            s.load_balance_loss_weight, dloss_lb);
+    }
+    expert_selection_backward(dm.data(), g.moe, dweights.data(), dscores.empty() ? nullptr : dscores.data(), r,
+                              X.m.data(), p.moe, s);
+  }
+  // Post-attention norm: dh1 = dh2 + norm'(dm).
+  {
+    Buffer<float> dn(N * D), dw;
+    float* gw = g.post_attention_norm;
+    if (!gw) dw.assign(static_cast<size_t>(D), 0.0f);
+    ops::rmsnorm_backward(dn.data(), gw ? gw : dw.data(), dm.data(), X.h1.data(), vector_data(p.post_attention_norm),
+                          X.rstd2.data(), N, D);
+    for (int64_t i = 0; i < N * D; ++i) dh[i] += dn[i];
+  }
+  // MLA: dh1 is dL/d(out_proj).
+  const auto& a = p.attn;
+  Buffer<float> dctx(N * H * vd), dq(N * H * qk), dk(N * H * qk), dv(N * H * vd);
+  out_projection_backward(dctx.data(), g.attn, dh, S.attention_out.data(), a, N);
+  ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
+  ops::attention_backward(dq.data(), dk.data(), dv.data(), dctx.data(), S.attention_out.data(), S.lse.data(),
+                          S.query_proj.data(), S.key_proj.data(), S.value_proj.data(), layout.segment_ids, d);
+  Buffer<float> dmla_kv(N * kvl), dk_pe(N * rope), dx(N * D);
+  get_key_value_backward(dmla_kv.data(), dk_pe.data(), g.attn, dk.data(), dv.data(), S.mla_kv.data(), a, s, N);
+  std::fill(dx.begin(), dx.end(), 0.0f);
+  kv_projection_backward(dx.data(), g.attn, dmla_kv.data(), dk_pe.data(), S.kv_wa_proj.data(), S.kv_rstd.data(),
+                         X.x.data(), a, s, layout.positions, N);
+  query_projection_backward(dx.data(), g.attn, dq.data(), S.query_wa_proj.data(), S.mla_q.data(), S.q_rstd.data(),
+                            X.x.data(), a, s, layout.positions, N);
+  // Input norm: dh = dh1 + norm'(dx).
+  {
+    Buffer<float> dn(N * D), dw;
+    float* gw = g.input_norm;
+    if (!gw) dw.assign(static_cast<size_t>(D), 0.0f);
+    ops::rmsnorm_backward(dn.data(), gw ? gw : dw.data(), dx.data(), h, vector_data(p.input_norm), X.rstd1.data(), N,
+                          D);
+    for (int64_t i = 0; i < N * D; ++i) dh[i] += dn[i];
+  }
+  S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
+}
+
+}  // namespace ds::model

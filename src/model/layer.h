@@ -1,0 +1,121 @@
+// A DeepSeek decoder layer from the stage functions, its residuals under
+// MaxText's checkpoint names, and the remat policies that choose which of
+// them a training step keeps.
+//
+//   h1 = h + out_proj(MLA(rmsnorm(h)))
+//   h2 = h1 + FFN(rmsnorm(h1))        FFN: dense MLP or DeepSeekMoE
+//
+// layer_forward is the one forward: generation calls it with a KV store
+// (attention over cached tokens) and keeps nothing; training calls it with
+// the packed batch's layout and keeps what the policy names. layer_backward
+// first recomputes, with the same forward code, every residual the policy
+// dropped, so gradients are bitwise the same under every policy.
+#pragma once
+
+#include <bitset>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/buffer.h"
+#include "model/stages.h"
+
+namespace ds::model {
+
+// MaxText's checkpoint names (see layers/attention_mla.py, linears.py, moe.py).
+enum class Residual : int {
+  decoder_layer_input,
+  query_wa_proj,
+  mla_q,
+  kv_wa_proj,
+  mla_kv,
+  query_proj,
+  key_proj,
+  value_proj,
+  attention_out,
+  context,  // the attention kernel's residuals: its output and log-sum-exp
+  out_proj,
+  mlpwi_0,
+  mlpwi_1,
+  mlpwo,
+  moe_mlpwi_0,
+  moe_mlpwi_1,
+  moe_mlpwo,
+  count
+};
+inline constexpr int kResidualCount = static_cast<int>(Residual::count);
+const char* residual_name(Residual r);
+
+// The set of residuals a training step keeps in memory.
+struct RematPolicy {
+  std::bitset<kResidualCount> keep;
+  bool kept(Residual r) const { return keep[static_cast<int>(r)]; }
+  // MaxText's remat_policy values: full, none, minimal, minimal_with_context
+  // (minimal_flash), save_dot_with_context_except_mlp, save_dot_except_mlpwi,
+  // save_dot_except_mlp, save_qkv_proj, save_out_proj, custom. `custom` takes
+  // per-name settings ("remat" or "device"; every name not given is remat,
+  // decoder_layer_input is device). Offloading and quantization policies are
+  // errors (no host offload on CPU).
+  static RematPolicy from_name(const std::string& name,
+                               const std::vector<std::pair<std::string, std::string>>& custom = {});
+  // Every residual kept (nothing recomputed).
+  static RematPolicy keep_all();
+};
+
+// The tokens of one forward: `batch` rows of `seq` tokens (N = batch * seq),
+// with positions (RoPE) and segment ids (attention never crosses a segment;
+// null: one segment per row).
+struct TokenLayout {
+  int64_t batch = 1, seq = 0;
+  const int32_t* positions = nullptr;
+  const int32_t* segment_ids = nullptr;
+  int64_t tokens() const { return batch * seq; }
+};
+
+// Attention over a KV cache, provided by the generation engine: given the
+// projected queries and the new tokens' latent and rope key, writes the
+// attention output [N, H * v] (and updates its cache).
+class KvAttention {
+ public:
+  virtual ~KvAttention() = default;
+  virtual void attend(float* attention_out, int64_t layer, const float* query_proj, const float* mla_kv,
+                      const float* k_pe, const AttentionParams<ops::WeightView>& p, const StageConfig& s) = 0;
+};
+
+// Everything a layer's forward produced. Named buffers are empty when not
+// kept; the rest (norm outputs, routing, routed rows) is always recomputed.
+struct LayerSaved {
+  Buffer<float> decoder_layer_input;  // h [N, D]
+  Buffer<float> query_wa_proj, mla_q, q_rstd, query_proj;
+  Buffer<float> kv_wa_proj, mla_kv, kv_rstd, k_pe, key_proj, value_proj;
+  Buffer<float> attention_out, lse;  // lse: with `context`
+  Buffer<float> out_proj;
+  Buffer<float> mlpwi_0, mlpwi_1, mlpwo;              // dense MLP, or the shared experts of a MoE layer
+  Buffer<float> moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo;  // routed experts, rows sorted by expert
+  size_t bytes() const;
+};
+
+// One layer forward. h [N, D] is updated in place (h -> h2). With kv, the
+// attention is the engine's; else causal attention over `layout` (training,
+// or a fresh prompt). With saved, the layer input and the residuals `keep`
+// names are left in *saved; stats, when not null, receive the expert load
+// and balance loss (MoE layers).
+struct LayerStats {
+  std::vector<int64_t> load;  // MoE: assignments per expert
+  double lb_loss = 0;         // MoE: the balance loss (with load_balance_loss_weight > 0)
+};
+void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
+                   KvAttention* kv, LayerSaved* saved, const RematPolicy& keep, LayerStats* stats = nullptr);
+
+// Backward of layer_forward: dh [N, D] holds dL/dh2 on entry and dL/dh on
+// return. Weight gradients are added into g. `saved` must hold
+// decoder_layer_input; missing residuals are recomputed (and then freed).
+// With s.load_balance_loss_weight > 0, the layer's balance loss (MaxText's:
+// weight * E^2 * mean_{b,e} f * P) is differentiated too, scaled by dloss_lb.
+void layer_backward(float* dh, LayerGrads& g, LayerSaved& saved, const LayerView& p, int64_t layer,
+                    const StageConfig& s, const TokenLayout& layout, double dloss_lb);
+
+// The balance-loss value of a MoE layer for a routing (see layer_backward).
+double balance_loss(const Routing& r, const float* bias, int64_t batch, int64_t seq, double lb_weight);
+
+}  // namespace ds::model

@@ -1,0 +1,462 @@
+#include "model/stages.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/activations.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/routing.h"
+
+namespace ds::model {
+
+StageConfig::StageConfig(const ModelConfig& c) : cfg(&c) {
+  ops::RopeConfig rc;
+  rc.dim = c.qk_rope_head_dim;
+  rc.theta = c.rope_theta;
+  if (c.rope_scaling.enabled) {
+    rc.factor = c.rope_scaling.factor;
+    rc.original_max_position = c.rope_scaling.original_max_position_embeddings;
+    rc.beta_fast = c.rope_scaling.beta_fast;
+    rc.beta_slow = c.rope_scaling.beta_slow;
+  }
+  rope_freqs.resize(static_cast<size_t>(c.qk_rope_head_dim / 2));
+  ops::rope_frequencies(rope_freqs.data(), rc);
+  softmax_scale = static_cast<float>(c.softmax_scale());
+  selection.num_experts = c.n_routed_experts;
+  selection.k = c.num_experts_per_tok;
+  selection.n_group = c.n_group;
+  selection.topk_group = c.topk_group;
+  selection.scoring =
+      c.scoring_func == ScoringFunc::Sigmoid ? ops::ExpertScoring::Sigmoid : ops::ExpertScoring::Softmax;
+  selection.group_score = c.topk_method == TopkMethod::NoauxTc              ? ops::GroupScore::Top2Sum
+                          : c.topk_method == TopkMethod::GroupLimitedGreedy ? ops::GroupScore::Max
+                                                                            : ops::GroupScore::None;
+  selection.norm_topk_prob = c.norm_topk_prob;
+  selection.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+}
+
+namespace {
+
+float eps_of(const StageConfig& s) { return static_cast<float>(s.cfg->rms_norm_eps); }
+
+// RMSNorm backward into dx (`=`) with the scale's gradient added to dw (when not null).
+void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
+                   int64_t rows) {
+  const int64_t dim = w.rows;
+  Buffer<float> scratch;
+  if (!dw) scratch.assign(static_cast<size_t>(dim), 0.0f);
+  ops::rmsnorm_backward(dx, dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, rows, dim);
+}
+
+void add_into(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- MLA
+
+void query_projection_forward(const QueryOut& out, const float* x, const AttentionParams<ops::WeightView>& p,
+                              const StageConfig& s, const int32_t* positions, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, qk = nope + rope;
+  if (c.q_lora_rank > 0) {
+    if (out.latent) {
+      ops::linear_forward(out.query_wa_proj, x, p.q_a, N);
+      ops::rmsnorm_forward(out.mla_q, out.q_rstd, out.query_wa_proj, vector_data(p.q_a_norm), N, c.q_lora_rank,
+                           eps_of(s));
+    }
+    if (!out.query) return;
+    ops::linear_forward(out.query_proj, out.mla_q, p.q_b, N);
+  } else {
+    if (!out.query) return;
+    ops::linear_forward(out.query_proj, x, p.q, N);
+  }
+  ops::rope_forward(out.query_proj + nope, out.query_proj + nope, positions, s.rope_freqs.data(), N, H, rope, H * qk,
+                    qk, ops::RopeLayout::Interleaved);
+}
+
+void query_projection_backward(float* dx, AttentionParams<float*>& g, float* dq, const float* query_wa_proj,
+                               const float* mla_q, const float* q_rstd, const float* x,
+                               const AttentionParams<ops::WeightView>& p, const StageConfig& s,
+                               const int32_t* positions, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, qk = nope + rope;
+  ops::rope_backward(dq + nope, dq + nope, positions, s.rope_freqs.data(), N, H, rope, H * qk, qk,
+                     ops::RopeLayout::Interleaved);
+  if (c.q_lora_rank > 0) {
+    const int64_t R = c.q_lora_rank;
+    Buffer<float> dmla(N * R), dqa(N * R);
+    ops::linear_backward(dmla.data(), g.q_b, dq, mla_q, p.q_b, N);
+    norm_backward(dqa.data(), g.q_a_norm, dmla.data(), query_wa_proj, p.q_a_norm, q_rstd, N);
+    ops::linear_backward(dx, g.q_a, dqa.data(), x, p.q_a, N, true);
+  } else {
+    ops::linear_backward(dx, g.q, dq, x, p.q, N, true);
+  }
+}
+
+void kv_projection_forward(const KvOut& out, const float* x, const AttentionParams<ops::WeightView>& p,
+                           const StageConfig& s, const int32_t* positions, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim, W = kvl + rope;
+  if (out.project) ops::linear_forward(out.kv_wa_proj, x, p.kv_a, N);
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(out.mla_kv + t * kvl, out.kv_wa_proj + t * W, kvl * sizeof(float));
+    std::memcpy(out.k_pe + t * rope, out.kv_wa_proj + t * W + kvl, rope * sizeof(float));
+  }
+  ops::rmsnorm_forward(out.mla_kv, out.kv_rstd, out.mla_kv, vector_data(p.kv_a_norm), N, kvl, eps_of(s));
+  ops::rope_forward(out.k_pe, out.k_pe, positions, s.rope_freqs.data(), N, 1, rope, rope, rope,
+                    ops::RopeLayout::Interleaved);
+}
+
+void kv_projection_backward(float* dx, AttentionParams<float*>& g, float* d_mla_kv, float* dk_pe,
+                            const float* kv_wa_proj, const float* kv_rstd, const float* x,
+                            const AttentionParams<ops::WeightView>& p, const StageConfig& s, const int32_t* positions,
+                            int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim, W = kvl + rope;
+  Buffer<float> latent(N * kvl), dlatent(N * kvl), dkva(N * W);
+  for (int64_t t = 0; t < N; ++t) std::memcpy(&latent[t * kvl], kv_wa_proj + t * W, kvl * sizeof(float));
+  norm_backward(dlatent.data(), g.kv_a_norm, d_mla_kv, latent.data(), p.kv_a_norm, kv_rstd, N);
+  ops::rope_backward(dk_pe, dk_pe, positions, s.rope_freqs.data(), N, 1, rope, rope, rope,
+                     ops::RopeLayout::Interleaved);
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(&dkva[t * W], &dlatent[t * kvl], kvl * sizeof(float));
+    std::memcpy(&dkva[t * W + kvl], dk_pe + t * rope, rope * sizeof(float));
+  }
+  ops::linear_backward(dx, g.kv_a, dkva.data(), x, p.kv_a, N, true);
+}
+
+void get_key_value_forward(float* key, float* value, const float* mla_kv, const float* k_pe,
+                           const AttentionParams<ops::WeightView>& p, const StageConfig& s, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, qk = nope + rope;
+  const int64_t vd = c.v_head_dim;
+  Buffer<float> kv(N * H * (nope + vd));
+  ops::linear_forward(kv.data(), mla_kv, p.kv_b, N);
+  parallel_ranges(N, N * H * (qk + vd) >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const float* src = &kv[(t * H + h) * (nope + vd)];
+        float* k = key + (t * H + h) * qk;
+        std::memcpy(k, src, nope * sizeof(float));
+        std::memcpy(k + nope, k_pe + t * rope, rope * sizeof(float));
+        std::memcpy(value + (t * H + h) * vd, src + nope, vd * sizeof(float));
+      }
+  });
+}
+
+void get_key_value_backward(float* d_mla_kv, float* dk_pe, AttentionParams<float*>& g, const float* dkey,
+                            const float* dvalue, const float* mla_kv, const AttentionParams<ops::WeightView>& p,
+                            const StageConfig& s, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, qk = nope + rope;
+  const int64_t vd = c.v_head_dim;
+  Buffer<float> dkv(N * H * (nope + vd));
+  for (int64_t t = 0; t < N; ++t) {
+    float* dpe = dk_pe + t * rope;
+    std::fill(dpe, dpe + rope, 0.0f);
+    for (int64_t h = 0; h < H; ++h) {
+      float* dst = &dkv[(t * H + h) * (nope + vd)];
+      const float* dk = dkey + (t * H + h) * qk;
+      std::memcpy(dst, dk, nope * sizeof(float));
+      std::memcpy(dst + nope, dvalue + (t * H + h) * vd, vd * sizeof(float));
+      for (int64_t i = 0; i < rope; ++i) dpe[i] += dk[nope + i];  // k_pe is shared by all heads
+    }
+  }
+  ops::linear_backward(d_mla_kv, g.kv_b, dkv.data(), mla_kv, p.kv_b, N);
+}
+
+void out_projection_forward(float* out, const float* attention_out, const AttentionParams<ops::WeightView>& p,
+                            int64_t N) {
+  ops::linear_forward(out, attention_out, p.o, N);
+}
+
+void out_projection_backward(float* d_attention_out, AttentionParams<float*>& g, const float* dout,
+                             const float* attention_out, const AttentionParams<ops::WeightView>& p, int64_t N) {
+  ops::linear_backward(d_attention_out, g.o, dout, attention_out, p.o, N);
+}
+
+// ---------------------------------------------------------------- MLP
+
+void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams<ops::WeightView>& p, int64_t N) {
+  const int64_t I = p.gate.rows;
+  // Without a place for the residual, the activation overwrites the gate's output.
+  Buffer<float> gs, us, as;
+  const bool keep_g = g != nullptr;
+  if (!g) g = (gs.resize(N * I), gs.data());
+  if (!u) u = (us.resize(N * I), us.data());
+  ops::linear_forward(g, x, p.gate, N);
+  ops::linear_forward(u, x, p.up, N);
+  float* a = keep_g ? (as.resize(N * I), as.data()) : g;
+  ops::silu_mul_forward(a, g, u, N * I);
+  ops::linear_forward(out, a, p.down, N);
+}
+
+void mlp_backward(float* dx, MlpParams<float*>& gr, const float* dout, const float* g, const float* u, const float* x,
+                  const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx) {
+  const int64_t I = p.gate.rows;
+  Buffer<float> a(N * I), da(N * I), dg(N * I), du(N * I);
+  ops::silu_mul_forward(a.data(), g, u, N * I);
+  ops::linear_backward(da.data(), gr.down, dout, a.data(), p.down, N);
+  ops::silu_mul_backward(dg.data(), du.data(), da.data(), g, u, N * I);
+  ops::linear_backward(dx, gr.gate, dg.data(), x, p.gate, N, accumulate_dx);
+  ops::linear_backward(dx, gr.up, du.data(), x, p.up, N, true);
+}
+
+// ---------------------------------------------------------------- MoE
+
+void expert_selection_forward(Routing& r, const float* x, const MoeParams<ops::WeightView>& p, const StageConfig& s,
+                              int64_t N) {
+  const int64_t E = s.selection.num_experts, K = s.selection.k, n = N * K;
+  r.tokens = N;
+  r.k = K;
+  r.logits.resize(N * E);
+  r.scores.resize(N * E);
+  r.experts.resize(n);
+  r.weights.resize(n);
+  ops::linear_forward(r.logits.data(), x, p.router, N);
+  ops::expert_selection_forward(r.experts.data(), r.weights.data(), r.scores.data(), r.logits.data(),
+                                vector_data(p.bias), N, s.selection);
+  // route: dropless, sorted by expert (stable: ties keep assignment order).
+  r.order.resize(n);
+  r.inverse.resize(n);
+  r.sizes.assign(static_cast<size_t>(E), 0);
+  ops::route_indices(r.order.data(), r.inverse.data(), r.sizes.data(), r.experts.data(), n, E);
+}
+
+void expert_selection_backward(float* dx, MoeParams<float*>& g, const float* dweights, float* dscores_extra,
+                               const Routing& r, const float* x, const MoeParams<ops::WeightView>& p,
+                               const StageConfig& s) {
+  const int64_t N = r.tokens, E = s.selection.num_experts;
+  Buffer<float> dlogits(N * E);
+  ops::expert_selection_backward(dlogits.data(), dweights, r.scores.data(), r.experts.data(), N, s.selection);
+  if (dscores_extra) {
+    // A loss on the scores themselves (the balance loss): through the score function.
+    Buffer<float> d(N * E);
+    if (s.selection.scoring == ops::ExpertScoring::Sigmoid)
+      ops::sigmoid_backward(d.data(), dscores_extra, r.scores.data(), N * E);
+    else
+      ops::softmax_backward(d.data(), dscores_extra, r.scores.data(), N, E);
+    add_into(dlogits.data(), d.data(), N * E);
+  }
+  ops::linear_backward(dx, g.router, dlogits.data(), x, p.router, N, true);
+}
+
+namespace {
+
+// Few tokens (decode): each expert's product is too small to split over
+// the threads by itself, and one thread team per product costs more than the
+// product. All the active experts' gate/up products become tasks of one
+// parallel loop, their down products tasks of a second, each matrix cut in
+// two row halves so the threads stay busy. Each product is computed whole by
+// one thread, so the result does not depend on the thread count.
+void experts_as_tasks(const ExpertOut& o, const float* xs, const float* x, const Routing& r,
+                      const MoeParams<ops::WeightView>& m, int64_t D) {
+  struct Job {
+    const MlpParams<ops::WeightView>* mlp;
+    const float* in;
+    float* out;
+    int64_t rows;
+    float *g, *u;
+    Buffer<float> gs, us;
+  };
+  std::vector<Job> jobs;
+  int64_t off = 0, wi = 0;
+  for (size_t e = 0; e < r.sizes.size(); ++e) {
+    if (r.sizes[e] > 0) jobs.push_back({&m.experts[e], xs + off * D, o.ys + off * D, r.sizes[e], nullptr, nullptr});
+    off += r.sizes[e];
+  }
+  const bool shared = m.shared.gate.data != nullptr;
+  if (shared) jobs.push_back({&m.shared, x, o.shared_out, r.tokens, o.shared_mlpwi_0, o.shared_mlpwi_1});
+  for (auto& j : jobs) {
+    const int64_t I = j.mlp->gate.rows;
+    if (j.mlp != &m.shared && o.moe_mlpwi_0) {
+      j.g = o.moe_mlpwi_0 + wi * I;
+      j.u = o.moe_mlpwi_1 + wi * I;
+      wi += j.rows;
+    }
+    if (!j.g) j.g = (j.gs.resize(j.rows * I), j.gs.data());
+    if (!j.u) j.u = (j.us.resize(j.rows * I), j.us.data());
+  }
+  // Split points on a 128-row boundary keep fp8 scale blocks whole.
+  auto half = [](const ops::WeightView& w) {
+    const int64_t step = w.scale_inv ? w.block_rows : 16;
+    return (w.rows / 2) / step * step;
+  };
+  auto run_part = [](float* y, const float* in, const ops::WeightView& w, int64_t M, int64_t split, int part) {
+    if (part == 1 && split == 0) return;  // too small to cut: part 0 does it all
+    const int64_t r0 = part == 0 ? 0 : split, r1 = part == 0 && split > 0 ? split : w.rows;
+    ops::linear_forward(y + r0, in, ops::row_slice(w, r0, r1), M, w.cols, w.rows);
+  };
+  const int64_t J = static_cast<int64_t>(jobs.size());
+  std::vector<Buffer<float>> acts(jobs.size());
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < J * 4; ++t) {
+    Job& j = jobs[t / 4];
+    const bool up = (t / 2) % 2, part = t % 2;
+    const ops::WeightView& w = up ? j.mlp->up : j.mlp->gate;
+    run_part(up ? j.u : j.g, j.in, w, j.rows, half(w), part);
+  }
+  for (int64_t i = 0; i < J; ++i) {
+    const int64_t n = jobs[i].rows * jobs[i].mlp->gate.rows;
+    acts[i].resize(n);
+    ops::silu_mul_forward(acts[i].data(), jobs[i].g, jobs[i].u, n);
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < J * 2; ++t) {
+    Job& j = jobs[t / 2];
+    const ops::WeightView& w = j.mlp->down;
+    run_part(j.out, acts[t / 2].data(), w, j.rows, half(w), t % 2);
+  }
+  if (!shared) std::fill(o.shared_out, o.shared_out + r.tokens * D, 0.0f);
+}
+
+// More tokens (prefill, training): each expert's rows, cut in chunks of at
+// most kExpertTaskRows, are tasks of one parallel loop, each a whole MLP on
+// one thread (largest first, taken dynamically). Threading every product of
+// every expert instead costs a thread team, a packing of x and an uneven
+// split per product, and at 32 rows per expert those dominated. A row's
+// result does not depend on which thread computes it.
+constexpr int64_t kExpertTaskRows = 128;
+
+struct ExpertTask {
+  const MlpParams<ops::WeightView>* mlp;
+  int64_t expert;  // -1: shared
+  int64_t row0;    // first row (of xs, or of x for the shared experts)
+  int64_t rows;
+};
+
+std::vector<ExpertTask> expert_tasks(const Routing& r, bool shared, const MoeParams<ops::WeightView>& m) {
+  std::vector<ExpertTask> tasks;
+  auto add = [&](const MlpParams<ops::WeightView>* mlp, int64_t e, int64_t row0, int64_t n) {
+    for (int64_t i = 0; i < n; i += kExpertTaskRows)
+      tasks.push_back({mlp, e, row0 + i, std::min(kExpertTaskRows, n - i)});
+  };
+  if (shared) add(&m.shared, -1, 0, r.tokens);
+  int64_t off = 0;
+  for (size_t e = 0; e < r.sizes.size(); ++e) {
+    add(&m.experts[e], static_cast<int64_t>(e), off, r.sizes[e]);
+    off += r.sizes[e];
+  }
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const ExpertTask& a, const ExpertTask& b) { return a.rows > b.rows; });
+  return tasks;
+}
+
+void experts_in_row_tasks(const ExpertOut& o, const float* xs, const float* x, const Routing& r,
+                          const MoeParams<ops::WeightView>& m, int64_t D) {
+  const bool shared = m.shared.gate.data != nullptr;
+  const auto tasks = expert_tasks(r, shared, m);
+  const int64_t T = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
+  for (int64_t t = 0; t < T; ++t) {
+    const ExpertTask& k = tasks[t];
+    const int64_t I = k.mlp->gate.rows;
+    if (k.expert < 0) {
+      mlp_forward(o.shared_out + k.row0 * D, o.shared_mlpwi_0 ? o.shared_mlpwi_0 + k.row0 * I : nullptr,
+                  o.shared_mlpwi_1 ? o.shared_mlpwi_1 + k.row0 * I : nullptr, x + k.row0 * D, *k.mlp, k.rows);
+    } else {
+      mlp_forward(o.ys + k.row0 * D, o.moe_mlpwi_0 ? o.moe_mlpwi_0 + k.row0 * I : nullptr,
+                  o.moe_mlpwi_1 ? o.moe_mlpwi_1 + k.row0 * I : nullptr, xs + k.row0 * D, *k.mlp, k.rows);
+    }
+  }
+  if (!shared) std::fill(o.shared_out, o.shared_out + r.tokens * D, 0.0f);
+}
+
+}  // namespace
+
+void experts_forward(const ExpertOut& out, const float* xs, const float* x, const Routing& r,
+                     const MoeParams<ops::WeightView>& p, const StageConfig& s) {
+  const int64_t D = s.cfg->hidden_size;
+  if (r.tokens * r.k <= s.task_parallel_assignments)
+    experts_as_tasks(out, xs, x, r, p, D);
+  else
+    experts_in_row_tasks(out, xs, x, r, p, D);
+}
+
+void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* dys, const float* dshared,
+                      const float* moe_mlpwi_0, const float* moe_mlpwi_1, const float* shared_mlpwi_0,
+                      const float* shared_mlpwi_1, const float* xs, const float* x, const Routing& r,
+                      const MoeParams<ops::WeightView>& p, const StageConfig& s) {
+  const int64_t D = s.cfg->hidden_size, I = s.cfg->moe_intermediate_size;
+  // One task per expert (its weight gradients are sums over its rows, so a
+  // task must own all of them to keep the sum's order fixed); the shared
+  // experts' rows are summed in one task too.
+  const bool shared = p.shared.gate.data != nullptr;
+  struct Task {
+    int64_t expert, row0, rows;
+  };
+  std::vector<Task> tasks;
+  if (shared) tasks.push_back({-1, 0, r.tokens});
+  int64_t off = 0;
+  for (size_t e = 0; e < r.sizes.size(); ++e) {
+    if (r.sizes[e] > 0) tasks.push_back({static_cast<int64_t>(e), off, r.sizes[e]});
+    off += r.sizes[e];
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
+  Buffer<float> dshared_x;
+  if (shared) dshared_x.resize(r.tokens * D);
+  const int64_t T = static_cast<int64_t>(tasks.size());
+  std::vector<std::exception_ptr> errors(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
+  for (int64_t t = 0; t < T; ++t) {
+    try {
+      const Task& k = tasks[t];
+      if (k.expert < 0) {
+        mlp_backward(dshared_x.data(), g.shared, dshared, shared_mlpwi_0, shared_mlpwi_1, x, p.shared, r.tokens, false);
+      } else {
+        mlp_backward(dxs + k.row0 * D, g.experts[k.expert], dys + k.row0 * D, moe_mlpwi_0 + k.row0 * I,
+                     moe_mlpwi_1 + k.row0 * I, xs + k.row0 * D, p.experts[k.expert], k.rows, false);
+      }
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  // Rows of experts nobody chose do not exist (n = sum of sizes), so dxs is complete.
+  if (shared) add_into(dx, dshared_x.data(), r.tokens * D);
+}
+
+void combine_forward(float* out, const float* ys, const Routing& r, int64_t D) {
+  const int64_t N = r.tokens, K = r.k;
+  parallel_ranges(N, N * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const float wj = r.weights[t * K + j];
+        const float* y = ys + r.inverse[t * K + j] * D;
+        float* o = out + t * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
+      }
+  });
+}
+
+void combine_backward(float* dweights, float* dys, const float* dout, const float* ys, const Routing& r, int64_t D) {
+  const int64_t N = r.tokens, K = r.k;
+  parallel_ranges(N, N * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < K; ++j) {
+        const float wj = r.weights[t * K + j];
+        const int64_t row = r.inverse[t * K + j];
+        const float* y = ys + row * D;
+        const float* d = dout + t * D;
+        float* dy = dys + row * D;
+        double dot = 0;
+        for (int64_t i = 0; i < D; ++i) {
+          dot += static_cast<double>(d[i]) * y[i];
+          dy[i] = wj * d[i];
+        }
+        dweights[t * K + j] = static_cast<float>(dot);
+      }
+  });
+}
+
+}  // namespace ds::model

@@ -1,0 +1,152 @@
+// The stage functions of a DeepSeek decoder layer, cut where MaxText's
+// DeepSeek code cuts it: MLA (query_projection, kv_projection,
+// get_key_value, attention, out_projection), the dense MLP, and DeepSeekMoE
+// (expert_selection, route, expert compute, unroute and combine).
+//
+// Every stage is a forward and a backward over N packed tokens. Forward
+// writes its outputs into caller-provided buffers; the tensors that backward
+// needs are outputs too (the residuals, named after MaxText's checkpoint
+// names), so inference, training and every remat policy run the same code and
+// only decide what they keep. Backward reads the residuals, writes activation
+// gradients (`=` unless it says `+=`) and accumulates weight gradients
+// (`+=`) into a tree of float32 buffers. Backward needs float32 weights.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/buffer.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "model/weights.h"
+#include "ops/expert_selection.h"
+
+namespace ds::model {
+
+using LayerGrads = LayerParams<float*>;  // null leaves: no gradient wanted
+
+// What the stages derive from the config once.
+struct StageConfig {
+  explicit StageConfig(const ModelConfig& c);
+  const ModelConfig* cfg;
+  std::vector<float> rope_freqs;  // YaRN-corrected, [qk_rope_head_dim / 2]
+  float softmax_scale;
+  ops::ExpertSelectionConfig selection;
+  // Inference: up to this many token-expert assignments in a MoE layer, each
+  // active expert's products are split into tasks of one parallel loop
+  // (decode); above it, each expert's rows are cut into chunks that run as
+  // whole MLPs, one chunk per task (prefill). Both agree to rounding.
+  int64_t task_parallel_assignments = 64;
+  // Training: MaxText's load_balance_loss_weight (0: no balance loss).
+  double load_balance_loss_weight = 0.0;
+};
+
+// ---------------------------------------------------------------- MLA
+
+// query_projection: x [N, D] (normed) -> query_proj [N, H, qk] with RoPE on
+// the rope part. With q-LoRA also query_wa_proj [N, q_lora] (q_a output), mla_q
+// [N, q_lora] (after q_a_layernorm) and its rstd [N].
+struct QueryOut {
+  float* query_proj;
+  float* query_wa_proj = nullptr;  // q-LoRA only
+  float* mla_q = nullptr;
+  float* q_rstd = nullptr;
+  bool latent = true;  // compute query_wa_proj, mla_q, q_rstd (else they are inputs)
+  bool query = true;   // compute query_proj
+};
+void query_projection_forward(const QueryOut& out, const float* x, const AttentionParams<ops::WeightView>& p,
+                              const StageConfig& s, const int32_t* positions, int64_t N);
+// dquery_proj is consumed (overwritten). dx +=.
+void query_projection_backward(float* dx, AttentionParams<float*>& g, float* dquery_proj, const float* query_wa_proj,
+                               const float* mla_q, const float* q_rstd, const float* x,
+                               const AttentionParams<ops::WeightView>& p, const StageConfig& s,
+                               const int32_t* positions, int64_t N);
+
+// kv_projection: x -> kv_wa_proj [N, kvl + rope] (kv_a output), mla_kv [N, kvl]
+// (latent after kv_a_layernorm), kv_rstd [N], k_pe [N, rope] (rotated).
+struct KvOut {
+  float* kv_wa_proj;
+  float* mla_kv;
+  float* kv_rstd;
+  float* k_pe;
+  bool project = true;  // false: kv_wa_proj is an input; only the norm and RoPE run
+};
+void kv_projection_forward(const KvOut& out, const float* x, const AttentionParams<ops::WeightView>& p,
+                           const StageConfig& s, const int32_t* positions, int64_t N);
+// d_mla_kv and dk_pe are consumed. dx +=.
+void kv_projection_backward(float* dx, AttentionParams<float*>& g, float* d_mla_kv, float* dk_pe,
+                            const float* kv_wa_proj, const float* kv_rstd, const float* x,
+                            const AttentionParams<ops::WeightView>& p, const StageConfig& s, const int32_t* positions,
+                            int64_t N);
+
+// get_key_value: mla_kv, k_pe -> key_proj [N, H, qk] ([k_nope | k_pe] per
+// head), value_proj [N, H, v] (kv_b_proj).
+void get_key_value_forward(float* key_proj, float* value_proj, const float* mla_kv, const float* k_pe,
+                           const AttentionParams<ops::WeightView>& p, const StageConfig& s, int64_t N);
+// d_mla_kv, dk_pe `=`.
+void get_key_value_backward(float* d_mla_kv, float* dk_pe, AttentionParams<float*>& g, const float* dkey,
+                            const float* dvalue, const float* mla_kv, const AttentionParams<ops::WeightView>& p,
+                            const StageConfig& s, int64_t N);
+
+// out_projection: attention_out [N, H*v] -> out_proj [N, D].
+void out_projection_forward(float* out, const float* attention_out, const AttentionParams<ops::WeightView>& p,
+                            int64_t N);
+void out_projection_backward(float* d_attention_out, AttentionParams<float*>& g, const float* dout,
+                             const float* attention_out, const AttentionParams<ops::WeightView>& p, int64_t N);
+
+// ---------------------------------------------------------------- MLP
+
+// down(silu(gate(x)) * up(x)): mlpwi_0 [N, I] (gate), mlpwi_1 [N, I] (up),
+// out [N, D] (mlpwo). Forward with null mlpwi buffers uses its own scratch.
+void mlp_forward(float* out, float* mlpwi_0, float* mlpwi_1, const float* x, const MlpParams<ops::WeightView>& p,
+                 int64_t N);
+// dx `=` (or `+=` with accumulate_dx).
+void mlp_backward(float* dx, MlpParams<float*>& g, const float* dout, const float* mlpwi_0, const float* mlpwi_1,
+                  const float* x, const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx);
+
+// ---------------------------------------------------------------- MoE
+
+// expert_selection and route: the router's choice for every token and the
+// assignments sorted by expert.
+struct Routing {
+  int64_t tokens = 0, k = 0;
+  Buffer<float> logits;            // [N, E] router output
+  Buffer<float> scores;            // [N, E] unbiased scores (sigmoid or softmax)
+  Buffer<int32_t> experts;         // [N, K]
+  Buffer<float> weights;           // [N, K] combine weights
+  Buffer<int32_t> order, inverse;  // sorted row <-> assignment (ops/routing.h)
+  std::vector<int32_t> sizes;      // [E] assignments per expert
+};
+void expert_selection_forward(Routing& r, const float* x, const MoeParams<ops::WeightView>& p, const StageConfig& s,
+                              int64_t N);
+// dlogits (from the combine weights, and any balance loss) -> dx +=, router +=.
+void expert_selection_backward(float* dx, MoeParams<float*>& g, const float* dweights, float* dscores_extra,
+                               const Routing& r, const float* x, const MoeParams<ops::WeightView>& p,
+                               const StageConfig& s);
+
+// Expert compute: xs [n, D] routed rows (sorted by expert) -> ys [n, D]
+// (moe_mlpwo), with moe_mlpwi_0 / moe_mlpwi_1 [n, I] when not null; plus the
+// shared experts on x [N, D] -> shared_out [N, D] (zeros when there are none),
+// with their mlpwi_0 / mlpwi_1 when not null.
+struct ExpertOut {
+  float* ys;
+  float* shared_out;
+  float* moe_mlpwi_0 = nullptr;
+  float* moe_mlpwi_1 = nullptr;
+  float* shared_mlpwi_0 = nullptr;
+  float* shared_mlpwi_1 = nullptr;
+};
+void experts_forward(const ExpertOut& out, const float* xs, const float* x, const Routing& r,
+                     const MoeParams<ops::WeightView>& p, const StageConfig& s);
+// dys -> dxs `=`; shared: dshared_out -> dx +=.
+void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* dys, const float* dshared_out,
+                      const float* moe_mlpwi_0, const float* moe_mlpwi_1, const float* shared_mlpwi_0,
+                      const float* shared_mlpwi_1, const float* xs, const float* x, const Routing& r,
+                      const MoeParams<ops::WeightView>& p, const StageConfig& s);
+
+// unroute and combine: out[t] += sum_j weights[t, j] * ys[inverse[t*K + j]].
+void combine_forward(float* out, const float* ys, const Routing& r, int64_t D);
+// dweights [N, K] `=`, dys [n, D] `=`.
+void combine_backward(float* dweights, float* dys, const float* dout, const float* ys, const Routing& r, int64_t D);
+
+}  // namespace ds::model

@@ -1,0 +1,59 @@
+// MLA decode attention over the latent cache; see ops/latent_attention.h.
+// All heads of the sequence attend together: rows h*n + j (head h, query j)
+// of one score matrix [H*n, T], computed by two gemms over c_kv and k_pe, so
+// the cache is read once per step rather than once per head.
+#include "ops/latent_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/buffer.h"
+#include "core/error.h"
+#include "ops/matmul.h"
+
+namespace ds::ops {
+
+void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                              const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
+                              const LatentAttentionDims& d) {
+  const int64_t H = d.heads, nope = d.nope, rope = d.rope, vd = d.v_dim, kvl = d.kv_lora, T = past + n;
+  DS_CHECK(n >= 1 && past >= 0 && H >= 1 && nope >= 0 && rope >= 0 && vd >= 1 && kvl >= 1,
+           "latent_attention: bad sizes n={} past={} heads={} nope={} rope={} v={} kv_lora={}", n, past, H, nope, rope,
+           vd, kvl);
+  DS_CHECK(ldq >= H * (nope + rope) && ldc >= H * vd, "latent_attention: row strides ldq={} ldc={} too small", ldq,
+           ldc);
+  const int64_t R = H * n;
+  Buffer<float> lat(R * kvl), qpe(R * rope), S(R * T);
+  for (int64_t h = 0; h < H; ++h) {
+    const float* qh = q + h * (nope + rope);
+    // q_lat = q_nope W_UK: the key up-projection folded into the query.
+    gemm(false, false, n, kvl, nope, 1.0f, qh, ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f, &lat[h * n * kvl], kvl);
+    for (int64_t j = 0; j < n; ++j) std::memcpy(&qpe[(h * n + j) * rope], qh + j * ldq + nope, rope * sizeof(float));
+  }
+  gemm(false, true, R, T, kvl, d.scale, lat.data(), kvl, c_kv, kvl, 0.0f, S.data(), T);
+  gemm(false, true, R, T, rope, d.scale, qpe.data(), rope, k_pe, rope, 1.0f, S.data(), T);
+  // Causal softmax of each row; row r is query r % n at position past + r % n.
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = &S[r * T];
+    const int64_t visible = past + r % n + 1;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+    double z = 0;
+    for (int64_t t = 0; t < visible; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      z += row[t];
+    }
+    const float inv = static_cast<float>(1.0 / z);
+    for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+    for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+  }
+  // Attend in the latent space, then apply each head's W_UV.
+  gemm(false, false, R, kvl, T, 1.0f, S.data(), T, c_kv, kvl, 0.0f, lat.data(), kvl);
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, true, n, vd, kvl, 1.0f, &lat[h * n * kvl], kvl, w_kvb + (h * (nope + vd) + nope) * kvl, kvl, 0.0f,
+         ctx + h * vd, ldc);
+}
+
+}  // namespace ds::ops
