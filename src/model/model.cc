@@ -1,0 +1,285 @@
+#include "model/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/buffer.h"
+#include "core/error.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+
+namespace ds::model {
+
+FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers) {
+  FlatParams f;
+  int64_t total = 0;
+  for_each_param(cfg, mtp_layers, [&](const ParamInfo& i) { total += i.numel(); });
+  f.data.assign(static_cast<size_t>(total), 0.0f);
+  f.ptr = make_params<float*>(cfg, mtp_layers);
+  int64_t off = 0;
+  for_each_param(
+      cfg, mtp_layers,
+      [&](const ParamInfo& i, float*& p) {
+        p = f.data.data() + off;
+        off += i.numel();
+      },
+      f.ptr);
+  if (cfg.tie_word_embeddings) f.ptr.lm_head = f.ptr.embed;
+  f.view = map_params<ops::WeightView>(cfg, f.ptr, [](const ParamInfo& i, float* const& p) {
+    return f32_view(p, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1);
+  });
+  return f;
+}
+
+void TrainBatch::check(const ModelConfig& cfg) const {
+  const size_t n = static_cast<size_t>(batch * seq);
+  DS_CHECK(batch >= 1 && seq >= 1, "batch: {} rows of {} tokens", batch, seq);
+  DS_CHECK(inputs.size() == n && targets.size() == n && positions.size() == n && segment_ids.size() == n &&
+               target_segment_ids.size() == n,
+           "batch: every field must hold {} x {} values", batch, seq);
+  for (size_t i = 0; i < n; ++i) {
+    DS_CHECK(inputs[i] >= 0 && inputs[i] < cfg.vocab_size && targets[i] >= 0 && targets[i] < cfg.vocab_size,
+             "batch: token id outside the vocabulary of {} at row {}, column {}", cfg.vocab_size,
+             static_cast<int64_t>(i) / seq, static_cast<int64_t>(i) % seq);
+    DS_CHECK(positions[i] >= 0 && positions[i] < cfg.max_position_embeddings,
+             "batch: position {} outside [0, max_position_embeddings {})", positions[i], cfg.max_position_embeddings);
+  }
+}
+
+namespace {
+
+// MaxText's segment-aware left shift: x[i] takes x[i+1], or 0 where i is a
+// row's last column, the segment changes, or i is padding (segment 0).
+std::vector<int32_t> roll_in_segment(const std::vector<int32_t>& x, const std::vector<int32_t>& seg, int64_t B,
+                                     int64_t T) {
+  std::vector<int32_t> y(x.size(), 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i + 1 < T; ++i) {
+      const int64_t a = b * T + i;
+      if (seg[a] != 0 && seg[a] == seg[a + 1]) y[a] = x[a + 1];
+    }
+  return y;
+}
+std::vector<int32_t> roll(const std::vector<int32_t>& x, int64_t B, int64_t T) {
+  std::vector<int32_t> y(x.size(), 0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i + 1 < T; ++i) y[b * T + i] = x[b * T + i + 1];
+  return y;
+}
+
+// The head's loss on normed hidden states hn [N, D]: per-token loss and lse
+// (masked tokens: target -1). Returns sum(mask * xent) and sum(mask * z-term).
+struct HeadLoss {
+  Buffer<float> loss, lse;
+  std::vector<int32_t> targets;  // -1 where masked
+  double ce_sum = 0, z_sum = 0, weight = 0;
+};
+void head_forward(HeadLoss& hl, const float* hn, const ops::WeightView& head, const std::vector<int32_t>& targets,
+                  const std::vector<int32_t>& mask, int64_t N, int64_t D, double zm) {
+  hl.targets.resize(N);
+  for (int64_t t = 0; t < N; ++t) hl.targets[t] = mask[t] != 0 ? targets[t] : -1;
+  hl.loss.resize(N);
+  hl.lse.resize(N);
+  ops::lm_head_cross_entropy_forward(hl.loss.data(), hl.lse.data(), hn, static_cast<const float*>(head.data),
+                                     hl.targets.data(), N, D, head.rows);
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0) continue;
+    const double l = hl.lse[t];
+    hl.ce_sum += hl.loss[t];
+    hl.z_sum += zm * l * l;
+    hl.weight += 1;
+  }
+}
+// d(scale * sum_t mask_t (ce_t + zm lse_t^2)) into dhn (`=`) and the head's gradient.
+void head_backward(float* dhn, float* dhead, const HeadLoss& hl, const float* hn, const ops::WeightView& head,
+                   int64_t N, int64_t D, double zm, double scale) {
+  // d/dz (lse - z_t + zm lse^2) = (1 + a)(softmax - onehot) + a onehot, a = 2 zm lse.
+  Buffer<float> dloss(N);
+  std::vector<double> extra(N, 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0) {
+      dloss[t] = 0.0f;
+      continue;
+    }
+    const double a = 2.0 * zm * hl.lse[t];
+    dloss[t] = static_cast<float>(scale * (1.0 + a));
+    extra[t] = scale * a;
+  }
+  const float* W = static_cast<const float*>(head.data);
+  ops::lm_head_cross_entropy_backward(dhn, dhead, dloss.data(), hn, W, hl.targets.data(), hl.lse.data(), N, D,
+                                      head.rows);
+  if (zm == 0) return;
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0 || extra[t] == 0) continue;
+    const float a = static_cast<float>(extra[t]);
+    const float* w = W + static_cast<int64_t>(hl.targets[t]) * D;
+    for (int64_t d = 0; d < D; ++d) dhn[t * D + d] += a * w[d];
+    if (dhead) {
+      float* dw = dhead + static_cast<int64_t>(hl.targets[t]) * D;
+      for (int64_t d = 0; d < D; ++d) dw[d] += a * hn[t * D + d];
+    }
+  }
+}
+
+float eps(const ModelConfig& c) { return static_cast<float>(c.rms_norm_eps); }
+
+void norm_backward_add(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w,
+                       const float* rstd, int64_t N) {
+  const int64_t D = w.rows;
+  Buffer<float> dn(N * D), scratch;
+  if (!dw) scratch.assign(static_cast<size_t>(D), 0.0f);
+  ops::rmsnorm_backward(dn.data(), dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, N, D);
+  for (int64_t i = 0; i < N * D; ++i) dx[i] += dn[i];
+}
+
+// One MTP depth's forward state.
+struct MtpDepth {
+  std::vector<int32_t> ids, targets, mask;
+  Buffer<float> e, en, erstd, hn_prev, hrstd, x;  // embedding, its norm, previous hidden's norm, eh_proj output
+  LayerSaved saved;
+  Buffer<float> h, hn, hnrstd;  // layer output and its shared_head.norm
+  HeadLoss head;
+};
+
+}  // namespace
+
+LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams<float*>* grads, const TrainBatch& b,
+                        const LossOptions& opt, const RematPolicy& policy) {
+  b.check(cfg);
+  const int64_t B = b.batch, T = b.seq, N = B * T, D = cfg.hidden_size, V = cfg.vocab_size;
+  const int64_t L = cfg.num_hidden_layers, K = opt.mtp_num_layers;
+  DS_CHECK(static_cast<int64_t>(w.mtp.size()) >= K, "mtp_num_layers {} but the parameters hold {} MTP depths", K,
+           w.mtp.size());
+  DS_CHECK(w.embed.dtype == DType::F32 && w.lm_head.dtype == DType::F32, "training needs float32 parameters");
+  StageConfig s(cfg);
+  s.task_parallel_assignments = 0;  // training: always the row-task expert schedule
+  s.load_balance_loss_weight = opt.load_balance_loss_weight;
+  const TokenLayout layout{B, T, b.positions.data(), b.segment_ids.data()};
+  LossTerms out;
+
+  // Forward.
+  Buffer<float> h(N * D);
+  ops::embedding_forward(h.data(), b.inputs.data(), static_cast<const float*>(w.embed.data), N, V, D);
+  std::vector<LayerSaved> saved(static_cast<size_t>(L));
+  std::vector<double> lb;
+  for (int64_t l = 0; l < L; ++l) {
+    LayerStats st;
+    layer_forward(h.data(), w.layers[l], l, s, layout, nullptr, &saved[l], policy, &st);
+    if (cfg.is_moe_layer(l)) {
+      out.expert_load.push_back(st.load);
+      lb.push_back(st.lb_loss);
+    }
+  }
+  Buffer<float> hn(N * D), rstd(N);
+  ops::rmsnorm_forward(hn.data(), rstd.data(), h.data(), vector_data(w.final_norm), N, D, eps(cfg));
+  HeadLoss main;
+  head_forward(main, hn.data(), w.lm_head, b.targets, b.target_segment_ids, N, D, opt.z_loss_multiplier);
+  out.tokens = main.weight;
+  const double denom = main.weight + 1e-8;
+  out.lm_loss = (main.ce_sum + main.z_sum) / denom;
+  out.z_loss = main.z_sum / denom;
+
+  std::vector<MtpDepth> mtp(static_cast<size_t>(K));
+  double mtp_ce = 0, mtp_weight = 0;
+  {
+    std::vector<int32_t> ids = b.inputs, tgt = b.targets, tm(N), seg = b.segment_ids;
+    for (int64_t t = 0; t < N; ++t) tm[t] = b.target_segment_ids[t] != 0;
+    const float* prev = h.data();
+    for (int64_t k = 0; k < K; ++k) {
+      MtpDepth& m = mtp[k];
+      const auto& p = w.mtp[k];
+      ids = roll_in_segment(ids, seg, B, T);
+      tgt = roll_in_segment(tgt, seg, B, T);
+      tm = roll_in_segment(tm, seg, B, T);
+      seg = roll(seg, B, T);
+      m.ids = ids;
+      m.targets = tgt;
+      m.mask = tm;
+      m.e.resize(N * D);
+      m.en.resize(N * D);
+      m.erstd.resize(N);
+      m.hn_prev.resize(N * D);
+      m.hrstd.resize(N);
+      ops::embedding_forward(m.e.data(), ids.data(), static_cast<const float*>(w.embed.data), N, V, D);
+      ops::rmsnorm_forward(m.en.data(), m.erstd.data(), m.e.data(), vector_data(p.enorm), N, D, eps(cfg));
+      ops::rmsnorm_forward(m.hn_prev.data(), m.hrstd.data(), prev, vector_data(p.hnorm), N, D, eps(cfg));
+      m.x.resize(N * 2 * D);  // [enorm(e) | hnorm(h)], embedding first
+      for (int64_t t = 0; t < N; ++t) {
+        std::memcpy(&m.x[t * 2 * D], &m.en[t * D], D * sizeof(float));
+        std::memcpy(&m.x[t * 2 * D + D], &m.hn_prev[t * D], D * sizeof(float));
+      }
+      m.h.resize(N * D);
+      ops::linear_forward(m.h.data(), m.x.data(), p.eh_proj, N);
+      LayerStats st;
+      layer_forward(m.h.data(), p.layer, L + k, s, layout, nullptr, &m.saved, policy, &st);
+      if (cfg.is_moe_layer(L + k)) {
+        out.expert_load.push_back(st.load);
+        lb.push_back(st.lb_loss);
+      }
+      m.hn.resize(N * D);
+      m.hnrstd.resize(N);
+      ops::rmsnorm_forward(m.hn.data(), m.hnrstd.data(), m.h.data(), vector_data(p.head_norm), N, D, eps(cfg));
+      head_forward(m.head, m.hn.data(), w.lm_head, tgt, tm, N, D, 0.0);
+      mtp_ce += m.head.ce_sum;
+      mtp_weight += m.head.weight;
+      prev = m.h.data();
+    }
+  }
+  const double mtp_denom = mtp_weight + 1e-8;
+  if (K > 0) out.mtp_loss = opt.mtp_loss_scaling_factor * mtp_ce / mtp_denom;
+  for (double v : lb) out.moe_lb_loss += v;
+  if (!lb.empty()) out.moe_lb_loss /= static_cast<double>(lb.size());
+  out.loss = out.lm_loss + out.mtp_loss + out.moe_lb_loss;
+  for (const auto& sv : saved) out.saved_bytes += sv.bytes();
+  for (const auto& m : mtp) out.saved_bytes += m.saved.bytes();
+  if (!grads) return out;
+
+  // Backward.
+  ModelParams<float*>& g = *grads;
+  const double dlb = lb.empty() ? 0.0 : 1.0 / static_cast<double>(lb.size());
+  Buffer<float> dh(N * D);  // dL/dh0 (the last main layer's output)
+  std::fill(dh.begin(), dh.end(), 0.0f);
+  {
+    // MTP, deepest first: dnext carries dL/dh_k into depth k's backward.
+    Buffer<float> dnext;
+    for (int64_t k = K - 1; k >= 0; --k) {
+      MtpDepth& m = mtp[k];
+      const auto& p = w.mtp[k];
+      auto& gk = g.mtp[k];
+      Buffer<float> dhk(N * D), dhn(N * D);
+      head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
+                    opt.mtp_loss_scaling_factor / mtp_denom);
+      std::fill(dhk.begin(), dhk.end(), 0.0f);
+      if (!dnext.empty()) std::memcpy(dhk.data(), dnext.data(), N * D * sizeof(float));
+      norm_backward_add(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N);
+      layer_backward(dhk.data(), gk.layer, m.saved, p.layer, L + k, s, layout, dlb);
+      Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
+      ops::linear_backward(dx.data(), gk.eh_proj, dhk.data(), m.x.data(), p.eh_proj, N);
+      for (int64_t t = 0; t < N; ++t) {
+        std::memcpy(&den[t * D], &dx[t * 2 * D], D * sizeof(float));
+        std::memcpy(&dhp[t * D], &dx[t * 2 * D + D], D * sizeof(float));
+      }
+      Buffer<float> de(N * D);
+      std::fill(de.begin(), de.end(), 0.0f);
+      norm_backward_add(de.data(), gk.enorm, den.data(), m.e.data(), p.enorm, m.erstd.data(), N);
+      if (g.embed) ops::embedding_backward(g.embed, de.data(), m.ids.data(), N, V, D);
+      const float* prev = k == 0 ? h.data() : mtp[k - 1].h.data();
+      dnext.resize(N * D);
+      std::fill(dnext.begin(), dnext.end(), 0.0f);
+      norm_backward_add(dnext.data(), gk.hnorm, dhp.data(), prev, p.hnorm, m.hrstd.data(), N);
+    }
+    if (!dnext.empty()) std::memcpy(dh.data(), dnext.data(), N * D * sizeof(float));
+  }
+  {
+    Buffer<float> dhn(N * D);
+    head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, 1.0 / denom);
+    norm_backward_add(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N);
+  }
+  for (int64_t l = L - 1; l >= 0; --l) layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);
+  if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);
+  return out;
+}
+
+}  // namespace ds::model

@@ -1,0 +1,69 @@
+// The training loss of a DeepSeek model and its gradient, from the same
+// stage functions and layer forward that generation runs.
+//
+//   h0 = layers(embed(inputs))                       (positions, segment ids)
+//   lm_loss = sum_t mask_t (lse_t - z_t[target_t] + z_loss_multiplier lse_t^2) / (sum mask + 1e-8)
+//   mtp: depth k = 1..D (Hugging Face layout, layer num_hidden_layers + k - 1):
+//     x_k = eh_proj([enorm(embed(ids rolled k)) | hnorm(h_{k-1})]),  h_k = layer(x_k)
+//     mtp_loss = factor * sum_k sum_t mask_k CE(lm_head(shared_head.norm(h_k))) / (sum_k sum mask_k + 1e-8)
+//   moe_lb_loss = mean over MoE layers (MTP ones too) of the layer's balance loss
+//   loss = lm_loss + mtp_loss + moe_lb_loss
+// as MaxText defines them (the rolls are its segment-aware ones), except that
+// an MTP depth's logits go through the checkpoint's own shared_head.norm.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/config.h"
+#include "model/layer.h"
+#include "model/params.h"
+#include "model/weights.h"
+
+namespace ds::model {
+
+// Float32 parameters (or gradients, or optimizer moments) in one buffer,
+// laid out in the parameter tree's walk order.
+struct FlatParams {
+  std::vector<float> data;
+  ModelParams<float*> ptr;  // into data; a tied LM head points at the embedding
+  ParamsView view;          // float32 views of the same memory
+
+  FlatParams() = default;
+  FlatParams(const FlatParams&) = delete;
+  FlatParams& operator=(const FlatParams&) = delete;
+  FlatParams(FlatParams&&) = default;
+  FlatParams& operator=(FlatParams&&) = default;
+
+  static FlatParams zeros(const ModelConfig& cfg, int64_t mtp_layers);
+};
+
+// One batch of `batch` rows of `seq` tokens, [batch * seq] each.
+struct TrainBatch {
+  int64_t batch = 0, seq = 0;
+  std::vector<int32_t> inputs, targets, positions, segment_ids;
+  std::vector<int32_t> target_segment_ids;  // 0: the target does not count (padding, end of document)
+  void check(const ModelConfig& cfg) const;
+};
+
+struct LossOptions {
+  double z_loss_multiplier = 0.0;
+  double load_balance_loss_weight = 0.0;
+  int64_t mtp_num_layers = 0;
+  double mtp_loss_scaling_factor = 0.1;
+};
+
+struct LossTerms {
+  double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0, moe_lb_loss = 0;
+  double tokens = 0;                              // targets counted by lm_loss
+  std::vector<std::vector<int64_t>> expert_load;  // per MoE layer (main, then MTP): assignments per expert
+  size_t saved_bytes = 0;                         // residuals held at the end of the forward
+};
+
+// The loss of `batch`; with grads, also adds dloss/dparam into it (the
+// routing bias gets none). `policy` decides which residuals the forward
+// keeps; the gradients do not depend on it.
+LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams<float*>* grads,
+                        const TrainBatch& batch, const LossOptions& opt, const RematPolicy& policy);
+
+}  // namespace ds::model
