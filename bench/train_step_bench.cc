@@ -1,0 +1,89 @@
+// One training step (forward + backward of model::loss_and_grad) of the
+// `tiny` and `small` presets per remat policy: tokens/s, the residual bytes
+// the forward keeps (counter saved_MiB), and model TFLOP/s by MaxText's
+// accounting (6 x parameters touched per token, plus causal attention).
+//
+//   ./build/bench/train_step_bench --benchmark_min_time=2
+#include <string>
+#include <vector>
+
+#include "bench_main.h"
+#include "core/rng.h"
+#include "model/config.h"
+#include "model/model.h"
+
+namespace {
+
+using namespace ds;
+
+std::string preset(const char* name) { return std::string(DEEPSEEK_SOURCE_DIR) + "/configs/" + name + ".yml"; }
+
+// MaxText's per-step TFLOPs (MAXTEXT_TRAINING_FACTS.md section 6, no MTP):
+// 6 x the matmul parameters each token meets, plus 3 x causal attention.
+double step_flops(const model::ModelConfig& c, int64_t B, int64_t T) {
+  const double D = c.hidden_size, H = c.num_attention_heads, tok = double(B) * T;
+  const double nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim;
+  auto ffn = [&](double F) { return 3 * F * D; };
+  double per_token = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    per_token += c.q_lora_rank > 0 ? D * c.q_lora_rank + c.q_lora_rank * H * (nope + rope) : D * H * (nope + rope);
+    per_token += D * (c.kv_lora_rank + rope) + c.kv_lora_rank * H * (nope + vd) + D * H * vd;
+    if (c.is_moe_layer(l))
+      per_token +=
+          D * c.n_routed_experts + (c.n_shared_experts + c.num_experts_per_tok) * ffn(double(c.moe_intermediate_size));
+    else
+      per_token += ffn(double(c.intermediate_size));
+  }
+  per_token += D * c.vocab_size;
+  const double attn = 2.0 * tok * T * H * (nope + rope + vd) / 2 * c.num_hidden_layers;
+  return 3 * (2 * tok * per_token + attn);
+}
+
+void TrainStep(benchmark::State& state, const char* name, const char* policy) {
+  const auto cfg = model::ModelConfig::from_yaml_file(preset(name));
+  const int64_t B = state.range(0), T = state.range(1);
+  model::FlatParams p = model::FlatParams::zeros(cfg, 0);
+  fill_normal(p.data.data(), static_cast<int64_t>(p.data.size()), 0.02f, 1);
+  model::for_each_param(
+      cfg, 0,
+      [&](const model::ParamInfo& i, float* w) {
+        if (i.role == model::ParamRole::Norm) std::fill(w, w + i.numel(), 1.0f);
+        if (i.role == model::ParamRole::RoutingBias) std::fill(w, w + i.numel(), 0.0f);
+      },
+      p.ptr);
+  model::FlatParams g = model::FlatParams::zeros(cfg, 0);
+  model::TrainBatch b;
+  b.batch = B;
+  b.seq = T;
+  const Philox rng(7);
+  for (int64_t i = 0; i < B * T; ++i) {
+    b.inputs.push_back(static_cast<int32_t>(rng.u32(2 * i) % cfg.vocab_size));
+    b.targets.push_back(static_cast<int32_t>(rng.u32(2 * i + 1) % cfg.vocab_size));
+    b.positions.push_back(static_cast<int32_t>(i % T));
+    b.segment_ids.push_back(1);
+    b.target_segment_ids.push_back(1);
+  }
+  const auto rp = model::RematPolicy::from_name(policy);
+  model::LossTerms t;
+  for (auto _ : state) {
+    t = model::loss_and_grad(cfg, p.view, &g.ptr, b, {}, rp);
+    benchmark::DoNotOptimize(g.data.data());
+  }
+  state.counters["tokens_per_s"] = benchmark::Counter(double(B * T), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["TFLOP_per_s"] =
+      benchmark::Counter(step_flops(cfg, B, T) / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["saved_MiB"] = double(t.saved_bytes) / (1 << 20);
+}
+
+void register_all() {
+  for (const char* name : {"tiny", "small"})
+    for (const char* policy : {"full", "minimal", "save_dot_except_mlp", "save_qkv_proj"}) {
+      auto* b = benchmark::RegisterBenchmark((std::string("TrainStep/") + name + "/" + policy).c_str(), TrainStep, name,
+                                             policy);
+      b->Args({8, 128})->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) { return ds::bench::bench_main(argc, argv, register_all); }
