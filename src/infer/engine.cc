@@ -1,9 +1,7 @@
 #include "infer/engine.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "core/buffer.h"
 #include "core/error.h"
@@ -108,20 +106,7 @@ class CacheAttention : public model::KvAttention {
         Buffer<float> S(n * T);
         ops::gemm(false, true, n, T, qk, s.softmax_scale, q + (r0 * H + h) * qk, H * qk, sc.k[layer].data() + h * qk,
                   H * qk, 0.0f, S.data(), T);
-        for (int64_t j = 0; j < n; ++j) {
-          float* row = &S[j * T];
-          const int64_t visible = P + j + 1;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-          double z = 0;
-          for (int64_t t = 0; t < visible; ++t) {
-            row[t] = std::exp(row[t] - mx);
-            z += row[t];
-          }
-          const float inv = static_cast<float>(1.0 / z);
-          for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-          for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
-        }
+        ops::causal_softmax_rows(S.data(), n, n, P, T);
         ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
                   ctx + (r0 * H + h) * vd, H * vd);
       }

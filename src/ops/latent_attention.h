@@ -33,4 +33,9 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
                               const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
                               const LatentAttentionDims& d);
 
+// Causal softmax in place of score rows S [rows, T] (row stride T): row r is
+// query r % n at position past + r % n and sees keys 0..past + r % n; the
+// rest of the row becomes 0. Shared by the latent and the naive cache paths.
+void causal_softmax_rows(float* S, int64_t rows, int64_t n, int64_t past, int64_t T);
+
 }  // namespace ds::ops

@@ -15,6 +15,23 @@
 
 namespace ds::ops {
 
+void causal_softmax_rows(float* S, int64_t rows, int64_t n, int64_t past, int64_t T) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = S + r * T;
+    const int64_t visible = past + r % n + 1;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
+    double z = 0;
+    for (int64_t t = 0; t < visible; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      z += row[t];
+    }
+    const float inv = static_cast<float>(1.0 / z);
+    for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
+    for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
+  }
+}
+
 void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
                               const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
                               const LatentAttentionDims& d) {
@@ -34,21 +51,7 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
   }
   gemm(false, true, R, T, kvl, d.scale, lat.data(), kvl, c_kv, kvl, 0.0f, S.data(), T);
   gemm(false, true, R, T, rope, d.scale, qpe.data(), rope, k_pe, rope, 1.0f, S.data(), T);
-  // Causal softmax of each row; row r is query r % n at position past + r % n.
-  for (int64_t r = 0; r < R; ++r) {
-    float* row = &S[r * T];
-    const int64_t visible = past + r % n + 1;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < visible; ++t) mx = std::max(mx, row[t]);
-    double z = 0;
-    for (int64_t t = 0; t < visible; ++t) {
-      row[t] = std::exp(row[t] - mx);
-      z += row[t];
-    }
-    const float inv = static_cast<float>(1.0 / z);
-    for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
-    for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
-  }
+  causal_softmax_rows(S.data(), R, n, past, T);
   // Attend in the latent space, then apply each head's W_UV.
   gemm(false, false, R, kvl, T, 1.0f, S.data(), T, c_kv, kvl, 0.0f, lat.data(), kvl);
   for (int64_t h = 0; h < H; ++h)
