@@ -62,14 +62,14 @@ class CacheAttention : public model::KvAttention {
         sc.c_kv[layer].insert(sc.c_kv[layer].end(), ckv + r0 * kvl, ckv + (r0 + n) * kvl);
         sc.k_pe[layer].insert(sc.k_pe[layer].end(), kpe + r0 * rope, kpe + (r0 + n) * rope);
       } else {
-        sc.k[layer].insert(sc.k[layer].end(), &kfull[r0 * H * qk], &kfull[(r0 + n) * H * qk]);
-        sc.v[layer].insert(sc.v[layer].end(), &vfull[r0 * H * vd], &vfull[(r0 + n) * H * vd]);
+        sc.k[layer].insert(sc.k[layer].end(), kfull.data() + r0 * H * qk, kfull.data() + (r0 + n) * H * qk);
+        sc.v[layer].insert(sc.v[layer].end(), vfull.data() + r0 * H * vd, vfull.data() + (r0 + n) * H * vd);
       }
       if (sq.past == 0) {
         Buffer<float> lse(H * n);
         ops::AttentionDims d{1, n, H, qk, vd, s.softmax_scale};
-        ops::attention_forward(ctx + r0 * H * vd, lse.data(), q + r0 * H * qk, &kfull[r0 * H * qk], &vfull[r0 * H * vd],
-                               nullptr, d);
+        ops::attention_forward(ctx + r0 * H * vd, lse.data(), q + r0 * H * qk, kfull.data() + r0 * H * qk,
+                               vfull.data() + r0 * H * vd, nullptr, d);
         continue;
       }
       cont.push_back(&sq);

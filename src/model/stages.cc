@@ -128,8 +128,8 @@ void kv_projection_backward(float* dx, AttentionParams<float*>& g, float* d_mla_
   ops::rope_backward(dk_pe, dk_pe, positions, s.rope_freqs.data(), N, 1, rope, rope, rope,
                      ops::RopeLayout::Interleaved);
   for (int64_t t = 0; t < N; ++t) {
-    std::memcpy(&dkva[t * W], &dlatent[t * kvl], kvl * sizeof(float));
-    std::memcpy(&dkva[t * W + kvl], dk_pe + t * rope, rope * sizeof(float));
+    std::memcpy(dkva.data() + t * W, dlatent.data() + t * kvl, kvl * sizeof(float));
+    std::memcpy(dkva.data() + t * W + kvl, dk_pe + t * rope, rope * sizeof(float));
   }
   ops::linear_backward(dx, g.kv_a, dkva.data(), x, p.kv_a, N, true);
 }

@@ -47,7 +47,8 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
     const float* qh = q + h * (nope + rope);
     // q_lat = q_nope W_UK: the key up-projection folded into the query.
     gemm(false, false, n, kvl, nope, 1.0f, qh, ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f, &lat[h * n * kvl], kvl);
-    for (int64_t j = 0; j < n; ++j) std::memcpy(&qpe[(h * n + j) * rope], qh + j * ldq + nope, rope * sizeof(float));
+    for (int64_t j = 0; j < n; ++j)
+      std::memcpy(qpe.data() + (h * n + j) * rope, qh + j * ldq + nope, rope * sizeof(float));
   }
   gemm(false, true, R, T, kvl, d.scale, lat.data(), kvl, c_kv, kvl, 0.0f, S.data(), T);
   gemm(false, true, R, T, rope, d.scale, qpe.data(), rope, k_pe, rope, 1.0f, S.data(), T);
