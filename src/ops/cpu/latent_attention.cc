@@ -47,7 +47,7 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
     const float* qh = q + h * (nope + rope);
     // q_lat = q_nope W_UK: the key up-projection folded into the query.
     gemm(false, false, n, kvl, nope, 1.0f, qh, ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f, &lat[h * n * kvl], kvl);
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = 0; j < n && rope > 0; ++j)
       std::memcpy(qpe.data() + (h * n + j) * rope, qh + j * ldq + nope, rope * sizeof(float));
   }
   gemm(false, true, R, T, kvl, d.scale, lat.data(), kvl, c_kv, kvl, 0.0f, S.data(), T);
