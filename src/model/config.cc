@@ -3,13 +3,13 @@
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
-#include <initializer_list>
-#include <type_traits>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "core/error.h"
 
@@ -110,8 +110,10 @@ int64_t ModelConfig::parameter_count() const {
   const int64_t D = hidden_size, H = num_attention_heads, layers = num_hidden_layers + num_nextn_predict_layers;
   add({vocab_size, D}, tie_word_embeddings ? 1 : 2);
   for (int64_t l = 0; l < layers; ++l) {
-    if (q_lora_rank > 0) add({q_lora_rank, D + H * qk_head_dim()});
-    else add({H * qk_head_dim(), D});
+    if (q_lora_rank > 0)
+      add({q_lora_rank, D + H * qk_head_dim()});
+    else
+      add({H * qk_head_dim(), D});
     add({kv_lora_rank + qk_rope_head_dim, D});
     add({H * (qk_nope_head_dim + v_head_dim), kv_lora_rank});
     add({H * v_head_dim, D});
@@ -134,8 +136,10 @@ void ModelConfig::validate() const {
     DS_CHECK(v <= limit, "config: {} = {} is above the supported limit of {}", k, v, limit);
   };
   auto finite = [](double v, const char* k) {
-    DS_CHECK(std::isfinite(v) && std::fabs(v) <= limits::kMaxFloat, "config: {} = {} is not a finite number of "
-                                                                    "sensible size", k, v);
+    DS_CHECK(std::isfinite(v) && std::fabs(v) <= limits::kMaxFloat,
+             "config: {} = {} is not a finite number of "
+             "sensible size",
+             k, v);
   };
   at_most(vocab_size, limits::kVocab, "vocab_size");
   at_most(hidden_size, limits::kHidden, "hidden_size");
@@ -190,9 +194,10 @@ void ModelConfig::validate() const {
     DS_CHECK(rope_scaling.factor >= 1.0, "config: rope_scaling.factor must be >= 1, got {}", rope_scaling.factor);
     DS_CHECK(rope_scaling.original_max_position_embeddings > 0,
              "config: rope_scaling.original_max_position_embeddings must be positive");
-    DS_CHECK(rope_scaling.beta_fast > 0 && rope_scaling.beta_slow > 0 && rope_scaling.beta_fast > rope_scaling.beta_slow,
-             "config: rope_scaling needs beta_fast > beta_slow > 0 (got {} and {})", rope_scaling.beta_fast,
-             rope_scaling.beta_slow);
+    DS_CHECK(
+        rope_scaling.beta_fast > 0 && rope_scaling.beta_slow > 0 && rope_scaling.beta_fast > rope_scaling.beta_slow,
+        "config: rope_scaling needs beta_fast > beta_slow > 0 (got {} and {})", rope_scaling.beta_fast,
+        rope_scaling.beta_slow);
     // Hugging Face multiplies cos/sin by mscale(mscale)/mscale(mscale_all_dim);
     // every DeepSeek checkpoint has the two equal, so the ratio is 1.
     DS_CHECK(yarn_mscale(rope_scaling.factor, rope_scaling.mscale) ==
@@ -213,8 +218,8 @@ void ModelConfig::validate() const {
              "config: num_experts_per_tok {} must be in [1, n_routed_experts={}]", num_experts_per_tok,
              n_routed_experts);
     DS_CHECK(n_shared_experts >= 0, "config: n_shared_experts must be non-negative");
-    DS_CHECK(n_group >= 1 && n_routed_experts % n_group == 0,
-             "config: n_group {} must divide n_routed_experts {}", n_group, n_routed_experts);
+    DS_CHECK(n_group >= 1 && n_routed_experts % n_group == 0, "config: n_group {} must divide n_routed_experts {}",
+             n_group, n_routed_experts);
     DS_CHECK(topk_group >= 1 && topk_group <= n_group, "config: topk_group {} must be in [1, n_group={}]", topk_group,
              n_group);
     if (topk_method != TopkMethod::Greedy) {
@@ -224,8 +229,9 @@ void ModelConfig::validate() const {
                n_routed_experts / n_group, num_experts_per_tok);
     }
     if (topk_method == TopkMethod::NoauxTc)
-      DS_CHECK(n_routed_experts / n_group >= 2, "config: noaux_tc scores a group by its top-2, so groups need >= 2 "
-                                                 "experts (n_routed_experts {}, n_group {})",
+      DS_CHECK(n_routed_experts / n_group >= 2,
+               "config: noaux_tc scores a group by its top-2, so groups need >= 2 "
+               "experts (n_routed_experts {}, n_group {})",
                n_routed_experts, n_group);
     DS_CHECK(routed_scaling_factor > 0, "config: routed_scaling_factor must be positive, got {}",
              routed_scaling_factor);
@@ -234,8 +240,8 @@ void ModelConfig::validate() const {
   if (index_n_heads > 0) {
     positive(index_head_dim, "index_head_dim");
     positive(index_topk, "index_topk");
-    DS_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim {} must hold the rope part {}",
-             index_head_dim, qk_rope_head_dim);
+    DS_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim {} must hold the rope part {}", index_head_dim,
+             qk_rope_head_dim);
   }
   DS_CHECK(bos_token_id >= 0 && bos_token_id < vocab_size && eos_token_id >= 0 && eos_token_id < vocab_size,
            "config: bos/eos token ids ({}, {}) outside the vocabulary of {}", bos_token_id, eos_token_id, vocab_size);
@@ -246,8 +252,10 @@ void ModelConfig::validate() const {
     DS_CHECK(index_topk <= max_position_embeddings, "config: index_topk {} exceeds max_position_embeddings {}",
              index_topk, max_position_embeddings);
   const int64_t params = parameter_count();
-  DS_CHECK(params <= limits::kParameters, "config: the model would have {} or more parameters, above the supported "
-                                          "limit of {}", params, limits::kParameters);
+  DS_CHECK(params <= limits::kParameters,
+           "config: the model would have {} or more parameters, above the supported "
+           "limit of {}",
+           params, limits::kParameters);
 }
 
 ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::string& src) {
@@ -272,8 +280,9 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   c.num_hidden_layers = get<int64_t>(j, "num_hidden_layers", src);
   c.num_attention_heads = get<int64_t>(j, "num_attention_heads", src);
   const int64_t kv_heads = get_or<int64_t>(j, "num_key_value_heads", c.num_attention_heads, src);
-  DS_CHECK(kv_heads == c.num_attention_heads, "{}: num_key_value_heads {} differs from num_attention_heads {}; MLA "
-                                              "has one latent shared by all heads",
+  DS_CHECK(kv_heads == c.num_attention_heads,
+           "{}: num_key_value_heads {} differs from num_attention_heads {}; MLA "
+           "has one latent shared by all heads",
            src, kv_heads, c.num_attention_heads);
   c.q_lora_rank = get_or<int64_t>(j, "q_lora_rank", 0, src);
   c.kv_lora_rank = get<int64_t>(j, "kv_lora_rank", src);
@@ -285,8 +294,8 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const json& r = j["rope_scaling"];
     DS_CHECK(r.is_object(), "{}: rope_scaling must be an object or null", src);
-    std::string type = r.contains("type") ? get<std::string>(r, "type", src)
-                                          : get_or<std::string>(r, "rope_type", "", src);
+    std::string type =
+        r.contains("type") ? get<std::string>(r, "type", src) : get_or<std::string>(r, "rope_type", "", src);
     DS_CHECK(type == "yarn", "{}: rope_scaling type '{}' is not supported (yarn)", src, type);
     c.rope_scaling.enabled = true;
     c.rope_scaling.factor = get<double>(r, "factor", src);
@@ -304,14 +313,21 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   c.n_group = get_or<int64_t>(j, "n_group", v2 ? 1 : 8, src);
   c.topk_group = get_or<int64_t>(j, "topk_group", v2 ? 1 : 4, src);
   const std::string tm = get_or<std::string>(j, "topk_method", v2 ? "greedy" : "noaux_tc", src);
-  if (tm == "noaux_tc") c.topk_method = TopkMethod::NoauxTc;
-  else if (tm == "group_limited_greedy") c.topk_method = TopkMethod::GroupLimitedGreedy;
-  else if (tm == "greedy") c.topk_method = TopkMethod::Greedy;
-  else DS_FAIL("{}: topk_method '{}' is not supported (noaux_tc, group_limited_greedy, greedy)", src, tm);
+  if (tm == "noaux_tc")
+    c.topk_method = TopkMethod::NoauxTc;
+  else if (tm == "group_limited_greedy")
+    c.topk_method = TopkMethod::GroupLimitedGreedy;
+  else if (tm == "greedy")
+    c.topk_method = TopkMethod::Greedy;
+  else
+    DS_FAIL("{}: topk_method '{}' is not supported (noaux_tc, group_limited_greedy, greedy)", src, tm);
   const std::string sf = get_or<std::string>(j, "scoring_func", v2 ? "softmax" : "sigmoid", src);
-  if (sf == "sigmoid") c.scoring_func = ScoringFunc::Sigmoid;
-  else if (sf == "softmax") c.scoring_func = ScoringFunc::Softmax;
-  else DS_FAIL("{}: scoring_func '{}' is not supported (sigmoid, softmax)", src, sf);
+  if (sf == "sigmoid")
+    c.scoring_func = ScoringFunc::Sigmoid;
+  else if (sf == "softmax")
+    c.scoring_func = ScoringFunc::Softmax;
+  else
+    DS_FAIL("{}: scoring_func '{}' is not supported (sigmoid, softmax)", src, sf);
   c.norm_topk_prob = get_or<bool>(j, "norm_topk_prob", !v2, src);
   c.routed_scaling_factor = get_or<double>(j, "routed_scaling_factor", v2 ? 1.0 : 2.5, src);
   c.first_k_dense_replace = get_or<int64_t>(j, "first_k_dense_replace", v2 ? 0 : 3, src);
@@ -355,9 +371,18 @@ namespace {
 using Setter = void (*)(ModelConfig&, const YAML::Node&);
 const std::map<std::string, Setter>& yaml_keys() {
   static const std::map<std::string, Setter> keys = {
-#define DS_INT(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<int64_t>(); }}
-#define DS_DBL(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<double>(); }}
-#define DS_BOOL(key, field) {key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<bool>(); }}
+#define DS_INT(key, field)                                                      \
+  {                                                                             \
+    key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<int64_t>(); } \
+  }
+#define DS_DBL(key, field)                                                     \
+  {                                                                            \
+    key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<double>(); } \
+  }
+#define DS_BOOL(key, field)                                                  \
+  {                                                                          \
+    key, [](ModelConfig& c, const YAML::Node& n) { c.field = n.as<bool>(); } \
+  }
       DS_INT("vocab_size", vocab_size),
       DS_INT("base_emb_dim", hidden_size),
       DS_INT("base_mlp_dim", intermediate_size),
@@ -375,7 +400,8 @@ const std::map<std::string, Setter>& yaml_keys() {
       DS_DBL("rope_factor", rope_scaling.factor),
       DS_DBL("beta_fast", rope_scaling.beta_fast),
       DS_DBL("beta_slow", rope_scaling.beta_slow),
-      {"mscale", [](ModelConfig& c, const YAML::Node& n) { c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = n.as<double>(); }},
+      {"mscale", [](ModelConfig& c,
+                    const YAML::Node& n) { c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = n.as<double>(); }},
       DS_INT("num_experts", n_routed_experts),
       DS_INT("shared_experts", n_shared_experts),
       DS_INT("num_experts_per_tok", num_experts_per_tok),
@@ -394,22 +420,29 @@ const std::map<std::string, Setter>& yaml_keys() {
 #undef DS_INT
 #undef DS_DBL
 #undef DS_BOOL
-      {"routed_score_func", [](ModelConfig& c, const YAML::Node& n) {
+      {"routed_score_func",
+       [](ModelConfig& c, const YAML::Node& n) {
          const auto s = n.as<std::string>();
          DS_CHECK(s == "sigmoid" || s == "softmax", "routed_score_func '{}' is not sigmoid or softmax", s);
          c.scoring_func = s == "sigmoid" ? ScoringFunc::Sigmoid : ScoringFunc::Softmax;
        }},
-      {"topk_method", [](ModelConfig& c, const YAML::Node& n) {
+      {"topk_method",
+       [](ModelConfig& c, const YAML::Node& n) {
          const auto s = n.as<std::string>();
-         if (s == "noaux_tc") c.topk_method = TopkMethod::NoauxTc;
-         else if (s == "group_limited_greedy") c.topk_method = TopkMethod::GroupLimitedGreedy;
-         else if (s == "greedy") c.topk_method = TopkMethod::Greedy;
-         else DS_FAIL("topk_method '{}' is not noaux_tc, group_limited_greedy or greedy", s);
+         if (s == "noaux_tc")
+           c.topk_method = TopkMethod::NoauxTc;
+         else if (s == "group_limited_greedy")
+           c.topk_method = TopkMethod::GroupLimitedGreedy;
+         else if (s == "greedy")
+           c.topk_method = TopkMethod::Greedy;
+         else
+           DS_FAIL("topk_method '{}' is not noaux_tc, group_limited_greedy or greedy", s);
        }},
       {"norm_topk_prob", [](ModelConfig& c, const YAML::Node& n) { c.norm_topk_prob = n.as<bool>(); }},
       {"use_yarn", [](ModelConfig& c, const YAML::Node& n) { c.rope_scaling.enabled = n.as<bool>(); }},
       {"model_type", [](ModelConfig& c, const YAML::Node& n) { c.model_type = n.as<std::string>(); }},
-      {"decoder_block", [](ModelConfig&, const YAML::Node& n) {
+      {"decoder_block",
+       [](ModelConfig&, const YAML::Node& n) {
          DS_CHECK(n.as<std::string>() == "deepseek", "decoder_block '{}' is not supported (deepseek)",
                   n.as<std::string>());
        }},

@@ -122,21 +122,36 @@ size_t LayerSaved::bytes() const {
   return n;
 }
 
+namespace {
+
+// The balance loss's per-row statistics: f[e] = top-k hits of row b / T, and
+// p(t) = softmax over experts of scores[t] + bias (MaxText's form).
+void hits(std::vector<double>& f, const Routing& r, int64_t b, int64_t T) {
+  std::fill(f.begin(), f.end(), 0.0);
+  for (int64_t t = b * T; t < (b + 1) * T; ++t)
+    for (int64_t j = 0; j < r.k; ++j) f[r.experts[t * r.k + j]] += 1.0 / T;
+}
+void probs(std::vector<double>& p, const Routing& r, const float* bias, int64_t t) {
+  const int64_t E = static_cast<int64_t>(p.size());
+  double mx = -INFINITY, z = 0;
+  for (int64_t e = 0; e < E; ++e) mx = std::max(mx, double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0));
+  for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0) - mx));
+  for (int64_t e = 0; e < E; ++e) p[e] /= z;
+}
+
+}  // namespace
+
 double balance_loss(const Routing& r, const float* bias, int64_t B, int64_t T, double w) {
-  // MaxText: p = softmax over experts of (scores + bias), f[b,e] = top-k hits
-  // of row b / T, P[b,e] = mean over the row of p; loss = w * E^2 * mean(f * P).
-  const int64_t E = static_cast<int64_t>(r.sizes.size()), K = r.k;
+  // loss = w * E^2 * mean_{b,e}(f * P), P[b,e] = mean over the row of p.
+  const int64_t E = static_cast<int64_t>(r.sizes.size());
   double total = 0;
   std::vector<double> f(E), P(E), p(E);
   for (int64_t b = 0; b < B; ++b) {
-    std::fill(f.begin(), f.end(), 0.0);
+    hits(f, r, b, T);
     std::fill(P.begin(), P.end(), 0.0);
     for (int64_t t = b * T; t < (b + 1) * T; ++t) {
-      for (int64_t j = 0; j < K; ++j) f[r.experts[t * K + j]] += 1.0 / T;
-      double mx = -INFINITY, z = 0;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0));
-      for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0) - mx));
-      for (int64_t e = 0; e < E; ++e) P[e] += p[e] / z / T;
+      probs(p, r, bias, t);
+      for (int64_t e = 0; e < E; ++e) P[e] += p[e] / T;
     }
     for (int64_t e = 0; e < E; ++e) total += f[e] * P[e];
   }
@@ -148,21 +163,17 @@ namespace {
 // d(balance loss)/d(scores) [N, E] scaled by dloss (the bias is a constant).
 void balance_loss_backward(float* dscores, const Routing& r, const float* bias, int64_t B, int64_t T, double w,
                            double dloss) {
-  const int64_t E = static_cast<int64_t>(r.sizes.size()), K = r.k;
+  const int64_t E = static_cast<int64_t>(r.sizes.size());
+  // dL/dp_e = c f_e with c = dloss w E / (B T); then the softmax backward.
+  const double c = dloss * w * double(E) / double(B) / double(T);
   std::vector<double> f(E), p(E);
   for (int64_t b = 0; b < B; ++b) {
-    std::fill(f.begin(), f.end(), 0.0);
-    for (int64_t t = b * T; t < (b + 1) * T; ++t)
-      for (int64_t j = 0; j < K; ++j) f[r.experts[t * K + j]] += 1.0 / T;
+    hits(f, r, b, T);
     for (int64_t t = b * T; t < (b + 1) * T; ++t) {
-      double mx = -INFINITY, z = 0;
-      for (int64_t e = 0; e < E; ++e) mx = std::max(mx, double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0));
-      for (int64_t e = 0; e < E; ++e) z += (p[e] = std::exp(double(r.scores[t * E + e]) + (bias ? bias[e] : 0.0) - mx));
-      // dL/dp_e = c f_e with c = dloss w E / (B T); softmax backward.
-      const double c = dloss * w * double(E) / double(B) / double(T);
+      probs(p, r, bias, t);
       double dot = 0;
-      for (int64_t e = 0; e < E; ++e) dot += c * f[e] * (p[e] / z);
-      for (int64_t e = 0; e < E; ++e) dscores[t * E + e] = static_cast<float>((p[e] / z) * (c * f[e] - dot));
+      for (int64_t e = 0; e < E; ++e) dot += c * f[e] * p[e];
+      for (int64_t e = 0; e < E; ++e) dscores[t * E + e] = static_cast<float>(p[e] * (c * f[e] - dot));
     }
   }
 }
@@ -181,7 +192,8 @@ struct Scratch {
 bool need(const Buffer<float>& b) { return b.empty(); }
 
 // Computes every residual of `S` that is empty (all of them on a forward)
-// plus the scratch. With h_out, also the layer output h2 (forward). The
+// plus the scratch. With h_out, also the layer output h2 (forward); h_out
+// may be h, which is last read when h1 is formed. The
 // residuals that only a forward needs (out_proj after h1 exists, mlpwo) are
 // skipped on a recompute.
 void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
@@ -338,15 +350,12 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
   LayerSaved local;
   LayerSaved& S = saved ? *saved : local;
   S = LayerSaved{};
+  if (saved) S.decoder_layer_input.assign(h, h + N * D);
   Scratch X;
-  Buffer<float> out(N * D);
-  run_layer(S, X, out.data(), h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
-            stats ? &stats->lb_loss : nullptr, saved != nullptr);
-  if (saved) {
-    S.decoder_layer_input.assign(h, h + N * D);
-    drop(S, keep);
-  }
-  std::memcpy(h, out.data(), N * D * sizeof(float));
+  // In place: run_layer reads h only before it writes the output.
+  run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr, stats ? &stats->lb_loss : nullptr,
+            saved != nullptr);
+  if (saved) drop(S, keep);
 }
 
 void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer, const StageConfig& s,
@@ -388,14 +397,7 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
                               X.m.data(), p.moe, s);
   }
   // Post-attention norm: dh1 = dh2 + norm'(dm).
-  {
-    Buffer<float> dn(N * D), dw;
-    float* gw = g.post_attention_norm;
-    if (!gw) dw.assign(static_cast<size_t>(D), 0.0f);
-    ops::rmsnorm_backward(dn.data(), gw ? gw : dw.data(), dm.data(), X.h1.data(), vector_data(p.post_attention_norm),
-                          X.rstd2.data(), N, D);
-    for (int64_t i = 0; i < N * D; ++i) dh[i] += dn[i];
-  }
+  norm_backward(dh, g.post_attention_norm, dm.data(), X.h1.data(), p.post_attention_norm, X.rstd2.data(), N, true);
   // MLA: dh1 is dL/d(out_proj).
   const auto& a = p.attn;
   Buffer<float> dctx(N * H * vd), dq(N * H * qk), dk(N * H * qk), dv(N * H * vd);
@@ -411,14 +413,7 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
   query_projection_backward(dx.data(), g.attn, dq.data(), S.query_wa_proj.data(), S.mla_q.data(), S.q_rstd.data(),
                             X.x.data(), a, s, layout.positions, N);
   // Input norm: dh = dh1 + norm'(dx).
-  {
-    Buffer<float> dn(N * D), dw;
-    float* gw = g.input_norm;
-    if (!gw) dw.assign(static_cast<size_t>(D), 0.0f);
-    ops::rmsnorm_backward(dn.data(), gw ? gw : dw.data(), dx.data(), h, vector_data(p.input_norm), X.rstd1.data(), N,
-                          D);
-    for (int64_t i = 0; i < N * D; ++i) dh[i] += dn[i];
-  }
+  norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
   S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
 }
 

@@ -125,15 +125,6 @@ void head_backward(float* dhn, float* dhead, const HeadLoss& hl, const float* hn
 
 float eps(const ModelConfig& c) { return static_cast<float>(c.rms_norm_eps); }
 
-void norm_backward_add(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w,
-                       const float* rstd, int64_t N) {
-  const int64_t D = w.rows;
-  Buffer<float> dn(N * D), scratch;
-  if (!dw) scratch.assign(static_cast<size_t>(D), 0.0f);
-  ops::rmsnorm_backward(dn.data(), dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, N, D);
-  for (int64_t i = 0; i < N * D; ++i) dx[i] += dn[i];
-}
-
 // One MTP depth's forward state.
 struct MtpDepth {
   std::vector<int32_t> ids, targets, mask;
@@ -239,43 +230,35 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   // Backward.
   ModelParams<float*>& g = *grads;
   const double dlb = lb.empty() ? 0.0 : 1.0 / static_cast<double>(lb.size());
-  Buffer<float> dh(N * D);  // dL/dh0 (the last main layer's output)
+  // dh carries dL/dh_k from depth k+1 into depth k's backward (MTP, deepest
+  // first); after the loop it holds the MTP share of dL/dh0.
+  Buffer<float> dh(N * D);
   std::fill(dh.begin(), dh.end(), 0.0f);
-  {
-    // MTP, deepest first: dnext carries dL/dh_k into depth k's backward.
-    Buffer<float> dnext;
-    for (int64_t k = K - 1; k >= 0; --k) {
-      MtpDepth& m = mtp[k];
-      const auto& p = w.mtp[k];
-      auto& gk = g.mtp[k];
-      Buffer<float> dhk(N * D), dhn(N * D);
-      head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
-                    opt.mtp_loss_scaling_factor / mtp_denom);
-      std::fill(dhk.begin(), dhk.end(), 0.0f);
-      if (!dnext.empty()) std::memcpy(dhk.data(), dnext.data(), N * D * sizeof(float));
-      norm_backward_add(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N);
-      layer_backward(dhk.data(), gk.layer, m.saved, p.layer, L + k, s, layout, dlb);
-      Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
-      ops::linear_backward(dx.data(), gk.eh_proj, dhk.data(), m.x.data(), p.eh_proj, N);
-      for (int64_t t = 0; t < N; ++t) {
-        std::memcpy(&den[t * D], &dx[t * 2 * D], D * sizeof(float));
-        std::memcpy(&dhp[t * D], &dx[t * 2 * D + D], D * sizeof(float));
-      }
-      Buffer<float> de(N * D);
-      std::fill(de.begin(), de.end(), 0.0f);
-      norm_backward_add(de.data(), gk.enorm, den.data(), m.e.data(), p.enorm, m.erstd.data(), N);
-      if (g.embed) ops::embedding_backward(g.embed, de.data(), m.ids.data(), N, V, D);
-      const float* prev = k == 0 ? h.data() : mtp[k - 1].h.data();
-      dnext.resize(N * D);
-      std::fill(dnext.begin(), dnext.end(), 0.0f);
-      norm_backward_add(dnext.data(), gk.hnorm, dhp.data(), prev, p.hnorm, m.hrstd.data(), N);
+  for (int64_t k = K - 1; k >= 0; --k) {
+    MtpDepth& m = mtp[k];
+    const auto& p = w.mtp[k];
+    auto& gk = g.mtp[k];
+    Buffer<float> dhk(dh.begin(), dh.end()), dhn(N * D);
+    head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
+                  opt.mtp_loss_scaling_factor / mtp_denom);
+    norm_backward(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N, true);
+    layer_backward(dhk.data(), gk.layer, m.saved, p.layer, L + k, s, layout, dlb);
+    Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
+    ops::linear_backward(dx.data(), gk.eh_proj, dhk.data(), m.x.data(), p.eh_proj, N);
+    for (int64_t t = 0; t < N; ++t) {
+      std::memcpy(den.data() + t * D, dx.data() + t * 2 * D, D * sizeof(float));
+      std::memcpy(dhp.data() + t * D, dx.data() + t * 2 * D + D, D * sizeof(float));
     }
-    if (!dnext.empty()) std::memcpy(dh.data(), dnext.data(), N * D * sizeof(float));
+    Buffer<float> de(N * D);
+    norm_backward(de.data(), gk.enorm, den.data(), m.e.data(), p.enorm, m.erstd.data(), N);
+    if (g.embed) ops::embedding_backward(g.embed, de.data(), m.ids.data(), N, V, D);
+    const float* prev = k == 0 ? h.data() : mtp[k - 1].h.data();
+    norm_backward(dh.data(), gk.hnorm, dhp.data(), prev, p.hnorm, m.hrstd.data(), N);
   }
   {
     Buffer<float> dhn(N * D);
     head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, 1.0 / denom);
-    norm_backward_add(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N);
+    norm_backward(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N, true);
   }
   for (int64_t l = L - 1; l >= 0; --l) layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);
   if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);

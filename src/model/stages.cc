@@ -46,20 +46,22 @@ namespace {
 
 float eps_of(const StageConfig& s) { return static_cast<float>(s.cfg->rms_norm_eps); }
 
-// RMSNorm backward into dx (`=`) with the scale's gradient added to dw (when not null).
-void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
-                   int64_t rows) {
-  const int64_t dim = w.rows;
-  Buffer<float> scratch;
-  if (!dw) scratch.assign(static_cast<size_t>(dim), 0.0f);
-  ops::rmsnorm_backward(dx, dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, rows, dim);
-}
-
 void add_into(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
 }  // namespace
+
+void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
+                   int64_t rows, bool accumulate_dx) {
+  const int64_t dim = w.rows;
+  Buffer<float> scratch, dn;
+  if (!dw) scratch.assign(static_cast<size_t>(dim), 0.0f);
+  if (accumulate_dx) dn.resize(rows * dim);
+  float* out = accumulate_dx ? dn.data() : dx;
+  ops::rmsnorm_backward(out, dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, rows, dim);
+  if (accumulate_dx) add_into(dx, dn.data(), rows * dim);
+}
 
 // ---------------------------------------------------------------- MLA
 

@@ -41,6 +41,11 @@ struct StageConfig {
   double load_balance_loss_weight = 0.0;
 };
 
+// RMSNorm backward over a scale view: dx `=` (`+=` with accumulate_dx), the
+// scale's gradient added into dw when not null.
+void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
+                   int64_t rows, bool accumulate_dx = false);
+
 // ---------------------------------------------------------------- MLA
 
 // query_projection: x [N, D] (normed) -> query_proj [N, H, qk] with RoPE on
