@@ -25,7 +25,7 @@ using test::expect_close;
 using test::randn;
 using test::to_double;
 
-ref::AdamW to_ref(const ops::AdamWConfig& c) { return {c.lr, c.beta1, c.beta2, c.eps, c.weight_decay}; }
+ref::AdamW to_ref(const ops::AdamWConfig& c) { return {c.lr, c.beta1, c.beta2, c.eps, c.eps_root, c.weight_decay}; }
 
 // Ten steps with fresh random gradients; sizes with vector tails and one large
 // enough to be split between threads.
@@ -49,6 +49,31 @@ TEST(AdamW, MatchesReferenceOverSteps) {
     // (6e-8): 10 steps stay below 1e-6 of |p|, where one wrong term would be off by ~lr.
     expect_close(p, pd, 1e-6, 0, "p");
   }
+}
+
+// optax's eps_root sits inside the square root: with eps = 0 the step is
+// m_hat / sqrt(v_hat + eps_root), checked against the reference in double.
+TEST(AdamW, EpsRootInsideTheSquareRoot) {
+  ops::AdamWConfig cfg;
+  cfg.lr = 1e-2f;
+  cfg.eps = 0.0f;
+  cfg.eps_root = 1e-4f;
+  const int64_t n = 1001;
+  auto p = randn(n, 3), m = std::vector<float>(n, 0.0f), v = std::vector<float>(n, 0.0f);
+  auto pd = to_double(p), md = to_double(m), vd = to_double(v);
+  for (int64_t step = 1; step <= 3; ++step) {
+    // Gradients of the size of sqrt(eps_root), so that the term matters.
+    const auto g = randn(n, 200 + step, 0.01f);
+    ops::adamw_update(p.data(), m.data(), v.data(), g.data(), n, cfg, step);
+    ref::adamw_update(pd, md, vd, to_double(g), to_ref(cfg), step);
+  }
+  expect_close(p, pd, 1e-6, 0, "p");
+  // Closed form at step 1 with g = 0.01 everywhere: m_hat = g, v_hat = g^2,
+  // so p moves by lr * g / sqrt(g^2 + 1e-4) = lr / sqrt(2) (by lr without eps_root).
+  std::vector<float> q(4, 1.0f), m1(4, 0.0f), v1(4, 0.0f), g1(4, 0.01f);
+  cfg.weight_decay = 0.0f;
+  ops::adamw_update(q.data(), m1.data(), v1.data(), g1.data(), 4, cfg, 1);
+  for (float x : q) EXPECT_NEAR(1.0 - x, 1e-2 / std::sqrt(2.0), 1e-7);
 }
 
 // With a constant gradient g from zero moments, m_t = (1 - b1^t) g and
@@ -106,6 +131,8 @@ TEST(AdamW, BadArgumentsThrow) {
   EXPECT_THROW(ops::adamw_update(p.data(), m.data(), v.data(), g.data(), 4, cfg, 1), Error);
   cfg.beta1 = 0.9f;
   cfg.eps = 0.0f;
+  EXPECT_THROW(ops::adamw_update(p.data(), m.data(), v.data(), g.data(), 4, cfg, 1), Error);
+  cfg.eps_root = -1e-8f;
   EXPECT_THROW(ops::adamw_update(p.data(), m.data(), v.data(), g.data(), 4, cfg, 1), Error);
   EXPECT_THROW(ops::clip_grad_norm({{g.data(), 4}}, 0.0), Error);
   EXPECT_THROW(ops::global_grad_norm({{g.data(), -1}}), Error);
@@ -168,14 +195,14 @@ TEST(GradNorm, ClipScalesOnlyAboveTheThreshold) {
   EXPECT_EQ(ops::clip_grad_norm(spans(t), norm), norm);
   EXPECT_EQ(ops::clip_grad_norm(spans(t), 2 * norm), norm);
   EXPECT_EQ(t, before);
-  // Above it: every element scaled by max / (norm + 1e-6), the pre-clip norm returned.
+  // Above it: every element scaled by max / norm (optax), the pre-clip norm returned.
   const double max_norm = 1.0;
   EXPECT_EQ(ops::clip_grad_norm(spans(t), max_norm), norm);
-  const float s = static_cast<float>(max_norm / (norm + 1e-6));
+  const float s = static_cast<float>(max_norm / norm);
   for (size_t k = 0; k < t.size(); ++k)
     for (size_t i = 0; i < t[k].size(); ++i) ASSERT_EQ(t[k][i], before[k][i] * s) << k << " " << i;
-  // The new norm is max_norm up to the 1e-6 / norm margin and float rounding
-  // of the scaled values (~1e-7 relative).
+  // The new norm is max_norm up to float rounding of the scaled values
+  // (~1e-7 relative).
   EXPECT_NEAR(ops::global_grad_norm(spans(t)), max_norm, 1e-6);
 }
 

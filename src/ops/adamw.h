@@ -3,10 +3,12 @@
 //
 // step t (1-based):
 //   m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2
-//   p -= lr * ( (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + wd * p )
+//   p -= lr * ( (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t) + eps_root) + eps) + wd * p )
+// (optax's adamw with eps_root; PyTorch's AdamW is eps_root = 0).
 // Clipping: norm = sqrt(sum over all tensors of sum g^2) (double accumulation,
 // fixed block order: bitwise the same for any thread count); if norm > max_norm
-// every gradient is scaled by max_norm / (norm + 1e-6).
+// every gradient is scaled by max_norm / norm (optax's clip_by_global_norm,
+// which MaxText's gradient_clipping_threshold applies).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,7 @@ struct AdamWConfig {
   float beta1 = 0.9f;
   float beta2 = 0.95f;
   float eps = 1e-8f;
+  float eps_root = 0.0f;
   float weight_decay = 0.1f;
 };
 

@@ -39,14 +39,15 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-// One AdamW step on p, m, v from g, elementwise. sqrt(v / bc2) is computed
-// as sqrt(v) / sqrt(bc2), with inv_bc1 = 1 / bc1 and inv_sqrt_bc2 = 1 / sqrt(bc2).
+// One AdamW step on p, m, v from g, elementwise, with inv_bc1 = 1 / bc1 and
+// inv_bc2 = 1 / bc2.
 void AdamwKernel(float* HWY_RESTRICT p, float* HWY_RESTRICT m, float* HWY_RESTRICT v, const float* HWY_RESTRICT g,
-                 int64_t len, float b1, float b2, float lr, float eps, float wd, float inv_bc1, float inv_sqrt_bc2) {
+                 int64_t len, float b1, float b2, float lr, float eps, float eps_root, float wd, float inv_bc1,
+                 float inv_bc2) {
   const DF d;
   const VF vb1 = hn::Set(d, b1), vb2 = hn::Set(d, b2), vc1 = hn::Set(d, 1.0f - b1), vc2 = hn::Set(d, 1.0f - b2);
   const VF vlr = hn::Set(d, lr), veps = hn::Set(d, eps), vwd = hn::Set(d, wd);
-  const VF vbc1 = hn::Set(d, inv_bc1), vbc2 = hn::Set(d, inv_sqrt_bc2);
+  const VF vbc1 = hn::Set(d, inv_bc1), vbc2 = hn::Set(d, inv_bc2), veps_root = hn::Set(d, eps_root);
   const size_t N = hn::Lanes(d), n = static_cast<size_t>(len);
   // The last vector may be partial: loaded into and stored from buffers.
   for (size_t i = 0; i < n; i += N) {
@@ -55,7 +56,7 @@ void AdamwKernel(float* HWY_RESTRICT p, float* HWY_RESTRICT m, float* HWY_RESTRI
     const VF mi = hn::MulAdd(vb1, LoadUpTo(d, m + i, r), hn::Mul(vc1, gi));
     const VF vi = hn::MulAdd(vb2, LoadUpTo(d, v + i, r), hn::Mul(hn::Mul(vc2, gi), gi));
     // Sqrt is correctly rounded on every target, and 0 for v = 0.
-    const VF step = hn::Div(hn::Mul(mi, vbc1), hn::MulAdd(hn::Sqrt(vi), vbc2, veps));
+    const VF step = hn::Div(hn::Mul(mi, vbc1), hn::Add(hn::Sqrt(hn::MulAdd(vi, vbc2, veps_root)), veps));
     StoreUpTo(d, mi, m + i, r);
     StoreUpTo(d, vi, v + i, r);
     StoreUpTo(d, hn::NegMulAdd(vlr, hn::MulAdd(vwd, pi, step), pi), p + i, r);
@@ -145,19 +146,21 @@ void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
   DS_CHECK(step >= 1, "adamw_update: step {} must be >= 1 (bias correction is 1 - beta^step)", step);
   DS_CHECK(cfg.beta1 >= 0.0f && cfg.beta1 < 1.0f && cfg.beta2 >= 0.0f && cfg.beta2 < 1.0f,
            "adamw_update: betas ({}, {}) must be in [0, 1)", cfg.beta1, cfg.beta2);
-  DS_CHECK(cfg.eps > 0.0f && cfg.lr >= 0.0f && cfg.weight_decay >= 0.0f, "adamw_update: lr={} eps={} weight_decay={}",
-           cfg.lr, cfg.eps, cfg.weight_decay);
+  DS_CHECK(cfg.eps >= 0.0f && cfg.eps_root >= 0.0f && cfg.eps + cfg.eps_root > 0.0f && cfg.lr >= 0.0f &&
+               cfg.weight_decay >= 0.0f,
+           "adamw_update: lr={} eps={} eps_root={} weight_decay={} (eps and eps_root >= 0, not both 0)", cfg.lr,
+           cfg.eps, cfg.eps_root, cfg.weight_decay);
   const double bc1 = 1.0 - std::pow(static_cast<double>(cfg.beta1), static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(static_cast<double>(cfg.beta2), static_cast<double>(step));
-  const float inv_bc1 = static_cast<float>(1.0 / bc1), inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  const float inv_bc1 = static_cast<float>(1.0 / bc1), inv_bc2 = static_cast<float>(1.0 / bc2);
   // Contiguous slices of a multiple of 16 elements, so each thread's loop runs aligned.
   const int64_t chunk = 1 << 14;
 #pragma omp parallel for schedule(static) if (n >= kMinParallelWork)
   for (int64_t i0 = 0; i0 < n; i0 += chunk) {
     const int64_t len = std::min(chunk, n - i0);
     DS_DISPATCH(AdamwKernel)
-    (param + i0, m + i0, v + i0, grad + i0, len, cfg.beta1, cfg.beta2, cfg.lr, cfg.eps, cfg.weight_decay, inv_bc1,
-     inv_sqrt_bc2);
+    (param + i0, m + i0, v + i0, grad + i0, len, cfg.beta1, cfg.beta2, cfg.lr, cfg.eps, cfg.eps_root,
+     cfg.weight_decay, inv_bc1, inv_bc2);
   }
 }
 
@@ -191,7 +194,7 @@ double clip_grad_norm(const std::vector<GradSpan>& grads, double max_norm) {
   const double norm = global_grad_norm(grads);
   // A NaN norm fails the comparison: nothing is scaled, and the caller sees the NaN.
   if (!(norm > max_norm)) return norm;
-  const float s = static_cast<float>(max_norm / (norm + 1e-6));
+  const float s = static_cast<float>(max_norm / norm);
   for (const GradSpan& g : grads) {
     const int64_t chunk = 1 << 14;
 #pragma omp parallel for schedule(static) if (g.n >= kMinParallelWork)

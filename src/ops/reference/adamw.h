@@ -9,7 +9,7 @@
 namespace ds::ref {
 
 struct AdamW {
-  double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, eps_root = 0.0, weight_decay = 0.1;
 };
 
 // One AdamW step t (1-based) on every element.
@@ -21,7 +21,7 @@ void adamw_update(std::vector<T>& p, std::vector<T>& m, std::vector<T>& v, const
     m[i] = T(c.beta1) * m[i] + (T(1) - T(c.beta1)) * g[i];
     v[i] = T(c.beta2) * v[i] + (T(1) - T(c.beta2)) * g[i] * g[i];
     const T mhat = m[i] / bc1, vhat = v[i] / bc2;
-    p[i] -= T(c.lr) * (mhat / (std::sqrt(vhat) + T(c.eps)) + T(c.weight_decay) * p[i]);
+    p[i] -= T(c.lr) * (mhat / (std::sqrt(vhat + T(c.eps_root)) + T(c.eps)) + T(c.weight_decay) * p[i]);
   }
 }
 
