@@ -22,5 +22,6 @@ void add_selfcheck_command(CLI::App& app, CommandList& commands);
 void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize, detokenize
 void add_logits_command(CLI::App& app, CommandList& commands);
 void add_model_commands(CLI::App& app, CommandList& commands);  // init, generate, bench
+void add_prepare_command(CLI::App& app, CommandList& commands);  // tokenize a corpus into token shards
 
 }  // namespace ds::cli
