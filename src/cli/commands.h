@@ -23,5 +23,6 @@ void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize,
 void add_logits_command(CLI::App& app, CommandList& commands);
 void add_model_commands(CLI::App& app, CommandList& commands);  // init, generate, bench
 void add_prepare_command(CLI::App& app, CommandList& commands);  // tokenize a corpus into token shards
+void add_train_commands(CLI::App& app, CommandList& commands);           // train, export
 
 }  // namespace ds::cli

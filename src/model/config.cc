@@ -502,6 +502,8 @@ ModelConfig ModelConfig::from_yaml_text(const std::string& text, const std::vect
   return c;
 }
 
+bool ModelConfig::is_yaml_key(const std::string& key) { return yaml_keys().count(key) > 0; }
+
 ModelConfig ModelConfig::from_yaml_file(const std::string& path, const std::vector<std::string>& overrides) {
   return from_yaml_text(read_file(path, "preset"), overrides, path);
 }

@@ -89,6 +89,9 @@ struct ModelConfig {
   static ModelConfig from_yaml_text(const std::string& text, const std::vector<std::string>& overrides = {},
                                     const std::string& source = "yaml");
   static ModelConfig from_yaml_file(const std::string& path, const std::vector<std::string>& overrides = {});
+  // Whether `key` is one of the YAML model keys above (a training config
+  // hands these to the model and keeps the rest).
+  static bool is_yaml_key(const std::string& key);
 };
 
 }  // namespace ds::model

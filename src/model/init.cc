@@ -13,7 +13,7 @@
 
 namespace ds::model {
 
-nlohmann::json to_hf_json(const ModelConfig& c) {
+nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
   nlohmann::json j;
   const bool v2 = c.model_type == "deepseek_v2";
   j["architectures"] = {v2                               ? "DeepseekV2ForCausalLM"
@@ -62,7 +62,7 @@ nlohmann::json to_hf_json(const ModelConfig& c) {
   j["moe_layer_freq"] = c.moe_layer_freq;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
-  j["num_nextn_predict_layers"] = 0;  // the weights written here hold no MTP modules
+  j["num_nextn_predict_layers"] = mtp_layers;
   j["bos_token_id"] = c.bos_token_id;
   j["eos_token_id"] = c.eos_token_id;
   if (c.model_type == "deepseek_v32") {

@@ -13,8 +13,9 @@
 
 namespace ds::model {
 
-// config.json for `cfg` (round-trips through ModelConfig::from_hf_json_text).
-nlohmann::json to_hf_json(const ModelConfig& cfg);
+// config.json for `cfg` (round-trips through ModelConfig::from_hf_json_text),
+// for a checkpoint that holds `mtp_layers` multi-token prediction layers.
+nlohmann::json to_hf_json(const ModelConfig& cfg, int64_t mtp_layers = 0);
 
 struct InitOptions {
   uint64_t seed = 0;

@@ -229,7 +229,8 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
 
   // Backward.
   ModelParams<float*>& g = *grads;
-  const double dlb = lb.empty() ? 0.0 : 1.0 / static_cast<double>(lb.size());
+  const double gs = opt.grad_scale;
+  const double dlb = lb.empty() ? 0.0 : gs / static_cast<double>(lb.size());
   // dh carries dL/dh_k from depth k+1 into depth k's backward (MTP, deepest
   // first); after the loop it holds the MTP share of dL/dh0.
   Buffer<float> dh(N * D);
@@ -240,7 +241,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     auto& gk = g.mtp[k];
     Buffer<float> dhk(dh.begin(), dh.end()), dhn(N * D);
     head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
-                  opt.mtp_loss_scaling_factor / mtp_denom);
+                  gs * opt.mtp_loss_scaling_factor / mtp_denom);
     norm_backward(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N, true);
     layer_backward(dhk.data(), gk.layer, m.saved, p.layer, L + k, s, layout, dlb);
     Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
@@ -257,7 +258,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   }
   {
     Buffer<float> dhn(N * D);
-    head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, 1.0 / denom);
+    head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, gs / denom);
     norm_backward(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N, true);
   }
   for (int64_t l = L - 1; l >= 0; --l) layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);

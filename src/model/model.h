@@ -51,6 +51,9 @@ struct LossOptions {
   double load_balance_loss_weight = 0.0;
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
+  // The gradient added is grad_scale x dloss/dparam (gradient accumulation
+  // weighs each micro-batch by its share of the counted targets).
+  double grad_scale = 1.0;
 };
 
 struct LossTerms {

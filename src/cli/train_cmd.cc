@@ -1,0 +1,106 @@
+// `deepseek train CONFIG.yml [key=value ...]`: MaxText's command form (bare
+// key=value overrides, MaxText's key names; see train/config.h), everything
+// written to base_output_directory/run_name.
+// `deepseek export --checkpoint DIR --out HF_DIR [--dtype bf16|f16|f32]`: a
+// training checkpoint as a Hugging Face folder (config.json, model.safetensors,
+// and the run's tokenizer files when it had one) that `deepseek generate`
+// and Hugging Face's loaders read.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace ds::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TrainArgs {
+  std::string config;
+  std::vector<std::string> overrides;
+};
+
+struct ExportArgs {
+  std::string checkpoint, out, dtype = "bf16";
+};
+
+int run_train(const TrainArgs& a) {
+  const auto rc = train::load_run_config(a.config, a.overrides);
+  const auto s = train::train(rc);
+  fmt::print("trained {}: steps {} -> {}, loss {:.4f} -> {:.4f}{}{}; metrics, loss.svg and checkpoints in {}\n",
+             rc.train.run_name, s.start_step, s.end_step, s.first_loss, s.last_loss,
+             s.last_eval_loss >= 0 ? fmt::format(", eval loss {:.4f}", s.last_eval_loss) : "",
+             s.skipped_steps ? fmt::format(", {} steps skipped", s.skipped_steps) : "", s.run_dir);
+  check_stdout();
+  return s.interrupted ? 130 : 0;
+}
+
+int run_export(const ExportArgs& a) {
+  DType dt;
+  if (a.dtype == "bf16")
+    dt = DType::BF16;
+  else if (a.dtype == "f16")
+    dt = DType::F16;
+  else if (a.dtype == "f32")
+    dt = DType::F32;
+  else
+    DS_FAIL("export: --dtype {} is not bf16, f16 or f32", a.dtype);
+  const auto st = train::read_checkpoint_state(a.checkpoint);
+  model::ModelConfig cfg;
+  try {
+    cfg = model::ModelConfig::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
+  } catch (const Error& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
+  }
+  const int64_t mtp = cfg.num_nextn_predict_layers;
+  auto params = model::FlatParams::zeros(cfg, mtp);
+  train::load_checkpoint(a.checkpoint, cfg, mtp, params, nullptr, nullptr);
+  train::export_hf(a.out, cfg, mtp, params, dt);
+  std::string tok_note = "no tokenizer recorded";
+  if (!st.tokenizer.empty()) {
+    std::error_code ec;
+    const fs::path t(st.tokenizer);
+    if (fs::is_regular_file(t, ec)) {
+      fs::copy_file(t, fs::path(a.out) / "tokenizer.json", fs::copy_options::overwrite_existing, ec);
+      DS_CHECK(!ec, "export: cannot copy '{}': {}", t.string(), ec.message());
+      const fs::path tc = t.parent_path() / "tokenizer_config.json";
+      if (fs::is_regular_file(tc, ec))
+        fs::copy_file(tc, fs::path(a.out) / "tokenizer_config.json", fs::copy_options::overwrite_existing, ec);
+      tok_note = "tokenizer from " + t.string();
+    } else {
+      tok_note = "tokenizer " + t.string() + " no longer exists";
+    }
+  }
+  fmt::print("exported {} (step {}, {} MTP layers, {}) to {}; {}\n", a.checkpoint, st.step, mtp, a.dtype, a.out,
+             tok_note);
+  check_stdout();
+  return 0;
+}
+
+}  // namespace
+
+void add_train_commands(CLI::App& app, CommandList& commands) {
+  auto ta = std::make_shared<TrainArgs>();
+  auto* t = app.add_subcommand("train", "train a model: deepseek train CONFIG.yml [key=value ...] (MaxText's keys)");
+  t->add_option("config", ta->config, "YAML config (MaxText key names)")->required();
+  t->add_option("overrides", ta->overrides, "key=value overrides");
+  commands.emplace_back(t, [ta] { return run_train(*ta); });
+
+  auto ea = std::make_shared<ExportArgs>();
+  auto* e = app.add_subcommand("export", "write a training checkpoint as a Hugging Face model folder");
+  e->add_option("--checkpoint", ea->checkpoint, "checkpoint folder (RUN/checkpoints/step_N)")->required();
+  e->add_option("--out", ea->out, "output folder")->required();
+  e->add_option("--dtype", ea->dtype, "weight dtype: bf16 (default), f16, f32");
+  commands.emplace_back(e, [ea] { return run_export(*ea); });
+}
+
+}  // namespace ds::cli

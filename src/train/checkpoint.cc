@@ -1,0 +1,277 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/atomic_file.h"
+#include "io/safetensors.h"
+#include "model/init.h"
+#include "ops/linear.h"
+
+namespace ds::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr int kFormat = 1;
+
+void fsync_dir(const fs::path& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  DS_CHECK(fd >= 0, "cannot open folder '{}' to flush it", dir.string());
+  const int r = ::fsync(fd);
+  ::close(fd);
+  DS_CHECK(r == 0, "flushing folder '{}' failed", dir.string());
+}
+
+// The tree's tensors as borrowed float32 tensors under their names.
+std::vector<std::pair<std::string, Tensor>> named(const model::ModelConfig& cfg, int64_t mtp,
+                                                  const model::FlatParams& p) {
+  std::vector<std::pair<std::string, Tensor>> v;
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float* const& x) {
+        v.emplace_back(i.name, Tensor::borrow(x, i.shape, DType::F32));
+      },
+      p.ptr);
+  return v;
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  DS_CHECK(in.good(), "cannot read '{}'", p.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Copies the float32 tensors of `file` into the tree, checking names and shapes.
+void read_tree(const fs::path& file, const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& p) {
+  DS_CHECK(fs::is_regular_file(file), "checkpoint file '{}' is missing", file.string());
+  const auto st = io::SafetensorsSet::open_files({file.string()});
+  size_t used = 0;
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float*& x) {
+        DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'", file.string(), i.name);
+        const Tensor t = st.tensor(i.name);
+        DS_CHECK(t.shape() == i.shape && t.dtype() == DType::F32, "'{}': tensor '{}' is {} {}, expected F32 {}",
+                 file.string(), i.name, dtype_name(t.dtype()), shape_str(t.shape()), shape_str(i.shape));
+        const Tensor c = t.contiguous();
+        std::copy_n(c.data<float>(), i.numel(), x);
+        ++used;
+      },
+      p.ptr);
+  DS_CHECK(used == st.names().size(), "'{}' holds {} tensors, the model has {}: another model's checkpoint?",
+           file.string(), st.names().size(), used);
+}
+
+}  // namespace
+
+std::string save_checkpoint(const std::string& checkpoints_dir, const model::ModelConfig& cfg, int64_t mtp,
+                            const model::FlatParams& params, const model::FlatParams* adam_m,
+                            const model::FlatParams* adam_v, const CheckpointState& state) {
+  const fs::path root(checkpoints_dir);
+  std::error_code ec;
+  fs::create_directories(root, ec);
+  DS_CHECK(!ec && fs::is_directory(root), "cannot create checkpoint folder '{}': {}", root.string(), ec.message());
+  const std::string name = "step_" + std::to_string(state.step);
+  const fs::path tmp = root / (name + ".tmp"), final = root / name;
+  fs::remove_all(tmp, ec);
+  fs::create_directory(tmp, ec);
+  DS_CHECK(!ec, "cannot create '{}': {}", tmp.string(), ec.message());
+  const std::map<std::string, std::string> meta = {{"format", "pt"}};
+  io::save_safetensors((tmp / "params.safetensors").string(), named(cfg, mtp, params), meta);
+  if (adam_m) io::save_safetensors((tmp / "adam_m.safetensors").string(), named(cfg, mtp, *adam_m), meta);
+  if (adam_v) io::save_safetensors((tmp / "adam_v.safetensors").string(), named(cfg, mtp, *adam_v), meta);
+  nlohmann::json j = {{"format", kFormat},
+                      {"step", state.step},
+                      {"data_state", state.data_state},
+                      {"consecutive_skipped", state.consecutive_skipped},
+                      {"mtp_layers", mtp},
+                      {"has_optimizer", adam_m != nullptr},
+                      {"model_config", state.model_config},
+                      {"run_config", state.run_config},
+                      {"tokenizer", state.tokenizer}};
+  io::write_file_atomic((tmp / "state.json").string(), j.dump(2) + "\n");
+  fsync_dir(tmp);
+  // A checkpoint of the same step (a rerun) is replaced whole.
+  if (fs::exists(final)) {
+    const fs::path old = root / (name + ".old.tmp");
+    fs::remove_all(old, ec);
+    fs::rename(final, old, ec);
+    DS_CHECK(!ec, "cannot move the old '{}' aside: {}", final.string(), ec.message());
+    fs::rename(tmp, final, ec);
+    DS_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), final.string(), ec.message());
+    fs::remove_all(old, ec);
+  } else {
+    fs::rename(tmp, final, ec);
+    DS_CHECK(!ec, "cannot rename '{}' to '{}': {}", tmp.string(), final.string(), ec.message());
+  }
+  fsync_dir(root);
+  return final.string();
+}
+
+std::vector<int64_t> list_checkpoints(const std::string& checkpoints_dir) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return steps;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (!e.is_directory() || !n.starts_with("step_") || n.size() > 5 + 18) continue;
+    const std::string digits = n.substr(5);
+    if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      continue;
+    steps.push_back(std::stoll(digits));
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+void prune_checkpoints(const std::string& checkpoints_dir, int64_t keep) {
+  std::error_code ec;
+  if (!fs::is_directory(checkpoints_dir, ec)) return;
+  for (const auto& e : fs::directory_iterator(checkpoints_dir, ec))
+    if (e.path().filename().string().ends_with(".tmp")) fs::remove_all(e.path(), ec);
+  if (keep < 1) return;
+  const auto steps = list_checkpoints(checkpoints_dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i)
+    fs::remove_all(fs::path(checkpoints_dir) / ("step_" + std::to_string(steps[i])), ec);
+}
+
+CheckpointState read_checkpoint_state(const std::string& dir) {
+  const fs::path state = fs::path(dir) / "state.json";
+  DS_CHECK(fs::is_regular_file(state), "'{}' is not a checkpoint (no state.json)", dir);
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text(state));
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: state.json: {}", dir, e.what());
+  }
+  try {
+    DS_CHECK(j.at("format").get<int>() == kFormat, "checkpoint '{}' has format {}, this build reads {}", dir,
+             j.at("format").get<int>(), kFormat);
+    CheckpointState s;
+    s.step = j.at("step").get<int64_t>();
+    s.data_state = j.at("data_state");
+    s.consecutive_skipped = j.at("consecutive_skipped").get<int64_t>();
+    s.model_config = j.at("model_config");
+    s.run_config = j.value("run_config", nlohmann::json::object());
+    s.tokenizer = j.value("tokenizer", std::string());
+    DS_CHECK(s.step >= 0, "checkpoint '{}': negative step", dir);
+    return s;
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: state.json: {}", dir, e.what());
+  }
+}
+
+CheckpointState load_checkpoint(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp,
+                                model::FlatParams& params, model::FlatParams* adam_m, model::FlatParams* adam_v) {
+  CheckpointState s = read_checkpoint_state(dir);
+  const fs::path d(dir);
+  try {
+    read_tree(d / "params.safetensors", cfg, mtp, params);
+    if (adam_m) read_tree(d / "adam_m.safetensors", cfg, mtp, *adam_m);
+    if (adam_v) read_tree(d / "adam_v.safetensors", cfg, mtp, *adam_v);
+  } catch (const Error& e) {
+    DS_FAIL("checkpoint '{}' is corrupt or from another model: {}", dir, e.what());
+  }
+  return s;
+}
+
+void load_hf_params(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& params) {
+  const auto st = io::SafetensorsSet::open_dir(dir);
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float*& x) {
+        DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'{}", dir, i.name,
+                 i.layer >= cfg.num_hidden_layers ? " (an MTP layer: set mtp_num_layers to what it holds)" : "");
+        const Tensor t = st.tensor(i.name);
+        DS_CHECK(t.shape() == i.shape, "'{}': tensor '{}' has shape {}, the config implies {}", dir, i.name,
+                 shape_str(t.shape()), shape_str(i.shape));
+        if (t.dtype() == DType::F8E4M3 || t.dtype() == DType::F8E5M2) {
+          const int64_t rows = i.shape[0], cols = i.shape[1];
+          const int64_t br = cfg.fp8_block_rows > 0 ? cfg.fp8_block_rows : 128;
+          const int64_t bc = cfg.fp8_block_cols > 0 ? cfg.fp8_block_cols : 128;
+          const std::string scale = i.name.substr(0, i.name.size() - 7) + ".weight_scale_inv";
+          DS_CHECK(st.contains(scale), "'{}' lacks '{}'", dir, scale);
+          const Tensor s = st.tensor(scale).to(DType::F32);
+          DS_CHECK(s.numel() == ((rows + br - 1) / br) * ((cols + bc - 1) / bc), "'{}': '{}' has the wrong size", dir,
+                   scale);
+          const ops::WeightView w{t.raw(), t.dtype(), rows, cols, s.data<float>(), br, bc};
+          ops::widen_rows(x, w, 0, rows);
+        } else {
+          const Tensor f = t.to(DType::F32);
+          std::copy_n(f.data<float>(), i.numel(), x);
+        }
+        const int64_t bad = find_non_finite(x, DType::F32, static_cast<size_t>(i.numel()));
+        DS_CHECK(bad < 0, "'{}': tensor '{}' holds a non-finite value at element {}", dir, i.name, bad);
+      },
+      params.ptr);
+}
+
+void export_hf(const std::string& out_dir, const model::ModelConfig& cfg, int64_t mtp, const model::FlatParams& params,
+               DType dtype) {
+  DS_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+           "export: weights can be written as f32, bf16 or f16, not {}", dtype_name(dtype));
+  io::check_output_folder(out_dir);
+  std::error_code ec;
+  fs::create_directories(out_dir, ec);
+  DS_CHECK(!ec && fs::is_directory(out_dir), "export: cannot create '{}': {}", out_dir, ec.message());
+  for (const auto& e : fs::directory_iterator(out_dir)) {
+    const std::string n = e.path().filename().string();
+    DS_CHECK(n == "model.safetensors" || !(n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")),
+             "export: '{}' already holds another checkpoint ('{}'); choose an empty folder", out_dir, n);
+  }
+  std::vector<std::pair<std::string, Tensor>> ts;
+  auto put = [&](const std::string& name, const Tensor& f32, bool vector) {
+    ts.emplace_back(name, vector || dtype == DType::F32 ? f32.to(DType::F32) : f32.to(dtype));
+  };
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float* const& x) {
+        put(i.name, Tensor::borrow(x, i.shape, DType::F32), i.shape.size() == 1);
+      },
+      params.ptr);
+  // Hugging Face's MTP layers carry their own copies of the embedding and head.
+  const float* head = params.ptr.lm_head;
+  for (int64_t k = 0; k < mtp; ++k) {
+    const std::string p = "model.layers." + std::to_string(cfg.num_hidden_layers + k);
+    put(p + ".embed_tokens.weight", Tensor::borrow(params.ptr.embed, {cfg.vocab_size, cfg.hidden_size}, DType::F32),
+        false);
+    put(p + ".shared_head.head.weight",
+        Tensor::borrow(const_cast<float*>(head), {cfg.vocab_size, cfg.hidden_size}, DType::F32), false);
+  }
+  io::save_safetensors((fs::path(out_dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
+  auto j = model::to_hf_json(cfg, mtp);
+  j["torch_dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
+  io::write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
+}
+
+void init_params(const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& params, uint64_t seed, float std) {
+  uint64_t stream = 0;  // one Philox stream per matrix, as write_random_checkpoint
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float*& x) {
+        switch (i.role) {
+          case model::ParamRole::Norm:
+            std::fill(x, x + i.numel(), 1.0f);
+            break;
+          case model::ParamRole::RoutingBias:
+            std::fill(x, x + i.numel(), 0.0f);
+            break;
+          default:
+            fill_normal(x, i.numel(), std, seed, stream++);
+        }
+      },
+      params.ptr);
+}
+
+}  // namespace ds::train

@@ -1,0 +1,319 @@
+#include "train/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <regex>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace ds::train {
+
+namespace fs = std::filesystem;
+
+std::string TrainConfig::run_dir() const { return (fs::path(base_output_directory) / run_name).string(); }
+
+namespace {
+
+std::string read_text(const std::string& path, const char* what) {
+  std::error_code ec;
+  DS_CHECK(fs::is_regular_file(path, ec), "{} '{}' does not exist or is not a file", what, path);
+  std::ifstream in(path, std::ios::binary);
+  DS_CHECK(in.good(), "cannot open {} '{}'", what, path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+using Setter = std::function<void(TrainConfig&, const YAML::Node&)>;
+
+std::vector<std::string> string_list(const YAML::Node& n) {
+  std::vector<std::string> v;
+  if (n.IsNull()) return v;
+  if (n.IsScalar()) {  // a single regex, or "[]"-less command-line form
+    v.push_back(n.as<std::string>());
+    return v;
+  }
+  DS_CHECK(n.IsSequence(), "expected a list of strings");
+  for (const auto& x : n) v.push_back(x.as<std::string>());
+  return v;
+}
+
+const std::map<std::string, Setter>& train_keys() {
+  static const std::map<std::string, Setter> keys = [] {
+    std::map<std::string, Setter> k;
+    auto str = [&](const char* key, std::string TrainConfig::*f) {
+      k[key] = [f](TrainConfig& c, const YAML::Node& n) { c.*f = n.IsNull() ? "" : n.as<std::string>(); };
+    };
+    auto i64 = [&](const char* key, int64_t TrainConfig::*f) {
+      k[key] = [f](TrainConfig& c, const YAML::Node& n) { c.*f = n.as<int64_t>(); };
+    };
+    auto dbl = [&](const char* key, double TrainConfig::*f) {
+      k[key] = [f](TrainConfig& c, const YAML::Node& n) { c.*f = n.as<double>(); };
+    };
+    auto bol = [&](const char* key, bool TrainConfig::*f) {
+      k[key] = [f](TrainConfig& c, const YAML::Node& n) { c.*f = n.as<bool>(); };
+    };
+    str("run_name", &TrainConfig::run_name);
+    str("base_output_directory", &TrainConfig::base_output_directory);
+    str("model_name", &TrainConfig::model_name);
+    str("hf_config", &TrainConfig::hf_config);
+    str("load_parameters_path", &TrainConfig::load_parameters_path);
+    k["init_weights_seed"] = [](TrainConfig& c, const YAML::Node& n) { c.init_weights_seed = n.as<uint64_t>(); };
+    dbl("init_weights_std", &TrainConfig::init_weights_std);
+    str("dtype", &TrainConfig::dtype);
+    str("weight_dtype", &TrainConfig::weight_dtype);
+    i64("steps", &TrainConfig::steps);
+    dbl("learning_rate", &TrainConfig::learning_rate);
+    dbl("warmup_steps_fraction", &TrainConfig::warmup_steps_fraction);
+    str("lr_schedule_type", &TrainConfig::lr_schedule_type);
+    dbl("learning_rate_final_fraction", &TrainConfig::learning_rate_final_fraction);
+    // The name before MaxText added WSD schedules.
+    dbl("cosine_learning_rate_final_fraction", &TrainConfig::learning_rate_final_fraction);
+    i64("learning_rate_schedule_steps", &TrainConfig::learning_rate_schedule_steps);
+    dbl("wsd_decay_steps_fraction", &TrainConfig::wsd_decay_steps_fraction);
+    str("wsd_decay_style", &TrainConfig::wsd_decay_style);
+    str("opt_type", &TrainConfig::opt_type);
+    dbl("adam_b1", &TrainConfig::adam_b1);
+    dbl("adam_b2", &TrainConfig::adam_b2);
+    dbl("adam_eps", &TrainConfig::adam_eps);
+    dbl("adam_eps_root", &TrainConfig::adam_eps_root);
+    dbl("adam_weight_decay", &TrainConfig::adam_weight_decay);
+    k["adamw_mask"] = [](TrainConfig& c, const YAML::Node& n) { c.adamw_mask = string_list(n); };
+    k["trainable_parameters_mask"] = [](TrainConfig& c, const YAML::Node& n) {
+      c.trainable_parameters_mask = string_list(n);
+    };
+    dbl("gradient_clipping_threshold", &TrainConfig::gradient_clipping_threshold);
+    i64("gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps);
+    i64("max_consecutive_skipped_steps", &TrainConfig::max_consecutive_skipped_steps);
+    k["per_device_batch_size"] = [](TrainConfig& c, const YAML::Node& n) {
+      const double v = n.as<double>();
+      DS_CHECK(v >= 1 && v == static_cast<double>(static_cast<int64_t>(v)),
+               "per_device_batch_size {} must be a whole number >= 1 (one process holds the whole batch)", v);
+      c.per_device_batch_size = static_cast<int64_t>(v);
+    };
+    i64("max_target_length", &TrainConfig::max_target_length);
+    dbl("z_loss_multiplier", &TrainConfig::z_loss_multiplier);
+    dbl("load_balance_loss_weight", &TrainConfig::load_balance_loss_weight);
+    dbl("mtp_loss_scaling_factor", &TrainConfig::mtp_loss_scaling_factor);
+    str("remat_policy", &TrainConfig::remat_policy);
+    k["dataset_type"] = [](TrainConfig& c, const YAML::Node& n) { c.data.dataset_type = n.as<std::string>(); };
+    k["synthetic_task"] = [](TrainConfig& c, const YAML::Node& n) { c.data.synthetic_task = n.as<std::string>(); };
+    k["dataset_path"] = [](TrainConfig& c, const YAML::Node& n) { c.data.dataset_path = n.as<std::string>(); };
+    k["packing"] = [](TrainConfig& c, const YAML::Node& n) { c.data.packing = n.as<bool>(); };
+    k["data_shuffle_seed"] = [](TrainConfig& c, const YAML::Node& n) { c.data.seed = n.as<uint64_t>(); };
+    str("tokenizer_path", &TrainConfig::tokenizer_path);
+    i64("eval_interval", &TrainConfig::eval_interval);
+    i64("eval_steps", &TrainConfig::eval_steps);
+    i64("eval_per_device_batch_size", &TrainConfig::eval_per_device_batch_size);
+    dbl("target_eval_loss", &TrainConfig::target_eval_loss);
+    bol("enable_checkpointing", &TrainConfig::enable_checkpointing);
+    i64("checkpoint_period", &TrainConfig::checkpoint_period);
+    k["max_num_checkpoints_to_keep"] = [](TrainConfig& c, const YAML::Node& n) {
+      c.max_num_checkpoints_to_keep = n.IsNull() || n.as<std::string>() == "None" ? -1 : n.as<int64_t>();
+    };
+    bol("save_checkpoint_on_completion", &TrainConfig::save_checkpoint_on_completion);
+    bol("resume", &TrainConfig::resume);
+    i64("log_period", &TrainConfig::log_period);
+    return k;
+  }();
+  return keys;
+}
+
+// Per-name remat settings for remat_policy=custom (MaxText's configurable names).
+bool is_remat_name(const std::string& key) {
+  for (int i = 0; i < model::kResidualCount; ++i)
+    if (key == model::residual_name(static_cast<model::Residual>(i))) return true;
+  return key == "mlpwi" || key == "kv_proj" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
+}
+
+// Model keys a Hugging Face config may still take from the training config.
+bool model_key_allowed_with_hf(const std::string& key) {
+  return key == "mtp_num_layers" || key == "routed_bias_update_rate";
+}
+
+std::string scalar_text(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+std::string find_preset(const std::string& name, const std::string& source) {
+  std::vector<fs::path> tries;
+  if (name.ends_with(".yml") || name.ends_with(".yaml")) tries.push_back(name);
+  const fs::path dir = fs::path(source).parent_path();
+  for (const fs::path& d : {dir, dir.parent_path(), fs::path(".")}) {
+    tries.push_back(d / (name + ".yml"));
+    tries.push_back(d / "configs" / (name + ".yml"));
+  }
+  std::error_code ec;
+  for (const auto& p : tries)
+    if (fs::is_regular_file(p, ec)) return p.string();
+  DS_FAIL("model_name '{}': no preset {}.yml found (looked next to {} and in configs/)", name, name, source);
+}
+
+void check_config(const RunConfig& rc) {
+  const TrainConfig& t = rc.train;
+  const model::ModelConfig& m = rc.model;
+  DS_CHECK(!t.run_name.empty() && t.run_name.find('/') == std::string::npos && t.run_name != "." && t.run_name != "..",
+           "run_name '{}' must be a non-empty folder name", t.run_name);
+  DS_CHECK(!t.base_output_directory.empty(), "base_output_directory must not be empty");
+  DS_CHECK(t.steps >= 1, "steps {} must be >= 1", t.steps);
+  DS_CHECK(t.learning_rate >= 0 && std::isfinite(t.learning_rate), "learning_rate {} must be >= 0", t.learning_rate);
+  DS_CHECK(t.warmup_steps_fraction >= 0 && t.warmup_steps_fraction <= 1, "warmup_steps_fraction {} not in [0, 1]",
+           t.warmup_steps_fraction);
+  DS_CHECK(t.lr_schedule_type == "cosine" || t.lr_schedule_type == "wsd", "lr_schedule_type '{}' is not cosine or wsd",
+           t.lr_schedule_type);
+  DS_CHECK(t.learning_rate_final_fraction >= 0 && t.learning_rate_final_fraction <= 1,
+           "learning_rate_final_fraction {} not in [0, 1]", t.learning_rate_final_fraction);
+  DS_CHECK(t.learning_rate_schedule_steps == -1 || t.learning_rate_schedule_steps >= 1,
+           "learning_rate_schedule_steps {} must be -1 (= steps) or >= 1", t.learning_rate_schedule_steps);
+  DS_CHECK(t.wsd_decay_style == "linear" || t.wsd_decay_style == "cosine",
+           "wsd_decay_style '{}' is not linear or cosine", t.wsd_decay_style);
+  if (t.lr_schedule_type == "wsd")
+    DS_CHECK(t.wsd_decay_steps_fraction > 0 && t.warmup_steps_fraction + t.wsd_decay_steps_fraction <= 1,
+             "wsd: warmup_steps_fraction {} + wsd_decay_steps_fraction {} must be <= 1 (and decay > 0)",
+             t.warmup_steps_fraction, t.wsd_decay_steps_fraction);
+  DS_CHECK(t.opt_type == "adamw", "opt_type '{}' is not supported (adamw)", t.opt_type);
+  DS_CHECK(t.adam_b1 >= 0 && t.adam_b1 < 1 && t.adam_b2 >= 0 && t.adam_b2 < 1,
+           "adam_b1 {} and adam_b2 {} must be in [0, 1)", t.adam_b1, t.adam_b2);
+  DS_CHECK(t.adam_eps >= 0 && t.adam_eps_root >= 0 && t.adam_eps + t.adam_eps_root > 0,
+           "adam_eps {} and adam_eps_root {} must be >= 0 and not both 0", t.adam_eps, t.adam_eps_root);
+  DS_CHECK(t.adam_weight_decay >= 0, "adam_weight_decay {} must be >= 0", t.adam_weight_decay);
+  DS_CHECK(t.gradient_clipping_threshold >= 0, "gradient_clipping_threshold {} must be >= 0 (0: off)",
+           t.gradient_clipping_threshold);
+  DS_CHECK(t.gradient_accumulation_steps >= 1, "gradient_accumulation_steps {} must be >= 1",
+           t.gradient_accumulation_steps);
+  DS_CHECK(t.max_consecutive_skipped_steps >= 1, "max_consecutive_skipped_steps {} must be >= 1",
+           t.max_consecutive_skipped_steps);
+  DS_CHECK(t.per_device_batch_size >= 1 && t.per_device_batch_size <= (1 << 20),
+           "per_device_batch_size {} not in [1, 2^20]", t.per_device_batch_size);
+  DS_CHECK(t.max_target_length >= 2, "max_target_length {} must be >= 2", t.max_target_length);
+  DS_CHECK(t.max_target_length <= m.max_position_embeddings,
+           "max_target_length {} is longer than the model allows (max_position_embeddings {})", t.max_target_length,
+           m.max_position_embeddings);
+  DS_CHECK(t.z_loss_multiplier >= 0 && t.load_balance_loss_weight >= 0 && t.mtp_loss_scaling_factor >= 0,
+           "z_loss_multiplier, load_balance_loss_weight and mtp_loss_scaling_factor must be >= 0");
+  DS_CHECK(t.dtype == "float32" && t.weight_dtype == "float32",
+           "dtype '{}' / weight_dtype '{}': training runs in float32 (bf16 storage is not supported yet)", t.dtype,
+           t.weight_dtype);
+  DS_CHECK(t.eval_interval == -1 || t.eval_interval >= 1, "eval_interval {} must be -1 (off) or >= 1", t.eval_interval);
+  DS_CHECK(t.eval_interval == -1 || t.data.dataset_type == "tokens",
+           "eval_interval {}: dataset_type={} has no eval split (only tokens, from `deepseek prepare`, has one)",
+           t.eval_interval, t.data.dataset_type);
+  DS_CHECK(t.eval_steps == -1 || t.eval_steps >= 1, "eval_steps {} must be -1 or >= 1", t.eval_steps);
+  DS_CHECK(t.eval_per_device_batch_size >= 0, "eval_per_device_batch_size {} must be >= 0",
+           t.eval_per_device_batch_size);
+  DS_CHECK(t.checkpoint_period >= 1, "checkpoint_period {} must be >= 1", t.checkpoint_period);
+  DS_CHECK(t.max_num_checkpoints_to_keep == -1 || t.max_num_checkpoints_to_keep >= 1,
+           "max_num_checkpoints_to_keep {} must be >= 1 (or None: keep all)", t.max_num_checkpoints_to_keep);
+  DS_CHECK(t.log_period >= 1, "log_period {} must be >= 1", t.log_period);
+  DS_CHECK(t.init_weights_std > 0, "init_weights_std {} must be positive", t.init_weights_std);
+  for (const auto& list : {&t.adamw_mask, &t.trainable_parameters_mask})
+    for (const auto& re : *list) try {
+        std::regex r(re);
+      } catch (const std::regex_error& e) {
+        DS_FAIL("'{}' is not a valid regular expression: {}", re, e.what());
+      }
+  DS_CHECK(m.index_n_heads == 0, "training DeepSeek-V3.2 sparse-attention models is not supported yet");
+}
+
+}  // namespace
+
+RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                           const std::string& source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{} is not valid YAML: {}", source, e.what());
+  }
+  DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", source);
+  // Every key in order: the file's, then the overrides (a later one wins).
+  std::vector<std::tuple<std::string, YAML::Node, std::string>> entries;
+  for (auto it = root.begin(); it != root.end(); ++it)
+    entries.emplace_back(it->first.as<std::string>(), it->second, source);
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    DS_CHECK(eq != std::string::npos && eq > 0, "argument '{}' is not key=value", o);
+    YAML::Node v;
+    try {
+      v = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      DS_FAIL("override '{}': bad value: {}", o, e.what());
+    }
+    entries.emplace_back(o.substr(0, eq), v, "command line");
+  }
+
+  RunConfig rc;
+  TrainConfig& t = rc.train;
+  std::vector<std::string> model_overrides;
+  std::vector<std::pair<std::string, std::string>> custom_remat;
+  std::map<std::string, YAML::Node> given;
+  for (const auto& [key, value, where] : entries) {
+    given[key] = value;
+    const auto& keys = train_keys();
+    if (auto it = keys.find(key); it != keys.end()) {
+      try {
+        it->second(t, value);
+      } catch (const YAML::Exception& e) {
+        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, e.what());
+      } catch (const Error& e) {
+        DS_FAIL("{}: key '{}': {}", where, key, e.what());
+      }
+    } else if (model::ModelConfig::is_yaml_key(key)) {
+      model_overrides.push_back(key + "=" + scalar_text(value));
+    } else if (is_remat_name(key)) {
+      custom_remat.emplace_back(key, value.as<std::string>());
+    } else {
+      DS_FAIL("{}: unknown key '{}' (neither a training key nor a model key)", where, key);
+    }
+  }
+  nlohmann::json j = nlohmann::json::object();
+  for (const auto& [key, value] : given) j[key] = scalar_text(value);
+  t.as_json = j;
+
+  // The model.
+  if (!t.hf_config.empty() || !t.load_parameters_path.empty()) {
+    std::string path = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
+    std::error_code ec;
+    if (fs::is_directory(path, ec)) path = (fs::path(path) / "config.json").string();
+    rc.model = model::ModelConfig::from_hf_json_text(read_text(path, "hf_config"), path);
+    for (const auto& o : model_overrides) {
+      const std::string key = o.substr(0, o.find('='));
+      DS_CHECK(model_key_allowed_with_hf(key),
+               "model key '{}' cannot change a Hugging Face config (only mtp_num_layers and routed_bias_update_rate)",
+               key);
+      const auto v = YAML::Load(o.substr(o.find('=') + 1));
+      if (key == "mtp_num_layers") rc.model.num_nextn_predict_layers = v.as<int64_t>();
+      if (key == "routed_bias_update_rate") rc.model.routed_bias_update_rate = v.as<double>();
+    }
+    rc.model.validate();
+  } else if (!t.model_name.empty()) {
+    const std::string preset = find_preset(t.model_name, source);
+    rc.model = model::ModelConfig::from_yaml_file(preset, model_overrides);
+  } else {
+    DS_CHECK(!model_overrides.empty(),
+             "{}: no model: give model_name=PRESET, hf_config=PATH, load_parameters_path=DIR or the model keys",
+             source);
+    rc.model = model::ModelConfig::from_yaml_text("", model_overrides, source);
+  }
+  DS_CHECK(t.remat_policy == "custom" || custom_remat.empty(),
+           "per-name remat settings ('{}') need remat_policy=custom",
+           custom_remat.empty() ? "" : custom_remat.front().first);
+  t.remat = model::RematPolicy::from_name(t.remat_policy, custom_remat);
+  t.data.batch = t.per_device_batch_size;
+  t.data.seq = t.max_target_length;
+  t.data.vocab_size = rc.model.vocab_size;
+  check_config(rc);
+  return rc;
+}
+
+RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse_run_config(read_text(path, "config"), overrides, path);
+}
+
+}  // namespace ds::train

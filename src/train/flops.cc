@@ -1,0 +1,31 @@
+#include "train/flops.h"
+
+namespace ds::train {
+
+double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
+  const double D = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
+  const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
+  const double nope = static_cast<double>(c.qk_nope_head_dim), rope = static_cast<double>(c.qk_rope_head_dim);
+  const double vd = static_cast<double>(c.v_head_dim), ql = static_cast<double>(c.q_lora_rank);
+  const double kvl = static_cast<double>(c.kv_lora_rank);
+  auto ffn = [&](double F) { return 3 * F * D; };  // gate, up, down per token
+  // Weights a token meets in layer l (multiply-adds; x 2 for FLOPs below).
+  auto layer = [&](int64_t l) {
+    double w = c.q_lora_rank > 0 ? D * ql + ql * H * (nope + rope) : D * H * (nope + rope);
+    w += D * (kvl + rope) + kvl * H * (nope + vd) + D * H * vd;
+    if (c.is_moe_layer(l))
+      w += D * static_cast<double>(c.n_routed_experts) +
+           static_cast<double>(c.n_shared_experts + c.num_experts_per_tok) *
+               ffn(static_cast<double>(c.moe_intermediate_size));
+    else
+      w += ffn(static_cast<double>(c.intermediate_size));
+    return w;
+  };
+  double per_token = D * static_cast<double>(c.vocab_size);  // unembedding
+  const int64_t layers = c.num_hidden_layers + mtp_layers;
+  for (int64_t l = 0; l < layers; ++l) per_token += layer(l);
+  const double attn = 2.0 * tok * T * H * (nope + rope + vd) / 2 * static_cast<double>(layers);
+  return 3 * (2 * tok * per_token + attn) * static_cast<double>(grad_accum);
+}
+
+}  // namespace ds::train

@@ -1,0 +1,19 @@
+// Model FLOPs of one training step by MaxText's accounting (maxtext_utils,
+// DeepSeek decoder block): 3 x (forward matmul FLOPs) for every weight a token
+// meets (attention projections, dense and expert MLPs, router, unembedding;
+// the embedding lookup counts 0) plus 3 x causal attention (half of the T x T
+// scores), per layer, MTP layers included (their eh_proj and head are not
+// counted, as MaxText does not), times gradient_accumulation_steps. Remat
+// recompute, norms, softmax and routing are not counted.
+#pragma once
+
+#include <cstdint>
+
+#include "model/config.h"
+
+namespace ds::train {
+
+double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers = 0,
+                  int64_t grad_accum = 1);
+
+}  // namespace ds::train

@@ -1,0 +1,441 @@
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "io/atomic_file.h"
+#include "model/init.h"
+#include "model/model.h"
+#include "ops/adamw.h"
+#include "ops/expert_selection.h"
+#include "train/checkpoint.h"
+#include "train/data.h"
+#include "train/flops.h"
+#include "train/optimizer.h"
+#include "train/schedule.h"
+
+namespace ds::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::atomic<int> g_stop_signal{0};
+extern "C" void on_stop_signal(int sig) { g_stop_signal.store(sig); }
+
+// Installs SIGINT/SIGTERM handlers for the run and restores the old ones after.
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stop_signal.store(0);
+    old_int_ = std::signal(SIGINT, on_stop_signal);
+    old_term_ = std::signal(SIGTERM, on_stop_signal);
+  }
+  ~StopSignals() {
+    std::signal(SIGINT, old_int_);
+    std::signal(SIGTERM, old_term_);
+  }
+
+ private:
+  void (*old_int_)(int);
+  void (*old_term_)(int);
+};
+
+double counted_targets(const model::TrainBatch& b) {
+  double n = 0;
+  for (int32_t s : b.target_segment_ids) n += s != 0;
+  return n;
+}
+
+std::string fmt_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+std::string fmt_rate(double x) { return x >= 1e4 ? fmt::format("{:.1f}k", x / 1e3) : fmt::format("{:.0f}", x); }
+
+// The metrics of steps before `step` from an earlier run's metrics.jsonl
+// (a resumed run rewrites the file without the steps it repeats).
+std::vector<nlohmann::json> read_metrics_before(const fs::path& file, int64_t step) {
+  std::vector<nlohmann::json> kept;
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("step") && j["step"].get<int64_t>() < step) kept.push_back(std::move(j));
+    } catch (const nlohmann::json::exception&) {
+      // A line cut short by a crash: dropped.
+    }
+  }
+  return kept;
+}
+
+struct LayerLoad {
+  int64_t layer;
+  std::vector<int64_t> load;
+};
+
+}  // namespace
+
+void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train_loss,
+                    const std::vector<std::pair<int64_t, double>>& eval_loss, const std::string& title) {
+  const double W = 720, H = 420, L = 64, R = 20, T = 40, B = 48;
+  double x0 = 0, x1 = 1, y0 = 1e300, y1 = -1e300;
+  for (const auto* v : {&train_loss, &eval_loss})
+    for (const auto& [s, l] : *v) {
+      if (!std::isfinite(l)) continue;
+      x1 = std::max(x1, static_cast<double>(s));
+      y0 = std::min(y0, l);
+      y1 = std::max(y1, l);
+    }
+  if (y0 > y1) y0 = 0, y1 = 1;
+  if (y1 - y0 < 1e-9) y0 -= 0.5, y1 += 0.5;
+  const double pad = 0.05 * (y1 - y0);
+  y0 -= pad;
+  y1 += pad;
+  auto px = [&](double s) { return L + (s - x0) / (x1 - x0) * (W - L - R); };
+  auto py = [&](double l) { return T + (y1 - l) / (y1 - y0) * (H - T - B); };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{2}\" y=\"22\" font-size=\"15\">{3}</text>\n",
+      W, H, L, title);
+  // Axes, ticks and grid.
+  svg += fmt::format("<path d=\"M{0} {1} V{2} H{3}\" stroke=\"black\" fill=\"none\"/>\n", L, T, H - B, W - R);
+  for (int i = 0; i <= 5; ++i) {
+    const double l = y0 + (y1 - y0) * i / 5, y = py(l);
+    svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n", L, y, W - R, y);
+    svg += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.3g}</text>\n", L - 6, y + 4, l);
+    const double s = x0 + (x1 - x0) * i / 5;
+    svg += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{:.0f}</text>\n", px(s), H - B + 18, s);
+  }
+  svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", (L + W - R) / 2, H - 10);
+  std::string d;
+  for (const auto& [s, l] : train_loss)
+    if (std::isfinite(l)) d += fmt::format("{}{:.1f} {:.1f}", d.empty() ? "M" : " L", px(double(s)), py(l));
+  if (!d.empty()) svg += "<path d=\"" + d + "\" stroke=\"#1f77b4\" stroke-width=\"1.5\" fill=\"none\"/>\n";
+  for (const auto& [s, l] : eval_loss)
+    if (std::isfinite(l))
+      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3.5\" fill=\"#d62728\"/>\n", px(double(s)), py(l));
+  svg += fmt::format(
+      "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
+      "<text x=\"{3}\" y=\"{4}\">train loss</text>\n",
+      W - 200, T + 6, W - 180, W - 174, T + 10);
+  if (!eval_loss.empty())
+    svg += fmt::format(
+        "<circle cx=\"{}\" cy=\"{}\" r=\"3.5\" fill=\"#d62728\"/><text x=\"{}\" y=\"{}\">eval loss</text>\n", W - 110,
+        T + 6, W - 100, T + 10);
+  svg += "</svg>\n";
+  io::write_file_atomic(path, svg);
+}
+
+TrainSummary train(const RunConfig& rc) {
+  const model::ModelConfig& cfg = rc.model;
+  const TrainConfig& tc = rc.train;
+  const int64_t mtp = cfg.num_nextn_predict_layers;
+  TrainSummary sum;
+  sum.run_dir = tc.run_dir();
+  const fs::path run(sum.run_dir), ckdir = run / "checkpoints";
+
+  // The run folder: refuse to mix with another run's checkpoints.
+  io::check_output_folder(tc.base_output_directory);
+  std::error_code ec;
+  fs::create_directories(run, ec);
+  DS_CHECK(!ec && fs::is_directory(run), "cannot create the run folder '{}': {}", run.string(), ec.message());
+  const auto existing = list_checkpoints(ckdir.string());
+  DS_CHECK(tc.resume || existing.empty(),
+           "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or choose "
+           "another run_name",
+           run.string(), existing.empty() ? 0 : existing.back());
+
+  // Parameters, gradients and optimizer.
+  model::FlatParams params = model::FlatParams::zeros(cfg, mtp);
+  model::FlatParams grads = model::FlatParams::zeros(cfg, mtp);
+  AdamW opt(cfg, mtp, tc, params, grads);
+  if (!tc.load_parameters_path.empty())
+    load_hf_params(tc.load_parameters_path, cfg, mtp, params);
+  else
+    init_params(cfg, mtp, params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
+
+  // Data.
+  auto data = open_dataset(tc.data, Split::Train);
+  std::unique_ptr<Dataset> eval_data;
+  if (tc.eval_interval > 0) {
+    DataConfig ec_cfg = tc.data;
+    if (tc.eval_per_device_batch_size > 0) ec_cfg.batch = tc.eval_per_device_batch_size;
+    eval_data = open_dataset(ec_cfg, Split::Eval);
+  }
+
+  // Resume.
+  const nlohmann::json model_json = model::to_hf_json(cfg, mtp);
+  int64_t start = 0, consecutive_skipped = 0;
+  if (tc.resume && !existing.empty()) {
+    const std::string dir = (ckdir / ("step_" + std::to_string(existing.back()))).string();
+    const CheckpointState st = load_checkpoint(dir, cfg, mtp, params, &opt.m, &opt.v);
+    DS_CHECK(st.model_config == model_json,
+             "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
+             dir);
+    start = st.step;
+    opt.set_count(st.step);
+    try {
+      data->restore(st.data_state);
+    } catch (const Error& e) {
+      DS_FAIL("checkpoint '{}': cannot restore the data position: {}", dir, e.what());
+    }
+    consecutive_skipped = st.consecutive_skipped;
+    fmt::print(stderr, "resuming {} from {} ({} updates applied)\n", run.string(), dir, start);
+  } else if (tc.resume) {
+    fmt::print(stderr, "resume=true but '{}' has no checkpoint yet: starting from step 0\n", ckdir.string());
+  }
+  DS_CHECK(start <= tc.steps, "the newest checkpoint has {} updates, more than steps={}", start, tc.steps);
+  sum.start_step = sum.end_step = start;
+
+  // Metrics: earlier steps kept (resume), the rest rewritten.
+  const fs::path metrics_path = run / "metrics.jsonl";
+  std::vector<std::pair<int64_t, double>> train_curve, eval_curve;
+  {
+    std::string kept;
+    for (const auto& j : read_metrics_before(metrics_path, start)) {
+      kept += j.dump() + "\n";
+      if (j.contains("loss") && j["loss"].is_number()) train_curve.emplace_back(j["step"].get<int64_t>(), j["loss"]);
+      if (j.contains("eval_loss")) eval_curve.emplace_back(j["step"].get<int64_t>(), j["eval_loss"]);
+    }
+    io::write_file_atomic(metrics_path.string(), kept);
+  }
+  io::write_file_atomic((run / "config.json").string(),
+                        nlohmann::json{{"run", tc.as_json}, {"model", model_json}}.dump(2) + "\n");
+  std::ofstream metrics(metrics_path, std::ios::app);
+  DS_CHECK(metrics.good(), "cannot append to '{}'", metrics_path.string());
+
+  // MoE layers in the order loss_and_grad reports their loads, with their bias.
+  std::vector<int64_t> moe_layers;
+  for (int64_t l = 0; l < cfg.num_hidden_layers + mtp; ++l)
+    if (cfg.is_moe_layer(l)) moe_layers.push_back(l);
+  std::vector<float*> biases;
+  model::for_each_param(
+      cfg, mtp,
+      [&](const model::ParamInfo& i, float*& p) {
+        if (i.role == model::ParamRole::RoutingBias) biases.push_back(p);
+      },
+      params.ptr);
+  const bool bias_update = cfg.routed_bias_update_rate > 0 && !biases.empty();
+  DS_CHECK(!bias_update || biases.size() == moe_layers.size(), "internal: {} routing biases for {} MoE layers",
+           biases.size(), moe_layers.size());
+
+  model::LossOptions lo;
+  lo.z_loss_multiplier = tc.z_loss_multiplier;
+  lo.load_balance_loss_weight = tc.load_balance_loss_weight;
+  lo.mtp_num_layers = mtp;
+  lo.mtp_loss_scaling_factor = tc.mtp_loss_scaling_factor;
+  const int64_t GA = tc.gradient_accumulation_steps;
+  const double flops = step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
+  const double step_tokens = static_cast<double>(tc.per_device_batch_size * tc.max_target_length * GA);
+  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const auto grad_spans = opt.grad_spans();
+  std::vector<ops::GradSpan> param_spans;
+  for (const auto& s : opt.slots()) param_spans.push_back({s.param, s.info.numel()});
+
+  auto save = [&](int64_t step) {
+    CheckpointState st;
+    st.step = step;
+    st.data_state = data->state();
+    st.consecutive_skipped = consecutive_skipped;
+    st.model_config = model_json;
+    st.run_config = tc.as_json;
+    if (!tc.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc.tokenizer_path).string();
+    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, params, &opt.m, &opt.v, st);
+    prune_checkpoints(ckdir.string(), tc.max_num_checkpoints_to_keep);
+    if (tty) fmt::print(stderr, "\n");
+    fmt::print(stderr, "saved checkpoint {}\n", where);
+  };
+
+  auto evaluate = [&]() {
+    eval_data->rewind();
+    int64_t n = tc.eval_steps;
+    if (n < 0) n = eval_data->batches_per_pass();
+    DS_CHECK(n >= 1, "eval_steps=-1 needs an eval split of known length; set eval_steps");
+    model::LossOptions el = lo;
+    el.mtp_num_layers = 0;  // MaxText's eval loss excludes MTP
+    double xent = 0, weight = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const model::TrainBatch b = eval_data->next();
+      const auto t = model::loss_and_grad(cfg, params.view, nullptr, b, el, tc.remat);
+      xent += t.lm_loss * t.tokens;
+      weight += t.tokens;
+    }
+    return xent / (weight + 1e-8);
+  };
+
+  StopSignals signals;
+  const auto run_start = std::chrono::steady_clock::now();
+  int64_t last_saved = existing.empty() ? -1 : (tc.resume ? existing.back() : -1);
+  int64_t s = start;
+  for (; s < tc.steps; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double lr = learning_rate_at(tc, s);
+    std::vector<model::TrainBatch> micro;
+    double total_w = 0;
+    for (int64_t i = 0; i < GA; ++i) {
+      micro.push_back(data->next());
+      total_w += counted_targets(micro.back());
+    }
+    std::fill(grads.data.begin(), grads.data.end(), 0.0f);
+    model::LossTerms terms;
+    std::vector<std::vector<float>> bias_delta(moe_layers.size());
+    std::vector<std::vector<int64_t>> load(moe_layers.size());
+    for (int64_t i = 0; i < GA; ++i) {
+      model::LossOptions mo = lo;
+      const double wi = total_w > 0 ? counted_targets(micro[i]) / total_w : 1.0 / static_cast<double>(GA);
+      mo.grad_scale = wi;
+      const auto t = model::loss_and_grad(cfg, params.view, &grads.ptr, micro[i], mo, tc.remat);
+      terms.loss += wi * t.loss;
+      terms.lm_loss += wi * t.lm_loss;
+      terms.z_loss += wi * t.z_loss;
+      terms.mtp_loss += wi * t.mtp_loss;
+      terms.moe_lb_loss += wi * t.moe_lb_loss;
+      terms.tokens += t.tokens;
+      for (size_t l = 0; l < moe_layers.size() && l < t.expert_load.size(); ++l) {
+        const auto& c = t.expert_load[l];
+        if (load[l].empty()) load[l].assign(c.size(), 0);
+        for (size_t e = 0; e < c.size(); ++e) load[l][e] += c[e];
+        if (bias_update) {
+          if (bias_delta[l].empty()) bias_delta[l].assign(c.size(), 0.0f);
+          ops::update_routing_bias(bias_delta[l].data(), c.data(), static_cast<int64_t>(c.size()),
+                                   static_cast<float>(cfg.routed_bias_update_rate));
+        }
+      }
+    }
+    const double raw_norm = ops::global_grad_norm(grad_spans);
+    const bool finite = std::isfinite(terms.loss) && std::isfinite(raw_norm);
+    double grad_norm = raw_norm;
+    if (finite) {
+      consecutive_skipped = 0;
+      if (tc.gradient_clipping_threshold > 0) {
+        ops::clip_grad_norm(grad_spans, tc.gradient_clipping_threshold);
+        grad_norm = std::min(raw_norm, tc.gradient_clipping_threshold);
+      }
+      opt.update(lr);
+      if (bias_update)
+        for (size_t l = 0; l < biases.size(); ++l)
+          for (size_t e = 0; e < bias_delta[l].size(); ++e) biases[l][e] += bias_delta[l][e];
+    } else {
+      ++sum.skipped_steps;
+      ++consecutive_skipped;
+    }
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    nlohmann::json m = {{"step", s},
+                        {"loss", terms.loss},
+                        {"lm_loss", terms.lm_loss},
+                        {"perplexity", std::exp(std::min(terms.lm_loss, 700.0))},
+                        {"z_loss", terms.z_loss},
+                        {"mtp_loss", terms.mtp_loss},
+                        {"moe_lb_loss", terms.moe_lb_loss},
+                        {"total_weights", terms.tokens},
+                        {"lr", lr},
+                        {"grad_norm", grad_norm},
+                        {"raw_grad_norm", raw_norm},
+                        {"param_norm", ops::global_grad_norm(param_spans)},
+                        {"step_time_seconds", dt},
+                        {"tokens_per_sec", step_tokens / dt},
+                        {"tflops_per_sec", flops / dt / 1e12},
+                        {"step_skipped", !finite}};
+    if (!finite) {
+      // JSON has no NaN: the raw values as text.
+      m["loss"] = fmt::format("{}", terms.loss);
+      m["raw_grad_norm"] = fmt::format("{}", raw_norm);
+      m["grad_norm"] = fmt::format("{}", grad_norm);
+    }
+    if (!load.empty()) {
+      nlohmann::json el = nlohmann::json::array();
+      for (size_t l = 0; l < load.size(); ++l) {
+        if (load[l].empty()) continue;
+        double mean = 0, var = 0;
+        for (int64_t c : load[l]) mean += static_cast<double>(c);
+        mean /= static_cast<double>(load[l].size());
+        for (int64_t c : load[l]) var += (static_cast<double>(c) - mean) * (static_cast<double>(c) - mean);
+        var /= static_cast<double>(load[l].size());
+        el.push_back({{"layer", moe_layers[l]},
+                      {"min", *std::min_element(load[l].begin(), load[l].end())},
+                      {"max", *std::max_element(load[l].begin(), load[l].end())},
+                      {"cv", mean > 0 ? std::sqrt(var) / mean : 0.0}});
+      }
+      m["expert_load"] = el;
+    }
+    const bool last = s + 1 == tc.steps;
+    if (eval_data && (s % tc.eval_interval == 0 || last)) {
+      const double ev = evaluate();
+      m["eval_loss"] = ev;
+      m["eval_perplexity"] = std::exp(std::min(ev, 700.0));
+      eval_curve.emplace_back(s, ev);
+      sum.last_eval_loss = ev;
+    }
+    metrics << m.dump() << "\n";
+    metrics.flush();
+    DS_CHECK(metrics.good(), "writing '{}' failed", metrics_path.string());
+    if (finite) train_curve.emplace_back(s, terms.loss);
+    if (s == start) sum.first_loss = terms.loss;
+    sum.last_loss = terms.loss;
+    sum.end_step = s + 1;
+
+    // Progress.
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+    const double eta = elapsed / static_cast<double>(s + 1 - start) * static_cast<double>(tc.steps - s - 1);
+    std::string line = fmt::format("step {}/{} loss {:.4f} lr {:.2e} | {} tok/s | ETA {}", s + 1, tc.steps, terms.loss,
+                                   lr, fmt_rate(step_tokens / dt), fmt_duration(eta));
+    if (m.contains("eval_loss")) line += fmt::format(" | eval {:.4f}", m["eval_loss"].get<double>());
+    if (!finite) line += " | non-finite: step skipped";
+    if (tty) {
+      const int width = 24;
+      const int done = static_cast<int>(width * (s + 1) / tc.steps);
+      fmt::print(stderr, "\r[{}{}] {}\033[K", std::string(done, '#'), std::string(width - done, '.'), line);
+      if (!finite || m.contains("eval_loss")) fmt::print(stderr, "\n");
+    } else if (s == start || last || (s + 1) % tc.log_period == 0 || !finite || m.contains("eval_loss")) {
+      fmt::print(stderr, "{}\n", line);
+    }
+    DS_CHECK(consecutive_skipped < tc.max_consecutive_skipped_steps,
+             "stopping: {} steps in a row had a non-finite loss or gradient (max_consecutive_skipped_steps); "
+             "the newest checkpoint is unchanged",
+             consecutive_skipped);
+
+    if (tc.enable_checkpointing && (s + 1) % tc.checkpoint_period == 0) {
+      save(s + 1);
+      last_saved = s + 1;
+    }
+    if (tc.target_eval_loss > 0 && m.contains("eval_loss") && m["eval_loss"].get<double>() < tc.target_eval_loss) {
+      fmt::print(stderr, "{}eval loss {:.4f} is below target_eval_loss {}: stopping\n", tty ? "\n" : "",
+                 m["eval_loss"].get<double>(), tc.target_eval_loss);
+      ++s;
+      break;
+    }
+    if (g_stop_signal.load() != 0) {
+      fmt::print(stderr, "{}stopping on signal {} after step {}\n", tty ? "\n" : "", g_stop_signal.load(), s + 1);
+      sum.interrupted = true;
+      ++s;
+      break;
+    }
+  }
+  if (tty) fmt::print(stderr, "\n");
+  const int64_t done = std::min<int64_t>(s, tc.steps);
+  if (tc.enable_checkpointing && (tc.save_checkpoint_on_completion || sum.interrupted) && last_saved != done &&
+      done > start)
+    save(done);
+  write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve, fmt::format("{}: loss per step", tc.run_name));
+  return sum;
+}
+
+}  // namespace ds::train

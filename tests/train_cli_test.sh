@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# `deepseek train` end to end on the tiny preset: a corpus prepared with the
+# fixture tokenizer, a few steps with eval and checkpoints, metrics and the
+# loss curve in the run folder, `deepseek export` to a Hugging Face folder
+# that `deepseek generate` runs; and bad input (unknown key, missing corpus,
+# impossible sizes, a corrupt checkpoint) gives one error line and exit code
+# 2 without losing a checkpoint.
+# Usage: train_cli_test.sh DEEPSEEK SOURCE_DIR
+set -u
+bin="$1"
+src="$2"
+tok="$src/tests/data/tokenizer/tiny/tokenizer.json"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
+
+# A small corpus: the project's own documentation, one document per file.
+"$bin" prepare --tokenizer "$tok" --input "$src/README.md" --input "$src/docs/*.md" --input "$src/configs/*.yml" \
+  --out "$tmp/data" --eval-fraction 0.3 >/dev/null
+check '[ $? -eq 0 ] && [ -s "$tmp/data/meta.json" ]' "prepare the corpus"
+
+cat >"$tmp/run.yml" <<YML
+model_name: $src/configs/tiny.yml
+base_output_directory: $tmp/runs
+run_name: t
+dataset_type: tokens
+dataset_path: $tmp/data
+tokenizer_path: $tok
+steps: 6
+per_device_batch_size: 2
+max_target_length: 32
+learning_rate: 1.0e-3
+mtp_num_layers: 1
+routed_bias_update_rate: 1.0e-3
+eval_interval: 3
+eval_steps: 2
+checkpoint_period: 3
+YML
+
+out=$("$bin" train "$tmp/run.yml" 2>"$tmp/train.err")
+check '[ $? -eq 0 ]' "train exits 0 ($(tail -2 "$tmp/train.err"))"
+run="$tmp/runs/t"
+check '[[ "$out" == "trained t: steps 0 -> 6, loss "*", eval loss "* ]]' "train summary: $out"
+check '[ "$(wc -l <"$run/metrics.jsonl")" -eq 6 ]' "one metrics line per step"
+for key in step loss lm_loss lr grad_norm tokens_per_sec tflops_per_sec mtp_loss expert_load; do
+  check 'head -1 "$run/metrics.jsonl" | grep -q "\"$key\""' "metrics carry $key"
+done
+check '[ "$(grep -c eval_loss "$run/metrics.jsonl")" -eq 3 ]' "eval at steps 0, 3 and the last"
+check 'head -c 4 "$run/loss.svg" | grep -q "<svg"' "loss.svg written"
+check '[ -f "$run/checkpoints/step_3/state.json" ] && [ -f "$run/checkpoints/step_6/params.safetensors" ]' \
+  "checkpoints step_3 and step_6"
+check 'grep -q "step 6/6" "$tmp/train.err"' "progress lines on stderr"
+
+# Export and generate from the export.
+exp=$("$bin" export --checkpoint "$run/checkpoints/step_6" --out "$tmp/hf")
+check '[ $? -eq 0 ] && [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ] && [ -f "$tmp/hf/tokenizer.json" ]' \
+  "export writes config, weights and tokenizer: $exp"
+check 'grep -q "\"num_nextn_predict_layers\": 1" "$tmp/hf/config.json"' "export keeps the MTP layer"
+gen=$("$bin" generate --model "$tmp/hf" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
+check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the exported folder"
+
+# Bad input: one line, exit 2.
+expect_error train "$tmp/run.yml" no_such_key=1
+expect_error train "$tmp/run.yml" run_name=u dataset_path="$tmp/missing"
+expect_error train "$tmp/run.yml" run_name=u max_target_length=100000
+expect_error train "$tmp/run.yml" run_name=u per_device_batch_size=1.5
+expect_error train "$tmp/missing.yml"
+expect_error train "$tmp/run.yml"  # the run exists: resume=true or another run_name
+expect_error export --checkpoint "$tmp/missing" --out "$tmp/hf2"
+# A corrupt newest checkpoint: resume refuses it and both checkpoints stay.
+head -c 100 "$run/checkpoints/step_6/params.safetensors" >"$tmp/cut" && mv "$tmp/cut" "$run/checkpoints/step_6/params.safetensors"
+expect_error train "$tmp/run.yml" resume=true steps=8
+check '[ -d "$run/checkpoints/step_3" ] && [ -d "$run/checkpoints/step_6" ]' "no checkpoint lost"
+
+exit $fail
