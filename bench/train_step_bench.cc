@@ -11,33 +11,13 @@
 #include "core/rng.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "train/flops.h"
 
 namespace {
 
 using namespace ds;
 
 std::string preset(const char* name) { return std::string(DEEPSEEK_SOURCE_DIR) + "/configs/" + name + ".yml"; }
-
-// MaxText's per-step TFLOPs (MAXTEXT_TRAINING_FACTS.md section 6, no MTP):
-// 6 x the matmul parameters each token meets, plus 3 x causal attention.
-double step_flops(const model::ModelConfig& c, int64_t B, int64_t T) {
-  const double D = c.hidden_size, H = c.num_attention_heads, tok = double(B) * T;
-  const double nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim, vd = c.v_head_dim;
-  auto ffn = [&](double F) { return 3 * F * D; };
-  double per_token = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    per_token += c.q_lora_rank > 0 ? D * c.q_lora_rank + c.q_lora_rank * H * (nope + rope) : D * H * (nope + rope);
-    per_token += D * (c.kv_lora_rank + rope) + c.kv_lora_rank * H * (nope + vd) + D * H * vd;
-    if (c.is_moe_layer(l))
-      per_token +=
-          D * c.n_routed_experts + (c.n_shared_experts + c.num_experts_per_tok) * ffn(double(c.moe_intermediate_size));
-    else
-      per_token += ffn(double(c.intermediate_size));
-  }
-  per_token += D * c.vocab_size;
-  const double attn = 2.0 * tok * T * H * (nope + rope + vd) / 2 * c.num_hidden_layers;
-  return 3 * (2 * tok * per_token + attn);
-}
 
 void TrainStep(benchmark::State& state, const char* name, const char* policy) {
   const auto cfg = model::ModelConfig::from_yaml_file(preset(name));
@@ -71,7 +51,7 @@ void TrainStep(benchmark::State& state, const char* name, const char* policy) {
   }
   state.counters["tokens_per_s"] = benchmark::Counter(double(B * T), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["TFLOP_per_s"] =
-      benchmark::Counter(step_flops(cfg, B, T) / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+      benchmark::Counter(train::step_flops(cfg, B, T) / 1e12, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["saved_MiB"] = double(t.saved_bytes) / (1 << 20);
 }
 

@@ -18,6 +18,7 @@
 #include "model/params.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/flops.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
@@ -105,6 +106,31 @@ TEST(Schedule, WarmupStableDecay) {
   EXPECT_NEAR(train::learning_rate_at(k, 99), 0.0, 1e-15);
   EXPECT_NEAR(train::learning_rate_at(k, 80 + 19), 0.0, 1e-15);
   EXPECT_GT(train::learning_rate_at(k, 85), train::learning_rate_at(c, 85));  // cosine decays slower at first
+}
+
+// MaxText's TFLOP accounting on DeepSeek-V3-671B (batch 1 x 4096): 900.09
+// (weights) + 125.76 (attention) = 1025.84 TFLOP per step, 1042.29 with one
+// MTP depth (the reference arithmetic of the MaxText facts).
+TEST(Flops, DeepSeekV3MatchesMaxTextAccounting) {
+  model::ModelConfig c;
+  c.vocab_size = 129280;
+  c.hidden_size = 7168;
+  c.intermediate_size = 18432;
+  c.moe_intermediate_size = 2048;
+  c.num_hidden_layers = 61;
+  c.num_attention_heads = 128;
+  c.q_lora_rank = 1536;
+  c.kv_lora_rank = 512;
+  c.qk_nope_head_dim = 128;
+  c.qk_rope_head_dim = 64;
+  c.v_head_dim = 128;
+  c.n_routed_experts = 256;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 8;
+  c.first_k_dense_replace = 3;
+  EXPECT_NEAR(train::step_flops(c, 1, 4096) / 1e12, 1025.84, 0.01);
+  EXPECT_NEAR(train::step_flops(c, 1, 4096, 1) / 1e12, 1042.29, 0.01);
+  EXPECT_NEAR(train::step_flops(c, 1, 4096, 0, 4), 4 * train::step_flops(c, 1, 4096), 1.0);
 }
 
 // ---------------------------------------------------------------------------
