@@ -23,6 +23,7 @@ void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize,
 void add_logits_command(CLI::App& app, CommandList& commands);
 void add_model_commands(CLI::App& app, CommandList& commands);  // init, generate, bench
 void add_prepare_command(CLI::App& app, CommandList& commands);  // tokenize a corpus into token shards
+void add_tokenizer_train_command(CLI::App& app, CommandList& commands);  // tokenizer train
 void add_train_commands(CLI::App& app, CommandList& commands);           // train, export
 
 }  // namespace ds::cli

@@ -156,6 +156,7 @@ int main(int argc, char** argv) {
   ds::cli::add_logits_command(app, commands);
   ds::cli::add_model_commands(app, commands);
   ds::cli::add_prepare_command(app, commands);
+  ds::cli::add_tokenizer_train_command(app, commands);
   ds::cli::add_train_commands(app, commands);
   try {
     app.parse(argc, argv);
