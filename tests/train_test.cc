@@ -380,6 +380,19 @@ TEST(Training, ExportWritesAHuggingFaceFolder) {
   auto q = model::FlatParams::zeros(cfg, 1);
   train::load_hf_params((dir / "hf").string(), cfg, 1, q);
   EXPECT_EQ(p.data, q.data);
+  // A run started from it (load_parameters_path; its config.json is the
+  // model) at learning rate 0 keeps exactly those weights.
+  const auto from = train::parse_run_config(
+      "", {"load_parameters_path=" + (dir / "hf").string(), "base_output_directory=" + dir.string(), "run_name=y",
+           "steps=1", "learning_rate=0", "per_device_batch_size=1", "max_target_length=8", "dataset_type=synthetic"},
+      "test");
+  EXPECT_EQ(from.model.num_nextn_predict_layers, 1);
+  train::train(from);
+  auto r = model::FlatParams::zeros(cfg, 1);
+  train::load_checkpoint((dir / "y" / "checkpoints" / "step_1").string(), cfg, 1, r, nullptr, nullptr);
+  EXPECT_EQ(p.data, r.data);
+  // A model key cannot reshape a Hugging Face config.
+  EXPECT_THROW(train::parse_run_config("", {"hf_config=" + (dir / "hf").string(), "base_emb_dim=32"}, "test"), Error);
 }
 
 TEST(Checkpoint, CorruptOrForeignCheckpointIsRefused) {
