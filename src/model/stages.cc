@@ -273,11 +273,11 @@ void experts_as_tasks(const ExpertOut& o, const float* xs, const float* x, const
   std::vector<Job> jobs;
   int64_t off = 0, wi = 0;
   for (size_t e = 0; e < r.sizes.size(); ++e) {
-    if (r.sizes[e] > 0) jobs.push_back({&m.experts[e], xs + off * D, o.ys + off * D, r.sizes[e], nullptr, nullptr});
+    if (r.sizes[e] > 0) jobs.push_back({&m.experts[e], xs + off * D, o.ys + off * D, r.sizes[e], nullptr, nullptr, {}, {}});
     off += r.sizes[e];
   }
   const bool shared = m.shared.gate.data != nullptr;
-  if (shared) jobs.push_back({&m.shared, x, o.shared_out, r.tokens, o.shared_mlpwi_0, o.shared_mlpwi_1});
+  if (shared) jobs.push_back({&m.shared, x, o.shared_out, r.tokens, o.shared_mlpwi_0, o.shared_mlpwi_1, {}, {}});
   for (auto& j : jobs) {
     const int64_t I = j.mlp->gate.rows;
     if (j.mlp != &m.shared && o.moe_mlpwi_0) {
