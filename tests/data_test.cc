@@ -21,6 +21,7 @@
 #include "io/token_shards.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "test_util.h"
 
 namespace ds {
 namespace {
@@ -39,18 +40,8 @@ void expect_error(const std::function<void()>& fn, const std::string& needle) {
   }
 }
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ds_data_test_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+struct TempDir : test::TempDir {
+  TempDir() : test::TempDir("ds_data_test") {}
 };
 
 std::string read_bytes(const std::string& path) {

@@ -25,6 +25,7 @@
 #include "model/init.h"
 #include "model/load.h"
 #include "model_fixture.h"
+#include "test_util.h"
 
 namespace ds {
 namespace {
@@ -45,18 +46,8 @@ void expect_error(F&& f, const std::string& needle) {
 
 model::ModelConfig parse(const json& j) { return model::ModelConfig::from_hf_json_text(j.dump()); }
 
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/ds_hardening_XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+struct TempDir : test::TempDir {
+  TempDir() : test::TempDir("ds_hardening") {}
 };
 
 // ---- sizes ----
@@ -194,7 +185,8 @@ TEST(Hardening, NonFiniteFp8WeightsAndScalesAreRefusedAtLoad) {
     model::write_random_checkpoint(cfg, d.path(), opt);
     const uint8_t e4m3_nan = 0xff;
     poke(d.path(), "model.layers.2.self_attn.kv_b_proj.weight", 5, &e4m3_nan, 1);
-    expect_error([&] { infer::load_model(d.path()); }, "kv_b_proj.weight' holds a non-finite value (NaN or infinity) at element 5");
+    expect_error([&] { infer::load_model(d.path()); },
+                 "kv_b_proj.weight' holds a non-finite value (NaN or infinity) at element 5");
   }
 }
 

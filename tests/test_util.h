@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 #include <hwy/targets.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include <cmath>
+#include <filesystem>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/rng.h"
@@ -105,5 +108,21 @@ inline double weighted_sum(const std::vector<double>& y, const std::vector<doubl
   for (size_t i = 0; i < y.size(); ++i) s += y[i] * w[i];
   return s;
 }
+
+// A fresh folder under /tmp (mkdtemp), removed with everything in it at the
+// end of the scope.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& prefix = "ds_test") {
+    std::string tmpl = "/tmp/" + prefix + "_XXXXXX";
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string operator/(const std::string& name) const { return (std::filesystem::path(path_) / name).string(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 }  // namespace ds::test
