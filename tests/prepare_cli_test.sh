@@ -76,7 +76,7 @@ check '[ ! -e "$tmp/e1/meta.json" ]' "failed runs leave no meta.json"
 err=$("$bin" prepare --tokenizer "$tok" --input "$in/sub/bad.jsonl" --out "$tmp/e1" 2>&1)
 check '[[ "$err" == *"bad.jsonl:1: not valid JSON"* ]]' "a bad line is named by file and line: $err"
 err=$("$bin" prepare --tokenizer "$tok" --input "$in/*.nothing" --out "$tmp/e1" 2>&1)
-check '[[ "$err" == *"matches no files"* ]]' "an empty glob is named: $err"
+check '[[ "$err" == *"matches no file"* ]]' "an empty glob is named: $err"
 
 [ "$fail" -eq 0 ] && echo "prepare cli: all checks passed"
 exit "$fail"

@@ -179,6 +179,12 @@ TEST(TrainConfig, BadInputsAreOneLineErrors) {
   EXPECT_THROW(train::parse_run_config("", {"model_name=" + kTiny}, "test"), Error);
   EXPECT_THROW(train::parse_run_config("", {"model_name=no_such_preset"}, "test"), Error);
   EXPECT_THROW(train::load_run_config("/no/such/config.yml", {}), Error);
+  try {  // a folder given as the config
+    train::load_run_config(fs::temp_directory_path().string(), {});
+    ADD_FAILURE() << "a folder was read as a config";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is a folder"), std::string::npos) << e.what();
+  }
 }
 
 // ---------------------------------------------------------------------------

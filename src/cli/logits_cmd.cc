@@ -16,6 +16,7 @@
 #include "infer/generate.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "io/text_input.h"
 #include "io/token_lists.h"
 #include "model/load.h"
 
@@ -29,21 +30,12 @@ struct LogitsArgs {
   CLI::Option* incremental_opt = nullptr;  // given or not
 };
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DS_CHECK(in.good(), "cannot read token file '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  DS_CHECK(!in.bad(), "error reading token file '{}'", path);
-  return ss.str();
-}
-
 int run_logits(const LogitsArgs& a) {
   // The request is checked whole before any weight is read: the output
   // path, the token file against the config, the --incremental prefix.
   const std::string out = io::resolve_output_path(a.out);
   const model::ModelConfig cfg = model::load_config(a.model);
-  const auto seqs = io::parse_token_lists(read_text(a.tokens), cfg.vocab_size, a.tokens);
+  const auto seqs = io::parse_token_lists(io::read_file(a.tokens, "token file"), cfg.vocab_size, a.tokens);
   const bool incremental = a.incremental_opt != nullptr && a.incremental_opt->count() > 0;
   const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
   const auto kind = a.cache == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;

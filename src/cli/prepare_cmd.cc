@@ -13,9 +13,6 @@
 // the input order. The inputs are read and checked once before anything is
 // written, then read again and tokenized in parallel, batch by batch, so
 // memory holds one batch and one shard per split, not the corpus.
-#include <glob.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,6 +33,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/atomic_file.h"
+#include "io/text_input.h"
 #include "io/token_shards.h"
 #include "io/tokenizer.h"
 
@@ -71,56 +69,18 @@ struct DocRef {
   uint64_t line = 0;             // 1-based line number (jsonl)
 };
 
-std::string read_whole_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DS_CHECK(in, "prepare: cannot open '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  DS_CHECK(!in.bad(), "prepare: error reading '{}'", path);
-  return ss.str();
-}
-
-// The regular files each pattern matches (sorted, as glob(3) returns them),
-// in pattern order, each file once. A pattern that matches no file is an
-// error; folders a wildcard matches are skipped.
 std::vector<InputFile> expand_inputs(const std::vector<std::string>& patterns) {
   std::vector<InputFile> files;
-  std::set<std::string> seen;
-  for (const std::string& pattern : patterns) {
-    glob_t g{};
-    const int rc = glob(pattern.c_str(), 0, nullptr, &g);
-    std::unique_ptr<glob_t, void (*)(glob_t*)> guard(&g, globfree);
-    DS_CHECK(rc == 0 || rc == GLOB_NOMATCH, "prepare: --input '{}': cannot expand the pattern", pattern);
-    size_t matched = 0;
-    for (size_t i = 0; rc == 0 && i < g.gl_pathc; ++i) {
-      const std::string path = g.gl_pathv[i];
-      struct stat st {};
-      if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
-      ++matched;
-      std::error_code ec;
-      const std::string key = fs::weakly_canonical(path, ec).string();
-      if (!seen.insert(ec ? path : key).second) continue;
-      files.push_back({path, fs::path(path).extension() == ".jsonl"});
-    }
-    DS_CHECK(matched > 0, "prepare: --input '{}' matches no files", pattern);
-  }
+  for (auto& path : io::expand_corpus_globs(patterns)) files.push_back({path, io::is_jsonl(path)});
   return files;
 }
 
-// The text of line `d` of a .jsonl file: {"text": "..."} (other keys ignored).
+// The text of a .jsonl line, named "prepare: FILE:LINE" in errors.
 std::string jsonl_text(std::string_view line, const std::string& path, uint64_t lineno) {
-  json j;
-  try {
-    j = json::parse(line);
-  } catch (const json::exception& e) {
-    DS_FAIL("prepare: {}:{}: not valid JSON: {}", path, lineno, e.what());
-  }
-  DS_CHECK(j.is_object() && j.contains("text") && j["text"].is_string(),
-           "prepare: {}:{}: expected a JSON object with a \"text\" string", path, lineno);
-  return j["text"].get<std::string>();
+  return io::jsonl_text(line, fmt::format("prepare: {}:{}", path, lineno));
 }
 
-bool blank(std::string_view s) { return s.find_first_not_of(" \t\r\n") == std::string_view::npos; }
+std::string read_input(const std::string& path) { return io::read_file(path, "input file"); }
 
 // Pass 1: every document of `f` (already read as `content`), checked.
 // Returns the number of empty documents left out.
@@ -138,7 +98,7 @@ uint64_t list_documents(const InputFile& f, uint32_t index, const std::string& c
     if (end == std::string::npos) end = content.size();
     ++lineno;
     const std::string_view line(content.data() + begin, end - begin);
-    if (!blank(line)) {
+    if (!io::is_blank_line(line)) {
       if (jsonl_text(line, f.path, lineno).empty()) {
         ++empty;
       } else {
@@ -164,7 +124,7 @@ int run_prepare(const PrepareArgs& a) {
   std::vector<DocRef> docs;
   uint64_t skipped = 0;
   for (size_t i = 0; i < files.size(); ++i)
-    skipped += list_documents(files[i], static_cast<uint32_t>(i), read_whole_file(files[i].path), docs);
+    skipped += list_documents(files[i], static_cast<uint32_t>(i), read_input(files[i].path), docs);
   const uint64_t n = docs.size();
   DS_CHECK(n > 0, "prepare: empty corpus: the {} input file(s) hold no text", files.size());
 
@@ -217,7 +177,7 @@ int run_prepare(const PrepareArgs& a) {
     const DocRef& r = docs[d];
     const InputFile& f = files[r.file];
     if (r.file != loaded) {
-      content = read_whole_file(f.path);
+      content = read_input(f.path);
       loaded = r.file;
     }
     if (f.jsonl) {

@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "io/atomic_file.h"
 #include "io/bpe_trainer.h"
+#include "io/text_input.h"
 
 namespace ds::cli {
 

@@ -1,7 +1,5 @@
 #include "io/bpe_trainer.h"
 
-#include <glob.h>
-
 #include <algorithm>
 #include <array>
 #include <filesystem>
@@ -14,6 +12,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/text_input.h"
 #include "io/tokenizer.h"
 #include "io/tokenizer_text.h"
 
@@ -99,19 +98,6 @@ struct PairHash {
 
 uint64_t pack(int32_t a, int32_t b) { return (static_cast<uint64_t>(a) << 32) | static_cast<uint32_t>(b); }
 
-std::string read_whole_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  DS_CHECK(f.good(), "cannot open corpus file '{}'", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  DS_CHECK(!f.bad(), "error reading corpus file '{}'", path);
-  return ss.str();
-}
-
-bool ends_with(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // A JSON string literal, UTF-8 kept as it is.
 std::string quote(const std::string& s) { return json(s).dump(-1, ' ', false, json::error_handler_t::strict); }
 
@@ -180,27 +166,18 @@ void BpeTrainer::add_file(const std::string& path) {
   std::error_code ec;
   DS_CHECK(std::filesystem::is_regular_file(path, ec), "corpus file '{}' does not exist or is not a regular file",
            path);
-  if (!ends_with(path, ".jsonl")) {
-    add_document(read_whole_file(path), "corpus file '" + path + "'");
+  if (!is_jsonl(path)) {
+    add_document(read_file(path, "corpus file"), "corpus file '" + path + "'");
     return;
   }
+  // Line by line, so a large .jsonl file is never held whole.
   std::ifstream f(path, std::ios::binary);
   DS_CHECK(f.good(), "cannot open corpus file '{}'", path);
   std::string line;
   for (int64_t n = 1; std::getline(f, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
+    if (is_blank_line(line)) continue;
     const std::string where = fmt::format("corpus file '{}' line {}", path, n);
-    check_utf8(line, where.c_str());
-    json j;
-    try {
-      j = json::parse(line);
-    } catch (const json::exception& e) {
-      DS_FAIL("{}: not valid JSON: {}", where, e.what());
-    }
-    DS_CHECK(j.is_object(), "{}: must be a JSON object with a \"text\" string, got {}", where, j.type_name());
-    auto text = j.find("text");
-    DS_CHECK(text != j.end() && text->is_string(), "{}: needs a \"text\" field holding a string", where);
-    add_document(text->get_ref<const std::string&>(), where);
+    add_document(jsonl_text(line, where), where);
   }
   DS_CHECK(!f.bad(), "error reading corpus file '{}'", path);
 }
@@ -393,29 +370,6 @@ BpeModel BpeTrainer::train() const {
 // ---------------------------------------------------------------------------
 // Corpus files and output.
 // ---------------------------------------------------------------------------
-
-std::vector<std::string> expand_corpus_globs(const std::vector<std::string>& patterns) {
-  DS_CHECK(!patterns.empty(), "no corpus input given");
-  std::vector<std::string> files;
-  std::set<std::string> have;
-  for (const auto& p : patterns) {
-    glob_t g{};
-    const int rc = ::glob(p.c_str(), GLOB_ERR, nullptr, &g);
-    std::vector<std::string> found;
-    if (rc == 0)
-      for (size_t i = 0; i < g.gl_pathc; ++i) found.emplace_back(g.gl_pathv[i]);
-    globfree(&g);
-    DS_CHECK(rc != GLOB_NOSPACE, "out of memory expanding input pattern '{}'", p);
-    DS_CHECK(rc != GLOB_ABORTED, "input pattern '{}': a folder could not be read", p);
-    DS_CHECK(rc == 0 && !found.empty(), "input pattern '{}' matches no file", p);
-    for (auto& f : found) {
-      std::error_code ec;
-      DS_CHECK(std::filesystem::is_regular_file(f, ec), "input '{}' (from pattern '{}') is not a regular file", f, p);
-      if (have.insert(f).second) files.push_back(std::move(f));
-    }
-  }
-  return files;
-}
 
 std::string bpe_tokenizer_json(const BpeModel& model) {
   ordered_json added = ordered_json::array();

@@ -116,12 +116,6 @@ class BpeTrainer {
   std::unique_ptr<Impl> impl_;
 };
 
-// The files named by glob(3) patterns: each pattern's matches in glob's
-// (sorted) order, patterns in the order given, a file named twice kept once.
-// ds::Error for a pattern that matches nothing or a match that is not a
-// regular file.
-std::vector<std::string> expand_corpus_globs(const std::vector<std::string>& patterns);
-
 // tokenizer.json text: model BPE (vocab by id, merges as "A B"), DeepSeek-V3's
 // pre_tokenizer and post_processor, a ByteLevel decoder, the special tokens as
 // added tokens, no normalizer.

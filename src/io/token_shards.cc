@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "io/atomic_file.h"
+#include "io/text_input.h"
 
 namespace ds::io {
 
@@ -234,13 +235,10 @@ TokenCorpusMeta TokenCorpusMeta::read(const std::string& dir) {
            "'{}' has no meta.json: not a prepared token directory, or `deepseek prepare` did not finish "
            "(meta.json is written last)",
            dir);
-  std::ifstream in(path, std::ios::binary);
-  DS_CHECK(in, "cannot open '{}': {}", path, errno_text());
-  std::stringstream ss;
-  ss << in.rdbuf();
+  const std::string text = read_file(path, "token directory metadata");
   json j;
   try {
-    j = json::parse(ss.str());
+    j = json::parse(text);
   } catch (const json::exception& e) {
     DS_FAIL("'{}' is not valid JSON: {}", path, e.what());
   }

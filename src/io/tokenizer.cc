@@ -13,6 +13,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "io/text_input.h"
 #include "io/tokenizer_text.h"
 
 namespace ds::io {
@@ -364,15 +365,6 @@ json parse_json(std::string_view text, const std::string& origin) {
   }
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  DS_CHECK(f.good(), "cannot open tokenizer file {}", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  DS_CHECK(!f.bad(), "error reading tokenizer file {}", path);
-  return ss.str();
-}
-
 int32_t token_id(const json& v, const std::string& where) {
   DS_CHECK(v.is_number_integer(), "{}: token id must be an integer, got {}", where, v.dump());
   const int64_t id = v.get<int64_t>();
@@ -400,11 +392,11 @@ Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 Tokenizer::~Tokenizer() = default;
 
 Tokenizer Tokenizer::from_file(const std::string& path) {
-  const std::string text = read_file(path);
+  const std::string text = read_file(path, "tokenizer file");
   const auto config_path = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
   std::string config;
   std::error_code ec;
-  if (std::filesystem::is_regular_file(config_path, ec)) config = read_file(config_path.string());
+  if (std::filesystem::is_regular_file(config_path, ec)) config = read_file(config_path.string(), "tokenizer config");
   return from_json(text, config, path);
 }
 
@@ -463,9 +455,8 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   // Ids are 0 .. N-1 for N entries, as every released tokenizer has them: an
   // id that names no token could be sampled and then not decoded, and a
   // single huge id would make the id tables huge.
-  DS_CHECK(size == model_vocab_size,
-           "{}: vocab ids must be 0 to {} (one per entry, no holes); the largest is {}", mwhere,
-           model_vocab_size - 1, size - 1);
+  DS_CHECK(size == model_vocab_size, "{}: vocab ids must be 0 to {} (one per entry, no holes); the largest is {}",
+           mwhere, model_vocab_size - 1, size - 1);
   t.token_text.assign(size, {});
   t.known.assign(size, false);
   for (const auto& [tok, id] : t.vocab) {
@@ -588,8 +579,7 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
   }
   const json& dec = member(root, "decoder", origin);
   DS_CHECK(dec.is_object() && string_member(dec, "type", origin + ": decoder") == "ByteLevel",
-           "{}: decoder must be ByteLevel, got {}", origin,
-           dec.dump().substr(0, 200));
+           "{}: decoder must be ByteLevel, got {}", origin, dec.dump().substr(0, 200));
 
   std::unordered_map<uint32_t, uint8_t> cp_to_byte;
   for (int b = 0; b < 256; ++b) cp_to_byte[t.byte_cp[b]] = static_cast<uint8_t>(b);

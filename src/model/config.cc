@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "io/text_input.h"
 
 namespace ds::model {
 
@@ -20,14 +21,6 @@ namespace {
 using json = nlohmann::json;
 
 double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
-
-std::string read_file(const std::string& path, const char* what) {
-  std::ifstream in(path);
-  DS_CHECK(in.good(), "cannot read {} '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // A JSON value shortened for an error line: a crafted file can hold a
 // number or string of any length.
@@ -362,7 +355,7 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
 }
 
 ModelConfig ModelConfig::from_hf_json_file(const std::string& path) {
-  return from_hf_json_text(read_file(path, "config"), path);
+  return from_hf_json_text(io::read_file(path, "config"), path);
 }
 
 namespace {
@@ -505,7 +498,7 @@ ModelConfig ModelConfig::from_yaml_text(const std::string& text, const std::vect
 bool ModelConfig::is_yaml_key(const std::string& key) { return yaml_keys().count(key) > 0; }
 
 ModelConfig ModelConfig::from_yaml_file(const std::string& path, const std::vector<std::string>& overrides) {
-  return from_yaml_text(read_file(path, "preset"), overrides, path);
+  return from_yaml_text(io::read_file(path, "preset"), overrides, path);
 }
 
 }  // namespace ds::model

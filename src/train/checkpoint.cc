@@ -12,6 +12,7 @@
 #include "core/rng.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "io/text_input.h"
 #include "model/init.h"
 #include "ops/linear.h"
 
@@ -42,14 +43,6 @@ std::vector<std::pair<std::string, Tensor>> named(const model::ModelConfig& cfg,
       },
       p.ptr);
   return v;
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  DS_CHECK(in.good(), "cannot read '{}'", p.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
 }
 
 // Copies the float32 tensors of `file` into the tree, checking names and shapes.
@@ -151,7 +144,7 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
   DS_CHECK(fs::is_regular_file(state), "'{}' is not a checkpoint (no state.json)", dir);
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(read_text(state));
+    j = nlohmann::json::parse(io::read_file(state.string(), "checkpoint state"));
   } catch (const nlohmann::json::exception& e) {
     DS_FAIL("checkpoint '{}' is corrupt: state.json: {}", dir, e.what());
   }

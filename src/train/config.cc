@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/text_input.h"
 
 namespace ds::train {
 
@@ -17,16 +18,6 @@ namespace fs = std::filesystem;
 std::string TrainConfig::run_dir() const { return (fs::path(base_output_directory) / run_name).string(); }
 
 namespace {
-
-std::string read_text(const std::string& path, const char* what) {
-  std::error_code ec;
-  DS_CHECK(fs::is_regular_file(path, ec), "{} '{}' does not exist or is not a file", what, path);
-  std::ifstream in(path, std::ios::binary);
-  DS_CHECK(in.good(), "cannot open {} '{}'", what, path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 using Setter = std::function<void(TrainConfig&, const YAML::Node&)>;
 
@@ -281,7 +272,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
     std::string path = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
     std::error_code ec;
     if (fs::is_directory(path, ec)) path = (fs::path(path) / "config.json").string();
-    rc.model = model::ModelConfig::from_hf_json_text(read_text(path, "hf_config"), path);
+    rc.model = model::ModelConfig::from_hf_json_text(io::read_file(path, "hf_config"), path);
     for (const auto& o : model_overrides) {
       const std::string key = o.substr(0, o.find('='));
       DS_CHECK(model_key_allowed_with_hf(key),
@@ -313,7 +304,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse_run_config(read_text(path, "config"), overrides, path);
+  return parse_run_config(io::read_file(path, "config"), overrides, path);
 }
 
 }  // namespace ds::train

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "io/text_input.h"
 #include "io/token_shards.h"
 
 namespace ds::train {
@@ -149,22 +150,13 @@ class SyntheticCopy final : public Dataset {
 // ---------------------------------------------------------------------------
 // json: recorded batches, checked whole when opened.
 
-std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  DS_CHECK(in, "cannot open dataset '{}'", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  DS_CHECK(!in.bad(), "error reading dataset '{}'", path);
-  return ss.str();
-}
-
 class JsonDataset final : public Dataset {
  public:
   explicit JsonDataset(const DataConfig& cfg) : cfg_(cfg) {
     const std::string& path = cfg.dataset_path;
     json j;
     try {
-      j = json::parse(read_text_file(path));
+      j = json::parse(io::read_file(path, "dataset"));
     } catch (const json::exception& e) {
       DS_FAIL("dataset '{}' is not valid JSON: {}", path, e.what());
     }
