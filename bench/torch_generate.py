@@ -140,6 +140,29 @@ def apply_rotary(q, k, cos, sin):
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def select_experts(c, scores, choice):
+    """DeepSeek's top-k over `choice` (scores, plus the correction bias for
+    noaux_tc; group-limited for noaux_tc and group_limited_greedy) ->
+    (expert ids [N, k], combine weights [N, k] from the unbiased `scores`)."""
+    if c.topk_method in ("noaux_tc", "group_limited_greedy"):
+        N, E, G = choice.shape[0], c.n_routed_experts, c.n_group
+        grouped = choice.view(N, G, E // G)
+        if c.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros(N, G, dtype=torch.bool).scatter_(1, group_idx, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
+    elif c.topk_method != "greedy":
+        raise ValueError(f"topk_method {c.topk_method} not supported")
+    idx = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, idx)
+    if c.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return idx, weights * c.routed_scaling_factor
+
+
 class Mlp:
     """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
 
@@ -261,24 +284,7 @@ class TorchDeepSeek:
         else:
             raise ValueError(f"scoring_func {c.scoring_func} not supported")
         choice = scores if L.bias is None else scores + L.bias
-        if c.topk_method in ("noaux_tc", "group_limited_greedy"):
-            N, E, G = x.shape[0], c.n_routed_experts, c.n_group
-            grouped = choice.view(N, G, E // G)
-            if c.topk_method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                group_scores = grouped.max(dim=-1).values
-            group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices
-            group_mask = torch.zeros(N, G, dtype=torch.bool).scatter_(1, group_idx, True)
-            keep = group_mask.unsqueeze(-1).expand(N, G, E // G).reshape(N, E)
-            choice = choice.masked_fill(~keep, float("-inf"))
-        elif c.topk_method != "greedy":
-            raise ValueError(f"topk_method {c.topk_method} not supported")
-        idx = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, idx)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return idx, weights * c.routed_scaling_factor
+        return select_experts(c, scores, choice)
 
     def moe(self, L, x):
         """Routed experts (each runs once on the rows routed to it) plus shared experts."""

@@ -67,7 +67,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "reference"))
 
 from deepseek_ref import Config, raw_to_f64, read_safetensors_raw, write_safetensors_raw  # noqa: E402
-from torch_generate import hf_config_from_yaml, load_weights_f32  # noqa: E402
+from torch_generate import hf_config_from_yaml, load_weights_f32, select_experts  # noqa: E402
 
 F32 = torch.float32
 EPS = 1e-8  # added to the target count, as the engine's loss does
@@ -187,23 +187,7 @@ class Moe(torch.nn.Module):
         choice = scores.detach()  # which experts: an integer decision, no gradient
         if c.topk_method == "noaux_tc":
             choice = choice + self.bias
-        if c.topk_method in ("noaux_tc", "group_limited_greedy"):
-            N, E, G = x.shape[0], c.n_routed_experts, c.n_group
-            grouped = choice.view(N, G, E // G)
-            if c.topk_method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                group_scores = grouped.amax(dim=-1)
-            group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices
-            keep = torch.zeros(N, G, dtype=torch.bool).scatter_(1, group_idx, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
-        elif c.topk_method != "greedy":
-            raise ValueError(f"topk_method {c.topk_method} not supported")
-        idx = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices
-        weights = scores.gather(1, idx)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return idx, weights * c.routed_scaling_factor
+        return select_experts(c, scores, choice)
 
     def forward(self, x):
         B, T, D = x.shape
