@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "model/init.h"
 #include "model/params.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
@@ -389,8 +390,9 @@ TEST(Training, ExportWritesAHuggingFaceFolder) {
   // A run started from it (load_parameters_path; its config.json is the
   // model) at learning rate 0 keeps exactly those weights.
   const auto from = train::parse_run_config(
-      "", {"load_parameters_path=" + (dir / "hf").string(), "base_output_directory=" + dir.string(), "run_name=y",
-           "steps=1", "learning_rate=0", "per_device_batch_size=1", "max_target_length=8", "dataset_type=synthetic"},
+      "",
+      {"load_parameters_path=" + (dir / "hf").string(), "base_output_directory=" + dir.string(), "run_name=y",
+       "steps=1", "learning_rate=0", "per_device_batch_size=1", "max_target_length=8", "dataset_type=synthetic"},
       "test");
   EXPECT_EQ(from.model.num_nextn_predict_layers, 1);
   train::train(from);
@@ -399,6 +401,42 @@ TEST(Training, ExportWritesAHuggingFaceFolder) {
   EXPECT_EQ(p.data, r.data);
   // A model key cannot reshape a Hugging Face config.
   EXPECT_THROW(train::parse_run_config("", {"hf_config=" + (dir / "hf").string(), "base_emb_dim=32"}, "test"), Error);
+}
+
+// load_parameters_path reads DeepSeek-V3's fp8 layout (e4m3 blocks with
+// weight_scale_inv) by widening the loaded tensors: the same seed's f32
+// checkpoint agrees to e4m3's rounding (3 mantissa bits: 2^-4 relative, plus
+// the block scale's own rounding), norms exactly.
+TEST(Checkpoint, LoadsFp8HuggingFaceWeights) {
+  const auto dir = temp_dir("fp8");
+  const auto cfg = model::ModelConfig::from_yaml_file(kTiny);
+  model::InitOptions o;
+  o.seed = 3;
+  o.dtype = DType::F32;
+  model::write_random_checkpoint(cfg, (dir / "f32").string(), o);
+  o.dtype = DType::F8E4M3;
+  model::write_random_checkpoint(cfg, (dir / "fp8").string(), o);
+  auto a = model::FlatParams::zeros(cfg, 0), b = model::FlatParams::zeros(cfg, 0);
+  train::load_hf_params((dir / "f32").string(), cfg, 0, a);
+  auto fp8cfg = model::ModelConfig::from_hf_json_file((dir / "fp8" / "config.json").string());
+  train::load_hf_params((dir / "fp8").string(), fp8cfg, 0, b);
+  int64_t quantized = 0;
+  model::for_each_param(
+      cfg, 0,
+      [&](const model::ParamInfo& i, float*& x, float*& y) {
+        for (int64_t e = 0; e < i.numel(); ++e) {
+          if (i.role == model::ParamRole::Projection) {
+            ASSERT_NEAR(y[e], x[e], 0.07 * std::fabs(x[e]) + 1e-6) << i.name << " " << e;
+          } else if (i.role == model::ParamRole::Norm || i.role == model::ParamRole::RoutingBias) {
+            ASSERT_EQ(y[e], x[e]) << i.name;
+          } else {  // embedding, router, LM head: bf16 (8 mantissa bits)
+            ASSERT_NEAR(y[e], x[e], 0.004 * std::fabs(x[e]) + 1e-9) << i.name << " " << e;
+          }
+        }
+        if (i.role == model::ParamRole::Projection) quantized += !std::equal(x, x + i.numel(), y);
+      },
+      a.ptr, b.ptr);
+  EXPECT_GT(quantized, 0);  // the fp8 weights really were rounded
 }
 
 TEST(Checkpoint, CorruptOrForeignCheckpointIsRefused) {

@@ -1,5 +1,6 @@
 #include "model/weights.h"
 
+#include <algorithm>
 #include <regex>
 #include <set>
 
@@ -17,7 +18,8 @@ namespace {
 
 class Loader {
  public:
-  Loader(const io::SafetensorsSet& st, const ModelConfig& cfg) : st_(st), cfg_(cfg) {}
+  Loader(const io::SafetensorsSet& st, const ModelConfig& cfg, int64_t mtp_layers)
+      : st_(st), cfg_(cfg), mtp_layers_(mtp_layers) {}
 
   Tensor get(const std::string& name, const Shape& shape) {
     DS_CHECK(st_.contains(name), "checkpoint is missing tensor '{}' (expected shape {})", name, shape_str(shape));
@@ -63,7 +65,7 @@ class Loader {
   // num_nextn_predict_layers): not used for generation), or be a known extra.
   void check_all_used() const {
     const std::regex layer_re(R"(model\.layers\.(\d+)\..*)");
-    const int64_t L = cfg_.num_hidden_layers, mtp = cfg_.num_nextn_predict_layers;
+    const int64_t L = cfg_.num_hidden_layers, mtp = std::max(cfg_.num_nextn_predict_layers, mtp_layers_);
     for (const auto& name : st_.names()) {
       if (used_.count(name)) continue;
       std::smatch m;
@@ -98,19 +100,21 @@ class Loader {
  private:
   const io::SafetensorsSet& st_;
   const ModelConfig& cfg_;
+  int64_t mtp_layers_;
   std::set<std::string> used_;
   size_t bytes_ = 0;
 };
 
 }  // namespace
 
-ModelWeights ModelWeights::load(const io::SafetensorsSet& st, const ModelConfig& cfg) {
+ModelWeights ModelWeights::load(const io::SafetensorsSet& st, const ModelConfig& cfg, int64_t mtp_layers) {
   cfg.validate();
-  Loader ld(st, cfg);
+  DS_CHECK(mtp_layers >= 0, "load: mtp_layers {} must be >= 0", mtp_layers);
+  Loader ld(st, cfg, mtp_layers);
   ModelWeights w;
-  w.tensors = make_params<Weight>(cfg);
+  w.tensors = make_params<Weight>(cfg, mtp_layers);
   for_each_param(
-      cfg, 0, [&](const ParamInfo& info, Weight& t) { ld.load(info, t); }, w.tensors);
+      cfg, mtp_layers, [&](const ParamInfo& info, Weight& t) { ld.load(info, t); }, w.tensors);
   ld.check_all_used();
   w.weight_bytes = ld.bytes();
   w.view = map_params<ops::WeightView>(cfg, w.tensors, [](const ParamInfo&, const Weight& t) { return t.view; });

@@ -40,7 +40,9 @@ struct ModelWeights {
 
   // Finds every tensor the config needs, checks its shape, and rejects
   // checkpoints with unknown tensors (extra MTP layers are recognised).
-  static ModelWeights load(const io::SafetensorsSet& st, const ModelConfig& cfg);
+  // Loads `mtp_layers` multi-token prediction depths too (training starts
+  // from them; generation loads none).
+  static ModelWeights load(const io::SafetensorsSet& st, const ModelConfig& cfg, int64_t mtp_layers = 0);
 };
 
 // A float32 view of n contiguous floats ([n, 1]); of [rows, cols] floats.

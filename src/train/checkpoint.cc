@@ -14,6 +14,7 @@
 #include "io/safetensors.h"
 #include "io/text_input.h"
 #include "model/init.h"
+#include "model/weights.h"
 #include "ops/linear.h"
 
 namespace ds::train {
@@ -180,34 +181,13 @@ CheckpointState load_checkpoint(const std::string& dir, const model::ModelConfig
 }
 
 void load_hf_params(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& params) {
+  // The generation loader finds and checks every tensor (names, shapes, fp8
+  // block scales, non-finite values); each is then widened to float32.
   const auto st = io::SafetensorsSet::open_dir(dir);
+  const auto w = model::ModelWeights::load(st, cfg, mtp);
   model::for_each_param(
-      cfg, mtp,
-      [&](const model::ParamInfo& i, float*& x) {
-        DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'{}", dir, i.name,
-                 i.layer >= cfg.num_hidden_layers ? " (an MTP layer: set mtp_num_layers to what it holds)" : "");
-        const Tensor t = st.tensor(i.name);
-        DS_CHECK(t.shape() == i.shape, "'{}': tensor '{}' has shape {}, the config implies {}", dir, i.name,
-                 shape_str(t.shape()), shape_str(i.shape));
-        if (t.dtype() == DType::F8E4M3 || t.dtype() == DType::F8E5M2) {
-          const int64_t rows = i.shape[0], cols = i.shape[1];
-          const int64_t br = cfg.fp8_block_rows > 0 ? cfg.fp8_block_rows : 128;
-          const int64_t bc = cfg.fp8_block_cols > 0 ? cfg.fp8_block_cols : 128;
-          const std::string scale = i.name.substr(0, i.name.size() - 7) + ".weight_scale_inv";
-          DS_CHECK(st.contains(scale), "'{}' lacks '{}'", dir, scale);
-          const Tensor s = st.tensor(scale).to(DType::F32);
-          DS_CHECK(s.numel() == ((rows + br - 1) / br) * ((cols + bc - 1) / bc), "'{}': '{}' has the wrong size", dir,
-                   scale);
-          const ops::WeightView w{t.raw(), t.dtype(), rows, cols, s.data<float>(), br, bc};
-          ops::widen_rows(x, w, 0, rows);
-        } else {
-          const Tensor f = t.to(DType::F32);
-          std::copy_n(f.data<float>(), i.numel(), x);
-        }
-        const int64_t bad = find_non_finite(x, DType::F32, static_cast<size_t>(i.numel()));
-        DS_CHECK(bad < 0, "'{}': tensor '{}' holds a non-finite value at element {}", dir, i.name, bad);
-      },
-      params.ptr);
+      cfg, mtp, [](const model::ParamInfo&, const ops::WeightView& v, float*& x) { ops::widen_rows(x, v, 0, v.rows); },
+      w.view, params.ptr);
 }
 
 void export_hf(const std::string& out_dir, const model::ModelConfig& cfg, int64_t mtp, const model::FlatParams& params,
