@@ -399,6 +399,10 @@ TEST(Training, ExportWritesAHuggingFaceFolder) {
   auto r = model::FlatParams::zeros(cfg, 1);
   train::load_checkpoint((dir / "y" / "checkpoints" / "step_1").string(), cfg, 1, r, nullptr, nullptr);
   EXPECT_EQ(p.data, r.data);
+  // A folder holding another checkpoint's shards is refused.
+  fs::create_directories(dir / "other");
+  std::ofstream(dir / "other" / "model-00001-of-00002.safetensors") << "x";
+  EXPECT_THROW(train::export_hf((dir / "other").string(), rc.model, 1, p, DType::BF16), Error);
   // A model key cannot reshape a Hugging Face config.
   EXPECT_THROW(train::parse_run_config("", {"hf_config=" + (dir / "hf").string(), "base_emb_dim=32"}, "test"), Error);
 }

@@ -79,6 +79,20 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
   return j;
 }
 
+void prepare_model_folder(const std::string& dir, const char* who) {
+  namespace fs = std::filesystem;
+  io::check_output_folder(dir);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  DS_CHECK(!ec && fs::is_directory(dir), "{}: cannot create the folder '{}': {}", who, dir, ec.message());
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    DS_CHECK(
+        name == "model.safetensors" || !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")),
+        "{}: '{}' already holds another checkpoint ('{}'); choose an empty folder", who, dir, name);
+  }
+}
+
 void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, const InitOptions& opt) {
   cfg.validate();
   DS_CHECK(cfg.index_n_heads == 0, "init: DeepSeek-V3.2 indexer weights are not supported yet");
@@ -93,18 +107,8 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
   DS_CHECK(!__builtin_mul_overflow(c.parameter_count(), static_cast<int64_t>(dtype_size(opt.dtype)), &bytes),
            "init: the model's size overflows");
   check_fits_in_memory(bytes, "init: building this model");
-  io::check_output_folder(dir);
+  prepare_model_folder(dir, "init");
   namespace fs = std::filesystem;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  DS_CHECK(!ec && fs::is_directory(dir), "init: cannot create the folder '{}': {}", dir, ec.message());
-  // Never mix with another checkpoint's shards: a loader would read those.
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    DS_CHECK(
-        name == "model.safetensors" || !(name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")),
-        "init: '{}' already holds another checkpoint ('{}'); choose an empty folder", dir, name);
-  }
 
   std::vector<std::pair<std::string, Tensor>> ts;
   uint64_t stream = 0;  // one Philox stream per tensor: the same seed gives the same weights

@@ -26,6 +26,11 @@ struct InitOptions {
   float init_std = 0.006f;  // normal std of every matrix (DeepSeek-V3's initialisation)
 };
 
+// Makes DIR (if missing) ready to receive config.json and model.safetensors:
+// ds::Error, prefixed with `who`, if it cannot be created or already holds
+// another checkpoint's shards (a loader would read those too).
+void prepare_model_folder(const std::string& dir, const char* who);
+
 // Writes DIR/config.json and DIR/model.safetensors (atomically). DIR is
 // created if missing; existing files of those names are replaced.
 void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, const InitOptions& opt);

@@ -194,15 +194,7 @@ void export_hf(const std::string& out_dir, const model::ModelConfig& cfg, int64_
                DType dtype) {
   DS_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
            "export: weights can be written as f32, bf16 or f16, not {}", dtype_name(dtype));
-  io::check_output_folder(out_dir);
-  std::error_code ec;
-  fs::create_directories(out_dir, ec);
-  DS_CHECK(!ec && fs::is_directory(out_dir), "export: cannot create '{}': {}", out_dir, ec.message());
-  for (const auto& e : fs::directory_iterator(out_dir)) {
-    const std::string n = e.path().filename().string();
-    DS_CHECK(n == "model.safetensors" || !(n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")),
-             "export: '{}' already holds another checkpoint ('{}'); choose an empty folder", out_dir, n);
-  }
+  model::prepare_model_folder(out_dir, "export");
   std::vector<std::pair<std::string, Tensor>> ts;
   auto put = [&](const std::string& name, const Tensor& f32, bool vector) {
     ts.emplace_back(name, vector || dtype == DType::F32 ? f32.to(DType::F32) : f32.to(dtype));
