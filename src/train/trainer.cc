@@ -288,10 +288,12 @@ TrainSummary train(const RunConfig& rc) {
     const auto t0 = std::chrono::steady_clock::now();
     const double lr = learning_rate_at(tc, s);
     std::vector<model::TrainBatch> micro;
+    std::vector<double> counted;
     double total_w = 0;
     for (int64_t i = 0; i < GA; ++i) {
       micro.push_back(data->next());
-      total_w += counted_targets(micro.back());
+      counted.push_back(counted_targets(micro.back()));
+      total_w += counted.back();
     }
     std::fill(grads.data.begin(), grads.data.end(), 0.0f);
     model::LossTerms terms;
@@ -299,7 +301,7 @@ TrainSummary train(const RunConfig& rc) {
     std::vector<std::vector<int64_t>> load(moe_layers.size());
     for (int64_t i = 0; i < GA; ++i) {
       model::LossOptions mo = lo;
-      const double wi = total_w > 0 ? counted_targets(micro[i]) / total_w : 1.0 / static_cast<double>(GA);
+      const double wi = total_w > 0 ? counted[i] / total_w : 1.0 / static_cast<double>(GA);
       mo.grad_scale = wi;
       const auto t = model::loss_and_grad(cfg, params.view, &grads.ptr, micro[i], mo, tc.remat);
       terms.loss += wi * t.loss;
