@@ -1,8 +1,10 @@
 #!/usr/bin/python3
-"""Independent float64 reference of the DeepSeek-V2/V3 forward pass.
+"""Independent float64 reference of the DeepSeek-V2/V3/V3.2 forward pass.
 
 Written from the math of the DeepSeek-V2/V3 papers and the semantics of
-Hugging Face DeepSeek checkpoints, not from any other implementation. It reads a Hugging
+Hugging Face DeepSeek checkpoints, not from any other implementation. V3.2's
+sparse attention (the lightning indexer, DSA) follows the semantics of
+DeepSeek's V3.2 inference code. It reads a Hugging
 Face model folder (config.json + model.safetensors, or
 model.safetensors.index.json with shards) and computes logits in float64 from
 the stored weights (BF16 / F8_E4M3 values are widened exactly; fp8 weights are
@@ -231,6 +233,28 @@ class Config:
         self.fp8_block = tuple(q.get("weight_block_size", [128, 128])) if q else (128, 128)
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even")
+        # Activation scale format of the V3.2 indexer's fp8 quantization: quantization_config.scale_fmt,
+        # else a top-level scale_fmt. "ue8m0": power-of-two scales; absent/null: plain amax / 448.
+        sf = q.get("scale_fmt") if q else None
+        if sf is None:
+            sf = j.get("scale_fmt")
+        if sf not in (None, "ue8m0"):
+            raise ValueError(f"scale_fmt {sf!r} not supported")
+        self.scale_fmt = sf
+        # V3.2 sparse attention (lightning indexer); index_n_heads absent or 0: dense attention.
+        self.index_n_heads = g("index_n_heads", 0)
+        self.index_head_dim = g("index_head_dim", 0)
+        self.index_topk = g("index_topk", 0)
+        if self.index_n_heads:
+            Di = self.index_head_dim
+            if not self.q_lora_rank:
+                raise ValueError("the indexer needs q_lora_rank")
+            if Di <= 0 or Di & (Di - 1):
+                raise ValueError(f"index_head_dim {Di} must be a power of two")
+            if self.qk_rope_head_dim > Di:
+                raise ValueError("qk_rope_head_dim > index_head_dim")
+            if self.index_topk <= 0:
+                raise ValueError("index_topk must be positive")
 
     def is_moe_layer(self, l):
         return self.n_routed_experts > 0 and l >= self.first_k_dense_replace and l % self.moe_layer_freq == 0
@@ -348,6 +372,59 @@ def apply_rope(x, pos, freqs):
     return y
 
 
+def apply_rope_half(x, pos, freqs):
+    """Half-split pairs (x[i], x[i + r/2]) of the first r = 2 * len(freqs) entries of the last dim; the rest
+    is untouched. x [T, ..., d], pos [T] float64."""
+    h = freqs.shape[0]
+    ang = pos[:, None] * freqs[None, :]  # [T, r/2]
+    shape = [x.shape[0]] + [1] * (x.dim() - 2) + [h]
+    c, s = torch.cos(ang).reshape(shape), torch.sin(ang).reshape(shape)
+    x0, x1 = x[..., :h], x[..., h:2 * h]
+    y = x.clone()
+    y[..., :h] = x0 * c - x1 * s
+    y[..., h:2 * h] = x1 * c + x0 * s
+    return y
+
+
+def hadamard(n):
+    """Sylvester Hadamard matrix H_n (n a power of two), float64."""
+    h = torch.ones(1, 1, dtype=F64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def layer_norm(x, w, b, eps=1e-6):
+    """LayerNorm over the last dim with the biased variance."""
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(var + eps) * w + b
+
+
+def pow2_ceil(s):
+    """2^ceil(log2(s)) for s > 0, exactly."""
+    m, e = math.frexp(s)  # s = m * 2^e, 0.5 <= m < 1
+    return math.ldexp(1.0, e - 1 if m == 0.5 else e)
+
+
+def act_quant_fp8(x, scale_fmt):
+    """Per-block fp8 e4m3 quantization along the last dim (blocks of 128 consecutive values; a dim of at most
+    128 is one block) -> dequantized float64 tensor of the same shape. amax = max(max|v|, 1e-4),
+    scale = amax / 448 (or 2^ceil(log2(amax / 448)) with ue8m0), code = e4m3(clamp(v / scale)) nearest even."""
+    d = x.shape[-1]
+    b = min(d, 128)
+    if d % b:
+        raise ValueError(f"act_quant_fp8: last dim {d} is not a multiple of {b}")
+    v = x.reshape(-1, d // b, b).numpy()
+    amax = np.maximum(np.abs(v).max(-1), 1e-4)  # [N, d/b]
+    scale = amax / E4M3_MAX
+    if scale_fmt == "ue8m0":
+        scale = np.vectorize(pow2_ceil, otypes=[np.float64])(scale)
+    scale = scale[..., None]
+    codes = e4m3_encode(np.clip(v / scale, -E4M3_MAX, E4M3_MAX))
+    return torch.from_numpy(e4m3_decode(codes) * scale).reshape(x.shape)
+
+
 class DeepSeekRef:
     def __init__(self, model_dir):
         self.cfg, self.w = load_model_dir(model_dir)
@@ -355,6 +432,9 @@ class DeepSeekRef:
         self.freqs = c.rope_frequencies()
         self.scale = c.softmax_scale()
         self.route_trace = None  # list of dicts when set to []
+        self.index_trace = None  # list of dicts (full forward) when set to []
+        if c.index_n_heads:
+            self.hadamard = hadamard(c.index_head_dim) * c.index_head_dim ** -0.5
 
     def W(self, name):
         if name not in self.w:
@@ -374,8 +454,7 @@ class DeepSeekRef:
         T, H = x.shape[0], c.num_attention_heads
         n, r, vd, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
         if c.q_lora_rank:
-            qa = rms_norm(linear(x, self.W(p + "q_a_proj.weight")), self.W(p + "q_a_layernorm.weight"), c.rms_norm_eps)
-            q = linear(qa, self.W(p + "q_b_proj.weight"))
+            q = linear(self.q_latent(l, x), self.W(p + "q_b_proj.weight"))
         else:
             q = linear(x, self.W(p + "q_proj.weight"))
         q = q.reshape(T, H, n + r)
@@ -386,22 +465,82 @@ class DeepSeekRef:
         kvb = linear(latent, self.W(p + "kv_b_proj.weight")).reshape(T, H, n + vd)
         return q_nope, q_pe, latent, k_pe, kvb[..., :n], kvb[..., n:]
 
-    def attend(self, q_nope, q_pe, k_nope, k_pe, v, causal):
-        """q [Tq,H,*], k_nope/v [Tk,H,*], k_pe [Tk,r] -> [Tq, H*v]."""
+    def q_latent(self, l, x):
+        """MLA's normed q latent q_a_layernorm(q_a_proj(x)) [T, q_lora_rank]."""
+        c = self.cfg
+        p = f"model.layers.{l}.self_attn."
+        return rms_norm(linear(x, self.W(p + "q_a_proj.weight")), self.W(p + "q_a_layernorm.weight"), c.rms_norm_eps)
+
+    def attend(self, q_nope, q_pe, k_nope, k_pe, v, causal, selected=None):
+        """q [Tq,H,*], k_nope/v [Tk,H,*], k_pe [Tk,r] -> [Tq, H*v]. selected: bool [Tq, Tk] (sparse attention),
+        keys not selected are masked."""
         s = torch.einsum("thd,shd->hts", q_nope, k_nope) + torch.einsum("thd,sd->hts", q_pe, k_pe)
         s = s * self.scale
         if causal:
             Tq, Tk = q_nope.shape[0], k_nope.shape[0]
             mask = torch.ones(Tq, Tk, dtype=torch.bool).triu(1 + Tk - Tq)
             s = s.masked_fill(mask, float("-inf"))
+        if selected is not None:
+            s = s.masked_fill(~selected, float("-inf"))
         pr = torch.softmax(s, dim=-1)
         o = torch.einsum("hts,shd->thd", pr, v)
         return o.reshape(o.shape[0], -1)
 
     def mla(self, l, x, pos):
         q_nope, q_pe, _, k_pe, k_nope, v = self.qkv(l, x, pos)
-        o = self.attend(q_nope, q_pe, k_nope, k_pe, v, causal=True)
+        selected = None
+        if self.cfg.index_n_heads:
+            qr = self.q_latent(l, x)
+            iq, ik, iw = self.indexer_qkw(l, x, qr, pos)
+            scores = self.index_scores(iq, ik, iw)
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+            selected = self.index_select(scores)
+            if self.index_trace is not None:
+                self.index_trace.append({"layer": l, "x": x, "qr": qr, "pos": pos, "scores": scores,
+                                         "selected": selected})
+        o = self.attend(q_nope, q_pe, k_nope, k_pe, v, causal=True, selected=selected)
         return linear(o, self.W(f"model.layers.{l}.self_attn.o_proj.weight"))
+
+    # --- V3.2 lightning indexer -----------------------------------------------
+    def indexer_qkw(self, l, x, qr, pos, perturb=None):
+        """x [T, D] (the normed layer input), qr [T, q_lora] (MLA's normed q latent) -> dequantized fp8 indexer
+        queries q [T, Hi, Di], keys k [T, Di] and head weights w [T, Hi]. perturb, when given, maps a tensor
+        to a slightly perturbed copy; it is applied to q and k before quantization and to w."""
+        c = self.cfg
+        p = f"model.layers.{l}.self_attn.indexer."
+        T, Hi, Di = x.shape[0], c.index_n_heads, c.index_head_dim
+        q = linear(qr, self.W(p + "wq_b.weight")).reshape(T, Hi, Di)
+        k = layer_norm(linear(x, self.W(p + "wk.weight")), self.W(p + "k_norm.weight"), self.W(p + "k_norm.bias"))
+        q = apply_rope_half(q, pos, self.freqs)  # the first qk_rope_head_dim entries, MLA's frequencies
+        k = apply_rope_half(k, pos, self.freqs)
+        q = q @ self.hadamard.t()
+        k = k @ self.hadamard.t()
+        w = linear(x, self.W(p + "weights_proj.weight")) * (Hi ** -0.5 * Di ** -0.5)
+        if perturb is not None:
+            q, k, w = perturb(q), perturb(k), perturb(w)
+        return act_quant_fp8(q, c.scale_fmt), act_quant_fp8(k, c.scale_fmt), w
+
+    @staticmethod
+    def index_scores(q, k, w, perturb=None):
+        """q [Tq, Hi, Di], k [Tk, Di], w [Tq, Hi] -> score [Tq, Tk] = sum_h w[t,h] * relu(q[t,h] . k[s]).
+        perturb, when given, is applied to the dot products."""
+        dots = torch.einsum("thd,sd->ths", q, k)
+        if perturb is not None:
+            dots = perturb(dots)
+        return torch.einsum("th,ths->ts", w, torch.relu(dots))
+
+    def index_select(self, scores):
+        """scores [Tq, Tk], -inf at keys a query cannot see -> bool [Tq, Tk]: the index_topk keys with the
+        largest score (stable: ties to the lower index), or every visible key when there are at most index_topk."""
+        K = self.cfg.index_topk
+        sel = torch.isfinite(scores)
+        for t in range(scores.shape[0]):
+            if int(sel[t].sum()) > K:
+                order = np.argsort(-scores[t].numpy(), kind="stable")
+                row = torch.zeros(scores.shape[1], dtype=torch.bool)
+                row[torch.from_numpy(order[:K].copy())] = True
+                sel[t] = row
+        return sel
 
     def route(self, l, x):
         """x [T, D] -> (experts [T,k] long, weights [T,k] float64)."""
@@ -489,7 +628,7 @@ class DeepSeekRef:
         c = self.cfg
         H, n, vd = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim
         L = c.num_hidden_layers
-        cache = [{"k_nope": [], "k_pe": [], "v": [], "latent": []} for _ in range(L)]
+        cache = [{"k_nope": [], "k_pe": [], "v": [], "latent": [], "index_k": []} for _ in range(L)]
         rows = []
         for t, tok in enumerate(tokens):
             h = self.W("model.embed_tokens.weight")[torch.tensor([tok])]
@@ -504,15 +643,24 @@ class DeepSeekRef:
                 cc["v"].append(v[0])
                 cc["latent"].append(latent[0])
                 K_pe = torch.stack(cc["k_pe"])  # [t+1, r]
+                selected = None
+                if c.index_n_heads:  # the indexer keeps its own cache of quantized keys
+                    iq, ik, iw = self.indexer_qkw(l, x, self.q_latent(l, x), pos)
+                    cc["index_k"].append(ik[0])
+                    selected = self.index_select(self.index_scores(iq, torch.stack(cc["index_k"]), iw))
                 if not absorbed:
-                    o = self.attend(q_nope, q_pe, torch.stack(cc["k_nope"]), K_pe, torch.stack(cc["v"]), causal=False)
+                    o = self.attend(q_nope, q_pe, torch.stack(cc["k_nope"]), K_pe, torch.stack(cc["v"]), causal=False,
+                                    selected=selected)
                 else:
                     wkv = self.W(pre + "self_attn.kv_b_proj.weight").reshape(H, n + vd, c.kv_lora_rank)
                     w_k, w_v = wkv[:, :n], wkv[:, n:]  # [H, n, R], [H, v, R]
                     lat = torch.stack(cc["latent"])  # [S, R]
                     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_k)
                     s = torch.einsum("thr,sr->hts", q_lat, lat) + torch.einsum("thd,sd->hts", q_pe, K_pe)
-                    pr = torch.softmax(s * self.scale, dim=-1)
+                    s = s * self.scale
+                    if selected is not None:
+                        s = s.masked_fill(~selected, float("-inf"))
+                    pr = torch.softmax(s, dim=-1)
                     o_lat = torch.einsum("hts,sr->thr", pr, lat)
                     o = torch.einsum("thr,hvr->thv", o_lat, w_v).reshape(1, H * vd)
                 h = h + linear(o, self.W(pre + "self_attn.o_proj.weight"))

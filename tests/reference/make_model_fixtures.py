@@ -11,7 +11,10 @@ from the checkpoint as written.
 
 Deterministic: numpy's PCG64 generator with fixed seeds. A seed is skipped
 (next one tried) if any routing decision is too close to call (top-k or group
-margin below MARGIN), so that a float32 engine must make the same choices.
+margin below MARGIN) or, for V3.2 sparse attention, any indexer top-k selection
+is (a gap below INDEX_MARGIN of the row's max |score|, or a change under tiny
+perturbations inside the indexer), so that a float32 engine must make the same
+choices.
 """
 
 import argparse
@@ -29,6 +32,9 @@ import deepseek_ref as ref  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MARGIN = 1e-3  # smallest allowed gap at a routing decision boundary
+INDEX_MARGIN = 1e-4  # smallest allowed indexer top-k gap, relative to the row's max |score|
+INDEX_PERTURB, INDEX_PERTURB_RUNS = 1e-5, 4  # relative noise inside the indexer, and how many runs
+MAX_ATTEMPTS = 200
 
 # ---------------------------------------------------------------------------
 # fixture definitions
@@ -104,11 +110,45 @@ def fixture_specs():
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                 "weight_block_size": [16, 16]},
     })
+    v32_yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    v32 = _v3_common()
+    v32.update({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "torch_dtype": "float32",
+        "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 24, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8, "rope_scaling": dict(v32_yarn),
+        "index_n_heads": 4, "index_head_dim": 16, "index_topk": 8,
+    })
+    v32_bf16 = _v3_common()
+    v32_bf16.update({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "vocab_size": 112, "hidden_size": 40, "intermediate_size": 72, "moe_intermediate_size": 20,
+        "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": 28, "kv_lora_rank": 20,
+        "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "rope_scaling": dict(v32_yarn),
+        "index_n_heads": 2, "index_head_dim": 32, "index_topk": 8,
+        "scale_fmt": "ue8m0",
+    })
+    v32_fp8 = _v3_common()
+    v32_fp8.update({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+        "vocab_size": 104, "hidden_size": 40, "intermediate_size": 72, "moe_intermediate_size": 20,
+        "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": 24, "kv_lora_rank": 20,
+        "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "rope_scaling": dict(v32_yarn),
+        "index_n_heads": 4, "index_head_dim": 16, "index_topk": 12,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [16, 16], "scale_fmt": "ue8m0"},
+    })
     return [
         {"name": "v3_qlora_yarn", "config": v3, "seed": 1000, "storage": "bf16", "lengths": [1, 5, 20]},
         {"name": "v2_plain_softmax", "config": v2, "seed": 2000, "storage": "f32", "lengths": [1, 5, 20]},
         {"name": "v3_fp8_sharded", "config": fp8, "seed": 3000, "storage": "fp8", "lengths": [1, 5, 20],
          "shards": 2, "mtp": True},
+        {"name": "v32_sparse_f32", "config": v32, "seed": 4000, "storage": "f32", "lengths": [1, 5, 40]},
+        {"name": "v32_bf16_scale_fmt", "config": v32_bf16, "seed": 5000, "storage": "bf16", "lengths": [1, 5, 40],
+         "index_pair_angle": 0.1},
+        {"name": "v32_fp8_ue8m0", "config": v32_fp8, "seed": 6000, "storage": "fp8", "lengths": [1, 5, 40],
+         "shards": 2},
     ]
 
 
@@ -117,11 +157,12 @@ def fixture_specs():
 # ---------------------------------------------------------------------------
 
 STD_EMBED, STD_LINEAR, STD_GATE, STD_HEAD, STD_NORM, STD_BIAS = 1.0, 0.2, 0.3, 0.3, 0.1, 0.1
+STD_INDEX_WEIGHTS = 0.5  # indexer weights_proj
 
 
-def random_tensors(cj, rng, with_mtp):
-    """-> list of (name, float32 array, kind) with kind in {'linear', 'norm', 'gate', 'bias', 'embed', 'head',
-    'extra'}; 'linear' weights become fp8 in an fp8 checkpoint."""
+def random_tensors(cj, rng, with_mtp, index_pair_angle=None):
+    """-> list of (name, float32 array, kind) with kind in {'linear', 'norm', 'norm_bias', 'gate', 'bias', 'embed',
+    'head', 'index_weights'}; 'linear' weights become fp8 in an fp8 checkpoint, 'bias' is always F32."""
     c = ref.Config(cj)
     D, H = c.hidden_size, c.num_attention_heads
     n, r, vd, R = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -152,6 +193,20 @@ def random_tensors(cj, rng, with_mtp):
         add(p + "kv_a_layernorm.weight", (R,), "norm")
         add(p + "kv_b_proj.weight", (H * (n + vd), R), "linear", STD_LINEAR)
         add(p + "o_proj.weight", (D, H * vd), "linear", STD_LINEAR)
+        if c.index_n_heads:  # V3.2 lightning indexer, in every decoder layer
+            Hi, Di = c.index_n_heads, c.index_head_dim
+            add(p + "indexer.wq_b.weight", (Hi * Di, c.q_lora_rank), "linear", STD_LINEAR)
+            if index_pair_angle is not None:
+                # Head h + Hi/2 is nearly opposite to head h: -cos(a) * head h + sin(a) * its own draw, so
+                # that a key rarely has q . k <= 0 for every head (an all-zero score, tying exactly).
+                w = out[-1][1].reshape(Hi, Di, -1).astype(np.float64)
+                a, half = index_pair_angle, Hi // 2
+                w[half:2 * half] = -np.cos(a) * w[:half] + np.sin(a) * w[half:2 * half]
+                out[-1] = (out[-1][0], w.reshape(Hi * Di, -1).astype(np.float32), "linear")
+            add(p + "indexer.wk.weight", (Di, D), "linear", STD_LINEAR)
+            add(p + "indexer.k_norm.weight", (Di,), "norm")
+            add(p + "indexer.k_norm.bias", (Di,), "norm_bias", STD_NORM)
+            add(p + "indexer.weights_proj.weight", (Hi, D), "index_weights", STD_INDEX_WEIGHTS)
 
     add("model.embed_tokens.weight", (c.vocab_size, D), "embed", STD_EMBED)
     for l in range(c.num_hidden_layers):
@@ -264,6 +319,38 @@ def routing_report(trace, cfg):
     return min_k, min_g, changed, usage
 
 
+def index_report(model, trace, seed):
+    """Checks every sparse indexer row (more visible keys than index_topk) of the full forwards in trace:
+    -> (sparse rows, smallest relative top-k gap, rows whose selection differs from the index_topk most recent
+    keys, rows whose selection changed in a perturbed run)."""
+    K = model.cfg.index_topk
+    rows, min_rel, not_window = 0, np.inf, 0
+    for e in trace:
+        sc = e["scores"].numpy()
+        for t in range(sc.shape[0]):
+            if t + 1 <= K:
+                continue
+            rows += 1
+            v = np.sort(sc[t, :t + 1])[::-1]
+            top = np.abs(v).max()
+            min_rel = min(min_rel, (v[K - 1] - v[K]) / top if top > 0 else 0.0)
+            sel = np.flatnonzero(e["selected"][t].numpy())
+            not_window += not np.array_equal(sel, np.arange(t + 1 - K, t + 1))
+    flips = 0
+    for run in range(INDEX_PERTURB_RUNS):
+        prng = np.random.default_rng([seed, run])
+
+        def perturb(a):
+            return a * (1.0 + INDEX_PERTURB * torch.from_numpy(prng.standard_normal(tuple(a.shape))))
+
+        for e in trace:
+            q, k, w = model.indexer_qkw(e["layer"], e["x"], e["qr"], e["pos"], perturb=perturb)
+            sc = model.index_scores(q, k, w, perturb=perturb)
+            sc = sc.masked_fill(torch.ones_like(sc, dtype=torch.bool).triu(1), float("-inf"))
+            flips += int((model.index_select(sc) != e["selected"]).any(-1).sum())
+    return rows, min_rel, not_window, flips
+
+
 def codec_selftest():
     t = ref.E4M3_TABLE
     assert t[0x7E] == 448.0 and np.isnan(t[0x7F]) and np.isnan(t[0xFF]) and t[0x01] == 2.0 ** -9
@@ -294,10 +381,10 @@ def build(spec, root):
     cj = spec["config"]
     cfg0 = ref.Config(cj)
     block = tuple(cj["quantization_config"]["weight_block_size"]) if "quantization_config" in cj else None
-    for attempt in range(50):
+    for attempt in range(MAX_ATTEMPTS):
         seed = spec["seed"] + attempt
         rng = np.random.default_rng(seed)
-        tensors = random_tensors(cj, rng, spec.get("mtp", False))
+        tensors = random_tensors(cj, rng, spec.get("mtp", False), spec.get("index_pair_angle"))
         seqs = [rng.integers(0, cfg0.vocab_size, size=n).tolist() for n in spec["lengths"]]
         if os.path.isdir(d):
             shutil.rmtree(d)
@@ -309,17 +396,27 @@ def build(spec, root):
 
         model = ref.DeepSeekRef(d)
         model.route_trace = []
+        sparse = model.cfg.index_n_heads > 0
+        if sparse:
+            model.index_trace = []
         logits = [model.forward(s) for s in seqs]
         trace, model.route_trace = model.route_trace, None
+        itrace, model.index_trace = model.index_trace, None
         min_k, min_g, changed, usage = routing_report(trace, model.cfg)
         grouped = model.cfg.topk_method != "greedy" and model.cfg.topk_group < model.cfg.n_group
         if min(min_k, min_g) < MARGIN or (grouped and changed == 0):
             print(f"  {spec['name']}: seed {seed} rejected (margins {min_k:.2e}/{min_g:.2e}, "
                   f"group-limited changes {changed})")
             continue
+        if sparse:
+            irows, imin, inotwin, iflips = index_report(model, itrace, seed)
+            if imin < INDEX_MARGIN or iflips or 2 * inotwin < irows:
+                print(f"  {spec['name']}: seed {seed} rejected (indexer: min relative gap {imin:.2e}, "
+                      f"{iflips} rows changed under perturbation, {inotwin}/{irows} rows not a sliding window)")
+                continue
         break
     else:
-        raise RuntimeError(f"{spec['name']}: no seed with clear routing margins")
+        raise RuntimeError(f"{spec['name']}: no seed with clear routing and indexer margins")
 
     # Second and third computations of the same logits: token by token with a cache of the
     # expanded per-head K/V, and with the absorbed latent cache (MLA decode form).
@@ -346,6 +443,10 @@ def build(spec, root):
           f"group limit changed {changed}/{len(trace)} selections")
     for l, u in sorted(usage.items()):
         print(f"  layer {l} expert usage {u.tolist()}")
+    if sparse:
+        print(f"  indexer: {irows} sparse rows (top-{model.cfg.index_topk}), min relative top-k gap {imin:.3e}, "
+              f"{inotwin}/{irows} differ from the {model.cfg.index_topk} most recent keys, "
+              f"stable under {INDEX_PERTURB_RUNS} perturbed runs, scale_fmt {model.cfg.scale_fmt}")
     return d
 
 
