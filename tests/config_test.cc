@@ -107,6 +107,24 @@ TEST(ModelConfig, ReadsDeepSeekV32Indexer) {
   j["index_topk"] = 2048;
   ModelConfig c = ModelConfig::from_hf_json_text(j.dump());
   EXPECT_EQ(c.index_topk, 2048);
+  EXPECT_FALSE(c.index_scale_ue8m0);  // no scale_fmt: amax / 448 scales
+  // The scale format: top level (DeepSeek's inference configs) or inside
+  // quantization_config (Hugging Face's).
+  j["scale_fmt"] = "ue8m0";
+  EXPECT_TRUE(ModelConfig::from_hf_json_text(j.dump()).index_scale_ue8m0);
+  j["scale_fmt"] = nullptr;
+  EXPECT_FALSE(ModelConfig::from_hf_json_text(j.dump()).index_scale_ue8m0);
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"scale_fmt", "ue8m0"}};
+  EXPECT_TRUE(ModelConfig::from_hf_json_text(j.dump()).index_scale_ue8m0);
+  j["quantization_config"]["scale_fmt"] = "e5m2";
+  expect_error(j, "scale_fmt 'e5m2'");
+  j.erase("quantization_config");
+  j["index_head_dim"] = 96;
+  expect_error(j, "power of two");
+  j["index_head_dim"] = 128;
+  j["q_lora_rank"] = nullptr;
+  expect_error(j, "q_lora_rank");
+  j["q_lora_rank"] = 1536;
   j.erase("index_topk");
   expect_error(j, "index_topk");
 }

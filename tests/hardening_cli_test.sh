@@ -120,15 +120,9 @@ check '[ -z "$out" ]' "a refused generate prints nothing (not even the prompt)"
 long_prompt=$(printf 'hello %.0s' $(seq 1100))
 err=$("$bin" generate --model "$tmp/broken" --tokenizer "$m/tokenizer.json" --prompt "$long_prompt" 2>&1 >/dev/null)
 check '[[ "$err" == *max_position_embeddings* ]]' "a prompt beyond max_position_embeddings is refused first: $err"
-# DeepSeek-V3.2: a request that would pass index_topk tokens is refused before
-# it starts (the config is read first, so a broken weight file is not reached).
+# A DeepSeek-V3.2 config (read first, so the broken weight file is not reached).
 sed -E 's/"model_type": "deepseek_v3"/"model_type": "deepseek_v32", "index_n_heads": 2, "index_head_dim": 16, "index_topk": 8/' \
   "$m/config.json" > "$tmp/broken/config.json"
-err=$("$bin" generate --model "$tmp/broken" --tokenizer "$m/tokenizer.json" --prompt "hello world" --max-new-tokens 20 2>&1 >/dev/null)
-check '[[ "$err" == *index_topk* ]]' "DeepSeek-V3.2 past index_topk is refused at the start: $err"
-echo '[[1, 2, 3, 4, 5, 6, 7, 8, 9]]' > "$tmp/nine.json"
-err=$("$bin" logits --model "$tmp/broken" --tokens "$tmp/nine.json" --out "$tmp/x.safetensors" 2>&1 >/dev/null)
-check '[[ "$err" == *index_topk* ]]' "logits past index_topk is refused at the start: $err"
 echo '[[1, 2, 512]]' > "$tmp/oov.json"
 err=$("$bin" logits --model "$tmp/broken" --tokens "$tmp/oov.json" --out "$tmp/x.safetensors" 2>&1 >/dev/null)
 check '[[ "$err" == *"not a token id in [0, 512)"* ]]' "an out-of-vocabulary id is refused before the weights: $err"

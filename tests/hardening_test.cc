@@ -242,14 +242,19 @@ TEST(Hardening, GenerateRequestsAreCheckedBeforeTheModel) {
   const int64_t per_token = infer::kv_cache_bytes_per_token(cfg, infer::CacheKind::Naive);
   const int64_t tokens = physical_memory_bytes() / per_token / 60000 + 2;
   expect_error([&] { infer::check_generate_request(cfg, std::vector<int64_t>(60000, tokens), opt); }, "GiB");
-  // DeepSeek-V3.2: up to index_topk tokens only, refused at the start.
+  // DeepSeek-V3.2: sequences past index_topk are sparse attention, not
+  // refused; the cache grows by the indexer's fp8 key and its scale.
   opt.cache = infer::CacheKind::Latent;
+  cfg.max_position_embeddings = 64;
+  const int64_t dense = infer::kv_cache_bytes_per_token(cfg, infer::CacheKind::Latent);
   cfg.index_n_heads = 2;
   cfg.index_head_dim = 16;
   cfg.index_topk = 8;
-  EXPECT_NO_THROW(infer::check_generate_request(cfg, {4}, opt));  // 4 + 3 fed tokens
-  opt.max_new_tokens = 6;
-  expect_error([&] { infer::check_generate_request(cfg, {4}, opt); }, "index_topk 8");
+  cfg.q_lora_rank = cfg.q_lora_rank > 0 ? cfg.q_lora_rank : 16;
+  opt.max_new_tokens = 40;
+  EXPECT_NO_THROW(infer::check_generate_request(cfg, {20}, opt));
+  EXPECT_EQ(infer::kv_cache_bytes_per_token(cfg, infer::CacheKind::Latent),
+            dense + cfg.num_hidden_layers * (16 + 4));
 }
 
 TEST(Hardening, TokenListsAreCheckedAgainstTheVocabulary) {

@@ -56,7 +56,11 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
       case model::ParamRole::Projection:
         add(info.name, info.shape, 0.2f);
         break;
+      case model::ParamRole::NormBias:
+        add(info.name, info.shape, 0.1f);
+        break;
       case model::ParamRole::Router:
+      case model::ParamRole::IndexerHeadWeights:
       case model::ParamRole::LmHead:
         add(info.name, info.shape, 0.3f);
         break;

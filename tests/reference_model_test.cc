@@ -120,6 +120,7 @@ TEST_P(ReferenceModel, LogitsCommandMatchesTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceModel,
-                         ::testing::Values("v3_qlora_yarn", "v2_plain_softmax", "v3_fp8_sharded"));
+                         ::testing::Values("v3_qlora_yarn", "v2_plain_softmax", "v3_fp8_sharded", "v32_sparse_f32",
+                                           "v32_bf16_scale_fmt", "v32_fp8_ue8m0"));
 
 }  // namespace

@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
+#include "infer/generate.h"
+#include "io/safetensors.h"
 #include "model/load.h"
 #include "model_fixture.h"
 #include "test_util.h"
@@ -162,22 +165,86 @@ TEST_F(TransformerTest, OutOfVocabularyTokensAndOverlongSequencesAreErrors) {
   EXPECT_THROW(m->engine->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
 }
 
-TEST_F(TransformerTest, V32IndexerTensorsAreRecognisedAndDenseAttentionStopsAtIndexTopk) {
+namespace {
+
+nlohmann::json tiny_v32_config(int64_t topk) {
   auto cfg = ds::test::tiny_v3_config();
-  ds::test::write_random_model(dir_, cfg, 9);
-  auto v3 = ds::infer::load_model(dir_);
-  auto ids = tokens(10, v3->config.vocab_size, 4);
-  auto want = full_logits(*v3, ids, CacheKind::Latent);
   cfg["model_type"] = "deepseek_v32";
-  cfg["index_n_heads"] = 2;
+  cfg["index_n_heads"] = 3;
   cfg["index_head_dim"] = 16;
-  cfg["index_topk"] = 10;
-  ds::Tensor wk = ds::Tensor::zeros({16, 32}, ds::DType::BF16);
-  ds::test::write_random_model(dir_, cfg, 9, {{"model.layers.0.self_attn.indexer.wk.weight", wk}});
+  cfg["index_topk"] = topk;
+  return cfg;
+}
+
+}  // namespace
+
+// Up to index_topk keys the indexer selects every key: a V3.2 model is its
+// V3 model (the same tensors without the indexer's), bit for bit. Past it,
+// the rows at positions >= index_topk attend to fewer keys and differ.
+TEST_F(TransformerTest, V32IsDenseAttentionUpToIndexTopkAndSparseAfter) {
+  const int64_t topk = 10;
+  ds::test::write_random_model(dir_, tiny_v32_config(topk), 9);
+  const std::string v3_dir = dir_ + "/v3";
+  fs::create_directories(v3_dir);
+  std::ofstream(v3_dir + "/config.json") << ds::test::tiny_v3_config().dump();
+  {
+    auto st = ds::io::SafetensorsFile::open(dir_ + "/model.safetensors");
+    std::vector<std::pair<std::string, ds::Tensor>> kept;
+    int64_t indexer = 0;
+    for (const auto& info : st.tensors()) {
+      const std::string& name = info.name;
+      if (name.find(".self_attn.indexer.") != std::string::npos) {
+        ++indexer;
+        continue;
+      }
+      kept.emplace_back(name, st.tensor(name));
+    }
+    EXPECT_EQ(indexer, 3 * 5);  // every layer, the dense one too
+    ds::io::save_safetensors(v3_dir + "/model.safetensors", kept);
+  }
+  auto v3 = ds::infer::load_model(v3_dir);
   auto v32 = ds::infer::load_model(dir_);
-  // Up to index_topk keys the indexer selects every key: dense attention.
-  EXPECT_EQ(full_logits(*v32, ids, CacheKind::Latent), want);
-  KvCache cache(CacheKind::Latent, 1, v32->config.num_hidden_layers);
-  v32->engine->step(cache, {ids}, false);
-  EXPECT_THROW(v32->engine->step(cache, {{1}}, false), ds::Error);
+  const int64_t V = v3->config.vocab_size;
+  auto ids = tokens(24, V, 4);
+  for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
+    const std::vector<int32_t> head(ids.begin(), ids.begin() + topk);
+    EXPECT_EQ(full_logits(*v32, head, kind), full_logits(*v3, head, kind));
+    auto dense = full_logits(*v3, ids, kind), sparse = full_logits(*v32, ids, kind);
+    // The first rows match to rounding (the other rows are in the same
+    // products, whose blocking follows their count).
+    ds::test::expect_close(std::vector<float>(sparse.begin(), sparse.begin() + topk * V),
+                           std::vector<float>(dense.begin(), dense.begin() + topk * V), kTol, 0, "rows before topk");
+    double diff = 0;
+    for (size_t i = topk * V; i < dense.size(); ++i) diff = std::max(diff, std::fabs(double(dense[i]) - sparse[i]));
+    EXPECT_GT(diff, 1e-3) << "rows past index_topk should attend to fewer keys";
+  }
+}
+
+// The sparse paths against each other: the latent cache's gathered
+// attention over the selected keys, the naive cache's masked dense
+// attention, prefill in one step, prefill then decode, and a batch.
+TEST_F(TransformerTest, V32SparseAttentionAgreesAcrossCachesStepsAndBatches) {
+  ds::test::write_random_model(dir_, tiny_v32_config(6), 11);
+  auto m = ds::infer::load_model(dir_);
+  const int64_t V = m->config.vocab_size;
+  auto ids = tokens(40, V, 6);
+  auto full = full_logits(*m, ids, CacheKind::Latent);
+  ds::test::expect_close(full_logits(*m, ids, CacheKind::Naive), full, kTol, 0, "naive vs latent");
+  for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive})
+    for (size_t prefix : {size_t{1}, size_t{4}, size_t{17}})
+      ds::test::expect_close(ds::test::incremental_logits(*m, ids, prefix, kind), full, kTol, 0,
+                             kind == CacheKind::Latent ? "latent decode" : "naive decode");
+  // A chunk that straddles index_topk after a cached prefix.
+  KvCache cache(CacheKind::Latent, 2, m->config.num_hidden_layers);
+  auto other = tokens(9, V, 8);
+  m->engine->step(cache, {{ids.begin(), ids.begin() + 3}, other}, true);
+  auto rest = m->engine->step(cache, {{ids.begin() + 3, ids.end()}, {}}, true);
+  ds::test::expect_close(rest, std::vector<float>(full.begin() + 3 * V, full.end()), kTol, 0, "straddling chunk");
+  // The cache: latent and rope key as float32, the indexer key as e4m3 and
+  // one float32 scale per token and layer.
+  const auto& c = m->config;
+  EXPECT_EQ(cache.bytes(), static_cast<size_t>(c.num_hidden_layers * (40 + 9) *
+                                               ((c.kv_lora_rank + c.qk_rope_head_dim) * 4 + 16 + 4)));
+  EXPECT_EQ(static_cast<int64_t>(cache.bytes()),
+            (40 + 9) * ds::infer::kv_cache_bytes_per_token(c, CacheKind::Latent));
 }

@@ -172,6 +172,7 @@ struct BenchArgs {
   int64_t batch = 1, prompt_len = 128, new_tokens = 32, repeat = 3;
   int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
   uint64_t seed = 0;
+  bool dense_attention = false;
 };
 
 int run_bench(const BenchArgs& a) {
@@ -187,7 +188,10 @@ int run_bench(const BenchArgs& a) {
     check.max_new_tokens = a.new_tokens + 1;
     infer::check_generate_request(config, std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
   }
+  DS_CHECK(!a.dense_attention || config.index_n_heads > 0,
+           "--dense-attention compares DeepSeek-V3.2 sparse attention with dense attention; this model has no indexer");
   auto m = infer::load_model(a.model);
+  m->engine->set_dense_attention(a.dense_attention);
   const auto& cfg = m->config;
   Philox rng(a.seed);
   std::vector<std::vector<int32_t>> prompts(a.batch);
@@ -221,6 +225,7 @@ int run_bench(const BenchArgs& a) {
                       {"new_tokens", a.new_tokens},
                       {"threads", num_threads()},
                       {"kv_cache", a.cache},
+                      {"attention", cfg.index_n_heads == 0 ? "mla" : a.dense_attention ? "dense" : "sparse"},
                       {"prefill_chunk", a.prefill_chunk},
                       {"repeat", a.repeat},
                       {"prefill_tokens_per_s", median(prefill)},
@@ -290,6 +295,8 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
                     "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
         ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_option("--seed", args->seed, "seed of the random prompts");
+    cmd->add_flag("--dense-attention", args->dense_attention,
+                  "DeepSeek-V3.2: attend to every key with the indexer off (dense MLA), for comparison");
     commands.emplace_back(cmd, [args] { return run_bench(*args); });
   }
 }

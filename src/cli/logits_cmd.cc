@@ -39,8 +39,8 @@ int run_logits(const LogitsArgs& a) {
   const bool incremental = a.incremental_opt != nullptr && a.incremental_opt->count() > 0;
   const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
   const auto kind = a.cache == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;
-  // The sequences as a request of one new token each: the same length,
-  // index_topk and KV-cache checks as generation.
+  // The sequences as a request of one new token each: the same length and
+  // KV-cache checks as generation.
   std::vector<int64_t> lengths;
   for (const auto& ids : seqs) lengths.push_back(static_cast<int64_t>(ids.size()));
   infer::GenerateOptions request;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 
 #include "core/buffer.h"
 #include "core/error.h"
@@ -9,6 +10,7 @@
 #include "model/layer.h"
 #include "model/load.h"
 #include "ops/attention.h"
+#include "ops/indexer.h"
 #include "ops/latent_attention.h"
 #include "ops/linear.h"
 #include "ops/matmul.h"
@@ -34,86 +36,161 @@ struct Batch {
 // then fresh sequences attend over their own expanded keys (tiled causal
 // attention), sequences that continue a cache over all their cached tokens
 // (latent: absorbed, one pass over c_kv for all heads; naive: per head).
+//
+// DeepSeek-V3.2 (DSA): a query at position p >= index_topk sees more keys
+// than the indexer keeps, so it attends only to the index_topk keys the
+// indexer scores highest; queries before that see all their keys, which is
+// what the indexer would select, and take the dense paths above. The
+// indexer's fp8 keys of every token go into the cache beside the latent.
 class CacheAttention : public model::KvAttention {
  public:
   CacheAttention(Engine& e, KvCache& cache, const Batch& b) : e_(e), cache_(cache), b_(b) {}
 
-  void attend(float* ctx, int64_t layer, const float* q, const float* ckv, const float* kpe,
+  void attend(float* ctx, int64_t layer, const model::AttentionInputs& in,
               const model::AttentionParams<ops::WeightView>& a, const model::StageConfig& s) override {
     const model::ModelConfig& c = e_.cfg_;
     const int64_t N = b_.n, H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
     const int64_t qk = nope + rope, vd = c.v_head_dim, kvl = c.kv_lora_rank;
+    const float* q = in.query_proj;
     const bool latent = cache_.kind == CacheKind::Latent;
-    bool any_fresh = false;
-    for (const auto& sq : b_.seqs) any_fresh |= sq.past == 0;
+    const bool dsa = c.index_n_heads > 0 && !e_.dense_attention_;
+    const int64_t topk = dsa ? c.index_topk : std::numeric_limits<int64_t>::max();
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, nb = dsa ? ops::indexer_scale_blocks(Di) : 0;
+    bool any_fresh = false, any_sparse = false;
+    for (const auto& sq : b_.seqs) {
+      any_fresh |= sq.past == 0;
+      any_sparse |= sq.past + sq.count > topk;
+    }
     // The expanded keys/values of the new tokens: needed by the naive cache
     // and by the flash path of a fresh sequence.
     Buffer<float> kfull, vfull;
     if (!latent || any_fresh) {
       kfull.resize(N * H * qk);
       vfull.resize(N * H * vd);
-      model::get_key_value_forward(kfull.data(), vfull.data(), ckv, kpe, a, s, N);
+      model::get_key_value_forward(kfull.data(), vfull.data(), in.mla_kv, in.k_pe, a, s, N);
     }
-    std::vector<const Batch::Seq*> cont;  // sequences that continue a cache
+    // The indexer: keys of every new token, queries when some row selects.
+    Buffer<uint8_t> ikey;
+    Buffer<float> iscale, iq, iw;
+    if (dsa) {
+      ikey.resize(N * Di);
+      iscale.resize(N * nb);
+      if (any_sparse) {
+        iq.resize(N * Hi * Di);
+        iw.resize(N * Hi);
+      }
+      model::indexer_forward({ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr,
+                              any_sparse ? iw.data() : nullptr},
+                             in.x, in.mla_q, a.indexer, s, b_.pos.data(), N);
+    }
+    // Work on the cache: rows [r0, r0 + n) of one sequence (past: tokens
+    // before r0), dense or sparse.
+    struct Item {
+      const Batch::Seq* seq;
+      int64_t r0, n, past;
+      bool sparse;
+    };
+    std::vector<Item> items;
+    constexpr int64_t kSparseRows = 16;  // rows per sparse task: fixed, whatever the thread count
     for (const auto& sq : b_.seqs) {
       SequenceCache& sc = cache_.seqs[sq.index];
       const int64_t r0 = sq.row0, n = sq.count;
       if (latent) {
-        sc.c_kv[layer].insert(sc.c_kv[layer].end(), ckv + r0 * kvl, ckv + (r0 + n) * kvl);
-        sc.k_pe[layer].insert(sc.k_pe[layer].end(), kpe + r0 * rope, kpe + (r0 + n) * rope);
+        sc.c_kv[layer].insert(sc.c_kv[layer].end(), in.mla_kv + r0 * kvl, in.mla_kv + (r0 + n) * kvl);
+        sc.k_pe[layer].insert(sc.k_pe[layer].end(), in.k_pe + r0 * rope, in.k_pe + (r0 + n) * rope);
       } else {
         sc.k[layer].insert(sc.k[layer].end(), kfull.data() + r0 * H * qk, kfull.data() + (r0 + n) * H * qk);
         sc.v[layer].insert(sc.v[layer].end(), vfull.data() + r0 * H * vd, vfull.data() + (r0 + n) * H * vd);
       }
-      if (sq.past == 0) {
-        Buffer<float> lse(H * n);
-        ops::AttentionDims d{1, n, H, qk, vd, s.softmax_scale};
+      if (dsa) {
+        sc.index_k[layer].insert(sc.index_k[layer].end(), ikey.data() + r0 * Di, ikey.data() + (r0 + n) * Di);
+        sc.index_scale[layer].insert(sc.index_scale[layer].end(), iscale.data() + r0 * nb,
+                                     iscale.data() + (r0 + n) * nb);
+      }
+      // Rows at positions < topk attend densely.
+      const int64_t dense = std::clamp(topk - sq.past, int64_t{0}, n);
+      if (dense > 0 && sq.past == 0) {
+        Buffer<float> lse(H * dense);
+        ops::AttentionDims d{1, dense, H, qk, vd, s.softmax_scale};
         ops::attention_forward(ctx + r0 * H * vd, lse.data(), q + r0 * H * qk, kfull.data() + r0 * H * qk,
                                vfull.data() + r0 * H * vd, nullptr, d);
-        continue;
+      } else if (dense > 0) {
+        items.push_back({&sq, r0, dense, sq.past, false});
       }
-      cont.push_back(&sq);
+      for (int64_t j = dense; j < n; j += kSparseRows)
+        items.push_back({&sq, r0 + j, std::min(kSparseRows, n - j), sq.past + j, true});
     }
-    if (cont.empty()) return;
+    if (items.empty()) return;
     // kv_b widened to float32 for the absorbed path (per head, rows
-    // [nope | v] x kvl), made on a layer's first decode step and kept: it is
-    // a small share of a layer (DeepSeek-V3: 64 MiB as float32 next to about
-    // 11 GiB of fp8 expert weights per layer), and widening it again on every
-    // step cost more than the attention itself.
+    // [nope | v] x kvl), made on a layer's first use and kept: it is a small
+    // share of a layer (DeepSeek-V3: 64 MiB as float32 next to about 11 GiB
+    // of fp8 expert weights per layer), and widening it again on every step
+    // cost more than the attention itself.
     std::vector<float>& wkvb = e_.absorbed_kv_b_[layer];
     if (latent && wkvb.empty()) {
       wkvb.resize(static_cast<size_t>(a.kv_b.rows * kvl));
       ops::widen_rows(wkvb.data(), a.kv_b, 0, a.kv_b.rows);
     }
-    // Latent: one task per sequence (all heads at once); naive: one task per
-    // (sequence, head). All tasks of the batch run in one thread team.
     int64_t work = 0;
-    for (const auto* sq : cont) work += sq->count * (sq->past + sq->count) * H * (kvl + rope);
-    const int64_t C = static_cast<int64_t>(cont.size()), heads_per_task = latent ? H : 1;
+    for (const auto& it : items)
+      work += it.n * (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di
+                                : (it.past + it.n) * H * (kvl + rope));
     const ops::LatentAttentionDims ld{H, nope, rope, vd, kvl, s.softmax_scale};
-    parallel_ranges(C * H / heads_per_task, work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
+    parallel_ranges(static_cast<int64_t>(items.size()), work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const Batch::Seq& sq = *cont[i * heads_per_task / H];
-        SequenceCache& sc = cache_.seqs[sq.index];
-        const int64_t r0 = sq.row0, n = sq.count, P = sq.past, T = P + n;
+        const Item& it = items[i];
+        SequenceCache& sc = cache_.seqs[it.seq->index];
+        const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
+        Buffer<int32_t> sel;
+        if (it.sparse) {
+          // The indexer's choice for each row: the topk best of its keys.
+          Buffer<float> score(n * T);
+          ops::indexer_scores(score.data(), T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, n, Hi, Di,
+                              sc.index_k[layer].data(), sc.index_scale[layer].data(), T);
+          sel.resize(n * topk);
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t got = ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
+            DS_CHECK(got == topk, "indexer: row at position {} selected {} keys, not {}", P + j, got, topk);
+          }
+        }
+        float* out = ctx + it.r0 * H * vd;
+        const float* qi = q + it.r0 * H * qk;
         if (latent) {
-          ops::latent_attention_forward(ctx + r0 * H * vd, H * vd, q + r0 * H * qk, H * qk, sc.c_kv[layer].data(),
-                                        sc.k_pe[layer].data(), wkvb.data(), n, P, ld);
+          if (it.sparse)
+            ops::latent_attention_sparse_forward(out, H * vd, qi, H * qk, sc.c_kv[layer].data(),
+                                                 sc.k_pe[layer].data(), wkvb.data(), n, sel.data(), topk, ld);
+          else
+            ops::latent_attention_forward(out, H * vd, qi, H * qk, sc.c_kv[layer].data(), sc.k_pe[layer].data(),
+                                          wkvb.data(), n, P, ld);
           continue;
         }
-        // Naive: scores of head h against its expanded keys, causal softmax.
-        const int64_t h = i % H;
+        // Naive: per head, scores against the expanded keys, the causal
+        // softmax (over the selected keys only when sparse), then the values.
         Buffer<float> S(n * T);
-        ops::gemm(false, true, n, T, qk, s.softmax_scale, q + (r0 * H + h) * qk, H * qk, sc.k[layer].data() + h * qk,
-                  H * qk, 0.0f, S.data(), T);
-        ops::causal_softmax_rows(S.data(), n, n, P, T);
-        ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
-                  ctx + (r0 * H + h) * vd, H * vd);
+        for (int64_t h = 0; h < H; ++h) {
+          ops::gemm(false, true, n, T, qk, s.softmax_scale, qi + h * qk, H * qk, sc.k[layer].data() + h * qk, H * qk,
+                    0.0f, S.data(), T);
+          if (it.sparse) mask_unselected(S.data(), n, T, sel.data(), topk);
+          ops::causal_softmax_rows(S.data(), n, n, P, T);
+          ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
+                    out + h * vd, H * vd);
+        }
       }
     });
   }
 
  private:
+  // Scores of keys a row did not select become -inf (rows of S [n, T]).
+  static void mask_unselected(float* S, int64_t n, int64_t T, const int32_t* sel, int64_t k) {
+    std::vector<char> keep(static_cast<size_t>(T));
+    for (int64_t j = 0; j < n; ++j) {
+      std::fill(keep.begin(), keep.end(), 0);
+      for (int64_t i = 0; i < k; ++i) keep[sel[j * k + i]] = 1;
+      for (int64_t t = 0; t < T; ++t)
+        if (!keep[t]) S[j * T + t] = -std::numeric_limits<float>::infinity();
+    }
+  }
+
   Engine& e_;
   KvCache& cache_;
   const Batch& b_;
@@ -134,10 +211,6 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
     DS_CHECK(past + n <= cfg_.max_position_embeddings,
              "sequence {} would reach {} tokens, beyond max_position_embeddings {}", s, past + n,
              cfg_.max_position_embeddings);
-    DS_CHECK(cfg_.index_topk == 0 || past + n <= cfg_.index_topk,
-             "sequence {} would reach {} tokens; DeepSeek-V3.2 sparse attention beyond index_topk {} keys is not "
-             "supported yet (up to that length it equals dense attention)",
-             s, past + n, cfg_.index_topk);
     b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
     for (int64_t i = 0; i < n; ++i) {
       const int32_t t = tokens[s][i];

@@ -33,11 +33,16 @@ class Engine {
   // either expert schedule.
   void set_task_parallel_assignments(int64_t n) { stages_.task_parallel_assignments = n; }
 
+  // DeepSeek-V3.2: attend to every key and skip the indexer, i.e. run the
+  // model as dense MLA (benchmarks compare the two). Off by default.
+  void set_dense_attention(bool dense) { dense_attention_ = dense; }
+
  private:
   const model::ModelConfig& cfg_;
   const model::ParamsView& w_;
   model::StageConfig stages_;
   std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, widened on first decode use
+  bool dense_attention_ = false;
   friend class CacheAttention;
 };
 

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/system.h"
+#include "ops/indexer.h"
 
 namespace ds::infer {
 
@@ -17,7 +18,12 @@ int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind) 
   const int64_t per_layer = kind == CacheKind::Latent
                                 ? cfg.kv_lora_rank + cfg.qk_rope_head_dim
                                 : cfg.num_attention_heads * (cfg.qk_head_dim() + cfg.v_head_dim);
-  return cfg.num_hidden_layers * per_layer * static_cast<int64_t>(sizeof(float));
+  // DeepSeek-V3.2: the indexer's e4m3 key and its float32 block scales.
+  const int64_t indexer =
+      cfg.index_n_heads > 0
+          ? cfg.index_head_dim + ops::indexer_scale_blocks(cfg.index_head_dim) * static_cast<int64_t>(sizeof(float))
+          : 0;
+  return cfg.num_hidden_layers * (per_layer * static_cast<int64_t>(sizeof(float)) + indexer);
 }
 
 void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
@@ -41,10 +47,6 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
     const int64_t fed =
         std::min(n + std::clamp<int64_t>(opt.max_new_tokens - 1, 0, cfg.max_position_embeddings),
                  cfg.max_position_embeddings);
-    DS_CHECK(cfg.index_topk == 0 || fed <= cfg.index_topk,
-             "sequence {} ({} tokens) and {} new tokens reach {} tokens; DeepSeek-V3.2 sparse attention "
-             "beyond index_topk {} keys is not supported yet",
-             s, n, opt.max_new_tokens, fed, cfg.index_topk);
     tokens += fed;
   }
   check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");

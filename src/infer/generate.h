@@ -45,9 +45,8 @@ struct GenerateStats {
 int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind);
 
 // Everything about a request that can be checked before any weight is read:
-// the options, each prompt against max_position_embeddings (and DeepSeek-V3.2's
-// index_topk, up to which its sparse attention equals dense attention), and
-// the KV cache against this machine's memory. generate() calls it first;
+// the options, each prompt against max_position_embeddings, and the KV cache
+// against this machine's memory. generate() calls it first;
 // programs call it before they load a model.
 void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
                             const GenerateOptions& opt);

@@ -21,6 +21,10 @@ struct SequenceCache {
   // Per layer, rows appended as tokens arrive.
   std::vector<std::vector<float>> c_kv, k_pe;  // latent: [T, kv_lora_rank], [T, qk_rope_head_dim]
   std::vector<std::vector<float>> k, v;        // naive: [T, heads, qk_head_dim], [T, heads, v_head_dim]
+  // DeepSeek-V3.2 (either kind): the indexer's keys, e4m3 codes [T,
+  // index_head_dim] and their scales [T, ceil(index_head_dim / 128)].
+  std::vector<std::vector<uint8_t>> index_k;
+  std::vector<std::vector<float>> index_scale;
 };
 
 struct KvCache {
@@ -33,15 +37,19 @@ struct KvCache {
       s.k_pe.resize(num_layers);
       s.k.resize(num_layers);
       s.v.resize(num_layers);
+      s.index_k.resize(num_layers);
+      s.index_scale.resize(num_layers);
     }
   }
-  // Bytes of cached activations (float32 elements).
+  // Bytes of cached activations.
   size_t bytes() const {
     size_t n = 0;
     for (const auto& s : seqs)
       for (size_t l = 0; l < s.c_kv.size(); ++l)
-        n += s.c_kv[l].size() + s.k_pe[l].size() + s.k[l].size() + s.v[l].size();
-    return n * sizeof(float);
+        n += (s.c_kv[l].size() + s.k_pe[l].size() + s.k[l].size() + s.v[l].size() + s.index_scale[l].size()) *
+                 sizeof(float) +
+             s.index_k[l].size();
+    return n;
   }
 };
 

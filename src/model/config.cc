@@ -6,6 +6,7 @@
 #include <fstream>
 #include <initializer_list>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -235,6 +236,9 @@ void ModelConfig::validate() const {
     positive(index_topk, "index_topk");
     DS_CHECK(index_head_dim >= qk_rope_head_dim, "config: index_head_dim {} must hold the rope part {}", index_head_dim,
              qk_rope_head_dim);
+    DS_CHECK((index_head_dim & (index_head_dim - 1)) == 0,
+             "config: index_head_dim {} must be a power of two (the indexer's Hadamard rotation)", index_head_dim);
+    DS_CHECK(q_lora_rank > 0, "config: the DeepSeek-V3.2 indexer reads the q-LoRA latent; q_lora_rank must be set");
   }
   DS_CHECK(bos_token_id >= 0 && bos_token_id < vocab_size && eos_token_id >= 0 && eos_token_id < vocab_size,
            "config: bos/eos token ids ({}, {}) outside the vocabulary of {}", bos_token_id, eos_token_id, vocab_size);
@@ -335,6 +339,20 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
     c.index_head_dim = get<int64_t>(j, "index_head_dim", src);
     c.index_topk = get<int64_t>(j, "index_topk", src);
   }
+  // DeepSeek's inference configs write scale_fmt at the top level, Hugging
+  // Face's inside quantization_config; the latter wins when both are given.
+  auto scale_fmt = [&](const json& o) -> std::optional<std::string> {
+    if (!o.is_object() || !o.contains("scale_fmt") || o["scale_fmt"].is_null()) return std::nullopt;
+    DS_CHECK(o["scale_fmt"].is_string(), "{}: scale_fmt must be a string or null", src);
+    return o["scale_fmt"].get<std::string>();
+  };
+  std::optional<std::string> fmt = scale_fmt(j);
+  if (j.contains("quantization_config"))
+    if (auto q = scale_fmt(j["quantization_config"])) fmt = q;
+  if (fmt) {
+    DS_CHECK(*fmt == "ue8m0", "{}: scale_fmt '{}' is not supported (ue8m0, or none for amax/448 scales)", src, *fmt);
+    c.index_scale_ue8m0 = true;
+  }
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
     const std::string method = get_or<std::string>(q, "quant_method", "", src);
@@ -434,6 +452,9 @@ const std::map<std::string, Setter>& yaml_keys() {
       {"norm_topk_prob", [](ModelConfig& c, const YAML::Node& n) { c.norm_topk_prob = n.as<bool>(); }},
       {"use_yarn", [](ModelConfig& c, const YAML::Node& n) { c.rope_scaling.enabled = n.as<bool>(); }},
       {"model_type", [](ModelConfig& c, const YAML::Node& n) { c.model_type = n.as<std::string>(); }},
+      // DeepSeek-V3.2's sparse attention (the indexer_* keys size it).
+      {"use_indexer",
+       [](ModelConfig& c, const YAML::Node& n) { c.model_type = n.as<bool>() ? "deepseek_v32" : "deepseek_v3"; }},
       {"decoder_block",
        [](ModelConfig&, const YAML::Node& n) {
          DS_CHECK(n.as<std::string>() == "deepseek", "decoder_block '{}' is not supported (deepseek)",
@@ -487,6 +508,16 @@ ModelConfig ModelConfig::from_yaml_text(const std::string& text, const std::vect
   }
   // A preset that sets a YaRN factor above 1 means YaRN, as MaxText does.
   if (c.rope_scaling.factor > 1.0) c.rope_scaling.enabled = true;
+  // The indexer: MaxText's defaults for what use_indexer leaves unset; its
+  // keys without use_indexer would be silently ignored there, so an error here.
+  if (c.model_type == "deepseek_v32") {
+    if (c.index_n_heads == 0) c.index_n_heads = 64;
+    if (c.index_head_dim == 0) c.index_head_dim = 128;
+    if (c.index_topk == 0) c.index_topk = 2048;
+  } else {
+    DS_CHECK(c.index_n_heads == 0 && c.index_head_dim == 0 && c.index_topk == 0,
+             "{}: indexer_n_heads, indexer_head_dim and indexer_topk need use_indexer: true", src);
+  }
   try {
     c.validate();
   } catch (const Error& e) {

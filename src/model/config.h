@@ -63,6 +63,9 @@ struct ModelConfig {
   int64_t index_n_heads = 0;
   int64_t index_head_dim = 0;
   int64_t index_topk = 0;
+  // The indexer's fp8 activation scales: powers of two ("ue8m0", from
+  // quantization_config.scale_fmt or a top-level scale_fmt) or amax / 448.
+  bool index_scale_ue8m0 = false;
   int64_t bos_token_id = 0;
   int64_t eos_token_id = 1;
   // fp8 checkpoints: weight_block_size of the quantization_config ({0, 0}: none)

@@ -69,6 +69,7 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
     j["index_n_heads"] = c.index_n_heads;
     j["index_head_dim"] = c.index_head_dim;
     j["index_topk"] = c.index_topk;
+    if (c.index_scale_ue8m0) j["scale_fmt"] = "ue8m0";
   }
   if (c.fp8_block_rows > 0)
     j["quantization_config"] = {{"quant_method", "fp8"},
@@ -95,7 +96,6 @@ void prepare_model_folder(const std::string& dir, const char* who) {
 
 void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, const InitOptions& opt) {
   cfg.validate();
-  DS_CHECK(cfg.index_n_heads == 0, "init: DeepSeek-V3.2 indexer weights are not supported yet");
   const bool fp8 = opt.dtype == DType::F8E4M3;
   DS_CHECK(opt.dtype == DType::BF16 || opt.dtype == DType::F32 || opt.dtype == DType::F16 || fp8,
            "init: weights can be written as bf16, f16, f32 or fp8 (e4m3), not {}", dtype_name(opt.dtype));
@@ -144,6 +144,11 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
       case ParamRole::RoutingBias:
         ts.emplace_back(info.name, Tensor::zeros(info.shape, DType::F32));
         break;
+      case ParamRole::NormBias: {
+        Tensor z = Tensor::zeros(info.shape, DType::F32);
+        ts.emplace_back(info.name, plain == DType::F32 ? z : z.to(plain));
+        break;
+      }
       default:
         matrix(info.name, info.shape, info.role == ParamRole::Projection);
     }

@@ -234,7 +234,9 @@ void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const La
   if (kv) {
     if (attention_missing) {
       S.attention_out.resize(N * H * vd);
-      kv->attend(S.attention_out.data(), layer, S.query_proj.data(), S.mla_kv.data(), S.k_pe.data(), a, s);
+      const AttentionInputs in{S.query_proj.data(), S.mla_kv.data(), S.k_pe.data(), X.x.data(),
+                               c.q_lora_rank > 0 ? S.mla_q.data() : nullptr};
+      kv->attend(S.attention_out.data(), layer, in, a, s);
     }
   } else {
     if ((need(S.key_proj) || need(S.value_proj))) {

@@ -72,14 +72,22 @@ struct TokenLayout {
   int64_t tokens() const { return batch * seq; }
 };
 
-// Attention over a KV cache, provided by the generation engine: given the
-// projected queries and the new tokens' latent and rope key, writes the
+// What attention over a KV cache reads of the new tokens [N rows each].
+struct AttentionInputs {
+  const float* query_proj;  // [N, H, qk]
+  const float* mla_kv;      // [N, kv_lora]
+  const float* k_pe;        // [N, rope]
+  const float* x;           // the normed layer input [N, D] (the DSA indexer's keys and head weights)
+  const float* mla_q;       // q-LoRA latent after its norm [N, q_lora] (the indexer's queries); null without q-LoRA
+};
+
+// Attention over a KV cache, provided by the generation engine: writes the
 // attention output [N, H * v] (and updates its cache).
 class KvAttention {
  public:
   virtual ~KvAttention() = default;
-  virtual void attend(float* attention_out, int64_t layer, const float* query_proj, const float* mla_kv,
-                      const float* k_pe, const AttentionParams<ops::WeightView>& p, const StageConfig& s) = 0;
+  virtual void attend(float* attention_out, int64_t layer, const AttentionInputs& in,
+                      const AttentionParams<ops::WeightView>& p, const StageConfig& s) = 0;
 };
 
 // Everything a layer's forward produced. Named buffers are empty when not

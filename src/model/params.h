@@ -25,7 +25,9 @@ enum class ParamRole {
   Projection,   // attention projections, MLP and expert matrices, MTP eh_proj
   Router,       // mlp.gate.weight
   RoutingBias,  // mlp.gate.e_score_correction_bias: moved by the balancing rule, never by gradients
-  Norm,         // RMSNorm scales
+  Norm,         // RMSNorm (and LayerNorm) scales
+  NormBias,     // LayerNorm bias (the DeepSeek-V3.2 indexer's k_norm)
+  IndexerHeadWeights,  // the V3.2 indexer's weights_proj: per-head weights, never fp8
   LmHead,       // lm_head
 };
 
@@ -46,11 +48,20 @@ struct MlpParams {  // down(silu(gate(x)) * up(x))
   T gate{}, up{}, down{};
 };
 
+// DeepSeek-V3.2's lightning indexer (index_n_heads > 0), under
+// self_attn.indexer: wq_b [Hi*Di, q_lora], wk [Di, D], k_norm weight and bias
+// [Di], weights_proj [Hi, D].
+template <class T>
+struct IndexerParams {
+  T wq_b{}, wk{}, k_norm{}, k_norm_bias{}, weights_proj{};
+};
+
 template <class T>
 struct AttentionParams {       // MLA
   T q_a{}, q_a_norm{}, q_b{};  // q_lora_rank > 0
   T q{};                       // q_lora_rank == 0
   T kv_a{}, kv_a_norm{}, kv_b{}, o{};
+  IndexerParams<T> indexer;
 };
 
 template <class T>
@@ -132,6 +143,15 @@ void visit_layer(const ModelConfig& c, int64_t l, F& f, Layer&... L) {
          ParamRole::Projection),
     L.attn.kv_b...);
   f(info(".self_attn.o_proj.weight", {D, H * c.v_head_dim}, ParamRole::Projection), L.attn.o...);
+  if (c.index_n_heads > 0) {
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    f(info(".self_attn.indexer.wq_b.weight", {Hi * Di, c.q_lora_rank}, ParamRole::Projection), L.attn.indexer.wq_b...);
+    f(info(".self_attn.indexer.wk.weight", {Di, D}, ParamRole::Projection), L.attn.indexer.wk...);
+    f(info(".self_attn.indexer.k_norm.weight", {Di}, ParamRole::Norm), L.attn.indexer.k_norm...);
+    f(info(".self_attn.indexer.k_norm.bias", {Di}, ParamRole::NormBias), L.attn.indexer.k_norm_bias...);
+    f(info(".self_attn.indexer.weights_proj.weight", {Hi, D}, ParamRole::IndexerHeadWeights),
+      L.attn.indexer.weights_proj...);
+  }
   if (c.is_moe_layer(l)) {
     const int64_t E = c.n_routed_experts;
     DS_CHECK(((static_cast<int64_t>(L.moe.experts.size()) == E) && ...),

@@ -3,12 +3,14 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
 
 #include "core/error.h"
 #include "core/parallel.h"
 #include "ops/activations.h"
+#include "ops/indexer.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -184,6 +186,34 @@ void out_projection_forward(float* out, const float* attention_out, const Attent
 void out_projection_backward(float* d_attention_out, AttentionParams<float*>& g, const float* dout,
                              const float* attention_out, const AttentionParams<ops::WeightView>& p, int64_t N) {
   ops::linear_backward(d_attention_out, g.o, dout, attention_out, p.o, N);
+}
+
+// ---------------------------------------------------------------- DSA indexer
+
+void indexer_forward(const IndexerOut& out, const float* x, const float* mla_q, const IndexerParams<ops::WeightView>& p,
+                     const StageConfig& s, const int32_t* positions, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
+  DS_CHECK(Hi > 0, "indexer_forward: the model has no indexer");
+  Buffer<float> k(N * Di);
+  ops::linear_forward(k.data(), x, p.wk, N);
+  ops::layer_norm_rows(k.data(), k.data(), vector_data(p.k_norm), vector_data(p.k_norm_bias), N, Di, 1e-6f);
+  ops::rope_forward(k.data(), k.data(), positions, s.rope_freqs.data(), N, 1, rope, Di, Di,
+                    ops::RopeLayout::HalfSplit);
+  ops::hadamard_rows(k.data(), N, Di);
+  ops::fp8_quantize_rows(out.key_codes, out.key_scales, k.data(), N, Di, c.index_scale_ue8m0);
+  if (!out.query) return;
+  ops::linear_forward(out.query, mla_q, p.wq_b, N);
+  ops::rope_forward(out.query, out.query, positions, s.rope_freqs.data(), N, Hi, rope, Hi * Di, Di,
+                    ops::RopeLayout::HalfSplit);
+  ops::hadamard_rows(out.query, N * Hi, Di);
+  Buffer<uint8_t> codes(N * Hi * Di);
+  Buffer<float> scales(N * Hi * ops::indexer_scale_blocks(Di));
+  ops::fp8_quantize_rows(codes.data(), scales.data(), out.query, N * Hi, Di, c.index_scale_ue8m0);
+  ops::fp8_dequantize_rows(out.query, codes.data(), scales.data(), N * Hi, Di);
+  ops::linear_forward(out.head_weights, x, p.weights_proj, N);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
+  for (int64_t i = 0; i < N * Hi; ++i) out.head_weights[i] *= scale;
 }
 
 // ---------------------------------------------------------------- MLP

@@ -99,6 +99,27 @@ void out_projection_forward(float* out, const float* attention_out, const Attent
 void out_projection_backward(float* d_attention_out, AttentionParams<float*>& g, const float* dout,
                              const float* attention_out, const AttentionParams<ops::WeightView>& p, int64_t N);
 
+// ---------------------------------------------------------------- DSA indexer
+
+// indexer: the DeepSeek-V3.2 lightning indexer's keys and queries for N
+// tokens (ops/indexer.h). From x [N, D] (the normed layer input):
+//   k = Hadamard(RoPE_half(LayerNorm(x wk^T)))  -> key_codes [N, Di] e4m3 and
+//       key_scales [N, ops::indexer_scale_blocks(Di)]
+// and, when query is not null, from mla_q [N, q_lora] (MLA's normed q latent):
+//   q = Hadamard(RoPE_half(mla_q wq_b^T))  quantized the same way per head and
+//       dequantized into query [N, Hi, Di]
+//   head_weights [N, Hi] = (x weights_proj^T) * Hi^-1/2 * Di^-1/2.
+// RoPE rotates the first qk_rope_head_dim dims of each head in the half-split
+// layout with MLA's (YaRN) frequencies.
+struct IndexerOut {
+  uint8_t* key_codes;
+  float* key_scales;
+  float* query = nullptr;
+  float* head_weights = nullptr;
+};
+void indexer_forward(const IndexerOut& out, const float* x, const float* mla_q, const IndexerParams<ops::WeightView>& p,
+                     const StageConfig& s, const int32_t* positions, int64_t N);
+
 // ---------------------------------------------------------------- MLP
 
 // down(silu(gate(x)) * up(x)): mlpwi_0 [N, I] (gate), mlpwi_1 [N, I] (up),

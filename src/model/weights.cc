@@ -86,10 +86,6 @@ class Loader {
         if (layer >= L) continue;  // a multi-token prediction layer
       }
       if (name.find("rotary_emb.inv_freq") != std::string::npos) continue;  // older exports carry it
-      // DeepSeek-V3.2's sparse-attention indexer: it only chooses which
-      // index_topk keys a query attends to, so up to index_topk tokens the
-      // attention is the dense one (the generation engine enforces that bound).
-      if (cfg_.index_n_heads > 0 && name.find(".self_attn.indexer.") != std::string::npos) continue;
       DS_FAIL("checkpoint tensor '{}' is not part of a {} model with this config (wrong config.json?)", name,
               cfg_.model_type);
     }

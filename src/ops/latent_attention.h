@@ -33,6 +33,15 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
                               const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
                               const LatentAttentionDims& d);
 
+// DeepSeek-V3.2 sparse attention (DSA) over the latent cache: query j
+// attends only to the k cached tokens idx[j * k .. j * k + k) (each < T,
+// the rows of c_kv and k_pe), with the same absorbed formulation. Results do
+// not depend on the order of a query's indices beyond summation order; the
+// indexer hands them in ascending order.
+void latent_attention_sparse_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                                     const float* k_pe, const float* w_kvb, int64_t n, const int32_t* idx, int64_t k,
+                                     const LatentAttentionDims& d);
+
 // Causal softmax in place of score rows S [rows, T] (row stride T): row r is
 // query r % n at position past + r % n and sees keys 0..past + r % n; the
 // rest of the row becomes 0. Shared by the latent and the naive cache paths.

@@ -230,6 +230,7 @@ void init_params(const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& 
             std::fill(x, x + i.numel(), 1.0f);
             break;
           case model::ParamRole::RoutingBias:
+          case model::ParamRole::NormBias:
             std::fill(x, x + i.numel(), 0.0f);
             break;
           default:

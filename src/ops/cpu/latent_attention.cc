@@ -60,4 +60,38 @@ void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t l
          ctx + h * vd, ldc);
 }
 
+void latent_attention_sparse_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                                     const float* k_pe, const float* w_kvb, int64_t n, const int32_t* idx, int64_t k,
+                                     const LatentAttentionDims& d) {
+  const int64_t H = d.heads, nope = d.nope, rope = d.rope, vd = d.v_dim, kvl = d.kv_lora;
+  DS_CHECK(n >= 1 && k >= 1 && H >= 1 && nope >= 0 && rope >= 0 && vd >= 1 && kvl >= 1,
+           "latent_attention_sparse: bad sizes n={} k={} heads={} nope={} rope={} v={} kv_lora={}", n, k, H, nope,
+           rope, vd, kvl);
+  DS_CHECK(ldq >= H * (nope + rope) && ldc >= H * vd, "latent_attention_sparse: row strides ldq={} ldc={} too small",
+           ldq, ldc);
+  // q_lat [H, n, kvl] for all queries at once; later the attended latents.
+  Buffer<float> lat(H * n * kvl), qpe(H * rope), ck(k * kvl), pk(k * rope), S(H * k), o(H * kvl);
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, false, n, kvl, nope, 1.0f, q + h * (nope + rope), ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f,
+         &lat[h * n * kvl], kvl);
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t* sel = idx + j * k;
+    for (int64_t i = 0; i < k; ++i) {
+      std::memcpy(&ck[i * kvl], c_kv + static_cast<int64_t>(sel[i]) * kvl, kvl * sizeof(float));
+      if (rope > 0) std::memcpy(&pk[i * rope], k_pe + static_cast<int64_t>(sel[i]) * rope, rope * sizeof(float));
+    }
+    for (int64_t h = 0; h < H && rope > 0; ++h)
+      std::memcpy(&qpe[h * rope], q + j * ldq + h * (nope + rope) + nope, rope * sizeof(float));
+    // Scores of every head over the selected tokens: rows h of S [H, k].
+    gemm(false, true, H, k, kvl, d.scale, &lat[j * kvl], n * kvl, ck.data(), kvl, 0.0f, S.data(), k);
+    if (rope > 0) gemm(false, true, H, k, rope, d.scale, qpe.data(), rope, pk.data(), rope, 1.0f, S.data(), k);
+    causal_softmax_rows(S.data(), H, 1, k - 1, k);  // every selected key is visible
+    gemm(false, false, H, kvl, k, 1.0f, S.data(), k, ck.data(), kvl, 0.0f, o.data(), kvl);
+    for (int64_t h = 0; h < H; ++h) std::memcpy(&lat[(h * n + j) * kvl], &o[h * kvl], kvl * sizeof(float));
+  }
+  for (int64_t h = 0; h < H; ++h)
+    gemm(false, true, n, vd, kvl, 1.0f, &lat[h * n * kvl], kvl, w_kvb + (h * (nope + vd) + nope) * kvl, kvl, 0.0f,
+         ctx + h * vd, ldc);
+}
+
 }  // namespace ds::ops

@@ -1,0 +1,132 @@
+// DeepSeek-V3.2 indexer pieces; see ops/indexer.h. Plain loops: the scores'
+// cost is the gemm (oneDNN), everything here is linear in the keys.
+#include "ops/indexer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "ops/matmul.h"
+
+namespace ds::ops {
+
+namespace {
+
+constexpr float kFp8Max = 448.0f;
+
+// 2^ceil(log2(x)) for x > 0, exact (as the reference's bit-level
+// log2-ceil on a float32).
+float pow2_ceil(float x) {
+  int e = 0;
+  const float m = std::frexp(x, &e);  // x = m * 2^e, m in [0.5, 1)
+  return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+}  // namespace
+
+void hadamard_rows(float* x, int64_t rows, int64_t d) {
+  DS_CHECK(d >= 1 && (d & (d - 1)) == 0, "hadamard_rows: dimension {} is not a power of two", d);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* v = x + r * d;
+    for (int64_t len = 1; len < d; len <<= 1)
+      for (int64_t i = 0; i < d; i += 2 * len)
+        for (int64_t j = i; j < i + len; ++j) {
+          const float a = v[j], b = v[j + len];
+          v[j] = a + b;
+          v[j + len] = a - b;
+        }
+    for (int64_t j = 0; j < d; ++j) v[j] *= scale;
+  }
+}
+
+void layer_norm_rows(float* y, const float* x, const float* w, const float* b, int64_t rows, int64_t d, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    double mean = 0;
+    for (int64_t j = 0; j < d; ++j) mean += xr[j];
+    mean /= static_cast<double>(d);
+    double var = 0;
+    for (int64_t j = 0; j < d; ++j) var += (xr[j] - mean) * (xr[j] - mean);
+    var /= static_cast<double>(d);
+    const double rstd = 1.0 / std::sqrt(var + eps);
+    for (int64_t j = 0; j < d; ++j)
+      y[r * d + j] = static_cast<float>((xr[j] - mean) * rstd) * w[j] + b[j];
+  }
+}
+
+void fp8_quantize_rows(uint8_t* codes, float* scales, const float* x, int64_t rows, int64_t d, bool ue8m0) {
+  const int64_t nb = indexer_scale_blocks(d);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t c0 = b * kIndexerQuantBlock, c1 = std::min(d, c0 + kIndexerQuantBlock);
+      const float* v = x + r * d;
+      float amax = 1e-4f;
+      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(v[c]));
+      const float s = ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
+      scales[r * nb + b] = s;
+      for (int64_t c = c0; c < c1; ++c)
+        codes[r * d + c] = f32_to_e4m3(std::clamp(v[c] / s, -kFp8Max, kFp8Max));
+    }
+}
+
+void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, int64_t rows, int64_t d) {
+  static const auto table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = e4m3_to_f32(static_cast<uint8_t>(i));
+    return t;
+  }();
+  const int64_t nb = indexer_scale_blocks(d);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < d; ++c)
+      y[r * d + c] = table[codes[r * d + c]] * scales[r * nb + c / kIndexerQuantBlock];
+}
+
+void indexer_scores(float* scores, int64_t lds, const float* q, const float* w, int64_t n, int64_t heads, int64_t d,
+                    const uint8_t* key_codes, const float* key_scales, int64_t T) {
+  if (n == 0 || T == 0) return;
+  const int64_t nb = indexer_scale_blocks(d);
+  constexpr int64_t kTile = 512;  // keys per tile: fixed, so results never depend on threads
+  const int64_t tile = std::min(kTile, T);
+  Buffer<float> k(tile * d), dots(n * heads * tile);
+  for (int64_t s0 = 0; s0 < T; s0 += kTile) {
+    const int64_t m = std::min(kTile, T - s0);
+    fp8_dequantize_rows(k.data(), key_codes + s0 * d, key_scales + s0 * nb, m, d);
+    gemm(false, true, n * heads, m, d, 1.0f, q, d, k.data(), d, 0.0f, dots.data(), m);
+    for (int64_t j = 0; j < n; ++j) {
+      float* out = scores + j * lds + s0;
+      std::fill(out, out + m, 0.0f);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float wh = w[j * heads + h];
+        const float* row = dots.data() + (j * heads + h) * m;
+        for (int64_t s = 0; s < m; ++s) out[s] += wh * std::max(row[s], 0.0f);
+      }
+    }
+  }
+}
+
+int64_t topk_indices(int32_t* out, const float* scores, int64_t visible, int64_t k) {
+  DS_CHECK(visible >= 0 && k >= 0, "topk_indices: visible {} and k {} must be non-negative", visible, k);
+  if (visible <= k) {
+    std::iota(out, out + visible, 0);
+    return visible;
+  }
+  std::vector<int32_t> idx(static_cast<size_t>(visible));
+  std::iota(idx.begin(), idx.end(), 0);
+  auto key = [&](int32_t i) { return std::isnan(scores[i]) ? -INFINITY : scores[i]; };
+  auto better = [&](int32_t a, int32_t b) {
+    const float sa = key(a), sb = key(b);
+    return sa > sb || (sa == sb && a < b);
+  };
+  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
+  std::sort(idx.begin(), idx.begin() + k);
+  std::copy(idx.begin(), idx.begin() + k, out);
+  return k;
+}
+
+}  // namespace ds::ops
