@@ -208,3 +208,20 @@ TEST(ModelConfig, ShippedPresetsAreValid) {
     EXPECT_GT(c.n_routed_experts, 0) << name;
   }
 }
+
+TEST(ModelConfig, YamlUseIndexerMakesAV32ModelWithMaxTextDefaults) {
+  const std::string tiny = std::string(DEEPSEEK_SOURCE_DIR) + "/configs/tiny.yml";
+  ModelConfig c = ModelConfig::from_yaml_file(tiny, {"use_indexer=true", "indexer_topk=16"});
+  EXPECT_EQ(c.model_type, "deepseek_v32");
+  EXPECT_EQ(c.index_n_heads, 64);    // MaxText's indexer_n_heads
+  EXPECT_EQ(c.index_head_dim, 128);  // and indexer_head_dim
+  EXPECT_EQ(c.index_topk, 16);
+  EXPECT_EQ(ModelConfig::from_yaml_file(tiny, {"use_indexer=false"}).index_n_heads, 0);
+  // Indexer sizes without use_indexer would do nothing: an error.
+  try {
+    ModelConfig::from_yaml_file(tiny, {"indexer_n_heads=4"});
+    ADD_FAILURE() << "indexer keys without use_indexer were accepted";
+  } catch (const ds::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use_indexer"), std::string::npos) << e.what();
+  }
+}

@@ -185,6 +185,22 @@ TEST(Indexer, TopkTakesTheBestTiesToTheLowerIndex) {
   }
 }
 
+TEST(Indexer, TopkOfContinuousScoresWithSignsAndDuplicates) {
+  const int64_t visible = 5000;
+  auto s = test::randn(visible, 30);
+  for (int64_t i = 0; i < visible; i += 97) s[i] = s[i / 2];  // duplicates
+  for (int64_t i = 5; i < visible; i += 301) s[i] = (i % 2) ? 0.0f : -0.0f;  // +-0 are equal
+  for (int64_t k : {1, 100, 2048, 4999}) {
+    std::vector<int32_t> order(visible);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return s[a] > s[b]; });
+    std::vector<int32_t> want(order.begin(), order.begin() + k), got(k);
+    std::sort(want.begin(), want.end());
+    ASSERT_EQ(ops::topk_indices(got.data(), s.data(), visible, k), k);
+    EXPECT_EQ(got, want) << "k " << k;
+  }
+}
+
 TEST(Indexer, SparseLatentAttentionIsDenseAttentionOverTheSelectedKeys) {
   const ops::LatentAttentionDims d{3, 8, 4, 6, 16, 0.3f};
   const int64_t H = d.heads, qk = d.nope + d.rope, T = 50, n = 4, k = 7;

@@ -47,6 +47,22 @@ check '[ "$a" == "$b" ]' "sampling is reproducible with a seed"
 json=$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 3)
 check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_tokens_per_s\""* ]]' "bench prints a JSON line: $json"
 
+# DeepSeek-V3.2 (use_indexer): init writes the indexer, and generation runs
+# past index_topk on sparse attention, the same text through either cache.
+v32=(--set use_indexer=true --set indexer_n_heads=2 --set indexer_head_dim=16 --set indexer_topk=8)
+check '"$bin" init --config "$src/configs/tiny.yml" "${v32[@]}" --out "$tmp/v32" --seed 3 >/dev/null' "init a V3.2 model"
+check 'grep -q "\"model_type\": \"deepseek_v32\"" "$tmp/v32/config.json" && grep -q "\"index_topk\": 8" "$tmp/v32/config.json"' \
+  "use_indexer writes a deepseek_v32 config.json"
+cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$tmp/v32/"
+sparse=$("$bin" generate --model "$tmp/v32" --prompt "hello world" --max-new-tokens 30 --temperature 0 2>/dev/null)
+sparse_naive=$("$bin" generate --model "$tmp/v32" --prompt "hello world" --max-new-tokens 30 --temperature 0 \
+  --kv-cache naive 2>/dev/null)
+check '[ -n "$sparse" ] && [ "$sparse" == "$sparse_naive" ]' "V3.2 generates past index_topk, the same with either cache"
+json=$("$bin" bench --model "$tmp/v32" --prompt-len 20 --new-tokens 4 --repeat 1 --dense-attention)
+check '[[ "$json" == *"\"attention\":\"dense\""* ]]' "bench --dense-attention runs the V3.2 model densely: $json"
+expect_error bench --model "$m" --prompt-len 5 --new-tokens 2 --dense-attention
+expect_error init --config "$src/configs/tiny.yml" --set indexer_n_heads=2 --out "$tmp/noindexer"
+
 echo '[[1, 2, 3], [4]]' > "$tmp/tokens.json"
 check '"$bin" logits --model "$m" --tokens "$tmp/tokens.json" --out "$tmp/l.safetensors" >/dev/null' "logits"
 

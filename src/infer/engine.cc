@@ -136,22 +136,61 @@ class CacheAttention : public model::KvAttention {
       work += it.n * (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di
                                 : (it.past + it.n) * H * (kvl + rope));
     const ops::LatentAttentionDims ld{H, nope, rope, vd, kvl, s.softmax_scale};
+    // The indexer's scores of a sparse item [n, T]. With fewer items than
+    // threads (decode), they are computed first, split over chunks of keys,
+    // so a long context keeps every thread busy; else inside the item's task.
+    // Both give the same bits (chunks start on the scorer's key tiles).
+    std::vector<Buffer<float>> scores(items.size());
+    auto score_keys = [&](int64_t i, int64_t s0, int64_t m) {
+      const Item& it = items[i];
+      const SequenceCache& sc = cache_.seqs[it.seq->index];
+      const int64_t T = it.past + it.n;
+      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi,
+                          Di, sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
+    };
+    const bool split_scores = static_cast<int64_t>(items.size()) < num_threads();
+    if (split_scores) {
+      constexpr int64_t kKeyChunk = 1024;  // a multiple of the scorer's key tile
+      std::vector<std::pair<int64_t, int64_t>> chunks;  // (item, first key)
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (!items[i].sparse) continue;
+        const int64_t T = items[i].past + items[i].n;
+        scores[i].resize(items[i].n * T);
+        for (int64_t s0 = 0; s0 < T; s0 += kKeyChunk) chunks.emplace_back(static_cast<int64_t>(i), s0);
+      }
+      parallel_ranges(static_cast<int64_t>(chunks.size()), work >= (int64_t{1} << 17), [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          const auto [i, s0] = chunks[c];
+          score_keys(i, s0, std::min(kKeyChunk, items[i].past + items[i].n - s0));
+        }
+      });
+    }
+    // Threads take contiguous ranges of tasks; a prefill's later rows see
+    // more keys, so the tasks run in the order first, last, second, ...
+    // which gives every range a like share of the work.
+    std::vector<int64_t> order;
+    for (int64_t a = 0, b = static_cast<int64_t>(items.size()) - 1; a <= b; ++a, --b) {
+      order.push_back(a);
+      if (a < b) order.push_back(b);
+    }
     parallel_ranges(static_cast<int64_t>(items.size()), work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t task = i0; task < i1; ++task) {
+        const int64_t i = order[task];
         const Item& it = items[i];
         SequenceCache& sc = cache_.seqs[it.seq->index];
         const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
         Buffer<int32_t> sel;
         if (it.sparse) {
           // The indexer's choice for each row: the topk best of its keys.
-          Buffer<float> score(n * T);
-          ops::indexer_scores(score.data(), T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, n, Hi, Di,
-                              sc.index_k[layer].data(), sc.index_scale[layer].data(), T);
-          sel.resize(n * topk);
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t got = ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
-            DS_CHECK(got == topk, "indexer: row at position {} selected {} keys, not {}", P + j, got, topk);
+          if (!split_scores) {
+            scores[i].resize(n * T);
+            score_keys(i, 0, T);
           }
+          const Buffer<float>& score = scores[i];
+          sel.resize(n * topk);
+          for (int64_t j = 0; j < n; ++j)  // a sparse row sees more than topk keys: exactly topk are chosen
+            ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
+          scores[i] = Buffer<float>();
         }
         float* out = ctx + it.r0 * H * vd;
         const float* qi = q + it.r0 * H * qk;

@@ -116,17 +116,45 @@ int64_t topk_indices(int32_t* out, const float* scores, int64_t visible, int64_t
     std::iota(out, out + visible, 0);
     return visible;
   }
-  std::vector<int32_t> idx(static_cast<size_t>(visible));
-  std::iota(idx.begin(), idx.end(), 0);
-  auto key = [&](int32_t i) { return std::isnan(scores[i]) ? -INFINITY : scores[i]; };
-  auto better = [&](int32_t a, int32_t b) {
-    const float sa = key(a), sb = key(b);
-    return sa > sb || (sa == sb && a < b);
-  };
-  std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-  std::sort(idx.begin(), idx.begin() + k);
-  std::copy(idx.begin(), idx.begin() + k, out);
-  return k;
+  if (k == 0) return 0;
+  // Radix select on order-preserving keys (NaN lowest, -0 as +0): the k-th
+  // largest key t, a byte at a time; then one ascending pass takes every key
+  // above t and as many equal to t as are still missing, lowest index first.
+  thread_local std::vector<uint32_t> keys;
+  keys.resize(static_cast<size_t>(visible));
+  for (int64_t i = 0; i < visible; ++i) {
+    const float v = scores[i] == 0.0f ? 0.0f : scores[i];
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    keys[i] = std::isnan(v) ? 0u : (b & 0x80000000u) ? ~b : b | 0x80000000u;
+  }
+  // After the top byte, only the keys in its chosen bucket stay candidates.
+  thread_local std::vector<uint32_t> cand;
+  uint32_t prefix = 0;
+  int64_t need = k;  // how many of the keys matching prefix, counted from the top, are taken
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    const uint32_t* src = shift == 24 ? keys.data() : cand.data();
+    const int64_t n = shift == 24 ? visible : static_cast<int64_t>(cand.size());
+    int64_t hist[256] = {};
+    for (int64_t i = 0; i < n; ++i) ++hist[(src[i] >> shift) & 255u];
+    int b = 255;
+    for (; b > 0 && hist[b] < need; --b) need -= hist[b];
+    prefix |= static_cast<uint32_t>(b) << shift;
+    if (shift == 0) break;
+    const uint32_t mask = ~0u << shift;
+    if (shift == 24) {
+      cand.clear();
+      for (int64_t i = 0; i < n; ++i)
+        if ((src[i] & mask) == prefix) cand.push_back(src[i]);
+    } else {
+      cand.erase(std::remove_if(cand.begin(), cand.end(), [&](uint32_t x) { return (x & mask) != prefix; }),
+                 cand.end());
+    }
+  }
+  int64_t m = 0;
+  for (int64_t i = 0; i < visible; ++i)
+    if (keys[i] > prefix || (keys[i] == prefix && need-- > 0)) out[m++] = static_cast<int32_t>(i);
+  return m;
 }
 
 }  // namespace ds::ops
