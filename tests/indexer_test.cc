@@ -188,7 +188,7 @@ TEST(Indexer, TopkTakesTheBestTiesToTheLowerIndex) {
 TEST(Indexer, TopkOfContinuousScoresWithSignsAndDuplicates) {
   const int64_t visible = 5000;
   auto s = test::randn(visible, 30);
-  for (int64_t i = 0; i < visible; i += 97) s[i] = s[i / 2];  // duplicates
+  for (int64_t i = 0; i < visible; i += 97) s[i] = s[i / 2];                 // duplicates
   for (int64_t i = 5; i < visible; i += 301) s[i] = (i % 2) ? 0.0f : -0.0f;  // +-0 are equal
   for (int64_t k : {1, 100, 2048, 4999}) {
     std::vector<int32_t> order(visible);

@@ -55,8 +55,7 @@ void layer_norm_rows(float* y, const float* x, const float* w, const float* b, i
     for (int64_t j = 0; j < d; ++j) var += (xr[j] - mean) * (xr[j] - mean);
     var /= static_cast<double>(d);
     const double rstd = 1.0 / std::sqrt(var + eps);
-    for (int64_t j = 0; j < d; ++j)
-      y[r * d + j] = static_cast<float>((xr[j] - mean) * rstd) * w[j] + b[j];
+    for (int64_t j = 0; j < d; ++j) y[r * d + j] = static_cast<float>((xr[j] - mean) * rstd) * w[j] + b[j];
   }
 }
 
@@ -70,8 +69,7 @@ void fp8_quantize_rows(uint8_t* codes, float* scales, const float* x, int64_t ro
       for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(v[c]));
       const float s = ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
       scales[r * nb + b] = s;
-      for (int64_t c = c0; c < c1; ++c)
-        codes[r * d + c] = f32_to_e4m3(std::clamp(v[c] / s, -kFp8Max, kFp8Max));
+      for (int64_t c = c0; c < c1; ++c) codes[r * d + c] = f32_to_e4m3(std::clamp(v[c] / s, -kFp8Max, kFp8Max));
     }
 }
 
@@ -83,8 +81,7 @@ void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, in
   }();
   const int64_t nb = indexer_scale_blocks(d);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < d; ++c)
-      y[r * d + c] = table[codes[r * d + c]] * scales[r * nb + c / kIndexerQuantBlock];
+    for (int64_t c = 0; c < d; ++c) y[r * d + c] = table[codes[r * d + c]] * scales[r * nb + c / kIndexerQuantBlock];
 }
 
 void indexer_scores(float* scores, int64_t lds, const float* q, const float* w, int64_t n, int64_t heads, int64_t d,
