@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "io/text_input.h"
+#include "io/yaml_entries.h"
 
 namespace ds::model {
 
@@ -483,29 +484,11 @@ void apply_yaml_key(ModelConfig& c, const std::string& key, const YAML::Node& va
 
 ModelConfig ModelConfig::from_yaml_text(const std::string& text, const std::vector<std::string>& overrides,
                                         const std::string& src) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(text);
-  } catch (const YAML::Exception& e) {
-    DS_FAIL("{} is not valid YAML: {}", src, e.what());
-  }
-  DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", src);
   ModelConfig c;
   c.model_type = "deepseek_v3";
   c.rope_scaling.enabled = false;
   c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = 1.0;  // MaxText's default mscale
-  for (auto it = root.begin(); it != root.end(); ++it) apply_yaml_key(c, it->first.as<std::string>(), it->second, src);
-  for (const auto& o : overrides) {
-    const auto eq = o.find('=');
-    DS_CHECK(eq != std::string::npos && eq > 0, "override '{}' is not key=value", o);
-    YAML::Node v;
-    try {
-      v = YAML::Load(o.substr(eq + 1));
-    } catch (const YAML::Exception& e) {
-      DS_FAIL("override '{}': bad value: {}", o, e.what());
-    }
-    apply_yaml_key(c, o.substr(0, eq), v, "override");
-  }
+  for (const auto& e : io::yaml_entries(text, overrides, src, "override")) apply_yaml_key(c, e.key, e.value, e.where);
   // A preset that sets a YaRN factor above 1 means YaRN, as MaxText does.
   if (c.rope_scaling.factor > 1.0) c.rope_scaling.enabled = true;
   // The indexer: MaxText's defaults for what use_indexer leaves unset; its

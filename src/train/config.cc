@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "io/text_input.h"
+#include "io/yaml_entries.h"
 
 namespace ds::train {
 
@@ -216,28 +217,8 @@ void check_config(const RunConfig& rc) {
 
 RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                            const std::string& source) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& e) {
-    DS_FAIL("{} is not valid YAML: {}", source, e.what());
-  }
-  DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", source);
   // Every key in order: the file's, then the overrides (a later one wins).
-  std::vector<std::tuple<std::string, YAML::Node, std::string>> entries;
-  for (auto it = root.begin(); it != root.end(); ++it)
-    entries.emplace_back(it->first.as<std::string>(), it->second, source);
-  for (const auto& o : overrides) {
-    const auto eq = o.find('=');
-    DS_CHECK(eq != std::string::npos && eq > 0, "argument '{}' is not key=value", o);
-    YAML::Node v;
-    try {
-      v = YAML::Load(o.substr(eq + 1));
-    } catch (const YAML::Exception& e) {
-      DS_FAIL("override '{}': bad value: {}", o, e.what());
-    }
-    entries.emplace_back(o.substr(0, eq), v, "command line");
-  }
+  const auto entries = io::yaml_entries(yaml_text, overrides, source, "command line");
 
   RunConfig rc;
   TrainConfig& t = rc.train;

@@ -1,0 +1,33 @@
+#include "io/yaml_entries.h"
+
+#include "core/error.h"
+
+namespace ds::io {
+
+std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<std::string>& overrides,
+                                    const std::string& source, const std::string& override_source) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{} is not valid YAML: {}", source, e.what());
+  }
+  DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", source);
+  std::vector<YamlEntry> entries;
+  for (auto it = root.begin(); it != root.end(); ++it)
+    entries.push_back({it->first.as<std::string>(), it->second, source});
+  for (const auto& o : overrides) {
+    const auto eq = o.find('=');
+    DS_CHECK(eq != std::string::npos && eq > 0, "{}: '{}' is not key=value", override_source, o);
+    YAML::Node v;
+    try {
+      v = YAML::Load(o.substr(eq + 1));
+    } catch (const YAML::Exception& e) {
+      DS_FAIL("{}: '{}' has a bad value: {}", override_source, o, e.what());
+    }
+    entries.push_back({o.substr(0, eq), v, override_source});
+  }
+  return entries;
+}
+
+}  // namespace ds::io
