@@ -200,5 +200,57 @@ TEST(TrainGrad, BadPoliciesAndBatchesAreErrors) {
   EXPECT_THROW(model::loss_and_grad(f.cfg, f.params.view, nullptr, f.batch, mtp, RematPolicy::keep_all()), Error);
 }
 
+
+// Data parallelism's contract: each row shard of a batch, weighed with the
+// whole batch's normalizers (LossOptions::whole), gives its share of the loss
+// terms and gradient, and the shares add up to the whole batch's. The packed
+// fixture has padding, several documents per row, MTP, z-loss and the
+// balance loss, whose normalizers all differ between the shards.
+TEST(TrainGrad, RowShardsAddUpToTheWholeBatch) {
+  for (const char* name : {"v3_packed"}) {
+    SCOPED_TRACE(name);
+    Fixture f = load(name);
+    ASSERT_GE(f.batch.batch, 2);
+    const Result whole = run(f);
+    const LossOptions::Whole w = model::loss_weights(f.batch, f.opt.mtp_num_layers);
+    EXPECT_EQ(w.rows, f.batch.batch);
+    EXPECT_NEAR(w.targets, whole.terms.tokens, 0.0);
+    model::LossTerms sum;
+    std::vector<double> grads(whole.grads.size(), 0.0);
+    for (int64_t r = 0; r < f.batch.batch; ++r) {
+      Fixture part = load(name);
+      const int64_t T = f.batch.seq;
+      auto cut = [&](std::vector<int32_t>& v) { v = std::vector<int32_t>(v.begin() + r * T, v.begin() + (r + 1) * T); };
+      part.batch.batch = 1;
+      for (auto* v : {&part.batch.inputs, &part.batch.targets, &part.batch.positions, &part.batch.segment_ids,
+                      &part.batch.target_segment_ids})
+        cut(*v);
+      part.opt.whole = w;
+      const Result p = run(part);
+      sum.loss += p.terms.loss;
+      sum.lm_loss += p.terms.lm_loss;
+      sum.z_loss += p.terms.z_loss;
+      sum.mtp_loss += p.terms.mtp_loss;
+      sum.moe_lb_loss += p.terms.moe_lb_loss;
+      sum.tokens += p.terms.tokens;
+      for (size_t i = 0; i < grads.size(); ++i) grads[i] += p.grads[i];
+    }
+    EXPECT_NEAR(sum.loss, whole.terms.loss, 1e-6 * std::fabs(whole.terms.loss));
+    EXPECT_NEAR(sum.lm_loss, whole.terms.lm_loss, 1e-6 * std::fabs(whole.terms.lm_loss));
+    EXPECT_NEAR(sum.z_loss, whole.terms.z_loss, 1e-6 * std::fabs(whole.terms.z_loss) + 1e-12);
+    EXPECT_NEAR(sum.mtp_loss, whole.terms.mtp_loss, 1e-6 * std::fabs(whole.terms.mtp_loss) + 1e-12);
+    EXPECT_NEAR(sum.moe_lb_loss, whole.terms.moe_lb_loss, 1e-6 * std::fabs(whole.terms.moe_lb_loss) + 1e-12);
+    EXPECT_EQ(sum.tokens, whole.terms.tokens);
+    if (f.opt.load_balance_loss_weight > 0) EXPECT_GT(whole.terms.moe_lb_loss, 0.0);
+    double gmax = 0, err = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      gmax = std::max(gmax, std::fabs(double(whole.grads[i])));
+      err = std::max(err, std::fabs(grads[i] - whole.grads[i]));
+    }
+    EXPECT_GT(gmax, 0.0);
+    EXPECT_LT(err, 1e-5 * gmax) << "largest gradient " << gmax;
+  }
+}
+
 }  // namespace
 }  // namespace ds

@@ -12,17 +12,20 @@
 
 namespace ds::model {
 
-FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers) {
-  FlatParams f;
+int64_t FlatParams::numel(const ModelConfig& cfg, int64_t mtp_layers) {
   int64_t total = 0;
   for_each_param(cfg, mtp_layers, [&](const ParamInfo& i) { total += i.numel(); });
-  f.data.assign(static_cast<size_t>(total), 0.0f);
+  return total;
+}
+
+FlatParams FlatParams::wrap(const ModelConfig& cfg, int64_t mtp_layers, float* base) {
+  FlatParams f;
   f.ptr = make_params<float*>(cfg, mtp_layers);
   int64_t off = 0;
   for_each_param(
       cfg, mtp_layers,
       [&](const ParamInfo& i, float*& p) {
-        p = f.data.data() + off;
+        p = base + off;
         off += i.numel();
       },
       f.ptr);
@@ -30,6 +33,15 @@ FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers) {
   f.view = map_params<ops::WeightView>(cfg, f.ptr, [](const ParamInfo& i, float* const& p) {
     return f32_view(p, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1);
   });
+  return f;
+}
+
+FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers, int64_t pad_multiple) {
+  DS_CHECK(pad_multiple >= 1, "FlatParams: pad_multiple {} must be >= 1", pad_multiple);
+  const int64_t n = numel(cfg, mtp_layers);
+  std::vector<float> data(static_cast<size_t>((n + pad_multiple - 1) / pad_multiple * pad_multiple), 0.0f);
+  FlatParams f = wrap(cfg, mtp_layers, data.data());
+  f.data = std::move(data);  // the heap block moves with it: the views stay valid
   return f;
 }
 
@@ -136,6 +148,22 @@ struct MtpDepth {
 
 }  // namespace
 
+LossOptions::Whole loss_weights(const TrainBatch& b, int64_t mtp_layers) {
+  LossOptions::Whole w;
+  w.rows = b.batch;
+  std::vector<int32_t> tm(b.target_segment_ids.size()), seg = b.segment_ids;
+  for (size_t t = 0; t < tm.size(); ++t) {
+    tm[t] = b.target_segment_ids[t] != 0;
+    w.targets += tm[t];
+  }
+  for (int64_t k = 0; k < mtp_layers; ++k) {
+    tm = roll_in_segment(tm, seg, b.batch, b.seq);
+    seg = roll(seg, b.batch, b.seq);
+    for (int32_t m : tm) w.mtp_targets += m != 0;
+  }
+  return w;
+}
+
 LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams<float*>* grads, const TrainBatch& b,
                         const LossOptions& opt, const RematPolicy& policy) {
   b.check(cfg);
@@ -147,6 +175,9 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   StageConfig s(cfg);
   s.task_parallel_assignments = 0;  // training: always the row-task expert schedule
   s.load_balance_loss_weight = opt.load_balance_loss_weight;
+  const bool shard = opt.whole.rows > 0;
+  // The balance loss is a mean over rows: a shard's share has the whole batch's row count.
+  if (shard) s.load_balance_loss_weight *= static_cast<double>(B) / static_cast<double>(opt.whole.rows);
   const TokenLayout layout{B, T, b.positions.data(), b.segment_ids.data()};
   LossTerms out;
 
@@ -168,7 +199,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   HeadLoss main;
   head_forward(main, hn.data(), w.lm_head, b.targets, b.target_segment_ids, N, D, opt.z_loss_multiplier);
   out.tokens = main.weight;
-  const double denom = main.weight + 1e-8;
+  const double denom = (shard ? opt.whole.targets : main.weight) + 1e-8;
   out.lm_loss = (main.ce_sum + main.z_sum) / denom;
   out.z_loss = main.z_sum / denom;
 
@@ -218,7 +249,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
       prev = m.h.data();
     }
   }
-  const double mtp_denom = mtp_weight + 1e-8;
+  const double mtp_denom = (shard ? opt.whole.mtp_targets : mtp_weight) + 1e-8;
   if (K > 0) out.mtp_loss = opt.mtp_loss_scaling_factor * mtp_ce / mtp_denom;
   for (double v : lb) out.moe_lb_loss += v;
   if (!lb.empty()) out.moe_lb_loss /= static_cast<double>(lb.size());

@@ -35,7 +35,14 @@ struct FlatParams {
   FlatParams(FlatParams&&) = default;
   FlatParams& operator=(FlatParams&&) = default;
 
-  static FlatParams zeros(const ModelConfig& cfg, int64_t mtp_layers);
+  // pad_multiple: data.size() is rounded up to a multiple of it (FSDP
+  // shards of equal length); the padding belongs to no tensor.
+  static FlatParams zeros(const ModelConfig& cfg, int64_t mtp_layers, int64_t pad_multiple = 1);
+  // Views over `base`, laid out as zeros() lays out data; owns nothing (data
+  // stays empty), base must hold numel() floats and outlive the result.
+  static FlatParams wrap(const ModelConfig& cfg, int64_t mtp_layers, float* base);
+  // Floats in the tree (without padding).
+  static int64_t numel(const ModelConfig& cfg, int64_t mtp_layers);
 };
 
 // One batch of `batch` rows of `seq` tokens, [batch * seq] each.
@@ -54,7 +61,20 @@ struct LossOptions {
   // The gradient added is grad_scale x dloss/dparam (gradient accumulation
   // weighs each micro-batch by its share of the counted targets).
   double grad_scale = 1.0;
+  // Data parallelism: this batch is one shard of a whole batch whose counted
+  // targets, counted MTP targets (over all depths) and rows these are (from
+  // loss_weights() of the whole batch). When set (rows > 0) every loss term,
+  // and so the gradient, is this shard's share of the whole batch's: the sum
+  // over the shards equals the whole batch's loss and gradient.
+  struct Whole {
+    double targets = 0, mtp_targets = 0;
+    int64_t rows = 0;
+  } whole;
 };
+
+// The normalizers of a batch's loss: counted targets, and counted MTP
+// targets over depths 1..mtp_layers (after the segment-aware rolls).
+LossOptions::Whole loss_weights(const TrainBatch& batch, int64_t mtp_layers);
 
 struct LossTerms {
   double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0, moe_lb_loss = 0;
