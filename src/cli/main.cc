@@ -20,6 +20,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/simd.h"
+#include "dist/communicator.h"
 #include "ops/attention.h"
 #include "ops/matmul.h"
 #include "ops/reference/matmul.h"
@@ -89,7 +90,15 @@ std::string brief_error(std::string msg) {
   return out;
 }
 
-void print_error(const std::string& msg) { std::fprintf(stderr, "deepseek: error: %s\n", brief_error(msg).c_str()); }
+// Under mpirun every rank's error line names its rank.
+void print_error(const std::string& msg) {
+  const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (!rank) rank = std::getenv("PMI_RANK");
+  if (rank)
+    std::fprintf(stderr, "deepseek: error (rank %s): %s\n", rank, brief_error(msg).c_str());
+  else
+    std::fprintf(stderr, "deepseek: error: %s\n", brief_error(msg).c_str());
+}
 
 }  // namespace
 
@@ -187,12 +196,12 @@ int main(int argc, char** argv) {
     return rc;
   } catch (const ds::Error& e) {
     print_error(e.what());
-    return 2;
+    ds::dist::exit_after_error(2);
   } catch (const std::bad_alloc&) {
     print_error("out of memory");
-    return 2;
+    ds::dist::exit_after_error(2);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "deepseek: internal error: %s\n", brief_error(e.what()).c_str());
-    return 2;
+    ds::dist::exit_after_error(2);
   }
 }
