@@ -14,6 +14,7 @@
 #include "cli/commands.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -36,6 +37,7 @@ struct ExportArgs {
 int run_train(const TrainArgs& a) {
   const auto rc = train::load_run_config(a.config, a.overrides);
   const auto s = train::train(rc);
+  if (dist::world().rank() != 0) return s.interrupted ? 130 : 0;
   fmt::print("trained {}: steps {} -> {}, loss {:.4f} -> {:.4f}{}{}; metrics, loss.svg and checkpoints in {}\n",
              rc.train.run_name, s.start_step, s.end_step, s.first_loss, s.last_loss,
              s.last_eval_loss >= 0 ? fmt::format(", eval loss {:.4f}", s.last_eval_loss) : "",

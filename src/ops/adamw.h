@@ -35,6 +35,8 @@ struct GradSpan {
 
 // Returns the global L2 norm of all gradients.
 double global_grad_norm(const std::vector<GradSpan>& grads);
+// Multiplies every gradient by s.
+void scale_grads(const std::vector<GradSpan>& grads, float s);
 // Scales the gradients so their global norm is at most max_norm; returns the
 // norm before clipping.
 double clip_grad_norm(const std::vector<GradSpan>& grads, double max_norm);

@@ -1,5 +1,6 @@
 #include "train/config.h"
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
@@ -84,7 +85,7 @@ const std::map<std::string, Setter>& train_keys() {
     k["per_device_batch_size"] = [](TrainConfig& c, const YAML::Node& n) {
       const double v = n.as<double>();
       DS_CHECK(v >= 1 && v == static_cast<double>(static_cast<int64_t>(v)),
-               "per_device_batch_size {} must be a whole number >= 1 (one process holds the whole batch)", v);
+               "per_device_batch_size {} must be a whole number >= 1", v);
       c.per_device_batch_size = static_cast<int64_t>(v);
     };
     i64("max_target_length", &TrainConfig::max_target_length);
@@ -110,6 +111,12 @@ const std::map<std::string, Setter>& train_keys() {
     bol("save_checkpoint_on_completion", &TrainConfig::save_checkpoint_on_completion);
     bol("resume", &TrainConfig::resume);
     i64("log_period", &TrainConfig::log_period);
+    for (const char* g : {"ici", "dcn"})
+      for (const char* a : {"data", "fsdp", "expert"}) {
+        const std::string key = fmt::format("{}_{}_parallelism", g, a);
+        k[key] = [key](TrainConfig& c, const YAML::Node& n) { c.mesh.set(key, n.as<int64_t>()); };
+      }
+    dbl("collective_timeout_seconds", &TrainConfig::collective_timeout_seconds);
     return k;
   }();
   return keys;
@@ -202,6 +209,8 @@ void check_config(const RunConfig& rc) {
   DS_CHECK(t.checkpoint_period >= 1, "checkpoint_period {} must be >= 1", t.checkpoint_period);
   DS_CHECK(t.max_num_checkpoints_to_keep == -1 || t.max_num_checkpoints_to_keep >= 1,
            "max_num_checkpoints_to_keep {} must be >= 1 (or None: keep all)", t.max_num_checkpoints_to_keep);
+  DS_CHECK(t.collective_timeout_seconds >= 0, "collective_timeout_seconds {} must be >= 0 (0: wait forever)",
+           t.collective_timeout_seconds);
   DS_CHECK(t.log_period >= 1, "log_period {} must be >= 1", t.log_period);
   DS_CHECK(t.init_weights_std > 0, "init_weights_std {} must be positive", t.init_weights_std);
   for (const auto& list : {&t.adamw_mask, &t.trainable_parameters_mask})

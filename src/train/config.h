@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/mesh.h"
 #include "model/config.h"
 #include "model/layer.h"
 #include "train/data.h"
@@ -81,6 +82,11 @@ struct TrainConfig {
   bool save_checkpoint_on_completion = true;
   bool resume = false;
   int64_t log_period = 10;  // plain-text progress line every N steps when stderr is not a terminal
+
+  // Processes (mpirun): the mesh (ici_/dcn_{data,fsdp,expert}_parallelism)
+  // and how long a collective may wait for the other ranks.
+  dist::MeshConfig mesh;
+  double collective_timeout_seconds = 300;
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;

@@ -13,6 +13,8 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "dist/communicator.h"
+#include "dist/mesh.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
 #include "model/model.h"
@@ -84,10 +86,33 @@ std::vector<nlohmann::json> read_metrics_before(const fs::path& file, int64_t st
   return kept;
 }
 
-struct LayerLoad {
-  int64_t layer;
-  std::vector<int64_t> load;
-};
+// Rows [first, first + rows) of a batch.
+model::TrainBatch slice_rows(const model::TrainBatch& b, int64_t first, int64_t rows) {
+  if (first == 0 && rows == b.batch) return b;
+  model::TrainBatch out;
+  out.batch = rows;
+  out.seq = b.seq;
+  const auto a = static_cast<std::ptrdiff_t>(first * b.seq), e = static_cast<std::ptrdiff_t>((first + rows) * b.seq);
+  for (auto [dst, src] : {std::pair{&out.inputs, &b.inputs}, {&out.targets, &b.targets},
+                          {&out.positions, &b.positions}, {&out.segment_ids, &b.segment_ids},
+                          {&out.target_segment_ids, &b.target_segment_ids}})
+    dst->assign(src->begin() + a, src->begin() + e);
+  return out;
+}
+
+// A string from rank 0 to every rank of `c`.
+std::string broadcast_string(dist::Communicator& c, std::string s) {
+  int64_t n = static_cast<int64_t>(s.size());
+  c.broadcast(&n, 1, 0).wait();
+  s.resize(static_cast<size_t>(n));
+  c.broadcast(s.data(), n, 0).wait();
+  return s;
+}
+
+double sum_squares(const std::vector<ops::GradSpan>& spans) {
+  const double n = ops::global_grad_norm(spans);
+  return n * n;
+}
 
 }  // namespace
 
@@ -151,55 +176,115 @@ TrainSummary train(const RunConfig& rc) {
   sum.run_dir = tc.run_dir();
   const fs::path run(sum.run_dir), ckdir = run / "checkpoints";
 
-  // The run folder: refuse to mix with another run's checkpoints.
-  io::check_output_folder(tc.base_output_directory);
-  std::error_code ec;
-  fs::create_directories(run, ec);
-  DS_CHECK(!ec && fs::is_directory(run), "cannot create the run folder '{}': {}", run.string(), ec.message());
-  const auto existing = list_checkpoints(ckdir.string());
-  DS_CHECK(tc.resume || existing.empty(),
-           "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or choose "
-           "another run_name",
-           run.string(), existing.empty() ? 0 : existing.back());
+  // The mesh. Every rank holds per_device_batch_size rows of each global
+  // batch; rank 0 alone touches the run folder (metrics, checkpoints), reads
+  // the initial parameters or the checkpoint, and broadcasts them.
+  dist::Communicator& world = dist::world();
+  dist::set_collective_timeout(tc.collective_timeout_seconds);
+  dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
+  const bool lead = world.rank() == 0, multi = world.size() > 1;
+  DS_CHECK(mesh.size(dist::kExpert) == 1,
+           "expert parallelism ({}) is not supported yet: set ici_expert_parallelism and dcn_expert_parallelism to 1",
+           mesh.describe());
+  const int64_t F = mesh.size(dist::kFsdp), shards = mesh.batch_shards(), shard = mesh.batch_index();
+  const int64_t rows = tc.per_device_batch_size;
+  DataConfig data_cfg = tc.data;
+  data_cfg.batch = rows * shards;  // the global batch: the same for any world size
 
-  // Parameters, gradients and optimizer.
-  model::FlatParams params = model::FlatParams::zeros(cfg, mtp);
-  model::FlatParams grads = model::FlatParams::zeros(cfg, mtp);
-  AdamW opt(cfg, mtp, tc, params, grads);
-  if (!tc.load_parameters_path.empty())
-    load_hf_params(tc.load_parameters_path, cfg, mtp, params);
-  else
-    init_params(cfg, mtp, params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
+  // The run folder: refuse to mix with another run's checkpoints.
+  std::vector<int64_t> existing;
+  if (lead) {
+    io::check_output_folder(tc.base_output_directory);
+    std::error_code ec;
+    fs::create_directories(run, ec);
+    DS_CHECK(!ec && fs::is_directory(run), "cannot create the run folder '{}': {}", run.string(), ec.message());
+    existing = list_checkpoints(ckdir.string());
+    DS_CHECK(tc.resume || existing.empty(),
+             "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or "
+             "choose another run_name",
+             run.string(), existing.empty() ? 0 : existing.back());
+  }
+
+  // Parameters, gradients and optimizer. FSDP: the flat buffers are padded
+  // to F equal shards; this rank's AdamW owns shard [lo, lo + S).
+  model::FlatParams params = model::FlatParams::zeros(cfg, mtp, F);
+  model::FlatParams grads = model::FlatParams::zeros(cfg, mtp, F);
+  const int64_t P = static_cast<int64_t>(params.data.size()), S = P / F, shard_lo = mesh.coord(dist::kFsdp) * S;
+  AdamW opt(cfg, mtp, tc, params, grads, shard_lo, shard_lo + S);
+  if (multi)
+    fmt::print(stderr, "rank {}: {}; fsdp shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
+               world.rank(), mesh.describe(), mesh.coord(dist::kFsdp), F,
+               static_cast<double>(params.data.size() + grads.data.size() + opt.m.size() + opt.v.size()) * 4 /
+                   (1 << 20));
+  if (lead) {
+    if (!tc.load_parameters_path.empty())
+      load_hf_params(tc.load_parameters_path, cfg, mtp, params);
+    else
+      init_params(cfg, mtp, params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
+  }
 
   // Data.
-  auto data = open_dataset(tc.data, Split::Train);
+  auto data = open_dataset(data_cfg, Split::Train);
   std::unique_ptr<Dataset> eval_data;
   if (tc.eval_interval > 0) {
-    DataConfig ec_cfg = tc.data;
-    if (tc.eval_per_device_batch_size > 0) ec_cfg.batch = tc.eval_per_device_batch_size;
+    DataConfig ec_cfg = data_cfg;
+    if (tc.eval_per_device_batch_size > 0) ec_cfg.batch = tc.eval_per_device_batch_size * shards;
     eval_data = open_dataset(ec_cfg, Split::Eval);
   }
 
-  // Resume.
+  // Resume: rank 0 reads the checkpoint (whole tensors, so any world size
+  // resumes any other's); every rank takes the parameters and its shard of
+  // the moments.
   const nlohmann::json model_json = model::to_hf_json(cfg, mtp);
   int64_t start = 0, consecutive_skipped = 0;
-  if (tc.resume && !existing.empty()) {
-    const std::string dir = (ckdir / ("step_" + std::to_string(existing.back()))).string();
-    const CheckpointState st = load_checkpoint(dir, cfg, mtp, params, &opt.m, &opt.v);
-    DS_CHECK(st.model_config == model_json,
-             "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
-             dir);
-    start = st.step;
-    opt.set_count(st.step);
-    try {
-      data->restore(st.data_state);
-    } catch (const Error& e) {
-      DS_FAIL("checkpoint '{}': cannot restore the data position: {}", dir, e.what());
+  nlohmann::json resumed = {{"start", 0}, {"consecutive_skipped", 0}, {"newest", -1}};
+  {
+    std::vector<float> m_full, v_full;
+    bool have_moments = false;
+    if (lead && tc.resume && !existing.empty()) {
+      const std::string dir = (ckdir / ("step_" + std::to_string(existing.back()))).string();
+      m_full.assign(static_cast<size_t>(P), 0.0f);
+      v_full.assign(static_cast<size_t>(P), 0.0f);
+      auto mf = model::FlatParams::wrap(cfg, mtp, m_full.data()), vf = model::FlatParams::wrap(cfg, mtp, v_full.data());
+      const CheckpointState st = load_checkpoint(dir, cfg, mtp, params, &mf, &vf);
+      DS_CHECK(st.model_config == model_json,
+               "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
+               dir);
+      resumed = {{"start", st.step},
+                 {"data", st.data_state},
+                 {"consecutive_skipped", st.consecutive_skipped},
+                 {"newest", existing.back()},
+                 {"dir", dir}};
+      have_moments = true;
+      fmt::print(stderr, "resuming {} from {} ({} updates applied)\n", run.string(), dir, st.step);
+    } else if (lead && tc.resume) {
+      fmt::print(stderr, "resume=true but '{}' has no checkpoint yet: starting from step 0\n", ckdir.string());
     }
-    consecutive_skipped = st.consecutive_skipped;
-    fmt::print(stderr, "resuming {} from {} ({} updates applied)\n", run.string(), dir, start);
-  } else if (tc.resume) {
-    fmt::print(stderr, "resume=true but '{}' has no checkpoint yet: starting from step 0\n", ckdir.string());
+    if (multi) {
+      resumed = nlohmann::json::parse(broadcast_string(world, resumed.dump()));
+      world.broadcast(params.data.data(), P, 0).wait();
+      have_moments = resumed["newest"].get<int64_t>() >= 0;
+      if (have_moments) {
+        m_full.resize(static_cast<size_t>(P));
+        v_full.resize(static_cast<size_t>(P));
+        world.broadcast(m_full.data(), P, 0).wait();
+        world.broadcast(v_full.data(), P, 0).wait();
+      }
+    }
+    if (have_moments) {
+      std::copy_n(m_full.begin() + shard_lo, S, opt.m.begin());
+      std::copy_n(v_full.begin() + shard_lo, S, opt.v.begin());
+    }
+    start = resumed["start"].get<int64_t>();
+    consecutive_skipped = resumed["consecutive_skipped"].get<int64_t>();
+    if (resumed.contains("data")) {
+      opt.set_count(start);
+      try {
+        data->restore(resumed["data"]);
+      } catch (const Error& e) {
+        DS_FAIL("checkpoint '{}': cannot restore the data position: {}", resumed["dir"].get<std::string>(), e.what());
+      }
+    }
   }
   DS_CHECK(start <= tc.steps, "the newest checkpoint has {} updates, more than steps={}", start, tc.steps);
   sum.start_step = sum.end_step = start;
@@ -207,7 +292,8 @@ TrainSummary train(const RunConfig& rc) {
   // Metrics: earlier steps kept (resume), the rest rewritten.
   const fs::path metrics_path = run / "metrics.jsonl";
   std::vector<std::pair<int64_t, double>> train_curve, eval_curve;
-  {
+  std::ofstream metrics;
+  if (lead) {
     std::string kept;
     for (const auto& j : read_metrics_before(metrics_path, start)) {
       kept += j.dump() + "\n";
@@ -215,11 +301,11 @@ TrainSummary train(const RunConfig& rc) {
       if (j.contains("eval_loss")) eval_curve.emplace_back(j["step"].get<int64_t>(), j["eval_loss"]);
     }
     io::write_file_atomic(metrics_path.string(), kept);
+    io::write_file_atomic((run / "config.json").string(),
+                          nlohmann::json{{"run", tc.as_json}, {"model", model_json}}.dump(2) + "\n");
+    metrics.open(metrics_path, std::ios::app);
+    DS_CHECK(metrics.good(), "cannot append to '{}'", metrics_path.string());
   }
-  io::write_file_atomic((run / "config.json").string(),
-                        nlohmann::json{{"run", tc.as_json}, {"model", model_json}}.dump(2) + "\n");
-  std::ofstream metrics(metrics_path, std::ios::app);
-  DS_CHECK(metrics.good(), "cannot append to '{}'", metrics_path.string());
 
   // MoE layers in the order loss_and_grad reports their loads, with their bias.
   std::vector<int64_t> moe_layers;
@@ -244,12 +330,35 @@ TrainSummary train(const RunConfig& rc) {
   const int64_t GA = tc.gradient_accumulation_steps;
   const double flops = step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
   const double step_tokens = static_cast<double>(tc.per_device_batch_size * tc.max_target_length * GA);
-  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  const bool tty = lead && ::isatty(STDERR_FILENO) == 1;
   const auto grad_spans = opt.grad_spans();
-  std::vector<ops::GradSpan> param_spans;
-  for (const auto& s : opt.slots()) param_spans.push_back({s.param, s.info.numel()});
+  const auto param_spans = opt.param_spans();
+  // A norm over the whole tree from this rank's shard (sums of squares added
+  // over the fsdp axis; one process: the plain norm).
+  auto tree_norm = [&](const std::vector<ops::GradSpan>& spans) {
+    if (F == 1) return ops::global_grad_norm(spans);
+    double ss = sum_squares(spans);
+    mesh.axis(dist::kFsdp).all_reduce(&ss, 1).wait();
+    return std::sqrt(ss);
+  };
 
+  // Collective: every rank calls it; rank 0 writes.
   auto save = [&](int64_t step) {
+    std::vector<float> m_full, v_full;
+    const float *m_src = opt.m.data(), *v_src = opt.v.data();
+    if (F > 1) {
+      m_full.resize(static_cast<size_t>(P));
+      v_full.resize(static_cast<size_t>(P));
+      auto hm = mesh.axis(dist::kFsdp).all_gather(opt.m.data(), S, m_full.data());
+      auto hv = mesh.axis(dist::kFsdp).all_gather(opt.v.data(), S, v_full.data());
+      hm.wait();
+      hv.wait();
+      m_src = m_full.data();
+      v_src = v_full.data();
+    }
+    if (!lead) return;
+    auto mf = model::FlatParams::wrap(cfg, mtp, const_cast<float*>(m_src));
+    auto vf = model::FlatParams::wrap(cfg, mtp, const_cast<float*>(v_src));
     CheckpointState st;
     st.step = step;
     st.data_state = data->state();
@@ -257,7 +366,7 @@ TrainSummary train(const RunConfig& rc) {
     st.model_config = model_json;
     st.run_config = tc.as_json;
     if (!tc.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc.tokenizer_path).string();
-    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, params, &opt.m, &opt.v, st);
+    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, params, &mf, &vf, st);
     prune_checkpoints(ckdir.string(), tc.max_num_checkpoints_to_keep);
     if (tty) fmt::print(stderr, "\n");
     fmt::print(stderr, "saved checkpoint {}\n", where);
@@ -273,16 +382,20 @@ TrainSummary train(const RunConfig& rc) {
     double xent = 0, weight = 0;
     for (int64_t i = 0; i < n; ++i) {
       const model::TrainBatch b = eval_data->next();
-      const auto t = model::loss_and_grad(cfg, params.view, nullptr, b, el, tc.remat);
-      xent += t.lm_loss * t.tokens;
-      weight += t.tokens;
+      const int64_t r = b.batch / shards;
+      if (multi) el.whole = model::loss_weights(b, 0);
+      const auto t = model::loss_and_grad(cfg, params.view, nullptr, slice_rows(b, shard * r, r), el, tc.remat);
+      const double w = multi ? el.whole.targets : t.tokens;
+      xent += t.lm_loss * w;
+      weight += w;
     }
+    if (multi) world.all_reduce(&xent, 1).wait();
     return xent / (weight + 1e-8);
   };
 
   StopSignals signals;
   const auto run_start = std::chrono::steady_clock::now();
-  int64_t last_saved = existing.empty() ? -1 : (tc.resume ? existing.back() : -1);
+  int64_t last_saved = resumed["newest"].get<int64_t>();
   int64_t s = start;
   for (; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -303,13 +416,25 @@ TrainSummary train(const RunConfig& rc) {
       model::LossOptions mo = lo;
       const double wi = total_w > 0 ? counted[i] / total_w : 1.0 / static_cast<double>(GA);
       mo.grad_scale = wi;
-      const auto t = model::loss_and_grad(cfg, params.view, &grads.ptr, micro[i], mo, tc.remat);
+      // This rank's rows, weighed as a share of the global micro-batch.
+      if (multi) mo.whole = model::loss_weights(micro[i], mtp);
+      auto t = model::loss_and_grad(cfg, params.view, &grads.ptr, slice_rows(micro[i], shard * rows, rows), mo,
+                                    tc.remat);
       terms.loss += wi * t.loss;
       terms.lm_loss += wi * t.lm_loss;
       terms.z_loss += wi * t.z_loss;
       terms.mtp_loss += wi * t.mtp_loss;
       terms.moe_lb_loss += wi * t.moe_lb_loss;
       terms.tokens += t.tokens;
+      if (multi && !t.expert_load.empty()) {
+        // The global micro-batch's expert loads: every rank updates the biases alike.
+        std::vector<int64_t> flat;
+        for (const auto& c : t.expert_load) flat.insert(flat.end(), c.begin(), c.end());
+        world.all_reduce(flat.data(), static_cast<int64_t>(flat.size())).wait();
+        size_t at = 0;
+        for (auto& c : t.expert_load)
+          for (auto& x : c) x = flat[at++];
+      }
       for (size_t l = 0; l < moe_layers.size() && l < t.expert_load.size(); ++l) {
         const auto& c = t.expert_load[l];
         if (load[l].empty()) load[l].assign(c.size(), 0);
@@ -321,16 +446,38 @@ TrainSummary train(const RunConfig& rc) {
         }
       }
     }
-    const double raw_norm = ops::global_grad_norm(grad_spans);
+    if (multi) {
+      // The global batch's loss terms and gradient: summed over the batch
+      // shards; with FSDP each rank keeps the sum of its own shard only.
+      double t6[6] = {terms.loss, terms.lm_loss, terms.z_loss, terms.mtp_loss, terms.moe_lb_loss, terms.tokens};
+      auto ht = world.all_reduce(t6, 6);
+      if (F == 1) {
+        world.all_reduce(grads.data.data(), P).wait();
+      } else {
+        std::vector<float> gs(static_cast<size_t>(S));
+        mesh.axis(dist::kFsdp).reduce_scatter(grads.data.data(), S, gs.data()).wait();
+        if (mesh.size(dist::kData) > 1) mesh.axis(dist::kData).all_reduce(gs.data(), S).wait();
+        std::copy(gs.begin(), gs.end(), grads.data.begin() + shard_lo);
+      }
+      ht.wait();
+      terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
+      terms.moe_lb_loss = t6[4], terms.tokens = t6[5];
+    }
+    const double raw_norm = tree_norm(grad_spans);
     const bool finite = std::isfinite(terms.loss) && std::isfinite(raw_norm);
     double grad_norm = raw_norm;
     if (finite) {
       consecutive_skipped = 0;
       if (tc.gradient_clipping_threshold > 0) {
-        ops::clip_grad_norm(grad_spans, tc.gradient_clipping_threshold);
+        if (F == 1)
+          ops::clip_grad_norm(grad_spans, tc.gradient_clipping_threshold);
+        else if (raw_norm > tc.gradient_clipping_threshold)
+          ops::scale_grads(grad_spans, static_cast<float>(tc.gradient_clipping_threshold / raw_norm));
         grad_norm = std::min(raw_norm, tc.gradient_clipping_threshold);
       }
       opt.update(lr);
+      // FSDP: every rank gets the updated shards of the others.
+      if (F > 1) mesh.axis(dist::kFsdp).all_gather(params.data.data() + shard_lo, S, params.data.data()).wait();
       if (bias_update)
         for (size_t l = 0; l < biases.size(); ++l)
           for (size_t e = 0; e < bias_delta[l].size(); ++e) biases[l][e] += bias_delta[l][e];
@@ -351,7 +498,7 @@ TrainSummary train(const RunConfig& rc) {
                         {"lr", lr},
                         {"grad_norm", grad_norm},
                         {"raw_grad_norm", raw_norm},
-                        {"param_norm", ops::global_grad_norm(param_spans)},
+                        {"param_norm", tree_norm(param_spans)},
                         {"step_time_seconds", dt},
                         {"tokens_per_sec", step_tokens / dt},
                         {"tflops_per_sec", flops / dt / 1e12},
@@ -386,9 +533,11 @@ TrainSummary train(const RunConfig& rc) {
       eval_curve.emplace_back(s, ev);
       sum.last_eval_loss = ev;
     }
-    metrics << m.dump() << "\n";
-    metrics.flush();
-    DS_CHECK(metrics.good(), "writing '{}' failed", metrics_path.string());
+    if (lead) {
+      metrics << m.dump() << "\n";
+      metrics.flush();
+      DS_CHECK(metrics.good(), "writing '{}' failed", metrics_path.string());
+    }
     if (finite) train_curve.emplace_back(s, terms.loss);
     if (s == start) sum.first_loss = terms.loss;
     sum.last_loss = terms.loss;
@@ -406,7 +555,7 @@ TrainSummary train(const RunConfig& rc) {
       const int done = static_cast<int>(width * (s + 1) / tc.steps);
       fmt::print(stderr, "\r[{}{}] {}\033[K", std::string(done, '#'), std::string(width - done, '.'), line);
       if (!finite || m.contains("eval_loss")) fmt::print(stderr, "\n");
-    } else if (s == start || last || (s + 1) % tc.log_period == 0 || !finite || m.contains("eval_loss")) {
+    } else if (lead && (s == start || last || (s + 1) % tc.log_period == 0 || !finite || m.contains("eval_loss"))) {
       fmt::print(stderr, "{}\n", line);
     }
     DS_CHECK(consecutive_skipped < tc.max_consecutive_skipped_steps,
@@ -419,13 +568,17 @@ TrainSummary train(const RunConfig& rc) {
       last_saved = s + 1;
     }
     if (tc.target_eval_loss > 0 && m.contains("eval_loss") && m["eval_loss"].get<double>() < tc.target_eval_loss) {
-      fmt::print(stderr, "{}eval loss {:.4f} is below target_eval_loss {}: stopping\n", tty ? "\n" : "",
-                 m["eval_loss"].get<double>(), tc.target_eval_loss);
+      if (lead)
+        fmt::print(stderr, "{}eval loss {:.4f} is below target_eval_loss {}: stopping\n", tty ? "\n" : "",
+                   m["eval_loss"].get<double>(), tc.target_eval_loss);
       ++s;
       break;
     }
-    if (g_stop_signal.load() != 0) {
-      fmt::print(stderr, "{}stopping on signal {} after step {}\n", tty ? "\n" : "", g_stop_signal.load(), s + 1);
+    // A signal seen by any rank stops every rank after the same step.
+    int64_t stop = g_stop_signal.load();
+    if (multi) world.all_reduce(&stop, 1, dist::ReduceOp::Max).wait();
+    if (stop != 0) {
+      if (lead) fmt::print(stderr, "{}stopping on signal {} after step {}\n", tty ? "\n" : "", stop, s + 1);
       sum.interrupted = true;
       ++s;
       break;
@@ -436,7 +589,9 @@ TrainSummary train(const RunConfig& rc) {
   if (tc.enable_checkpointing && (tc.save_checkpoint_on_completion || sum.interrupted) && last_saved != done &&
       done > start)
     save(done);
-  write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve, fmt::format("{}: loss per step", tc.run_name));
+  if (lead)
+    write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve,
+                   fmt::format("{}: loss per step", tc.run_name));
   return sum;
 }
 

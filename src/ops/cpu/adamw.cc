@@ -194,13 +194,16 @@ double clip_grad_norm(const std::vector<GradSpan>& grads, double max_norm) {
   const double norm = global_grad_norm(grads);
   // A NaN norm fails the comparison: nothing is scaled, and the caller sees the NaN.
   if (!(norm > max_norm)) return norm;
-  const float s = static_cast<float>(max_norm / norm);
+  scale_grads(grads, static_cast<float>(max_norm / norm));
+  return norm;
+}
+
+void scale_grads(const std::vector<GradSpan>& grads, float s) {
   for (const GradSpan& g : grads) {
     const int64_t chunk = 1 << 14;
 #pragma omp parallel for schedule(static) if (g.n >= kMinParallelWork)
     for (int64_t i0 = 0; i0 < g.n; i0 += chunk) DS_DISPATCH(Scale)(g.data + i0, s, std::min(chunk, g.n - i0));
   }
-  return norm;
 }
 
 }  // namespace ds::ops

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# Multi-process training under mpirun (oversubscribed: 4 ranks on 2 cores).
+#  - every collective of the MPI communicator at 1, 2 and 4 ranks;
+#  - the same global batch (per_device_batch_size x ranks constant) gives the
+#    same losses as one process, within 1e-5 relative over 20 steps, for
+#    data=2, fsdp=2 and data=2 x fsdp=2, with synthetic, json and prepared
+#    token data (MTP, z-loss, balance loss, bias updates and gradient
+#    accumulation on);
+#  - checkpoints are interchangeable across world sizes: saved at 4 ranks,
+#    resumed at 1 and at 2, the continued losses match the uninterrupted run;
+#  - a rank killed with SIGKILL stops the others within seconds, and the run
+#    resumes from its newest checkpoint;
+#  - impossible meshes are one error line per rank and a non-zero exit.
+# Usage: dist_mpi_test.sh DEEPSEEK SOURCE_DIR DIST_MPI_CHECK
+set -u
+bin="$1"
+src="$2"
+check_bin="$3"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
+
+# Open MPI inside a container as root: allowed explicitly; no ptrace-based
+# single copy; more ranks than cores.
+if [ "$(id -u)" -eq 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+mpi() { local n=$1; shift; timeout 300 mpirun -np "$n" "$@"; }
+
+for n in 1 2 4; do
+  out=$(mpi $n "$check_bin" 2>&1)
+  check '[ $? -eq 0 ] && [[ "$out" == *"dist check passed on $n ranks"* ]]' "collectives at $n ranks: $out"
+done
+
+# The losses of a run's metrics.jsonl, one per line.
+losses() { grep -o '"loss":[-0-9.e+]*' "$1/metrics.jsonl" | cut -d: -f2; }
+# same_losses RUN_A RUN_B [FIRST_STEP]: equal count and max relative difference <= 1e-5.
+same_losses() {
+  local a b
+  a=$(losses "$tmp/runs/$1" | tail -n +"$((${3:-0} + 1))")
+  b=$(losses "$tmp/runs/$2")
+  [ -n "$a" ] && [ "$(wc -l <<<"$a")" -eq "$(wc -l <<<"$b")" ] || { echo "  $1 and $2 differ in length"; return 1; }
+  paste <(echo "$a") <(echo "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1);
+    if (r > m) m = r } END { printf "  %s\n", "max relative loss difference " m; exit !(m <= 1e-5) }'
+}
+# falls RUN: the last loss is below 0.9 x the first.
+falls() { losses "$tmp/runs/$1" | awk 'NR == 1 { f = $1 } { l = $1 } END { exit !(l < 0.9 * f) }'; }
+
+cat >"$tmp/run.yml" <<YML
+model_name: $src/configs/tiny.yml
+base_output_directory: $tmp/runs
+steps: 20
+max_target_length: 32
+learning_rate: 3.0e-3
+mtp_num_layers: 1
+routed_bias_update_rate: 1.0e-3
+load_balance_loss_weight: 0.01
+z_loss_multiplier: 1.0e-4
+gradient_accumulation_steps: 2
+checkpoint_period: 10
+log_period: 100
+YML
+base=("$tmp/run.yml")
+one() { "$bin" --threads 1 train "${base[@]}" per_device_batch_size=4 "$@" >/dev/null 2>"$tmp/err"; }
+ranks() { local n=$1; shift; mpi "$n" "$bin" --threads 1 train "${base[@]}" per_device_batch_size=$((4 / n)) "$@" \
+  >/dev/null 2>"$tmp/err"; }
+
+# A JSON dataset: 40 micro-batches of 4 rows of 33 ids below the vocabulary
+# (512), two distinct ones in turn, so that the model can learn them.
+RANDOM=7
+row() { for i in $(seq 33); do printf '%d,' $((RANDOM % 512)); done | sed 's/,$//'; }
+pair=("[[$(row)],[$(row)],[$(row)],[$(row)]]" "[[$(row)],[$(row)],[$(row)],[$(row)]]")
+{
+  printf '[%s' "${pair[0]}"
+  for s in $(seq 2 40); do printf ',%s' "${pair[$((s % 2))]}"; done
+  printf ']'
+} >"$tmp/steps.json"
+# Prepared token shards: the project's documentation with the fixture tokenizer.
+"$bin" prepare --tokenizer "$src/tests/data/tokenizer/tiny/tokenizer.json" --input "$src/README.md" \
+  --input "$src/docs/*.md" --out "$tmp/tokens" --eval-fraction 0.2 >/dev/null
+check '[ $? -eq 0 ]' "prepare the token shards"
+
+for data in "synthetic" "json" "tokens"; do
+  case $data in
+    synthetic) args=(dataset_type=synthetic) ;;
+    json) args=(dataset_type=json "dataset_path=$tmp/steps.json") ;;
+    tokens) args=(dataset_type=tokens "dataset_path=$tmp/tokens" eval_interval=10 eval_steps=2) ;;
+  esac
+  one run_name=$data-one "${args[@]}"
+  check '[ $? -eq 0 ]' "$data: one process ($(tail -1 "$tmp/err"))"
+  check 'falls $data-one' "$data: the loss falls"
+  ranks 2 run_name=$data-data2 ici_data_parallelism=2 ici_fsdp_parallelism=1 "${args[@]}"
+  check '[ $? -eq 0 ] && same_losses $data-one $data-data2' "$data: data=2 matches one process"
+  ranks 2 run_name=$data-fsdp2 "${args[@]}"  # MaxText's defaults: every rank an fsdp shard
+  check '[ $? -eq 0 ] && same_losses $data-one $data-fsdp2' "$data: fsdp=2 matches one process"
+  check 'grep -q "data=1 fsdp=2 expert=1" "$tmp/err"' "$data: fsdp is the default mesh"
+  ranks 4 run_name=$data-d2f2 ici_data_parallelism=2 "${args[@]}"
+  check '[ $? -eq 0 ] && same_losses $data-one $data-d2f2' "$data: data=2 x fsdp=2 matches one process"
+done
+ev() { grep -o '"eval_loss":[-0-9.e+]*' "$tmp/runs/$1/metrics.jsonl" | cut -d: -f2 | tail -1; }
+check 'awk -v a="$(ev tokens-one)" -v b="$(ev tokens-d2f2)" "BEGIN { d = a - b; exit !(a > 0 && d < 1e-5 * a && -d < 1e-5 * a) }"' \
+  "eval loss at 4 ranks matches one process: $(ev tokens-one) vs $(ev tokens-d2f2)"
+
+# Checkpoints across world sizes: 10 steps at 4 ranks (schedule of 20), then
+# the last 10 at 1 and at 2 ranks; the continued losses match synthetic-one's.
+sched=(dataset_type=synthetic learning_rate_schedule_steps=20)
+ranks 4 run_name=x4 ici_data_parallelism=2 "${sched[@]}" steps=10
+check '[ $? -eq 0 ] && [ -f "$tmp/runs/x4/checkpoints/step_10/state.json" ]' "10 steps at 4 ranks save step_10"
+cp -r "$tmp/runs/x4" "$tmp/runs/x4to1" && cp -r "$tmp/runs/x4" "$tmp/runs/x4to2"
+one run_name=x4to1 "${sched[@]}" resume=true
+check '[ $? -eq 0 ] && grep -q "resuming" "$tmp/err"' "resume the 4-rank checkpoint at 1 rank"
+# metrics.jsonl of the resumed runs keep steps 0-9 from the 4-rank run.
+check 'same_losses synthetic-one x4to1' "4 ranks then 1 matches the uninterrupted run"
+ranks 2 run_name=x4to2 "${sched[@]}" resume=true
+check '[ $? -eq 0 ] && same_losses synthetic-one x4to2' "4 ranks then 2 matches the uninterrupted run"
+
+# A rank killed with SIGKILL: the others stop within seconds; resume works.
+mpi 2 "$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=killed dataset_type=synthetic \
+  steps=1000000 learning_rate_schedule_steps=40 checkpoint_period=5 >/dev/null 2>"$tmp/killed.err" &
+job=$!
+for _ in $(seq 600); do [ -d "$tmp/runs/killed/checkpoints/step_5" ] && break; sleep 0.1; done
+victim=""
+for p in $(pgrep -f "run_name=killed"); do
+  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then victim=$p; fi
+done
+check '[ -n "$victim" ]' "found rank 1 of the running job"
+start=$(date +%s)
+kill -9 "$victim" 2>/dev/null
+wait "$job"
+rc=$?
+took=$(($(date +%s) - start))
+check '[ "$rc" -ne 0 ] && [ "$took" -le 20 ]' "after SIGKILL of rank 1 the job ends non-zero within 20 s (rc $rc, $took s)"
+check '[ -z "$(pgrep -f run_name=killed)" ]' "no rank is left running"
+newest=$(ls "$tmp/runs/killed/checkpoints" | grep '^step_[0-9]*$' | sed 's/step_//' | sort -n | tail -1)
+check '[ -n "$newest" ] && [ "$newest" -ge 5 ]' "a checkpoint survived the kill (step_$newest)"
+mpi 2 "$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=killed dataset_type=synthetic \
+  steps=$((newest + 3)) learning_rate_schedule_steps=40 resume=true >/dev/null 2>"$tmp/err"
+check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err"' "the killed run resumes at step $newest"
+
+# Impossible meshes: one error line from each rank, non-zero exit.
+for bad in "ici_data_parallelism=3" "ici_expert_parallelism=2 ici_fsdp_parallelism=1"; do
+  # shellcheck disable=SC2086
+  ranks 2 run_name=bad $bad
+  rc=$?
+  check '[ "$rc" -ne 0 ] && [ "$(grep -c "^deepseek: error (rank [01]): " "$tmp/err")" -ge 1 ]' \
+    "mesh $bad: rc $rc, $(grep -m1 "^deepseek: error" "$tmp/err")"
+done
+
+exit $fail
