@@ -5,10 +5,12 @@
 // run under mpirun in dist_mpi_test.sh.)
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
@@ -97,54 +99,120 @@ TEST(Mesh, TrainingConfigTakesTheKeys) {
   EXPECT_THROW(train::parse_run_config(kTiny, {"collective_timeout_seconds=-1"}, "test"), Error);
 }
 
-// FSDP: AdamWs over the shards [0, S) and [S, 2S) of a padded buffer update
-// every element exactly as one AdamW over the whole buffer does, masks and
-// weight decay included, and keep moments for their shard only.
-TEST(ShardedAdamW, ShardsUpdateAsTheWhole) {
+// FSDP: AdamWs that each own some runs of the flat order, their values and
+// gradients stored compactly elsewhere, update every element exactly as one
+// AdamW over the whole buffer does (masks and weight decay included), and
+// keep moments for their runs only.
+TEST(ShardedAdamW, RunsUpdateAsTheWhole) {
   const auto rc = train::parse_run_config(kTiny, {"adamw_mask=[\"norm\"]", "adam_weight_decay=0.3"}, "test");
   const auto& cfg = rc.model;
-  const int64_t F = 3;  // a shard count that does not divide the tree: padding
-  auto whole_p = model::FlatParams::zeros(cfg, 0, F), whole_g = model::FlatParams::zeros(cfg, 0, F);
-  ASSERT_EQ(whole_p.data.size() % F, 0u);
-  ASSERT_GT(whole_p.data.size(), static_cast<size_t>(model::FlatParams::numel(cfg, 0)));
+  auto whole_p = model::FlatParams::zeros(cfg, 0), whole_g = model::FlatParams::zeros(cfg, 0);
   train::init_params(cfg, 0, whole_p, 7, 0.05f);
-  for (size_t i = 0; i < whole_g.data.size(); ++i) whole_g.data[i] = std::sin(0.37 * double(i)) * 0.01f;
-  const int64_t P = static_cast<int64_t>(whole_p.data.size()), S = P / F;
-
-  std::vector<model::FlatParams> sp, sg;
-  std::vector<std::unique_ptr<train::AdamW>> shards;
-  for (int64_t f = 0; f < F; ++f) {
-    sp.push_back(model::FlatParams::zeros(cfg, 0, F));
-    sg.push_back(model::FlatParams::zeros(cfg, 0, F));
+  for (size_t i = 0; i < whole_g.data.size(); ++i)
+    whole_g.data[i] = static_cast<float>(std::sin(0.37 * double(i)) * 0.01);
+  const int64_t P = static_cast<int64_t>(whole_p.data.size());
+  // Three owners; seven runs of uneven length dealt round-robin.
+  const int64_t cuts[8] = {0, P / 9, P / 5, P / 3, P / 2, 2 * P / 3, P - 17, P};
+  std::vector<std::vector<float>> vals(3), grads(3);
+  std::vector<std::vector<train::OwnedRange>> runs(3);
+  for (int k = 0; k < 7; ++k) {
+    const int o = k % 3;
+    vals[o].insert(vals[o].end(), whole_p.data.begin() + cuts[k], whole_p.data.begin() + cuts[k + 1]);
+    grads[o].insert(grads[o].end(), whole_g.data.begin() + cuts[k], whole_g.data.begin() + cuts[k + 1]);
   }
-  for (int64_t f = 0; f < F; ++f) {
-    std::copy(whole_p.data.begin(), whole_p.data.end(), sp[f].data.begin());
-    std::copy(whole_g.data.begin(), whole_g.data.end(), sg[f].data.begin());
-    shards.push_back(std::make_unique<train::AdamW>(cfg, 0, rc.train, sp[f], sg[f], f * S, (f + 1) * S));
-    EXPECT_EQ(static_cast<int64_t>(shards.back()->m.size()), S);
+  for (int o = 0; o < 3; ++o) {
+    int64_t at = 0;
+    for (int k = o; k < 7; k += 3) {
+      runs[o].push_back({cuts[k], cuts[k + 1], vals[o].data() + at, grads[o].data() + at});
+      at += cuts[k + 1] - cuts[k];
+    }
+  }
+  std::vector<std::unique_ptr<train::AdamW>> parts;
+  for (int o = 0; o < 3; ++o) {
+    parts.push_back(std::make_unique<train::AdamW>(cfg, 0, rc.train, runs[o]));
+    EXPECT_EQ(parts.back()->m.size(), vals[o].size());
   }
   train::AdamW whole(cfg, 0, rc.train, whole_p, whole_g);
   for (int step = 0; step < 3; ++step) {
     whole.update(1e-2);
-    for (auto& s : shards) s->update(1e-2);
+    for (auto& a : parts) a->update(1e-2);
   }
-  int64_t changed = 0;
-  for (int64_t f = 0; f < F; ++f)
-    for (int64_t i = f * S; i < (f + 1) * S; ++i) {
-      ASSERT_EQ(sp[f].data[i], whole_p.data[i]) << "element " << i << " of shard " << f;
-      ASSERT_EQ(shards[f]->m[i - f * S], whole.m[i]);
-    }
-  // Outside its shard an AdamW changes nothing.
-  for (int64_t i = S; i < P; ++i) changed += sp[0].data[i] != whole_p.data[i];
-  EXPECT_GT(changed, 0);
-  double ss = 0;
-  for (auto& s : shards)
-    for (const auto& g : s->grad_spans())
+  for (int o = 0; o < 3; ++o) {
+    int64_t at = 0;
+    for (int k = o; k < 7; k += 3)
+      for (int64_t i = cuts[k]; i < cuts[k + 1]; ++i, ++at) {
+        ASSERT_EQ(vals[o][at], whole_p.data[i]) << "element " << i;
+        ASSERT_EQ(parts[o]->m[at], whole.m[i]) << "moment " << i;
+      }
+  }
+  double ss = 0, ws = 0;
+  for (auto& a : parts)
+    for (const auto& g : a->grad_spans())
       for (int64_t i = 0; i < g.n; ++i) ss += double(g.data[i]) * g.data[i];
-  double ws = 0;
   for (const auto& g : whole.grad_spans())
     for (int64_t i = 0; i < g.n; ++i) ws += double(g.data[i]) * g.data[i];
-  EXPECT_NEAR(ss, ws, 1e-12 * ws);  // the shards' spans partition the whole's
+  EXPECT_GT(ws, 0.0);
+  EXPECT_NEAR(ss, ws, 1e-12 * ws);  // the owners' spans partition the whole's
+  // for_owned reaches exactly the owned elements of a range.
+  int64_t seen = 0;
+  for (auto& a : parts) a->for_owned(P / 4, P / 4 + 1000, [&](float*, int64_t, int64_t n) { seen += n; });
+  EXPECT_EQ(seen, 1000);
+}
+
+// The FSDP stream on one rank: every layer goes through the gather buffers
+// and every gradient through the reduce-scatter path, and the loss and
+// gradients are bitwise those of the plain buffers; the shard helpers round-trip.
+TEST(Fsdp, OneRankStreamEqualsThePlainBuffers) {
+  for (const char* extra : {"mtp_num_layers=1", "mtp_num_layers=0"}) {
+    SCOPED_TRACE(extra);
+    const auto rc = train::parse_run_config(kTiny, {extra}, "test");
+    const auto& cfg = rc.model;
+    const int64_t mtp = cfg.num_nextn_predict_layers;
+    auto full = model::FlatParams::zeros(cfg, mtp), g = model::FlatParams::zeros(cfg, mtp);
+    train::init_params(cfg, mtp, full, 3, 0.05f);
+    auto comm = dist::make_single();
+    dist::FsdpParams fp(cfg, mtp, *comm);
+    fp.take_shard(full.data.data(), fp.shard.data());
+    std::vector<float> back(full.data.size());
+    fp.gather_full(fp.shard.data(), back.data());
+    EXPECT_EQ(back, full.data);
+    std::vector<float> packed(full.data.size(), 0.0f);
+    fp.pack(fp.shard, packed);
+    EXPECT_EQ(fp.expand(packed), fp.shard);
+
+    model::TrainBatch b;
+    b.batch = 2;
+    b.seq = 8;
+    for (int64_t t = 0; t < 16; ++t) {
+      b.inputs.push_back(static_cast<int32_t>((7 * t + 3) % cfg.vocab_size));
+      b.targets.push_back(static_cast<int32_t>((5 * t + 1) % cfg.vocab_size));
+      b.positions.push_back(static_cast<int32_t>(t % 8));
+      b.segment_ids.push_back(1);
+      b.target_segment_ids.push_back(t % 5 != 4);
+    }
+    model::LossOptions o;
+    o.mtp_num_layers = mtp;
+    o.load_balance_loss_weight = 0.01;
+    o.z_loss_multiplier = 1e-3;
+    const auto plain = model::loss_and_grad(cfg, full.view, &g.ptr, b, o, model::RematPolicy::keep_all());
+    o.stream = &fp;
+    for (int micro = 0; micro < 2; ++micro) {  // the second pass reuses the buffers
+      fp.start_step();
+      const auto streamed = model::loss_and_grad(cfg, fp.view, &fp.grads, b, o, model::RematPolicy::keep_all());
+      fp.finish_grads();
+      EXPECT_EQ(streamed.loss, plain.loss);
+      std::vector<float> gfull(full.data.size());
+      fp.gather_full(fp.grad_shard.data(), gfull.data());
+      ASSERT_EQ(gfull, g.data);
+    }
+    // Forward only (an eval).
+    fp.gather_resident();
+    o.mtp_num_layers = 0;
+    o.stream = nullptr;
+    const auto ev = model::loss_and_grad(cfg, full.view, nullptr, b, o, model::RematPolicy::keep_all());
+    o.stream = &fp;
+    EXPECT_EQ(model::loss_and_grad(cfg, fp.view, nullptr, b, o, model::RematPolicy::keep_all()).loss, ev.loss);
+  }
 }
 
 }  // namespace

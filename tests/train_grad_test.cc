@@ -241,7 +241,9 @@ TEST(TrainGrad, RowShardsAddUpToTheWholeBatch) {
     EXPECT_NEAR(sum.mtp_loss, whole.terms.mtp_loss, 1e-6 * std::fabs(whole.terms.mtp_loss) + 1e-12);
     EXPECT_NEAR(sum.moe_lb_loss, whole.terms.moe_lb_loss, 1e-6 * std::fabs(whole.terms.moe_lb_loss) + 1e-12);
     EXPECT_EQ(sum.tokens, whole.terms.tokens);
-    if (f.opt.load_balance_loss_weight > 0) EXPECT_GT(whole.terms.moe_lb_loss, 0.0);
+    if (f.opt.load_balance_loss_weight > 0) {
+      EXPECT_GT(whole.terms.moe_lb_loss, 0.0);
+    }
     double gmax = 0, err = 0;
     for (size_t i = 0; i < grads.size(); ++i) {
       gmax = std::max(gmax, std::fabs(double(whole.grads[i])));

@@ -36,10 +36,8 @@ FlatParams FlatParams::wrap(const ModelConfig& cfg, int64_t mtp_layers, float* b
   return f;
 }
 
-FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers, int64_t pad_multiple) {
-  DS_CHECK(pad_multiple >= 1, "FlatParams: pad_multiple {} must be >= 1", pad_multiple);
-  const int64_t n = numel(cfg, mtp_layers);
-  std::vector<float> data(static_cast<size_t>((n + pad_multiple - 1) / pad_multiple * pad_multiple), 0.0f);
+FlatParams FlatParams::zeros(const ModelConfig& cfg, int64_t mtp_layers) {
+  std::vector<float> data(static_cast<size_t>(numel(cfg, mtp_layers)), 0.0f);
   FlatParams f = wrap(cfg, mtp_layers, data.data());
   f.data = std::move(data);  // the heap block moves with it: the views stay valid
   return f;
@@ -180,6 +178,14 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   if (shard) s.load_balance_loss_weight *= static_cast<double>(B) / static_cast<double>(opt.whole.rows);
   const TokenLayout layout{B, T, b.positions.data(), b.segment_ids.data()};
   LossTerms out;
+  LayerStream* const stream = opt.stream;
+  auto acquire = [&](int64_t u, bool bwd) {
+    if (stream) stream->acquire(u, bwd);
+  };
+  auto release = [&](int64_t u, bool bwd) {
+    if (stream) stream->release(u, bwd);
+  };
+  if (stream) stream->begin(L + K, grads != nullptr);
 
   // Forward.
   Buffer<float> h(N * D);
@@ -188,7 +194,9 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   std::vector<double> lb;
   for (int64_t l = 0; l < L; ++l) {
     LayerStats st;
+    acquire(l, false);
     layer_forward(h.data(), w.layers[l], l, s, layout, nullptr, &saved[l], policy, &st);
+    release(l, false);
     if (cfg.is_moe_layer(l)) {
       out.expert_load.push_back(st.load);
       lb.push_back(st.lb_loss);
@@ -211,6 +219,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     const float* prev = h.data();
     for (int64_t k = 0; k < K; ++k) {
       MtpDepth& m = mtp[k];
+      acquire(L + k, false);
       const auto& p = w.mtp[k];
       ids = roll_in_segment(ids, seg, B, T);
       tgt = roll_in_segment(tgt, seg, B, T);
@@ -244,6 +253,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
       m.hnrstd.resize(N);
       ops::rmsnorm_forward(m.hn.data(), m.hnrstd.data(), m.h.data(), vector_data(p.head_norm), N, D, eps(cfg));
       head_forward(m.head, m.hn.data(), w.lm_head, tgt, tm, N, D, 0.0);
+      release(L + k, false);
       mtp_ce += m.head.ce_sum;
       mtp_weight += m.head.weight;
       prev = m.h.data();
@@ -268,6 +278,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   std::fill(dh.begin(), dh.end(), 0.0f);
   for (int64_t k = K - 1; k >= 0; --k) {
     MtpDepth& m = mtp[k];
+    acquire(L + k, true);
     const auto& p = w.mtp[k];
     auto& gk = g.mtp[k];
     Buffer<float> dhk(dh.begin(), dh.end()), dhn(N * D);
@@ -286,13 +297,18 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     if (g.embed) ops::embedding_backward(g.embed, de.data(), m.ids.data(), N, V, D);
     const float* prev = k == 0 ? h.data() : mtp[k - 1].h.data();
     norm_backward(dh.data(), gk.hnorm, dhp.data(), prev, p.hnorm, m.hrstd.data(), N);
+    release(L + k, true);
   }
   {
     Buffer<float> dhn(N * D);
     head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, gs / denom);
     norm_backward(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N, true);
   }
-  for (int64_t l = L - 1; l >= 0; --l) layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    acquire(l, true);
+    layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);
+    release(l, true);
+  }
   if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);
   return out;
 }

@@ -35,9 +35,7 @@ struct FlatParams {
   FlatParams(FlatParams&&) = default;
   FlatParams& operator=(FlatParams&&) = default;
 
-  // pad_multiple: data.size() is rounded up to a multiple of it (FSDP
-  // shards of equal length); the padding belongs to no tensor.
-  static FlatParams zeros(const ModelConfig& cfg, int64_t mtp_layers, int64_t pad_multiple = 1);
+  static FlatParams zeros(const ModelConfig& cfg, int64_t mtp_layers);
   // Views over `base`, laid out as zeros() lays out data; owns nothing (data
   // stays empty), base must hold numel() floats and outlive the result.
   static FlatParams wrap(const ModelConfig& cfg, int64_t mtp_layers, float* base);
@@ -51,6 +49,23 @@ struct TrainBatch {
   std::vector<int32_t> inputs, targets, positions, segment_ids;
   std::vector<int32_t> target_segment_ids;  // 0: the target does not count (padding, end of document)
   void check(const ModelConfig& cfg) const;
+};
+
+// Streams the weights of the decoder layers and MTP depths in, and their
+// gradients out, one unit at a time (FSDP: all-gathered before use,
+// reduce-scattered after). Unit u is decoder layer u for u <
+// num_hidden_layers, else MTP depth u - num_hidden_layers. Between
+// acquire(u) and release(u) the views of unit u in the ParamsView given to
+// loss_and_grad (and, with a backward, unit u's gradient pointers in the
+// gradient tree, on zeroed memory) are valid; outside they may point
+// anywhere. The embedding, final norm and LM head stay valid throughout.
+// Units are used in the order 0..U-1 (forward), then U-1..0 (backward).
+class LayerStream {
+ public:
+  virtual ~LayerStream() = default;
+  virtual void begin(int64_t units, bool backward) = 0;
+  virtual void acquire(int64_t unit, bool backward) = 0;
+  virtual void release(int64_t unit, bool backward) = 0;
 };
 
 struct LossOptions {
@@ -70,6 +85,7 @@ struct LossOptions {
     double targets = 0, mtp_targets = 0;
     int64_t rows = 0;
   } whole;
+  LayerStream* stream = nullptr;  // FSDP: per-unit weights and gradients
 };
 
 // The normalizers of a batch's loss: counted targets, and counted MTP

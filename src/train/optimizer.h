@@ -12,13 +12,14 @@
 // The step is ops::adamw_update (m and v start at 0, bias-corrected, eps_root
 // inside the square root) with the rate of the schedule.
 //
-// FSDP: an AdamW may own only the flat elements [lo, hi) of the parameter
-// buffer (its shard); it keeps moments for those alone and updates only them.
-// m[i - lo] and v[i - lo] belong to flat element i, so a whole-tree view of
-// the moments is FlatParams::wrap over m (unsharded) or over the moments
-// gathered from every shard.
+// FSDP: an AdamW may own only some runs of the flat parameter order (its
+// shards, stored wherever the caller keeps them); it keeps moments for those
+// elements alone, in the order of the runs, and updates only them. Over the
+// whole buffer m[i] and v[i] belong to flat element i, so FlatParams::wrap
+// over m is the moments' tree.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -29,44 +30,60 @@
 
 namespace ds::train {
 
+// Flat elements [lo, hi) of the parameter order, whose values live at
+// param[i - lo] and gradients at grad[i - lo].
+struct OwnedRange {
+  int64_t lo, hi;
+  float *param, *grad;
+};
+
 struct TensorSlot {
   model::ParamInfo info;
-  float *param, *grad;  // the whole tensor
-  int64_t offset;       // of the tensor in the flat buffer
+  int64_t offset;  // of the tensor in the flat order
   bool trainable, decay;
 };
 
 class AdamW {
  public:
-  // Binds to params and grads (which must outlive it) and owns m and v of
-  // the flat elements [lo, hi) (hi = -1: params.data.size(), the whole buffer).
+  // Owns m and v of the elements of `owned` (which must outlive it; runs in
+  // increasing order, not overlapping).
+  AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, std::vector<OwnedRange> owned);
+  // The whole buffer.
   AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, model::FlatParams& params,
-        model::FlatParams& grads, int64_t lo = 0, int64_t hi = -1);
+        model::FlatParams& grads);
 
-  // The gradients of every tensor of the tree within [lo, hi), frozen ones
-  // included (the gradient norm covers them all, as MaxText's does).
+  // The owned gradients of every tensor of the tree, frozen ones included
+  // (the gradient norm covers them all, as MaxText's does; not the routing
+  // bias, which has none).
   std::vector<ops::GradSpan> grad_spans() const;
-  // The parameters within [lo, hi).
+  // The owned parameters.
   std::vector<ops::GradSpan> param_spans() const;
-  // One update at rate lr of every trainable element in [lo, hi); count()
-  // grows by one.
+  // One update at rate lr of every owned trainable element; count() grows by one.
   void update(double lr);
   int64_t count() const { return count_; }
   void set_count(int64_t c) { count_ = c; }
-  int64_t lo() const { return lo_; }
-  int64_t hi() const { return hi_; }
+  // f(param, flat_index, n) for each owned piece of the flat range [a, b).
+  template <typename F>
+  void for_owned(int64_t a, int64_t b, F&& f) const {
+    for (const auto& r : owned_) {
+      const int64_t x = std::max(a, r.lo), y = std::min(b, r.hi);
+      if (x < y) f(r.param + (x - r.lo), x, y - x);
+    }
+  }
 
-  std::vector<float> m, v;  // [hi - lo]
+  std::vector<float> m, v;  // the owned elements, in the order of the runs
   const std::vector<TensorSlot>& slots() const { return slots_; }
 
  private:
-  // Calls f(slot, first, count): the part of the slot's tensor inside [lo, hi).
+  // f(slot, range, first flat index, count, offset of the first in m) for
+  // every piece of a tensor inside an owned run.
   template <typename F>
   void for_each_part(F&& f) const;
 
   ops::AdamWConfig base_;
   std::vector<TensorSlot> slots_;
-  int64_t lo_ = 0, hi_ = 0;
+  std::vector<OwnedRange> owned_;
+  std::vector<int64_t> moment_at_;  // per run: its first element's index in m
   int64_t count_ = 0;
 };
 

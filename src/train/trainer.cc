@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
@@ -205,22 +206,44 @@ TrainSummary train(const RunConfig& rc) {
              run.string(), existing.empty() ? 0 : existing.back());
   }
 
-  // Parameters, gradients and optimizer. FSDP: the flat buffers are padded
-  // to F equal shards; this rank's AdamW owns shard [lo, lo + S).
-  model::FlatParams params = model::FlatParams::zeros(cfg, mtp, F);
-  model::FlatParams grads = model::FlatParams::zeros(cfg, mtp, F);
-  const int64_t P = static_cast<int64_t>(params.data.size()), S = P / F, shard_lo = mesh.coord(dist::kFsdp) * S;
-  AdamW opt(cfg, mtp, tc, params, grads, shard_lo, shard_lo + S);
-  if (multi)
+  // Parameters, gradients and optimizer. One fsdp shard: whole flat
+  // buffers. Several: dist::FsdpParams keeps this rank's shards and streams
+  // the layers in (all-gather) and their gradients out (reduce-scatter); the
+  // whole buffer exists only for a moment at the start, at a resume and at a
+  // checkpoint.
+  const int64_t P = model::FlatParams::numel(cfg, mtp);
+  model::FlatParams params, grads;
+  std::unique_ptr<dist::FsdpParams> fsdp;
+  std::unique_ptr<AdamW> opt_box;
+  if (F == 1) {
+    params = model::FlatParams::zeros(cfg, mtp);
+    grads = model::FlatParams::zeros(cfg, mtp);
+    opt_box = std::make_unique<AdamW>(cfg, mtp, tc, params, grads);
+  } else {
+    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, mesh.axis(dist::kFsdp));
+    std::vector<OwnedRange> owned;
+    for (const auto& pc : fsdp->owned())
+      owned.push_back({pc.lo, pc.hi, fsdp->shard.data() + pc.at, fsdp->grad_shard.data() + pc.at});
+    opt_box = std::make_unique<AdamW>(cfg, mtp, tc, std::move(owned));
+  }
+  AdamW& opt = *opt_box;
+  const model::ParamsView& pview = fsdp ? fsdp->view : params.view;
+  model::ModelParams<float*>& gtree = fsdp ? fsdp->grads : grads.ptr;
+  if (multi) {
+    const int64_t held = fsdp ? fsdp->floats_held() : static_cast<int64_t>(params.data.size() + grads.data.size());
     fmt::print(stderr, "rank {}: {}; fsdp shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
                world.rank(), mesh.describe(), mesh.coord(dist::kFsdp), F,
-               static_cast<double>(params.data.size() + grads.data.size() + opt.m.size() + opt.v.size()) * 4 /
-                   (1 << 20));
+               static_cast<double>(held + static_cast<int64_t>(opt.m.size() + opt.v.size())) * 4 / (1 << 20));
+  }
+  // Rank 0's whole parameters (FSDP: a temporary buffer until the shards are taken).
+  model::FlatParams full_box;
+  if (fsdp) full_box = model::FlatParams::zeros(cfg, mtp);
+  model::FlatParams& full = fsdp ? full_box : params;
   if (lead) {
     if (!tc.load_parameters_path.empty())
-      load_hf_params(tc.load_parameters_path, cfg, mtp, params);
+      load_hf_params(tc.load_parameters_path, cfg, mtp, full);
     else
-      init_params(cfg, mtp, params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
+      init_params(cfg, mtp, full, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
   }
 
   // Data.
@@ -246,7 +269,7 @@ TrainSummary train(const RunConfig& rc) {
       m_full.assign(static_cast<size_t>(P), 0.0f);
       v_full.assign(static_cast<size_t>(P), 0.0f);
       auto mf = model::FlatParams::wrap(cfg, mtp, m_full.data()), vf = model::FlatParams::wrap(cfg, mtp, v_full.data());
-      const CheckpointState st = load_checkpoint(dir, cfg, mtp, params, &mf, &vf);
+      const CheckpointState st = load_checkpoint(dir, cfg, mtp, full, &mf, &vf);
       DS_CHECK(st.model_config == model_json,
                "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
                dir);
@@ -262,7 +285,7 @@ TrainSummary train(const RunConfig& rc) {
     }
     if (multi) {
       resumed = nlohmann::json::parse(broadcast_string(world, resumed.dump()));
-      world.broadcast(params.data.data(), P, 0).wait();
+      world.broadcast(full.data.data(), P, 0).wait();
       have_moments = resumed["newest"].get<int64_t>() >= 0;
       if (have_moments) {
         m_full.resize(static_cast<size_t>(P));
@@ -271,9 +294,19 @@ TrainSummary train(const RunConfig& rc) {
         world.broadcast(v_full.data(), P, 0).wait();
       }
     }
-    if (have_moments) {
-      std::copy_n(m_full.begin() + shard_lo, S, opt.m.begin());
-      std::copy_n(v_full.begin() + shard_lo, S, opt.v.begin());
+    if (fsdp) {
+      fsdp->take_shard(full.data.data(), fsdp->shard.data());
+      full_box = model::FlatParams();  // freed
+    }
+    if (have_moments && fsdp) {
+      std::vector<float> sl(fsdp->shard.size());
+      fsdp->take_shard(m_full.data(), sl.data());
+      fsdp->pack(sl, opt.m);
+      fsdp->take_shard(v_full.data(), sl.data());
+      fsdp->pack(sl, opt.v);
+    } else if (have_moments) {
+      std::copy_n(m_full.begin(), P, opt.m.begin());
+      std::copy_n(v_full.begin(), P, opt.v.begin());
     }
     start = resumed["start"].get<int64_t>();
     consecutive_skipped = resumed["consecutive_skipped"].get<int64_t>();
@@ -311,18 +344,22 @@ TrainSummary train(const RunConfig& rc) {
   std::vector<int64_t> moe_layers;
   for (int64_t l = 0; l < cfg.num_hidden_layers + mtp; ++l)
     if (cfg.is_moe_layer(l)) moe_layers.push_back(l);
-  std::vector<float*> biases;
-  model::for_each_param(
-      cfg, mtp,
-      [&](const model::ParamInfo& i, float*& p) {
-        if (i.role == model::ParamRole::RoutingBias) biases.push_back(p);
-      },
-      params.ptr);
+  // The routing biases' places in the flat order (this rank updates the
+  // elements it owns).
+  std::vector<std::pair<int64_t, int64_t>> biases;
+  {
+    int64_t off = 0;
+    model::for_each_param(cfg, mtp, [&](const model::ParamInfo& i) {
+      if (i.role == model::ParamRole::RoutingBias) biases.emplace_back(off, i.numel());
+      off += i.numel();
+    });
+  }
   const bool bias_update = cfg.routed_bias_update_rate > 0 && !biases.empty();
   DS_CHECK(!bias_update || biases.size() == moe_layers.size(), "internal: {} routing biases for {} MoE layers",
            biases.size(), moe_layers.size());
 
   model::LossOptions lo;
+  lo.stream = fsdp.get();
   lo.z_loss_multiplier = tc.z_loss_multiplier;
   lo.load_balance_loss_weight = tc.load_balance_loss_weight;
   lo.mtp_num_layers = mtp;
@@ -345,20 +382,23 @@ TrainSummary train(const RunConfig& rc) {
   // Collective: every rank calls it; rank 0 writes.
   auto save = [&](int64_t step) {
     std::vector<float> m_full, v_full;
-    const float *m_src = opt.m.data(), *v_src = opt.v.data();
-    if (F > 1) {
+    float *m_src = opt.m.data(), *v_src = opt.v.data();
+    if (fsdp) {
+      full_box = model::FlatParams::zeros(cfg, mtp);
+      fsdp->gather_full(fsdp->shard.data(), full_box.data.data());
       m_full.resize(static_cast<size_t>(P));
       v_full.resize(static_cast<size_t>(P));
-      auto hm = mesh.axis(dist::kFsdp).all_gather(opt.m.data(), S, m_full.data());
-      auto hv = mesh.axis(dist::kFsdp).all_gather(opt.v.data(), S, v_full.data());
-      hm.wait();
-      hv.wait();
+      fsdp->gather_full(fsdp->expand(opt.m).data(), m_full.data());
+      fsdp->gather_full(fsdp->expand(opt.v).data(), v_full.data());
       m_src = m_full.data();
       v_src = v_full.data();
     }
-    if (!lead) return;
-    auto mf = model::FlatParams::wrap(cfg, mtp, const_cast<float*>(m_src));
-    auto vf = model::FlatParams::wrap(cfg, mtp, const_cast<float*>(v_src));
+    if (!lead) {
+      full_box = model::FlatParams();
+      return;
+    }
+    auto mf = model::FlatParams::wrap(cfg, mtp, m_src);
+    auto vf = model::FlatParams::wrap(cfg, mtp, v_src);
     CheckpointState st;
     st.step = step;
     st.data_state = data->state();
@@ -366,7 +406,8 @@ TrainSummary train(const RunConfig& rc) {
     st.model_config = model_json;
     st.run_config = tc.as_json;
     if (!tc.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc.tokenizer_path).string();
-    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, params, &mf, &vf, st);
+    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, fsdp ? full_box : params, &mf, &vf, st);
+    full_box = model::FlatParams();
     prune_checkpoints(ckdir.string(), tc.max_num_checkpoints_to_keep);
     if (tty) fmt::print(stderr, "\n");
     fmt::print(stderr, "saved checkpoint {}\n", where);
@@ -379,12 +420,13 @@ TrainSummary train(const RunConfig& rc) {
     DS_CHECK(n >= 1, "eval_steps=-1 needs an eval split of known length; set eval_steps");
     model::LossOptions el = lo;
     el.mtp_num_layers = 0;  // MaxText's eval loss excludes MTP
+    if (fsdp) fsdp->gather_resident();
     double xent = 0, weight = 0;
     for (int64_t i = 0; i < n; ++i) {
       const model::TrainBatch b = eval_data->next();
       const int64_t r = b.batch / shards;
       if (multi) el.whole = model::loss_weights(b, 0);
-      const auto t = model::loss_and_grad(cfg, params.view, nullptr, slice_rows(b, shard * r, r), el, tc.remat);
+      const auto t = model::loss_and_grad(cfg, pview, nullptr, slice_rows(b, shard * r, r), el, tc.remat);
       const double w = multi ? el.whole.targets : t.tokens;
       xent += t.lm_loss * w;
       weight += w;
@@ -408,7 +450,10 @@ TrainSummary train(const RunConfig& rc) {
       counted.push_back(counted_targets(micro.back()));
       total_w += counted.back();
     }
-    std::fill(grads.data.begin(), grads.data.end(), 0.0f);
+    if (fsdp)
+      fsdp->start_step();
+    else
+      std::fill(grads.data.begin(), grads.data.end(), 0.0f);
     model::LossTerms terms;
     std::vector<std::vector<float>> bias_delta(moe_layers.size());
     std::vector<std::vector<int64_t>> load(moe_layers.size());
@@ -418,8 +463,7 @@ TrainSummary train(const RunConfig& rc) {
       mo.grad_scale = wi;
       // This rank's rows, weighed as a share of the global micro-batch.
       if (multi) mo.whole = model::loss_weights(micro[i], mtp);
-      auto t = model::loss_and_grad(cfg, params.view, &grads.ptr, slice_rows(micro[i], shard * rows, rows), mo,
-                                    tc.remat);
+      auto t = model::loss_and_grad(cfg, pview, &gtree, slice_rows(micro[i], shard * rows, rows), mo, tc.remat);
       terms.loss += wi * t.loss;
       terms.lm_loss += wi * t.lm_loss;
       terms.z_loss += wi * t.z_loss;
@@ -451,13 +495,14 @@ TrainSummary train(const RunConfig& rc) {
       // shards; with FSDP each rank keeps the sum of its own shard only.
       double t6[6] = {terms.loss, terms.lm_loss, terms.z_loss, terms.mtp_loss, terms.moe_lb_loss, terms.tokens};
       auto ht = world.all_reduce(t6, 6);
-      if (F == 1) {
+      if (!fsdp) {
         world.all_reduce(grads.data.data(), P).wait();
       } else {
-        std::vector<float> gs(static_cast<size_t>(S));
-        mesh.axis(dist::kFsdp).reduce_scatter(grads.data.data(), S, gs.data()).wait();
-        if (mesh.size(dist::kData) > 1) mesh.axis(dist::kData).all_reduce(gs.data(), S).wait();
-        std::copy(gs.begin(), gs.end(), grads.data.begin() + shard_lo);
+        fsdp->finish_grads();
+        if (mesh.size(dist::kData) > 1)
+          mesh.axis(dist::kData)
+              .all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size()))
+              .wait();
       }
       ht.wait();
       terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
@@ -476,11 +521,13 @@ TrainSummary train(const RunConfig& rc) {
         grad_norm = std::min(raw_norm, tc.gradient_clipping_threshold);
       }
       opt.update(lr);
-      // FSDP: every rank gets the updated shards of the others.
-      if (F > 1) mesh.axis(dist::kFsdp).all_gather(params.data.data() + shard_lo, S, params.data.data()).wait();
       if (bias_update)
         for (size_t l = 0; l < biases.size(); ++l)
-          for (size_t e = 0; e < bias_delta[l].size(); ++e) biases[l][e] += bias_delta[l][e];
+          opt.for_owned(biases[l].first, biases[l].first + biases[l].second,
+                        [&](float* p, int64_t first, int64_t n) {
+                          const float* d = bias_delta[l].data() + (first - biases[l].first);
+                          for (int64_t e = 0; e < n; ++e) p[e] += d[e];
+                        });
     } else {
       ++sum.skipped_steps;
       ++consecutive_skipped;
