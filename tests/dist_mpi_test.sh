@@ -5,7 +5,8 @@
 #    same losses as one process, within 1e-5 relative over 20 steps, for
 #    data=2, fsdp=2 and data=2 x fsdp=2, with synthetic, json and prepared
 #    token data (MTP, z-loss, balance loss, bias updates and gradient
-#    accumulation on);
+#    accumulation on); and for expert=2 and fsdp=2 x expert=2 with both
+#    expert_dispatch modes;
 #  - checkpoints are interchangeable across world sizes: saved at 4 ranks,
 #    resumed at 1 and at 2, the continued losses match the uninterrupted run;
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
@@ -101,6 +102,16 @@ ev() { grep -o '"eval_loss":[-0-9.e+]*' "$tmp/runs/$1/metrics.jsonl" | cut -d: -
 check 'awk -v a="$(ev tokens-one)" -v b="$(ev tokens-d2f2)" "BEGIN { d = a - b; exit !(a > 0 && d < 1e-5 * a && -d < 1e-5 * a) }"' \
   "eval loss at 4 ranks matches one process: $(ev tokens-one) vs $(ev tokens-d2f2)"
 
+# Expert parallelism, both ways of moving the rows, alone and with FSDP.
+for mode in alltoall allgather; do
+  ranks 2 run_name=ep2-$mode dataset_type=synthetic ici_expert_parallelism=2 ici_fsdp_parallelism=1 \
+    expert_dispatch=$mode
+  check '[ $? -eq 0 ] && same_losses synthetic-one ep2-$mode' "expert=2 ($mode) matches one process"
+  ranks 4 run_name=f2e2-$mode dataset_type=synthetic ici_expert_parallelism=2 expert_dispatch=$mode
+  check '[ $? -eq 0 ] && same_losses synthetic-one f2e2-$mode' "fsdp=2 x expert=2 ($mode) matches one process"
+  check 'grep -q "\"expert_rows_per_rank\":\[" "$tmp/runs/f2e2-$mode/metrics.jsonl"' "expert rows per rank in the metrics"
+done
+
 # Checkpoints across world sizes: 10 steps at 4 ranks (schedule of 20), then
 # the last 10 at 1 and at 2 ranks; the continued losses match synthetic-one's.
 sched=(dataset_type=synthetic learning_rate_schedule_steps=20)
@@ -138,7 +149,7 @@ mpi 2 "$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=kil
 check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err"' "the killed run resumes at step $newest"
 
 # Impossible meshes: one error line from each rank, non-zero exit.
-for bad in "ici_data_parallelism=3" "ici_expert_parallelism=2 ici_fsdp_parallelism=1"; do
+for bad in "ici_data_parallelism=3" "ici_data_parallelism=-1 ici_fsdp_parallelism=-1" "expert_dispatch=ring"; do
   # shellcheck disable=SC2086
   ranks 2 run_name=bad $bad
   rc=$?

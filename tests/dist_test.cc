@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/expert_exchange.h"
 #include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "model/model.h"
@@ -212,6 +213,52 @@ TEST(Fsdp, OneRankStreamEqualsThePlainBuffers) {
     const auto ev = model::loss_and_grad(cfg, full.view, nullptr, b, o, model::RematPolicy::keep_all());
     o.stream = &fp;
     EXPECT_EQ(model::loss_and_grad(cfg, fp.view, nullptr, b, o, model::RematPolicy::keep_all()).loss, ev.loss);
+  }
+}
+
+
+// The expert exchange on one rank moves every row to itself: plan, dispatch
+// and undispatch are identities, and the loss and gradients are bitwise
+// those without an exchange, in both dispatch modes. (Across ranks:
+// dist_mpi_test.sh.)
+TEST(ExpertExchange, OneRankIsTheIdentity) {
+  const auto rc = train::parse_run_config(kTiny, {"mtp_num_layers=1"}, "test");
+  const auto& cfg = rc.model;
+  const int64_t mtp = 1;
+  auto p = model::FlatParams::zeros(cfg, mtp), g0 = model::FlatParams::zeros(cfg, mtp);
+  train::init_params(cfg, mtp, p, 5, 0.05f);
+  model::TrainBatch b;
+  b.batch = 2;
+  b.seq = 8;
+  for (int64_t t = 0; t < 16; ++t) {
+    b.inputs.push_back(static_cast<int32_t>((11 * t + 2) % cfg.vocab_size));
+    b.targets.push_back(static_cast<int32_t>((3 * t + 5) % cfg.vocab_size));
+    b.positions.push_back(static_cast<int32_t>(t % 8));
+    b.segment_ids.push_back(1);
+    b.target_segment_ids.push_back(1);
+  }
+  model::LossOptions o;
+  o.mtp_num_layers = mtp;
+  o.load_balance_loss_weight = 0.01;
+  const auto plain = model::loss_and_grad(cfg, p.view, &g0.ptr, b, o, model::RematPolicy::from_name("full", {}));
+  auto comm = dist::make_single();
+  for (auto mode : {dist::ExpertExchange::Mode::AllToAll, dist::ExpertExchange::Mode::AllGather}) {
+    dist::ExpertExchange ex(*comm, cfg.n_routed_experts, mode);
+    model::ExchangePlan plan;
+    ex.plan(plan, {3, 0, 2, 1, 0, 0, 4, 1});
+    EXPECT_EQ(plan.local_rows, 11);
+    EXPECT_EQ(plan.local_sizes, (std::vector<int32_t>{3, 0, 2, 1, 0, 0, 4, 1}));
+    std::vector<float> rows(11 * 3), there(11 * 3), back(11 * 3);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);
+    ex.dispatch(there.data(), rows.data(), plan, 3);
+    ex.undispatch(back.data(), there.data(), plan, 3);
+    EXPECT_EQ(there, rows);
+    EXPECT_EQ(back, rows);
+    auto g = model::FlatParams::zeros(cfg, mtp);
+    o.exchange = &ex;
+    const auto t = model::loss_and_grad(cfg, p.view, &g.ptr, b, o, model::RematPolicy::from_name("full", {}));
+    EXPECT_EQ(t.loss, plain.loss);
+    EXPECT_EQ(g.data, g0.data);
   }
 }
 

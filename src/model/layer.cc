@@ -187,6 +187,10 @@ struct Scratch {
   Buffer<float> x, rstd1, h1, m, rstd2;  // attention input (normed h), h + out_proj, FFN input, norms' rstd
   Routing routing;
   Buffer<float> xs;  // MoE: routed rows of m, sorted by expert
+  // Expert parallelism: the exchange plan and the rows this rank's experts
+  // compute (every rank's, sorted by expert).
+  ExchangePlan plan;
+  Buffer<float> xs_local;
 };
 
 bool need(const Buffer<float>& b) { return b.empty(); }
@@ -288,22 +292,35 @@ void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const La
     const int64_t n = N * r.k, Ie = c.moe_intermediate_size;
     X.xs.resize(n * D);
     ops::route_forward(X.xs.data(), X.m.data(), r.order.data(), N, r.k, D);
+    // Expert parallelism: the rows travel to their experts' ranks (and, in a
+    // backward, again, since the plan and these rows are scratch).
+    TokenExchange* ex = s.exchange;
+    int64_t n_here = n;
+    if (ex) {
+      ex->plan(X.plan, r.sizes);
+      n_here = X.plan.local_rows;
+      X.xs_local.resize(n_here * D);
+      ex->dispatch(X.xs_local.data(), X.xs.data(), X.plan, D);
+    }
     const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
     if (forward || experts_missing || dense_missing) {
       // Generation keeps no residuals: the experts' intermediates stay in per-task scratch.
       if (residuals) {
-        S.moe_mlpwi_0.resize(n * Ie);
-        S.moe_mlpwi_1.resize(n * Ie);
+        S.moe_mlpwi_0.resize(n_here * Ie);
+        S.moe_mlpwi_1.resize(n_here * Ie);
       }
       S.moe_mlpwo.resize(n * D);
-      Buffer<float> shared_out(N * D);
-      ExpertOut o{S.moe_mlpwo.data(),
+      Buffer<float> shared_out(N * D), ys_here;
+      if (ex) ys_here.resize(n_here * D);
+      ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),
                   shared_out.data(),
                   residuals ? S.moe_mlpwi_0.data() : nullptr,
                   residuals ? S.moe_mlpwi_1.data() : nullptr,
                   shared && residuals ? S.mlpwi_0.data() : nullptr,
                   shared && residuals ? S.mlpwi_1.data() : nullptr};
-      experts_forward(o, X.xs.data(), X.m.data(), r, p.moe, s);
+      experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
+                      ex ? &X.plan.local_sizes : nullptr);
+      if (ex) ex->undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
       if (forward) {
         std::memcpy(ffn_out.data(), shared_out.data(), N * D * sizeof(float));
         combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
@@ -383,9 +400,22 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
     combine_backward(dweights.data(), dys.data(), dh, S.moe_mlpwo.data(), r, D);
     std::fill(dm.begin(), dm.end(), 0.0f);
     const bool shared = c.n_shared_experts > 0;
-    experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
-                     S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
-                     X.xs.data(), X.m.data(), r, p.moe, s);
+    if (TokenExchange* ex = s.exchange) {
+      // The expert compute's backward runs where its forward ran: dys goes
+      // to the experts' ranks, dxs comes back.
+      const int64_t nl = X.plan.local_rows;
+      Buffer<float> dys_here(nl * D), dxs_here(nl * D);
+      ex->dispatch(dys_here.data(), dys.data(), X.plan, D);
+      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr,
+                       S.moe_mlpwi_0.data(), S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr,
+                       shared ? S.mlpwi_1.data() : nullptr, X.xs_local.data(), X.m.data(), r, p.moe, s,
+                       &X.plan.local_sizes);
+      ex->undispatch(dxs.data(), dxs_here.data(), X.plan, D);
+    } else {
+      experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
+                       S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
+                       X.xs.data(), X.m.data(), r, p.moe, s);
+    }
     Buffer<float> dm_routed(N * D);
     ops::route_backward(dm_routed.data(), dxs.data(), r.inverse.data(), N, r.k, D);
     for (int64_t i = 0; i < N * D; ++i) dm[i] += dm_routed[i];

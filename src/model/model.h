@@ -18,6 +18,7 @@
 #include "model/config.h"
 #include "model/layer.h"
 #include "model/params.h"
+#include "model/stages.h"
 #include "model/weights.h"
 
 namespace ds::model {
@@ -85,7 +86,8 @@ struct LossOptions {
     double targets = 0, mtp_targets = 0;
     int64_t rows = 0;
   } whole;
-  LayerStream* stream = nullptr;  // FSDP: per-unit weights and gradients
+  LayerStream* stream = nullptr;      // FSDP: per-unit weights and gradients
+  TokenExchange* exchange = nullptr;  // expert parallelism
 };
 
 // The normalizers of a batch's loss: counted targets, and counted MTP

@@ -366,7 +366,8 @@ struct ExpertTask {
   int64_t rows;
 };
 
-std::vector<ExpertTask> expert_tasks(const Routing& r, bool shared, const MoeParams<ops::WeightView>& m) {
+std::vector<ExpertTask> expert_tasks(const Routing& r, const std::vector<int32_t>& sizes, bool shared,
+                                     const MoeParams<ops::WeightView>& m) {
   std::vector<ExpertTask> tasks;
   auto add = [&](const MlpParams<ops::WeightView>* mlp, int64_t e, int64_t row0, int64_t n) {
     for (int64_t i = 0; i < n; i += kExpertTaskRows)
@@ -374,9 +375,9 @@ std::vector<ExpertTask> expert_tasks(const Routing& r, bool shared, const MoePar
   };
   if (shared) add(&m.shared, -1, 0, r.tokens);
   int64_t off = 0;
-  for (size_t e = 0; e < r.sizes.size(); ++e) {
-    add(&m.experts[e], static_cast<int64_t>(e), off, r.sizes[e]);
-    off += r.sizes[e];
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    add(&m.experts[e], static_cast<int64_t>(e), off, sizes[e]);
+    off += sizes[e];
   }
   std::stable_sort(tasks.begin(), tasks.end(),
                    [](const ExpertTask& a, const ExpertTask& b) { return a.rows > b.rows; });
@@ -384,9 +385,9 @@ std::vector<ExpertTask> expert_tasks(const Routing& r, bool shared, const MoePar
 }
 
 void experts_in_row_tasks(const ExpertOut& o, const float* xs, const float* x, const Routing& r,
-                          const MoeParams<ops::WeightView>& m, int64_t D) {
+                          const std::vector<int32_t>& sizes, const MoeParams<ops::WeightView>& m, int64_t D) {
   const bool shared = m.shared.gate.data != nullptr;
-  const auto tasks = expert_tasks(r, shared, m);
+  const auto tasks = expert_tasks(r, sizes, shared, m);
   const int64_t T = static_cast<int64_t>(tasks.size());
 #pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
   for (int64_t t = 0; t < T; ++t) {
@@ -406,19 +407,20 @@ void experts_in_row_tasks(const ExpertOut& o, const float* xs, const float* x, c
 }  // namespace
 
 void experts_forward(const ExpertOut& out, const float* xs, const float* x, const Routing& r,
-                     const MoeParams<ops::WeightView>& p, const StageConfig& s) {
+                     const MoeParams<ops::WeightView>& p, const StageConfig& s, const std::vector<int32_t>* sizes) {
   const int64_t D = s.cfg->hidden_size;
-  if (r.tokens * r.k <= s.task_parallel_assignments)
+  if (!sizes && r.tokens * r.k <= s.task_parallel_assignments)
     experts_as_tasks(out, xs, x, r, p, D);
   else
-    experts_in_row_tasks(out, xs, x, r, p, D);
+    experts_in_row_tasks(out, xs, x, r, sizes ? *sizes : r.sizes, p, D);
 }
 
 void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* dys, const float* dshared,
                       const float* moe_mlpwi_0, const float* moe_mlpwi_1, const float* shared_mlpwi_0,
                       const float* shared_mlpwi_1, const float* xs, const float* x, const Routing& r,
-                      const MoeParams<ops::WeightView>& p, const StageConfig& s) {
+                      const MoeParams<ops::WeightView>& p, const StageConfig& s, const std::vector<int32_t>* sizes_in) {
   const int64_t D = s.cfg->hidden_size, I = s.cfg->moe_intermediate_size;
+  const std::vector<int32_t>& sizes = sizes_in ? *sizes_in : r.sizes;
   // One task per expert (its weight gradients are sums over its rows, so a
   // task must own all of them to keep the sum's order fixed); the shared
   // experts' rows are summed in one task too.
@@ -429,9 +431,9 @@ void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* 
   std::vector<Task> tasks;
   if (shared) tasks.push_back({-1, 0, r.tokens});
   int64_t off = 0;
-  for (size_t e = 0; e < r.sizes.size(); ++e) {
-    if (r.sizes[e] > 0) tasks.push_back({static_cast<int64_t>(e), off, r.sizes[e]});
-    off += r.sizes[e];
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    if (sizes[e] > 0) tasks.push_back({static_cast<int64_t>(e), off, sizes[e]});
+    off += sizes[e];
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.rows > b.rows; });
   Buffer<float> dshared_x;

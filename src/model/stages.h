@@ -26,6 +26,8 @@ namespace ds::model {
 using LayerGrads = LayerParams<float*>;  // null leaves: no gradient wanted
 
 // What the stages derive from the config once.
+class TokenExchange;
+
 struct StageConfig {
   explicit StageConfig(const ModelConfig& c);
   const ModelConfig* cfg;
@@ -39,6 +41,8 @@ struct StageConfig {
   int64_t task_parallel_assignments = 64;
   // Training: MaxText's load_balance_loss_weight (0: no balance loss).
   double load_balance_loss_weight = 0.0;
+  // Expert parallelism: moves routed rows to the ranks of their experts (null: none).
+  TokenExchange* exchange = nullptr;
 };
 
 // RMSNorm backward over a scale view: dx `=` (`+=` with accumulate_dx), the
@@ -162,13 +166,43 @@ struct ExpertOut {
   float* shared_mlpwi_0 = nullptr;
   float* shared_mlpwi_1 = nullptr;
 };
+// `sizes` (when not null) replaces r.sizes: the rows of xs per expert after
+// a token exchange (zero for the experts other ranks compute).
 void experts_forward(const ExpertOut& out, const float* xs, const float* x, const Routing& r,
-                     const MoeParams<ops::WeightView>& p, const StageConfig& s);
+                     const MoeParams<ops::WeightView>& p, const StageConfig& s,
+                     const std::vector<int32_t>* sizes = nullptr);
 // dys -> dxs `=`; shared: dshared_out -> dx +=.
 void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* dys, const float* dshared_out,
                       const float* moe_mlpwi_0, const float* moe_mlpwi_1, const float* shared_mlpwi_0,
                       const float* shared_mlpwi_1, const float* xs, const float* x, const Routing& r,
-                      const MoeParams<ops::WeightView>& p, const StageConfig& s);
+                      const MoeParams<ops::WeightView>& p, const StageConfig& s,
+                      const std::vector<int32_t>* sizes = nullptr);
+
+// Expert parallelism: between route and the expert compute, each routed row
+// travels to the rank that computes its expert, and the results travel back.
+// plan() (collective over the expert axis) takes this rank's rows per expert
+// [E] (sorted by expert, as route leaves them) and says where every row
+// goes; dispatch moves rows [n, D] in this rank's order to the rows this
+// rank computes [local_rows, D], sorted by expert (every rank's rows of one
+// expert together); undispatch moves them back. Both are permutations across
+// ranks, so each is the other's backward.
+struct ExchangePlan {
+  std::vector<int32_t> local_sizes;  // [E]: rows this rank computes per expert (0 for others' experts)
+  int64_t local_rows = 0;
+  std::vector<int64_t> send_rows, recv_rows;  // per rank of the expert axis
+  std::vector<int64_t> place;                 // received row i (grouped by sender) -> its row in expert order
+  // All-gather dispatch: row j in expert order is row source[j] of the
+  // gathered [ranks, max_rows] rows.
+  std::vector<int64_t> source;
+  int64_t max_rows = 0;
+};
+class TokenExchange {
+ public:
+  virtual ~TokenExchange() = default;
+  virtual void plan(ExchangePlan& p, const std::vector<int32_t>& sizes) = 0;
+  virtual void dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
+  virtual void undispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
+};
 
 // unroute and combine: out[t] += sum_j weights[t, j] * ys[inverse[t*K + j]].
 void combine_forward(float* out, const float* ys, const Routing& r, int64_t D);

@@ -117,6 +117,7 @@ const std::map<std::string, Setter>& train_keys() {
         k[key] = [key](TrainConfig& c, const YAML::Node& n) { c.mesh.set(key, n.as<int64_t>()); };
       }
     dbl("collective_timeout_seconds", &TrainConfig::collective_timeout_seconds);
+    str("expert_dispatch", &TrainConfig::expert_dispatch);
     return k;
   }();
   return keys;
@@ -211,6 +212,8 @@ void check_config(const RunConfig& rc) {
            "max_num_checkpoints_to_keep {} must be >= 1 (or None: keep all)", t.max_num_checkpoints_to_keep);
   DS_CHECK(t.collective_timeout_seconds >= 0, "collective_timeout_seconds {} must be >= 0 (0: wait forever)",
            t.collective_timeout_seconds);
+  DS_CHECK(t.expert_dispatch == "alltoall" || t.expert_dispatch == "allgather",
+           "expert_dispatch '{}' is not alltoall or allgather", t.expert_dispatch);
   DS_CHECK(t.log_period >= 1, "log_period {} must be >= 1", t.log_period);
   DS_CHECK(t.init_weights_std > 0, "init_weights_std {} must be positive", t.init_weights_std);
   for (const auto& list : {&t.adamw_mask, &t.trainable_parameters_mask})

@@ -87,6 +87,7 @@ struct TrainConfig {
   // and how long a collective may wait for the other ranks.
   dist::MeshConfig mesh;
   double collective_timeout_seconds = 300;
+  std::string expert_dispatch = "alltoall";  // alltoall | allgather (expert parallelism)
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/expert_exchange.h"
 #include "dist/fsdp.h"
 #include "dist/mesh.h"
 #include "io/atomic_file.h"
@@ -184,9 +185,16 @@ TrainSummary train(const RunConfig& rc) {
   dist::set_collective_timeout(tc.collective_timeout_seconds);
   dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
   const bool lead = world.rank() == 0, multi = world.size() > 1;
-  DS_CHECK(mesh.size(dist::kExpert) == 1,
-           "expert parallelism ({}) is not supported yet: set ici_expert_parallelism and dcn_expert_parallelism to 1",
-           mesh.describe());
+  // Expert parallelism: each rank of the expert axis computes its share of
+  // the routed experts for the tokens of every rank on that axis.
+  std::unique_ptr<dist::ExpertExchange> exchange;
+  if (mesh.size(dist::kExpert) > 1) {
+    DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
+    exchange = std::make_unique<dist::ExpertExchange>(
+        mesh.axis(dist::kExpert), cfg.n_routed_experts,
+        tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
+                                          : dist::ExpertExchange::Mode::AllToAll);
+  }
   const int64_t F = mesh.size(dist::kFsdp), shards = mesh.batch_shards(), shard = mesh.batch_index();
   const int64_t rows = tc.per_device_batch_size;
   DataConfig data_cfg = tc.data;
@@ -360,6 +368,7 @@ TrainSummary train(const RunConfig& rc) {
 
   model::LossOptions lo;
   lo.stream = fsdp.get();
+  lo.exchange = exchange.get();
   lo.z_loss_multiplier = tc.z_loss_multiplier;
   lo.load_balance_loss_weight = tc.load_balance_loss_weight;
   lo.mtp_num_layers = mtp;
@@ -499,10 +508,10 @@ TrainSummary train(const RunConfig& rc) {
         world.all_reduce(grads.data.data(), P).wait();
       } else {
         fsdp->finish_grads();
-        if (mesh.size(dist::kData) > 1)
-          mesh.axis(dist::kData)
-              .all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size()))
-              .wait();
+        // The other batch shards holding the same fsdp shard: data and expert.
+        for (auto a : {dist::kData, dist::kExpert})
+          if (mesh.size(a) > 1)
+            mesh.axis(a).all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size())).wait();
       }
       ht.wait();
       terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
@@ -571,6 +580,16 @@ TrainSummary train(const RunConfig& rc) {
                       {"cv", mean > 0 ? std::sqrt(var) / mean : 0.0}});
       }
       m["expert_load"] = el;
+      if (exchange) {
+        // Rows each rank of the expert axis computed this step (all MoE
+        // layers, averaged over the expert groups of the mesh).
+        const int64_t X = mesh.size(dist::kExpert), per = exchange->experts_per_rank();
+        std::vector<double> rows_at(static_cast<size_t>(X), 0.0);
+        for (const auto& ld : load)
+          for (size_t e = 0; e < ld.size(); ++e) rows_at[e / per] += static_cast<double>(ld[e]);
+        for (auto& r : rows_at) r /= static_cast<double>(world.size() / X);
+        m["expert_rows_per_rank"] = rows_at;
+      }
     }
     const bool last = s + 1 == tc.steps;
     if (eval_data && (s % tc.eval_interval == 0 || last)) {

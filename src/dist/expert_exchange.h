@@ -1,0 +1,43 @@
+// Expert parallelism over the expert axis: rank x of X computes experts
+// [x E/X, (x + 1) E/X). Two ways to move the rows (expert_dispatch):
+//   alltoall   every rank's routed rows reach their expert's rank by one
+//              all-to-all of only those rows; the results come back by the
+//              reverse all-to-all;
+//   allgather  the seed's: every rank all-gathers every rank's routed rows
+//              (padded to the longest), keeps those of its experts, and the
+//              results go back by a reduce-scatter of the whole [ranks,
+//              rows] buffer in which each rank filled in only its experts'
+//              rows (X times the data of alltoall, and no per-pair counts).
+//
+// plan(): the ranks all-gather their rows per expert [X, E]; this rank sends
+// rank q the rows of q's experts (a contiguous block, since route sorts rows
+// by expert) and receives, from each rank in turn, its rows of this rank's
+// experts; `place` then orders the received rows by expert (for each expert,
+// rank 0's rows first), which is the order the grouped expert compute wants.
+#pragma once
+
+#include "dist/communicator.h"
+#include "model/stages.h"
+
+namespace ds::dist {
+
+class ExpertExchange final : public model::TokenExchange {
+ public:
+  enum class Mode { AllToAll, AllGather };
+  // experts: the model's routed experts (a multiple of expert.size()).
+  ExpertExchange(Communicator& expert, int64_t experts, Mode mode);
+
+  void plan(model::ExchangePlan& p, const std::vector<int32_t>& sizes) override;
+  void dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
+  void undispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
+
+  int64_t first_expert() const { return rank_ * per_rank_; }
+  int64_t experts_per_rank() const { return per_rank_; }
+
+ private:
+  Communicator& comm_;
+  int64_t E_, X_, rank_, per_rank_;
+  Mode mode_;
+};
+
+}  // namespace ds::dist
