@@ -260,6 +260,20 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
     EXPECT_EQ(t.loss, plain.loss);
     EXPECT_EQ(g.data, g0.data);
   }
+  // fp8 gradients: e5m2 with a per-row scale, within e5m2's rounding (2^-3
+  // relative to the row's largest value), exact for a row of zeros.
+  dist::ExpertExchange q(*comm, cfg.n_routed_experts, dist::ExpertExchange::Mode::AllGather, true);
+  model::ExchangePlan plan;
+  q.plan(plan, {2, 0, 0, 0, 0, 0, 0, 1});
+  std::vector<float> rows = {1.0f, -3.5f, 1e-3f, 0.25f, 0, 0, 0, 0, 1e-6f, 2e-6f, -7e-7f, 5e-6f}, out(12);
+  q.dispatch_gradient(out.data(), rows.data(), plan, 4);
+  for (int r = 0; r < 3; ++r) {
+    float amax = 0;
+    for (int d = 0; d < 4; ++d) amax = std::max(amax, std::fabs(rows[r * 4 + d]));
+    for (int d = 0; d < 4; ++d) EXPECT_NEAR(out[r * 4 + d], rows[r * 4 + d], 0.125 * amax) << r << " " << d;
+  }
+  EXPECT_EQ(out[4], 0.0f);
+  EXPECT_NE(out[8], rows[8]);  // it is quantized: 1e-6 of a row whose largest is 5e-6 is no e5m2 step
 }
 
 }  // namespace

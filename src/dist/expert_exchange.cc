@@ -1,14 +1,16 @@
 #include "dist/expert_exchange.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace ds::dist {
 
-ExpertExchange::ExpertExchange(Communicator& expert, int64_t experts, Mode mode)
-    : comm_(expert), E_(experts), X_(expert.size()), rank_(expert.rank()), mode_(mode) {
+ExpertExchange::ExpertExchange(Communicator& expert, int64_t experts, Mode mode, bool fp8_gradients)
+    : comm_(expert), E_(experts), X_(expert.size()), rank_(expert.rank()), mode_(mode), fp8_gradients_(fp8_gradients) {
   DS_CHECK(X_ >= 1 && E_ % X_ == 0,
            "expert parallelism {} does not divide the {} routed experts: every rank must own as many", X_, E_);
   per_rank_ = E_ / X_;
@@ -57,24 +59,48 @@ void ExpertExchange::plan(model::ExchangePlan& p, const std::vector<int32_t>& si
   }
 }
 
-void ExpertExchange::dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
-  const size_t row_bytes = static_cast<size_t>(D) * sizeof(float);
+template <typename T>
+void ExpertExchange::move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W) {
+  const size_t row_bytes = static_cast<size_t>(W) * sizeof(T);
   if (mode_ == Mode::AllGather) {
-    std::vector<float> mine(static_cast<size_t>(p.max_rows * D), 0.0f), all(static_cast<size_t>(X_ * p.max_rows * D));
+    std::vector<T> mine(static_cast<size_t>(p.max_rows * W), T{}), all(static_cast<size_t>(X_ * p.max_rows * W));
     int64_t n = 0;
     for (int64_t v : p.send_rows) n += v;
     if (n > 0) std::memcpy(mine.data(), rows, static_cast<size_t>(n) * row_bytes);
-    comm_.all_gather(mine.data(), p.max_rows * D, all.data()).wait();
-    for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(out + j * D, all.data() + p.source[j] * D, row_bytes);
+    comm_.all_gather(mine.data(), p.max_rows * W, all.data()).wait();
+    for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(out + j * W, all.data() + p.source[j] * W, row_bytes);
     return;
   }
   std::vector<int64_t> sc(p.send_rows), rc(p.recv_rows);
-  for (auto& v : sc) v *= D;
-  for (auto& v : rc) v *= D;
-  std::vector<float> got(static_cast<size_t>(p.local_rows * D));
+  for (auto& v : sc) v *= W;
+  for (auto& v : rc) v *= W;
+  std::vector<T> got(static_cast<size_t>(p.local_rows * W));
   comm_.all_to_all(rows, sc.data(), got.data(), rc.data()).wait();
-  for (int64_t i = 0; i < p.local_rows; ++i)
-    std::memcpy(out + p.place[i] * D, got.data() + i * D, static_cast<size_t>(D) * sizeof(float));
+  for (int64_t i = 0; i < p.local_rows; ++i) std::memcpy(out + p.place[i] * W, got.data() + i * W, row_bytes);
+}
+
+void ExpertExchange::dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
+  move(out, rows, p, D);
+}
+
+void ExpertExchange::dispatch_gradient(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
+  if (!fp8_gradients_) return move(out, rows, p, D);
+  int64_t n = 0;
+  for (int64_t v : p.send_rows) n += v;
+  std::vector<uint8_t> q(static_cast<size_t>(n * D)), q_out(static_cast<size_t>(p.local_rows * D));
+  std::vector<float> scale(static_cast<size_t>(n)), scale_out(static_cast<size_t>(p.local_rows));
+  constexpr float kE5m2Max = 57344.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float amax = 0;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(rows[i * D + d]));
+    scale[i] = amax / kE5m2Max;
+    const float inv = amax > 0 ? kE5m2Max / amax : 0.0f;
+    for (int64_t d = 0; d < D; ++d) q[i * D + d] = f32_to_e5m2(rows[i * D + d] * inv);
+  }
+  move(q_out.data(), q.data(), p, D);
+  move(scale_out.data(), scale.data(), p, 1);
+  for (int64_t j = 0; j < p.local_rows; ++j)
+    for (int64_t d = 0; d < D; ++d) out[j * D + d] = e5m2_to_f32(q_out[j * D + d]) * scale_out[j];
 }
 
 void ExpertExchange::undispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {

@@ -8,6 +8,11 @@
 //              results go back by a reduce-scatter of the whole [ranks,
 //              rows] buffer in which each rank filled in only its experts'
 //              rows (X times the data of alltoall, and no per-pair counts).
+// With fp8_gradients the backward's dispatch of the expert outputs'
+// gradient (the transpose of undispatch: in allgather mode the all-gather
+// that is the backward of the seed's quantized_psum_scatter) moves e5m2
+// values with one float32 scale per row (max |row| / 57344), as the seed
+// does; the forward stays float32.
 //
 // plan(): the ranks all-gather their rows per expert [X, E]; this rank sends
 // rank q the rows of q's experts (a contiguous block, since route sorts rows
@@ -25,11 +30,12 @@ class ExpertExchange final : public model::TokenExchange {
  public:
   enum class Mode { AllToAll, AllGather };
   // experts: the model's routed experts (a multiple of expert.size()).
-  ExpertExchange(Communicator& expert, int64_t experts, Mode mode);
+  ExpertExchange(Communicator& expert, int64_t experts, Mode mode, bool fp8_gradients = false);
 
   void plan(model::ExchangePlan& p, const std::vector<int32_t>& sizes) override;
   void dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
   void undispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
+  void dispatch_gradient(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
 
   int64_t first_expert() const { return rank_ * per_rank_; }
   int64_t experts_per_rank() const { return per_rank_; }
@@ -38,6 +44,10 @@ class ExpertExchange final : public model::TokenExchange {
   Communicator& comm_;
   int64_t E_, X_, rank_, per_rank_;
   Mode mode_;
+  bool fp8_gradients_;
+  // dispatch for rows of W elements of T.
+  template <typename T>
+  void move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W);
 };
 
 }  // namespace ds::dist

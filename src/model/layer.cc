@@ -405,7 +405,7 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
       // to the experts' ranks, dxs comes back.
       const int64_t nl = X.plan.local_rows;
       Buffer<float> dys_here(nl * D), dxs_here(nl * D);
-      ex->dispatch(dys_here.data(), dys.data(), X.plan, D);
+      ex->dispatch_gradient(dys_here.data(), dys.data(), X.plan, D);
       experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr,
                        S.moe_mlpwi_0.data(), S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr,
                        shared ? S.mlpwi_1.data() : nullptr, X.xs_local.data(), X.m.data(), r, p.moe, s,

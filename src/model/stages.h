@@ -202,6 +202,11 @@ class TokenExchange {
   virtual void plan(ExchangePlan& p, const std::vector<int32_t>& sizes) = 0;
   virtual void dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
   virtual void undispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
+  // The backward's dispatch of the expert outputs' gradient (the transpose
+  // of undispatch); an exchange may move it at lower precision.
+  virtual void dispatch_gradient(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
+    dispatch(out, rows, p, D);
+  }
 };
 
 // unroute and combine: out[t] += sum_j weights[t, j] * ys[inverse[t*K + j]].

@@ -118,6 +118,7 @@ const std::map<std::string, Setter>& train_keys() {
       }
     dbl("collective_timeout_seconds", &TrainConfig::collective_timeout_seconds);
     str("expert_dispatch", &TrainConfig::expert_dispatch);
+    bol("expert_grad_comm_fp8", &TrainConfig::expert_grad_comm_fp8);
     return k;
   }();
   return keys;

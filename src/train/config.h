@@ -88,6 +88,7 @@ struct TrainConfig {
   dist::MeshConfig mesh;
   double collective_timeout_seconds = 300;
   std::string expert_dispatch = "alltoall";  // alltoall | allgather (expert parallelism)
+  bool expert_grad_comm_fp8 = false;         // the expert output gradient moves as e5m2 + row scales
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;

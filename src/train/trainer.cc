@@ -188,12 +188,15 @@ TrainSummary train(const RunConfig& rc) {
   // Expert parallelism: each rank of the expert axis computes its share of
   // the routed experts for the tokens of every rank on that axis.
   std::unique_ptr<dist::ExpertExchange> exchange;
+  DS_CHECK(!tc.expert_grad_comm_fp8 || mesh.size(dist::kExpert) > 1,
+           "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
   if (mesh.size(dist::kExpert) > 1) {
     DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
     exchange = std::make_unique<dist::ExpertExchange>(
         mesh.axis(dist::kExpert), cfg.n_routed_experts,
         tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
-                                          : dist::ExpertExchange::Mode::AllToAll);
+                                          : dist::ExpertExchange::Mode::AllToAll,
+        tc.expert_grad_comm_fp8);
   }
   const int64_t F = mesh.size(dist::kFsdp), shards = mesh.batch_shards(), shard = mesh.batch_index();
   const int64_t rows = tc.per_device_batch_size;
