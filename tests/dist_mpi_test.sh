@@ -6,7 +6,8 @@
 #    data=2, fsdp=2 and data=2 x fsdp=2, with synthetic, json and prepared
 #    token data (MTP, z-loss, balance loss, bias updates and gradient
 #    accumulation on); and for expert=2 and fsdp=2 x expert=2 with both
-#    expert_dispatch modes; fp8 expert gradients stay close;
+#    expert_dispatch modes, with and without the batch-split schedule; fp8
+#    expert gradients stay close;
 #  - checkpoints are interchangeable across world sizes: saved at 4 ranks,
 #    resumed at 1 and at 2, the continued losses match the uninterrupted run;
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
@@ -111,6 +112,18 @@ for mode in alltoall allgather; do
   check '[ $? -eq 0 ] && same_losses synthetic-one f2e2-$mode' "fsdp=2 x expert=2 ($mode) matches one process"
   check 'grep -q "\"expert_rows_per_rank\":\[" "$tmp/runs/f2e2-$mode/metrics.jsonl"' "expert rows per rank in the metrics"
 done
+# The batch-split schedule: two micro-batches per rank, interleaved so that
+# one's expert exchange overlaps the other's compute; same losses.
+one run_name=bs-one8 dataset_type=synthetic per_device_batch_size=8
+for mode in alltoall allgather; do
+  ranks 2 run_name=bs-ep2-$mode dataset_type=synthetic ici_expert_parallelism=2 ici_fsdp_parallelism=1 \
+    expert_dispatch=$mode use_batch_split_schedule=true batch_split_factor=2
+  check '[ $? -eq 0 ] && same_losses synthetic-one bs-ep2-$mode' "batch-split, expert=2 ($mode) matches one process"
+  ranks 4 run_name=bs-f2e2-$mode dataset_type=synthetic ici_expert_parallelism=2 expert_dispatch=$mode \
+    use_batch_split_schedule=true batch_split_factor=2 per_device_batch_size=2
+  check '[ $? -eq 0 ] && same_losses bs-one8 bs-f2e2-$mode' "batch-split, fsdp=2 x expert=2 ($mode) matches one process"
+done
+
 # fp8 expert gradients: close to, but not the same as, float32 (the loss of
 # step 0 is exact; later ones move by the quantization).
 ranks 2 run_name=ep2-fp8 dataset_type=synthetic ici_expert_parallelism=2 ici_fsdp_parallelism=1 \

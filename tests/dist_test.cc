@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
 
 #include "core/error.h"
@@ -216,7 +217,6 @@ TEST(Fsdp, OneRankStreamEqualsThePlainBuffers) {
   }
 }
 
-
 // The expert exchange on one rank moves every row to itself: plan, dispatch
 // and undispatch are identities, and the loss and gradients are bitwise
 // those without an exchange, in both dispatch modes. (Across ranks:
@@ -274,6 +274,126 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
   }
   EXPECT_EQ(out[4], 0.0f);
   EXPECT_NE(out[8], rows[8]);  // it is quantized: 1e-6 of a row whose largest is 5e-6 is no e5m2 step
+}
+
+// The batch-split schedule on one rank: the batch's rows as two or four
+// interleaved micro-batches per layer, with and without an expert exchange,
+// give the same loss and gradients as the whole batch (up to the order of
+// the weight gradients' sums), and the same expert loads.
+TEST(BatchSplit, PartsGiveTheWholeBatchsLossAndGradient) {
+  const auto rc = train::parse_run_config(kTiny, {"mtp_num_layers=1"}, "test");
+  const auto& cfg = rc.model;
+  const int64_t mtp = 1;
+  auto p = model::FlatParams::zeros(cfg, mtp), g1 = model::FlatParams::zeros(cfg, mtp);
+  train::init_params(cfg, mtp, p, 9, 0.05f);
+  model::TrainBatch b;
+  b.batch = 4;
+  b.seq = 8;
+  for (int64_t t = 0; t < 32; ++t) {
+    b.inputs.push_back(static_cast<int32_t>((13 * t + 1) % cfg.vocab_size));
+    b.targets.push_back(static_cast<int32_t>((7 * t + 4) % cfg.vocab_size));
+    b.positions.push_back(static_cast<int32_t>(t % 8));
+    b.segment_ids.push_back(1 + (t % 8 >= 5));
+    b.target_segment_ids.push_back(t % 8 == 4 ? 0 : 1 + (t % 8 >= 5));
+  }
+  model::LossOptions o;
+  o.mtp_num_layers = mtp;
+  o.load_balance_loss_weight = 0.01;
+  o.z_loss_multiplier = 1e-3;
+  const auto policy = model::RematPolicy::from_name("minimal", {});
+  const auto whole = model::loss_and_grad(cfg, p.view, &g1.ptr, b, o, policy);
+  auto comm = dist::make_single();
+  dist::ExpertExchange ex(*comm, cfg.n_routed_experts, dist::ExpertExchange::Mode::AllToAll);
+  for (int64_t M : {2, 4})
+    for (bool with_exchange : {false, true}) {
+      SCOPED_TRACE(testing::Message() << M << " parts, exchange " << with_exchange);
+      auto g = model::FlatParams::zeros(cfg, mtp);
+      model::LossOptions om = o;
+      om.batch_split_factor = M;
+      om.exchange = with_exchange ? &ex : nullptr;
+      const auto t = model::loss_and_grad(cfg, p.view, &g.ptr, b, om, policy);
+      EXPECT_NEAR(t.loss, whole.loss, 1e-6 * whole.loss);
+      EXPECT_NEAR(t.moe_lb_loss, whole.moe_lb_loss, 1e-6 * whole.moe_lb_loss);
+      EXPECT_EQ(t.expert_load, whole.expert_load);
+      double gmax = 0, err = 0;
+      for (size_t i = 0; i < g.data.size(); ++i) {
+        gmax = std::max(gmax, std::fabs(double(g1.data[i])));
+        err = std::max(err, std::fabs(double(g.data[i]) - g1.data[i]));
+      }
+      EXPECT_LT(err, 1e-5 * gmax);
+    }
+  model::LossOptions bad = o;
+  bad.batch_split_factor = 3;  // does not divide 4 rows
+  EXPECT_THROW(model::loss_and_grad(cfg, p.view, &g1.ptr, b, bad, policy), Error);
+}
+
+// The schedule itself: an exchange that logs when each move starts and
+// when it is finished. With one part every move is finished right after it
+// starts; with two parts, every move but the last has the other part's move
+// started (and its compute done) before it is finished: the overlap.
+TEST(BatchSplit, MovesOverlapTheOtherPartsWork) {
+  struct Logging final : model::TokenExchange {
+    std::vector<std::pair<int, bool>> log;  // (move, finished)
+    int next = 0;
+    void plan(model::ExchangePlan& p, const std::vector<int32_t>& sizes) override {
+      p.local_sizes = sizes;
+      p.local_rows = 0;
+      for (int32_t x : sizes) p.local_rows += x;
+    }
+    std::function<void()> start(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
+      const int id = next++;
+      log.emplace_back(id, false);
+      std::copy(rows, rows + p.local_rows * D, out);
+      return [this, id] { log.emplace_back(id, true); };
+    }
+    std::function<void()> start_dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D,
+                                         bool) override {
+      return start(out, rows, p, D);
+    }
+    std::function<void()> start_undispatch(float* out, const float* rows, const model::ExchangePlan& p,
+                                           int64_t D) override {
+      return start(out, rows, p, D);
+    }
+  };
+  const auto rc = train::parse_run_config(kTiny, {}, "test");
+  const auto& cfg = rc.model;
+  auto p = model::FlatParams::zeros(cfg, 0), g = model::FlatParams::zeros(cfg, 0);
+  train::init_params(cfg, 0, p, 2, 0.05f);
+  model::TrainBatch b;
+  b.batch = 2;
+  b.seq = 4;
+  for (int64_t t = 0; t < 8; ++t) {
+    b.inputs.push_back(static_cast<int32_t>(t + 1));
+    b.targets.push_back(static_cast<int32_t>(t + 2));
+    b.positions.push_back(static_cast<int32_t>(t % 4));
+    b.segment_ids.push_back(1);
+    b.target_segment_ids.push_back(1);
+  }
+  for (int64_t M : {1, 2}) {
+    Logging ex;
+    model::LossOptions o;
+    o.exchange = &ex;
+    o.batch_split_factor = M;
+    model::loss_and_grad(cfg, p.view, &g.ptr, b, o, model::RematPolicy::from_name("full", {}));
+    // Moves whose finish comes after some other move's start.
+    std::map<int, size_t> started;
+    int overlapped = 0;
+    for (size_t i = 0; i < ex.log.size(); ++i) {
+      const auto [id, fin] = ex.log[i];
+      if (!fin) {
+        started[id] = i;
+      } else {
+        bool other = false;
+        for (size_t j = started[id] + 1; j < i; ++j) other |= !ex.log[j].second;
+        overlapped += other;
+      }
+    }
+    ASSERT_GT(ex.next, 0);
+    if (M == 1)
+      EXPECT_EQ(overlapped, 0);
+    else
+      EXPECT_GE(overlapped, ex.next / 2) << "of " << ex.next << " moves";
+  }
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -60,68 +61,85 @@ void ExpertExchange::plan(model::ExchangePlan& p, const std::vector<int32_t>& si
 }
 
 template <typename T>
-void ExpertExchange::move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W) {
+std::function<void()> ExpertExchange::start_move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W) {
   const size_t row_bytes = static_cast<size_t>(W) * sizeof(T);
+  const int64_t local = p.local_rows;
   if (mode_ == Mode::AllGather) {
-    std::vector<T> mine(static_cast<size_t>(p.max_rows * W), T{}), all(static_cast<size_t>(X_ * p.max_rows * W));
+    auto mine = std::make_shared<std::vector<T>>(static_cast<size_t>(p.max_rows * W), T{});
+    auto all = std::make_shared<std::vector<T>>(static_cast<size_t>(X_ * p.max_rows * W));
     int64_t n = 0;
     for (int64_t v : p.send_rows) n += v;
-    if (n > 0) std::memcpy(mine.data(), rows, static_cast<size_t>(n) * row_bytes);
-    comm_.all_gather(mine.data(), p.max_rows * W, all.data()).wait();
-    for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(out + j * W, all.data() + p.source[j] * W, row_bytes);
-    return;
+    if (n > 0) std::memcpy(mine->data(), rows, static_cast<size_t>(n) * row_bytes);
+    Handle h = comm_.all_gather(mine->data(), p.max_rows * W, all->data());
+    const int64_t* source = p.source.data();
+    return [h, mine, all, out, source, local, W, row_bytes]() mutable {
+      h.wait();
+      for (int64_t j = 0; j < local; ++j) std::memcpy(out + j * W, all->data() + source[j] * W, row_bytes);
+    };
   }
   std::vector<int64_t> sc(p.send_rows), rc(p.recv_rows);
   for (auto& v : sc) v *= W;
   for (auto& v : rc) v *= W;
-  std::vector<T> got(static_cast<size_t>(p.local_rows * W));
-  comm_.all_to_all(rows, sc.data(), got.data(), rc.data()).wait();
-  for (int64_t i = 0; i < p.local_rows; ++i) std::memcpy(out + p.place[i] * W, got.data() + i * W, row_bytes);
+  auto got = std::make_shared<std::vector<T>>(static_cast<size_t>(local * W));
+  Handle h = comm_.all_to_all(rows, sc.data(), got->data(), rc.data());
+  const int64_t* place = p.place.data();
+  return [h, got, out, place, local, W, row_bytes]() mutable {
+    h.wait();
+    for (int64_t i = 0; i < local; ++i) std::memcpy(out + place[i] * W, got->data() + i * W, row_bytes);
+  };
 }
 
-void ExpertExchange::dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
-  move(out, rows, p, D);
-}
-
-void ExpertExchange::dispatch_gradient(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
-  if (!fp8_gradients_) return move(out, rows, p, D);
+std::function<void()> ExpertExchange::start_dispatch(float* out, const float* rows, const model::ExchangePlan& p,
+                                                     int64_t D, bool gradient) {
+  if (!gradient || !fp8_gradients_) return start_move(out, rows, p, D);
   int64_t n = 0;
   for (int64_t v : p.send_rows) n += v;
-  std::vector<uint8_t> q(static_cast<size_t>(n * D)), q_out(static_cast<size_t>(p.local_rows * D));
-  std::vector<float> scale(static_cast<size_t>(n)), scale_out(static_cast<size_t>(p.local_rows));
+  auto q = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(n * D));
+  auto q_out = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(p.local_rows * D));
+  auto scale = std::make_shared<std::vector<float>>(static_cast<size_t>(n));
+  auto scale_out = std::make_shared<std::vector<float>>(static_cast<size_t>(p.local_rows));
   constexpr float kE5m2Max = 57344.0f;
   for (int64_t i = 0; i < n; ++i) {
     float amax = 0;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(rows[i * D + d]));
-    scale[i] = amax / kE5m2Max;
+    (*scale)[i] = amax / kE5m2Max;
     const float inv = amax > 0 ? kE5m2Max / amax : 0.0f;
-    for (int64_t d = 0; d < D; ++d) q[i * D + d] = f32_to_e5m2(rows[i * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) (*q)[i * D + d] = f32_to_e5m2(rows[i * D + d] * inv);
   }
-  move(q_out.data(), q.data(), p, D);
-  move(scale_out.data(), scale.data(), p, 1);
-  for (int64_t j = 0; j < p.local_rows; ++j)
-    for (int64_t d = 0; d < D; ++d) out[j * D + d] = e5m2_to_f32(q_out[j * D + d]) * scale_out[j];
+  auto fq = start_move(q_out->data(), q->data(), p, D);
+  auto fs = start_move(scale_out->data(), scale->data(), p, 1);
+  const int64_t local = p.local_rows;
+  return [fq, fs, q, q_out, scale, scale_out, out, local, D]() mutable {
+    fq();
+    fs();
+    for (int64_t j = 0; j < local; ++j)
+      for (int64_t d = 0; d < D; ++d) out[j * D + d] = e5m2_to_f32((*q_out)[j * D + d]) * (*scale_out)[j];
+  };
 }
 
-void ExpertExchange::undispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) {
+std::function<void()> ExpertExchange::start_undispatch(float* out, const float* rows, const model::ExchangePlan& p,
+                                                       int64_t D) {
   const size_t row_bytes = static_cast<size_t>(D) * sizeof(float);
   if (mode_ == Mode::AllGather) {
     // Each row has exactly one rank that filled it in: the sum is that rank's value.
-    std::vector<float> all(static_cast<size_t>(X_ * p.max_rows * D), 0.0f), mine(static_cast<size_t>(p.max_rows * D));
-    for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(all.data() + p.source[j] * D, rows + j * D, row_bytes);
-    comm_.reduce_scatter(all.data(), p.max_rows * D, mine.data()).wait();
+    auto all = std::make_shared<std::vector<float>>(static_cast<size_t>(X_ * p.max_rows * D), 0.0f);
+    auto mine = std::make_shared<std::vector<float>>(static_cast<size_t>(p.max_rows * D));
+    for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(all->data() + p.source[j] * D, rows + j * D, row_bytes);
+    Handle h = comm_.reduce_scatter(all->data(), p.max_rows * D, mine->data());
     int64_t n = 0;
     for (int64_t v : p.send_rows) n += v;
-    if (n > 0) std::memcpy(out, mine.data(), static_cast<size_t>(n) * row_bytes);
-    return;
+    return [h, all, mine, out, n, row_bytes]() mutable {
+      h.wait();
+      if (n > 0) std::memcpy(out, mine->data(), static_cast<size_t>(n) * row_bytes);
+    };
   }
   std::vector<int64_t> sc(p.recv_rows), rc(p.send_rows);
   for (auto& v : sc) v *= D;
   for (auto& v : rc) v *= D;
-  std::vector<float> give(static_cast<size_t>(p.local_rows * D));
-  for (int64_t i = 0; i < p.local_rows; ++i)
-    std::memcpy(give.data() + i * D, rows + p.place[i] * D, static_cast<size_t>(D) * sizeof(float));
-  comm_.all_to_all(give.data(), sc.data(), out, rc.data()).wait();
+  auto give = std::make_shared<std::vector<float>>(static_cast<size_t>(p.local_rows * D));
+  for (int64_t i = 0; i < p.local_rows; ++i) std::memcpy(give->data() + i * D, rows + p.place[i] * D, row_bytes);
+  Handle h = comm_.all_to_all(give->data(), sc.data(), out, rc.data());
+  return [h, give]() mutable { h.wait(); };
 }
 
 }  // namespace ds::dist

@@ -33,9 +33,10 @@ class ExpertExchange final : public model::TokenExchange {
   ExpertExchange(Communicator& expert, int64_t experts, Mode mode, bool fp8_gradients = false);
 
   void plan(model::ExchangePlan& p, const std::vector<int32_t>& sizes) override;
-  void dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
-  void undispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
-  void dispatch_gradient(float* out, const float* rows, const model::ExchangePlan& p, int64_t D) override;
+  std::function<void()> start_dispatch(float* out, const float* rows, const model::ExchangePlan& p, int64_t D,
+                                       bool gradient) override;
+  std::function<void()> start_undispatch(float* out, const float* rows, const model::ExchangePlan& p,
+                                         int64_t D) override;
 
   int64_t first_expert() const { return rank_ * per_rank_; }
   int64_t experts_per_rank() const { return per_rank_; }
@@ -45,9 +46,10 @@ class ExpertExchange final : public model::TokenExchange {
   int64_t E_, X_, rank_, per_rank_;
   Mode mode_;
   bool fp8_gradients_;
-  // dispatch for rows of W elements of T.
+  // dispatch for rows of W elements of T: starts the collective, returns
+  // what completes out.
   template <typename T>
-  void move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W);
+  std::function<void()> start_move(T* out, const T* rows, const model::ExchangePlan& p, int64_t W);
 };
 
 }  // namespace ds::dist

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "model/staged.h"
 #include "ops/attention.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -200,9 +201,10 @@ bool need(const Buffer<float>& b) { return b.empty(); }
 // may be h, which is last read when h1 is formed. The
 // residuals that only a forward needs (out_proj after h1 exists, mlpwo) are
 // skipped on a recompute.
-void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
-               const StageConfig& s, const TokenLayout& layout, KvAttention* kv, std::vector<int64_t>* load,
-               double* lb_loss, bool residuals) {
+// A Staged coroutine: it pauses at the expert exchange while its rows travel.
+Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
+                 const StageConfig& s, const TokenLayout& layout, KvAttention* kv, std::vector<int64_t>* load,
+                 double* lb_loss, bool residuals) {
   const ModelConfig& c = *s.cfg;
   const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
@@ -300,7 +302,8 @@ void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const La
       ex->plan(X.plan, r.sizes);
       n_here = X.plan.local_rows;
       X.xs_local.resize(n_here * D);
-      ex->dispatch(X.xs_local.data(), X.xs.data(), X.plan, D);
+      auto moved = ex->start_dispatch(X.xs_local.data(), X.xs.data(), X.plan, D, false);
+      co_await Pending{&moved};
     }
     const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
     if (forward || experts_missing || dense_missing) {
@@ -320,7 +323,10 @@ void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const La
                   shared && residuals ? S.mlpwi_1.data() : nullptr};
       experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
                       ex ? &X.plan.local_sizes : nullptr);
-      if (ex) ex->undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
+      if (ex) {
+        auto back = ex->start_undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
+        co_await Pending{&back};
+      }
       if (forward) {
         std::memcpy(ffn_out.data(), shared_out.data(), N * D * sizeof(float));
         combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
@@ -332,6 +338,7 @@ void run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const La
   }
   if (forward)
     for (int64_t i = 0; i < N * D; ++i) h_out[i] = X.h1[i] + ffn_out[i];
+  co_return;
 }
 
 // Frees what the policy does not keep.
@@ -372,13 +379,59 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
   if (saved) S.decoder_layer_input.assign(h, h + N * D);
   Scratch X;
   // In place: run_layer reads h only before it writes the output.
-  run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr, stats ? &stats->lb_loss : nullptr,
-            saved != nullptr);
+  run_staged(run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
+                       stats ? &stats->lb_loss : nullptr, saved != nullptr));
   if (saved) drop(S, keep);
 }
 
-void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer, const StageConfig& s,
-                    const TokenLayout& layout, double dloss_lb) {
+namespace {
+
+// Rows [i B/M, (i + 1) B/M) of a layout.
+std::vector<TokenLayout> split_layout(const TokenLayout& layout, int64_t M) {
+  DS_CHECK(M >= 1 && layout.batch % M == 0, "batch_split_factor {} does not divide the {} rows of a batch", M,
+           layout.batch);
+  std::vector<TokenLayout> parts;
+  const int64_t b = layout.batch / M, n = b * layout.seq;
+  for (int64_t i = 0; i < M; ++i)
+    parts.push_back({b, layout.seq, layout.positions ? layout.positions + i * n : nullptr,
+                     layout.segment_ids ? layout.segment_ids + i * n : nullptr});
+  return parts;
+}
+
+}  // namespace
+
+void layer_forward_split(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
+                         std::vector<LayerSaved>& saved, const RematPolicy& keep, LayerStats* stats) {
+  const int64_t M = static_cast<int64_t>(saved.size()), D = s.cfg->hidden_size;
+  const auto parts = split_layout(layout, M);
+  const int64_t n = parts[0].tokens();
+  std::vector<Scratch> X(static_cast<size_t>(M));
+  std::vector<LayerStats> st(static_cast<size_t>(M));
+  std::vector<Staged> tasks;
+  for (int64_t i = 0; i < M; ++i) {
+    float* hi = h + i * n * D;
+    saved[i] = LayerSaved{};
+    saved[i].decoder_layer_input.assign(hi, hi + n * D);
+    tasks.push_back(run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss,
+                              true));
+  }
+  run_interleaved(tasks);
+  for (auto& S : saved) drop(S, keep);
+  if (stats) {
+    // Loads add up; the balance loss is a mean over rows, so over the parts too.
+    *stats = LayerStats{};
+    for (const auto& x : st) {
+      if (stats->load.empty()) stats->load.assign(x.load.size(), 0);
+      for (size_t e = 0; e < x.load.size(); ++e) stats->load[e] += x.load[e];
+      stats->lb_loss += x.lb_loss / static_cast<double>(M);
+    }
+  }
+}
+
+namespace {
+
+Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer,
+                           const StageConfig& s, const TokenLayout& layout, double dloss_lb) {
   const ModelConfig& c = *s.cfg;
   const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
@@ -386,7 +439,7 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
            "internal: layer {} backward without its decoder_layer_input", layer);
   const float* h = S.decoder_layer_input.data();
   Scratch X;
-  run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
+  co_await run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
 
   // FFN: dh holds dL/dh2 = dL/d(ffn_out) = the residual's share of dL/dh1.
   Buffer<float> dm(N * D);
@@ -405,12 +458,14 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
       // to the experts' ranks, dxs comes back.
       const int64_t nl = X.plan.local_rows;
       Buffer<float> dys_here(nl * D), dxs_here(nl * D);
-      ex->dispatch_gradient(dys_here.data(), dys.data(), X.plan, D);
+      auto moved = ex->start_dispatch(dys_here.data(), dys.data(), X.plan, D, true);
+      co_await Pending{&moved};
       experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr,
                        S.moe_mlpwi_0.data(), S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr,
                        shared ? S.mlpwi_1.data() : nullptr, X.xs_local.data(), X.m.data(), r, p.moe, s,
                        &X.plan.local_sizes);
-      ex->undispatch(dxs.data(), dxs_here.data(), X.plan, D);
+      auto back = ex->start_undispatch(dxs.data(), dxs_here.data(), X.plan, D);
+      co_await Pending{&back};
     } else {
       experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
                        S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
@@ -447,6 +502,26 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
   // Input norm: dh = dh1 + norm'(dx).
   norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
   S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
+  co_return;
+}
+
+}  // namespace
+
+void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer, const StageConfig& s,
+                    const TokenLayout& layout, double dloss_lb) {
+  run_staged(layer_backward_task(dh, g, S, p, layer, s, layout, dloss_lb));
+}
+
+void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& saved, const LayerView& p, int64_t layer,
+                          const StageConfig& s, const TokenLayout& layout, double dloss_lb) {
+  const int64_t M = static_cast<int64_t>(saved.size()), D = s.cfg->hidden_size;
+  const auto parts = split_layout(layout, M);
+  const int64_t n = parts[0].tokens();
+  std::vector<Staged> tasks;
+  for (int64_t i = 0; i < M; ++i)
+    tasks.push_back(layer_backward_task(dh + i * n * D, g, saved[i], p, layer, s, parts[i],
+                                        dloss_lb / static_cast<double>(M)));
+  run_interleaved(tasks);
 }
 
 }  // namespace ds::model

@@ -115,6 +115,14 @@ struct LayerStats {
 void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                    KvAttention* kv, LayerSaved* saved, const RematPolicy& keep, LayerStats* stats = nullptr);
 
+// The batch-split schedule: the layout's rows cut into saved.size()
+// micro-batches of consecutive rows, each with its own residuals, run
+// interleaved (model/staged.h) so that one's expert exchange travels while
+// the others compute; loads add up and the balance loss is their mean. Only
+// training uses it (no cache). One part is layer_forward.
+void layer_forward_split(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
+                         std::vector<LayerSaved>& saved, const RematPolicy& keep, LayerStats* stats);
+
 // Backward of layer_forward: dh [N, D] holds dL/dh2 on entry and dL/dh on
 // return. Weight gradients are added into g. `saved` must hold
 // decoder_layer_input; missing residuals are recomputed (and then freed).
@@ -122,6 +130,10 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
 // weight * E^2 * mean_{b,e} f * P) is differentiated too, scaled by dloss_lb.
 void layer_backward(float* dh, LayerGrads& g, LayerSaved& saved, const LayerView& p, int64_t layer,
                     const StageConfig& s, const TokenLayout& layout, double dloss_lb);
+
+// Backward of layer_forward_split, its parts interleaved the same way.
+void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& saved, const LayerView& p, int64_t layer,
+                          const StageConfig& s, const TokenLayout& layout, double dloss_lb);
 
 // The balance-loss value of a MoE layer for a routing (see layer_backward).
 double balance_loss(const Routing& r, const float* bias, int64_t batch, int64_t seq, double lb_weight);

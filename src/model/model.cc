@@ -139,7 +139,7 @@ float eps(const ModelConfig& c) { return static_cast<float>(c.rms_norm_eps); }
 struct MtpDepth {
   std::vector<int32_t> ids, targets, mask;
   Buffer<float> e, en, erstd, hn_prev, hrstd, x;  // embedding, its norm, previous hidden's norm, eh_proj output
-  LayerSaved saved;
+  std::vector<LayerSaved> saved;  // per micro-batch
   Buffer<float> h, hn, hnrstd;  // layer output and its shared_head.norm
   HeadLoss head;
 };
@@ -191,12 +191,28 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   // Forward.
   Buffer<float> h(N * D);
   ops::embedding_forward(h.data(), b.inputs.data(), static_cast<const float*>(w.embed.data), N, V, D);
-  std::vector<LayerSaved> saved(static_cast<size_t>(L));
+  // Residuals per layer and micro-batch (the batch-split schedule's parts).
+  const int64_t M = opt.batch_split_factor;
+  DS_CHECK(M >= 1 && B % M == 0, "batch_split_factor {} does not divide the {} rows of the batch", M, B);
+  std::vector<std::vector<LayerSaved>> saved(static_cast<size_t>(L), std::vector<LayerSaved>(static_cast<size_t>(M)));
+  auto forward_layer = [&](float* x, const LayerView& lw, int64_t l, std::vector<LayerSaved>& sv, LayerStats* st) {
+    if (M == 1)
+      layer_forward(x, lw, l, s, layout, nullptr, &sv[0], policy, st);
+    else
+      layer_forward_split(x, lw, l, s, layout, sv, policy, st);
+  };
+  auto backward_layer = [&](float* dx, LayerGrads& lg, std::vector<LayerSaved>& sv, const LayerView& lw, int64_t l,
+                            double dloss_lb) {
+    if (M == 1)
+      layer_backward(dx, lg, sv[0], lw, l, s, layout, dloss_lb);
+    else
+      layer_backward_split(dx, lg, sv, lw, l, s, layout, dloss_lb);
+  };
   std::vector<double> lb;
   for (int64_t l = 0; l < L; ++l) {
     LayerStats st;
     acquire(l, false);
-    layer_forward(h.data(), w.layers[l], l, s, layout, nullptr, &saved[l], policy, &st);
+    forward_layer(h.data(), w.layers[l], l, saved[l], &st);
     release(l, false);
     if (cfg.is_moe_layer(l)) {
       out.expert_load.push_back(st.load);
@@ -245,7 +261,8 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
       m.h.resize(N * D);
       ops::linear_forward(m.h.data(), m.x.data(), p.eh_proj, N);
       LayerStats st;
-      layer_forward(m.h.data(), p.layer, L + k, s, layout, nullptr, &m.saved, policy, &st);
+      m.saved.resize(static_cast<size_t>(M));
+      forward_layer(m.h.data(), p.layer, L + k, m.saved, &st);
       if (cfg.is_moe_layer(L + k)) {
         out.expert_load.push_back(st.load);
         lb.push_back(st.lb_loss);
@@ -265,8 +282,10 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   for (double v : lb) out.moe_lb_loss += v;
   if (!lb.empty()) out.moe_lb_loss /= static_cast<double>(lb.size());
   out.loss = out.lm_loss + out.mtp_loss + out.moe_lb_loss;
-  for (const auto& sv : saved) out.saved_bytes += sv.bytes();
-  for (const auto& m : mtp) out.saved_bytes += m.saved.bytes();
+  for (const auto& v : saved)
+    for (const auto& sv : v) out.saved_bytes += sv.bytes();
+  for (const auto& m : mtp)
+    for (const auto& sv : m.saved) out.saved_bytes += sv.bytes();
   if (!grads) return out;
 
   // Backward.
@@ -286,7 +305,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
                   gs * opt.mtp_loss_scaling_factor / mtp_denom);
     norm_backward(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N, true);
-    layer_backward(dhk.data(), gk.layer, m.saved, p.layer, L + k, s, layout, dlb);
+    backward_layer(dhk.data(), gk.layer, m.saved, p.layer, L + k, dlb);
     Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
     ops::linear_backward(dx.data(), gk.eh_proj, dhk.data(), m.x.data(), p.eh_proj, N);
     for (int64_t t = 0; t < N; ++t) {
@@ -307,7 +326,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   }
   for (int64_t l = L - 1; l >= 0; --l) {
     acquire(l, true);
-    layer_backward(dh.data(), g.layers[l], saved[l], w.layers[l], l, s, layout, dlb);
+    backward_layer(dh.data(), g.layers[l], saved[l], w.layers[l], l, dlb);
     release(l, true);
   }
   if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);

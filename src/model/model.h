@@ -88,6 +88,10 @@ struct LossOptions {
   } whole;
   LayerStream* stream = nullptr;      // FSDP: per-unit weights and gradients
   TokenExchange* exchange = nullptr;  // expert parallelism
+  // The batch-split schedule: each layer runs the batch as this many
+  // micro-batches of consecutive rows, interleaved so that one's expert
+  // exchange overlaps the others' compute (1: off). Must divide the rows.
+  int64_t batch_split_factor = 1;
 };
 
 // The normalizers of a batch's loss: counted targets, and counted MTP

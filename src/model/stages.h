@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/buffer.h"
@@ -200,12 +201,22 @@ class TokenExchange {
  public:
   virtual ~TokenExchange() = default;
   virtual void plan(ExchangePlan& p, const std::vector<int32_t>& sizes) = 0;
-  virtual void dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
-  virtual void undispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
-  // The backward's dispatch of the expert outputs' gradient (the transpose
-  // of undispatch); an exchange may move it at lower precision.
-  virtual void dispatch_gradient(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
-    dispatch(out, rows, p, D);
+  // Start moving rows; the returned function waits for the move and
+  // completes `out`. `rows` must stay valid until then. With `gradient`
+  // the rows are the backward's gradient of the expert outputs (the
+  // transpose of undispatch), which an exchange may move at lower precision.
+  virtual std::function<void()> start_dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D,
+                                               bool gradient) = 0;
+  virtual std::function<void()> start_undispatch(float* out, const float* rows, const ExchangePlan& p,
+                                                 int64_t D) = 0;
+  void dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
+    start_dispatch(out, rows, p, D, false)();
+  }
+  void dispatch_gradient(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
+    start_dispatch(out, rows, p, D, true)();
+  }
+  void undispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
+    start_undispatch(out, rows, p, D)();
   }
 };
 

@@ -119,6 +119,8 @@ const std::map<std::string, Setter>& train_keys() {
     dbl("collective_timeout_seconds", &TrainConfig::collective_timeout_seconds);
     str("expert_dispatch", &TrainConfig::expert_dispatch);
     bol("expert_grad_comm_fp8", &TrainConfig::expert_grad_comm_fp8);
+    bol("use_batch_split_schedule", &TrainConfig::use_batch_split_schedule);
+    i64("batch_split_factor", &TrainConfig::batch_split_factor);
     return k;
   }();
   return keys;
@@ -215,6 +217,14 @@ void check_config(const RunConfig& rc) {
            t.collective_timeout_seconds);
   DS_CHECK(t.expert_dispatch == "alltoall" || t.expert_dispatch == "allgather",
            "expert_dispatch '{}' is not alltoall or allgather", t.expert_dispatch);
+  DS_CHECK(t.batch_split_factor >= 1, "batch_split_factor {} must be >= 1", t.batch_split_factor);
+  if (t.use_batch_split_schedule) {
+    DS_CHECK(t.batch_split_factor >= 2, "use_batch_split_schedule needs batch_split_factor >= 2 (it is {})",
+             t.batch_split_factor);
+    DS_CHECK(t.per_device_batch_size % t.batch_split_factor == 0,
+             "batch_split_factor {} does not divide per_device_batch_size {}", t.batch_split_factor,
+             t.per_device_batch_size);
+  }
   DS_CHECK(t.log_period >= 1, "log_period {} must be >= 1", t.log_period);
   DS_CHECK(t.init_weights_std > 0, "init_weights_std {} must be positive", t.init_weights_std);
   for (const auto& list : {&t.adamw_mask, &t.trainable_parameters_mask})

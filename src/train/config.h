@@ -88,7 +88,12 @@ struct TrainConfig {
   dist::MeshConfig mesh;
   double collective_timeout_seconds = 300;
   std::string expert_dispatch = "alltoall";  // alltoall | allgather (expert parallelism)
-  bool expert_grad_comm_fp8 = false;         // the expert output gradient moves as e5m2 + row scales
+  bool expert_grad_comm_fp8 = false;
+  // The batch-split schedule: each rank's batch runs each layer as
+  // batch_split_factor micro-batches, one's expert exchange overlapping the
+  // others' compute.
+  bool use_batch_split_schedule = false;
+  int64_t batch_split_factor = 1;         // the expert output gradient moves as e5m2 + row scales
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;

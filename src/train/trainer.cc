@@ -372,6 +372,7 @@ TrainSummary train(const RunConfig& rc) {
   model::LossOptions lo;
   lo.stream = fsdp.get();
   lo.exchange = exchange.get();
+  lo.batch_split_factor = tc.use_batch_split_schedule ? tc.batch_split_factor : 1;
   lo.z_loss_multiplier = tc.z_loss_multiplier;
   lo.load_balance_loss_weight = tc.load_balance_loss_weight;
   lo.mtp_num_layers = mtp;
@@ -431,7 +432,8 @@ TrainSummary train(const RunConfig& rc) {
     if (n < 0) n = eval_data->batches_per_pass();
     DS_CHECK(n >= 1, "eval_steps=-1 needs an eval split of known length; set eval_steps");
     model::LossOptions el = lo;
-    el.mtp_num_layers = 0;  // MaxText's eval loss excludes MTP
+    el.mtp_num_layers = 0;      // MaxText's eval loss excludes MTP
+    el.batch_split_factor = 1;  // forward only: nothing to overlap with a backward
     if (fsdp) fsdp->gather_resident();
     double xent = 0, weight = 0;
     for (int64_t i = 0; i < n; ++i) {
