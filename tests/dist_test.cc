@@ -5,6 +5,7 @@
 // run under mpirun in dist_mpi_test.sh.)
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <numeric>
@@ -13,6 +14,7 @@
 #include "dist/communicator.h"
 #include "dist/expert_exchange.h"
 #include "dist/fsdp.h"
+#include "dist/link_model.h"
 #include "dist/mesh.h"
 #include "model/model.h"
 #include "train/checkpoint.h"
@@ -394,6 +396,25 @@ TEST(BatchSplit, MovesOverlapTheOtherPartsWork) {
     else
       EXPECT_GE(overlapped, ex.next / 2) << "of " << ex.next << " moves";
   }
+}
+
+// The link model delivers no earlier than its latency (one rank moves no
+// bytes) and counts what it modeled.
+TEST(LinkModel, DeliversNoEarlierThanTheModel) {
+  auto comm = dist::make_single();
+  dist::LinkModel link(*comm, 0.03, 1e9);
+  std::vector<float> a(1000, 1.0f), b(1000);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto h1 = link.all_gather(a.data(), 1000, b.data());
+  auto h2 = link.all_reduce(a.data(), 1000);
+  h1.wait();
+  h2.wait();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(took, 0.03);
+  EXPECT_EQ(b, a);
+  EXPECT_NEAR(link.busy_seconds(), 0.06, 1e-12);  // two latencies, no bytes between one rank and itself
+  EXPECT_EQ(link.bytes_received(), 0.0);
+  EXPECT_THROW(dist::LinkModel(*comm, 0.0, 0.0), Error);
 }
 
 }  // namespace

@@ -415,7 +415,7 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
     tasks.push_back(run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss,
                               true));
   }
-  run_interleaved(tasks);
+  run_interleaved(tasks, layer, false);
   for (auto& S : saved) drop(S, keep);
   if (stats) {
     // Loads add up; the balance loss is a mean over rows, so over the parts too.
@@ -521,7 +521,7 @@ void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& sav
   for (int64_t i = 0; i < M; ++i)
     tasks.push_back(layer_backward_task(dh + i * n * D, g, saved[i], p, layer, s, parts[i],
                                         dloss_lb / static_cast<double>(M)));
-  run_interleaved(tasks);
+  run_interleaved(tasks, layer, true);
 }
 
 }  // namespace ds::model

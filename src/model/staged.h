@@ -99,7 +99,23 @@ struct Pending {
   void await_resume() const noexcept {}
 };
 
-void run_interleaved(std::vector<Staged>& tasks);
+// `layer` and `backward` label the spans of the timeline (below).
+void run_interleaved(std::vector<Staged>& tasks, int64_t layer = -1, bool backward = false);
 void run_staged(Staged task);
+
+// The timeline of the schedule, for a picture of it: while recording,
+// run_interleaved notes for each part when it computed (from a resume to
+// its next pause) and when its communication was in flight (from that pause
+// to the end of the finish that waited for it), in seconds since
+// timeline_record(true). One process-wide record; not thread-safe.
+struct TimelineSpan {
+  int64_t layer;
+  bool backward;
+  int part;
+  bool computing;  // else: communication in flight
+  double t0, t1;
+};
+void timeline_record(bool on);
+std::vector<TimelineSpan> timeline_spans();
 
 }  // namespace ds::model

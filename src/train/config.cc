@@ -121,6 +121,9 @@ const std::map<std::string, Setter>& train_keys() {
     bol("expert_grad_comm_fp8", &TrainConfig::expert_grad_comm_fp8);
     bol("use_batch_split_schedule", &TrainConfig::use_batch_split_schedule);
     i64("batch_split_factor", &TrainConfig::batch_split_factor);
+    dbl("link_model_latency_us", &TrainConfig::link_model_latency_us);
+    dbl("link_model_gbps", &TrainConfig::link_model_gbps);
+    i64("timeline_step", &TrainConfig::timeline_step);
     return k;
   }();
   return keys;
@@ -217,6 +220,8 @@ void check_config(const RunConfig& rc) {
            t.collective_timeout_seconds);
   DS_CHECK(t.expert_dispatch == "alltoall" || t.expert_dispatch == "allgather",
            "expert_dispatch '{}' is not alltoall or allgather", t.expert_dispatch);
+  DS_CHECK(t.link_model_latency_us >= 0 && t.link_model_gbps >= 0,
+           "link_model_latency_us {} and link_model_gbps {} must be >= 0", t.link_model_latency_us, t.link_model_gbps);
   DS_CHECK(t.batch_split_factor >= 1, "batch_split_factor {} must be >= 1", t.batch_split_factor);
   if (t.use_batch_split_schedule) {
     DS_CHECK(t.batch_split_factor >= 2, "use_batch_split_schedule needs batch_split_factor >= 2 (it is {})",

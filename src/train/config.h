@@ -93,7 +93,13 @@ struct TrainConfig {
   // batch_split_factor micro-batches, one's expert exchange overlapping the
   // others' compute.
   bool use_batch_split_schedule = false;
-  int64_t batch_split_factor = 1;         // the expert output gradient moves as e5m2 + row scales
+  int64_t batch_split_factor = 1;
+  // A modeled link (dist/link_model.h) under the expert and fsdp axes'
+  // collectives, to measure overlap on one machine (0 GB/s: off).
+  double link_model_latency_us = 0, link_model_gbps = 0;
+  // Step whose batch-split schedule of the first MoE layer is drawn to
+  // timeline.svg in the run folder (-1: none).
+  int64_t timeline_step = -1;         // the expert output gradient moves as e5m2 + row scales
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;

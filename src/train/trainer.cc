@@ -16,6 +16,7 @@
 #include "dist/communicator.h"
 #include "dist/expert_exchange.h"
 #include "dist/fsdp.h"
+#include "dist/link_model.h"
 #include "dist/mesh.h"
 #include "io/atomic_file.h"
 #include "model/init.h"
@@ -170,6 +171,52 @@ void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t
   io::write_file_atomic(path, svg);
 }
 
+void write_timeline_svg(const std::string& path, const std::vector<model::TimelineSpan>& spans, int64_t layer,
+                        const std::string& title) {
+  int parts = 0;
+  double t_begin[2] = {1e300, 1e300}, t_end[2] = {0, 0};
+  for (const auto& x : spans) {
+    if (x.layer != layer) continue;
+    parts = std::max(parts, x.part + 1);
+    t_begin[x.backward] = std::min(t_begin[x.backward], x.t0);
+    t_end[x.backward] = std::max(t_end[x.backward], x.t1);
+  }
+  const double W = 900, L = 150, R = 20, row = 34, panel_gap = 50, T = 50;
+  const double span_ms = std::max({1e-6, (t_end[0] - t_begin[0]) * 1e3, (t_end[1] - t_begin[1]) * 1e3});
+  const double H = T + 2 * (parts * row + panel_gap) + 30;
+  auto px = [&](double ms) { return L + ms / span_ms * (W - L - R); };
+  std::string svg = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"10\" y=\"22\" font-size=\"15\">{2}</text>\n"
+      "<rect x=\"{3}\" y=\"30\" width=\"14\" height=\"10\" fill=\"#1f77b4\"/><text x=\"{4}\" y=\"39\">compute</text>"
+      "<rect x=\"{5}\" y=\"33\" width=\"14\" height=\"5\" fill=\"#ff7f0e\"/>"
+      "<text x=\"{6}\" y=\"39\">expert exchange in flight</text>\n",
+      W, H, title, W - 330, W - 312, W - 240, W - 222);
+  for (int b = 0; b < 2; ++b) {
+    const double y0 = T + b * (parts * row + panel_gap) + 20;
+    svg += fmt::format("<text x=\"10\" y=\"{:.0f}\" font-weight=\"bold\">{}</text>\n", y0 - 6,
+                       b ? "backward" : "forward");
+    for (int p = 0; p < parts; ++p)
+      svg += fmt::format("<text x=\"10\" y=\"{:.0f}\">micro-batch {}</text>\n", y0 + p * row + 18, p);
+    for (int i = 0; i <= 4; ++i) {
+      const double ms = span_ms * i / 4, x = px(ms);
+      svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.0f}\" x2=\"{0:.1f}\" y2=\"{2:.0f}\" stroke=\"#ddd\"/>"
+                         "<text x=\"{0:.1f}\" y=\"{3:.0f}\" text-anchor=\"middle\">{4:.2f} ms</text>\n",
+                         x, y0, y0 + parts * row, y0 + parts * row + 14, ms);
+    }
+    for (const auto& x : spans) {
+      if (x.layer != layer || x.backward != (b == 1)) continue;
+      const double a = px((x.t0 - t_begin[b]) * 1e3), e = px((x.t1 - t_begin[b]) * 1e3);
+      const double y = y0 + x.part * row + (x.computing ? 4 : 24);
+      svg += fmt::format("<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"{}\"/>\n", a, y,
+                         std::max(0.5, e - a), x.computing ? 18 : 6, x.computing ? "#1f77b4" : "#ff7f0e");
+    }
+  }
+  svg += "</svg>\n";
+  io::write_file_atomic(path, svg);
+}
+
 TrainSummary train(const RunConfig& rc) {
   const model::ModelConfig& cfg = rc.model;
   const TrainConfig& tc = rc.train;
@@ -185,6 +232,19 @@ TrainSummary train(const RunConfig& rc) {
   dist::set_collective_timeout(tc.collective_timeout_seconds);
   dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
   const bool lead = world.rank() == 0, multi = world.size() > 1;
+  // A modeled link under the per-layer collectives (expert and fsdp axes).
+  std::unique_ptr<dist::LinkModel> link_expert, link_fsdp;
+  if (tc.link_model_gbps > 0) {
+    const double lat = tc.link_model_latency_us * 1e-6, bw = tc.link_model_gbps * 1e9;
+    if (mesh.size(dist::kExpert) > 1) link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
+    if (mesh.size(dist::kFsdp) > 1) link_fsdp = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
+  }
+  dist::Communicator& expert_comm = link_expert ? *link_expert : mesh.axis(dist::kExpert);
+  dist::Communicator& fsdp_comm = link_fsdp ? *link_fsdp : mesh.axis(dist::kFsdp);
+  auto link_busy = [&] {
+    return (link_expert ? link_expert->busy_seconds() : 0.0) + (link_fsdp ? link_fsdp->busy_seconds() : 0.0);
+  };
+
   // Expert parallelism: each rank of the expert axis computes its share of
   // the routed experts for the tokens of every rank on that axis.
   std::unique_ptr<dist::ExpertExchange> exchange;
@@ -193,7 +253,7 @@ TrainSummary train(const RunConfig& rc) {
   if (mesh.size(dist::kExpert) > 1) {
     DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
     exchange = std::make_unique<dist::ExpertExchange>(
-        mesh.axis(dist::kExpert), cfg.n_routed_experts,
+        expert_comm, cfg.n_routed_experts,
         tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
                                           : dist::ExpertExchange::Mode::AllToAll,
         tc.expert_grad_comm_fp8);
@@ -231,7 +291,7 @@ TrainSummary train(const RunConfig& rc) {
     grads = model::FlatParams::zeros(cfg, mtp);
     opt_box = std::make_unique<AdamW>(cfg, mtp, tc, params, grads);
   } else {
-    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, mesh.axis(dist::kFsdp));
+    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, fsdp_comm);
     std::vector<OwnedRange> owned;
     for (const auto& pc : fsdp->owned())
       owned.push_back({pc.lo, pc.hi, fsdp->shard.data() + pc.at, fsdp->grad_shard.data() + pc.at});
@@ -455,6 +515,8 @@ TrainSummary train(const RunConfig& rc) {
   int64_t s = start;
   for (; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
+    const double busy0 = link_busy();
+    const bool draw = s == tc.timeline_step && lead;
     const double lr = learning_rate_at(tc, s);
     std::vector<model::TrainBatch> micro;
     std::vector<double> counted;
@@ -477,7 +539,15 @@ TrainSummary train(const RunConfig& rc) {
       mo.grad_scale = wi;
       // This rank's rows, weighed as a share of the global micro-batch.
       if (multi) mo.whole = model::loss_weights(micro[i], mtp);
+      if (draw && i == 0) model::timeline_record(true);
       auto t = model::loss_and_grad(cfg, pview, &gtree, slice_rows(micro[i], shard * rows, rows), mo, tc.remat);
+      if (draw && i == 0) {
+        model::timeline_record(false);
+        const int64_t first_moe = moe_layers.empty() ? 0 : moe_layers.front();
+        write_timeline_svg((run / "timeline.svg").string(), model::timeline_spans(), first_moe,
+                           fmt::format("{}: layer {} at step {}, {} micro-batches, {}", tc.run_name, first_moe, s,
+                                       lo.batch_split_factor, mesh.describe()));
+      }
       terms.loss += wi * t.loss;
       terms.lm_loss += wi * t.lm_loss;
       terms.z_loss += wi * t.z_loss;
@@ -564,6 +634,7 @@ TrainSummary train(const RunConfig& rc) {
                         {"tokens_per_sec", step_tokens / dt},
                         {"tflops_per_sec", flops / dt / 1e12},
                         {"step_skipped", !finite}};
+    if (link_expert || link_fsdp) m["link_model_seconds"] = link_busy() - busy0;
     if (!finite) {
       // JSON has no NaN: the raw values as text.
       m["loss"] = fmt::format("{}", terms.loss);

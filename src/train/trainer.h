@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "model/staged.h"
 #include "train/config.h"
 
 namespace ds::train {
@@ -43,5 +44,11 @@ TrainSummary train(const RunConfig& rc);
 // points), written atomically to `path`.
 void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train_loss,
                     const std::vector<std::pair<int64_t, double>>& eval_loss, const std::string& title);
+
+// The batch-split schedule of one layer as an SVG timeline: for the forward
+// and the backward, one row per micro-batch with its compute spans and,
+// under them, its communication in flight.
+void write_timeline_svg(const std::string& path, const std::vector<model::TimelineSpan>& spans, int64_t layer,
+                        const std::string& title);
 
 }  // namespace ds::train
