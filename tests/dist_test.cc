@@ -29,6 +29,24 @@ using dist::MeshConfig;
 const std::string kTiny =
     "model_name: " + std::string(DEEPSEEK_SOURCE_DIR) + "/configs/tiny.yml\nmax_target_length: 8\n";
 
+// rows x seq tokens, ids (mul t + add) mod V; each row two documents, the
+// second from column `doc` on, and the target at the boundary not counted.
+model::TrainBatch make_batch(const model::ModelConfig& cfg, int64_t rows, int64_t seq, int64_t mul, int64_t add,
+                             int64_t doc) {
+  model::TrainBatch b;
+  b.batch = rows;
+  b.seq = seq;
+  for (int64_t t = 0; t < rows * seq; ++t) {
+    const int32_t seg = 1 + (t % seq >= doc);
+    b.inputs.push_back(static_cast<int32_t>((mul * t + add) % cfg.vocab_size));
+    b.targets.push_back(static_cast<int32_t>((mul * t + add + 1) % cfg.vocab_size));
+    b.positions.push_back(static_cast<int32_t>(t % seq >= doc ? t % seq - doc : t % seq));
+    b.segment_ids.push_back(seg);
+    b.target_segment_ids.push_back(t % seq == doc - 1 ? 0 : seg);
+  }
+  return b;
+}
+
 TEST(Single, CollectivesAreCopies) {
   auto c = dist::make_single();
   EXPECT_EQ(c->rank(), 0);
@@ -184,16 +202,7 @@ TEST(Fsdp, OneRankStreamEqualsThePlainBuffers) {
     fp.pack(fp.shard, packed);
     EXPECT_EQ(fp.expand(packed), fp.shard);
 
-    model::TrainBatch b;
-    b.batch = 2;
-    b.seq = 8;
-    for (int64_t t = 0; t < 16; ++t) {
-      b.inputs.push_back(static_cast<int32_t>((7 * t + 3) % cfg.vocab_size));
-      b.targets.push_back(static_cast<int32_t>((5 * t + 1) % cfg.vocab_size));
-      b.positions.push_back(static_cast<int32_t>(t % 8));
-      b.segment_ids.push_back(1);
-      b.target_segment_ids.push_back(t % 5 != 4);
-    }
+    const model::TrainBatch b = make_batch(cfg, 2, 8, 7, 3, 5);
     model::LossOptions o;
     o.mtp_num_layers = mtp;
     o.load_balance_loss_weight = 0.01;
@@ -229,16 +238,7 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
   const int64_t mtp = 1;
   auto p = model::FlatParams::zeros(cfg, mtp), g0 = model::FlatParams::zeros(cfg, mtp);
   train::init_params(cfg, mtp, p, 5, 0.05f);
-  model::TrainBatch b;
-  b.batch = 2;
-  b.seq = 8;
-  for (int64_t t = 0; t < 16; ++t) {
-    b.inputs.push_back(static_cast<int32_t>((11 * t + 2) % cfg.vocab_size));
-    b.targets.push_back(static_cast<int32_t>((3 * t + 5) % cfg.vocab_size));
-    b.positions.push_back(static_cast<int32_t>(t % 8));
-    b.segment_ids.push_back(1);
-    b.target_segment_ids.push_back(1);
-  }
+  const model::TrainBatch b = make_batch(cfg, 2, 8, 11, 2, 8);
   model::LossOptions o;
   o.mtp_num_layers = mtp;
   o.load_balance_loss_weight = 0.01;
@@ -288,16 +288,7 @@ TEST(BatchSplit, PartsGiveTheWholeBatchsLossAndGradient) {
   const int64_t mtp = 1;
   auto p = model::FlatParams::zeros(cfg, mtp), g1 = model::FlatParams::zeros(cfg, mtp);
   train::init_params(cfg, mtp, p, 9, 0.05f);
-  model::TrainBatch b;
-  b.batch = 4;
-  b.seq = 8;
-  for (int64_t t = 0; t < 32; ++t) {
-    b.inputs.push_back(static_cast<int32_t>((13 * t + 1) % cfg.vocab_size));
-    b.targets.push_back(static_cast<int32_t>((7 * t + 4) % cfg.vocab_size));
-    b.positions.push_back(static_cast<int32_t>(t % 8));
-    b.segment_ids.push_back(1 + (t % 8 >= 5));
-    b.target_segment_ids.push_back(t % 8 == 4 ? 0 : 1 + (t % 8 >= 5));
-  }
+  const model::TrainBatch b = make_batch(cfg, 4, 8, 13, 1, 5);
   model::LossOptions o;
   o.mtp_num_layers = mtp;
   o.load_balance_loss_weight = 0.01;
@@ -361,16 +352,7 @@ TEST(BatchSplit, MovesOverlapTheOtherPartsWork) {
   const auto& cfg = rc.model;
   auto p = model::FlatParams::zeros(cfg, 0), g = model::FlatParams::zeros(cfg, 0);
   train::init_params(cfg, 0, p, 2, 0.05f);
-  model::TrainBatch b;
-  b.batch = 2;
-  b.seq = 4;
-  for (int64_t t = 0; t < 8; ++t) {
-    b.inputs.push_back(static_cast<int32_t>(t + 1));
-    b.targets.push_back(static_cast<int32_t>(t + 2));
-    b.positions.push_back(static_cast<int32_t>(t % 4));
-    b.segment_ids.push_back(1);
-    b.target_segment_ids.push_back(1);
-  }
+  const model::TrainBatch b = make_batch(cfg, 2, 4, 1, 1, 4);
   for (int64_t M : {1, 2}) {
     Logging ex;
     model::LossOptions o;
