@@ -5,6 +5,7 @@
 // run under mpirun in dist_mpi_test.sh.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -93,8 +94,10 @@ TEST(Mesh, FillsTheRestAndChecksTheWorld) {
   EXPECT_THROW(dist::resolve_mesh(two, 4, 4), Error);           // two axes fill the rest
   EXPECT_THROW(dist::resolve_mesh(MeshConfig{}, 6, 4), Error);  // nodes of unequal size
   EXPECT_THROW(MeshConfig{}.set("ici_data_parallelism", 0), Error);
-  EXPECT_TRUE(MeshConfig::is_key("dcn_fsdp_parallelism"));
-  EXPECT_FALSE(MeshConfig::is_key("ici_tensor_parallelism"));
+  const auto keys = MeshConfig::keys();
+  EXPECT_EQ(keys.size(), 6u);
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "dcn_fsdp_parallelism"), keys.end());
+  EXPECT_EQ(std::find(keys.begin(), keys.end(), "ici_tensor_parallelism"), keys.end());
 }
 
 TEST(Mesh, OneProcessIsOneShardOnEveryAxis) {
@@ -249,6 +252,7 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
     model::ExchangePlan plan;
     ex.plan(plan, {3, 0, 2, 1, 0, 0, 4, 1});
     EXPECT_EQ(plan.local_rows, 11);
+    EXPECT_EQ(plan.rows, 11);
     EXPECT_EQ(plan.local_sizes, (std::vector<int32_t>{3, 0, 2, 1, 0, 0, 4, 1}));
     std::vector<float> rows(11 * 3), there(11 * 3), back(11 * 3);
     for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i);

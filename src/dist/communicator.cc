@@ -40,7 +40,6 @@ size_t elem_size(Elem e) {
 }
 
 void set_collective_timeout(double seconds) { g_timeout.store(seconds); }
-double collective_timeout() { return g_timeout.load(); }
 
 void Handle::wait() {
   if (!s_) return;

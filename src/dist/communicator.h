@@ -40,11 +40,14 @@ enum class ReduceOp { Sum, Max };
 
 template <typename T>
 constexpr Elem elem_of() {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, double> || std::is_same_v<T, int32_t> ||
+                    std::is_same_v<T, int64_t> || std::is_same_v<T, uint8_t> || std::is_same_v<T, char>,
+                "collectives move float, double, int32, int64 or bytes");
   if constexpr (std::is_same_v<T, float>) return Elem::F32;
   if constexpr (std::is_same_v<T, double>) return Elem::F64;
   if constexpr (std::is_same_v<T, int32_t>) return Elem::I32;
   if constexpr (std::is_same_v<T, int64_t>) return Elem::I64;
-  if constexpr (std::is_same_v<T, uint8_t> || std::is_same_v<T, char>) return Elem::U8;
+  return Elem::U8;
 }
 size_t elem_size(Elem e);
 
@@ -65,7 +68,6 @@ class Handle {
 
 // Seconds a wait may take before it is an error (default 300; 0: forever).
 void set_collective_timeout(double seconds);
-double collective_timeout();
 
 class Communicator {
  public:

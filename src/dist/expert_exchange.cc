@@ -26,7 +26,11 @@ void ExpertExchange::plan(model::ExchangePlan& p, const std::vector<int32_t>& si
   p.local_sizes.assign(static_cast<size_t>(E_), 0);
   p.send_rows.assign(static_cast<size_t>(X_), 0);
   p.recv_rows.assign(static_cast<size_t>(X_), 0);
-  for (int64_t e = 0; e < E_; ++e) p.send_rows[e / per_rank_] += sizes[e];
+  p.rows = 0;
+  for (int64_t e = 0; e < E_; ++e) {
+    p.send_rows[e / per_rank_] += sizes[e];
+    p.rows += sizes[e];
+  }
   for (int64_t x = 0; x < X_; ++x)
     for (int64_t e = e0; e < e1; ++e) {
       p.recv_rows[x] += all[x * E_ + e];
@@ -67,8 +71,7 @@ std::function<void()> ExpertExchange::start_move(T* out, const T* rows, const mo
   if (mode_ == Mode::AllGather) {
     auto mine = std::make_shared<std::vector<T>>(static_cast<size_t>(p.max_rows * W), T{});
     auto all = std::make_shared<std::vector<T>>(static_cast<size_t>(X_ * p.max_rows * W));
-    int64_t n = 0;
-    for (int64_t v : p.send_rows) n += v;
+    const int64_t n = p.rows;
     if (n > 0) std::memcpy(mine->data(), rows, static_cast<size_t>(n) * row_bytes);
     Handle h = comm_.all_gather(mine->data(), p.max_rows * W, all->data());
     const int64_t* source = p.source.data();
@@ -92,8 +95,7 @@ std::function<void()> ExpertExchange::start_move(T* out, const T* rows, const mo
 std::function<void()> ExpertExchange::start_dispatch(float* out, const float* rows, const model::ExchangePlan& p,
                                                      int64_t D, bool gradient) {
   if (!gradient || !fp8_gradients_) return start_move(out, rows, p, D);
-  int64_t n = 0;
-  for (int64_t v : p.send_rows) n += v;
+  const int64_t n = p.rows;
   auto q = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(n * D));
   auto q_out = std::make_shared<std::vector<uint8_t>>(static_cast<size_t>(p.local_rows * D));
   auto scale = std::make_shared<std::vector<float>>(static_cast<size_t>(n));
@@ -126,8 +128,7 @@ std::function<void()> ExpertExchange::start_undispatch(float* out, const float* 
     auto mine = std::make_shared<std::vector<float>>(static_cast<size_t>(p.max_rows * D));
     for (int64_t j = 0; j < p.local_rows; ++j) std::memcpy(all->data() + p.source[j] * D, rows + j * D, row_bytes);
     Handle h = comm_.reduce_scatter(all->data(), p.max_rows * D, mine->data());
-    int64_t n = 0;
-    for (int64_t v : p.send_rows) n += v;
+    const int64_t n = p.rows;
     return [h, all, mine, out, n, row_bytes]() mutable {
       h.wait();
       if (n > 0) std::memcpy(out, mine->data(), static_cast<size_t>(n) * row_bytes);

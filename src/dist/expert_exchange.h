@@ -38,7 +38,6 @@ class ExpertExchange final : public model::TokenExchange {
   std::function<void()> start_undispatch(float* out, const float* rows, const model::ExchangePlan& p,
                                          int64_t D) override;
 
-  int64_t first_expert() const { return rank_ * per_rank_; }
   int64_t experts_per_rank() const { return per_rank_; }
 
  private:

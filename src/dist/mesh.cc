@@ -41,11 +41,11 @@ std::array<int64_t, kAxes> fill(std::array<int64_t, kAxes> v, int64_t total, con
 
 const char* axis_name(Axis a) { return kNames[a]; }
 
-bool MeshConfig::is_key(const std::string& key) {
+std::vector<std::string> MeshConfig::keys() {
+  std::vector<std::string> k;
   for (const char* g : {"ici_", "dcn_"})
-    for (const char* n : kNames)
-      if (key == fmt::format("{}{}_parallelism", g, n)) return true;
-  return false;
+    for (const char* n : kNames) k.push_back(fmt::format("{}{}_parallelism", g, n));
+  return k;
 }
 
 void MeshConfig::set(const std::string& key, int64_t value) {
@@ -56,22 +56,33 @@ void MeshConfig::set(const std::string& key, int64_t value) {
   }
 }
 
-std::array<int64_t, kAxes> resolve_mesh(const MeshConfig& mc, int64_t world, int64_t ranks_per_node) {
+namespace {
+
+struct Factors {
+  std::array<int64_t, kAxes> ici, dcn;
+};
+
+Factors resolve_factors(const MeshConfig& mc, int64_t world, int64_t ranks_per_node) {
   DS_CHECK(ranks_per_node >= 1 && world % ranks_per_node == 0,
            "{} ranks do not split into nodes of {} ranks each (every node must run the same number of ranks)", world,
            ranks_per_node);
-  const auto ici = fill(mc.ici, ranks_per_node, "ici", "ranks per node");
-  const auto dcn = fill(mc.dcn, world / ranks_per_node, "dcn", "number of nodes");
+  return {fill(mc.ici, ranks_per_node, "ici", "ranks per node"),
+          fill(mc.dcn, world / ranks_per_node, "dcn", "number of nodes")};
+}
+
+}  // namespace
+
+std::array<int64_t, kAxes> resolve_mesh(const MeshConfig& mc, int64_t world, int64_t ranks_per_node) {
+  const Factors f = resolve_factors(mc, world, ranks_per_node);
   std::array<int64_t, kAxes> s{};
-  for (int a = 0; a < kAxes; ++a) s[a] = ici[a] * dcn[a];
+  for (int a = 0; a < kAxes; ++a) s[a] = f.ici[a] * f.dcn[a];
   return s;
 }
 
 Mesh::Mesh(Communicator& world, const MeshConfig& mc, int64_t ranks_per_node) : world_(world) {
   const int64_t W = world.size(), r = world.rank();
-  sizes_ = resolve_mesh(mc, W, ranks_per_node);
-  const auto ici = fill(mc.ici, ranks_per_node, "ici", "ranks per node");
-  const auto dcn = fill(mc.dcn, W / ranks_per_node, "dcn", "number of nodes");
+  const auto [ici, dcn] = resolve_factors(mc, W, ranks_per_node);
+  for (int a = 0; a < kAxes; ++a) sizes_[a] = ici[a] * dcn[a];
   int64_t local = r % ranks_per_node, node = r / ranks_per_node;
   std::array<int64_t, kAxes> ic{}, dc{};
   for (int a = kAxes - 1; a >= 0; --a) {

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dist/communicator.h"
 
@@ -33,8 +34,8 @@ const char* axis_name(Axis a);
 struct MeshConfig {
   std::array<int64_t, kAxes> ici{1, -1, 1};  // MaxText's defaults
   std::array<int64_t, kAxes> dcn{-1, 1, 1};
-  // True for a key this struct reads (ici_data_parallelism, ...).
-  static bool is_key(const std::string& key);
+  // The keys this struct reads: ici_data_parallelism, ..., dcn_expert_parallelism.
+  static std::vector<std::string> keys();
   void set(const std::string& key, int64_t value);
 };
 

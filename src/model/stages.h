@@ -188,6 +188,7 @@ void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* 
 // expert together); undispatch moves them back. Both are permutations across
 // ranks, so each is the other's backward.
 struct ExchangePlan {
+  int64_t rows = 0;                  // this rank's routed rows (the sum of its sizes)
   std::vector<int32_t> local_sizes;  // [E]: rows this rank computes per expert (0 for others' experts)
   int64_t local_rows = 0;
   std::vector<int64_t> send_rows, recv_rows;  // per rank of the expert axis
@@ -207,8 +208,7 @@ class TokenExchange {
   // transpose of undispatch), which an exchange may move at lower precision.
   virtual std::function<void()> start_dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D,
                                                bool gradient) = 0;
-  virtual std::function<void()> start_undispatch(float* out, const float* rows, const ExchangePlan& p,
-                                                 int64_t D) = 0;
+  virtual std::function<void()> start_undispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) = 0;
   void dispatch(float* out, const float* rows, const ExchangePlan& p, int64_t D) {
     start_dispatch(out, rows, p, D, false)();
   }

@@ -1,6 +1,5 @@
 #include "train/config.h"
 
-#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
@@ -111,11 +110,8 @@ const std::map<std::string, Setter>& train_keys() {
     bol("save_checkpoint_on_completion", &TrainConfig::save_checkpoint_on_completion);
     bol("resume", &TrainConfig::resume);
     i64("log_period", &TrainConfig::log_period);
-    for (const char* g : {"ici", "dcn"})
-      for (const char* a : {"data", "fsdp", "expert"}) {
-        const std::string key = fmt::format("{}_{}_parallelism", g, a);
-        k[key] = [key](TrainConfig& c, const YAML::Node& n) { c.mesh.set(key, n.as<int64_t>()); };
-      }
+    for (const std::string& key : dist::MeshConfig::keys())
+      k[key] = [key](TrainConfig& c, const YAML::Node& n) { c.mesh.set(key, n.as<int64_t>()); };
     dbl("collective_timeout_seconds", &TrainConfig::collective_timeout_seconds);
     str("expert_dispatch", &TrainConfig::expert_dispatch);
     bol("expert_grad_comm_fp8", &TrainConfig::expert_grad_comm_fp8);

@@ -91,13 +91,14 @@ std::vector<nlohmann::json> read_metrics_before(const fs::path& file, int64_t st
 
 // Rows [first, first + rows) of a batch.
 model::TrainBatch slice_rows(const model::TrainBatch& b, int64_t first, int64_t rows) {
-  if (first == 0 && rows == b.batch) return b;
   model::TrainBatch out;
   out.batch = rows;
   out.seq = b.seq;
   const auto a = static_cast<std::ptrdiff_t>(first * b.seq), e = static_cast<std::ptrdiff_t>((first + rows) * b.seq);
-  for (auto [dst, src] : {std::pair{&out.inputs, &b.inputs}, {&out.targets, &b.targets},
-                          {&out.positions, &b.positions}, {&out.segment_ids, &b.segment_ids},
+  for (auto [dst, src] : {std::pair{&out.inputs, &b.inputs},
+                          {&out.targets, &b.targets},
+                          {&out.positions, &b.positions},
+                          {&out.segment_ids, &b.segment_ids},
                           {&out.target_segment_ids, &b.target_segment_ids}})
     dst->assign(src->begin() + a, src->begin() + e);
   return out;
@@ -195,15 +196,16 @@ void write_timeline_svg(const std::string& path, const std::vector<model::Timeli
       W, H, title, W - 330, W - 312, W - 240, W - 222);
   for (int b = 0; b < 2; ++b) {
     const double y0 = T + b * (parts * row + panel_gap) + 20;
-    svg += fmt::format("<text x=\"10\" y=\"{:.0f}\" font-weight=\"bold\">{}</text>\n", y0 - 6,
-                       b ? "backward" : "forward");
+    svg +=
+        fmt::format("<text x=\"10\" y=\"{:.0f}\" font-weight=\"bold\">{}</text>\n", y0 - 6, b ? "backward" : "forward");
     for (int p = 0; p < parts; ++p)
       svg += fmt::format("<text x=\"10\" y=\"{:.0f}\">micro-batch {}</text>\n", y0 + p * row + 18, p);
     for (int i = 0; i <= 4; ++i) {
       const double ms = span_ms * i / 4, x = px(ms);
-      svg += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1:.0f}\" x2=\"{0:.1f}\" y2=\"{2:.0f}\" stroke=\"#ddd\"/>"
-                         "<text x=\"{0:.1f}\" y=\"{3:.0f}\" text-anchor=\"middle\">{4:.2f} ms</text>\n",
-                         x, y0, y0 + parts * row, y0 + parts * row + 14, ms);
+      svg += fmt::format(
+          "<line x1=\"{0:.1f}\" y1=\"{1:.0f}\" x2=\"{0:.1f}\" y2=\"{2:.0f}\" stroke=\"#ddd\"/>"
+          "<text x=\"{0:.1f}\" y=\"{3:.0f}\" text-anchor=\"middle\">{4:.2f} ms</text>\n",
+          x, y0, y0 + parts * row, y0 + parts * row + 14, ms);
     }
     for (const auto& x : spans) {
       if (x.layer != layer || x.backward != (b == 1)) continue;
@@ -236,7 +238,8 @@ TrainSummary train(const RunConfig& rc) {
   std::unique_ptr<dist::LinkModel> link_expert, link_fsdp;
   if (tc.link_model_gbps > 0) {
     const double lat = tc.link_model_latency_us * 1e-6, bw = tc.link_model_gbps * 1e9;
-    if (mesh.size(dist::kExpert) > 1) link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
+    if (mesh.size(dist::kExpert) > 1)
+      link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
     if (mesh.size(dist::kFsdp) > 1) link_fsdp = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
   }
   dist::Communicator& expert_comm = link_expert ? *link_expert : mesh.axis(dist::kExpert);
@@ -252,11 +255,11 @@ TrainSummary train(const RunConfig& rc) {
            "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
   if (mesh.size(dist::kExpert) > 1) {
     DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
-    exchange = std::make_unique<dist::ExpertExchange>(
-        expert_comm, cfg.n_routed_experts,
-        tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
-                                          : dist::ExpertExchange::Mode::AllToAll,
-        tc.expert_grad_comm_fp8);
+    exchange =
+        std::make_unique<dist::ExpertExchange>(expert_comm, cfg.n_routed_experts,
+                                               tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
+                                                                                 : dist::ExpertExchange::Mode::AllToAll,
+                                               tc.expert_grad_comm_fp8);
   }
   const int64_t F = mesh.size(dist::kFsdp), shards = mesh.batch_shards(), shard = mesh.batch_index();
   const int64_t rows = tc.per_device_batch_size;
@@ -500,7 +503,9 @@ TrainSummary train(const RunConfig& rc) {
       const model::TrainBatch b = eval_data->next();
       const int64_t r = b.batch / shards;
       if (multi) el.whole = model::loss_weights(b, 0);
-      const auto t = model::loss_and_grad(cfg, pview, nullptr, slice_rows(b, shard * r, r), el, tc.remat);
+      model::TrainBatch part;
+      const auto t =
+          model::loss_and_grad(cfg, pview, nullptr, multi ? (part = slice_rows(b, shard * r, r)) : b, el, tc.remat);
       const double w = multi ? el.whole.targets : t.tokens;
       xent += t.lm_loss * w;
       weight += w;
@@ -540,7 +545,9 @@ TrainSummary train(const RunConfig& rc) {
       // This rank's rows, weighed as a share of the global micro-batch.
       if (multi) mo.whole = model::loss_weights(micro[i], mtp);
       if (draw && i == 0) model::timeline_record(true);
-      auto t = model::loss_and_grad(cfg, pview, &gtree, slice_rows(micro[i], shard * rows, rows), mo, tc.remat);
+      model::TrainBatch part;  // one process: the whole micro-batch, not a copy
+      auto t = model::loss_and_grad(cfg, pview, &gtree,
+                                    multi ? (part = slice_rows(micro[i], shard * rows, rows)) : micro[i], mo, tc.remat);
       if (draw && i == 0) {
         model::timeline_record(false);
         const int64_t first_moe = moe_layers.empty() ? 0 : moe_layers.front();
@@ -598,20 +605,18 @@ TrainSummary train(const RunConfig& rc) {
     if (finite) {
       consecutive_skipped = 0;
       if (tc.gradient_clipping_threshold > 0) {
-        if (F == 1)
-          ops::clip_grad_norm(grad_spans, tc.gradient_clipping_threshold);
-        else if (raw_norm > tc.gradient_clipping_threshold)
+        // optax's clip_by_global_norm with the norm just taken (what ops::clip_grad_norm would compute again).
+        if (raw_norm > tc.gradient_clipping_threshold)
           ops::scale_grads(grad_spans, static_cast<float>(tc.gradient_clipping_threshold / raw_norm));
         grad_norm = std::min(raw_norm, tc.gradient_clipping_threshold);
       }
       opt.update(lr);
       if (bias_update)
         for (size_t l = 0; l < biases.size(); ++l)
-          opt.for_owned(biases[l].first, biases[l].first + biases[l].second,
-                        [&](float* p, int64_t first, int64_t n) {
-                          const float* d = bias_delta[l].data() + (first - biases[l].first);
-                          for (int64_t e = 0; e < n; ++e) p[e] += d[e];
-                        });
+          opt.for_owned(biases[l].first, biases[l].first + biases[l].second, [&](float* p, int64_t first, int64_t n) {
+            const float* d = bias_delta[l].data() + (first - biases[l].first);
+            for (int64_t e = 0; e < n; ++e) p[e] += d[e];
+          });
     } else {
       ++sum.skipped_steps;
       ++consecutive_skipped;
@@ -732,8 +737,7 @@ TrainSummary train(const RunConfig& rc) {
       done > start)
     save(done);
   if (lead)
-    write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve,
-                   fmt::format("{}: loss per step", tc.run_name));
+    write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve, fmt::format("{}: loss per step", tc.run_name));
   return sum;
 }
 
