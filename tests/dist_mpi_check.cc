@@ -5,9 +5,15 @@
 // uneven counts, broadcast from the last rank, many operations in flight at
 // once waited in reverse order, an operation that completes while the caller
 // computes (the progress thread at work, no wait called), split, and the
-// mesh's axis communicators. Exits 1 with one line on the first mismatch.
+// mesh's axis communicators; and the sharded parameters of every mesh the
+// world allows with an expert axis (FsdpParams): the shards tile the model
+// once per data replica, round-trip through take_shard and gather_full, a
+// streamed layer shows the dense tensors and this rank's experts with their
+// values and no other expert, and the expert axis shrinks what a rank holds.
+// Exits 1 with one line on the first mismatch.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -16,7 +22,9 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "dist/fsdp.h"
 #include "dist/mesh.h"
+#include "train/config.h"
 
 namespace {
 
@@ -146,11 +154,107 @@ void run() {
   w.barrier().wait();
 }
 
+// FsdpParams over a mesh of data x fsdp x expert.
+void sharded(int64_t data, int64_t fsdp, int64_t expert, const std::string& tiny) {
+  dist::Communicator& w = dist::world();
+  const std::string what = fmt::format("sharded data={} fsdp={} expert={}: ", data, fsdp, expert);
+  dist::MeshConfig mc;
+  mc.set("ici_data_parallelism", data);
+  mc.set("ici_fsdp_parallelism", fsdp);
+  mc.set("ici_expert_parallelism", expert);
+  dist::Mesh mesh(w, mc, w.size());
+  const auto rc = train::parse_run_config(tiny, {"mtp_num_layers=1"}, "check");
+  const auto& cfg = rc.model;
+  const int64_t mtp = cfg.num_nextn_predict_layers, E = cfg.n_routed_experts;
+  const int64_t P = model::FlatParams::numel(cfg, mtp);
+  std::vector<float> full(static_cast<size_t>(P));
+  for (int64_t i = 0; i < P; ++i) full[i] = 1.0f + static_cast<float>(i % 9973) * 0.25f;
+  dist::FsdpParams fp(cfg, mtp, mesh.shard_group(), mesh.axis(dist::kFsdp),
+                      expert > 1 ? &mesh.axis(dist::kExpert) : nullptr);
+
+  // Every element owned by exactly one rank of the shard group.
+  std::vector<int64_t> cover(static_cast<size_t>(P), 0);
+  for (const auto& pc : fp.owned())
+    for (int64_t i = pc.lo; i < pc.hi; ++i) ++cover[i];
+  mesh.shard_group().all_reduce(cover.data(), P).wait();
+  expect(std::all_of(cover.begin(), cover.end(), [](int64_t c) { return c == 1; }), what + "shards tile the model");
+
+  fp.take_shard(full.data(), fp.shard.data());
+  std::vector<float> back(static_cast<size_t>(P), -1.0f);
+  fp.gather_full(fp.shard.data(), back.data());
+  expect(back == full, what + "take_shard then gather_full is the whole buffer");
+
+  // The streamed layers: dense tensors and this rank's experts hold their
+  // values, the other experts are absent.
+  const int64_t units = cfg.num_hidden_layers + mtp, per = E / expert, mine = mesh.coord(dist::kExpert) * per;
+  fp.start_step();
+  fp.begin(units, false);
+  int64_t off = 0, seen_mine = 0, seen_null = 0, bad = 0;
+  std::vector<model::ParamInfo> infos = model::param_infos(cfg, mtp);
+  std::vector<int64_t> offsets;
+  for (const auto& i : infos) {
+    offsets.push_back(off);
+    off += i.numel();
+  }
+  for (int64_t u = 0; u < units; ++u) {
+    fp.acquire(u, false);
+    size_t k = 0;
+    model::for_each_param(
+        cfg, mtp,
+        [&](const model::ParamInfo& i, const ops::WeightView& v) {
+          const size_t t = k++;
+          if (i.layer != u) return;
+          const auto at = i.name.find(".mlp.experts.");
+          if (expert > 1 && at != std::string::npos) {
+            const int64_t e = std::stoll(i.name.substr(at + 13));
+            if (e < mine || e >= mine + per) {
+              seen_null += v.data == nullptr;
+              bad += v.data != nullptr;
+              return;
+            }
+            ++seen_mine;
+          }
+          const auto* p = static_cast<const float*>(v.data);
+          if (!p || !std::equal(p, p + i.numel(), full.data() + offsets[t])) ++bad;
+        },
+        fp.view);
+    fp.release(u, false);
+  }
+  expect(bad == 0, what + fmt::format("{} streamed tensors with wrong values or presence", bad));
+  int64_t moe = 0;
+  for (int64_t l = 0; l < units; ++l) moe += cfg.is_moe_layer(l);
+  expect(expert == 1 || (seen_mine == 3 * per * moe && seen_null == 3 * (E - per) * moe),
+         what + fmt::format("{} of this rank's expert tensors and {} absent ones", seen_mine, seen_null));
+
+  // What a rank holds falls with the expert axis at the same shard-group size.
+  if (expert > 1) {
+    dist::MeshConfig flat;
+    flat.set("ici_data_parallelism", data);
+    flat.set("ici_fsdp_parallelism", fsdp * expert);
+    flat.set("ici_expert_parallelism", 1);
+    dist::Mesh m1(w, flat, w.size());
+    dist::FsdpParams no_ep(cfg, mtp, m1.shard_group(), m1.axis(dist::kFsdp), nullptr);
+    expect(
+        fp.floats_held() < no_ep.floats_held(),
+        what + fmt::format("holds {} floats, fsdp={} alone {}", fp.floats_held(), fsdp * expert, no_ep.floats_held()));
+  }
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   try {
     run();
+    const int N = ds::dist::world().size();
+    if (argc > 1) {
+      const std::string tiny = "model_name: " + std::string(argv[1]) + "/configs/tiny.yml\nmax_target_length: 8\n";
+      if (N == 2) sharded(1, 1, 2, tiny);
+      if (N == 4) {
+        sharded(1, 2, 2, tiny);
+        sharded(2, 1, 2, tiny);
+        sharded(1, 1, 4, tiny);
+      }
+    }
   } catch (const ds::Error& e) {
     fmt::print(stderr, "rank {}: error: {}\n", ds::dist::world().rank(), e.what());
     ds::dist::exit_after_error(1);

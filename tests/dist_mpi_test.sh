@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Multi-process training under mpirun (oversubscribed: 4 ranks on 2 cores).
-#  - every collective of the MPI communicator at 1, 2 and 4 ranks;
+#  - every collective of the MPI communicator at 1, 2 and 4 ranks, and the
+#    sharded parameter storage of the expert meshes (dist_mpi_check);
 #  - the same global batch (per_device_batch_size x ranks constant) gives the
 #    same losses as one process, within 1e-5 relative over 20 steps, for
 #    data=2, fsdp=2 and data=2 x fsdp=2, with synthetic, json and prepared
@@ -8,8 +9,10 @@
 #    accumulation on); and for expert=2 and fsdp=2 x expert=2 with both
 #    expert_dispatch modes, with and without the batch-split schedule; fp8
 #    expert gradients stay close;
-#  - checkpoints are interchangeable across world sizes: saved at 4 ranks,
-#    resumed at 1 and at 2, the continued losses match the uninterrupted run;
+#  - checkpoints are interchangeable across world sizes and meshes: saved at
+#    4 ranks (data=2 x fsdp=2, and fsdp=2 x expert=2 with the experts stored
+#    on their ranks), resumed at 1 and at 2, the continued losses match the
+#    uninterrupted run;
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
 #    resumes from its newest checkpoint;
 #  - impossible meshes are one error line per rank and a non-zero exit.
@@ -30,7 +33,7 @@ export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversub
 mpi() { local n=$1; shift; timeout 300 mpirun -np "$n" "$@"; }
 
 for n in 1 2 4; do
-  out=$(mpi $n "$check_bin" 2>&1)
+  out=$(mpi $n "$check_bin" "$src" 2>&1)
   check '[ $? -eq 0 ] && [[ "$out" == *"dist check passed on $n ranks"* ]]' "collectives at $n ranks: $out"
 done
 
@@ -112,6 +115,8 @@ for mode in alltoall allgather; do
   check '[ $? -eq 0 ] && same_losses synthetic-one f2e2-$mode' "fsdp=2 x expert=2 ($mode) matches one process"
   check 'grep -q "\"expert_rows_per_rank\":\[" "$tmp/runs/f2e2-$mode/metrics.jsonl"' "expert rows per rank in the metrics"
 done
+ranks 4 run_name=d2e2 dataset_type=synthetic ici_data_parallelism=2 ici_expert_parallelism=2 ici_fsdp_parallelism=1
+check '[ $? -eq 0 ] && same_losses synthetic-one d2e2' "data=2 x expert=2 matches one process"
 # The batch-split schedule: two micro-batches per rank, interleaved so that
 # one's expert exchange overlaps the other's compute; same losses.
 one run_name=bs-one8 dataset_type=synthetic per_device_batch_size=8
@@ -151,6 +156,15 @@ check '[ $? -eq 0 ] && grep -q "resuming" "$tmp/err"' "resume the 4-rank checkpo
 check 'same_losses synthetic-one x4to1' "4 ranks then 1 matches the uninterrupted run"
 ranks 2 run_name=x4to2 "${sched[@]}" resume=true
 check '[ $? -eq 0 ] && same_losses synthetic-one x4to2' "4 ranks then 2 matches the uninterrupted run"
+# The same with the routed experts stored on their expert rank only: saved
+# at fsdp=2 x expert=2, resumed at 1 rank and at expert=2.
+ranks 4 run_name=x4e ici_expert_parallelism=2 "${sched[@]}" steps=10
+check '[ $? -eq 0 ] && [ -f "$tmp/runs/x4e/checkpoints/step_10/state.json" ]' "10 steps at fsdp=2 x expert=2 save step_10"
+cp -r "$tmp/runs/x4e" "$tmp/runs/x4eto1" && cp -r "$tmp/runs/x4e" "$tmp/runs/x4eto2"
+one run_name=x4eto1 "${sched[@]}" resume=true
+check '[ $? -eq 0 ] && same_losses synthetic-one x4eto1' "fsdp=2 x expert=2 then 1 rank matches the uninterrupted run"
+ranks 2 run_name=x4eto2 ici_expert_parallelism=2 ici_fsdp_parallelism=1 "${sched[@]}" resume=true
+check '[ $? -eq 0 ] && same_losses synthetic-one x4eto2' "fsdp=2 x expert=2 then expert=2 matches the uninterrupted run"
 
 # A rank killed with SIGKILL: the others stop within seconds; resume works.
 mpi 2 "$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=killed dataset_type=synthetic \

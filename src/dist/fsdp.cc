@@ -7,62 +7,120 @@
 
 namespace ds::dist {
 
-FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& fsdp)
-    : cfg_(cfg), mtp_(mtp_layers), comm_(fsdp), F_(fsdp.size()), rank_(fsdp.rank()), L_(cfg.num_hidden_layers) {
+FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& group, Communicator& fsdp,
+                       Communicator* expert)
+    : cfg_(cfg),
+      mtp_(mtp_layers),
+      single_(expert ? nullptr : make_single()),
+      group_(group),
+      fsdp_(fsdp),
+      expert_(expert ? *expert : *single_),
+      G_(group.size()),
+      F_(fsdp.size()),
+      X_(expert_.size()),
+      g_(group.rank()),
+      f_(fsdp.rank()),
+      x_(expert_.rank()),
+      L_(cfg.num_hidden_layers) {
+  DS_CHECK(G_ == F_ * X_ && g_ == f_ * X_ + x_, "internal: shard group of {} ranks (rank {}) for fsdp={} x expert={}",
+           G_, g_, F_, X_);
+  const int64_t E = cfg.n_routed_experts;
+  DS_CHECK(X_ == 1 || (E > 0 && E % X_ == 0), "{} routed experts do not split over {} expert ranks", E, X_);
   const int64_t U = L_ + mtp_;
   units_.assign(static_cast<size_t>(U + 2), Unit{});
-  std::vector<bool> seen(units_.size(), false);
+  std::vector<bool> seen(units_.size(), false), has_experts(units_.size(), false);
   int64_t off = 0, last_unit = 0;
   model::for_each_param(cfg_, mtp_, [&](const model::ParamInfo& i) {
     const int64_t u = i.layer >= 0 ? 1 + i.layer : (i.role == model::ParamRole::Embedding ? 0 : U + 1);
     DS_CHECK(u >= last_unit && (u == last_unit || !seen[u]), "internal: FSDP unit {} is not contiguous ({})", u,
              i.name);
-    if (!seen[u]) units_[u].lo = off;
+    Unit& x = units_[u];
+    if (!seen[u]) x.lo = off;
     seen[u] = true;
     last_unit = u;
     unit_of_.push_back(u);
     offset_of_.push_back(off);
+    if (X_ > 1 && i.name.find(".mlp.experts.") != std::string::npos) {
+      if (!has_experts[u]) x.elo = off;
+      DS_CHECK(!has_experts[u] || x.ehi == off, "internal: the experts of unit {} are not contiguous ({})", u, i.name);
+      has_experts[u] = true;
+      x.ehi = off + i.numel();
+    }
     off += i.numel();
-    units_[u].hi = off;
+    x.hi = off;
   });
-  int64_t at = 0, c_max = 0;
+  int64_t at = 0, cd_max = 0, ce_max = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& x = units_[u];
     if (!seen[u]) x.lo = x.hi = off;  // no tensors (a tied head leaves the tail with the final norm only)
-    x.c = (x.hi - x.lo + F_ - 1) / F_;
+    if (!has_experts[u]) x.elo = x.ehi = x.hi;
+    x.cd = (x.dense() + G_ - 1) / G_;
+    const int64_t block = x.ehi - x.elo;
+    DS_CHECK(block % X_ == 0, "internal: unit {}'s experts ({} elements) do not split over {} ranks", u, block, X_);
+    x.mine_n = block / X_;
+    x.mine = x.elo + x_ * x.mine_n;
+    x.ce = (x.mine_n + F_ - 1) / F_;
     x.at = at;
-    at += x.c;
-    const int64_t a = x.lo + rank_ * x.c, b = std::min(x.hi, a + x.c);
-    if (a < b) owned_.push_back({a, b, x.at});
-    if (u != 0 && u != units_.size() - 1) c_max = std::max(c_max, x.c);
+    at += x.cd + x.ce;
+    dense_runs(x, g_ * x.cd, std::min(x.dense(), (g_ + 1) * x.cd), [&](int64_t flat, int64_t n, int64_t v) {
+      owned_.push_back({flat, flat + n, x.at + v - g_ * x.cd});
+    });
+    const int64_t a = std::min(x.mine_n, f_ * x.ce), b = std::min(x.mine_n, a + x.ce);
+    if (a < b) owned_.push_back({x.mine + a, x.mine + b, x.at + x.cd});
+    if (u != 0 && u != units_.size() - 1) {
+      cd_max = std::max(cd_max, x.cd);
+      ce_max = std::max(ce_max, x.ce);
+    }
   }
+  std::sort(owned_.begin(), owned_.end(), [](const Piece& p, const Piece& q) { return p.lo < q.lo; });
   shard.assign(static_cast<size_t>(at), 0.0f);
   grad_shard.assign(static_cast<size_t>(at), 0.0f);
+  eoff_ = G_ * cd_max;
+  roff_ = cd_max;
   for (int r = 0; r < 2; ++r) {
     const Unit& x = units_[r == 0 ? 0 : units_.size() - 1];
-    resident_[r].assign(static_cast<size_t>(F_ * x.c), 0.0f);
-    resident_grad_[r].assign(static_cast<size_t>(F_ * x.c), 0.0f);
-    pbuf_[r].assign(static_cast<size_t>(F_ * c_max), 0.0f);
-    gbuf_[r].assign(static_cast<size_t>(F_ * c_max), 0.0f);
-    grecv_[r].assign(static_cast<size_t>(c_max), 0.0f);
+    resident_[r].assign(static_cast<size_t>(G_ * x.cd), 0.0f);
+    resident_grad_[r].assign(static_cast<size_t>(G_ * x.cd), 0.0f);
+    pbuf_[r].assign(static_cast<size_t>(eoff_ + F_ * ce_max), 0.0f);
+    gbuf_[r].assign(static_cast<size_t>(eoff_ + F_ * ce_max), 0.0f);
+    grecv_[r].assign(static_cast<size_t>(roff_ + ce_max), 0.0f);
   }
   view = model::make_params<ops::WeightView>(cfg_, mtp_);
   grads = model::make_params<float*>(cfg_, mtp_);
-  point_unit(0, resident_[0].data(), resident_grad_[0].data());
-  point_unit(U + 1, resident_[1].data(), resident_grad_[1].data());
+  point_unit(0, resident_[0].data(), nullptr, resident_grad_[0].data(), nullptr);
+  point_unit(U + 1, resident_[1].data(), nullptr, resident_grad_[1].data(), nullptr);
 }
 
-void FsdpParams::point_unit(int64_t u, float* params, float* gr) {
-  const int64_t lo = units_[u].lo;
+template <typename Fn>
+void FsdpParams::dense_runs(const Unit& x, int64_t a, int64_t b, Fn&& f) {
+  const int64_t before = x.elo - x.lo;  // dense elements before the experts
+  if (a < std::min(b, before)) f(x.lo + a, std::min(b, before) - a, a);
+  const int64_t c = std::max(a, before);
+  if (c < b) f(x.flat(c), b - c, c);
+}
+
+void FsdpParams::point_unit(int64_t u, float* dense, float* experts, float* dense_grad, float* expert_grad) {
+  const Unit& x = units_[u];
   size_t idx = 0;
   model::for_each_param(
       cfg_, mtp_,
       [&](const model::ParamInfo& i, ops::WeightView& wv, float*& g) {
         const size_t k = idx++;
         if (unit_of_[k] != u) return;
-        const int64_t o = offset_of_[k] - lo;
-        wv = model::f32_view(params + o, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1);
-        g = gr ? gr + o : nullptr;
+        const int64_t off = offset_of_[k];
+        float *p = nullptr, *pg = nullptr;
+        if (off >= x.elo && off < x.ehi) {
+          if (off >= x.mine && off < x.mine + x.mine_n) {  // this rank's expert
+            p = experts + (off - x.mine);
+            pg = expert_grad ? expert_grad + (off - x.mine) : nullptr;
+          }
+        } else {
+          const int64_t v = off < x.elo ? off - x.lo : off - x.lo - (x.ehi - x.elo);
+          p = dense + v;
+          pg = dense_grad ? dense_grad + v : nullptr;
+        }
+        wv = p ? model::f32_view(p, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1) : ops::WeightView{};
+        g = pg;
       },
       view, grads);
   if (cfg_.tie_word_embeddings && u == 0) {
@@ -72,20 +130,25 @@ void FsdpParams::point_unit(int64_t u, float* params, float* gr) {
 }
 
 void FsdpParams::take_shard(const float* full, float* out) const {
-  for (const Unit& x : units_) {
-    const int64_t a = std::min(x.hi, x.lo + rank_ * x.c), b = std::min(x.hi, a + x.c);
-    std::fill(out + x.at, out + x.at + x.c, 0.0f);
-    if (a < b) std::memcpy(out + x.at, full + a, static_cast<size_t>(b - a) * sizeof(float));
-  }
+  for (const Unit& x : units_) std::fill(out + x.at, out + x.at + x.cd + x.ce, 0.0f);
+  for (const Piece& p : owned_) std::memcpy(out + p.at, full + p.lo, static_cast<size_t>(p.hi - p.lo) * sizeof(float));
 }
 
 void FsdpParams::gather_full(const float* shard_layout, float* full) {
-  std::vector<float> tmp;
+  std::vector<float> tmp, mine;
   for (const Unit& x : units_) {
-    if (x.c == 0) continue;
-    tmp.resize(static_cast<size_t>(F_ * x.c));
-    comm_.all_gather(shard_layout + x.at, x.c, tmp.data()).wait();
-    std::memcpy(full + x.lo, tmp.data(), static_cast<size_t>(x.hi - x.lo) * sizeof(float));
+    if (x.cd > 0) {
+      tmp.resize(static_cast<size_t>(G_ * x.cd));
+      group_.all_gather(shard_layout + x.at, x.cd, tmp.data()).wait();
+      dense_runs(x, 0, x.dense(), [&](int64_t flat, int64_t n, int64_t v) {
+        std::memcpy(full + flat, tmp.data() + v, static_cast<size_t>(n) * sizeof(float));
+      });
+    }
+    if (x.ce > 0) {
+      mine.resize(static_cast<size_t>(F_ * x.ce));
+      fsdp_.all_gather(shard_layout + x.at + x.cd, x.ce, mine.data()).wait();
+      expert_.all_gather(mine.data(), x.mine_n, full + x.elo).wait();
+    }
   }
 }
 
@@ -115,7 +178,7 @@ void FsdpParams::gather_resident() {
   Handle h[2];
   for (int r = 0; r < 2; ++r) {
     const Unit& x = units_[r == 0 ? 0 : units_.size() - 1];
-    if (x.c > 0) h[r] = comm_.all_gather(shard.data() + x.at, x.c, resident_[r].data());
+    if (x.cd > 0) h[r] = group_.all_gather(shard.data() + x.at, x.cd, resident_[r].data());
   }
   h[0].wait();
   h[1].wait();
@@ -131,10 +194,12 @@ void FsdpParams::start_step() {
 void FsdpParams::drain_grad_slot(int g) {
   const int64_t u = gbuf_unit_[g];
   if (u < 0) return;
-  gbuf_h_[g].wait();
+  gbuf_h_[g][0].wait();
+  gbuf_h_[g][1].wait();
   const Unit& x = units_[1 + u];
   float* dst = grad_shard.data() + x.at;
-  for (int64_t i = 0; i < x.c; ++i) dst[i] += grecv_[g][i];
+  for (int64_t i = 0; i < x.cd; ++i) dst[i] += grecv_[g][i];
+  for (int64_t i = 0; i < x.ce; ++i) dst[x.cd + i] += grecv_[g][roff_ + i];
   gbuf_unit_[g] = -1;
 }
 
@@ -144,13 +209,13 @@ void FsdpParams::finish_grads() {
   Handle h[2];
   for (int r = 0; r < 2; ++r) {
     const Unit& x = units_[r == 0 ? 0 : units_.size() - 1];
-    recv[r].assign(static_cast<size_t>(x.c), 0.0f);
-    if (x.c > 0) h[r] = comm_.reduce_scatter(resident_grad_[r].data(), x.c, recv[r].data());
+    recv[r].assign(static_cast<size_t>(x.cd), 0.0f);
+    if (x.cd > 0) h[r] = group_.reduce_scatter(resident_grad_[r].data(), x.cd, recv[r].data());
   }
   for (int r = 0; r < 2; ++r) {
     h[r].wait();
     const Unit& x = units_[r == 0 ? 0 : units_.size() - 1];
-    for (int64_t i = 0; i < x.c; ++i) grad_shard[x.at + i] += recv[r][i];
+    for (int64_t i = 0; i < x.cd; ++i) grad_shard[x.at + i] += recv[r][i];
   }
 }
 
@@ -161,10 +226,18 @@ int64_t FsdpParams::floats_held() const {
   return static_cast<int64_t>(n);
 }
 
+void FsdpParams::start_gather(int s, int64_t u) {
+  const Unit& x = units_[1 + u];
+  pbuf_h_[s][0] = group_.all_gather(shard.data() + x.at, x.cd, pbuf_[s].data());
+  if (x.ce > 0) pbuf_h_[s][1] = fsdp_.all_gather(shard.data() + x.at + x.cd, x.ce, pbuf_[s].data() + eoff_);
+  pbuf_unit_[s] = u;
+}
+
 void FsdpParams::begin(int64_t units, bool backward) {
   DS_CHECK(units >= 0 && units <= L_ + mtp_, "internal: FSDP pass over {} units of {}", units, L_ + mtp_);
   for (int s = 0; s < 2; ++s) {
-    pbuf_h_[s].wait();
+    pbuf_h_[s][0].wait();
+    pbuf_h_[s][1].wait();
     pbuf_unit_[s] = -1;  // the shards may have changed since: gather again
   }
   seq_.clear();
@@ -172,10 +245,7 @@ void FsdpParams::begin(int64_t units, bool backward) {
   if (backward)
     for (int64_t u = units - 1; u >= 0; --u) seq_.push_back(u);
   pos_ = 0;
-  if (seq_.empty()) return;
-  const Unit& x = units_[1 + seq_[0]];
-  pbuf_h_[0] = comm_.all_gather(shard.data() + x.at, x.c, pbuf_[0].data());
-  pbuf_unit_[0] = seq_[0];
+  if (!seq_.empty()) start_gather(0, seq_[0]);
 }
 
 void FsdpParams::acquire(int64_t u, bool backward) {
@@ -183,26 +253,27 @@ void FsdpParams::acquire(int64_t u, bool backward) {
            pos_ < seq_.size() ? seq_[pos_] : -1);
   const int s = pbuf_unit_[0] == u ? 0 : 1;
   DS_CHECK(pbuf_unit_[s] == u, "internal: FSDP unit {} was not gathered", u);
-  pbuf_h_[s].wait();
-  // Prefetch: the next unit's gather runs while this one computes.
+  pbuf_h_[s][0].wait();
+  pbuf_h_[s][1].wait();
+  // Prefetch: the next unit's gathers run while this one computes.
   if (pos_ + 1 < seq_.size() && seq_[pos_ + 1] != u) {
     const int o = 1 - s;
-    pbuf_h_[o].wait();
-    const int64_t v = seq_[pos_ + 1];
-    const Unit& y = units_[1 + v];
-    pbuf_h_[o] = comm_.all_gather(shard.data() + y.at, y.c, pbuf_[o].data());
-    pbuf_unit_[o] = v;
+    pbuf_h_[o][0].wait();
+    pbuf_h_[o][1].wait();
+    start_gather(o, seq_[pos_ + 1]);
   }
-  float* g = nullptr;
+  float *g = nullptr, *ge = nullptr;
   if (backward) {
     const int gs = next_gslot_;
     drain_grad_slot(gs);
     const Unit& x = units_[1 + u];
-    std::fill(gbuf_[gs].begin(), gbuf_[gs].begin() + F_ * x.c, 0.0f);
+    std::fill(gbuf_[gs].begin(), gbuf_[gs].begin() + G_ * x.cd, 0.0f);
+    std::fill(gbuf_[gs].begin() + eoff_, gbuf_[gs].begin() + eoff_ + F_ * x.ce, 0.0f);
     gbuf_unit_[gs] = u;
     g = gbuf_[gs].data();
+    ge = g + eoff_;
   }
-  point_unit(1 + u, pbuf_[s].data(), g);
+  point_unit(1 + u, pbuf_[s].data(), pbuf_[s].data() + eoff_, g, ge);
   ++pos_;
 }
 
@@ -211,7 +282,8 @@ void FsdpParams::release(int64_t u, bool backward) {
   const int gs = next_gslot_;
   DS_CHECK(gbuf_unit_[gs] == u, "internal: FSDP gradient of unit {} released out of order", u);
   const Unit& x = units_[1 + u];
-  gbuf_h_[gs] = comm_.reduce_scatter(gbuf_[gs].data(), x.c, grecv_[gs].data());
+  gbuf_h_[gs][0] = group_.reduce_scatter(gbuf_[gs].data(), x.cd, grecv_[gs].data());
+  if (x.ce > 0) gbuf_h_[gs][1] = fsdp_.reduce_scatter(gbuf_[gs].data() + eoff_, x.ce, grecv_[gs].data() + roff_);
   next_gslot_ = 1 - gs;
 }
 

@@ -103,6 +103,11 @@ Mesh::Mesh(Communicator& world, const MeshConfig& mc, int64_t ranks_per_node) : 
              "internal: mesh axis {} has {} ranks (rank {}), expected {} (coordinate {})", kNames[a],
              axis_comms_[a]->size(), axis_comms_[a]->rank(), sizes_[a], coords_[a]);
   }
+  const int64_t g = coords_[kFsdp] * sizes_[kExpert] + coords_[kExpert];
+  shard_group_ = world.split(static_cast<int>(coords_[kData]), static_cast<int>(g));
+  DS_CHECK(shard_group_->size() == shard_group_size() && shard_group_->rank() == g,
+           "internal: the mesh's shard group has {} ranks (rank {}), expected {} ({})", shard_group_->size(),
+           shard_group_->rank(), shard_group_size(), g);
 }
 
 std::string Mesh::describe() const {

@@ -51,6 +51,11 @@ class Mesh {
   int64_t size(Axis a) const { return sizes_[a]; }
   int64_t coord(Axis a) const { return coords_[a]; }
   Communicator& axis(Axis a) { return *axis_comms_[a]; }
+  // The ranks that share this rank's data coordinate (fsdp x expert), rank
+  // fsdp_coord x expert_size + expert_coord: they hold one copy of the
+  // parameters between them, the non-expert weights sharded over all of them.
+  Communicator& shard_group() { return *shard_group_; }
+  int64_t shard_group_size() const { return sizes_[kFsdp] * sizes_[kExpert]; }
   Communicator& world() { return world_; }
   int64_t batch_shards() const { return world_.size(); }
   int64_t batch_index() const { return world_.rank(); }
@@ -60,6 +65,7 @@ class Mesh {
   Communicator& world_;
   std::array<int64_t, kAxes> sizes_{}, coords_{};
   std::array<std::unique_ptr<Communicator>, kAxes> axis_comms_;
+  std::unique_ptr<Communicator> shard_group_;
 };
 
 // Ranks per node as the launcher reports it (Open MPI's, MPICH's), else the

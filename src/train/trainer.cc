@@ -234,18 +234,24 @@ TrainSummary train(const RunConfig& rc) {
   dist::set_collective_timeout(tc.collective_timeout_seconds);
   dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
   const bool lead = world.rank() == 0, multi = world.size() > 1;
-  // A modeled link under the per-layer collectives (expert and fsdp axes).
-  std::unique_ptr<dist::LinkModel> link_expert, link_fsdp;
+  // A modeled link under the per-layer collectives: the expert exchange, the
+  // dense weights' gathers (shard group) and the experts' (fsdp axis).
+  const int64_t F = mesh.size(dist::kFsdp), X = mesh.size(dist::kExpert), G = mesh.shard_group_size();
+  std::unique_ptr<dist::LinkModel> link_expert, link_group, link_fsdp;
   if (tc.link_model_gbps > 0) {
     const double lat = tc.link_model_latency_us * 1e-6, bw = tc.link_model_gbps * 1e9;
-    if (mesh.size(dist::kExpert) > 1)
-      link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
-    if (mesh.size(dist::kFsdp) > 1) link_fsdp = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
+    if (X > 1) link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
+    if (G > 1) link_group = std::make_unique<dist::LinkModel>(mesh.shard_group(), lat, bw);
+    if (X > 1 && F > 1) link_fsdp = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
   }
   dist::Communicator& expert_comm = link_expert ? *link_expert : mesh.axis(dist::kExpert);
+  dist::Communicator& group_comm = link_group ? *link_group : mesh.shard_group();
   dist::Communicator& fsdp_comm = link_fsdp ? *link_fsdp : mesh.axis(dist::kFsdp);
   auto link_busy = [&] {
-    return (link_expert ? link_expert->busy_seconds() : 0.0) + (link_fsdp ? link_fsdp->busy_seconds() : 0.0);
+    double t = 0;
+    for (const auto* l : {link_expert.get(), link_group.get(), link_fsdp.get()})
+      if (l) t += l->busy_seconds();
+    return t;
   };
 
   // Expert parallelism: each rank of the expert axis computes its share of
@@ -253,7 +259,7 @@ TrainSummary train(const RunConfig& rc) {
   std::unique_ptr<dist::ExpertExchange> exchange;
   DS_CHECK(!tc.expert_grad_comm_fp8 || mesh.size(dist::kExpert) > 1,
            "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
-  if (mesh.size(dist::kExpert) > 1) {
+  if (X > 1) {
     DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
     exchange =
         std::make_unique<dist::ExpertExchange>(expert_comm, cfg.n_routed_experts,
@@ -261,7 +267,7 @@ TrainSummary train(const RunConfig& rc) {
                                                                                  : dist::ExpertExchange::Mode::AllToAll,
                                                tc.expert_grad_comm_fp8);
   }
-  const int64_t F = mesh.size(dist::kFsdp), shards = mesh.batch_shards(), shard = mesh.batch_index();
+  const int64_t shards = mesh.batch_shards(), shard = mesh.batch_index();
   const int64_t rows = tc.per_device_batch_size;
   DataConfig data_cfg = tc.data;
   data_cfg.batch = rows * shards;  // the global batch: the same for any world size
@@ -280,21 +286,23 @@ TrainSummary train(const RunConfig& rc) {
              run.string(), existing.empty() ? 0 : existing.back());
   }
 
-  // Parameters, gradients and optimizer. One fsdp shard: whole flat
-  // buffers. Several: dist::FsdpParams keeps this rank's shards and streams
-  // the layers in (all-gather) and their gradients out (reduce-scatter); the
-  // whole buffer exists only for a moment at the start, at a resume and at a
-  // checkpoint.
+  // Parameters, gradients and optimizer. A shard group of one rank (no fsdp,
+  // no expert axis): whole flat buffers. More: dist::FsdpParams keeps this
+  // rank's shards (dense weights over fsdp x expert, routed experts on their
+  // expert rank over fsdp) and streams the layers in (all-gather) and their
+  // gradients out (reduce-scatter); the whole buffer exists only for a moment
+  // at the start, at a resume and at a checkpoint.
   const int64_t P = model::FlatParams::numel(cfg, mtp);
   model::FlatParams params, grads;
   std::unique_ptr<dist::FsdpParams> fsdp;
   std::unique_ptr<AdamW> opt_box;
-  if (F == 1) {
+  if (G == 1) {
     params = model::FlatParams::zeros(cfg, mtp);
     grads = model::FlatParams::zeros(cfg, mtp);
     opt_box = std::make_unique<AdamW>(cfg, mtp, tc, params, grads);
   } else {
-    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, fsdp_comm);
+    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, group_comm, fsdp_comm,
+                                              X > 1 ? &mesh.axis(dist::kExpert) : nullptr);
     std::vector<OwnedRange> owned;
     for (const auto& pc : fsdp->owned())
       owned.push_back({pc.lo, pc.hi, fsdp->shard.data() + pc.at, fsdp->grad_shard.data() + pc.at});
@@ -305,8 +313,8 @@ TrainSummary train(const RunConfig& rc) {
   model::ModelParams<float*>& gtree = fsdp ? fsdp->grads : grads.ptr;
   if (multi) {
     const int64_t held = fsdp ? fsdp->floats_held() : static_cast<int64_t>(params.data.size() + grads.data.size());
-    fmt::print(stderr, "rank {}: {}; fsdp shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
-               world.rank(), mesh.describe(), mesh.coord(dist::kFsdp), F,
+    fmt::print(stderr, "rank {}: {}; shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
+               world.rank(), mesh.describe(), mesh.shard_group().rank(), G,
                static_cast<double>(held + static_cast<int64_t>(opt.m.size() + opt.v.size())) * 4 / (1 << 20));
   }
   // Rank 0's whole parameters (FSDP: a temporary buffer until the shards are taken).
@@ -447,11 +455,11 @@ TrainSummary train(const RunConfig& rc) {
   const auto grad_spans = opt.grad_spans();
   const auto param_spans = opt.param_spans();
   // A norm over the whole tree from this rank's shard (sums of squares added
-  // over the fsdp axis; one process: the plain norm).
+  // over the shard group; one shard: the plain norm).
   auto tree_norm = [&](const std::vector<ops::GradSpan>& spans) {
-    if (F == 1) return ops::global_grad_norm(spans);
+    if (G == 1) return ops::global_grad_norm(spans);
     double ss = sum_squares(spans);
-    mesh.axis(dist::kFsdp).all_reduce(&ss, 1).wait();
+    mesh.shard_group().all_reduce(&ss, 1).wait();
     return std::sqrt(ss);
   };
 
@@ -590,10 +598,11 @@ TrainSummary train(const RunConfig& rc) {
         world.all_reduce(grads.data.data(), P).wait();
       } else {
         fsdp->finish_grads();
-        // The other batch shards holding the same fsdp shard: data and expert.
-        for (auto a : {dist::kData, dist::kExpert})
-          if (mesh.size(a) > 1)
-            mesh.axis(a).all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size())).wait();
+        // The replicas of this shard: the data axis.
+        if (mesh.size(dist::kData) > 1)
+          mesh.axis(dist::kData)
+              .all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size()))
+              .wait();
       }
       ht.wait();
       terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
@@ -639,7 +648,7 @@ TrainSummary train(const RunConfig& rc) {
                         {"tokens_per_sec", step_tokens / dt},
                         {"tflops_per_sec", flops / dt / 1e12},
                         {"step_skipped", !finite}};
-    if (link_expert || link_fsdp) m["link_model_seconds"] = link_busy() - busy0;
+    if (link_expert || link_group || link_fsdp) m["link_model_seconds"] = link_busy() - busy0;
     if (!finite) {
       // JSON has no NaN: the raw values as text.
       m["loss"] = fmt::format("{}", terms.loss);
@@ -664,7 +673,7 @@ TrainSummary train(const RunConfig& rc) {
       if (exchange) {
         // Rows each rank of the expert axis computed this step (all MoE
         // layers, averaged over the expert groups of the mesh).
-        const int64_t X = mesh.size(dist::kExpert), per = exchange->experts_per_rank();
+        const int64_t per = exchange->experts_per_rank();
         std::vector<double> rows_at(static_cast<size_t>(X), 0.0);
         for (const auto& ld : load)
           for (size_t e = 0; e < ld.size(); ++e) rows_at[e / per] += static_cast<double>(ld[e]);
