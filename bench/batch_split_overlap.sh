@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# How much expert-exchange communication the batch-split schedule hides, on
-# one machine: `mpirun -np 2` with expert parallelism 2 (expert_dispatch
-# alltoall), the exchange's collectives delivered through a modeled link
+# How much of a step's communication the batch-split schedule hides, on one
+# machine: `mpirun -np 2` with expert parallelism 2 (expert_dispatch
+# alltoall), the per-layer collectives (the expert exchange, and the
+# non-expert weights' all-gathers and gradient reduce-scatters over the two
+# ranks that shard them) delivered through a modeled link
 # (link_model_latency_us, link_model_gbps; dist/link_model.h). Usage:
 #   bench/batch_split_overlap.sh [BUILD_DIR]          # BUILD_DIR defaults to build
 # Environment: PRESET (configs/NAME.yml, default small), BATCH (per rank,
@@ -77,18 +79,21 @@ l_off=$(median step_time_seconds link-off)
 l_on=$(median step_time_seconds link-on)
 c_off=$(median link_model_seconds link-off)
 c_on=$(median link_model_seconds link-on)
+x_off=$(median expert_exchange link-off)
+x_on=$(median expert_exchange link-on)
 
 awk -v t_off="$t_off" -v t_on="$t_on" -v l_off="$l_off" -v l_on="$l_on" -v c_off="$c_off" -v c_on="$c_on" \
+  -v x_off="$x_off" -v x_on="$x_on" \
   -v preset="$preset" -v b="$batch" -v t="$seq" -v lat="$latency" -v gbps="$gbps" 'BEGIN {
   printf "%s, 2 ranks (expert=2, alltoall), %d x %d tokens per rank, link %s us + %s GB/s; seconds per step (median)\n",
     preset, b, t, lat, gbps
-  printf "| batch split | compute (no link) | comm (modeled) | max(compute, comm) | compute + comm | step with link | comm hidden |\n"
-  printf "| --- | --- | --- | --- | --- | --- | --- |\n"
+  printf "| batch split | compute (no link) | comm (modeled) | of which expert exchange | max(compute, comm) | compute + comm | step with link | comm hidden |\n"
+  printf "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
   n = split("off on", name, " ")
-  tc[1] = t_off; tc[2] = t_on; tl[1] = l_off; tl[2] = l_on; cm[1] = c_off; cm[2] = c_on
+  tc[1] = t_off; tc[2] = t_on; tl[1] = l_off; tl[2] = l_on; cm[1] = c_off; cm[2] = c_on; xe[1] = x_off; xe[2] = x_on
   for (i = 1; i <= 2; ++i) {
     mx = tc[i] > cm[i] ? tc[i] : cm[i]
     hidden = cm[i] > 0 ? 1 - (tl[i] - tc[i]) / cm[i] : 0
-    printf "| %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.0f%% |\n", name[i], tc[i], cm[i], mx, tc[i] + cm[i], tl[i], 100 * hidden
+    printf "| %s | %.4f | %.4f | %.4f | %.4f | %.4f | %.4f | %.0f%% |\n", name[i], tc[i], cm[i], xe[i], mx, tc[i] + cm[i], tl[i], 100 * hidden
   }
 }'

@@ -127,7 +127,8 @@ for mode in alltoall allgather; do
   check '[ $? -eq 0 ] && same_losses synthetic-one bs-ep2-$mode' "batch-split, expert=2 ($mode) matches one process"
   check '[ "$(grep -c "fill=\"#1f77b4\"" "$tmp/runs/bs-ep2-$mode/timeline.svg")" -gt 4 ] &&
     grep -q "micro-batch 1" "$tmp/runs/bs-ep2-$mode/timeline.svg"' "batch-split timeline.svg drawn ($mode)"
-  check 'grep -q "\"link_model_seconds\":[0-9]" "$tmp/runs/bs-ep2-$mode/metrics.jsonl"' "link model time in the metrics"
+  check 'grep -q "\"link_model_seconds\":[0-9]" "$tmp/runs/bs-ep2-$mode/metrics.jsonl" &&
+    grep -q "\"expert_exchange\":[0-9]" "$tmp/runs/bs-ep2-$mode/metrics.jsonl"' "link model time in the metrics"
   ranks 4 run_name=bs-f2e2-$mode dataset_type=synthetic ici_expert_parallelism=2 expert_dispatch=$mode \
     use_batch_split_schedule=true batch_split_factor=2 per_device_batch_size=2
   check '[ $? -eq 0 ] && same_losses bs-one8 bs-f2e2-$mode' "batch-split, fsdp=2 x expert=2 ($mode) matches one process"

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -247,10 +248,12 @@ TrainSummary train(const RunConfig& rc) {
   dist::Communicator& expert_comm = link_expert ? *link_expert : mesh.axis(dist::kExpert);
   dist::Communicator& group_comm = link_group ? *link_group : mesh.shard_group();
   dist::Communicator& fsdp_comm = link_fsdp ? *link_fsdp : mesh.axis(dist::kFsdp);
+  // Seconds each modeled link has been busy so far: expert exchange, shard
+  // group, fsdp axis.
   auto link_busy = [&] {
-    double t = 0;
-    for (const auto* l : {link_expert.get(), link_group.get(), link_fsdp.get()})
-      if (l) t += l->busy_seconds();
+    std::array<double, 3> t{};
+    const dist::LinkModel* links[3] = {link_expert.get(), link_group.get(), link_fsdp.get()};
+    for (int i = 0; i < 3; ++i) t[i] = links[i] ? links[i]->busy_seconds() : 0.0;
     return t;
   };
 
@@ -528,7 +531,7 @@ TrainSummary train(const RunConfig& rc) {
   int64_t s = start;
   for (; s < tc.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double busy0 = link_busy();
+    const auto busy0 = link_busy();
     const bool draw = s == tc.timeline_step && lead;
     const double lr = learning_rate_at(tc, s);
     std::vector<model::TrainBatch> micro;
@@ -648,7 +651,15 @@ TrainSummary train(const RunConfig& rc) {
                         {"tokens_per_sec", step_tokens / dt},
                         {"tflops_per_sec", flops / dt / 1e12},
                         {"step_skipped", !finite}};
-    if (link_expert || link_group || link_fsdp) m["link_model_seconds"] = link_busy() - busy0;
+    if (link_expert || link_group || link_fsdp) {
+      // What this step's communication would have cost had nothing
+      // overlapped, in all and per link.
+      const auto busy = link_busy();
+      const double by[3] = {busy[0] - busy0[0], busy[1] - busy0[1], busy[2] - busy0[2]};
+      m["link_model_seconds"] = by[0] + by[1] + by[2];
+      m["link_model_seconds_by_link"] = {
+          {"expert_exchange", by[0]}, {"weights_shard_group", by[1]}, {"experts_fsdp", by[2]}};
+    }
     if (!finite) {
       // JSON has no NaN: the raw values as text.
       m["loss"] = fmt::format("{}", terms.loss);
