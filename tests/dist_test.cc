@@ -284,41 +284,49 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
 
 // The batch-split schedule on one rank: the batch's rows as two or four
 // interleaved micro-batches per layer, with and without an expert exchange,
-// give the same loss and gradients as the whole batch (up to the order of
-// the weight gradients' sums), and the same expert loads.
+// under several remat policies, give the same loss and gradients as the
+// whole batch (up to the order of the weight gradients' sums), and the same
+// expert loads.
 TEST(BatchSplit, PartsGiveTheWholeBatchsLossAndGradient) {
   const auto rc = train::parse_run_config(kTiny, {"mtp_num_layers=1"}, "test");
   const auto& cfg = rc.model;
   const int64_t mtp = 1;
-  auto p = model::FlatParams::zeros(cfg, mtp), g1 = model::FlatParams::zeros(cfg, mtp);
+  auto p = model::FlatParams::zeros(cfg, mtp);
   train::init_params(cfg, mtp, p, 9, 0.05f);
   const model::TrainBatch b = make_batch(cfg, 4, 8, 13, 1, 5);
   model::LossOptions o;
   o.mtp_num_layers = mtp;
   o.load_balance_loss_weight = 0.01;
   o.z_loss_multiplier = 1e-3;
-  const auto policy = model::RematPolicy::from_name("minimal", {});
-  const auto whole = model::loss_and_grad(cfg, p.view, &g1.ptr, b, o, policy);
   auto comm = dist::make_single();
   dist::ExpertExchange ex(*comm, cfg.n_routed_experts, dist::ExpertExchange::Mode::AllToAll);
-  for (int64_t M : {2, 4})
-    for (bool with_exchange : {false, true}) {
-      SCOPED_TRACE(testing::Message() << M << " parts, exchange " << with_exchange);
-      auto g = model::FlatParams::zeros(cfg, mtp);
-      model::LossOptions om = o;
-      om.batch_split_factor = M;
-      om.exchange = with_exchange ? &ex : nullptr;
-      const auto t = model::loss_and_grad(cfg, p.view, &g.ptr, b, om, policy);
-      EXPECT_NEAR(t.loss, whole.loss, 1e-6 * whole.loss);
-      EXPECT_NEAR(t.moe_lb_loss, whole.moe_lb_loss, 1e-6 * whole.moe_lb_loss);
-      EXPECT_EQ(t.expert_load, whole.expert_load);
-      double gmax = 0, err = 0;
-      for (size_t i = 0; i < g.data.size(); ++i) {
-        gmax = std::max(gmax, std::fabs(double(g1.data[i])));
-        err = std::max(err, std::fabs(double(g.data[i]) - g1.data[i]));
+  // Every remat policy keeps working under the schedule (what it drops is
+  // recomputed per micro-batch).
+  for (const char* name : {"minimal", "full", "save_dot_except_mlpwi", "save_out_proj"}) {
+    const auto policy = model::RematPolicy::from_name(name, {});
+    auto g1 = model::FlatParams::zeros(cfg, mtp);
+    const auto whole = model::loss_and_grad(cfg, p.view, &g1.ptr, b, o, policy);
+    for (int64_t M : {2, 4})
+      for (bool with_exchange : {false, true}) {
+        SCOPED_TRACE(testing::Message() << name << ", " << M << " parts, exchange " << with_exchange);
+        auto g = model::FlatParams::zeros(cfg, mtp);
+        model::LossOptions om = o;
+        om.batch_split_factor = M;
+        om.exchange = with_exchange ? &ex : nullptr;
+        const auto t = model::loss_and_grad(cfg, p.view, &g.ptr, b, om, policy);
+        EXPECT_NEAR(t.loss, whole.loss, 1e-6 * whole.loss);
+        EXPECT_NEAR(t.moe_lb_loss, whole.moe_lb_loss, 1e-6 * whole.moe_lb_loss);
+        EXPECT_EQ(t.expert_load, whole.expert_load);
+        double gmax = 0, err = 0;
+        for (size_t i = 0; i < g.data.size(); ++i) {
+          gmax = std::max(gmax, std::fabs(double(g1.data[i])));
+          err = std::max(err, std::fabs(double(g.data[i]) - g1.data[i]));
+        }
+        EXPECT_LT(err, 1e-5 * gmax);
       }
-      EXPECT_LT(err, 1e-5 * gmax);
-    }
+  }
+  auto g1 = model::FlatParams::zeros(cfg, mtp);
+  const auto policy = model::RematPolicy::from_name("minimal", {});
   model::LossOptions bad = o;
   bad.batch_split_factor = 3;  // does not divide 4 rows
   EXPECT_THROW(model::loss_and_grad(cfg, p.view, &g1.ptr, b, bad, policy), Error);
