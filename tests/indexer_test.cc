@@ -4,18 +4,25 @@
 // quantization against a brute-force nearest-code search (ties to even,
 // amax and ue8m0 scales), the scores against direct sums, the top-k
 // selection against a stable sort, and attention over selected keys against
-// dense attention over a cache holding only those keys.
+// dense attention over a cache holding only those keys. The training pieces
+// (float32, no fp8): LayerNorm's backward, the dense scores and their
+// backward, the KL loss and its gradient against double references and
+// their central differences; the selection against topk_indices on the
+// visible keys; the attention's key distribution against the attention
+// kernel's own output for one-hot values.
 #include "ops/indexer.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "ops/attention.h"
 #include "ops/latent_attention.h"
 #include "ops/reference/latent_attention.h"
 #include "test_util.h"
@@ -224,6 +231,213 @@ TEST(Indexer, SparseLatentAttentionIsDenseAttentionOverTheSelectedKeys) {
     test::expect_close(std::vector<float>(ctx.begin() + j * H * d.v_dim, ctx.begin() + (j + 1) * H * d.v_dim), want,
                        2e-5, 2e-5, "sparse ctx");
   }
+}
+
+// ---------------------------------------------------------------- training
+
+using test::expect_close;
+using test::numeric_grad;
+using test::randn;
+using test::to_double;
+
+// Two rows of 7 tokens; row 0 holds two documents (segments 1 and 2).
+constexpr int64_t kB = 2, kT = 7;
+const std::vector<int32_t> kSeg = {1, 1, 1, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1};
+bool visible(int64_t b, int64_t t, int64_t s) { return s <= t && kSeg[b * kT + s] == kSeg[b * kT + t]; }
+
+// Dense scores in double (NaN where not visible).
+std::vector<double> ref_scores(const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& w,
+                               int64_t H, int64_t d) {
+  std::vector<double> out(kB * kT * kT, std::nan(""));
+  for (int64_t b = 0; b < kB; ++b)
+    for (int64_t t = 0; t < kT; ++t)
+      for (int64_t s = 0; s < kT; ++s) {
+        if (!visible(b, t, s)) continue;
+        double acc = 0;
+        const int64_t n = b * kT + t;
+        for (int64_t h = 0; h < H; ++h) {
+          double x = 0;
+          for (int64_t i = 0; i < d; ++i) x += q[(n * H + h) * d + i] * k[(b * kT + s) * d + i];
+          acc += w[n * H + h] * std::max(0.0, x);
+        }
+        out[n * kT + s] = acc;
+      }
+  return out;
+}
+
+TEST(IndexerTrain, LayerNormBackwardMatchesFiniteDifferences) {
+  const int64_t rows = 5, d = 8;
+  const float eps = 1e-6f;
+  const auto x = randn(rows * d, 1), w = randn(d, 2), b = randn(d, 3), dy = randn(rows * d, 4);
+  auto loss = [&](const std::vector<double>& xx, const std::vector<double>& ww, const std::vector<double>& bb) {
+    double l = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      double mean = 0, var = 0;
+      for (int64_t j = 0; j < d; ++j) mean += xx[r * d + j] / d;
+      for (int64_t j = 0; j < d; ++j) var += (xx[r * d + j] - mean) * (xx[r * d + j] - mean) / d;
+      for (int64_t j = 0; j < d; ++j)
+        l += dy[r * d + j] * ((xx[r * d + j] - mean) / std::sqrt(var + eps) * ww[j] + bb[j]);
+    }
+    return l;
+  };
+  const auto xd = to_double(x), wd = to_double(w), bd = to_double(b);
+  std::vector<float> dx(rows * d), dw(d, 0.5f), db(d, 0.5f);  // dw, db accumulate onto 0.5
+  ops::layer_norm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), w.data(), rows, d, eps);
+  auto fx = numeric_grad([&](const std::vector<double>& v) { return loss(v, wd, bd); }, xd);
+  auto fw = numeric_grad([&](const std::vector<double>& v) { return loss(xd, v, bd); }, wd);
+  auto fb = numeric_grad([&](const std::vector<double>& v) { return loss(xd, wd, v); }, bd);
+  for (auto& v : fw) v += 0.5;
+  for (auto& v : fb) v += 0.5;
+  expect_close(dx, fx, 1e-4, 1e-5, "dx");
+  expect_close(dw, fw, 1e-4, 1e-5, "dw");
+  expect_close(db, fb, 1e-4, 1e-5, "db");
+}
+
+TEST(IndexerTrain, DenseScoresAndTheirBackward) {
+  const int64_t H = 3, d = 5, N = kB * kT;
+  const auto q = randn(N * H * d, 11), k = randn(N * d, 12), w = randn(N * H, 13);
+  std::vector<float> scores(kB * kT * kT);
+  ops::indexer_dense_scores(scores.data(), q.data(), k.data(), w.data(), kSeg.data(), kB, kT, H, d);
+  const auto want = ref_scores(to_double(q), to_double(k), to_double(w), H, d);
+  for (size_t i = 0; i < scores.size(); ++i) {
+    if (std::isnan(want[i]))
+      EXPECT_EQ(scores[i], -std::numeric_limits<float>::infinity()) << i;
+    else
+      EXPECT_NEAR(scores[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << i;
+  }
+  // Backward: L = sum over visible entries of g * score; masked entries of g
+  // are garbage the backward must ignore.
+  const auto g = randn(scores.size(), 14);
+  auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& ww) {
+    const auto sc = ref_scores(qq, kk, ww, H, d);
+    double l = 0;
+    for (size_t i = 0; i < sc.size(); ++i)
+      if (!std::isnan(sc[i])) l += g[i] * sc[i];
+    return l;
+  };
+  std::vector<float> dq(q.size()), dk(k.size()), dw(w.size());
+  ops::indexer_dense_scores_backward(dq.data(), dk.data(), dw.data(), g.data(), q.data(), k.data(), w.data(),
+                                     kSeg.data(), kB, kT, H, d);
+  const auto qd = to_double(q), kd = to_double(k), wd = to_double(w);
+  expect_close(dq, numeric_grad([&](const std::vector<double>& v) { return loss(v, kd, wd); }, qd), 1e-4, 1e-5, "dq");
+  expect_close(dk, numeric_grad([&](const std::vector<double>& v) { return loss(qd, v, wd); }, kd), 1e-4, 1e-5, "dk");
+  expect_close(dw, numeric_grad([&](const std::vector<double>& v) { return loss(qd, kd, v); }, wd), 1e-4, 1e-5, "dw");
+}
+
+TEST(IndexerTrain, SelectTakesTopkOfTheVisibleKeys) {
+  const int64_t H = 2, d = 4, N = kB * kT;
+  std::vector<float> scores(kB * kT * kT);
+  ops::indexer_dense_scores(scores.data(), randn(N * H * d, 21).data(), randn(N * d, 22).data(),
+                            randn(N * H, 23).data(), kSeg.data(), kB, kT, H, d);
+  scores[6 * kT + 3] = scores[6 * kT + 5] = scores[6 * kT + 4];  // a tie in row 6 (keys 3..6 visible)
+  for (int64_t k : {1, 2, 3, 8}) {
+    std::vector<uint8_t> sel(scores.size());
+    ops::indexer_select(sel.data(), scores.data(), kB, kT, k);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t b = n / kT, t = n % kT;
+      std::vector<float> vals;
+      std::vector<int32_t> at, picked(static_cast<size_t>(k));
+      for (int64_t s = 0; s < kT; ++s)
+        if (visible(b, t, s)) {
+          vals.push_back(scores[n * kT + s]);
+          at.push_back(static_cast<int32_t>(s));
+        }
+      std::vector<uint8_t> want(kT, 0);
+      const int64_t m = ops::topk_indices(picked.data(), vals.data(), static_cast<int64_t>(vals.size()), k);
+      EXPECT_EQ(m, std::min<int64_t>(k, static_cast<int64_t>(vals.size())));
+      for (int64_t i = 0; i < m; ++i) want[at[picked[i]]] = 1;
+      EXPECT_EQ(std::vector<uint8_t>(sel.begin() + n * kT, sel.begin() + (n + 1) * kT), want)
+          << "k " << k << " row " << n;
+    }
+  }
+}
+
+// The attention kernel with value[s] = one-hot(s) outputs each head's
+// softmax over the keys; the target is their mean over heads.
+TEST(IndexerTrain, AttentionKeyDistributionIsTheHeadsMeanSoftmax) {
+  const int64_t H = 3, dk = 6, N = kB * kT;
+  const float scale = 0.4f;
+  const auto q = randn(N * H * dk, 31), k = randn(N * H * dk, 32);
+  std::vector<float> v(N * H * kT, 0.0f), out(N * H * kT), lse(N * H);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) v[(n * H + h) * kT + n % kT] = 1.0f;
+  ops::attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), kSeg.data(),
+                         ops::AttentionDims{kB, kT, H, dk, kT, scale});
+  std::vector<double> want(N * kT, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < kT; ++s) want[n * kT + s] += out[(n * H + h) * kT + s] / H;
+  std::vector<float> target(N * kT);
+  ops::attention_key_distribution(target.data(), q.data(), k.data(), kSeg.data(), nullptr, kB, kT, H, dk, scale);
+  expect_close(target, want, 1e-5, 1e-6, "dense");
+  // Over selected keys only: zero elsewhere, the rest renormalised per head.
+  std::vector<uint8_t> sel(N * kT);
+  for (size_t i = 0; i < sel.size(); ++i) sel[i] = (i % 3) != 1 || (i % kT) == (i / kT) % kT;  // keeps the diagonal
+  std::vector<float> sparse(N * kT);
+  ops::attention_key_distribution(sparse.data(), q.data(), k.data(), kSeg.data(), sel.data(), kB, kT, H, dk, scale);
+  for (int64_t n = 0; n < N; ++n) {
+    double sum = 0;
+    for (int64_t s = 0; s < kT; ++s) {
+      if (!sel[n * kT + s] || !visible(n / kT, n % kT, s)) {
+        EXPECT_EQ(sparse[n * kT + s], 0.0f);
+      }
+      sum += sparse[n * kT + s];
+    }
+    EXPECT_NEAR(sum, 1.0, 1e-6);
+  }
+}
+
+TEST(IndexerTrain, KlLossAndItsGradient) {
+  const int64_t H = 2, d = 4, N = kB * kT;
+  std::vector<float> scores(N * kT), target(N * kT);
+  ops::indexer_dense_scores(scores.data(), randn(N * H * d, 41).data(), randn(N * d, 42).data(),
+                            randn(N * H, 43).data(), kSeg.data(), kB, kT, H, d);
+  ops::attention_key_distribution(target.data(), randn(N * 3 * 4, 44).data(), randn(N * 3 * 4, 45).data(), kSeg.data(),
+                                  nullptr, kB, kT, 3, 4, 0.5f);
+  std::vector<uint8_t> sel(N * kT);
+  ops::indexer_select(sel.data(), scores.data(), kB, kT, 2);
+  for (const uint8_t* selected : {static_cast<const uint8_t*>(nullptr), static_cast<const uint8_t*>(sel.data())}) {
+    SCOPED_TRACE(selected ? "sparse" : "dense");
+    // The sparse target lives on the selected keys.
+    std::vector<float> tg = target;
+    if (selected)
+      for (int64_t n = 0; n < N; ++n) {
+        double sum = 0;
+        for (int64_t s = 0; s < kT; ++s) sum += selected[n * kT + s] ? tg[n * kT + s] : 0.0;
+        for (int64_t s = 0; s < kT; ++s) tg[n * kT + s] = selected[n * kT + s] ? tg[n * kT + s] / sum : 0.0f;
+      }
+    auto loss = [&](const std::vector<double>& sc) {
+      double l = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        double mx = -1e300, z = 0;
+        auto in = [&](int64_t s) { return std::isfinite(sc[n * kT + s]) && (!selected || selected[n * kT + s]); };
+        for (int64_t s = 0; s < kT; ++s)
+          if (in(s)) mx = std::max(mx, sc[n * kT + s]);
+        for (int64_t s = 0; s < kT; ++s)
+          if (in(s)) z += std::exp(sc[n * kT + s] - mx);
+        for (int64_t s = 0; s < kT; ++s)
+          if (in(s)) {
+            const double p = std::exp(sc[n * kT + s] - mx) / z, t = tg[n * kT + s];
+            l += t * (std::log(t + 1e-8) - std::log(p + 1e-8));
+          }
+      }
+      return l;
+    };
+    std::vector<float> ds(N * kT);
+    const double got = ops::indexer_kl(ds.data(), scores.data(), tg.data(), selected, kB, kT, 0.7);
+    const auto sd = to_double(scores);
+    EXPECT_NEAR(got, loss(sd), 1e-6 * loss(sd));
+    EXPECT_GT(got, 0.0);
+    auto fd = numeric_grad([&](const std::vector<double>& v) { return 0.7 * loss(v); }, sd);
+    for (size_t i = 0; i < fd.size(); ++i)
+      if (!std::isfinite(sd[i])) fd[i] = 0;
+    expect_close(ds, fd, 1e-4, 1e-6, "dscores");
+  }
+  // The target itself as the prediction: zero loss (up to the 1e-8 terms).
+  std::vector<float> logp(N * kT), ds(N * kT);
+  for (size_t i = 0; i < logp.size(); ++i)
+    logp[i] = std::isfinite(scores[i]) ? std::log(std::max(target[i], 1e-30f)) : scores[i];
+  EXPECT_NEAR(ops::indexer_kl(ds.data(), logp.data(), target.data(), nullptr, kB, kT, 1.0), 0.0, 1e-5);
 }
 
 }  // namespace

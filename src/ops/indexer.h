@@ -47,4 +47,44 @@ void indexer_scores(float* scores, int64_t lds, const float* q, const float* w, 
 // Returns the count written.
 int64_t topk_indices(int32_t* out, const float* scores, int64_t visible, int64_t k);
 
+// ---------------------------------------------------------------- training
+// The indexer as MaxText trains it and the paper describes it: float32, no
+// fp8 rounding (and so no Hadamard rotation, which is orthogonal and leaves
+// every q . k unchanged). A packed batch of B rows of T tokens (N = B T);
+// key s is visible from query t of the same row when s <= t and, with
+// segment ids `seg` [N] (null: one segment per row), seg[s] == seg[t].
+// Maps [B, T, T] hold row t's keys s at [b, t, s]. Every function is
+// deterministic for any thread count (no reduction is split).
+
+// Backward of layer_norm_rows: dx `=`, dw and db `+=`.
+void layer_norm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w, int64_t rows,
+                         int64_t d, float eps);
+
+// scores [B, T, T] = sum_h w[t, h] ReLU(q[t, h] . k[s]) where s is visible
+// from t, -inf elsewhere. q [N, heads, d], k [N, d], w [N, heads].
+void indexer_dense_scores(float* scores, const float* q, const float* k, const float* w, const int32_t* seg, int64_t B,
+                          int64_t T, int64_t heads, int64_t d);
+// Its backward from dscores [B, T, T] (read only where visible): dq, dk, dw `=`.
+void indexer_dense_scores_backward(float* dq, float* dk, float* dw, const float* dscores, const float* q,
+                                   const float* k, const float* w, const int32_t* seg, int64_t B, int64_t T,
+                                   int64_t heads, int64_t d);
+
+// selected [B, T, T]: 1 for the min(k, visible) best keys of every query
+// (topk_indices' choice: ties to the lower index), 0 elsewhere.
+void indexer_select(uint8_t* selected, const float* scores, int64_t B, int64_t T, int64_t k);
+
+// The main attention's distribution over the keys, the indexer's target:
+//   target[b, t, :] = L1-normalised sum_h softmax_s(scale q[t, h] . k[s, h])
+// over the visible keys (and, with `selected`, only the selected ones),
+// 0 elsewhere. q, k [N, heads, dk] (MLA's query_proj and key_proj).
+void attention_key_distribution(float* target, const float* q, const float* k, const int32_t* seg,
+                                const uint8_t* selected, int64_t B, int64_t T, int64_t heads, int64_t dk, float scale);
+
+// MaxText's indexer loss before its mean: the sum over the B T queries of
+//   sum_s target (log(target + 1e-8) - log(pred + 1e-8)),
+// pred = softmax of scores over the visible (and, with `selected`, selected)
+// keys. dscores `=` dloss x its gradient (0 where not visible or selected).
+double indexer_kl(float* dscores, const float* scores, const float* target, const uint8_t* selected, int64_t B,
+                  int64_t T, double dloss);
+
 }  // namespace ds::ops
