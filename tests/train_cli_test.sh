@@ -73,4 +73,23 @@ head -c 100 "$run/checkpoints/step_6/params.safetensors" >"$tmp/cut" && mv "$tmp
 expect_error train "$tmp/run.yml" resume=true steps=8
 check '[ -d "$run/checkpoints/step_3" ] && [ -d "$run/checkpoints/step_6" ]' "no checkpoint lost"
 
+# DeepSeek-V3.2 (DSA), the dense warm-up: only the indexers train, from
+# their KL loss alone; the LM loss stays put, the KL falls, and the export is
+# a V3.2 folder that generates (with top-k attention past indexer_topk).
+"$bin" --threads 2 train "$src/configs/tiny.yml" use_indexer=true indexer_n_heads=4 indexer_head_dim=16 \
+  indexer_topk=16 max_target_length=64 per_device_batch_size=4 steps=40 learning_rate=1e-2 init_weights_std=0.3 \
+  "trainable_parameters_mask=['.*indexer.*']" indexer_loss_scaling_factor=1 dataset_type=synthetic \
+  tokenizer_path="$tok" base_output_directory="$tmp/runs" run_name=dsa checkpoint_period=40 >/dev/null 2>"$tmp/dsa.err"
+check '[ $? -eq 0 ] && grep -q "DSA model: the dense warm-up" "$tmp/dsa.err"' "DSA warm-up trains ($(tail -1 "$tmp/dsa.err"))"
+kl() { grep -o '"indexer_loss":[0-9.e+-]*' "$tmp/runs/dsa/metrics.jsonl" | cut -d: -f2 | sed -n "$1p"; }
+lm() { grep -o '"lm_loss":[0-9.e+-]*' "$tmp/runs/dsa/metrics.jsonl" | cut -d: -f2 | sed -n "$1p"; }
+check 'awk -v a="$(kl 1)" -v b="$(kl 40)" "BEGIN { exit !(a > 0 && b < 0.5 * a) }"' \
+  "the indexer loss falls by half or more: $(kl 1) -> $(kl 40)"
+check '[ -n "$(lm 1)" ] && [ "$(lm 1)" = "$(lm 40)" ]' "the frozen model's LM loss stays put: $(lm 1) -> $(lm 40)"
+"$bin" export --checkpoint "$tmp/runs/dsa/checkpoints/step_40" --out "$tmp/hf32" >/dev/null
+check '[ $? -eq 0 ] && grep -q "\"index_n_heads\": 4" "$tmp/hf32/config.json"' "the DSA export is a V3.2 folder"
+long="a model that trains and serves mixtures of experts with sparse attention on every machine it meets"
+gen=$("$bin" generate --model "$tmp/hf32" --prompt "$long" --max-new-tokens 4 --seed 0 2>/dev/null)
+check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the DSA export past indexer_topk"
+
 exit $fail

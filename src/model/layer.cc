@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "model/staged.h"
 #include "ops/attention.h"
+#include "ops/indexer.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -315,12 +316,9 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
       S.moe_mlpwo.resize(n * D);
       Buffer<float> shared_out(N * D), ys_here;
       if (ex) ys_here.resize(n_here * D);
-      ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),
-                  shared_out.data(),
-                  residuals ? S.moe_mlpwi_0.data() : nullptr,
-                  residuals ? S.moe_mlpwi_1.data() : nullptr,
-                  shared && residuals ? S.mlpwi_0.data() : nullptr,
-                  shared && residuals ? S.mlpwi_1.data() : nullptr};
+      ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),         shared_out.data(),
+                  residuals ? S.moe_mlpwi_0.data() : nullptr,       residuals ? S.moe_mlpwi_1.data() : nullptr,
+                  shared && residuals ? S.mlpwi_0.data() : nullptr, shared && residuals ? S.mlpwi_1.data() : nullptr};
       experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
                       ex ? &X.plan.local_sizes : nullptr);
       if (ex) {
@@ -412,8 +410,8 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
     float* hi = h + i * n * D;
     saved[i] = LayerSaved{};
     saved[i].decoder_layer_input.assign(hi, hi + n * D);
-    tasks.push_back(run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss,
-                              true));
+    tasks.push_back(
+        run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss, true));
   }
   run_interleaved(tasks, layer, false);
   for (auto& S : saved) drop(S, keep);
@@ -430,8 +428,31 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
 
 namespace {
 
+// The DSA indexer's loss over `layout` (its inputs and target from the
+// layer's recomputed forward, all detached): the sum over the queries of
+// the KL of its scores against the attention's key distribution; the
+// gradient, times s.indexer_loss_weight, added into the indexer's weights.
+double indexer_loss_backward(IndexerParams<float*>& g, const LayerSaved& S, const Scratch& X,
+                             const IndexerParams<ops::WeightView>& p, const StageConfig& s, const TokenLayout& layout) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t B = layout.batch, T = layout.seq, N = layout.tokens();
+  const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, H = c.num_attention_heads;
+  IndexerActs a;
+  indexer_train_forward(a, X.x.data(), S.mla_q.data(), p, s, layout.positions, N);
+  Buffer<float> scores(B * T * T), target(B * T * T), dscores(B * T * T);
+  ops::indexer_dense_scores(scores.data(), a.q.data(), a.k.data(), a.w.data(), layout.segment_ids, B, T, Hi, Di);
+  ops::attention_key_distribution(target.data(), S.query_proj.data(), S.key_proj.data(), layout.segment_ids, nullptr, B,
+                                  T, H, c.qk_head_dim(), s.softmax_scale);
+  const double kl = ops::indexer_kl(dscores.data(), scores.data(), target.data(), nullptr, B, T, s.indexer_loss_weight);
+  Buffer<float> dq(N * Hi * Di), dk(N * Di), dw(N * Hi);
+  ops::indexer_dense_scores_backward(dq.data(), dk.data(), dw.data(), dscores.data(), a.q.data(), a.k.data(),
+                                     a.w.data(), layout.segment_ids, B, T, Hi, Di);
+  indexer_train_backward(g, dq.data(), dk.data(), dw.data(), a, X.x.data(), S.mla_q.data(), p, s, layout.positions, N);
+  return kl;
+}
+
 Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer,
-                           const StageConfig& s, const TokenLayout& layout, double dloss_lb) {
+                           const StageConfig& s, const TokenLayout& layout, double dloss_lb, double* indexer_loss) {
   const ModelConfig& c = *s.cfg;
   const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
@@ -440,6 +461,10 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   const float* h = S.decoder_layer_input.data();
   Scratch X;
   co_await run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
+  if (s.indexer_loss_weight > 0 && c.index_n_heads > 0 && layer < c.num_hidden_layers) {
+    const double kl = indexer_loss_backward(g.attn.indexer, S, X, p.attn.indexer, s, layout);
+    if (indexer_loss) *indexer_loss += kl;
+  }
 
   // FFN: dh holds dL/dh2 = dL/d(ffn_out) = the residual's share of dL/dh1.
   Buffer<float> dm(N * D);
@@ -460,10 +485,9 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
       Buffer<float> dys_here(nl * D), dxs_here(nl * D);
       auto moved = ex->start_dispatch(dys_here.data(), dys.data(), X.plan, D, true);
       co_await Pending{&moved};
-      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr,
-                       S.moe_mlpwi_0.data(), S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr,
-                       shared ? S.mlpwi_1.data() : nullptr, X.xs_local.data(), X.m.data(), r, p.moe, s,
-                       &X.plan.local_sizes);
+      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
+                       S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
+                       X.xs_local.data(), X.m.data(), r, p.moe, s, &X.plan.local_sizes);
       auto back = ex->start_undispatch(dxs.data(), dxs_here.data(), X.plan, D);
       co_await Pending{&back};
     } else {
@@ -508,19 +532,19 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
 }  // namespace
 
 void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p, int64_t layer, const StageConfig& s,
-                    const TokenLayout& layout, double dloss_lb) {
-  run_staged(layer_backward_task(dh, g, S, p, layer, s, layout, dloss_lb));
+                    const TokenLayout& layout, double dloss_lb, double* indexer_loss) {
+  run_staged(layer_backward_task(dh, g, S, p, layer, s, layout, dloss_lb, indexer_loss));
 }
 
 void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& saved, const LayerView& p, int64_t layer,
-                          const StageConfig& s, const TokenLayout& layout, double dloss_lb) {
+                          const StageConfig& s, const TokenLayout& layout, double dloss_lb, double* indexer_loss) {
   const int64_t M = static_cast<int64_t>(saved.size()), D = s.cfg->hidden_size;
   const auto parts = split_layout(layout, M);
   const int64_t n = parts[0].tokens();
   std::vector<Staged> tasks;
   for (int64_t i = 0; i < M; ++i)
     tasks.push_back(layer_backward_task(dh + i * n * D, g, saved[i], p, layer, s, parts[i],
-                                        dloss_lb / static_cast<double>(M)));
+                                        dloss_lb / static_cast<double>(M), indexer_loss));
   run_interleaved(tasks, layer, true);
 }
 

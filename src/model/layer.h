@@ -128,12 +128,19 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
 // decoder_layer_input; missing residuals are recomputed (and then freed).
 // With s.load_balance_loss_weight > 0, the layer's balance loss (MaxText's:
 // weight * E^2 * mean_{b,e} f * P) is differentiated too, scaled by dloss_lb.
+// With s.indexer_loss_weight > 0, a main-decoder layer of a DSA model also
+// computes its indexer loss (the KL of the indexer's scores against the
+// attention's distribution over the keys, summed over the queries; every
+// input detached), adds it to *indexer_loss and its gradient, times the
+// weight, into the indexer's weights: the indexer learns from the KL alone,
+// the rest of the model never sees it.
 void layer_backward(float* dh, LayerGrads& g, LayerSaved& saved, const LayerView& p, int64_t layer,
-                    const StageConfig& s, const TokenLayout& layout, double dloss_lb);
+                    const StageConfig& s, const TokenLayout& layout, double dloss_lb, double* indexer_loss = nullptr);
 
 // Backward of layer_forward_split, its parts interleaved the same way.
 void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& saved, const LayerView& p, int64_t layer,
-                          const StageConfig& s, const TokenLayout& layout, double dloss_lb);
+                          const StageConfig& s, const TokenLayout& layout, double dloss_lb,
+                          double* indexer_loss = nullptr);
 
 // The balance-loss value of a MoE layer for a routing (see layer_backward).
 double balance_loss(const Routing& r, const float* bias, int64_t batch, int64_t seq, double lb_weight);

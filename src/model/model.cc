@@ -139,8 +139,8 @@ float eps(const ModelConfig& c) { return static_cast<float>(c.rms_norm_eps); }
 struct MtpDepth {
   std::vector<int32_t> ids, targets, mask;
   Buffer<float> e, en, erstd, hn_prev, hrstd, x;  // embedding, its norm, previous hidden's norm, eh_proj output
-  std::vector<LayerSaved> saved;  // per micro-batch
-  Buffer<float> h, hn, hnrstd;  // layer output and its shared_head.norm
+  std::vector<LayerSaved> saved;                  // per micro-batch
+  Buffer<float> h, hn, hnrstd;                    // layer output and its shared_head.norm
   HeadLoss head;
 };
 
@@ -201,12 +201,13 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     else
       layer_forward_split(x, lw, l, s, layout, sv, policy, st);
   };
+  double indexer_kl = 0;  // summed over the main layers' queries
   auto backward_layer = [&](float* dx, LayerGrads& lg, std::vector<LayerSaved>& sv, const LayerView& lw, int64_t l,
                             double dloss_lb) {
     if (M == 1)
-      layer_backward(dx, lg, sv[0], lw, l, s, layout, dloss_lb);
+      layer_backward(dx, lg, sv[0], lw, l, s, layout, dloss_lb, &indexer_kl);
     else
-      layer_backward_split(dx, lg, sv, lw, l, s, layout, dloss_lb);
+      layer_backward_split(dx, lg, sv, lw, l, s, layout, dloss_lb, &indexer_kl);
   };
   std::vector<double> lb;
   for (int64_t l = 0; l < L; ++l) {
@@ -291,6 +292,14 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   // Backward.
   ModelParams<float*>& g = *grads;
   const double gs = opt.grad_scale;
+  // The indexer loss: factor x mean over the L layers of KL_l / (rows T),
+  // rows those of the whole batch when this is a shard.
+  double indexer_per_kl = 0;
+  if (opt.indexer_loss_scaling_factor > 0 && cfg.index_n_heads > 0) {
+    const double rows = shard ? static_cast<double>(opt.whole.rows) : static_cast<double>(B);
+    indexer_per_kl = opt.indexer_loss_scaling_factor / (static_cast<double>(L) * rows * static_cast<double>(T));
+    s.indexer_loss_weight = gs * indexer_per_kl;
+  }
   const double dlb = lb.empty() ? 0.0 : gs / static_cast<double>(lb.size());
   // dh carries dL/dh_k from depth k+1 into depth k's backward (MTP, deepest
   // first); after the loop it holds the MTP share of dL/dh0.
@@ -330,6 +339,8 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     release(l, true);
   }
   if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);
+  out.indexer_loss = indexer_per_kl * indexer_kl;
+  out.loss += out.indexer_loss;
   return out;
 }
 

@@ -74,6 +74,12 @@ struct LossOptions {
   double load_balance_loss_weight = 0.0;
   int64_t mtp_num_layers = 0;
   double mtp_loss_scaling_factor = 0.1;
+  // DSA (a model with an indexer): MaxText's indexer_loss_scaling_factor.
+  // The indexer loss is factor x the mean over the main decoder's layers of
+  // each layer's KL averaged over the batch's queries (padding included, as
+  // MaxText's); it is computed in the backward pass, so only a call with
+  // gradients reports it. 0: none.
+  double indexer_loss_scaling_factor = 0.0;
   // The gradient added is grad_scale x dloss/dparam (gradient accumulation
   // weighs each micro-batch by its share of the counted targets).
   double grad_scale = 1.0;
@@ -100,6 +106,7 @@ LossOptions::Whole loss_weights(const TrainBatch& batch, int64_t mtp_layers);
 
 struct LossTerms {
   double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0, moe_lb_loss = 0;
+  double indexer_loss = 0;                        // DSA: in loss (see LossOptions::indexer_loss_scaling_factor)
   double tokens = 0;                              // targets counted by lm_loss
   std::vector<std::vector<int64_t>> expert_load;  // per MoE layer (main, then MTP): assignments per expert
   size_t saved_bytes = 0;                         // residuals held at the end of the forward

@@ -198,8 +198,7 @@ void indexer_forward(const IndexerOut& out, const float* x, const float* mla_q, 
   Buffer<float> k(N * Di);
   ops::linear_forward(k.data(), x, p.wk, N);
   ops::layer_norm_rows(k.data(), k.data(), vector_data(p.k_norm), vector_data(p.k_norm_bias), N, Di, 1e-6f);
-  ops::rope_forward(k.data(), k.data(), positions, s.rope_freqs.data(), N, 1, rope, Di, Di,
-                    ops::RopeLayout::HalfSplit);
+  ops::rope_forward(k.data(), k.data(), positions, s.rope_freqs.data(), N, 1, rope, Di, Di, ops::RopeLayout::HalfSplit);
   ops::hadamard_rows(k.data(), N, Di);
   ops::fp8_quantize_rows(out.key_codes, out.key_scales, k.data(), N, Di, c.index_scale_ue8m0);
   if (!out.query) return;
@@ -214,6 +213,55 @@ void indexer_forward(const IndexerOut& out, const float* x, const float* mla_q, 
   ops::linear_forward(out.head_weights, x, p.weights_proj, N);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
   for (int64_t i = 0; i < N * Hi; ++i) out.head_weights[i] *= scale;
+}
+
+void indexer_train_forward(IndexerActs& a, const float* x, const float* mla_q, const IndexerParams<ops::WeightView>& p,
+                           const StageConfig& s, const int32_t* positions, int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
+  DS_CHECK(Hi > 0, "indexer_train_forward: the model has no indexer");
+  a.k_lin.resize(N * Di);
+  a.k.resize(N * Di);
+  a.q.resize(N * Hi * Di);
+  a.w.resize(N * Hi);
+  ops::linear_forward(a.k_lin.data(), x, p.wk, N);
+  ops::layer_norm_rows(a.k.data(), a.k_lin.data(), vector_data(p.k_norm), vector_data(p.k_norm_bias), N, Di, 1e-6f);
+  ops::rope_forward(a.k.data(), a.k.data(), positions, s.rope_freqs.data(), N, 1, rope, Di, Di,
+                    ops::RopeLayout::HalfSplit);
+  ops::linear_forward(a.q.data(), mla_q, p.wq_b, N);
+  ops::rope_forward(a.q.data(), a.q.data(), positions, s.rope_freqs.data(), N, Hi, rope, Hi * Di, Di,
+                    ops::RopeLayout::HalfSplit);
+  ops::linear_forward(a.w.data(), x, p.weights_proj, N);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
+  for (int64_t i = 0; i < N * Hi; ++i) a.w[i] *= scale;
+}
+
+void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const float* dk, const float* dw,
+                            const IndexerActs& a, const float* x, const float* mla_q,
+                            const IndexerParams<ops::WeightView>& p, const StageConfig& s, const int32_t* positions,
+                            int64_t N) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
+  // Head weights.
+  Buffer<float> t(N * Hi);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
+  for (int64_t i = 0; i < N * Hi; ++i) t[i] = dw[i] * scale;
+  ops::linear_backward(nullptr, g.weights_proj, t.data(), x, p.weights_proj, N);
+  // Queries: through RoPE into wq_b.
+  // (RoPE rotates the first `rope` dims of a head; the rest pass unchanged.)
+  Buffer<float> dql(N * Hi * Di);
+  std::memcpy(dql.data(), dq, static_cast<size_t>(N * Hi * Di) * sizeof(float));
+  ops::rope_backward(dql.data(), dql.data(), positions, s.rope_freqs.data(), N, Hi, rope, Hi * Di, Di,
+                     ops::RopeLayout::HalfSplit);
+  ops::linear_backward(nullptr, g.wq_b, dql.data(), mla_q, p.wq_b, N);
+  // The key: through RoPE, the LayerNorm (its scale and bias) into wk.
+  Buffer<float> dkn(N * Di), dkl(N * Di);
+  std::memcpy(dkn.data(), dk, static_cast<size_t>(N * Di) * sizeof(float));
+  ops::rope_backward(dkn.data(), dkn.data(), positions, s.rope_freqs.data(), N, 1, rope, Di, Di,
+                     ops::RopeLayout::HalfSplit);
+  ops::layer_norm_backward(dkl.data(), g.k_norm, g.k_norm_bias, dkn.data(), a.k_lin.data(), vector_data(p.k_norm), N,
+                           Di, 1e-6f);
+  ops::linear_backward(nullptr, g.wk, dkl.data(), x, p.wk, N);
 }
 
 // ---------------------------------------------------------------- MLP
@@ -303,7 +351,8 @@ void experts_as_tasks(const ExpertOut& o, const float* xs, const float* x, const
   std::vector<Job> jobs;
   int64_t off = 0, wi = 0;
   for (size_t e = 0; e < r.sizes.size(); ++e) {
-    if (r.sizes[e] > 0) jobs.push_back({&m.experts[e], xs + off * D, o.ys + off * D, r.sizes[e], nullptr, nullptr, {}, {}});
+    if (r.sizes[e] > 0)
+      jobs.push_back({&m.experts[e], xs + off * D, o.ys + off * D, r.sizes[e], nullptr, nullptr, {}, {}});
     off += r.sizes[e];
   }
   const bool shared = m.shared.gate.data != nullptr;

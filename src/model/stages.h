@@ -42,6 +42,10 @@ struct StageConfig {
   int64_t task_parallel_assignments = 64;
   // Training: MaxText's load_balance_loss_weight (0: no balance loss).
   double load_balance_loss_weight = 0.0;
+  // Training a DSA model: each layer's indexer loss (the KL of its scores
+  // against the attention's key distribution, summed over the layer's
+  // queries) enters the loss times this weight (0: not computed).
+  double indexer_loss_weight = 0.0;
   // Expert parallelism: moves routed rows to the ranks of their experts (null: none).
   TokenExchange* exchange = nullptr;
 };
@@ -124,6 +128,25 @@ struct IndexerOut {
 };
 void indexer_forward(const IndexerOut& out, const float* x, const float* mla_q, const IndexerParams<ops::WeightView>& p,
                      const StageConfig& s, const int32_t* positions, int64_t N);
+
+// The indexer in training (float32: MaxText's and the paper's indexer, the
+// inference one without the fp8 rounding and so without the Hadamard
+// rotation, which leaves every q . k unchanged). Its inputs x and mla_q are
+// detached: its gradients reach only its own weights.
+struct IndexerActs {
+  Buffer<float> k_lin;  // x wk^T [N, Di] (the LayerNorm's input)
+  Buffer<float> k;      // LayerNorm, then RoPE [N, Di]
+  Buffer<float> q;      // mla_q wq_b^T, then RoPE [N, Hi, Di]
+  Buffer<float> w;      // head weights [N, Hi], scaled by (Hi Di)^-1/2
+};
+void indexer_train_forward(IndexerActs& a, const float* x, const float* mla_q, const IndexerParams<ops::WeightView>& p,
+                           const StageConfig& s, const int32_t* positions, int64_t N);
+// From the gradients of q, k and w (ops::indexer_dense_scores_backward):
+// the weights' gradients added into g.
+void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const float* dk, const float* dw,
+                            const IndexerActs& a, const float* x, const float* mla_q,
+                            const IndexerParams<ops::WeightView>& p, const StageConfig& s, const int32_t* positions,
+                            int64_t N);
 
 // ---------------------------------------------------------------- MLP
 

@@ -91,6 +91,8 @@ const std::map<std::string, Setter>& train_keys() {
     dbl("z_loss_multiplier", &TrainConfig::z_loss_multiplier);
     dbl("load_balance_loss_weight", &TrainConfig::load_balance_loss_weight);
     dbl("mtp_loss_scaling_factor", &TrainConfig::mtp_loss_scaling_factor);
+    dbl("indexer_loss_scaling_factor", &TrainConfig::indexer_loss_scaling_factor);
+    bol("indexer_sparse_training", &TrainConfig::indexer_sparse_training);
     str("remat_policy", &TrainConfig::remat_policy);
     k["dataset_type"] = [](TrainConfig& c, const YAML::Node& n) { c.data.dataset_type = n.as<std::string>(); };
     k["synthetic_task"] = [](TrainConfig& c, const YAML::Node& n) { c.data.synthetic_task = n.as<std::string>(); };
@@ -234,7 +236,34 @@ void check_config(const RunConfig& rc) {
       } catch (const std::regex_error& e) {
         DS_FAIL("'{}' is not a valid regular expression: {}", re, e.what());
       }
-  DS_CHECK(m.index_n_heads == 0, "training DeepSeek-V3.2 sparse-attention models is not supported yet");
+  // DeepSeek-V3.2's indexer.
+  DS_CHECK(t.indexer_loss_scaling_factor >= 0, "indexer_loss_scaling_factor {} must be >= 0",
+           t.indexer_loss_scaling_factor);
+  if (m.index_n_heads == 0) {
+    DS_CHECK(!t.indexer_sparse_training && t.indexer_loss_scaling_factor == 0,
+             "indexer_sparse_training and indexer_loss_scaling_factor need a model with the DSA indexer "
+             "(use_indexer: true)");
+  } else {
+    DS_CHECK(!t.indexer_sparse_training || t.max_target_length <= m.index_topk,
+             "indexer_sparse_training=true: top-k sparse attention in training is not supported yet (it equals "
+             "dense attention only while max_target_length {} <= indexer_topk {}); train the dense warm-up "
+             "(indexer_sparse_training=false) instead",
+             t.max_target_length, m.index_topk);
+    // The indexer learns from its loss alone: with it off, a mask that
+    // leaves only indexer tensors trainable trains nothing.
+    if (t.indexer_loss_scaling_factor == 0 && !t.trainable_parameters_mask.empty()) {
+      std::vector<std::regex> res;
+      for (const auto& re : t.trainable_parameters_mask) res.emplace_back(re);
+      bool other = false;
+      for (const auto& i : model::param_infos(m, m.num_nextn_predict_layers)) {
+        if (!i.trainable() || i.name.find(".indexer.") != std::string::npos) continue;
+        for (const auto& r : res) other |= std::regex_search(i.name, r);
+      }
+      DS_CHECK(other,
+               "trainable_parameters_mask leaves only the indexer trainable but indexer_loss_scaling_factor is 0: "
+               "nothing would learn (the indexer learns from its KL loss alone; the dense warm-up uses e.g. 0.01)");
+    }
+  }
 }
 
 }  // namespace

@@ -64,6 +64,11 @@ struct TrainConfig {
   double z_loss_multiplier = 0.0;
   double load_balance_loss_weight = 0.0;
   double mtp_loss_scaling_factor = 0.1;
+  // DeepSeek-V3.2's indexer (a model with use_indexer): its KL loss weight
+  // and the stage (false: dense warm-up, attention dense; true: sparse
+  // training, top-k attention).
+  double indexer_loss_scaling_factor = 0.0;
+  bool indexer_sparse_training = false;
   model::RematPolicy remat;
   std::string remat_policy = "full";
 

@@ -451,6 +451,14 @@ TrainSummary train(const RunConfig& rc) {
   lo.load_balance_loss_weight = tc.load_balance_loss_weight;
   lo.mtp_num_layers = mtp;
   lo.mtp_loss_scaling_factor = tc.mtp_loss_scaling_factor;
+  lo.indexer_loss_scaling_factor = tc.indexer_loss_scaling_factor;
+  if (lead && cfg.index_n_heads > 0)
+    fmt::print(stderr, "DSA model: {}, attention dense{}; the indexer {}\n",
+               tc.indexer_sparse_training ? "the sparse stage" : "the dense warm-up",
+               tc.max_target_length <= cfg.index_topk ? " (the same as top-k attention at this length)" : "",
+               tc.indexer_loss_scaling_factor > 0
+                   ? fmt::format("learns from its KL loss (x {})", tc.indexer_loss_scaling_factor)
+                   : std::string("is not trained (indexer_loss_scaling_factor is 0)"));
   const int64_t GA = tc.gradient_accumulation_steps;
   const double flops = step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
   const double step_tokens = static_cast<double>(tc.per_device_batch_size * tc.max_target_length * GA);
@@ -571,6 +579,7 @@ TrainSummary train(const RunConfig& rc) {
       terms.z_loss += wi * t.z_loss;
       terms.mtp_loss += wi * t.mtp_loss;
       terms.moe_lb_loss += wi * t.moe_lb_loss;
+      terms.indexer_loss += wi * t.indexer_loss;
       terms.tokens += t.tokens;
       if (multi && !t.expert_load.empty()) {
         // The global micro-batch's expert loads: every rank updates the biases alike.
@@ -595,8 +604,9 @@ TrainSummary train(const RunConfig& rc) {
     if (multi) {
       // The global batch's loss terms and gradient: summed over the batch
       // shards; with FSDP each rank keeps the sum of its own shard only.
-      double t6[6] = {terms.loss, terms.lm_loss, terms.z_loss, terms.mtp_loss, terms.moe_lb_loss, terms.tokens};
-      auto ht = world.all_reduce(t6, 6);
+      double t6[7] = {terms.loss,        terms.lm_loss, terms.z_loss,      terms.mtp_loss,
+                      terms.moe_lb_loss, terms.tokens,  terms.indexer_loss};
+      auto ht = world.all_reduce(t6, 7);
       if (!fsdp) {
         world.all_reduce(grads.data.data(), P).wait();
       } else {
@@ -609,7 +619,7 @@ TrainSummary train(const RunConfig& rc) {
       }
       ht.wait();
       terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
-      terms.moe_lb_loss = t6[4], terms.tokens = t6[5];
+      terms.moe_lb_loss = t6[4], terms.tokens = t6[5], terms.indexer_loss = t6[6];
     }
     const double raw_norm = tree_norm(grad_spans);
     const bool finite = std::isfinite(terms.loss) && std::isfinite(raw_norm);
@@ -651,6 +661,7 @@ TrainSummary train(const RunConfig& rc) {
                         {"tokens_per_sec", step_tokens / dt},
                         {"tflops_per_sec", flops / dt / 1e12},
                         {"step_skipped", !finite}};
+    if (cfg.index_n_heads > 0) m["indexer_loss"] = terms.indexer_loss;
     if (link_expert || link_group || link_fsdp) {
       // What this step's communication would have cost had nothing
       // overlapped, in all and per link.
