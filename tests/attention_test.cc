@@ -9,6 +9,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -45,6 +46,7 @@ std::vector<int32_t> from_lengths(const std::vector<int>& lengths) {
 struct Problem {
   AttentionDims d;
   std::vector<int32_t> seg;  // [B, T] or empty
+  std::vector<uint8_t> sel;  // [B, T, T] or empty
   std::vector<float> q, k, v, dout;
 
   Problem(AttentionDims dims, std::vector<int32_t> ids, uint64_t seed, float qk_std = 1.0f) : d(dims), seg(ids) {
@@ -58,6 +60,7 @@ struct Problem {
     }
   }
   const int32_t* ids() const { return seg.empty() ? nullptr : seg.data(); }
+  const uint8_t* selected() const { return sel.empty() ? nullptr : sel.data(); }
 };
 
 struct Result {
@@ -72,9 +75,9 @@ Result run_fast(const Problem& p) {
   Result r{std::vector<float>(rows * p.d.v_dim, nan), std::vector<float>(rows, nan),
            std::vector<float>(rows * p.d.qk_dim, nan), std::vector<float>(rows * p.d.qk_dim, nan),
            std::vector<float>(rows * p.d.v_dim, nan)};
-  ops::attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), p.ids(), p.d);
+  ops::attention_forward(r.out.data(), r.lse.data(), p.q.data(), p.k.data(), p.v.data(), p.ids(), p.d, p.selected());
   ops::attention_backward(r.dq.data(), r.dk.data(), r.dv.data(), p.dout.data(), r.out.data(), r.lse.data(), p.q.data(),
-                          p.k.data(), p.v.data(), p.ids(), p.d);
+                          p.k.data(), p.v.data(), p.ids(), p.d, p.selected());
   return r;
 }
 
@@ -93,8 +96,9 @@ void expect_matches_reference(const Problem& p, double out_tol = kOutTol, double
                               double grad_atol = 0) {
   const Result r = run_fast(p);
   std::vector<double> out, lse, dq, dk, dv;
-  ref::attention_forward(out, lse, to_double(p.q), to_double(p.k), to_double(p.v), p.seg, p.d);
-  ref::attention_backward(dq, dk, dv, to_double(p.dout), to_double(p.q), to_double(p.k), to_double(p.v), p.seg, p.d);
+  ref::attention_forward(out, lse, to_double(p.q), to_double(p.k), to_double(p.v), p.seg, p.d, p.sel);
+  ref::attention_backward(dq, dk, dv, to_double(p.dout), to_double(p.q), to_double(p.k), to_double(p.v), p.seg, p.d,
+                          p.sel);
   expect_close(r.out, out, out_tol, 0, "out");
   // lse is a log-sum of scores of size ~|s|: absolute float32 rounding of
   // those, hence the same tolerance relative to max|lse|.
@@ -230,6 +234,39 @@ TEST(Attention, LargeScoresExerciseTheRunningMax) {
   // the scale seen in dq), hence the tolerances 5x the default.
   expect_matches_reference(Problem({1, 200, 2, 16, 16, default_scale(16)}, from_lengths({150, 50}), 26, 3.0f),
                            5 * kOutTol, 5 * kGradTol);
+}
+
+// DSA's top-k attention in training: a selection of keys per query on top
+// of the causal and segment masks, over several tiles, some queries losing
+// their own key, some tiles fully masked for a query.
+TEST(Attention, SelectedKeysOnly) {
+  for (int64_t topk : {1, 5, 40}) {
+    SCOPED_TRACE(topk);
+    const int64_t B = 2, T = 150;
+    Problem p({B, T, 2, 16, 8, default_scale(16)}, from_lengths({90, 60, 150}), 40 + topk);
+    p.sel.assign(B * T * T, 0);
+    // Query i keeps the topk visible keys of a fixed pseudo-random order.
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<int64_t> vis;
+        for (int64_t j = 0; j <= i; ++j)
+          if (p.seg[b * T + j] == p.seg[b * T + i]) vis.push_back(j);
+        std::sort(vis.begin(), vis.end(),
+                  [&](int64_t x, int64_t y) { return (x * 7919 + i) % 101 < (y * 7919 + i) % 101; });
+        for (size_t n = 0; n < vis.size() && static_cast<int64_t>(n) < topk; ++n) p.sel[(b * T + i) * T + vis[n]] = 1;
+      }
+    // With one key per query p is 1 and dq, dk are 0 exactly; the kernel's
+    // dp - D leaves rounding of ~1e-7 there.
+    expect_matches_reference(p, kOutTol, kGradTol, topk == 1 ? 1e-5 : 0);
+  }
+  // A query with no key left is an error, not NaN.
+  Problem bad({1, 4, 1, 4, 4, 0.5f}, {}, 3);
+  bad.sel.assign(16, 1);
+  for (int j = 0; j < 4; ++j) bad.sel[2 * 4 + j] = 0;
+  std::vector<float> out(16), lse(4);
+  EXPECT_THROW(ops::attention_forward(out.data(), lse.data(), bad.q.data(), bad.k.data(), bad.v.data(), nullptr, bad.d,
+                                      bad.selected()),
+               Error);
 }
 
 TEST(Attention, MlaHeadSizes) {

@@ -27,10 +27,14 @@ struct AttentionDims {
   float scale = 1.0f;  // softmax scale (1/sqrt(qk_dim) times any mscale correction)
 };
 
+// `selected` (DSA's top-k attention in training): [B, T, T] bytes; query i
+// of row b may attend to key j only where selected[(b T + i) T + j] != 0,
+// on top of the causal and segment masks (null: every allowed key). Every
+// query must keep at least one key.
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const int32_t* segment_ids, const AttentionDims& d);
+                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected = nullptr);
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
-                        const AttentionDims& d);
+                        const AttentionDims& d, const uint8_t* selected = nullptr);
 
 }  // namespace ds::ops

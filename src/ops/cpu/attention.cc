@@ -122,8 +122,9 @@ struct Geometry {
   int64_t B, T, H, Dqk, Dv;
   float scale;
   int64_t nq_tiles, nk_tiles;
+  const uint8_t* selected;  // [B, T, T] or null
 
-  explicit Geometry(const AttentionDims& d)
+  Geometry(const AttentionDims& d, const uint8_t* sel)
       : B(d.batch),
         T(d.seq),
         H(d.heads),
@@ -131,7 +132,8 @@ struct Geometry {
         Dv(d.v_dim),
         scale(d.scale),
         nq_tiles((d.seq + kTileQ - 1) / kTileQ),
-        nk_tiles((d.seq + kTileK - 1) / kTileK) {}
+        nk_tiles((d.seq + kTileK - 1) / kTileK),
+        selected(sel) {}
   int64_t ld_qk() const { return H * Dqk; }
   int64_t ld_v() const { return H * Dv; }
   // Offset of row (b, t) of head h in a [B, T, H, D] tensor.
@@ -209,6 +211,13 @@ void scores(float* s, const Pair& p, const float* q, const float* k, const int32
   gemm(false, true, p.nq, p.nk, g.Dqk, g.scale, q + g.row(b, p.i0, h, g.Dqk), g.ld_qk(), k + g.row(b, p.j0, h, g.Dqk),
        g.ld_qk(), 0.0f, s, p.nk);
   if (p.causal || p.segment) apply_mask(s, p, seg ? seg + b * g.T : nullptr);
+  if (g.selected)
+    for (int64_t r = 0; r < p.nq; ++r) {
+      const uint8_t* sel = g.selected + (b * g.T + p.i0 + r) * g.T + p.j0;
+      float* sr = s + r * p.nk;
+      for (int64_t c = 0; c < p.nk; ++c)
+        if (!sel[c]) sr[c] = kNegInf;
+    }
 }
 
 // Runs body(item, scratch) for items [0, n) over the threads, each item on one
@@ -273,10 +282,10 @@ float attention_exp_row(float* x, int64_t n, float shift) { return exp_row(x, n,
 }  // namespace detail
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const int32_t* segment_ids, const AttentionDims& d) {
+                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected) {
   check_dims(d, "attention_forward");
   DS_CHECK(out && lse && q && k && v, "attention_forward: null tensor pointer");
-  const Geometry g(d);
+  const Geometry g(d, selected);
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
   // Scratch: s/p [TileQ, TileK], O [TileQ, Dv], m and l [TileQ].
@@ -312,8 +321,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       }
       gemm(false, false, nq, g.Dv, p.nk, 1.0f, s, p.nk, v + g.row(b, p.j0, h, g.Dv), g.ld_v(), 1.0f, o, g.Dv);
     }
-    // Every query attends at least to itself, so l >= 1 here.
+    // Every query attends to a key (itself, or a selected one), so l is
+    // about 1 or more here.
     for (int64_t r = 0; r < nq; ++r) {
+      DS_CHECK(l[r] > 0.0f, "attention_forward: query {} of row {} has no key to attend to", i0 + r, b);
       const float inv = 1.0f / l[r];
       float* dst = out + g.row(b, i0 + r, h, g.Dv);
       for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * g.Dv + c] * inv;
@@ -324,10 +335,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
-                        const AttentionDims& d) {
+                        const AttentionDims& d, const uint8_t* selected) {
   check_dims(d, "attention_backward");
   DS_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward: null tensor pointer");
-  const Geometry g(d);
+  const Geometry g(d, selected);
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
 

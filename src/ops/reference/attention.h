@@ -1,7 +1,8 @@
 // Scalar reference for ops/attention.h: the full [T, T] score matrix of each
 // (batch, head), softmax over the allowed keys, and the hand-derived backward.
 // Same layouts as the fast kernels: q, k [B, T, H, Dqk]; v, out [B, T, H, Dv];
-// lse [B, H, T]; segment ids [B, T] (empty: one segment per sequence).
+// lse [B, H, T]; segment ids [B, T] (empty: one segment per sequence);
+// selected [B, T, T] (empty: every key the masks allow; see ops/attention.h).
 #pragma once
 
 #include <algorithm>
@@ -17,22 +18,24 @@ namespace ds::ref {
 namespace detail {
 
 // Query i may attend to key j of the same batch row.
-inline bool attention_allowed(const std::vector<int32_t>& seg, int64_t b, int64_t T, int64_t i, int64_t j) {
-  return j <= i && (seg.empty() || seg[b * T + i] == seg[b * T + j]);
+inline bool attention_allowed(const std::vector<int32_t>& seg, const std::vector<uint8_t>& sel, int64_t b, int64_t T,
+                              int64_t i, int64_t j) {
+  return j <= i && (seg.empty() || seg[b * T + i] == seg[b * T + j]) && (sel.empty() || sel[(b * T + i) * T + j]);
 }
 
 // p [T, T] = softmax over the allowed keys of scale * q_i . k_j for one
 // (b, h), disallowed entries 0, and lse_row [T] = log sum_j exp(s[i, j]).
 template <typename T>
 void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vector<T>& q, const std::vector<T>& k,
-                     const std::vector<int32_t>& seg, const ops::AttentionDims& d, int64_t b, int64_t h) {
+                     const std::vector<int32_t>& seg, const std::vector<uint8_t>& sel, const ops::AttentionDims& d,
+                     int64_t b, int64_t h) {
   const int64_t S = d.seq, H = d.heads, Dk = d.qk_dim;
   p.assign(S * S, T(0));
   lse_row.assign(S, T(0));
   for (int64_t i = 0; i < S; ++i) {
     T mx = -std::numeric_limits<T>::infinity();
     for (int64_t j = 0; j < S; ++j) {
-      if (!attention_allowed(seg, b, S, i, j)) continue;
+      if (!attention_allowed(seg, sel, b, S, i, j)) continue;
       T s = 0;
       for (int64_t c = 0; c < Dk; ++c) s += q[((b * S + i) * H + h) * Dk + c] * k[((b * S + j) * H + h) * Dk + c];
       p[i * S + j] = T(d.scale) * s;
@@ -40,9 +43,9 @@ void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vect
     }
     T sum = 0;
     for (int64_t j = 0; j < S; ++j)
-      if (attention_allowed(seg, b, S, i, j)) sum += std::exp(p[i * S + j] - mx);
+      if (attention_allowed(seg, sel, b, S, i, j)) sum += std::exp(p[i * S + j] - mx);
     for (int64_t j = 0; j < S; ++j)
-      p[i * S + j] = attention_allowed(seg, b, S, i, j) ? std::exp(p[i * S + j] - mx) / sum : T(0);
+      p[i * S + j] = attention_allowed(seg, sel, b, S, i, j) ? std::exp(p[i * S + j] - mx) / sum : T(0);
     lse_row[i] = mx + std::log(sum);
   }
 }
@@ -53,14 +56,15 @@ void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vect
 // the allowed scores. Both vectors are resized.
 template <typename T>
 void attention_forward(std::vector<T>& out, std::vector<T>& lse, const std::vector<T>& q, const std::vector<T>& k,
-                       const std::vector<T>& v, const std::vector<int32_t>& seg, const ops::AttentionDims& d) {
+                       const std::vector<T>& v, const std::vector<int32_t>& seg, const ops::AttentionDims& d,
+                       const std::vector<uint8_t>& sel = {}) {
   const int64_t B = d.batch, S = d.seq, H = d.heads, Dv = d.v_dim;
   out.assign(B * S * H * Dv, T(0));
   lse.assign(B * H * S, T(0));
   std::vector<T> p, lse_row;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      detail::attention_probs(p, lse_row, q, k, seg, d, b, h);
+      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h);
       for (int64_t i = 0; i < S; ++i) {
         lse[(b * H + h) * S + i] = lse_row[i];
         for (int64_t c = 0; c < Dv; ++c) {
@@ -82,7 +86,8 @@ void attention_forward(std::vector<T>& out, std::vector<T>& lse, const std::vect
 template <typename T>
 void attention_backward(std::vector<T>& dq, std::vector<T>& dk, std::vector<T>& dv, const std::vector<T>& dout,
                         const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
-                        const std::vector<int32_t>& seg, const ops::AttentionDims& d) {
+                        const std::vector<int32_t>& seg, const ops::AttentionDims& d,
+                        const std::vector<uint8_t>& sel = {}) {
   const int64_t B = d.batch, S = d.seq, H = d.heads, Dk = d.qk_dim, Dv = d.v_dim;
   dq.assign(B * S * H * Dk, T(0));
   dk.assign(B * S * H * Dk, T(0));
@@ -90,7 +95,7 @@ void attention_backward(std::vector<T>& dq, std::vector<T>& dk, std::vector<T>& 
   std::vector<T> p, lse_row, ds(S * S);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      detail::attention_probs(p, lse_row, q, k, seg, d, b, h);
+      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h);
       auto qi = [&](int64_t i, int64_t c) { return q[((b * S + i) * H + h) * Dk + c]; };
       auto ki = [&](int64_t i, int64_t c) { return k[((b * S + i) * H + h) * Dk + c]; };
       auto vi = [&](int64_t i, int64_t c) { return v[((b * S + i) * H + h) * Dv + c]; };
