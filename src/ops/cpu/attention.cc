@@ -249,6 +249,17 @@ void check_dims(const AttentionDims& d, const char* what) {
   DS_CHECK(std::isfinite(d.scale), "{}: softmax scale must be finite, got {}", what, d.scale);
 }
 
+// Every query keeps at least one key it may attend to.
+void check_selection(const Geometry& g, const int32_t* seg) {
+  for (int64_t b = 0; b < g.B; ++b)
+    for (int64_t i = 0; i < g.T; ++i) {
+      const uint8_t* row = g.selected + (b * g.T + i) * g.T;
+      bool any = false;
+      for (int64_t j = 0; j <= i && !any; ++j) any = row[j] && (!seg || seg[b * g.T + j] == seg[b * g.T + i]);
+      DS_CHECK(any, "attention_forward: query {} of row {} has no selected key it may attend to", i, b);
+    }
+}
+
 // Work item it of n_tiles per (b, h), ordered so that the tiles with the most
 // work (the last query tiles, the first key tiles) are handed out first.
 struct ItemIndex {
@@ -286,6 +297,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   check_dims(d, "attention_forward");
   DS_CHECK(out && lse && q && k && v, "attention_forward: null tensor pointer");
   const Geometry g(d, selected);
+  if (selected) check_selection(g, segment_ids);
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
   // Scratch: s/p [TileQ, TileK], O [TileQ, Dv], m and l [TileQ].
@@ -322,9 +334,8 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       gemm(false, false, nq, g.Dv, p.nk, 1.0f, s, p.nk, v + g.row(b, p.j0, h, g.Dv), g.ld_v(), 1.0f, o, g.Dv);
     }
     // Every query attends to a key (itself, or a selected one), so l is
-    // about 1 or more here.
+    // about 1 or more here (NaN inputs give NaN, never a division by 0).
     for (int64_t r = 0; r < nq; ++r) {
-      DS_CHECK(l[r] > 0.0f, "attention_forward: query {} of row {} has no key to attend to", i0 + r, b);
       const float inv = 1.0f / l[r];
       float* dst = out + g.row(b, i0 + r, h, g.Dv);
       for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * g.Dv + c] * inv;
