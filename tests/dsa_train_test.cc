@@ -1,9 +1,12 @@
-// Training a DeepSeek-V3.2 (DSA) model, the dense warm-up: the indexer's KL
+// Training a DeepSeek-V3.2 (DSA) model. Dense warm-up: the indexer's KL
 // loss enters the loss, its gradients reach the indexer's weights alone and
 // agree with central differences of that loss, every other gradient is
 // bitwise what it is without the indexer loss (the inputs are detached), and
-// the remat policy and the batch-split schedule do not change them. The
-// ops it is made of are checked against double references in indexer_test.
+// the remat policy and the batch-split schedule do not change them. Sparse
+// stage: top-k attention equals dense when k covers the row, and otherwise
+// its gradients agree with central differences. The ops are checked
+// against double references in indexer_test and attention_test; a
+// three-run training (dense, warm-up, sparse) is in train_cli_test.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,8 +14,8 @@
 
 #include "core/error.h"
 #include "model/model.h"
-#include "train/config.h"
 #include "train/checkpoint.h"
+#include "train/config.h"
 
 namespace ds {
 namespace {
@@ -114,13 +117,68 @@ TEST(DsaTrain, TheIndexerLearnsFromItsKlAloneWithExactGradients) {
   EXPECT_LT(err, 1e-5 * gmax);
 }
 
-TEST(DsaTrain, ConfigsThatWouldTrainNothingOrNeedSparseAttentionAreErrors) {
+// The sparse stage: with index_topk at least the row length the selection
+// keeps every visible key and everything is bitwise the dense run; shorter,
+// the loss moves, and the gradients of the last layer's attention weights
+// (which no indexer depends on, so no selection moves under them) agree with
+// central differences of the loss.
+TEST(DsaTrain, TheSparseStageAttendsToTheTopKeysWithExactGradients) {
+  for (const char* topk : {"indexer_topk=8", "indexer_topk=3"}) {
+    SCOPED_TRACE(topk);
+    const auto rc = train::parse_run_config(kTinyDsa, {topk}, "test");
+    const auto& cfg = rc.model;
+    auto p = model::FlatParams::zeros(cfg, 0);
+    train::init_params(cfg, 0, p, 6, 0.2f);
+    const model::TrainBatch b = batch(cfg);
+    model::LossOptions o;
+    o.indexer_loss_scaling_factor = 0.5;
+    const auto policy = model::RematPolicy::keep_all();
+    auto gd = model::FlatParams::zeros(cfg, 0), gs = model::FlatParams::zeros(cfg, 0);
+    const auto dense = model::loss_and_grad(cfg, p.view, &gd.ptr, b, o, policy);
+    o.indexer_sparse_training = true;
+    const auto sparse = model::loss_and_grad(cfg, p.view, &gs.ptr, b, o, policy);
+    if (cfg.index_topk >= b.seq) {
+      EXPECT_EQ(sparse.loss, dense.loss);
+      EXPECT_EQ(gs.data, gd.data);
+      continue;
+    }
+    EXPECT_NE(sparse.lm_loss, dense.lm_loss);
+    EXPECT_GT(sparse.indexer_loss, 0.0);
+    // The same under full remat (the backward recomputes the selection).
+    auto gr = model::FlatParams::zeros(cfg, 0);
+    EXPECT_EQ(model::loss_and_grad(cfg, p.view, &gr.ptr, b, o, model::RematPolicy::from_name("full", {})).loss,
+              sparse.loss);
+    EXPECT_EQ(gr.data, gs.data);
+    const std::string last = "model.layers." + std::to_string(cfg.num_hidden_layers - 1) + ".self_attn.";
+    int64_t off = 0, checked = 0;
+    model::for_each_param(cfg, 0, [&](const model::ParamInfo& i) {
+      const int64_t base = off, n = i.numel();
+      off += n;
+      if (i.name != last + "q_b_proj.weight" && i.name != last + "kv_b_proj.weight" && i.name != last + "o_proj.weight")
+        return;
+      int64_t best = 0;
+      for (int64_t k = 1; k < n; ++k)
+        if (std::fabs(gs.data[base + k]) > std::fabs(gs.data[base + best])) best = k;
+      float& w = p.data[base + best];
+      const float saved = w, h = 1e-2f * std::max(1.0f, std::fabs(saved));
+      auto lm_at = [&](float v) {
+        w = v;
+        return model::loss_and_grad(cfg, p.view, nullptr, b, o, policy).lm_loss;
+      };
+      const double fd = (lm_at(saved + h) - lm_at(saved - h)) / (2.0 * h);
+      w = saved;
+      const double g = gs.data[base + best];
+      EXPECT_NEAR(fd, g, 0.03 * std::fabs(g) + 2e-4) << i.name;
+      ++checked;
+    });
+    EXPECT_EQ(checked, 3);
+  }
+}
+
+TEST(DsaTrain, ConfigsThatWouldTrainNothingAreErrors) {
   using train::parse_run_config;
   EXPECT_NO_THROW(parse_run_config(kTinyDsa, {"indexer_loss_scaling_factor=0.01"}, "test"));
-  // Sparse training at a length where top-k attention equals dense: allowed.
-  EXPECT_NO_THROW(parse_run_config(kTinyDsa, {"indexer_sparse_training=true", "max_target_length=4"}, "test"));
-  // Longer: top-k attention in training is not there yet.
-  EXPECT_THROW(parse_run_config(kTinyDsa, {"indexer_sparse_training=true"}, "test"), Error);
+  EXPECT_NO_THROW(parse_run_config(kTinyDsa, {"indexer_sparse_training=true"}, "test"));
   // Only the indexer trainable and no indexer loss: nothing learns.
   EXPECT_THROW(parse_run_config(kTinyDsa, {"trainable_parameters_mask=['.*indexer.*']"}, "test"), Error);
   EXPECT_NO_THROW(parse_run_config(

@@ -73,23 +73,44 @@ head -c 100 "$run/checkpoints/step_6/params.safetensors" >"$tmp/cut" && mv "$tmp
 expect_error train "$tmp/run.yml" resume=true steps=8
 check '[ -d "$run/checkpoints/step_3" ] && [ -d "$run/checkpoints/step_6" ]' "no checkpoint lost"
 
-# DeepSeek-V3.2 (DSA), the dense warm-up: only the indexers train, from
-# their KL loss alone; the LM loss stays put, the KL falls, and the export is
-# a V3.2 folder that generates (with top-k attention past indexer_topk).
-"$bin" --threads 2 train "$src/configs/tiny.yml" use_indexer=true indexer_n_heads=4 indexer_head_dim=16 \
-  indexer_topk=16 max_target_length=64 per_device_batch_size=4 steps=40 learning_rate=1e-2 init_weights_std=0.3 \
-  "trainable_parameters_mask=['.*indexer.*']" indexer_loss_scaling_factor=1 dataset_type=synthetic \
-  tokenizer_path="$tok" base_output_directory="$tmp/runs" run_name=dsa checkpoint_period=40 >/dev/null 2>"$tmp/dsa.err"
-check '[ $? -eq 0 ] && grep -q "DSA model: the dense warm-up" "$tmp/dsa.err"' "DSA warm-up trains ($(tail -1 "$tmp/dsa.err"))"
-kl() { grep -o '"indexer_loss":[0-9.e+-]*' "$tmp/runs/dsa/metrics.jsonl" | cut -d: -f2 | sed -n "$1p"; }
-lm() { grep -o '"lm_loss":[0-9.e+-]*' "$tmp/runs/dsa/metrics.jsonl" | cut -d: -f2 | sed -n "$1p"; }
-check 'awk -v a="$(kl 1)" -v b="$(kl 40)" "BEGIN { exit !(a > 0 && b < 0.5 * a) }"' \
-  "the indexer loss falls by half or more: $(kl 1) -> $(kl 40)"
-check '[ -n "$(lm 1)" ] && [ "$(lm 1)" = "$(lm 40)" ]' "the frozen model's LM loss stays put: $(lm 1) -> $(lm 40)"
-"$bin" export --checkpoint "$tmp/runs/dsa/checkpoints/step_40" --out "$tmp/hf32" >/dev/null
+# DeepSeek-V3.2 (DSA) in three runs from one folder, as the paper trains it
+# from a dense checkpoint: 100 dense steps with the indexers idle (the
+# model memorizes the synthetic batch), 100 steps of the dense warm-up (only
+# the indexers train, from their KL alone: the KL falls, the LM loss stays
+# put), then 40 steps of the sparse stage (attention over the indexer's top
+# 16 of up to 64 keys), whose LM loss tracks 40 dense steps from the same
+# checkpoint. The warm-up's export is a V3.2 folder that generates.
+dsa() {
+  local run=$1 steps=$2
+  shift 2
+  "$bin" --threads 2 train "$src/configs/tiny.yml" use_indexer=true indexer_n_heads=4 indexer_head_dim=16 \
+    indexer_topk=16 max_target_length=64 per_device_batch_size=4 dataset_type=synthetic tokenizer_path="$tok" \
+    base_output_directory="$tmp/runs" run_name="$run" steps="$steps" "$@" >/dev/null 2>"$tmp/$run.err"
+}
+metric() { grep -o "\"$2\":[0-9.e+-]*" "$tmp/runs/$1/metrics.jsonl" | cut -d: -f2 | sed -n "$3p"; }
+dsa dsa 100 learning_rate=3.0e-3
+check '[ $? -eq 0 ] && grep -q "the dense warm-up, attention dense; the indexer is not trained" "$tmp/dsa.err"' \
+  "DSA dense steps ($(tail -1 "$tmp/dsa.err"))"
+dsa dsa 200 resume=true learning_rate=1.0e-2 "trainable_parameters_mask=['.*indexer.*']" indexer_loss_scaling_factor=1
+check '[ $? -eq 0 ] && grep -q "the indexer learns from its KL loss" "$tmp/dsa.err"' "DSA warm-up ($(tail -1 "$tmp/dsa.err"))"
+check 'awk -v a="$(metric dsa indexer_loss 101)" -v b="$(metric dsa indexer_loss 200)" "BEGIN { exit !(a > 0 && b < 0.5 * a) }"' \
+  "the warm-up's KL falls by half or more: $(metric dsa indexer_loss 101) -> $(metric dsa indexer_loss 200)"
+check '[ -n "$(metric dsa lm_loss 101)" ] && [ "$(metric dsa lm_loss 101)" = "$(metric dsa lm_loss 200)" ]' \
+  "the frozen model's LM loss stays put: $(metric dsa lm_loss 101) -> $(metric dsa lm_loss 200)"
+"$bin" export --checkpoint "$tmp/runs/dsa/checkpoints/step_200" --out "$tmp/hf32" >/dev/null
 check '[ $? -eq 0 ] && grep -q "\"index_n_heads\": 4" "$tmp/hf32/config.json"' "the DSA export is a V3.2 folder"
 long="a model that trains and serves mixtures of experts with sparse attention on every machine it meets"
 gen=$("$bin" generate --model "$tmp/hf32" --prompt "$long" --max-new-tokens 4 --seed 0 2>/dev/null)
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the DSA export past indexer_topk"
+for stage in sparse dense; do
+  cp -r "$tmp/runs/dsa" "$tmp/runs/dsa-$stage"
+  dsa dsa-$stage 240 resume=true learning_rate=3.0e-3 indexer_loss_scaling_factor=1 \
+    indexer_sparse_training=$([ $stage = sparse ] && echo true || echo false)
+  check '[ $? -eq 0 ]' "DSA $stage steps resume the warm-up ($(tail -1 "$tmp/dsa-$stage.err"))"
+done
+check 'grep -q "the sparse stage, attention over the indexer.s top 16 keys" "$tmp/dsa-sparse.err"' "the sparse stage says so"
+check 'awk -v s="$(metric dsa-sparse lm_loss 240)" -v d="$(metric dsa-dense lm_loss 240)" \
+  "BEGIN { r = s / d; exit !(s != d && r > 0.95 && r < 1.05) }"' \
+  "the sparse stage tracks dense: LM loss $(metric dsa-sparse lm_loss 240) vs $(metric dsa-dense lm_loss 240)"
 
 exit $fail

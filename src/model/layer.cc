@@ -193,7 +193,35 @@ struct Scratch {
   // compute (every rank's, sorted by expert).
   ExchangePlan plan;
   Buffer<float> xs_local;
+  // DSA in training (the sparse stage, or the indexer loss): the indexer's
+  // activations, its scores [B, T, T] and (sparse stage) the selected keys.
+  IndexerActs indexer;
+  Buffer<float> indexer_scores;
+  Buffer<uint8_t> selected;
 };
+
+// Whether training runs layer `layer`'s indexer (a DSA main-decoder layer
+// with the sparse stage or the indexer loss on).
+bool trains_indexer(const StageConfig& s, int64_t layer) {
+  return s.cfg->index_n_heads > 0 && layer < s.cfg->num_hidden_layers &&
+         (s.indexer_sparse || s.indexer_loss_weight > 0);
+}
+
+// The indexer's activations and scores over the layout (and, in the sparse
+// stage, its top-k keys), from the normed input and the q latent.
+void run_indexer(Scratch& X, const float* mla_q, const IndexerParams<ops::WeightView>& p, const StageConfig& s,
+                 const TokenLayout& layout) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t B = layout.batch, T = layout.seq, N = layout.tokens();
+  indexer_train_forward(X.indexer, X.x.data(), mla_q, p, s, layout.positions, N);
+  X.indexer_scores.resize(B * T * T);
+  ops::indexer_dense_scores(X.indexer_scores.data(), X.indexer.q.data(), X.indexer.k.data(), X.indexer.w.data(),
+                            layout.segment_ids, B, T, c.index_n_heads, c.index_head_dim);
+  if (s.indexer_sparse) {
+    X.selected.resize(B * T * T);
+    ops::indexer_select(X.selected.data(), X.indexer_scores.data(), B, T, c.index_topk);
+  }
+}
 
 bool need(const Buffer<float>& b) { return b.empty(); }
 
@@ -238,6 +266,12 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
                           a, s, layout.positions, N);
   }
   const bool attention_missing = need(S.attention_out) || (!kv && need(S.lse));
+  // Training a DSA layer: the indexer runs before the attention (the sparse
+  // stage masks it with the top-k; a backward also needs the scores for the
+  // indexer loss).
+  if (!kv && trains_indexer(s, layer) && (s.indexer_sparse || !forward))
+    run_indexer(X, S.mla_q.data(), p.attn.indexer, s, layout);
+  const uint8_t* selected = X.selected.empty() ? nullptr : X.selected.data();
   if (kv) {
     if (attention_missing) {
       S.attention_out.resize(N * H * vd);
@@ -256,7 +290,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
       S.lse.resize(N * H);
       ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
       ops::attention_forward(S.attention_out.data(), S.lse.data(), S.query_proj.data(), S.key_proj.data(),
-                             S.value_proj.data(), layout.segment_ids, d);
+                             S.value_proj.data(), layout.segment_ids, d, selected);
     }
   }
   if (need(S.out_proj)) {
@@ -428,22 +462,23 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
 
 namespace {
 
-// The DSA indexer's loss over `layout` (its inputs and target from the
-// layer's recomputed forward, all detached): the sum over the queries of
-// the KL of its scores against the attention's key distribution; the
-// gradient, times s.indexer_loss_weight, added into the indexer's weights.
+// The DSA indexer's loss over `layout`, from the scores run_layer left in X
+// and the attention's distribution over the keys (from the recomputed
+// query_proj and key_proj; in the sparse stage both over the selected keys
+// only), all detached: the sum over the queries of the KL; its gradient,
+// times s.indexer_loss_weight, added into the indexer's weights.
 double indexer_loss_backward(IndexerParams<float*>& g, const LayerSaved& S, const Scratch& X,
                              const IndexerParams<ops::WeightView>& p, const StageConfig& s, const TokenLayout& layout) {
   const ModelConfig& c = *s.cfg;
   const int64_t B = layout.batch, T = layout.seq, N = layout.tokens();
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, H = c.num_attention_heads;
-  IndexerActs a;
-  indexer_train_forward(a, X.x.data(), S.mla_q.data(), p, s, layout.positions, N);
-  Buffer<float> scores(B * T * T), target(B * T * T), dscores(B * T * T);
-  ops::indexer_dense_scores(scores.data(), a.q.data(), a.k.data(), a.w.data(), layout.segment_ids, B, T, Hi, Di);
-  ops::attention_key_distribution(target.data(), S.query_proj.data(), S.key_proj.data(), layout.segment_ids, nullptr, B,
-                                  T, H, c.qk_head_dim(), s.softmax_scale);
-  const double kl = ops::indexer_kl(dscores.data(), scores.data(), target.data(), nullptr, B, T, s.indexer_loss_weight);
+  const uint8_t* selected = X.selected.empty() ? nullptr : X.selected.data();
+  const IndexerActs& a = X.indexer;
+  Buffer<float> target(B * T * T), dscores(B * T * T);
+  ops::attention_key_distribution(target.data(), S.query_proj.data(), S.key_proj.data(), layout.segment_ids, selected,
+                                  B, T, H, c.qk_head_dim(), s.softmax_scale);
+  const double kl =
+      ops::indexer_kl(dscores.data(), X.indexer_scores.data(), target.data(), selected, B, T, s.indexer_loss_weight);
   Buffer<float> dq(N * Hi * Di), dk(N * Di), dw(N * Hi);
   ops::indexer_dense_scores_backward(dq.data(), dk.data(), dw.data(), dscores.data(), a.q.data(), a.k.data(),
                                      a.w.data(), layout.segment_ids, B, T, Hi, Di);
@@ -461,7 +496,7 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   const float* h = S.decoder_layer_input.data();
   Scratch X;
   co_await run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
-  if (s.indexer_loss_weight > 0 && c.index_n_heads > 0 && layer < c.num_hidden_layers) {
+  if (s.indexer_loss_weight > 0 && trains_indexer(s, layer)) {
     const double kl = indexer_loss_backward(g.attn.indexer, S, X, p.attn.indexer, s, layout);
     if (indexer_loss) *indexer_loss += kl;
   }
@@ -515,7 +550,8 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   out_projection_backward(dctx.data(), g.attn, dh, S.attention_out.data(), a, N);
   ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
   ops::attention_backward(dq.data(), dk.data(), dv.data(), dctx.data(), S.attention_out.data(), S.lse.data(),
-                          S.query_proj.data(), S.key_proj.data(), S.value_proj.data(), layout.segment_ids, d);
+                          S.query_proj.data(), S.key_proj.data(), S.value_proj.data(), layout.segment_ids, d,
+                          X.selected.empty() ? nullptr : X.selected.data());
   Buffer<float> dmla_kv(N * kvl), dk_pe(N * rope), dx(N * D);
   get_key_value_backward(dmla_kv.data(), dk_pe.data(), g.attn, dk.data(), dv.data(), S.mla_kv.data(), a, s, N);
   std::fill(dx.begin(), dx.end(), 0.0f);

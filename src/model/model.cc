@@ -174,6 +174,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   s.task_parallel_assignments = 0;  // training: always the row-task expert schedule
   s.load_balance_loss_weight = opt.load_balance_loss_weight;
   s.exchange = opt.exchange;
+  s.indexer_sparse = opt.indexer_sparse_training && cfg.index_n_heads > 0;
   const bool shard = opt.whole.rows > 0;
   // The balance loss is a mean over rows: a shard's share has the whole batch's row count.
   if (shard) s.load_balance_loss_weight *= static_cast<double>(B) / static_cast<double>(opt.whole.rows);

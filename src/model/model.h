@@ -80,6 +80,11 @@ struct LossOptions {
   // MaxText's); it is computed in the backward pass, so only a call with
   // gradients reports it. 0: none.
   double indexer_loss_scaling_factor = 0.0;
+  // DSA: MaxText's indexer_sparse_training. The main decoder's attention
+  // keeps only each query's top index_topk keys by the indexer's scores, and
+  // the indexer loss is taken over those keys (false: dense attention, the
+  // warm-up). MTP layers stay dense.
+  bool indexer_sparse_training = false;
   // The gradient added is grad_scale x dloss/dparam (gradient accumulation
   // weighs each micro-batch by its share of the counted targets).
   double grad_scale = 1.0;

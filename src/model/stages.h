@@ -46,6 +46,9 @@ struct StageConfig {
   // against the attention's key distribution, summed over the layer's
   // queries) enters the loss times this weight (0: not computed).
   double indexer_loss_weight = 0.0;
+  // Training a DSA model's sparse stage: each main-decoder layer's attention
+  // keeps only its indexer's top index_topk visible keys per query.
+  bool indexer_sparse = false;
   // Expert parallelism: moves routed rows to the ranks of their experts (null: none).
   TokenExchange* exchange = nullptr;
 };

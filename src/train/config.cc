@@ -244,11 +244,6 @@ void check_config(const RunConfig& rc) {
              "indexer_sparse_training and indexer_loss_scaling_factor need a model with the DSA indexer "
              "(use_indexer: true)");
   } else {
-    DS_CHECK(!t.indexer_sparse_training || t.max_target_length <= m.index_topk,
-             "indexer_sparse_training=true: top-k sparse attention in training is not supported yet (it equals "
-             "dense attention only while max_target_length {} <= indexer_topk {}); train the dense warm-up "
-             "(indexer_sparse_training=false) instead",
-             t.max_target_length, m.index_topk);
     // The indexer learns from its loss alone: with it off, a mask that
     // leaves only indexer tensors trainable trains nothing.
     if (t.indexer_loss_scaling_factor == 0 && !t.trainable_parameters_mask.empty()) {

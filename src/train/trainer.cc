@@ -452,10 +452,12 @@ TrainSummary train(const RunConfig& rc) {
   lo.mtp_num_layers = mtp;
   lo.mtp_loss_scaling_factor = tc.mtp_loss_scaling_factor;
   lo.indexer_loss_scaling_factor = tc.indexer_loss_scaling_factor;
+  lo.indexer_sparse_training = tc.indexer_sparse_training;
   if (lead && cfg.index_n_heads > 0)
-    fmt::print(stderr, "DSA model: {}, attention dense{}; the indexer {}\n",
-               tc.indexer_sparse_training ? "the sparse stage" : "the dense warm-up",
-               tc.max_target_length <= cfg.index_topk ? " (the same as top-k attention at this length)" : "",
+    fmt::print(stderr, "DSA model: {}; the indexer {}\n",
+               tc.indexer_sparse_training
+                   ? fmt::format("the sparse stage, attention over the indexer's top {} keys", cfg.index_topk)
+                   : std::string("the dense warm-up, attention dense"),
                tc.indexer_loss_scaling_factor > 0
                    ? fmt::format("learns from its KL loss (x {})", tc.indexer_loss_scaling_factor)
                    : std::string("is not trained (indexer_loss_scaling_factor is 0)"));
