@@ -113,4 +113,13 @@ check 'awk -v s="$(metric dsa-sparse lm_loss 240)" -v d="$(metric dsa-dense lm_l
   "BEGIN { r = s / d; exit !(s != d && r > 0.95 && r < 1.05) }"' \
   "the sparse stage tracks dense: LM loss $(metric dsa-sparse lm_loss 240) vs $(metric dsa-dense lm_loss 240)"
 
+# A real V3.2 layout with fp8 weights (ue8m0 scales) as the starting point
+# of the sparse stage: widened to float32, it trains.
+v32="$src/tests/data/models/v32_fp8_ue8m0"
+printf 'hf_config: %s/config.json\nload_parameters_path: %s\n' "$v32" "$v32" >"$tmp/v32.yml"
+"$bin" --threads 2 train "$tmp/v32.yml" dataset_type=synthetic max_target_length=64 per_device_batch_size=2 steps=2 \
+  base_output_directory="$tmp/runs" run_name=v32 indexer_sparse_training=true indexer_loss_scaling_factor=0.01 \
+  >/dev/null 2>"$tmp/v32.err"
+check '[ $? -eq 0 ] && [ -n "$(metric v32 indexer_loss 2)" ]' "the sparse stage from an fp8 V3.2 folder ($(tail -1 "$tmp/v32.err"))"
+
 exit $fail
