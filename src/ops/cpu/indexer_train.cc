@@ -1,6 +1,7 @@
-// The DSA indexer's training pieces; see ops/indexer.h. Plain loops over
-// [B, T, T] maps, each query (or key) row one OpenMP task, so the sums keep
-// one order for any thread count.
+// The DSA indexer's training pieces; see ops/indexer.h. The dot products
+// are gemms over blocks of queries (ops::gemm never splits a reduction);
+// the rest are loops over [B, T, T] maps with each query row one OpenMP
+// task, so every sum keeps one order for any thread count.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -8,6 +9,7 @@
 
 #include "core/error.h"
 #include "ops/indexer.h"
+#include "ops/matmul.h"
 
 namespace ds::ops {
 
@@ -22,12 +24,6 @@ struct Visibility {
     return s <= t && (!seg || seg[b * T + s] == seg[b * T + t]);
   }
 };
-
-float dot(const float* a, const float* b, int64_t d) {
-  float acc = 0;
-  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
 
 void check_dims(int64_t B, int64_t T, int64_t heads, int64_t d, const char* what) {
   DS_CHECK(B >= 0 && T >= 0 && heads >= 1 && d >= 1, "{}: batch {} x {} tokens, {} heads of {}", what, B, T, heads, d);
@@ -70,26 +66,44 @@ void layer_norm_backward(float* dx, float* dw, float* db, const float* dy, const
   }
 }
 
+namespace {
+
+// Query rows per block: the block's head-by-key dot products [rows H, T]
+// stay within about 16 MiB.
+int64_t query_block(int64_t heads, int64_t T) {
+  return std::clamp<int64_t>((int64_t{1} << 22) / std::max<int64_t>(1, heads * T), 1, std::max<int64_t>(T, 1));
+}
+
+}  // namespace
+
 void indexer_dense_scores(float* scores, const float* q, const float* k, const float* w, const int32_t* seg, int64_t B,
                           int64_t T, int64_t heads, int64_t d) {
   check_dims(B, T, heads, d, "indexer_dense_scores");
   const Visibility vis{seg, T};
   const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t tq = query_block(heads, T);
+  std::vector<float> dots(static_cast<size_t>(tq * heads * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += tq) {
+      const int64_t nt = std::min(tq, T - t0);
+      // dots [nt heads, T] = q (rows t0.., every head) k^T: one gemm.
+      gemm(false, true, nt * heads, T, d, 1.0f, q + (b * T + t0) * heads * d, d, k + b * T * d, d, 0.0f, dots.data(),
+           T);
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < B * T; ++n) {
-    const int64_t b = n / T, t = n % T;
-    float* row = scores + n * T;
-    for (int64_t s = 0; s < T; ++s) {
-      if (!vis(b, t, s)) {
-        row[s] = ninf;
-        continue;
+      for (int64_t r = 0; r < nt; ++r) {
+        const int64_t t = t0 + r, n = b * T + t;
+        float* row = scores + n * T;
+        for (int64_t s = 0; s < T; ++s) {
+          if (!vis(b, t, s)) {
+            row[s] = ninf;
+            continue;
+          }
+          float acc = 0;
+          for (int64_t h = 0; h < heads; ++h) acc += w[n * heads + h] * std::max(0.0f, dots[(r * heads + h) * T + s]);
+          row[s] = acc;
+        }
       }
-      const float* ks = k + (b * T + s) * d;
-      float acc = 0;
-      for (int64_t h = 0; h < heads; ++h) acc += w[n * heads + h] * std::max(0.0f, dot(q + (n * heads + h) * d, ks, d));
-      row[s] = acc;
     }
-  }
 }
 
 void indexer_dense_scores_backward(float* dq, float* dk, float* dw, const float* dscores, const float* q,
@@ -97,44 +111,37 @@ void indexer_dense_scores_backward(float* dq, float* dk, float* dw, const float*
                                    int64_t heads, int64_t d) {
   check_dims(B, T, heads, d, "indexer_dense_scores_backward");
   const Visibility vis{seg, T};
-  // Queries: dq and dw of token t from its row of dscores.
+  const int64_t tq = query_block(heads, T);
+  std::vector<float> dots(static_cast<size_t>(tq * heads * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += tq) {
+      const int64_t nt = std::min(tq, T - t0);
+      gemm(false, true, nt * heads, T, d, 1.0f, q + (b * T + t0) * heads * d, d, k + b * T * d, d, 0.0f, dots.data(),
+           T);
+      // dots -> dD[t, h, s] = dscores[t, s] w[t, h] [dot > 0] (visible s),
+      // and dw[t, h] = sum_s dscores[t, s] ReLU(dot).
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < B * T; ++n) {
-    const int64_t b = n / T, t = n % T;
-    float* dqn = dq + n * heads * d;
-    std::fill(dqn, dqn + heads * d, 0.0f);
-    std::fill(dw + n * heads, dw + (n + 1) * heads, 0.0f);
-    for (int64_t s = 0; s <= t; ++s) {
-      const float g = dscores[n * T + s];
-      if (g == 0.0f || !vis(b, t, s)) continue;
-      const float* ks = k + (b * T + s) * d;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float x = dot(q + (n * heads + h) * d, ks, d);
-        if (x <= 0) continue;
-        dw[n * heads + h] += g * x;
-        const float c = g * w[n * heads + h];
-        for (int64_t i = 0; i < d; ++i) dqn[h * d + i] += c * ks[i];
+      for (int64_t r = 0; r < nt; ++r) {
+        const int64_t t = t0 + r, n = b * T + t;
+        const float* g = dscores + n * T;
+        for (int64_t h = 0; h < heads; ++h) {
+          float* x = dots.data() + (r * heads + h) * T;
+          const float wh = w[n * heads + h];
+          double acc = 0;
+          for (int64_t s = 0; s < T; ++s) {
+            const bool on = x[s] > 0 && vis(b, t, s);
+            if (on) acc += static_cast<double>(g[s]) * x[s];
+            x[s] = on ? g[s] * wh : 0.0f;
+          }
+          dw[n * heads + h] = static_cast<float>(acc);
+        }
       }
+      // dq (rows t0..) = dD k; dk += dD^T q, the blocks summed in order.
+      gemm(false, false, nt * heads, d, T, 1.0f, dots.data(), T, k + b * T * d, d, 0.0f, dq + (b * T + t0) * heads * d,
+           d);
+      gemm(true, false, T, d, nt * heads, 1.0f, dots.data(), T, q + (b * T + t0) * heads * d, d, t0 == 0 ? 0.0f : 1.0f,
+           dk + b * T * d, d);
     }
-  }
-  // Keys: dk of token s from its column (every later query of its segment).
-#pragma omp parallel for schedule(static)
-  for (int64_t m = 0; m < B * T; ++m) {
-    const int64_t b = m / T, s = m % T;
-    float* dks = dk + m * d;
-    std::fill(dks, dks + d, 0.0f);
-    for (int64_t t = s; t < T; ++t) {
-      const int64_t n = b * T + t;
-      const float g = dscores[n * T + s];
-      if (g == 0.0f || !vis(b, t, s)) continue;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* qh = q + (n * heads + h) * d;
-        if (dot(qh, k + m * d, d) <= 0) continue;
-        const float c = g * w[n * heads + h];
-        for (int64_t i = 0; i < d; ++i) dks[i] += c * qh[i];
-      }
-    }
-  }
 }
 
 void indexer_select(uint8_t* selected, const float* scores, int64_t B, int64_t T, int64_t k) {
@@ -161,29 +168,42 @@ void attention_key_distribution(float* target, const float* q, const float* k, c
                                 const uint8_t* selected, int64_t B, int64_t T, int64_t heads, int64_t dk, float scale) {
   check_dims(B, T, heads, dk, "attention_key_distribution");
   const Visibility vis{seg, T};
+  const int64_t tq = query_block(1, T), ld = heads * dk;
+  std::vector<float> logits(static_cast<size_t>(tq * T));
+  std::vector<double> acc(static_cast<size_t>(tq * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += tq) {
+      const int64_t nt = std::min(tq, T - t0);
+      std::fill(acc.begin(), acc.begin() + nt * T, 0.0);
+      for (int64_t h = 0; h < heads; ++h) {
+        // logits [nt, T] = scale q_h k_h^T for queries t0.. of row b.
+        gemm(false, true, nt, T, dk, scale, q + ((b * T + t0) * heads + h) * dk, ld, k + (b * T * heads + h) * dk, ld,
+             0.0f, logits.data(), T);
 #pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < B * T; ++n) {
-    const int64_t b = n / T, t = n % T;
-    float* out = target + n * T;
-    std::vector<double> acc(static_cast<size_t>(T), 0.0), logit(static_cast<size_t>(T));
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* qh = q + (n * heads + h) * dk;
-      double mx = -std::numeric_limits<double>::infinity();
-      for (int64_t s = 0; s <= t; ++s) {
-        if (!vis(b, t, s) || (selected && !selected[n * T + s])) continue;
-        logit[s] = static_cast<double>(scale) * dot(qh, k + ((b * T + s) * heads + h) * dk, dk);
-        mx = std::max(mx, logit[s]);
+        for (int64_t r = 0; r < nt; ++r) {
+          const int64_t t = t0 + r, n = b * T + t;
+          const float* x = logits.data() + r * T;
+          auto in = [&](int64_t s) { return vis(b, t, s) && (!selected || selected[n * T + s]); };
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t s = 0; s <= t; ++s)
+            if (in(s)) mx = std::max(mx, static_cast<double>(x[s]));
+          double z = 0;
+          for (int64_t s = 0; s <= t; ++s)
+            if (in(s)) z += std::exp(x[s] - mx);
+          double* a = acc.data() + r * T;
+          for (int64_t s = 0; s <= t; ++s)
+            if (in(s)) a[s] += std::exp(x[s] - mx) / z;
+        }
       }
-      double z = 0;
-      for (int64_t s = 0; s <= t; ++s)
-        if (vis(b, t, s) && (!selected || selected[n * T + s])) z += std::exp(logit[s] - mx);
-      for (int64_t s = 0; s <= t; ++s)
-        if (vis(b, t, s) && (!selected || selected[n * T + s])) acc[s] += std::exp(logit[s] - mx) / z;
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < nt; ++r) {
+        const double* a = acc.data() + r * T;
+        double l1 = 0;
+        for (int64_t s = 0; s < T; ++s) l1 += a[s];
+        float* out = target + (b * T + t0 + r) * T;
+        for (int64_t s = 0; s < T; ++s) out[s] = l1 > 0 ? static_cast<float>(a[s] / l1) : 0.0f;
+      }
     }
-    double l1 = 0;
-    for (int64_t s = 0; s < T; ++s) l1 += acc[s];
-    for (int64_t s = 0; s < T; ++s) out[s] = l1 > 0 ? static_cast<float>(acc[s] / l1) : 0.0f;
-  }
 }
 
 double indexer_kl(float* dscores, const float* scores, const float* target, const uint8_t* selected, int64_t B,
