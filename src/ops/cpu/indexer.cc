@@ -45,17 +45,58 @@ void hadamard_rows(float* x, int64_t rows, int64_t d) {
   }
 }
 
+namespace {
+
+// A row's mean and 1 / sqrt(biased variance + eps), in double.
+struct MeanRstd {
+  double mean, rstd;
+};
+MeanRstd mean_rstd(const float* x, int64_t d, float eps) {
+  double mean = 0;
+  for (int64_t j = 0; j < d; ++j) mean += x[j];
+  mean /= static_cast<double>(d);
+  double var = 0;
+  for (int64_t j = 0; j < d; ++j) var += (x[j] - mean) * (x[j] - mean);
+  var /= static_cast<double>(d);
+  return {mean, 1.0 / std::sqrt(var + eps)};
+}
+
+}  // namespace
+
 void layer_norm_rows(float* y, const float* x, const float* w, const float* b, int64_t rows, int64_t d, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * d;
-    double mean = 0;
-    for (int64_t j = 0; j < d; ++j) mean += xr[j];
-    mean /= static_cast<double>(d);
-    double var = 0;
-    for (int64_t j = 0; j < d; ++j) var += (xr[j] - mean) * (xr[j] - mean);
-    var /= static_cast<double>(d);
-    const double rstd = 1.0 / std::sqrt(var + eps);
+    const auto [mean, rstd] = mean_rstd(xr, d, eps);
     for (int64_t j = 0; j < d; ++j) y[r * d + j] = static_cast<float>((xr[j] - mean) * rstd) * w[j] + b[j];
+  }
+}
+
+void layer_norm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w, int64_t rows,
+                         int64_t d, float eps) {
+  std::vector<double> gw(static_cast<size_t>(d), 0.0), gb(static_cast<size_t>(d), 0.0);
+  std::vector<double> xhat(static_cast<size_t>(d));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * d;
+    const float* g = dy + r * d;
+    const auto [mean, rstd] = mean_rstd(xr, d, eps);
+    double m1 = 0, m2 = 0;  // means of dxhat and dxhat * xhat
+    for (int64_t j = 0; j < d; ++j) {
+      xhat[j] = (xr[j] - mean) * rstd;
+      const double dxh = static_cast<double>(g[j]) * w[j];
+      m1 += dxh;
+      m2 += dxh * xhat[j];
+      gw[j] += static_cast<double>(g[j]) * xhat[j];
+      gb[j] += g[j];
+    }
+    m1 /= static_cast<double>(d);
+    m2 /= static_cast<double>(d);
+    if (dx)
+      for (int64_t j = 0; j < d; ++j)
+        dx[r * d + j] = static_cast<float>(rstd * (static_cast<double>(g[j]) * w[j] - m1 - xhat[j] * m2));
+  }
+  for (int64_t j = 0; j < d; ++j) {
+    if (dw) dw[j] += static_cast<float>(gw[j]);
+    if (db) db[j] += static_cast<float>(gb[j]);
   }
 }
 

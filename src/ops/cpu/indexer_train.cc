@@ -31,47 +31,28 @@ void check_dims(int64_t B, int64_t T, int64_t heads, int64_t d, const char* what
 
 }  // namespace
 
-void layer_norm_backward(float* dx, float* dw, float* db, const float* dy, const float* x, const float* w, int64_t rows,
-                         int64_t d, float eps) {
-  std::vector<double> gw(static_cast<size_t>(d), 0.0), gb(static_cast<size_t>(d), 0.0);
-  std::vector<double> xhat(static_cast<size_t>(d));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * d;
-    const float* g = dy + r * d;
-    double mean = 0;
-    for (int64_t j = 0; j < d; ++j) mean += xr[j];
-    mean /= static_cast<double>(d);
-    double var = 0;
-    for (int64_t j = 0; j < d; ++j) var += (xr[j] - mean) * (xr[j] - mean);
-    var /= static_cast<double>(d);
-    const double rstd = 1.0 / std::sqrt(var + eps);
-    double m1 = 0, m2 = 0;  // means of dxhat and dxhat * xhat
-    for (int64_t j = 0; j < d; ++j) {
-      xhat[j] = (xr[j] - mean) * rstd;
-      const double dxh = static_cast<double>(g[j]) * w[j];
-      m1 += dxh;
-      m2 += dxh * xhat[j];
-      gw[j] += static_cast<double>(g[j]) * xhat[j];
-      gb[j] += g[j];
-    }
-    m1 /= static_cast<double>(d);
-    m2 /= static_cast<double>(d);
-    if (dx)
-      for (int64_t j = 0; j < d; ++j)
-        dx[r * d + j] = static_cast<float>(rstd * (static_cast<double>(g[j]) * w[j] - m1 - xhat[j] * m2));
-  }
-  for (int64_t j = 0; j < d; ++j) {
-    if (dw) dw[j] += static_cast<float>(gw[j]);
-    if (db) db[j] += static_cast<float>(gb[j]);
-  }
-}
-
 namespace {
 
 // Query rows per block: the block's head-by-key dot products [rows H, T]
 // stay within about 16 MiB.
 int64_t query_block(int64_t heads, int64_t T) {
   return std::clamp<int64_t>((int64_t{1} << 22) / std::max<int64_t>(1, heads * T), 1, std::max<int64_t>(T, 1));
+}
+
+// f(b, t0, nt, dots) for every block of nt queries from t0 of row b, with
+// dots [nt heads, T] = the block's queries (every head) times the row's
+// keys, one gemm.
+template <typename F>
+void for_query_blocks(const float* q, const float* k, int64_t B, int64_t T, int64_t heads, int64_t d, F&& f) {
+  const int64_t tq = query_block(heads, T);
+  std::vector<float> dots(static_cast<size_t>(tq * heads * T));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t0 = 0; t0 < T; t0 += tq) {
+      const int64_t nt = std::min(tq, T - t0);
+      gemm(false, true, nt * heads, T, d, 1.0f, q + (b * T + t0) * heads * d, d, k + b * T * d, d, 0.0f, dots.data(),
+           T);
+      f(b, t0, nt, dots.data());
+    }
 }
 
 }  // namespace
@@ -81,29 +62,22 @@ void indexer_dense_scores(float* scores, const float* q, const float* k, const f
   check_dims(B, T, heads, d, "indexer_dense_scores");
   const Visibility vis{seg, T};
   const float ninf = -std::numeric_limits<float>::infinity();
-  const int64_t tq = query_block(heads, T);
-  std::vector<float> dots(static_cast<size_t>(tq * heads * T));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t0 = 0; t0 < T; t0 += tq) {
-      const int64_t nt = std::min(tq, T - t0);
-      // dots [nt heads, T] = q (rows t0.., every head) k^T: one gemm.
-      gemm(false, true, nt * heads, T, d, 1.0f, q + (b * T + t0) * heads * d, d, k + b * T * d, d, 0.0f, dots.data(),
-           T);
+  for_query_blocks(q, k, B, T, heads, d, [&](int64_t b, int64_t t0, int64_t nt, const float* dots) {
 #pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < nt; ++r) {
-        const int64_t t = t0 + r, n = b * T + t;
-        float* row = scores + n * T;
-        for (int64_t s = 0; s < T; ++s) {
-          if (!vis(b, t, s)) {
-            row[s] = ninf;
-            continue;
-          }
-          float acc = 0;
-          for (int64_t h = 0; h < heads; ++h) acc += w[n * heads + h] * std::max(0.0f, dots[(r * heads + h) * T + s]);
-          row[s] = acc;
+    for (int64_t r = 0; r < nt; ++r) {
+      const int64_t t = t0 + r, n = b * T + t;
+      float* row = scores + n * T;
+      for (int64_t s = 0; s < T; ++s) {
+        if (!vis(b, t, s)) {
+          row[s] = ninf;
+          continue;
         }
+        float acc = 0;
+        for (int64_t h = 0; h < heads; ++h) acc += w[n * heads + h] * std::max(0.0f, dots[(r * heads + h) * T + s]);
+        row[s] = acc;
       }
     }
+  });
 }
 
 void indexer_dense_scores_backward(float* dq, float* dk, float* dw, const float* dscores, const float* q,
@@ -111,37 +85,30 @@ void indexer_dense_scores_backward(float* dq, float* dk, float* dw, const float*
                                    int64_t heads, int64_t d) {
   check_dims(B, T, heads, d, "indexer_dense_scores_backward");
   const Visibility vis{seg, T};
-  const int64_t tq = query_block(heads, T);
-  std::vector<float> dots(static_cast<size_t>(tq * heads * T));
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t0 = 0; t0 < T; t0 += tq) {
-      const int64_t nt = std::min(tq, T - t0);
-      gemm(false, true, nt * heads, T, d, 1.0f, q + (b * T + t0) * heads * d, d, k + b * T * d, d, 0.0f, dots.data(),
-           T);
-      // dots -> dD[t, h, s] = dscores[t, s] w[t, h] [dot > 0] (visible s),
-      // and dw[t, h] = sum_s dscores[t, s] ReLU(dot).
+  for_query_blocks(q, k, B, T, heads, d, [&](int64_t b, int64_t t0, int64_t nt, float* dots) {
+  // dots -> dD[t, h, s] = dscores[t, s] w[t, h] [dot > 0] (visible s),
+  // and dw[t, h] = sum_s dscores[t, s] ReLU(dot).
 #pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < nt; ++r) {
-        const int64_t t = t0 + r, n = b * T + t;
-        const float* g = dscores + n * T;
-        for (int64_t h = 0; h < heads; ++h) {
-          float* x = dots.data() + (r * heads + h) * T;
-          const float wh = w[n * heads + h];
-          double acc = 0;
-          for (int64_t s = 0; s < T; ++s) {
-            const bool on = x[s] > 0 && vis(b, t, s);
-            if (on) acc += static_cast<double>(g[s]) * x[s];
-            x[s] = on ? g[s] * wh : 0.0f;
-          }
-          dw[n * heads + h] = static_cast<float>(acc);
+    for (int64_t r = 0; r < nt; ++r) {
+      const int64_t t = t0 + r, n = b * T + t;
+      const float* g = dscores + n * T;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* x = dots + (r * heads + h) * T;
+        const float wh = w[n * heads + h];
+        double acc = 0;
+        for (int64_t s = 0; s < T; ++s) {
+          const bool on = x[s] > 0 && vis(b, t, s);
+          if (on) acc += static_cast<double>(g[s]) * x[s];
+          x[s] = on ? g[s] * wh : 0.0f;
         }
+        dw[n * heads + h] = static_cast<float>(acc);
       }
-      // dq (rows t0..) = dD k; dk += dD^T q, the blocks summed in order.
-      gemm(false, false, nt * heads, d, T, 1.0f, dots.data(), T, k + b * T * d, d, 0.0f, dq + (b * T + t0) * heads * d,
-           d);
-      gemm(true, false, T, d, nt * heads, 1.0f, dots.data(), T, q + (b * T + t0) * heads * d, d, t0 == 0 ? 0.0f : 1.0f,
-           dk + b * T * d, d);
     }
+    // dq (rows t0..) = dD k; dk += dD^T q, the blocks summed in order.
+    gemm(false, false, nt * heads, d, T, 1.0f, dots, T, k + b * T * d, d, 0.0f, dq + (b * T + t0) * heads * d, d);
+    gemm(true, false, T, d, nt * heads, 1.0f, dots, T, q + (b * T + t0) * heads * d, d, t0 == 0 ? 0.0f : 1.0f,
+         dk + b * T * d, d);
+  });
 }
 
 void indexer_select(uint8_t* selected, const float* scores, int64_t B, int64_t T, int64_t k) {
