@@ -51,8 +51,15 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
 
+# This build only runs here: on an x86 CPU without AVX-512 its AVX-512 kernels
+# could never run, so they are not compiled (about a minute less to build).
+HWY_ARGS=(-DDEEPSEEK_SKIP_AVX512=OFF)
+if [ "$(uname -m)" = x86_64 ] && ! grep -qw avx512f /proc/cpuinfo; then
+  HWY_ARGS=(-DDEEPSEEK_SKIP_AVX512=ON)
+fi
+
 t0=$(date +%s)
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug "${HWY_ARGS[@]}" \
   -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
   -DCMAKE_CXX_FLAGS="$SAN_FLAGS -D_GLIBCXX_ASSERTIONS" \
   -DCMAKE_EXE_LINKER_FLAGS="$SAN_FLAGS" \
