@@ -1,14 +1,14 @@
-// Linear layers over bf16 and fp8 weights (the checkpoint dtypes the engine
-// keeps in memory) against dnnl_sgemm over the same weights already widened
+// Linear layers over bf16, fp8 and fp4 weights (the checkpoint dtypes the
+// engine keeps in memory; fp4 as DeepSeek-V4's experts) against dnnl_sgemm over the same weights already widened
 // to float32 (what a float32 framework multiplies), for the projection shapes
 // of the `small` preset and a few larger ones: M rows of activations, N out,
 // K in.
 //
 //   OMP_NUM_THREADS=2 build/bench/linear_bench --benchmark_min_time=0.3
 //
-// DEEPSEEK_DISABLE_AVX512=1 makes linear/* take the portable path instead
-// (widen blocks of rows to float32, then sgemm for M > 8): the plain version
-// the register-widening kernels replace. GFLOP/s counts 2 M N K.
+// DEEPSEEK_MAX_CPU_ISA (avx2, scalar, ...) caps the SIMD target the kernels
+// run. GFLOP/s counts 2 M N K; weight_GB/s the weight's bytes (with fp4's
+// scale bytes).
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 
@@ -32,7 +32,12 @@ struct Operands {
   std::vector<uint16_t> w16;
   std::vector<uint8_t> w8;          // fp8 e4m3 with 128 x 128 block scales
   std::vector<float> w8_scale_inv;  // (DeepSeek-V3's checkpoint format)
-  explicit Operands(const Shape& s) : x(s.M * s.K), w32(s.N * s.K), y(s.M * s.N), w16(s.N * s.K), w8(s.N * s.K) {
+  std::vector<uint8_t> w4, w4_scale;  // fp4 e2m1 pairs, an e8m0 scale per 32
+  explicit Operands(const Shape& s)
+      : x(s.M * s.K), w32(s.N * s.K), y(s.M * s.N), w16(s.N * s.K), w8(s.N * s.K), w4(s.N * s.K / 2),
+        w4_scale(s.N * s.K / 32) {
+    for (size_t i = 0; i < w4.size(); ++i) w4[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+    for (size_t i = 0; i < w4_scale.size(); ++i) w4_scale[i] = static_cast<uint8_t>(118 + i % 4);
     ds::fill_normal(x.data(), x.size(), 1.0f, 1);
     ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
     w8_scale_inv.resize(((s.N + 127) / 128) * ((s.K + 127) / 128));
@@ -51,21 +56,20 @@ void set_rate(benchmark::State& state, const Shape& s) {
 // block scales.
 void BM_Linear(benchmark::State& state, Shape s, ds::DType dt) {
   Operands o(s);
-  const bool fp8 = dt == ds::DType::F8E4M3;
-  const ds::ops::WeightView w{fp8 ? static_cast<const void*>(o.w8.data()) : o.w16.data(),
-                              dt,
-                              s.N,
-                              s.K,
-                              fp8 ? o.w8_scale_inv.data() : nullptr,
-                              128,
-                              128};
+  const bool fp8 = dt == ds::DType::F8E4M3, fp4 = dt == ds::DType::F4E2M1;
+  const void* data = fp8 ? static_cast<const void*>(o.w8.data())
+                   : fp4 ? static_cast<const void*>(o.w4.data())
+                         : static_cast<const void*>(o.w16.data());
+  const ds::ops::WeightView w{
+      data, dt, s.N, s.K, fp8 ? o.w8_scale_inv.data() : nullptr, 128, 128, fp4 ? o.w4_scale.data() : nullptr};
   for (auto _ : state) {
     ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
     benchmark::DoNotOptimize(o.y.data());
   }
   set_rate(state, s);
-  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(s.N * s.K * ds::dtype_size(dt)) * 1e-9,
-                                                     benchmark::Counter::kIsIterationInvariantRate);
+  const double bytes = fp4 ? static_cast<double>(o.w4.size() + o.w4_scale.size())
+                           : static_cast<double>(s.N * s.K * ds::dtype_size(dt));
+  state.counters["weight_GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_SgemmF32(benchmark::State& state, Shape s) {
@@ -99,6 +103,7 @@ void register_all() {
         std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
     benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_Linear, s, ds::DType::BF16)->UseRealTime();
     benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_Linear, s, ds::DType::F8E4M3)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp4/" + n).c_str(), BM_Linear, s, ds::DType::F4E2M1)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
 }

@@ -341,6 +341,30 @@ TEST(DType, SizesAndNames) {
   EXPECT_EQ(dtype_name(DType::F8E4M3), "f8_e4m3");
   EXPECT_TRUE(dtype_is_float(DType::BF16));
   EXPECT_FALSE(dtype_is_float(DType::I64));
+  // Packed two a byte: no size per element, and convert() does not take it.
+  EXPECT_EQ(dtype_name(DType::F4E2M1), "f4_e2m1");
+  EXPECT_THROW(dtype_size(DType::F4E2M1), Error);
+  EXPECT_FALSE(dtype_is_float(DType::F4E2M1));
+  float out = 0;
+  uint8_t in = 0;
+  EXPECT_THROW(convert(&out, DType::F32, &in, DType::F4E2M1, 1), Error);
+}
+
+TEST(DType, E2m1AndE8m0FromTheirDefinitions) {
+  // e2m1: sign, 2 exponent bits with bias 1, 1 mantissa bit; exponent 0 is
+  // subnormal (0.m x 2^0). Only the low 4 bits of the byte count.
+  for (int code = 0; code < 256; ++code) {
+    const int c = code & 15, e = (c >> 1) & 3, m = c & 1;
+    const double mag = e == 0 ? 0.5 * m : std::ldexp(1.0 + 0.5 * m, e - 1);
+    EXPECT_EQ(e2m1_to_f32(static_cast<uint8_t>(code)), static_cast<float>((c & 8) ? -mag : mag)) << code;
+  }
+  EXPECT_EQ(e2m1_to_f32(7), 6.0f);
+  EXPECT_EQ(e2m1_to_f32(15), -6.0f);
+  EXPECT_TRUE(std::signbit(e2m1_to_f32(8)));  // -0
+  // e8m0: 2^(e - 127), 0xff NaN; e = 0 is the subnormal 2^-127.
+  for (int e = 0; e < 255; ++e)
+    EXPECT_EQ(e8m0_to_f32(static_cast<uint8_t>(e)), static_cast<float>(std::ldexp(1.0, e - 127))) << e;
+  EXPECT_TRUE(std::isnan(e8m0_to_f32(0xff)));
 }
 
 const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2};

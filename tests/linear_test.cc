@@ -1,6 +1,7 @@
 // Linear layers over narrow weights: every storage dtype against a float32
-// product with independently widened (and, for fp8, block-dequantized)
-// weights; fp8 block quantization error bounds.
+// product with independently widened (and, for fp8, block-dequantized; for
+// fp4, decoded from the format's definition) weights; fp8 block quantization
+// error bounds.
 #include "ops/linear.h"
 
 #include <gtest/gtest.h>
@@ -46,7 +47,100 @@ NarrowWeight make_weight(DType dtype, int64_t out, int64_t in, int64_t br, int64
   return w;
 }
 
+// A random fp4 weight [out, in] (every code, scales 2^-8..2^-2) and its value
+// by the format's definition (not by the library's decoders).
+struct Fp4Weight {
+  std::vector<uint8_t> codes, scales;
+  std::vector<float> value;
+  WeightView view;
+};
+
+Fp4Weight make_fp4(int64_t out, int64_t in, uint64_t seed) {
+  Fp4Weight w;
+  w.codes.resize(out * in / 2);
+  w.scales.resize(out * in / 32);
+  uint64_t s = seed;
+  auto next = [&] { return (s = s * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+  for (auto& b : w.codes) b = static_cast<uint8_t>(next());
+  for (auto& e : w.scales) e = static_cast<uint8_t>(119 + next() % 7);
+  static constexpr double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  w.value.resize(out * in);
+  for (int64_t r = 0; r < out; ++r)
+    for (int64_t c = 0; c < in; ++c) {
+      const int code = (w.codes[(r * in + c) / 2] >> (c % 2 ? 4 : 0)) & 15;
+      const double v = (code & 8 ? -1 : 1) * kMag[code & 7];
+      w.value[r * in + c] = static_cast<float>(std::ldexp(v, w.scales[r * (in / 32) + c / 32] - 127));
+    }
+  w.view = {w.codes.data(), DType::F4E2M1, out, in, nullptr, 128, 128, w.scales.data()};
+  return w;
+}
+
 }  // namespace
+
+TEST(Linear, Fp4MatchesItsDefinition) {
+  // Decode-sized M (the in-register kernel) and prefill-sized M (widened
+  // chunks), a row count that is not a multiple of the 4-row blocks, every
+  // SIMD target; a slice of rows is the same weight's rows.
+  ds::test::for_each_simd_target([](const char*) {
+    for (int64_t M : {1, 2, 3, 5, 8, 9, 17, 40}) {
+      auto w = make_fp4(70, 192, 61);
+      auto x = ds::test::randn(M * 192, 62);
+      std::vector<float> y(M * 70);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+      auto want =
+          ds::ref::matmul<double>(ds::test::to_double(x), ds::test::to_double(w.value), M, 70, 192, false, true);
+      ds::test::expect_close(y, want, 2e-5, 0, "fp4");
+      std::vector<float> part(M * 30);
+      ds::ops::linear_forward(part.data(), x.data(), ds::ops::row_slice(w.view, 20, 50), M);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = 0; o < 30; ++o) EXPECT_EQ(part[m * 30 + o], y[m * 70 + 20 + o]) << m << "," << o;
+    }
+  });
+}
+
+TEST(Linear, Fp4WidensExactlyAndTakesEveryScale) {
+  // Every code in every scale block, under scales from 2^-127 (e = 0, the
+  // subnormal) to 2^127: the largest scale byte the vector path takes (128)
+  // and one above it (129, done one element at a time) must agree bit for
+  // bit with the definition; the decode kernel must match the product for
+  // chunks of rows on either path.
+  // The decode kernel takes 64 rows at a time: rows 0-63 have only scales
+  // the vector path takes, rows 64-67 every scale.
+  const int64_t rows = 68, cols = 8 * 32;
+  std::vector<uint8_t> q(rows * cols / 2);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint8_t>(i * 37 + 11);
+  const std::vector<uint8_t> e = {0, 1, 100, 127, 128, 129, 200, 250};  // 6 x 2^(250 - 127) is still finite
+  std::vector<uint8_t> scales(rows * cols / 32);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < cols / 32; ++b) scales[r * (cols / 32) + b] = e[(b + r) % (r < 64 ? 5 : e.size())];
+  const WeightView w{q.data(), DType::F4E2M1, rows, cols, nullptr, 128, 128, scales.data()};
+  ds::test::for_each_simd_target([&](const char*) {
+    std::vector<float> out(rows * cols);
+    ds::ops::widen_rows(out.data(), w, 0, rows);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const uint8_t code = static_cast<uint8_t>(q[(r * cols + c) / 2] >> (c % 2 ? 4 : 0));
+        const float want = ds::e2m1_to_f32(code) * ds::e8m0_to_f32(scales[r * (cols / 32) + c / 32]);
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[r * cols + c]), std::bit_cast<uint32_t>(want))
+            << "row " << r << " column " << c << " code " << int{code};
+      }
+    // The decode kernel against the widened rows (x of about 1e-30 keeps
+    // every product finite), to float32 round-off of the sum of |terms|.
+    auto x = ds::test::randn(2 * cols, 63, 1e-30f);
+    std::vector<float> y(2 * rows);
+    ds::ops::linear_forward(y.data(), x.data(), w, 2);
+    for (int64_t m = 0; m < 2; ++m)
+      for (int64_t r = 0; r < rows; ++r) {
+        double want = 0, mag = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+          const double t = static_cast<double>(x[m * cols + c]) * out[r * cols + c];
+          want += t;
+          mag += std::fabs(t);
+        }
+        EXPECT_NEAR(y[m * rows + r], want, 1e-6 * mag) << m << "," << r;
+      }
+  });
+}
 
 TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
   // 130 x 200 with 128 x 128 blocks: partial blocks on both edges; 130 rows
@@ -127,6 +221,15 @@ TEST(Linear, ResultsDoNotDependOnTheThreadCount) {
           return y;
         });
       }
+    for (int64_t M : {2, 70}) {
+      auto w = make_fp4(515, 320, 43);
+      auto x = ds::test::randn(M * 320, 44);
+      ds::test::expect_same_for_any_thread_count([&] {
+        std::vector<float> y(M * 515);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+        return y;
+      });
+    }
   });
 }
 
@@ -166,6 +269,15 @@ TEST(Linear, BadWeightsAreErrors) {
   std::vector<float> w(4, 1.0f);
   WeightView ok{w.data(), DType::F32, 2, 2, nullptr, 128, 128};
   EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), ok, 1, 1, 2), ds::Error);  // ldx < in
+  // fp4 needs its scales and whole 32-element scale blocks.
+  std::vector<uint8_t> codes(32), e(2, 127);
+  std::vector<float> x64(64), y2(2);
+  WeightView fp4_no_scale{codes.data(), DType::F4E2M1, 2, 32, nullptr, 128, 128, nullptr};
+  EXPECT_THROW(ds::ops::linear_forward(y2.data(), x64.data(), fp4_no_scale, 1), ds::Error);
+  WeightView fp4_ragged{codes.data(), DType::F4E2M1, 2, 30, nullptr, 128, 128, e.data()};
+  EXPECT_THROW(ds::ops::linear_forward(y2.data(), x64.data(), fp4_ragged, 1), ds::Error);
+  WeightView fp4_ok{codes.data(), DType::F4E2M1, 2, 32, nullptr, 128, 128, e.data()};
+  EXPECT_NO_THROW(ds::ops::linear_forward(y2.data(), x64.data(), fp4_ok, 1));
 }
 
 TEST(Linear, E4m3WidensExactlyAsTheScalarDecode) {

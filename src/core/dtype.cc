@@ -202,6 +202,8 @@ size_t dtype_size(DType t) {
       return 1;
     case DType::I64:
       return 8;
+    case DType::F4E2M1:
+      DS_FAIL("f4_e2m1 packs two elements in a byte: it has no size per element");
   }
   DS_FAIL("unknown dtype {}", static_cast<int>(t));
 }
@@ -224,6 +226,8 @@ std::string_view dtype_name(DType t) {
       return "u32";
     case DType::I64:
       return "i64";
+    case DType::F4E2M1:
+      return "f4_e2m1";
   }
   return "?";
 }
@@ -241,6 +245,19 @@ static inline float float_of(uint32_t u) {
   float x;
   std::memcpy(&x, &u, 4);
   return x;
+}
+
+float e2m1_to_f32(uint8_t code) {
+  static constexpr float kMagnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = kMagnitude[code & 7];
+  return (code & 8) ? -m : m;
+}
+
+float e8m0_to_f32(uint8_t e) {
+  if (e == 0xff) return std::numeric_limits<float>::quiet_NaN();
+  // 2^(e - 127): a normal float's exponent field for e >= 1, and for e = 0
+  // the subnormal 2^-127 (mantissa bit 22).
+  return e == 0 ? float_of(0x00400000u) : float_of(static_cast<uint32_t>(e) << 23);
 }
 
 // bf16 is the top half of a float32: round the dropped 16 bits to nearest even.

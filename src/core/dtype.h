@@ -7,6 +7,13 @@
 //   e5m2:            bias 15, IEEE-like with infinities, max finite 57344;
 //                    out-of-range finite values saturate to +-57344, inf stays inf.
 // NaN maps to NaN in every format.
+//
+// Two formats exist only as packed weights (DeepSeek-V4's MXFP4 experts):
+//   e2m1 (f4_e2m1): 4-bit codes, sign, 2 exponent bits (bias 1), 1 mantissa
+//                   bit: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}; no infinities or NaN.
+//                   Two codes a byte, element 2j in the low nibble of byte j,
+//                   so the dtype has no size per element (dtype_size refuses).
+//   e8m0:           a power-of-two scale byte, 2^(e - 127); 0xff is NaN.
 #pragma once
 
 #include <cstddef>
@@ -15,11 +22,11 @@
 
 namespace ds {
 
-enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64 };
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1 };
 
-size_t dtype_size(DType t);
+size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1
 std::string_view dtype_name(DType t);
-bool dtype_is_float(DType t);
+bool dtype_is_float(DType t);  // the dtypes convert() takes (not the packed f4_e2m1)
 
 uint16_t f32_to_bf16(float x);
 float bf16_to_f32(uint16_t h);
@@ -29,6 +36,8 @@ uint8_t f32_to_e4m3(float x);
 float e4m3_to_f32(uint8_t b);
 uint8_t f32_to_e5m2(float x);
 float e5m2_to_f32(uint8_t b);
+float e2m1_to_f32(uint8_t code);  // the low 4 bits of code
+float e8m0_to_f32(uint8_t e);
 
 // Converts n elements between any two floating dtypes (through float32).
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);

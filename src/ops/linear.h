@@ -4,11 +4,15 @@
 //
 // W may be float32, bf16, f16, or fp8 (e4m3/e5m2) with per-block float32
 // `scale_inv` of shape [ceil(out/br), ceil(in/bc)] (DeepSeek-V3: 128x128
-// blocks, partial blocks at the edges): W[r, c] = fp8[r, c] * s[r/br, c/bc].
+// blocks, partial blocks at the edges): W[r, c] = fp8[r, c] * s[r/br, c/bc],
+// or packed fp4 (f4_e2m1: two codes a byte, element 2j of a row in the low
+// nibble of its byte j) with one e8m0 scale byte per 32 elements of a row in
+// `scale_e8m0` [out, in/32] (DeepSeek-V4's MXFP4 experts; in a multiple of
+// 32): W[r, c] = e2m1(code[r, c]) * 2^(e[r, c/32] - 127).
 // Narrow weights are widened to float32 inside the kernels, so a model never
 // needs a float32 copy of its weights. The kernels are SIMD code for every
 // CPU (ops/cpu/linear.cc): for decode-sized M, dot products over blocks of
-// rows that widen bf16 and block-scaled e4m3 in registers (other dtypes a row
+// rows that widen bf16, block-scaled e4m3 and fp4 in registers (other dtypes a row
 // at a time); for larger M, an outer-product kernel over x packed transposed
 // that broadcasts bf16 weights in place and other dtypes from a widened
 // chunk of rows. float32 weights go to ops::gemm.
@@ -27,10 +31,11 @@ struct WeightView {
   int64_t cols = 0;  // in features
   const float* scale_inv = nullptr;  // fp8 only
   int64_t block_rows = 128, block_cols = 128;
+  const uint8_t* scale_e8m0 = nullptr;  // f4_e2m1 only: [rows, cols / 32]
 };
 
 // Rows [r0, r1) of W as a weight of its own. For fp8, r0 must be a multiple
-// of block_rows (the scales are indexed by block).
+// of block_rows (the scales are indexed by block); fp4 has a scale row per row.
 WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1);
 
 // Widens rows [r0, r1) of W into out[(r1 - r0), cols] (float32, dequantized).

@@ -61,6 +61,36 @@ struct Fp8Weight {
   const float* scale_row(int64_t r) const { return scale_inv + (r / block_rows) * scale_cols; }
 };
 
+// A packed fp4 weight (ops/linear.h): rows of cols / 2 code bytes and of
+// cols / 32 e8m0 scale bytes.
+constexpr int64_t kFp4Block = 32;  // elements per scale
+struct Fp4Weight {
+  const uint8_t* w;
+  int64_t cols;
+  const uint8_t* scales;
+  const uint8_t* row(int64_t r) const { return w + r * (cols / 2); }
+  const uint8_t* scale_row(int64_t r) const { return scales + r * (cols / kFp4Block); }
+};
+
+// The multiplier that turns E2m1Value's value * 2^-125 into value * 2^(e - 127):
+// 2^(e - 2), a normal float for e <= 129 (larger scales take the scalar path).
+constexpr uint8_t kFp4MaxVectorScale = 129;
+inline float fp4_multiplier(uint8_t e) {
+  const uint32_t u = (static_cast<uint32_t>(e) + 125) << 23;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Whether every scale byte of rows [r0, r1) is at most kFp4MaxVectorScale.
+inline bool fp4_rows_vectorizable(const Fp4Weight& f, int64_t r0, int64_t r1) {
+  const uint8_t* s = f.scale_row(r0);
+  const int64_t n = (r1 - r0) * (f.cols / kFp4Block);
+  uint8_t m = 0;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  return m <= kFp4MaxVectorScale;
+}
+
 // Calls f(std::integral_constant<int, n>{}) for a run-time n in [1, Max], so
 // kernels can take a row count as a template argument.
 template <int Max, typename F>
@@ -157,6 +187,59 @@ void WidenE4m3Rows(float* HWY_RESTRICT out, const Fp8Weight& f, int64_t r0, int6
   }
 }
 
+// fp4: the E2M1 codes held in bits [28 - shift, 32 - shift) of each lane as
+// float32 values times 2^-125, all normal numbers (a subnormal operand costs
+// a microcode assist per multiplication on many x86 CPUs). The code's sign
+// goes to bit 31 and its 3 magnitude bits to 24..22 (t = magnitude << 22);
+// adding min(t, 2^23) raises the exponent by one for magnitudes of 2 and up
+// (exponent and mantissa then read as value * 2^-125) and maps 1 (0.5) to
+// 2^23, the float 2^-126. One multiplication by fp4_multiplier(e) =
+// 2^(e - 2) gives value * 2^(e - 127) exactly.
+HWY_INLINE VF E2m1Value(DF d, hn::Vec<hn::RebindToSigned<DF>> lanes, int shift) {
+  const hn::RebindToSigned<DF> di;
+  const auto u = hn::And(hn::ShiftRight<6>(hn::ShiftLeftSame(lanes, shift)),  // sign to 31, magnitude to 24..22
+                         hn::Set(di, static_cast<int32_t>(0x81c00000u)));
+  const auto t = hn::And(u, hn::Set(di, 0x01c00000));
+  return hn::BitCast(d, hn::Add(u, hn::Min(t, hn::Set(di, 0x00800000))));
+}
+// One code byte per lane.
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> LoadFp4Bytes(DF, const uint8_t* HWY_RESTRICT p) {
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  return hn::PromoteTo(di, hn::LoadU(d8, p));
+}
+
+// Rows [r0, r1) of an fp4 weight widened into out (row-major). Vectors of N
+// code bytes give N even and N odd elements, stored interleaved; a scale
+// block is 16 bytes, so with more than 16 lanes (wide SVE), or a scale above
+// kFp4MaxVectorScale, the block is widened one element at a time.
+void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64_t r1) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* q = f.row(r);
+    const uint8_t* s = f.scale_row(r);
+    float* o = out + (r - r0) * f.cols;
+    for (int64_t b = 0; b < f.cols / kFp4Block; ++b) {
+      const uint8_t* qb = q + b * (kFp4Block / 2);
+      float* ob = o + b * kFp4Block;
+      if (N <= kFp4Block / 2 && s[b] <= kFp4MaxVectorScale) {
+        const VF m = hn::Set(d, fp4_multiplier(s[b]));
+        for (int64_t j = 0; j < kFp4Block / 2; j += N) {
+          const auto bytes = LoadFp4Bytes(d, qb + j);
+          hn::StoreInterleaved2(hn::Mul(E2m1Value(d, bytes, 28), m), hn::Mul(E2m1Value(d, bytes, 24), m), d, ob + 2 * j);
+        }
+      } else {
+        const float sc = e8m0_to_f32(s[b]);
+        for (int64_t j = 0; j < kFp4Block / 2; ++j) {
+          ob[2 * j] = e2m1_to_f32(qb[j]) * sc;
+          ob[2 * j + 1] = e2m1_to_f32(static_cast<uint8_t>(qb[j] >> 4)) * sc;
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- decode
 
 // Weight sources for the decode kernel. Each has blocks of BlockCols()
@@ -173,6 +256,7 @@ struct Bf16Rows {
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
   float ScalarScale(const float*, int64_t) const { return 1.0f; }
   const uint16_t* Row(int64_t r) const { return w + r * cols; }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + c; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return LoadBf16(d, Row(r) + c); }
   float Scalar(int64_t r, int64_t c, float) const { return bf16_bits_to_f32(Row(r)[c]); }
 };
@@ -185,6 +269,7 @@ struct Fp8Rows {
   VF Start(DF d, const float* sc, int64_t b) const { return hn::Set(d, sc[b] * kE4m3Shift); }
   float ScalarScale(const float* sc, int64_t b) const { return sc[b]; }
   const uint8_t* Row(int64_t r) const { return f.w + r * f.cols; }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + c; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const { return LoadE4m3(d, Row(r) + c, s); }
   float Scalar(int64_t r, int64_t c, float s) const { return fp8_table().e4m3[Row(r)[c]] * s; }
 };
@@ -201,6 +286,7 @@ struct Fp8BitsRows {
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
   float ScalarScale(const float*, int64_t) const { return 1.0f; }
   const uint8_t* Row(int64_t r) const { return w + r * cols; }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + c; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return E4m3Bits(d, Row(r) + c); }
   float Scalar(int64_t r, int64_t c, float) const { return fp8_table().e4m3[Row(r)[c]] * (1.0f / kE4m3Shift); }
 };
@@ -214,8 +300,39 @@ struct F32Rows {
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
   float ScalarScale(const float*, int64_t) const { return 1.0f; }
   const float* Row(int64_t r) const { return w + r * cols; }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + c; }
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF) const { return hn::LoadU(d, Row(r) + c); }
   float Scalar(int64_t r, int64_t c, float) const { return Row(r)[c]; }
+};
+
+// fp4 rows against x whose columns are permuted in groups of 2N: the group's
+// N even columns, then its N odd ones (GemvFp4), so that N code bytes give
+// the vector of low nibbles and then the vector of high nibbles. 2N divides
+// 32, so every group lies in one scale block, and the columns are a multiple
+// of 32, so there are no tails.
+struct Fp4Rows {
+  Fp4Weight f;
+  int64_t lanes;
+  // Longer than a scale block, so DotBlock issues no software prefetch (one
+  // per 16-byte block measured slower; the hardware follows the rows).
+  static constexpr int64_t kColumnsPerLine = 128;
+  int64_t BlockCols() const { return kFp4Block; }
+  const uint8_t* Scales(int64_t r) const { return f.scale_row(r); }
+  VF Start(DF d, const uint8_t* sc, int64_t b) const { return hn::Set(d, fp4_multiplier(sc[b])); }
+  float ScalarScale(const uint8_t* sc, int64_t b) const { return e8m0_to_f32(sc[b]); }
+  const void* At(int64_t r, int64_t c) const { return f.row(r) + c / 2; }
+  HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const {
+    // Low nibbles for the first half of a group, high ones for the second:
+    // a shift by 28 or 24 (no branch).
+    const auto bytes = LoadFp4Bytes(d, f.row(r) + ((c >> 1) & ~(lanes - 1)));
+    return hn::Mul(E2m1Value(d, bytes, 28 - static_cast<int>((c & lanes) != 0) * 4), s);
+  }
+  float Scalar(int64_t r, int64_t c, float s) const {
+    const int64_t g = c / (2 * lanes) * (2 * lanes), j = c - g;
+    const int64_t e = g + (j < lanes ? 2 * j : 2 * (j - lanes) + 1);
+    const uint8_t byte = f.row(r)[e / 2];
+    return e2m1_to_f32(e % 2 ? static_cast<uint8_t>(byte >> 4) : byte) * s;
+  }
 };
 
 // y[m][r + i] (+)= x[m] . W[r + i] for m < M (<= 4) and i < R (<= 4): each
@@ -250,8 +367,8 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
   // of the same line of the next block of rows.
   const int64_t line = std::max<int64_t>(Src::kColumnsPerLine, N);
   const int64_t B = src.BlockCols();
-  const float* sc[4] = {src.Scales(r), R > 1 ? src.Scales(r + 1) : nullptr, R > 2 ? src.Scales(r + 2) : nullptr,
-                        R > 3 ? src.Scales(r + 3) : nullptr};
+  const decltype(src.Scales(r)) sc[4] = {src.Scales(r), R > 1 ? src.Scales(r + 1) : nullptr,
+                                         R > 2 ? src.Scales(r + 2) : nullptr, R > 3 ? src.Scales(r + 3) : nullptr};
   for (int64_t c0 = 0, b = 0; c0 < cols; c0 += B, ++b) {
     const int64_t c1 = std::min(cols, c0 + B);
     const VF s0 = src.Start(d, sc[0], b);
@@ -271,12 +388,12 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
   }
     int64_t c = c0;
     for (; c + line <= c1; c += line) {
-      for (int i = 0; i < R; ++i) hwy::Prefetch(src.Row(r + R + i) + c);
+      for (int i = 0; i < R; ++i) hwy::Prefetch(src.At(r + R + i, c));
       for (int64_t s = 0; s < line; s += N) DS_STEP(c + s)
     }
     for (; c + N <= c1; c += N) DS_STEP(c)
 #undef DS_STEP
-    for (int i = 0; i < R; ++i) {
+    for (int i = 0; i < R && c < c1; ++i) {
       const float si = src.ScalarScale(sc[i], b);
       for (int64_t t = c; t < c1; ++t) {
         const float wv = src.Scalar(r + i, t, si);
@@ -317,6 +434,38 @@ void GemvBf16(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, con
 void GemvFp8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Fp8Weight& f, int64_t r0, int64_t r1,
              bool accumulate) {
   Gemv(y, ldy, x, ldx, M, Fp8Rows{f}, f.cols, r0, r1, accumulate);
+}
+
+// fp4 weight rows [r0, r1) against M (<= 8) rows of x, with x's columns
+// permuted as Fp4Rows reads them (needs 2N to divide 32). Chunks of rows
+// with a scale above kFp4MaxVectorScale (none in real checkpoints) are
+// widened a row at a time instead.
+void GemvFp4(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Fp4Weight& f, int64_t r0,
+             int64_t r1, bool accumulate) {
+  const DF d;
+  const int64_t K = f.cols, N = static_cast<int64_t>(hn::Lanes(d));
+  Buffer<float> xp(static_cast<size_t>(M * K));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K; g += 2 * N) {
+      VF even, odd;
+      hn::LoadInterleaved2(d, x + m * ldx + g, even, odd);
+      hn::StoreU(even, d, xp.data() + m * K + g);
+      hn::StoreU(odd, d, xp.data() + m * K + g + N);
+    }
+  constexpr int64_t kChunkRows = 64;
+  Buffer<float> row;
+  for (int64_t ra = r0; ra < r1; ra += kChunkRows) {
+    const int64_t rb = std::min(r1, ra + kChunkRows);
+    if (fp4_rows_vectorizable(f, ra, rb)) {
+      Gemv(y, ldy, xp.data(), K, M, Fp4Rows{f, N}, K, ra, rb, accumulate);
+      continue;
+    }
+    row.resize(static_cast<size_t>(K));
+    for (int64_t r = ra; r < rb; ++r) {
+      WidenFp4Rows(row.data(), f, r, r + 1);
+      Gemv(y + r, ldy, x, ldx, M, F32Rows{row.data(), K}, K, 0, 1, accumulate);
+    }
+  }
 }
 
 // As GemvFp8, with the scales moved from the weight to x: for each block of
@@ -563,6 +712,8 @@ namespace ds::ops {
 
 HWY_EXPORT(VectorLanes);
 HWY_EXPORT(WidenE4m3Rows);
+HWY_EXPORT(WidenFp4Rows);
+HWY_EXPORT(GemvFp4);
 HWY_EXPORT(GemvBf16);
 HWY_EXPORT(GemvFp8);
 HWY_EXPORT(GemvFp8ScaledX);
@@ -573,10 +724,20 @@ namespace {
 
 void check_weight(const WeightView& w) {
   DS_CHECK(w.data != nullptr && w.rows > 0 && w.cols > 0, "linear: empty weight [{}, {}]", w.rows, w.cols);
+  if (w.dtype == DType::F4E2M1) {
+    DS_CHECK(w.scale_e8m0 != nullptr && w.cols % kFp4Block == 0,
+             "linear: fp4 weight [{}, {}] needs its e8m0 scales and a multiple of {} columns", w.rows, w.cols,
+             kFp4Block);
+    return;
+  }
   DS_CHECK(dtype_is_float(w.dtype), "linear: weight dtype {} is not floating", dtype_name(w.dtype));
   const bool fp8 = w.dtype == DType::F8E4M3 || w.dtype == DType::F8E5M2;
   DS_CHECK(!fp8 || (w.scale_inv != nullptr && w.block_rows > 0 && w.block_cols > 0),
            "linear: fp8 weight [{}, {}] needs its block scale_inv", w.rows, w.cols);
+}
+
+Fp4Weight fp4_weight(const WeightView& w) {
+  return {static_cast<const uint8_t*>(w.data), w.cols, w.scale_e8m0};
 }
 
 Fp8Weight fp8_weight(const WeightView& w) {
@@ -619,8 +780,13 @@ bool x_takes_e4m3_scales(const float* x, int64_t M, int64_t ldx, int64_t cols, f
 WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1) {
   DS_CHECK(0 <= r0 && r0 < r1 && r1 <= w.rows, "row_slice: rows [{}, {}) of {}", r0, r1, w.rows);
   WeightView v = w;
-  v.data = static_cast<const char*>(w.data) + static_cast<size_t>(r0 * w.cols) * dtype_size(w.dtype);
   v.rows = r1 - r0;
+  if (w.dtype == DType::F4E2M1) {
+    v.data = fp4_weight(w).row(r0);
+    v.scale_e8m0 = fp4_weight(w).scale_row(r0);
+    return v;
+  }
+  v.data = static_cast<const char*>(w.data) + static_cast<size_t>(r0 * w.cols) * dtype_size(w.dtype);
   if (w.scale_inv) {
     DS_CHECK(r0 % w.block_rows == 0, "row_slice: row {} is not on a {}-row scale block boundary", r0, w.block_rows);
     v.scale_inv = w.scale_inv + (r0 / w.block_rows) * ((w.cols + w.block_cols - 1) / w.block_cols);
@@ -630,6 +796,11 @@ WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1) {
 
 void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   DS_CHECK(0 <= r0 && r0 <= r1 && r1 <= w.rows, "widen_rows: rows [{}, {}) of {}", r0, r1, w.rows);
+  if (w.dtype == DType::F4E2M1) {
+    check_weight(w);
+    DS_DISPATCH(WidenFp4Rows)(out, fp4_weight(w), r0, r1);
+    return;
+  }
   if (e4m3_scales_in_range(w)) {
     DS_DISPATCH(WidenE4m3Rows)(out, fp8_weight(w), r0, r1);
     return;
@@ -673,13 +844,18 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     // columns in DeepSeek-V3); other layouts and dtypes widen row by row.
     // One pass over the scales serves both checks.
     const float max_scale = max_e4m3_scale(w);
-    const bool fp8_kernel =
-        max_scale < 0x1p8f && w.block_cols % static_cast<int64_t>(DS_DISPATCH(VectorLanes)()) == 0;
+    const int64_t lanes = static_cast<int64_t>(DS_DISPATCH(VectorLanes)());
+    const bool fp8_kernel = max_scale < 0x1p8f && w.block_cols % lanes == 0;
     const bool scale_x = fp8_kernel && x_takes_e4m3_scales(x, M, ldx, w.cols, max_scale);
     // Rows of W split evenly over the threads; a weight too small to repay
     // waking them runs on the calling thread.
+    // fp4 in registers when a pair of vectors of elements fits in a scale
+    // block (up to 512-bit vectors).
+    const bool fp4_kernel = w.dtype == DType::F4E2M1 && kFp4Block % (2 * lanes) == 0;
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
-      if (w.dtype == DType::BF16) {
+      if (fp4_kernel) {
+        DS_DISPATCH(GemvFp4)(y, ldy, x, ldx, M, fp4_weight(w), r0, r1, accumulate);
+      } else if (w.dtype == DType::BF16) {
         DS_DISPATCH(GemvBf16)(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);
       } else if (scale_x) {
         DS_DISPATCH(GemvFp8ScaledX)(y, ldy, x, ldx, M, fp8_weight(w), r0, r1, accumulate);
