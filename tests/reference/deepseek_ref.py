@@ -117,19 +117,26 @@ def e4m3_decode(codes):
     return E4M3_TABLE[np.asarray(codes, dtype=np.uint8)]
 
 
-def e4m3_encode(x):
-    """float array -> uint8 e4m3fn codes; round to nearest, ties to even, saturating at +-448."""
+def encode_nearest_even(x, positives, sign_bit, what):
+    """float array -> uint8 codes of a small float format whose non-negative values, in code order,
+    are `positives` (ascending, the last the largest finite one): round to nearest, ties to the even
+    code, saturating at the largest; the sign (of -0.0 too) sets `sign_bit`."""
     x = np.asarray(x, dtype=np.float64)
     if np.isnan(x).any():
-        raise ValueError("e4m3_encode: NaN input")
-    a = np.minimum(np.abs(x), E4M3_MAX)
-    hi = np.clip(np.searchsorted(_E4M3_POS, a, side="left"), 1, 126)
+        raise ValueError(f"{what}: NaN input")
+    a = np.minimum(np.abs(x), positives[-1])
+    hi = np.clip(np.searchsorted(positives, a, side="left"), 1, len(positives) - 1)
     lo = hi - 1
-    dlo = a - _E4M3_POS[lo]
-    dhi = _E4M3_POS[hi] - a
+    dlo = a - positives[lo]
+    dhi = positives[hi] - a
     take_hi = (dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0))
     code = np.where(take_hi, hi, lo).astype(np.uint8)
-    return code | np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    return code | np.where(np.signbit(x), sign_bit, 0).astype(np.uint8)
+
+
+def e4m3_encode(x):
+    """float array -> uint8 e4m3fn codes; round to nearest, ties to even, saturating at +-448."""
+    return encode_nearest_even(x, _E4M3_POS, 0x80, "e4m3_encode")
 
 
 def f32_to_bf16_bits(x):

@@ -76,17 +76,7 @@ def e2m1_decode(codes):
 def e2m1_encode(x):
     """float array -> uint8 E2M1 codes (0..15); round to nearest, ties to the even code, saturating at +-6.
     The sign bit follows the input's sign (so -0.0 and small negatives give code 8)."""
-    x = np.asarray(x, dtype=np.float64)
-    if np.isnan(x).any():
-        raise ValueError("e2m1_encode: NaN input")
-    a = np.minimum(np.abs(x), FP4_MAX)
-    hi = np.clip(np.searchsorted(E2M1_POS, a, side="left"), 1, 7)
-    lo = hi - 1
-    dlo = a - E2M1_POS[lo]
-    dhi = E2M1_POS[hi] - a
-    take_hi = (dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0))
-    code = np.where(take_hi, hi, lo).astype(np.uint8)
-    return code | np.where(np.signbit(x), 8, 0).astype(np.uint8)
+    return dr.encode_nearest_even(x, E2M1_POS, 8, "e2m1_encode")
 
 
 def fp4_unpack(packed):

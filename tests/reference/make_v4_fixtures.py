@@ -34,6 +34,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepseek_ref as dr  # noqa: E402
 import deepseek_v4_ref as v4  # noqa: E402
+from make_model_fixtures import write_checkpoint  # noqa: E402
 
 ROUTE_MARGIN = 1e-4
 INDEX_MARGIN = 1e-4
@@ -281,27 +282,6 @@ def random_checkpoint(cj, rng, storage):
         norm(p + "norm.weight", d)
         hc(p + "hc_head_", n)
     return wr
-
-
-def write_checkpoint(d, raw, shards):
-    if shards <= 1:
-        dr.write_safetensors_raw(os.path.join(d, "model.safetensors"), raw, {"format": "pt"})
-        return
-    total = sum(len(t[3]) for t in raw)
-    groups = [[] for _ in range(shards)]
-    acc = 0
-    for t in raw:  # consecutive split by bytes; a weight and its scale may land in different shards
-        groups[min(shards - 1, acc * shards // total)].append(t)
-        acc += len(t[3])
-    weight_map = {}
-    for k, grp in enumerate(groups):
-        fn = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        dr.write_safetensors_raw(os.path.join(d, fn), grp, {"format": "pt"})
-        for t in grp:
-            weight_map[t[0]] = fn
-    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        f.write("\n")
 
 
 # ---------------------------------------------------------------------------
