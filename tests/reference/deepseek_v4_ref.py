@@ -368,7 +368,7 @@ def softplus(x):
 
 
 def sinkhorn(M, iters, eps):
-    """Sheet 5.2 step 5 / official hc_split_sinkhorn: row softmax + eps, column normalization, then
+    """The official hc_split_sinkhorn: row softmax + eps, column normalization, then
     (iters - 1) times row then column normalization, each dividing by (sum + eps). M [..., n, n]."""
     M = torch.softmax(M, dim=-1) + eps
     M = M / (M.sum(-2, keepdim=True) + eps)

@@ -470,11 +470,11 @@ def build(spec, root):
     return d
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="root folder; fixtures go to OUT/NAME")
     ap.add_argument("names", nargs="*")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)  # deterministic float64 reductions
     v4.codec_selftest(verbose=False)
     specs = [s for s in fixture_specs() if not a.names or s["name"] in a.names]

@@ -1,0 +1,259 @@
+// mHC (ops/mhc.h): the mixes of all tokens are one product with fn (and
+// their weight gradient one product over the tokens), so the results do not
+// depend on the thread count; the rest is a few dozen numbers per token,
+// computed per token in a fixed order.
+#include "ops/mhc.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/matmul.h"
+
+namespace ds::ops {
+namespace {
+
+void check_dims(const MhcDims& d) {
+  DS_CHECK(d.tokens >= 0 && d.streams > 0 && d.dim > 0 && d.sinkhorn_iters >= 1,
+           "mhc: tokens {} streams {} dim {} sinkhorn_iters {}", d.tokens, d.streams, d.dim, d.sinkhorn_iters);
+}
+
+float sigmoid(float z) { return 1.0f / (1.0f + std::exp(-z)); }
+
+// mix [T, m] = (x fn^T) * s_t, s [T] = 1 / sqrt(mean(x_t^2) + norm_eps); raw
+// [T, m] keeps x fn^T when given.
+void mixes(float* mix, float* s, float* raw, const float* x, const float* fn, int64_t m, const MhcDims& d) {
+  const int64_t T = d.tokens, nd = d.streams * d.dim;
+  gemm(false, true, T, m, nd, 1.0f, x, nd, fn, nd, 0.0f, mix, m);
+  parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* v = x + t * nd;
+      double ss = 0;
+      for (int64_t i = 0; i < nd; ++i) ss += static_cast<double>(v[i]) * v[i];
+      s[t] = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(nd) + d.norm_eps));
+      if (raw) std::copy(mix + t * m, mix + (t + 1) * m, raw + t * m);
+      for (int64_t i = 0; i < m; ++i) mix[t * m + i] *= s[t];
+    }
+  });
+}
+
+// The Sinkhorn projection of one n x n matrix in place (the logits in, comb
+// out). With states, states[0] is the softmax plus eps and states[i + 1]
+// the matrix after normalization i (columns first, then rows and columns
+// alternating): 2 iters - 1 normalizations, (2 iters) n^2 floats.
+void sinkhorn(float* M, int64_t n, int64_t iters, float eps, float* states) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* r = M + j * n;
+    const float mx = *std::max_element(r, r + n);
+    float sum = 0;
+    for (int64_t k = 0; k < n; ++k) sum += (r[k] = std::exp(r[k] - mx));
+    for (int64_t k = 0; k < n; ++k) r[k] = r[k] / sum + eps;
+  }
+  if (states) std::copy(M, M + n * n, states);
+  for (int64_t step = 0; step < 2 * iters - 1; ++step) {
+    const bool cols = step % 2 == 0;
+    for (int64_t a = 0; a < n; ++a) {
+      float sum = 0;
+      for (int64_t b = 0; b < n; ++b) sum += cols ? M[b * n + a] : M[a * n + b];
+      const float den = sum + eps;
+      for (int64_t b = 0; b < n; ++b) (cols ? M[b * n + a] : M[a * n + b]) /= den;
+    }
+    if (states) std::copy(M, M + n * n, states + (step + 1) * n * n);
+  }
+}
+
+// dL (the logits' gradient) from dcomb, through the normalizations in
+// reverse and the softmax; dM is overwritten, work holds n floats.
+void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t n, int64_t iters, float eps) {
+  std::vector<float> g(dcomb, dcomb + n * n);
+  for (int64_t step = 2 * iters - 2; step >= 0; --step) {
+    const bool cols = step % 2 == 0;
+    const float* in = states + step * n * n;  // the matrix this normalization divided
+    for (int64_t a = 0; a < n; ++a) {
+      float sum = 0, dot = 0;
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t i = cols ? b * n + a : a * n + b;
+        sum += in[i];
+        dot += g[i] * in[i];
+      }
+      const float den = sum + eps;
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t i = cols ? b * n + a : a * n + b;
+        g[i] = g[i] / den - dot / (den * den);
+      }
+    }
+  }
+  // states[0] = softmax + eps: the softmax's own gradient.
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0;
+    for (int64_t k = 0; k < n; ++k) dot += (states[j * n + k] - eps) * g[j * n + k];
+    for (int64_t k = 0; k < n; ++k) dL[j * n + k] = (states[j * n + k] - eps) * (g[j * n + k] - dot);
+  }
+}
+
+}  // namespace
+
+void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const float* fn, const float* base,
+                     const float* scale, const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim, m = d.mixes();
+  if (T == 0) return;
+  Buffer<float> mix(static_cast<size_t>(T * m)), s(static_cast<size_t>(T));
+  mixes(mix.data(), s.data(), nullptr, x, fn, m, d);
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    std::vector<float> pre(n);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* z = mix.data() + t * m;
+      for (int64_t j = 0; j < n; ++j) {
+        pre[j] = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
+        post[t * n + j] = 2.0f * sigmoid(z[n + j] * scale[1] + base[n + j]);
+      }
+      float* c = comb + t * n * n;
+      for (int64_t i = 0; i < n * n; ++i) c[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
+      sinkhorn(c, n, d.sinkhorn_iters, d.eps, nullptr);
+      float* at = a + t * D;
+      const float* xt = x + t * n * D;
+      for (int64_t i = 0; i < D; ++i) {
+        float acc = 0;
+        for (int64_t j = 0; j < n; ++j) acc += pre[j] * xt[j * D + i];
+        at[i] = acc;
+      }
+    }
+  });
+}
+
+void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const float* da, const float* dpost,
+                      const float* dcomb, const float* x, const float* fn, const float* base, const float* scale,
+                      const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim, m = d.mixes(), nd = n * D;
+  if (T == 0) return;
+  Buffer<float> mix(static_cast<size_t>(T * m)), raw(static_cast<size_t>(T * m)), s(static_cast<size_t>(T));
+  mixes(mix.data(), s.data(), raw.data(), x, fn, m, d);
+  // Per token: dz (the gradient of mix) -> draw = dz s (for fn and x through
+  // the product) and the norm's share of dx; dbase and dscale per token,
+  // summed afterwards in token order.
+  Buffer<float> draw(static_cast<size_t>(T * m)), dz_all(static_cast<size_t>(T * m));
+  parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    std::vector<float> states(static_cast<size_t>(2 * d.sinkhorn_iters * n * n)), dL(n * n), logits(n * n);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* z = mix.data() + t * m;
+      const float* xt = x + t * nd;
+      const float* dat = da + t * D;
+      float* dz = dz_all.data() + t * m;
+      for (int64_t j = 0; j < n; ++j) {
+        float dpre = 0;
+        for (int64_t i = 0; i < D; ++i) dpre += xt[j * D + i] * dat[i];
+        const float sp = sigmoid(z[j] * scale[0] + base[j]);
+        dz[j] = dpre * sp * (1.0f - sp);
+        const float sq = sigmoid(z[n + j] * scale[1] + base[n + j]);
+        dz[n + j] = dpost[t * n + j] * 2.0f * sq * (1.0f - sq);
+      }
+      for (int64_t i = 0; i < n * n; ++i) logits[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
+      sinkhorn(logits.data(), n, d.sinkhorn_iters, d.eps, states.data());
+      sinkhorn_backward(dL.data(), dcomb + t * n * n, states.data(), n, d.sinkhorn_iters, d.eps);
+      std::copy(dL.begin(), dL.end(), dz + 2 * n);
+      // dz so far is d(logit); d(mix) = d(logit) scale_g.
+      float ds = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const float g = dz[i] * scale[i < n ? 0 : i < 2 * n ? 1 : 2];
+        draw[t * m + i] = g * s[t];
+        ds += g * raw[t * m + i];
+      }
+      // a = sum_j pre_j x_j, and s's dependence on x: ds/dx_k = -s^3 x_k / nd.
+      float* dxt = dx + t * nd;
+      const float c = -ds * s[t] * s[t] * s[t] / static_cast<float>(nd);
+      for (int64_t j = 0; j < n; ++j) {
+        const float pre = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
+        for (int64_t i = 0; i < D; ++i) dxt[j * D + i] += pre * dat[i] + c * xt[j * D + i];
+      }
+    }
+  });
+  // Through the product: dx += draw fn, dfn += draw^T x.
+  gemm(false, false, T, nd, m, 1.0f, draw.data(), m, fn, nd, 1.0f, dx, nd);
+  if (dfn) gemm(true, false, m, nd, T, 1.0f, draw.data(), m, x, nd, 1.0f, dfn, nd);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* dz = dz_all.data() + t * m;
+    for (int64_t i = 0; i < m; ++i) {
+      if (dbase) dbase[i] += dz[i];
+      if (dscale) dscale[i < n ? 0 : i < 2 * n ? 1 : 2] += dz[i] * mix[t * m + i];
+    }
+  }
+}
+
+void mhc_post_forward(float* x_out, const float* o, const float* x, const float* post, const float* comb,
+                      const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim;
+  DS_CHECK(x_out != x || T == 0, "mhc_post: the output must not alias the input streams");
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t k = 0; k < n; ++k) {
+        float* y = x_out + (t * n + k) * D;
+        const float* ot = o + t * D;
+        const float pk = post[t * n + k];
+        for (int64_t i = 0; i < D; ++i) y[i] = pk * ot[i];
+        for (int64_t j = 0; j < n; ++j) {
+          const float cjk = comb[(t * n + j) * n + k];
+          const float* xj = x + (t * n + j) * D;
+          for (int64_t i = 0; i < D; ++i) y[i] += cjk * xj[i];
+        }
+      }
+  });
+}
+
+void mhc_post_backward(float* d_o, float* dx, float* dpost, float* dcomb, const float* dx_out, const float* o,
+                       const float* x, const float* post, const float* comb, const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim;
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* ot = o + t * D;
+      for (int64_t k = 0; k < n; ++k) {
+        const float* g = dx_out + (t * n + k) * D;
+        float dp = 0;
+        for (int64_t i = 0; i < D; ++i) {
+          d_o[t * D + i] += post[t * n + k] * g[i];
+          dp += ot[i] * g[i];
+        }
+        dpost[t * n + k] += dp;
+        for (int64_t j = 0; j < n; ++j) {
+          const float* xj = x + (t * n + j) * D;
+          float* dxj = dx + (t * n + j) * D;
+          const float cjk = comb[(t * n + j) * n + k];
+          float dc = 0;
+          for (int64_t i = 0; i < D; ++i) {
+            dxj[i] += cjk * g[i];
+            dc += xj[i] * g[i];
+          }
+          dcomb[(t * n + j) * n + k] += dc;
+        }
+      }
+    }
+  });
+}
+
+void mhc_head_forward(float* y, const float* x, const float* fn, const float* base, const float* scale,
+                      const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim;
+  if (T == 0) return;
+  Buffer<float> mix(static_cast<size_t>(T * n)), s(static_cast<size_t>(T));
+  mixes(mix.data(), s.data(), nullptr, x, fn, n, d);
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    std::vector<float> pre(n);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < n; ++j) pre[j] = sigmoid(mix[t * n + j] * scale[0] + base[j]) + d.eps;
+      for (int64_t i = 0; i < D; ++i) {
+        float acc = 0;
+        for (int64_t j = 0; j < n; ++j) acc += pre[j] * x[(t * n + j) * D + i];
+        y[t * D + i] = acc;
+      }
+    }
+  });
+}
+
+}  // namespace ds::ops
