@@ -73,6 +73,24 @@ TEST_P(ElementwiseSizes, SiluMulMatchesReference) {
   expect_close(db, rdb, 1e-6, 0, "db");
 }
 
+TEST_P(ElementwiseSizes, ClampedSiluMulMatchesReferenceAndFiniteDifferences) {
+  // DeepSeek-V4's clamped SwiGLU with limit 2: a third of the inputs (std 3)
+  // fall outside the clamps.
+  const int64_t n = GetParam();
+  const double L = 2.0;
+  const auto a = randn(n, 15, 3.0f), b = randn(n, 16, 3.0f), g = randn(n, 17);
+  std::vector<float> out(n), da(n), db(n);
+  ops::silu_mul_forward(out.data(), a.data(), b.data(), n, static_cast<float>(L));
+  ops::silu_mul_backward(da.data(), db.data(), g.data(), a.data(), b.data(), n, static_cast<float>(L));
+  expect_close(out, ref::silu_mul(to_double(a), to_double(b), L), 1e-6, 0, "out");
+  if (n > 64) return;  // central differences element by element on the small sizes
+  const auto A = to_double(a), B = to_double(b), G = to_double(g);
+  const auto fa = [&](const std::vector<double>& v) { return test::weighted_sum(ref::silu_mul(v, B, L), G); };
+  const auto fb = [&](const std::vector<double>& v) { return test::weighted_sum(ref::silu_mul(A, v, L), G); };
+  expect_close(da, test::numeric_grad(fa, A), 1e-5, 1e-6, "da");
+  expect_close(db, test::numeric_grad(fb, B), 1e-5, 1e-6, "db");
+}
+
 TEST_P(ElementwiseSizes, SigmoidMatchesReference) {
   const int64_t n = GetParam();
   const auto x = randn(n, 13, 4.0f), g = randn(n, 14);

@@ -55,6 +55,34 @@ TEST(ExpertSelection, MatchesReferenceForEveryMethod) {
   }
 }
 
+TEST(ExpertSelection, V4SqrtSoftplusAndHashRouting) {
+  // DeepSeek-V4: flat top-k of sqrt(softplus(l)) + bias, weights renormalized
+  // and scaled; hash-routed layers take their experts from a table instead
+  // (bias ignored), with the same weights rule.
+  const int64_t T = 23;
+  const ExpertSelectionConfig c{16, 6, 1, 1, ExpertScoring::SqrtSoftplus, GroupScore::None, true, 1.5f};
+  auto logits = ds::test::randn(T * 16, 51, 3.0f);
+  auto bias = ds::test::randn(16, 52, 0.2f);
+  Selected r = select_experts(logits, &bias, T, c);
+  auto want = ds::ref::expert_selection<double>(ds::test::to_double(logits), &bias, T, c);
+  EXPECT_EQ(r.experts, want.experts);
+  ds::test::expect_close(r.weights, want.weights, 1e-6, 0, "weights");
+  for (int64_t i = 0; i < T * 16; ++i)
+    EXPECT_NEAR(r.scores[i], std::sqrt(std::log1p(std::exp(static_cast<double>(logits[i])))), 1e-6);
+  std::vector<int32_t> table(T * 6);
+  for (int64_t i = 0; i < T * 6; ++i) table[i] = static_cast<int32_t>((i * 7 + i / 6) % 16);
+  Selected h{std::vector<int32_t>(T * 6), std::vector<float>(T * 6), std::vector<float>(T * 16)};
+  ds::ops::expert_selection_forward(h.experts.data(), h.weights.data(), h.scores.data(), logits.data(), bias.data(), T,
+                                    c, table.data());
+  EXPECT_EQ(h.experts, table);
+  auto hw = ds::ref::expert_selection<double>(ds::test::to_double(logits), nullptr, T, c, &table);
+  ds::test::expect_close(h.weights, hw.weights, 1e-6, 0, "hash weights");
+  table[5] = 16;  // an id outside the experts
+  EXPECT_THROW(ds::ops::expert_selection_forward(h.experts.data(), h.weights.data(), h.scores.data(), logits.data(),
+                                                 nullptr, T, c, table.data()),
+               ds::Error);
+}
+
 TEST(ExpertSelection, GroupsAreScoredByTheirTopTwoBiasedScores) {
   // 4 groups of 2 experts; keep 1 group, k = 2. Group 0 holds the single best
   // expert but a weak partner; group 1 holds two strong ones and must win.
@@ -80,7 +108,8 @@ TEST(ExpertSelection, BiasChoosesButWeightsUseUnbiasedScores) {
 TEST(ExpertSelection, BackwardMatchesFiniteDifferences) {
   const int64_t T = 5;
   for (auto c : {v3_like(), v2_like(),
-                 ExpertSelectionConfig{6, 2, 1, 1, ExpertScoring::Softmax, GroupScore::None, true, 1.0f}}) {
+                 ExpertSelectionConfig{6, 2, 1, 1, ExpertScoring::Softmax, GroupScore::None, true, 1.0f},
+                 ExpertSelectionConfig{8, 3, 1, 1, ExpertScoring::SqrtSoftplus, GroupScore::None, true, 1.5f}}) {
     auto logits = ds::test::randn(T * c.num_experts, 7);
     auto bias = ds::test::randn(c.num_experts, 8, 0.2f);
     Selected r = select_experts(logits, &bias, T, c);
@@ -98,7 +127,7 @@ TEST(ExpertSelection, BackwardMatchesFiniteDifferences) {
     // float32 scores add ~1e-6 relative.
     ds::test::expect_close(dl, num, 1e-5, 1e-7, "dlogits");
     // Unchosen experts get gradient only through the softmax normaliser.
-    if (c.scoring == ExpertScoring::Sigmoid) {
+    if (c.scoring != ExpertScoring::Softmax) {
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t e = 0; e < c.num_experts; ++e) {
           bool chosen = false;

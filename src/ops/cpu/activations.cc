@@ -67,6 +67,34 @@ void SiluMulGradSpan(float* da, float* db, const float* dout, const float* a, co
   }
 }
 
+// silu(min(a, L)) * clamp(b, -L, L), and its gradients masked to where the
+// clamps pass.
+void SiluMulClampedSpan(float* out, const float* a, const float* b, int64_t n, float limit) {
+  const DF d;
+  const VF L = hn::Set(d, limit), nL = hn::Neg(L);
+  Map2(d, out, a, b, static_cast<size_t>(n), [d, L, nL](VF x, VF y) HWY_ATTR {
+    const VF xc = hn::Min(x, L);
+    return hn::Mul(hn::Mul(xc, Sigmoid(d, xc)), hn::Min(hn::Max(y, nL), L));
+  });
+}
+
+void SiluMulClampedGradSpan(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n,
+                            float limit) {
+  const DF d;
+  const VF one = hn::Set(d, 1.0f), L = hn::Set(d, limit), nL = hn::Neg(L), zero = hn::Zero(d);
+  const size_t N = hn::Lanes(d), len = static_cast<size_t>(n);
+  for (size_t i = 0; i < len; i += N) {
+    const size_t r = len - i;
+    const VF x = LoadUpTo(d, a + i, r), g = LoadUpTo(d, dout + i, r), bi = LoadUpTo(d, b + i, r);
+    const VF xc = hn::Min(x, L), bc = hn::Min(hn::Max(bi, nL), L);
+    const VF s = Sigmoid(d, xc);
+    const VF ga = hn::Mul(hn::Mul(hn::Mul(g, bc), s), hn::MulAdd(xc, hn::Sub(one, s), one));
+    const VF gb = hn::Mul(g, hn::Mul(xc, s));
+    StoreUpTo(d, hn::IfThenElse(hn::Le(x, L), ga, zero), da + i, r);
+    StoreUpTo(d, hn::IfThenElse(hn::And(hn::Ge(bi, nL), hn::Le(bi, L)), gb, zero), db + i, r);
+  }
+}
+
 void SigmoidSpan(float* y, const float* x, int64_t n) {
   const DF d;
   Map1(d, y, x, static_cast<size_t>(n), [d](VF v) HWY_ATTR { return Sigmoid(d, v); });
@@ -154,6 +182,8 @@ namespace ds::ops {
 
 HWY_EXPORT(SiluMulSpan);
 HWY_EXPORT(SiluMulGradSpan);
+HWY_EXPORT(SiluMulClampedSpan);
+HWY_EXPORT(SiluMulClampedGradSpan);
 HWY_EXPORT(SigmoidSpan);
 HWY_EXPORT(SigmoidGradSpan);
 HWY_EXPORT(SoftmaxRow);
@@ -175,13 +205,26 @@ void for_chunks(int64_t n, F&& f) {
 
 }  // namespace
 
-void silu_mul_forward(float* out, const float* a, const float* b, int64_t n) {
-  DS_CHECK(n >= 0, "silu_mul: n={}", n);
+void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit) {
+  DS_CHECK(n >= 0 && limit >= 0, "silu_mul: n={} limit={}", n, limit);
+  if (limit > 0) {
+    for_chunks(n, [&](int64_t i, int64_t len) {
+      DS_DISPATCH(SiluMulClampedSpan)(out + i, a + i, b + i, len, limit);
+    });
+    return;
+  }
   for_chunks(n, [&](int64_t i, int64_t len) { DS_DISPATCH(SiluMulSpan)(out + i, a + i, b + i, len); });
 }
 
-void silu_mul_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n) {
-  DS_CHECK(n >= 0, "silu_mul_backward: n={}", n);
+void silu_mul_backward(float* da, float* db, const float* dout, const float* a, const float* b, int64_t n,
+                       float limit) {
+  DS_CHECK(n >= 0 && limit >= 0, "silu_mul_backward: n={} limit={}", n, limit);
+  if (limit > 0) {
+    for_chunks(n, [&](int64_t i, int64_t len) {
+      DS_DISPATCH(SiluMulClampedGradSpan)(da + i, db + i, dout + i, a + i, b + i, len, limit);
+    });
+    return;
+  }
   for_chunks(n, [&](int64_t i, int64_t len) {
     DS_DISPATCH(SiluMulGradSpan)(da + i, db + i, dout + i, a + i, b + i, len);
   });

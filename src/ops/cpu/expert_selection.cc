@@ -37,12 +37,44 @@ void top_indices(int32_t* out, const float* v, int64_t n, int64_t k, std::vector
   std::copy(idx.begin(), idx.begin() + k, out);
 }
 
+// The top-k experts of one token by its biased scores, within the best
+// groups when the config limits them.
+void select_one(int32_t* ex, const float* s, const float* bias, const ExpertSelectionConfig& cfg,
+                std::vector<float>& choice, std::vector<float>& gscore, std::vector<int32_t>& idx,
+                std::vector<int32_t>& gsel) {
+  const int64_t E = cfg.num_experts;
+  for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+  if (cfg.group_score != GroupScore::None && cfg.topk_group < cfg.n_group) {
+    const int64_t per = E / cfg.n_group;
+    for (int64_t g = 0; g < cfg.n_group; ++g) {
+      const float* c = choice.data() + g * per;
+      float a = -std::numeric_limits<float>::infinity(), b = a;  // the two largest
+      for (int64_t i = 0; i < per; ++i) {
+        if (c[i] > a) { b = a; a = c[i]; }
+        else if (c[i] > b) b = c[i];
+      }
+      gscore[g] = cfg.group_score == GroupScore::Top2Sum ? a + b : a;
+    }
+    top_indices(gsel.data(), gscore.data(), cfg.n_group, cfg.topk_group, idx);
+    std::vector<bool> keep(cfg.n_group, false);
+    for (int32_t g : gsel) keep[g] = true;
+    for (int64_t g = 0; g < cfg.n_group; ++g)
+      if (!keep[g])
+        for (int64_t i = 0; i < per; ++i) choice[g * per + i] = -std::numeric_limits<float>::infinity();
+  }
+  top_indices(ex, choice.data(), E, cfg.k, idx);
+}
+
 }  // namespace
 
 void expert_selection_forward(int32_t* experts, float* weights, float* scores, const float* logits,
-                              const float* bias, int64_t tokens, const ExpertSelectionConfig& cfg) {
+                              const float* bias, int64_t tokens, const ExpertSelectionConfig& cfg,
+                              const int32_t* fixed) {
   check_config(cfg, tokens);
   const int64_t E = cfg.num_experts, K = cfg.k;
+  if (fixed)
+    for (int64_t i = 0; i < tokens * K; ++i)
+      DS_CHECK(fixed[i] >= 0 && fixed[i] < E, "expert_selection: fixed expert id {} outside [0, {})", fixed[i], E);
   parallel_ranges(tokens, tokens * E >= 4096, [&](int64_t t0, int64_t t1) {
     std::vector<float> choice(E), gscore(cfg.n_group);
     std::vector<int32_t> idx, gsel(cfg.topk_group);
@@ -51,6 +83,10 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
       float* s = scores + t * E;
       if (cfg.scoring == ExpertScoring::Sigmoid) {
         for (int64_t e = 0; e < E; ++e) s[e] = 1.0f / (1.0f + std::exp(-l[e]));
+      } else if (cfg.scoring == ExpertScoring::SqrtSoftplus) {
+        // softplus without overflow: max(l, 0) + log1p(exp(-|l|)).
+        for (int64_t e = 0; e < E; ++e)
+          s[e] = std::sqrt(std::max(l[e], 0.0f) + std::log1p(std::exp(-std::fabs(l[e]))));
       } else {
         float m = l[0];
         for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
@@ -58,28 +94,13 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
         for (int64_t e = 0; e < E; ++e) z += std::exp(static_cast<double>(l[e] - m));
         for (int64_t e = 0; e < E; ++e) s[e] = static_cast<float>(std::exp(static_cast<double>(l[e] - m)) / z);
       }
-      for (int64_t e = 0; e < E; ++e) choice[e] = s[e] + (bias ? bias[e] : 0.0f);
-      if (cfg.group_score != GroupScore::None && cfg.topk_group < cfg.n_group) {
-        const int64_t per = E / cfg.n_group;
-        for (int64_t g = 0; g < cfg.n_group; ++g) {
-          const float* c = choice.data() + g * per;
-          float a = -std::numeric_limits<float>::infinity(), b = a;  // the two largest
-          for (int64_t i = 0; i < per; ++i) {
-            if (c[i] > a) { b = a; a = c[i]; }
-            else if (c[i] > b) b = c[i];
-          }
-          gscore[g] = cfg.group_score == GroupScore::Top2Sum ? a + b : a;
-        }
-        top_indices(gsel.data(), gscore.data(), cfg.n_group, cfg.topk_group, idx);
-        std::vector<bool> keep(cfg.n_group, false);
-        for (int32_t g : gsel) keep[g] = true;
-        for (int64_t g = 0; g < cfg.n_group; ++g)
-          if (!keep[g])
-            for (int64_t i = 0; i < per; ++i) choice[g * per + i] = -std::numeric_limits<float>::infinity();
-      }
       int32_t* ex = experts + t * K;
       float* w = weights + t * K;
-      top_indices(ex, choice.data(), E, K, idx);
+      if (fixed) {
+        std::copy(fixed + t * K, fixed + (t + 1) * K, ex);
+      } else {
+        select_one(ex, s, bias, cfg, choice, gscore, idx, gsel);
+      }
       double sum = 0;
       for (int64_t j = 0; j < K; ++j) sum += s[ex[j]];
       for (int64_t j = 0; j < K; ++j) {
@@ -89,7 +110,6 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
     }
   });
 }
-
 void expert_selection_backward(float* dlogits, const float* dweights, const float* scores, const int32_t* experts,
                                int64_t tokens, const ExpertSelectionConfig& cfg) {
   check_config(cfg, tokens);
@@ -115,6 +135,13 @@ void expert_selection_backward(float* dlogits, const float* dweights, const floa
       float* dl = dlogits + t * E;
       if (cfg.scoring == ExpertScoring::Sigmoid) {
         for (int64_t e = 0; e < E; ++e) dl[e] = static_cast<float>(ds[e] * s[e] * (1.0 - s[e]));
+      } else if (cfg.scoring == ExpertScoring::SqrtSoftplus) {
+        // d sqrt(softplus(l)) / dl = sigmoid(l) / (2 s) (s > 0 always), with
+        // sigmoid(l) = 1 - exp(-softplus(l)) = 1 - exp(-s^2) from the saved scores.
+        for (int64_t e = 0; e < E; ++e) {
+          const double sp = static_cast<double>(s[e]) * s[e];
+          dl[e] = static_cast<float>(ds[e] * -std::expm1(-sp) / (2.0 * s[e]));
+        }
       } else {
         double dot = 0;
         for (int64_t e = 0; e < E; ++e) dot += ds[e] * s[e];

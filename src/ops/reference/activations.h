@@ -32,11 +32,15 @@ std::vector<T> sigmoid_backward(const std::vector<T>& dy, const std::vector<T>& 
   return dx;
 }
 
-// out = a sigmoid(a) b.
+// out = a sigmoid(a) b; with limit > 0, a -> min(a, limit) and b -> clamp(b, -limit, limit) first.
 template <typename T>
-std::vector<T> silu_mul(const std::vector<T>& a, const std::vector<T>& b) {
+std::vector<T> silu_mul(const std::vector<T>& a, const std::vector<T>& b, double limit = 0) {
   std::vector<T> out(a.size());
-  for (size_t i = 0; i < a.size(); ++i) out[i] = a[i] * sigmoid(a[i]) * b[i];
+  for (size_t i = 0; i < a.size(); ++i) {
+    const T x = limit > 0 ? std::min(a[i], T(limit)) : a[i];
+    const T y = limit > 0 ? std::clamp(b[i], T(-limit), T(limit)) : b[i];
+    out[i] = x * sigmoid(x) * y;
+  }
   return out;
 }
 

@@ -32,6 +32,8 @@ std::vector<T> expert_scores(const std::vector<T>& l, ops::ExpertScoring scoring
   std::vector<T> s(l.size());
   if (scoring == ops::ExpertScoring::Sigmoid) {
     for (size_t e = 0; e < l.size(); ++e) s[e] = T(1) / (T(1) + std::exp(-l[e]));
+  } else if (scoring == ops::ExpertScoring::SqrtSoftplus) {
+    for (size_t e = 0; e < l.size(); ++e) s[e] = std::sqrt(std::log(T(1) + std::exp(l[e])));
   } else {
     T m = *std::max_element(l.begin(), l.end()), z = 0;
     for (size_t e = 0; e < l.size(); ++e) z += std::exp(l[e] - m);
