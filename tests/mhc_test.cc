@@ -150,6 +150,35 @@ TEST(Mhc, PostBackwardMatchesCentralDifferences) {
                          1e-4, 1e-6, "dcomb");
 }
 
+TEST(Mhc, HeadBackwardMatchesCentralDifferences) {
+  const auto in = make_inputs(13);
+  const auto d = dims();
+  using ds::test::to_double;
+  const auto w = ds::test::randn(kT * kD, 31);
+  const auto X = to_double(in.x), F = to_double(in.hfn), B = to_double(in.hbase), S = to_double(in.hscale);
+  auto loss = [&](const std::vector<double>& x, const std::vector<double>& fn, const std::vector<double>& base,
+                  const std::vector<double>& scale) {
+    const auto y = ds::ref::mhc_head(x, fn, base, scale, kT, kN, kD, 1e-6, 1e-6);
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += w[i] * y[i];
+    return l;
+  };
+  std::vector<float> dx(kT * kN * kD, 0.0f), dfn(kN * kN * kD, 0.0f), dbase(kN, 0.0f), dscale(1, 0.0f);
+  ds::ops::mhc_head_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), w.data(), in.x.data(),
+                             in.hfn.data(), in.hbase.data(), in.hscale.data(), d);
+  ds::test::expect_close(dx, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, F, B, S); }, X),
+                         2e-4, 1e-6, "dx");
+  ds::test::expect_close(dfn,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S); }, F),
+                         2e-4, 1e-6, "dfn");
+  ds::test::expect_close(dbase,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, v, S); }, B),
+                         2e-4, 1e-6, "dbase");
+  ds::test::expect_close(dscale,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, v); }, S),
+                         2e-4, 1e-6, "dscale");
+}
+
 TEST(Mhc, ResultsDoNotDependOnTheThreadCount) {
   // Enough tokens and width for the threaded paths.
   MhcDims d = dims();

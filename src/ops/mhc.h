@@ -59,5 +59,9 @@ void mhc_post_backward(float* d_o, float* dx, float* dpost, float* dcomb, const 
 // mix = (fn v) s, fn [n, n d], base [n], scale [1].
 void mhc_head_forward(float* y, const float* x, const float* fn, const float* base, const float* scale,
                       const MhcDims& dims);
+// Its gradients given dy [T, d]: dx (+=), and dfn, dbase, dscale (+=, each may
+// be null).
+void mhc_head_backward(float* dx, float* dfn, float* dbase, float* dscale, const float* dy, const float* x,
+                       const float* fn, const float* base, const float* scale, const MhcDims& dims);
 
 }  // namespace ds::ops

@@ -40,6 +40,22 @@ void mixes(float* mix, float* s, float* raw, const float* x, const float* fn, in
   });
 }
 
+// The gradient through mixes() given, per token, draw [T, m] (the mixes'
+// gradient times s) and ds [T] (the gradient of s): dx += draw fn + (ds
+// ds/dx), with ds/dx = -s^3 x / nd, and dfn += draw^T x.
+void mixes_backward(float* dx, float* dfn, const float* draw, const float* ds, const float* s, const float* x,
+                    const float* fn, int64_t m, const MhcDims& d) {
+  const int64_t T = d.tokens, nd = d.streams * d.dim;
+  parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float c = -ds[t] * s[t] * s[t] * s[t] / static_cast<float>(nd);
+      for (int64_t i = 0; i < nd; ++i) dx[t * nd + i] += c * x[t * nd + i];
+    }
+  });
+  gemm(false, false, T, nd, m, 1.0f, draw, m, fn, nd, 1.0f, dx, nd);
+  if (dfn) gemm(true, false, m, nd, T, 1.0f, draw, m, x, nd, 1.0f, dfn, nd);
+}
+
 // The Sinkhorn projection of one n x n matrix in place (the logits in, comb
 // out). With states, states[0] is the softmax plus eps and states[i + 1]
 // the matrix after normalization i (columns first, then rows and columns
@@ -136,7 +152,7 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
   // Per token: dz (the gradient of mix) -> draw = dz s (for fn and x through
   // the product) and the norm's share of dx; dbase and dscale per token,
   // summed afterwards in token order.
-  Buffer<float> draw(static_cast<size_t>(T * m)), dz_all(static_cast<size_t>(T * m));
+  Buffer<float> draw(static_cast<size_t>(T * m)), dz_all(static_cast<size_t>(T * m)), ds_all(static_cast<size_t>(T));
   parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
     std::vector<float> states(static_cast<size_t>(2 * d.sinkhorn_iters * n * n)), dL(n * n), logits(n * n);
     for (int64_t t = t0; t < t1; ++t) {
@@ -163,18 +179,16 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
         draw[t * m + i] = g * s[t];
         ds += g * raw[t * m + i];
       }
-      // a = sum_j pre_j x_j, and s's dependence on x: ds/dx_k = -s^3 x_k / nd.
+      ds_all[t] = ds;
+      // a = sum_j pre_j x_j.
       float* dxt = dx + t * nd;
-      const float c = -ds * s[t] * s[t] * s[t] / static_cast<float>(nd);
       for (int64_t j = 0; j < n; ++j) {
         const float pre = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
-        for (int64_t i = 0; i < D; ++i) dxt[j * D + i] += pre * dat[i] + c * xt[j * D + i];
+        for (int64_t i = 0; i < D; ++i) dxt[j * D + i] += pre * dat[i];
       }
     }
   });
-  // Through the product: dx += draw fn, dfn += draw^T x.
-  gemm(false, false, T, nd, m, 1.0f, draw.data(), m, fn, nd, 1.0f, dx, nd);
-  if (dfn) gemm(true, false, m, nd, T, 1.0f, draw.data(), m, x, nd, 1.0f, dfn, nd);
+  mixes_backward(dx, dfn, draw.data(), ds_all.data(), s.data(), x, fn, m, d);
   for (int64_t t = 0; t < T; ++t) {
     const float* dz = dz_all.data() + t * m;
     for (int64_t i = 0; i < m; ++i) {
@@ -254,6 +268,41 @@ void mhc_head_forward(float* y, const float* x, const float* fn, const float* ba
       }
     }
   });
+}
+
+void mhc_head_backward(float* dx, float* dfn, float* dbase, float* dscale, const float* dy, const float* x,
+                       const float* fn, const float* base, const float* scale, const MhcDims& d) {
+  check_dims(d);
+  const int64_t T = d.tokens, n = d.streams, D = d.dim, nd = n * D;
+  if (T == 0) return;
+  Buffer<float> mix(static_cast<size_t>(T * n)), raw(static_cast<size_t>(T * n)), s(static_cast<size_t>(T));
+  mixes(mix.data(), s.data(), raw.data(), x, fn, n, d);
+  Buffer<float> draw(static_cast<size_t>(T * n)), dz_all(static_cast<size_t>(T * n)), ds_all(static_cast<size_t>(T));
+  parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xt = x + t * nd;
+      const float* dyt = dy + t * D;
+      float* dxt = dx + t * nd;
+      float* dz = dz_all.data() + t * n;
+      float ds = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        float dpre = 0;
+        for (int64_t i = 0; i < D; ++i) dpre += xt[j * D + i] * dyt[i];
+        const float sp = sigmoid(mix[t * n + j] * scale[0] + base[j]);
+        dz[j] = dpre * sp * (1.0f - sp);
+        draw[t * n + j] = dz[j] * scale[0] * s[t];
+        ds += dz[j] * scale[0] * raw[t * n + j];
+        for (int64_t i = 0; i < D; ++i) dxt[j * D + i] += (sp + d.eps) * dyt[i];
+      }
+      ds_all[t] = ds;
+    }
+  });
+  mixes_backward(dx, dfn, draw.data(), ds_all.data(), s.data(), x, fn, n, d);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < n; ++j) {
+      if (dbase) dbase[j] += dz_all[t * n + j];
+      if (dscale) dscale[0] += dz_all[t * n + j] * mix[t * n + j];
+    }
 }
 
 }  // namespace ds::ops
