@@ -60,8 +60,8 @@ TEST(Mhc, ForwardsMatchTheReference) {
                            in.scale.data(), d);
   std::vector<double> ra, rpost, rcomb;
   using ds::test::to_double;
-  ds::ref::mhc_pre(ra, rpost, rcomb, to_double(in.x), to_double(in.fn), to_double(in.base), to_double(in.scale), kT,
-                   kN, kD, kIters, 1e-6, 1e-6);
+  ds::ref::mhc_pre(ra, rpost, rcomb, to_double(in.x), to_double(in.fn), to_double(in.base), to_double(in.scale), kT, kN,
+                   kD, kIters, 1e-6, 1e-6);
   ds::test::expect_close(a, ra, 1e-5, 0, "a");
   ds::test::expect_close(post, rpost, 1e-5, 0, "post");
   ds::test::expect_close(comb, rcomb, 1e-5, 0, "comb");
@@ -122,8 +122,8 @@ TEST(Mhc, PostBackwardMatchesCentralDifferences) {
   const auto d = dims();
   using ds::test::to_double;
   std::vector<double> ra, rpost, rcomb;
-  ds::ref::mhc_pre(ra, rpost, rcomb, to_double(in.x), to_double(in.fn), to_double(in.base), to_double(in.scale), kT,
-                   kN, kD, kIters, 1e-6, 1e-6);
+  ds::ref::mhc_pre(ra, rpost, rcomb, to_double(in.x), to_double(in.fn), to_double(in.base), to_double(in.scale), kT, kN,
+                   kD, kIters, 1e-6, 1e-6);
   const auto w = ds::test::randn(kT * kN * kD, 30);
   const auto O = to_double(in.o), X = to_double(in.x);
   auto loss = [&](const std::vector<double>& o, const std::vector<double>& x, const std::vector<double>& post,
@@ -164,12 +164,11 @@ TEST(Mhc, HeadBackwardMatchesCentralDifferences) {
     return l;
   };
   std::vector<float> dx(kT * kN * kD, 0.0f), dfn(kN * kN * kD, 0.0f), dbase(kN, 0.0f), dscale(1, 0.0f);
-  ds::ops::mhc_head_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), w.data(), in.x.data(),
-                             in.hfn.data(), in.hbase.data(), in.hscale.data(), d);
+  ds::ops::mhc_head_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), w.data(), in.x.data(), in.hfn.data(),
+                             in.hbase.data(), in.hscale.data(), d);
   ds::test::expect_close(dx, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, F, B, S); }, X),
                          2e-4, 1e-6, "dx");
-  ds::test::expect_close(dfn,
-                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S); }, F),
+  ds::test::expect_close(dfn, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S); }, F),
                          2e-4, 1e-6, "dfn");
   ds::test::expect_close(dbase,
                          ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, v, S); }, B),
@@ -206,9 +205,9 @@ TEST(Mhc, BadDimsAreErrors) {
   MhcDims d = dims();
   d.sinkhorn_iters = 0;
   std::vector<float> buf(4096);
-  EXPECT_THROW(ds::ops::mhc_pre_forward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(),
-                                        buf.data(), d),
-               ds::Error);
+  EXPECT_THROW(
+      ds::ops::mhc_pre_forward(buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), buf.data(), d),
+      ds::Error);
   d = dims();
   std::vector<float> x(kT * kN * kD);
   EXPECT_THROW(ds::ops::mhc_post_forward(x.data(), buf.data(), x.data(), buf.data(), buf.data(), d), ds::Error);
