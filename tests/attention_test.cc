@@ -147,6 +147,37 @@ TEST(AttentionReference, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// With an attention sink: the reference's backward (dsink too) against
+// central differences, and a sink of -inf changing nothing.
+TEST(AttentionReference, SinkBackwardMatchesFiniteDifferences) {
+  const AttentionDims d{2, 6, 3, 4, 3, 0.6f};
+  const Problem p(d, {0, 0, 1, 1, 1, 2, /**/ 4, 4, 4, 4, 4, 4}, 77, 1.5f);
+  const std::vector<double> sink = {0.3, -1.2, 2.5};
+  const auto q = to_double(p.q), k = to_double(p.k), v = to_double(p.v), w = to_double(p.dout);
+  std::vector<double> dq, dk, dv, dsink;
+  ref::attention_backward(dq, dk, dv, w, q, k, v, p.seg, d, {}, sink, &dsink);
+  auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& vv,
+                  const std::vector<double>& ss) {
+    std::vector<double> out, lse;
+    ref::attention_forward(out, lse, qq, kk, vv, p.seg, d, {}, ss);
+    return test::weighted_sum(out, w);
+  };
+  const double tol = 1e-8;
+  expect_close(dq, test::numeric_grad([&](const std::vector<double>& x) { return loss(x, k, v, sink); }, q), 0, tol,
+               "dq");
+  expect_close(dk, test::numeric_grad([&](const std::vector<double>& x) { return loss(q, x, v, sink); }, k), 0, tol,
+               "dk");
+  expect_close(dv, test::numeric_grad([&](const std::vector<double>& x) { return loss(q, k, x, sink); }, v), 0, tol,
+               "dv");
+  expect_close(dsink, test::numeric_grad([&](const std::vector<double>& x) { return loss(q, k, v, x); }, sink), 0, tol,
+               "dsink");
+  std::vector<double> o1, l1, o2, l2;
+  const double inf = std::numeric_limits<double>::infinity();
+  ref::attention_forward(o1, l1, q, k, v, p.seg, d);
+  ref::attention_forward(o2, l2, q, k, v, p.seg, d, {}, {-inf, -inf, -inf});
+  EXPECT_EQ(o1, o2);
+}
+
 // A packed row of segments gives, for each segment, what that segment alone
 // gives as its own sequence (the reference checks itself against its own
 // unpacked runs, so the segment rule is not just the same code twice).
@@ -267,6 +298,32 @@ TEST(Attention, SelectedKeysOnly) {
   EXPECT_THROW(ops::attention_forward(out.data(), lse.data(), bad.q.data(), bad.k.data(), bad.v.data(), nullptr, bad.d,
                                       bad.selected()),
                Error);
+}
+
+TEST(Attention, SinkMatchesReference) {
+  // DeepSeek-V4's sink: sinks below, near and far above the scores (the last
+  // takes most of each row's mass), over several tiles and segments.
+  const AttentionDims d{2, 150, 3, 16, 8, default_scale(16)};
+  Problem p(d, from_lengths({90, 60, 150}), 91);
+  const std::vector<float> sink = {-3.0f, 0.5f, 12.0f};
+  const int64_t rows = d.batch * d.seq * d.heads;
+  std::vector<float> out(rows * d.v_dim), lse(rows), dq(rows * d.qk_dim), dk(rows * d.qk_dim), dv(rows * d.v_dim);
+  std::vector<float> dsink(3, 0.25f);
+  ops::attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), p.ids(), d, nullptr, sink.data());
+  ops::attention_backward(dq.data(), dk.data(), dv.data(), p.dout.data(), out.data(), lse.data(), p.q.data(),
+                          p.k.data(), p.v.data(), p.ids(), d, nullptr, sink.data(), dsink.data());
+  for (auto& x : dsink) x -= 0.25f;  // accumulated into
+  const std::vector<double> sd(sink.begin(), sink.end());
+  std::vector<double> ro, rl, rdq, rdk, rdv, rds;
+  ref::attention_forward(ro, rl, to_double(p.q), to_double(p.k), to_double(p.v), p.seg, d, {}, sd);
+  ref::attention_backward(rdq, rdk, rdv, to_double(p.dout), to_double(p.q), to_double(p.k), to_double(p.v), p.seg, d,
+                          {}, sd, &rds);
+  expect_close(out, ro, kOutTol, 0, "out");
+  expect_close(lse, rl, kOutTol, 0, "lse");
+  expect_close(dq, rdq, kGradTol, 0, "dq");
+  expect_close(dk, rdk, kGradTol, 0, "dk");
+  expect_close(dv, rdv, kGradTol, 0, "dv");
+  expect_close(dsink, rds, kGradTol, 0, "dsink");
 }
 
 TEST(Attention, MlaHeadSizes) {

@@ -31,10 +31,18 @@ struct AttentionDims {
 // of row b may attend to key j only where selected[(b T + i) T + j] != 0,
 // on top of the causal and segment masks (null: every allowed key). Every
 // query must keep at least one key.
+//
+// `sink` [H] (DeepSeek-V4's attention sink; null: none): one more logit per
+// head with no value, p = softmax([s[i, :], sink[h]]) with the sink's share
+// dropped, so out[i] = sum_j p[i, j] v[j] sums to less than a convex mix; lse
+// includes it. The backward then adds dsink[h] += -sum_i p_sink[i] D[i] when
+// dsink is given.
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected = nullptr);
+                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected = nullptr,
+                       const float* sink = nullptr);
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
-                        const AttentionDims& d, const uint8_t* selected = nullptr);
+                        const AttentionDims& d, const uint8_t* selected = nullptr, const float* sink = nullptr,
+                        float* dsink = nullptr);
 
 }  // namespace ds::ops

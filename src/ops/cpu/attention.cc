@@ -293,7 +293,7 @@ float attention_exp_row(float* x, int64_t n, float shift) { return exp_row(x, n,
 }  // namespace detail
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
-                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected) {
+                       const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected, const float* sink) {
   check_dims(d, "attention_forward");
   DS_CHECK(out && lse && q && k && v, "attention_forward: null tensor pointer");
   const Geometry g(d, selected);
@@ -335,18 +335,26 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
     }
     // Every query attends to a key (itself, or a selected one), so l is
     // about 1 or more here (NaN inputs give NaN, never a division by 0).
+    // With a sink its exp joins the denominator: lse' = logaddexp(lse,
+    // sink), and out shrinks by exp(lse - lse').
     for (int64_t r = 0; r < nq; ++r) {
-      const float inv = 1.0f / l[r];
+      const float lse0 = m[r] + std::log(l[r]);
+      float lse1 = lse0, inv = 1.0f / l[r];
+      if (sink) {
+        const float hi = std::max(lse0, sink[h]), lo = std::min(lse0, sink[h]);
+        lse1 = hi + std::log1p(std::exp(lo - hi));
+        inv *= std::exp(lse0 - lse1);
+      }
       float* dst = out + g.row(b, i0 + r, h, g.Dv);
       for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * g.Dv + c] * inv;
-      lse[(b * g.H + h) * g.T + i0 + r] = m[r] + std::log(l[r]);
+      lse[(b * g.H + h) * g.T + i0 + r] = lse1;
     }
   });
 }
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
-                        const AttentionDims& d, const uint8_t* selected) {
+                        const AttentionDims& d, const uint8_t* selected, const float* sink, float* dsink) {
   check_dims(d, "attention_backward");
   DS_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward: null tensor pointer");
   const Geometry g(d, selected);
@@ -365,6 +373,18 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
       double acc = 0;
       for (int64_t c = 0; c < g.Dv; ++c) acc += static_cast<double>(a[c]) * o[c];
       dd[(b * g.H + h) * g.T + t] = static_cast<float>(acc);
+    }
+  // The sink's logit: dsink[h] = -sum over rows and queries of p_sink D, with
+  // p_sink = exp(sink - lse); summed in a fixed order per head.
+  if (sink && dsink)
+    for (int64_t h = 0; h < g.H; ++h) {
+      double acc = 0;
+      for (int64_t b = 0; b < g.B; ++b)
+        for (int64_t t = 0; t < g.T; ++t) {
+          const int64_t i = (b * g.H + h) * g.T + t;
+          acc -= std::exp(static_cast<double>(sink[h]) - lse[i]) * dd[i];
+        }
+      dsink[h] += static_cast<float>(acc);
     }
 
   const int64_t pair_floats = 2 * kTileQ * kTileK;

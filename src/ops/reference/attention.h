@@ -28,7 +28,7 @@ inline bool attention_allowed(const std::vector<int32_t>& seg, const std::vector
 template <typename T>
 void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vector<T>& q, const std::vector<T>& k,
                      const std::vector<int32_t>& seg, const std::vector<uint8_t>& sel, const ops::AttentionDims& d,
-                     int64_t b, int64_t h) {
+                     int64_t b, int64_t h, const std::vector<T>& sink = {}) {
   const int64_t S = d.seq, H = d.heads, Dk = d.qk_dim;
   p.assign(S * S, T(0));
   lse_row.assign(S, T(0));
@@ -41,7 +41,7 @@ void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vect
       p[i * S + j] = T(d.scale) * s;
       mx = std::max(mx, p[i * S + j]);
     }
-    T sum = 0;
+    T sum = sink.empty() ? T(0) : std::exp(sink[h] - mx);  // the sink's share of the denominator
     for (int64_t j = 0; j < S; ++j)
       if (attention_allowed(seg, sel, b, S, i, j)) sum += std::exp(p[i * S + j] - mx);
     for (int64_t j = 0; j < S; ++j)
@@ -57,14 +57,14 @@ void attention_probs(std::vector<T>& p, std::vector<T>& lse_row, const std::vect
 template <typename T>
 void attention_forward(std::vector<T>& out, std::vector<T>& lse, const std::vector<T>& q, const std::vector<T>& k,
                        const std::vector<T>& v, const std::vector<int32_t>& seg, const ops::AttentionDims& d,
-                       const std::vector<uint8_t>& sel = {}) {
+                       const std::vector<uint8_t>& sel = {}, const std::vector<T>& sink = {}) {
   const int64_t B = d.batch, S = d.seq, H = d.heads, Dv = d.v_dim;
   out.assign(B * S * H * Dv, T(0));
   lse.assign(B * H * S, T(0));
   std::vector<T> p, lse_row;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h);
+      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h, sink);
       for (int64_t i = 0; i < S; ++i) {
         lse[(b * H + h) * S + i] = lse_row[i];
         for (int64_t c = 0; c < Dv; ++c) {
@@ -87,15 +87,17 @@ template <typename T>
 void attention_backward(std::vector<T>& dq, std::vector<T>& dk, std::vector<T>& dv, const std::vector<T>& dout,
                         const std::vector<T>& q, const std::vector<T>& k, const std::vector<T>& v,
                         const std::vector<int32_t>& seg, const ops::AttentionDims& d,
-                        const std::vector<uint8_t>& sel = {}) {
+                        const std::vector<uint8_t>& sel = {}, const std::vector<T>& sink = {},
+                        std::vector<T>* dsink = nullptr) {
   const int64_t B = d.batch, S = d.seq, H = d.heads, Dk = d.qk_dim, Dv = d.v_dim;
   dq.assign(B * S * H * Dk, T(0));
   dk.assign(B * S * H * Dk, T(0));
   dv.assign(B * S * H * Dv, T(0));
+  if (dsink) dsink->assign(H, T(0));
   std::vector<T> p, lse_row, ds(S * S);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h);
+      detail::attention_probs(p, lse_row, q, k, seg, sel, d, b, h, sink);
       auto qi = [&](int64_t i, int64_t c) { return q[((b * S + i) * H + h) * Dk + c]; };
       auto ki = [&](int64_t i, int64_t c) { return k[((b * S + i) * H + h) * Dk + c]; };
       auto vi = [&](int64_t i, int64_t c) { return v[((b * S + i) * H + h) * Dv + c]; };
@@ -109,6 +111,8 @@ void attention_backward(std::vector<T>& dq, std::vector<T>& dk, std::vector<T>& 
           row += p[i * S + j] * dp;
         }
         for (int64_t j = 0; j < S; ++j) ds[i * S + j] = p[i * S + j] * (ds[i * S + j] - row);
+        // The sink's own probability has no value: its dp is 0.
+        if (dsink && !sink.empty()) (*dsink)[h] -= std::exp(sink[h] - lse_row[i]) * row;
       }
       for (int64_t i = 0; i < S; ++i)
         for (int64_t j = 0; j < S; ++j) {
