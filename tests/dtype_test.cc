@@ -367,6 +367,29 @@ TEST(DType, E2m1AndE8m0FromTheirDefinitions) {
   EXPECT_TRUE(std::isnan(e8m0_to_f32(0xff)));
 }
 
+TEST(DType, E2m1EncodesToTheNearestCodeTiesToEven) {
+  // Against a search over the 8 magnitudes: the nearest, and on a tie the
+  // even code; a dense grid through [0, 7] hits every midpoint exactly.
+  for (int code = 0; code < 16; ++code)
+    EXPECT_EQ(f32_to_e2m1(e2m1_to_f32(static_cast<uint8_t>(code))), code) << code;
+  for (int i = 0; i <= 7 * 64; ++i)
+    for (float sign : {1.0f, -1.0f}) {
+      const float x = sign * static_cast<float>(i) / 64.0f;
+      int best = 0;
+      for (int m = 1; m < 8; ++m) {
+        const float dm = std::fabs(std::fabs(x) - e2m1_to_f32(static_cast<uint8_t>(m)));
+        const float db = std::fabs(std::fabs(x) - e2m1_to_f32(static_cast<uint8_t>(best)));
+        if (dm < db || (dm == db && m % 2 == 0)) best = m;
+      }
+      EXPECT_EQ(f32_to_e2m1(x), (std::signbit(x) ? 8 : 0) | best) << x;
+    }
+  EXPECT_EQ(f32_to_e2m1(0.25f), 0);  // tie: to 0, not 0.5
+  EXPECT_EQ(f32_to_e2m1(0.75f), 2);  // tie: to 1
+  EXPECT_EQ(f32_to_e2m1(5.0f), 6);   // tie: to 4
+  EXPECT_EQ(f32_to_e2m1(1e30f), 7);  // saturates
+  EXPECT_EQ(f32_to_e2m1(-std::numeric_limits<float>::infinity()), 15);
+}
+
 const DType kFloatTypes[] = {DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2};
 
 float load(const std::vector<uint8_t>& buf, DType t, size_t i) {

@@ -20,8 +20,11 @@
 #include <numeric>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/dtype.h"
 #include "core/error.h"
+#include "io/text_input.h"
 #include "ops/attention.h"
 #include "ops/latent_attention.h"
 #include "ops/reference/latent_attention.h"
@@ -147,6 +150,35 @@ TEST(Indexer, Fp8BlocksWithAmaxAndPowerOfTwoScales) {
   ops::fp8_quantize_rows(codes.data(), s.data(), z.data(), 1, 16, false);
   EXPECT_EQ(s[0], 1e-4f * (1.0f / 448.0f));
   EXPECT_TRUE(std::all_of(codes.begin(), codes.end(), [](uint8_t c) { return c == 0; }));
+}
+
+TEST(Indexer, V4RoundingSimulationsMatchTheIndependentReference) {
+  // DeepSeek-V4's fp8 (blocks of 64) and fp4 (blocks of 32) quantize-dequantize
+  // simulations against the float64 V4 reference (tests/data/v4/quant.json,
+  // from tests/reference/make_v4_op_fixtures.py): random blocks of many
+  // magnitudes, blocks under the amax floors, and blocks of exact ties.
+  const nlohmann::json j = nlohmann::json::parse(
+      ds::io::read_file(DEEPSEEK_SOURCE_DIR "/tests/data/v4/quant.json", "quantization fixture"));
+  auto vec = [&](const char* k) { return j.at(k).template get<std::vector<float>>(); };
+  const auto x = vec("x");
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<float> y(n);
+  // Power-of-two scales divide exactly: bit for bit, ties included.
+  ds::ops::fp8_round_blocks(y.data(), x.data(), n, 64, /*ue8m0=*/true);
+  EXPECT_EQ(y, vec("fp8_ue8m0"));
+  ds::ops::fp4_round_blocks(y.data(), x.data(), n, 32);
+  EXPECT_EQ(y, vec("fp4"));
+  // Plain scales are amax * fp32(1 / 448) here (as the official kernel and
+  // the V3.2 path compute them) and the exact amax / 448 in the reference.
+  ds::ops::fp8_round_blocks(y.data(), x.data(), n, 64, /*ue8m0=*/false);
+  ds::test::expect_close(y, vec("fp8_plain"), 1e-6, 0, "fp8 plain");
+  // In place, and twice is once.
+  std::vector<float> z = x;
+  ds::ops::fp4_round_blocks(z.data(), z.data(), n, 32);
+  EXPECT_EQ(z, vec("fp4"));
+  ds::ops::fp4_round_blocks(z.data(), z.data(), n, 32);
+  EXPECT_EQ(z, vec("fp4"));
+  EXPECT_THROW(ds::ops::fp4_round_blocks(y.data(), x.data(), 48, 32), ds::Error);
 }
 
 TEST(Indexer, ScoresAreHeadWeightedReluDots) {

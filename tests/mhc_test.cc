@@ -216,7 +216,7 @@ TEST(Mhc, BadDimsAreErrors) {
 TEST(Mhc, MatchesTheIndependentV4Reference) {
   // Layer 1's hc_attn_* and the hc_head_* of a tiny random V4 folder, on
   // random streams, computed in float64 by tests/reference/deepseek_v4_ref.py
-  // (tests/reference/make_mhc_fixture.py writes the file).
+  // (tests/reference/make_v4_op_fixtures.py writes the file).
   const nlohmann::json j =
       nlohmann::json::parse(ds::io::read_file(DEEPSEEK_SOURCE_DIR "/tests/data/v4/mhc.json", "mHC fixture"));
   auto vec = [&](const char* k) { return j.at(k).template get<std::vector<float>>(); };

@@ -253,6 +253,31 @@ float e2m1_to_f32(uint8_t code) {
   return (code & 8) ? -m : m;
 }
 
+uint8_t f32_to_e2m1(float x) {
+  const uint8_t sign = std::signbit(x) ? 8 : 0;
+  const float a = std::fabs(x);
+  // Midpoints between neighbouring magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6};
+  // a tie goes to the even code (<= where the lower code is even).
+  uint8_t m;
+  if (a <= 0.25f)
+    m = 0;
+  else if (a < 0.75f)
+    m = 1;
+  else if (a <= 1.25f)
+    m = 2;
+  else if (a < 1.75f)
+    m = 3;
+  else if (a <= 2.5f)
+    m = 4;
+  else if (a < 3.5f)
+    m = 5;
+  else if (a <= 5.0f)
+    m = 6;
+  else
+    m = 7;  // above 5, infinities and NaN
+  return sign | m;
+}
+
 float e8m0_to_f32(uint8_t e) {
   if (e == 0xff) return std::numeric_limits<float>::quiet_NaN();
   // 2^(e - 127): a normal float's exponent field for e >= 1, and for e = 0

@@ -37,6 +37,9 @@ float e4m3_to_f32(uint8_t b);
 uint8_t f32_to_e5m2(float x);
 float e5m2_to_f32(uint8_t b);
 float e2m1_to_f32(uint8_t code);  // the low 4 bits of code
+// Nearest e2m1 code, ties to the even code, saturating at +-6 (NaN, which
+// has no code, too: to the largest magnitude of its sign).
+uint8_t f32_to_e2m1(float x);
 float e8m0_to_f32(uint8_t e);
 
 // Converts n elements between any two floating dtypes (through float32).

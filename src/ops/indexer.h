@@ -34,6 +34,16 @@ void fp8_quantize_rows(uint8_t* codes, float* scales, const float* x, int64_t ro
 // y [rows, d] = decode(codes) * scale of the value's block.
 void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, int64_t rows, int64_t d);
 
+// Quantize-dequantize simulations (DeepSeek-V4's official code applies them
+// inside attention): y = decode(encode(clamp(x / s, -max, max))) * s for every
+// `block` consecutive values of x [n] (n a multiple of block); y may alias x.
+//   fp8: e4m3 (max 448), the scale rule above (amax floor 1e-4; ue8m0: a
+//        power of two), V4's K=V latent in blocks of 64;
+//   fp4: e2m1 (max 6), amax floor 6 * 2^-126, s = 2^ceil(log2(amax / 6)),
+//        V4's indexer queries and keys in blocks of 32.
+void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool ue8m0);
+void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block);
+
 // scores [n, T] (row stride lds) for n queries against keys 0..T-1:
 //   scores[j, s] = sum_h w[j, h] * ReLU(q[j, h, :] . k[s, :])
 // q [n, heads, d] and w [n, heads] float32; the keys stay quantized (codes

@@ -125,6 +125,29 @@ void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, in
     for (int64_t c = 0; c < d; ++c) y[r * d + c] = table[codes[r * d + c]] * scales[r * nb + c / kIndexerQuantBlock];
 }
 
+void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool ue8m0) {
+  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_round_blocks: {} values in blocks of {}", n, block);
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = 1e-4f;
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float s = ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
+    for (int64_t c = b0; c < b0 + block; ++c)
+      y[c] = e4m3_to_f32(f32_to_e4m3(std::clamp(x[c] / s, -kFp8Max, kFp8Max))) * s;
+  }
+}
+
+void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp4_round_blocks: {} values in blocks of {}", n, block);
+  constexpr float kFp4Max = 6.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = kFp4Max * 0x1p-126f;
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float s = pow2_ceil(amax / kFp4Max);
+    for (int64_t c = b0; c < b0 + block; ++c)
+      y[c] = e2m1_to_f32(f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max))) * s;
+  }
+}
+
 void indexer_scores(float* scores, int64_t lds, const float* q, const float* w, int64_t n, int64_t heads, int64_t d,
                     const uint8_t* key_codes, const float* key_scales, int64_t T) {
   if (n == 0 || T == 0) return;
