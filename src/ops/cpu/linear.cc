@@ -436,14 +436,27 @@ void GemvFp8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
   Gemv(y, ldy, x, ldx, M, Fp8Rows{f}, f.cols, r0, r1, accumulate);
 }
 
-// fp4 weight rows [r0, r1) against M (<= 8) rows of x, with x's columns
-// permuted as Fp4Rows reads them (needs 2N to divide 32). Chunks of rows
-// with a scale above kFp4MaxVectorScale (none in real checkpoints) are
-// widened a row at a time instead.
+// fp4 weight rows [r0, r1) against M (<= 8) rows of x. When one pass of the
+// register kernel covers every row of x, the codes are widened in registers,
+// with x's columns permuted as Fp4Rows reads them (needs 2N to divide 32),
+// and chunks of rows with a scale above kFp4MaxVectorScale (none in real
+// checkpoints) are widened a row at a time instead. With more rows of x,
+// unpacking the nibbles again for every pass costs more than widening each
+// block of 4 weight rows once into an L1/L2 buffer that the passes then read
+// as float32.
 void GemvFp4(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const Fp4Weight& f, int64_t r0,
              int64_t r1, bool accumulate) {
   const DF d;
   const int64_t K = f.cols, N = static_cast<int64_t>(hn::Lanes(d));
+  if (M > kXRowsPerPass) {
+    Buffer<float> wide(static_cast<size_t>(4 * K));
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int64_t rb = std::min(r1, r + 4);
+      WidenFp4Rows(wide.data(), f, r, rb);
+      Gemv(y + r, ldy, x, ldx, M, F32Rows{wide.data(), K}, K, 0, rb - r, accumulate);
+    }
+    return;
+  }
   Buffer<float> xp(static_cast<size_t>(M * K));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < K; g += 2 * N) {
