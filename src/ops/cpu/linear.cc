@@ -227,7 +227,8 @@ void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64
         const VF m = hn::Set(d, fp4_multiplier(s[b]));
         for (int64_t j = 0; j < kFp4Block / 2; j += N) {
           const auto bytes = LoadFp4Bytes(d, qb + j);
-          hn::StoreInterleaved2(hn::Mul(E2m1Value(d, bytes, 28), m), hn::Mul(E2m1Value(d, bytes, 24), m), d, ob + 2 * j);
+          hn::StoreInterleaved2(hn::Mul(E2m1Value(d, bytes, 28), m), hn::Mul(E2m1Value(d, bytes, 24), m), d,
+                                ob + 2 * j);
         }
       } else {
         const float sc = e8m0_to_f32(s[b]);
