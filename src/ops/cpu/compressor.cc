@@ -33,6 +33,29 @@ Slots slots(int64_t b, const CompressorDims& d) {
   return {{(b - 1) * m, b * m}, {m, m}, {0, d.dim}, 2};
 }
 
+// Calls f(k) with the index into P and Z of every slot of channel i, in
+// slot order.
+template <typename F>
+void for_slots(const Slots& s, int64_t width, int64_t i, F&& f) {
+  for (int g = 0; g < s.groups; ++g)
+    for (int64_t j = 0; j < s.count[g]; ++j) f((s.first_token[g] + j) * width + s.offset[g] + i);
+}
+
+// The softmax of channel i's gates over its slots: its max and sum of exps;
+// returns sum_j exp(Z_j - max) P_j.
+float pool_channel(const Slots& s, const float* P, const float* Z, int64_t width, int64_t i, float& mx, float& sum) {
+  mx = -std::numeric_limits<float>::infinity();
+  for_slots(s, width, i, [&](int64_t k) { mx = std::max(mx, Z[k]); });
+  sum = 0;
+  float acc = 0;
+  for_slots(s, width, i, [&](int64_t k) {
+    const float e = std::exp(Z[k] - mx);
+    sum += e;
+    acc += e * P[k];
+  });
+  return acc;
+}
+
 }  // namespace
 
 void compressor_pool_forward(float* out, const float* P, const float* Z, const CompressorDims& d) {
@@ -43,18 +66,8 @@ void compressor_pool_forward(float* out, const float* P, const float* Z, const C
       const Slots s = slots(b, d);
       float* o = out + b * D;
       for (int64_t i = 0; i < D; ++i) {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int g = 0; g < s.groups; ++g)
-          for (int64_t j = 0; j < s.count[g]; ++j) mx = std::max(mx, Z[(s.first_token[g] + j) * W + s.offset[g] + i]);
-        float sum = 0, acc = 0;
-        for (int g = 0; g < s.groups; ++g)
-          for (int64_t j = 0; j < s.count[g]; ++j) {
-            const int64_t k = (s.first_token[g] + j) * W + s.offset[g] + i;
-            const float e = std::exp(Z[k] - mx);
-            sum += e;
-            acc += e * P[k];
-          }
-        o[i] = acc / sum;
+        float mx, sum;
+        o[i] = pool_channel(s, P, Z, W, i, mx, sum) / sum;
       }
     }
   });
@@ -71,26 +84,14 @@ void compressor_pool_backward(float* dP, float* dZ, const float* dout, const flo
     for (int64_t b = b0; b < b1; ++b) {
       const Slots s = slots(b, d);
       for (int64_t i = 0; i < D; ++i) {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int g = 0; g < s.groups; ++g)
-          for (int64_t j = 0; j < s.count[g]; ++j) mx = std::max(mx, Z[(s.first_token[g] + j) * W + s.offset[g] + i]);
-        float sum = 0, acc = 0;
-        for (int g = 0; g < s.groups; ++g)
-          for (int64_t j = 0; j < s.count[g]; ++j) {
-            const int64_t k = (s.first_token[g] + j) * W + s.offset[g] + i;
-            const float e = std::exp(Z[k] - mx);
-            sum += e;
-            acc += e * P[k];
-          }
-        const float c = acc / sum, g_out = dout[b * D + i];
+        float mx, sum;
+        const float c = pool_channel(s, P, Z, W, i, mx, sum) / sum, g_out = dout[b * D + i];
         // C = sum_j w_j P_j: dP_j = w_j dC, dZ_j = w_j (P_j - C) dC.
-        for (int g = 0; g < s.groups; ++g)
-          for (int64_t j = 0; j < s.count[g]; ++j) {
-            const int64_t k = (s.first_token[g] + j) * W + s.offset[g] + i;
-            const float w = std::exp(Z[k] - mx) / sum;
-            dP[k] += w * g_out;
-            dZ[k] += w * (P[k] - c) * g_out;
-          }
+        for_slots(s, W, i, [&](int64_t k) {
+          const float w = std::exp(Z[k] - mx) / sum;
+          dP[k] += w * g_out;
+          dZ[k] += w * (P[k] - c) * g_out;
+        });
       }
     }
   });
