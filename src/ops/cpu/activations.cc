@@ -71,10 +71,11 @@ void SiluMulGradSpan(float* da, float* db, const float* dout, const float* a, co
 // clamps pass.
 void SiluMulClampedSpan(float* out, const float* a, const float* b, int64_t n, float limit) {
   const DF d;
-  const VF L = hn::Set(d, limit), nL = hn::Neg(L);
-  Map2(d, out, a, b, static_cast<size_t>(n), [d, L, nL](VF x, VF y) HWY_ATTR {
+  // SVE vectors cannot be captured: the lambda takes the float.
+  Map2(d, out, a, b, static_cast<size_t>(n), [d, limit](VF x, VF y) HWY_ATTR {
+    const VF L = hn::Set(d, limit);
     const VF xc = hn::Min(x, L);
-    return hn::Mul(hn::Mul(xc, Sigmoid(d, xc)), hn::Min(hn::Max(y, nL), L));
+    return hn::Mul(hn::Mul(xc, Sigmoid(d, xc)), hn::Min(hn::Max(y, hn::Neg(L)), L));
   });
 }
 
