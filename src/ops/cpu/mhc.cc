@@ -82,7 +82,7 @@ void sinkhorn(float* M, int64_t n, int64_t iters, float eps, float* states) {
 }
 
 // dL (the logits' gradient) from dcomb, through the normalizations in
-// reverse and the softmax; dM is overwritten, work holds n floats.
+// reverse and the softmax (dL is overwritten).
 void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t n, int64_t iters, float eps) {
   std::vector<float> g(dcomb, dcomb + n * n);
   for (int64_t step = 2 * iters - 2; step >= 0; --step) {
