@@ -5,7 +5,7 @@
 #   2. a byte-level BPE tokenizer trained on it (1024 tokens);
 #   3. the corpus tokenized into shards with a held-out eval split;
 #   4. `deepseek train configs/train-tiny.yml`: the tiny preset (MLA + MoE with
-#      a shared expert + MTP) for about five minutes on 2 cores, with eval loss,
+#      a shared expert + MTP) for 5-8 minutes on 2 cores (by CPU), with eval loss,
 #      metrics.jsonl, loss.svg and checkpoints in runs/RUN;
 #   5. the last checkpoint exported as a Hugging Face folder (runs/RUN/hf);
 #   6. a sample generated from the export.
