@@ -110,6 +110,7 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
     }
   });
 }
+
 void expert_selection_backward(float* dlogits, const float* dweights, const float* scores, const int32_t* experts,
                                int64_t tokens, const ExpertSelectionConfig& cfg) {
   check_config(cfg, tokens);

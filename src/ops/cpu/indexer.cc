@@ -27,6 +27,14 @@ float pow2_ceil(float x) {
   return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
 }
 
+// The fp8 scale of the n values at v: amax (at least 1e-4) / 448, or with
+// ue8m0 the power of two at or above it.
+float fp8_block_scale(const float* v, int64_t n, bool ue8m0) {
+  float amax = 1e-4f;
+  for (int64_t c = 0; c < n; ++c) amax = std::max(amax, std::fabs(v[c]));
+  return ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
+}
+
 }  // namespace
 
 void hadamard_rows(float* x, int64_t rows, int64_t d) {
@@ -106,9 +114,7 @@ void fp8_quantize_rows(uint8_t* codes, float* scales, const float* x, int64_t ro
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t c0 = b * kIndexerQuantBlock, c1 = std::min(d, c0 + kIndexerQuantBlock);
       const float* v = x + r * d;
-      float amax = 1e-4f;
-      for (int64_t c = c0; c < c1; ++c) amax = std::max(amax, std::fabs(v[c]));
-      const float s = ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
+      const float s = fp8_block_scale(v + c0, c1 - c0, ue8m0);
       scales[r * nb + b] = s;
       for (int64_t c = c0; c < c1; ++c) codes[r * d + c] = f32_to_e4m3(std::clamp(v[c] / s, -kFp8Max, kFp8Max));
     }
@@ -128,9 +134,7 @@ void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, in
 void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool ue8m0) {
   DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_round_blocks: {} values in blocks of {}", n, block);
   for (int64_t b0 = 0; b0 < n; b0 += block) {
-    float amax = 1e-4f;
-    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const float s = ue8m0 ? pow2_ceil(amax * (1.0f / kFp8Max)) : amax * (1.0f / kFp8Max);
+    const float s = fp8_block_scale(x + b0, block, ue8m0);
     for (int64_t c = b0; c < b0 + block; ++c)
       y[c] = e4m3_to_f32(f32_to_e4m3(std::clamp(x[c] / s, -kFp8Max, kFp8Max))) * s;
   }
