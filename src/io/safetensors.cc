@@ -29,7 +29,7 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // cannot hold as a Tensor (they are still validated and may be skipped).
 size_t safetensors_elem_size(const std::string& d) {
   static const std::map<std::string, size_t> sizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
       {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
   auto it = sizes.find(d);
   return it == sizes.end() ? 0 : it->second;
@@ -250,6 +250,16 @@ const TensorInfo& SafetensorsSet::info(const std::string& name) const {
   auto it = where_.find(name);
   DS_CHECK(it != where_.end(), "tensor '{}' not found in the checkpoint", name);
   return files_[it->second].info(name);
+}
+
+const uint8_t* SafetensorsFile::bytes(const std::string& name) const {
+  return reinterpret_cast<const uint8_t*>(data_ + info(name).begin);
+}
+
+const uint8_t* SafetensorsSet::bytes(const std::string& name) const {
+  auto it = where_.find(name);
+  DS_CHECK(it != where_.end(), "tensor '{}' not found in the checkpoint", name);
+  return files_[it->second].bytes(name);
 }
 
 Tensor SafetensorsSet::tensor(const std::string& name) const {

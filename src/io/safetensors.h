@@ -45,6 +45,10 @@ class SafetensorsFile {
   // A tensor borrowing the mapped bytes (no copy); the mapping lives as long as
   // any tensor taken from it.
   Tensor tensor(const std::string& name) const;
+  // The tensor's raw bytes (info(name) gives dtype and shape), for dtypes a
+  // Tensor cannot hold (packed fp4 as I8/U8, F8_E8M0 scales); valid while
+  // this file is open.
+  const uint8_t* bytes(const std::string& name) const;
 
  private:
   std::string path_;
@@ -65,6 +69,7 @@ class SafetensorsSet {
   bool contains(const std::string& name) const { return where_.count(name) != 0; }
   Tensor tensor(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;
+  const uint8_t* bytes(const std::string& name) const;  // see SafetensorsFile::bytes
   std::vector<std::string> names() const;  // sorted
 
  private:

@@ -15,57 +15,16 @@
 #include "core/error.h"
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
+#include "model/json_fields.h"
 
 namespace ds::model {
 
 namespace {
 
 using json = nlohmann::json;
+using namespace json_fields;
 
 double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
-
-// A JSON value shortened for an error line: a crafted file can hold a
-// number or string of any length.
-std::string brief(const json& v) {
-  std::string s = v.dump();
-  if (s.size() > 48) s = s.substr(0, 40) + "...(" + std::to_string(s.size()) + " characters)";
-  return s;
-}
-
-// A JSON integer in int64_t: 64.9, 64.0, "64" and 2^63 are all errors
-// (nlohmann would truncate the first two and wrap the last).
-int64_t strict_int(const json& v, const char* key, const std::string& src) {
-  DS_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= uint64_t{INT64_MAX}),
-           "{}: key '{}' must be an integer, got {}", src, key, brief(v));
-  return v.get<int64_t>();
-}
-
-// Typed access to a config.json field, naming the key on a type mismatch.
-template <typename T>
-T get(const json& j, const char* key, const std::string& src) {
-  DS_CHECK(j.contains(key), "{}: key '{}' is missing", src, key);
-  const json& v = j.at(key);
-  if constexpr (std::is_same_v<T, int64_t>) {
-    return strict_int(v, key, src);
-  } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
-    DS_CHECK(v.is_array() && v.size() <= 16, "{}: key '{}' must be a short array of integers, got {}", src, key,
-             brief(v));
-    std::vector<int64_t> out;
-    for (const json& e : v) out.push_back(strict_int(e, key, src));
-    return out;
-  } else {
-    try {
-      return v.get<T>();
-    } catch (const json::exception&) {
-      DS_FAIL("{}: key '{}' has the wrong type (got {})", src, key, brief(v));
-    }
-  }
-}
-template <typename T>
-T get_or(const json& j, const char* key, T fallback, const std::string& src) {
-  if (!j.contains(key) || j.at(key).is_null()) return fallback;
-  return get<T>(j, key, src);
-}
 
 }  // namespace
 
@@ -289,20 +248,7 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   c.v_head_dim = get<int64_t>(j, "v_head_dim", src);
   c.rope_theta = get_or<double>(j, "rope_theta", 10000.0, src);
   c.max_position_embeddings = get_or<int64_t>(j, "max_position_embeddings", v2 ? 2048 : 4096, src);
-  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-    const json& r = j["rope_scaling"];
-    DS_CHECK(r.is_object(), "{}: rope_scaling must be an object or null", src);
-    std::string type =
-        r.contains("type") ? get<std::string>(r, "type", src) : get_or<std::string>(r, "rope_type", "", src);
-    DS_CHECK(type == "yarn", "{}: rope_scaling type '{}' is not supported (yarn)", src, type);
-    c.rope_scaling.enabled = true;
-    c.rope_scaling.factor = get<double>(r, "factor", src);
-    c.rope_scaling.original_max_position_embeddings = get<int64_t>(r, "original_max_position_embeddings", src);
-    c.rope_scaling.beta_fast = get_or<double>(r, "beta_fast", 32.0, src);
-    c.rope_scaling.beta_slow = get_or<double>(r, "beta_slow", 1.0, src);
-    c.rope_scaling.mscale = get_or<double>(r, "mscale", 1.0, src);
-    c.rope_scaling.mscale_all_dim = get_or<double>(r, "mscale_all_dim", 0.0, src);
-  }
+  c.rope_scaling = read_rope_scaling(j, src);
   // Routing knobs default as the Hugging Face config classes do.
   c.n_routed_experts = get_or<int64_t>(j, "n_routed_experts", v2 ? 0 : 256, src);
   if (c.n_routed_experts > 0) c.moe_intermediate_size = get<int64_t>(j, "moe_intermediate_size", src);

@@ -1,0 +1,71 @@
+// DeepSeek-V4's configuration (Hugging Face model_type deepseek_v4: V4-Flash,
+// V4-Pro and their -Base checkpoints), read from the folder's config.json.
+//
+// Each layer's attention kind comes from compress_ratios (0: sliding window
+// only, 4: compressed sparse attention with the lightning indexer, 128:
+// heavily compressed attention); the list holds num_hidden_layers entries
+// plus one per MTP layer. Configs written by Hugging Face's own class carry
+// layer_types (and compress_rates) instead; both are read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace ds::model {
+
+enum class V4Scoring { SqrtSoftplus, Sigmoid, Softmax };
+
+struct V4Config {
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;  // d
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;  // H query heads over one shared K=V head
+  int64_t head_dim = 0;             // D = nope + rope
+  int64_t qk_rope_head_dim = 0;     // R, the rotated tail of every head
+  int64_t q_lora_rank = 0;
+  int64_t o_groups = 0, o_lora_rank = 0;
+  int64_t sliding_window = 0;
+  std::vector<int64_t> compress_ratios;  // main layers, then MTP layers (missing MTP entries: 0)
+  double rope_theta = 10000.0;           // m = 0 layers: plain RoPE
+  double compress_rope_theta = 0.0;      // m > 0 layers, with YaRN when rope_scaling is set
+  YarnScaling rope_scaling;              // magnitude scaling is never applied in V4
+  int64_t max_position_embeddings = 0;
+  // MoE (every layer)
+  int64_t n_routed_experts = 0, n_shared_experts = 0, num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  V4Scoring scoring_func = V4Scoring::SqrtSoftplus;
+  double routed_scaling_factor = 1.0;
+  int64_t num_hash_layers = 0;       // the first layers route by token id (ffn.gate.tid2eid)
+  double swiglu_limit = 0.0;         // 0: no clamp
+  std::string expert_dtype = "fp8";  // routed experts: "fp4" (packed e2m1, e8m0 per 32) or "fp8"
+  // Lightning indexer (CSA layers)
+  int64_t index_n_heads = 0, index_head_dim = 0, index_topk = 0;
+  // mHC
+  int64_t hc_mult = 0, hc_sinkhorn_iters = 0;
+  double hc_eps = 1e-6;
+  double rms_norm_eps = 1e-6;
+  int64_t num_nextn_predict_layers = 0;
+  bool tie_word_embeddings = false;
+  int64_t bos_token_id = 0, eos_token_id = 1;
+  int64_t fp8_block_rows = 128, fp8_block_cols = 128;
+
+  int64_t nope_dim() const { return head_dim - qk_rope_head_dim; }
+  // m of main layer l (l < num_hidden_layers) or MTP layer l - num_hidden_layers.
+  int64_t compress_ratio(int64_t layer) const;
+  bool hash_routed(int64_t layer) const { return layer < num_hash_layers && layer < num_hidden_layers; }
+  void validate() const;
+  // Weights of the main model (embedding, layers, head; MTP not counted).
+  int64_t parameter_count() const;
+
+  static V4Config from_hf_json_text(const std::string& text, const std::string& source = "config.json");
+  static V4Config from_hf_json_file(const std::string& path);
+};
+
+// The model_type of a config.json ("" when it has none): which loader a
+// folder needs.
+std::string config_model_type(const std::string& config_json_path);
+
+}  // namespace ds::model

@@ -1,0 +1,389 @@
+#include "model/v4_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <utility>
+
+#include "core/buffer.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/activations.h"
+#include "ops/compressor.h"
+#include "ops/expert_selection.h"
+#include "ops/indexer.h"
+#include "ops/matmul.h"
+#include "ops/mhc.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+
+namespace ds::model {
+
+namespace {
+
+constexpr int64_t kLatentFp8Block = 64;  // the K=V latent's fp8 simulation blocks
+constexpr int64_t kIndexFp4Block = 32;   // the indexer's fp4 simulation blocks
+
+const float* f32(const ops::WeightView& v) {
+  DS_CHECK(v.data != nullptr && v.dtype == DType::F32, "internal: a V4 vector parameter must be a float32 view");
+  return static_cast<const float*>(v.data);
+}
+
+std::vector<float> frequencies(const V4Config& c, double theta, bool yarn) {
+  ops::RopeConfig rc;
+  rc.dim = c.qk_rope_head_dim;
+  rc.theta = theta;
+  if (yarn && c.rope_scaling.enabled) {
+    rc.factor = c.rope_scaling.factor;
+    rc.original_max_position = c.rope_scaling.original_max_position_embeddings;
+    rc.beta_fast = c.rope_scaling.beta_fast;
+    rc.beta_slow = c.rope_scaling.beta_slow;
+  }
+  std::vector<float> f(static_cast<size_t>(c.qk_rope_head_dim / 2));
+  ops::rope_frequencies(f.data(), rc);
+  return f;
+}
+
+// Rows a compressor's carry holds after `tokens` tokens.
+int64_t carry_start(int64_t tokens, int64_t ratio) {
+  const int64_t open = tokens / ratio;  // the window being filled
+  return (ratio == 4 ? std::max<int64_t>(open - 1, 0) : open) * ratio;
+}
+
+// Unit weights for the per-head query norm, which has none.
+const float* ones(int64_t n) {
+  thread_local std::vector<float> v;
+  if (static_cast<int64_t>(v.size()) < n) v.assign(static_cast<size_t>(n), 1.0f);
+  return v.data();
+}
+
+}  // namespace
+
+size_t V4LayerState::bytes() const {
+  return (window.size() + carry.P.size() + carry.Z.size() + entries.size() + index_carry.P.size() +
+          index_carry.Z.size() + index_keys.size()) *
+         sizeof(float);
+}
+
+size_t V4State::bytes() const {
+  size_t b = 0;
+  for (const auto& l : layers) b += l.bytes();
+  return b;
+}
+
+size_t v4_state_bytes(const V4Config& c, int64_t tokens) {
+  if (tokens <= 0) return 0;
+  size_t floats = 0;
+  auto comp = [&](int64_t ratio, int64_t dim) {
+    const int64_t width = (ratio == 4 ? 2 : 1) * dim;
+    floats += static_cast<size_t>(2 * (tokens - carry_start(tokens, ratio)) * width + (tokens / ratio) * dim);
+  };
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    floats += static_cast<size_t>(c.sliding_window * c.head_dim);
+    const int64_t m = c.compress_ratio(l);
+    if (m > 0) comp(m, c.head_dim);
+    if (m == 4) comp(4, c.index_head_dim);
+  }
+  return floats * sizeof(float);
+}
+
+V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
+    : cfg_(cfg),
+      w_(w),
+      opt_(opt),
+      freqs_window_(frequencies(cfg, cfg.rope_theta, false)),
+      freqs_compressed_(
+          frequencies(cfg, cfg.compress_rope_theta > 1 ? cfg.compress_rope_theta : cfg.rope_theta, true)) {
+  cfg_.validate();
+  DS_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_hidden_layers, "V4 weights do not match the config");
+}
+
+V4State V4Model::new_state() const {
+  V4State s;
+  s.layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
+  return s;
+}
+
+void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
+                       const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys,
+                       int64_t p0, int64_t n) {
+  const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
+  const bool overlap = m == 4;
+  const int64_t width = (overlap ? 2 : 1) * dim;
+  const int64_t old = static_cast<int64_t>(carry.P.size()) / width, start = carry.start;
+  DS_CHECK(start + old == p0, "internal: compressor carry ends at {}, the new tokens start at {}", start + old, p0);
+  const int64_t total = old + n;
+  Buffer<float> P(static_cast<size_t>(total * width)), Z(static_cast<size_t>(total * width));
+  std::copy(carry.P.begin(), carry.P.end(), P.begin());
+  std::copy(carry.Z.begin(), carry.Z.end(), Z.begin());
+  ops::linear_forward(P.data() + old * width, a, p.wkv, n);
+  ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
+  const float* ape = f32(p.ape);
+  for (int64_t i = 0; i < n; ++i) {
+    float* z = Z.data() + (old + i) * width;
+    const float* e = ape + ((p0 + i) % m) * width;
+    for (int64_t c = 0; c < width; ++c) z[c] += e[c];
+  }
+  // The buffer's first window was emitted before when it is complete (the
+  // previous window an overlapping entry still reads).
+  const int64_t skip = start / m < p0 / m ? 1 : 0;
+  const ops::CompressorDims dims{total, dim, m, overlap};
+  const int64_t windows = dims.entries();
+  if (windows > skip) {
+    Buffer<float> pooled(static_cast<size_t>(windows * dim));
+    ops::compressor_pool_forward(pooled.data(), P.data(), Z.data(), dims);
+    const int64_t k = windows - skip, b0 = start / m + skip;
+    float* E = pooled.data() + skip * dim;
+    Buffer<float> rstd(static_cast<size_t>(k));
+    ops::rmsnorm_forward(E, rstd.data(), E, f32(p.norm), k, dim, static_cast<float>(cfg_.rms_norm_eps));
+    std::vector<int32_t> pos(static_cast<size_t>(k));
+    for (int64_t b = 0; b < k; ++b) pos[static_cast<size_t>(b)] = static_cast<int32_t>((b0 + b) * m);
+    ops::rope_forward(E + dim - R, E + dim - R, pos.data(), freqs_compressed_.data(), k, 1, R, dim, dim,
+                      ops::RopeLayout::Interleaved);
+    if (index_keys) {
+      ops::hadamard_rows(E, k, dim);
+      if (opt_.qat) ops::fp4_round_blocks(E, E, k * dim, kIndexFp4Block);
+    } else if (opt_.qat) {
+      for (int64_t b = 0; b < k; ++b)
+        ops::fp8_round_blocks(E + b * dim, E + b * dim, dim - R, kLatentFp8Block, /*ue8m0=*/true);
+    }
+    entries.insert(entries.end(), E, E + k * dim);
+  }
+  const int64_t keep = carry_start(p0 + n, m);
+  carry.P.assign(P.begin() + (keep - start) * width, P.end());
+  carry.Z.assign(Z.begin() + (keep - start) * width, Z.end());
+  carry.start = keep;
+}
+
+void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState& st, int64_t p0, int64_t n) {
+  const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
+  const int64_t H = cfg_.num_attention_heads, D = cfg_.head_dim, R = cfg_.qk_rope_head_dim, N = D - R;
+  const int64_t Lq = cfg_.q_lora_rank, W = cfg_.sliding_window, m = cfg_.compress_ratio(layer);
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const float* freqs = m > 0 ? freqs_compressed_.data() : freqs_window_.data();
+  std::vector<int32_t> pos(static_cast<size_t>(n));
+  std::iota(pos.begin(), pos.end(), static_cast<int32_t>(p0));
+
+  // Queries: q-LoRA, its norm, per-head RMS normalisation, RoPE on the tail.
+  Buffer<float> qr(static_cast<size_t>(n * Lq)), q(static_cast<size_t>(n * H * D));
+  Buffer<float> rstd(static_cast<size_t>(n * H));
+  ops::linear_forward(qr.data(), a, p.wq_a, n);
+  ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), f32(p.q_norm), n, Lq, eps);
+  ops::linear_forward(q.data(), qr.data(), p.wq_b, n);
+  ops::rmsnorm_forward(q.data(), rstd.data(), q.data(), ones(D), n * H, D, eps);
+  ops::rope_forward(q.data() + N, q.data() + N, pos.data(), freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
+  // The shared K=V latent.
+  Buffer<float> kv(static_cast<size_t>(n * D));
+  ops::linear_forward(kv.data(), a, p.wkv, n);
+  ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), f32(p.kv_norm), n, D, eps);
+  ops::rope_forward(kv.data() + N, kv.data() + N, pos.data(), freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
+  if (opt_.qat)
+    for (int64_t i = 0; i < n; ++i)
+      ops::fp8_round_blocks(kv.data() + i * D, kv.data() + i * D, N, kLatentFp8Block, /*ue8m0=*/true);
+
+  // Compressed entries (they become visible only once their window closes).
+  if (m > 0) compress(st.entries, st.carry, a, p.compressor, D, m, false, p0, n);
+  const int64_t Hi = cfg_.index_n_heads, Di = cfg_.index_head_dim;
+  Buffer<float> qi, wts;
+  if (m == 4) {
+    compress(st.index_keys, st.index_carry, a, p.index_compressor, Di, 4, true, p0, n);
+    qi.resize(static_cast<size_t>(n * Hi * Di));
+    ops::linear_forward(qi.data(), qr.data(), p.index_wq_b, n);
+    ops::rope_forward(qi.data() + Di - R, qi.data() + Di - R, pos.data(), freqs, n, Hi, R, Hi * Di, Di,
+                      ops::RopeLayout::Interleaved);
+    ops::hadamard_rows(qi.data(), n * Hi, Di);
+    if (opt_.qat) ops::fp4_round_blocks(qi.data(), qi.data(), n * Hi * Di, kIndexFp4Block);
+    wts.resize(static_cast<size_t>(n * Hi));
+    ops::linear_forward(wts.data(), a, p.index_weights_proj, n);
+    const float ws = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Di) * static_cast<double>(Hi)));
+    for (auto& v : wts) v *= ws;
+  }
+
+  // Every query over its window and its compressed entries.
+  if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
+  const float* sink = f32(p.sink);
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  Buffer<float> o(static_cast<size_t>(n * H * D));
+  parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> keys, s, isc;
+    std::vector<int32_t> picked;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = p0 + i;
+      const int64_t first = std::max<int64_t>(0, t - W + 1);
+      const int64_t visible = m > 0 ? (t + 1) / m : 0;
+      picked.clear();
+      if (m == 4 && visible > 0) {
+        // Lightning indexer: sum_h w_h relu(q_h . k_b), top index_topk.
+        isc.assign(static_cast<size_t>(Hi * visible), 0.0f);
+        ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, st.index_keys.data(), Di, 0.0f,
+                  isc.data(), visible);
+        std::vector<float> score(static_cast<size_t>(visible), 0.0f);
+        for (int64_t h = 0; h < Hi; ++h) {
+          const float wh = wts[static_cast<size_t>(i * Hi + h)];
+          const float* row = isc.data() + h * visible;
+          for (int64_t b = 0; b < visible; ++b) score[static_cast<size_t>(b)] += wh * std::max(row[b], 0.0f);
+        }
+        picked.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
+        picked.resize(static_cast<size_t>(ops::topk_indices(picked.data(), score.data(), visible, cfg_.index_topk)));
+      } else if (m > 0) {
+        picked.resize(static_cast<size_t>(visible));
+        std::iota(picked.begin(), picked.end(), 0);
+      }
+      const int64_t C = t - first + 1 + static_cast<int64_t>(picked.size());
+      keys.resize(static_cast<size_t>(C * D));
+      float* k = keys.data();
+      for (int64_t src = first; src <= t; ++src, k += D) {
+        const float* row = src >= p0 ? kv.data() + (src - p0) * D : st.window.data() + (src % W) * D;
+        std::memcpy(k, row, static_cast<size_t>(D) * sizeof(float));
+      }
+      for (int32_t b : picked) {
+        std::memcpy(k, st.entries.data() + b * D, static_cast<size_t>(D) * sizeof(float));
+        k += D;
+      }
+      s.resize(static_cast<size_t>(H * C));
+      ops::gemm(false, true, H, C, D, scale, q.data() + i * H * D, D, keys.data(), D, 0.0f, s.data(), C);
+      for (int64_t h = 0; h < H; ++h) {
+        float* row = s.data() + h * C;
+        float mx = sink[h];
+        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, row[c]);
+        double sum = std::exp(static_cast<double>(sink[h]) - mx);
+        for (int64_t c = 0; c < C; ++c) {
+          row[c] = std::exp(row[c] - mx);
+          sum += row[c];
+        }
+        const float inv = static_cast<float>(1.0 / sum);
+        for (int64_t c = 0; c < C; ++c) row[c] *= inv;
+      }
+      ops::gemm(false, false, H, D, C, 1.0f, s.data(), C, keys.data(), D, 0.0f, o.data() + i * H * D, D);
+    }
+  });
+  for (int64_t src = std::max(p0, p0 + n - W); src < p0 + n; ++src)
+    std::memcpy(st.window.data() + (src % W) * D, kv.data() + (src - p0) * D, static_cast<size_t>(D) * sizeof(float));
+  // The values carry RoPE: rotate the output's tail back by -t.
+  ops::rope_backward(o.data() + N, o.data() + N, pos.data(), freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
+
+  // Grouped low-rank output: group g's heads through wo_a's rows of group g.
+  const int64_t G = cfg_.o_groups, r = cfg_.o_lora_rank, gw = H * D / G;
+  Buffer<float> z(static_cast<size_t>(n * G * r));
+  for (int64_t g = 0; g < G; ++g)
+    ops::linear_forward(z.data() + g * r, o.data() + g * gw, ops::row_slice(p.wo_a, g * r, (g + 1) * r), n, H * D,
+                        G * r);
+  ops::linear_forward(out, z.data(), p.wo_b, n);
+}
+
+void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n) {
+  const auto& L = w_.layers[static_cast<size_t>(layer)];
+  const int64_t d = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
+  const int64_t I = cfg_.moe_intermediate_size;
+  const float limit = static_cast<float>(cfg_.swiglu_limit);
+  Buffer<float> logits(static_cast<size_t>(n * E)), scores(static_cast<size_t>(n * E));
+  ops::linear_forward(logits.data(), x, L.gate, n);
+  ops::ExpertSelectionConfig sc;
+  sc.num_experts = E;
+  sc.k = K;
+  sc.group_score = ops::GroupScore::None;
+  sc.scoring = cfg_.scoring_func == V4Scoring::SqrtSoftplus ? ops::ExpertScoring::SqrtSoftplus
+               : cfg_.scoring_func == V4Scoring::Sigmoid    ? ops::ExpertScoring::Sigmoid
+                                                            : ops::ExpertScoring::Softmax;
+  sc.norm_topk_prob = cfg_.scoring_func != V4Scoring::Softmax;
+  sc.routed_scaling_factor = static_cast<float>(cfg_.routed_scaling_factor);
+  std::vector<int32_t> experts(static_cast<size_t>(n * K)), fixed;
+  std::vector<float> weights(static_cast<size_t>(n * K));
+  const bool hashed = cfg_.hash_routed(layer);
+  if (hashed) {
+    const auto* table = static_cast<const int32_t*>(L.tid2eid.data);
+    fixed.resize(static_cast<size_t>(n * K));
+    for (int64_t i = 0; i < n; ++i) std::copy(table + ids[i] * K, table + (ids[i] + 1) * K, fixed.begin() + i * K);
+  }
+  ops::expert_selection_forward(experts.data(), weights.data(), scores.data(), logits.data(),
+                                hashed ? nullptr : f32(L.gate_bias), n, sc, hashed ? fixed.data() : nullptr);
+
+  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp) {
+    Buffer<float> g(static_cast<size_t>(rows * I)), u(static_cast<size_t>(rows * I)), h(static_cast<size_t>(rows * I));
+    ops::linear_forward(g.data(), xs, mp.w1, rows);
+    ops::linear_forward(u.data(), xs, mp.w3, rows);
+    ops::silu_mul_forward(h.data(), g.data(), u.data(), rows * I, limit);
+    ops::linear_forward(y, h.data(), mp.w2, rows);
+  };
+  if (cfg_.n_shared_experts > 0)
+    swiglu(out, x, n, L.shared);
+  else
+    std::fill(out, out + n * d, 0.0f);
+  // Each chosen expert over its rows, added with the routing weight.
+  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
+  for (int64_t a = 0; a < n * K; ++a) rows[static_cast<size_t>(experts[static_cast<size_t>(a)])].push_back(a);
+  Buffer<float> xs, ys;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& list = rows[static_cast<size_t>(e)];
+    if (list.empty()) continue;
+    const int64_t cnt = static_cast<int64_t>(list.size());
+    xs.resize(static_cast<size_t>(cnt * d));
+    ys.resize(static_cast<size_t>(cnt * d));
+    for (int64_t j = 0; j < cnt; ++j) std::copy(x + list[j] / K * d, x + (list[j] / K + 1) * d, xs.begin() + j * d);
+    swiglu(ys.data(), xs.data(), cnt, L.experts[static_cast<size_t>(e)]);
+    for (int64_t j = 0; j < cnt; ++j) {
+      const float wgt = weights[static_cast<size_t>(list[j])];
+      float* dst = out + list[j] / K * d;
+      const float* src = ys.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] += wgt * src[c];
+    }
+  }
+}
+
+std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size, p0 = st.length;
+  DS_CHECK(n >= 1, "V4 forward: no tokens");
+  DS_CHECK(static_cast<int64_t>(st.layers.size()) == cfg_.num_hidden_layers, "V4 forward: state of another model");
+  DS_CHECK(p0 + n <= cfg_.max_position_embeddings, "V4 forward: {} tokens exceed max_position_embeddings {}", p0 + n,
+           cfg_.max_position_embeddings);
+  for (int64_t i = 0; i < n; ++i)
+    DS_CHECK(ids[i] >= 0 && ids[i] < V, "token id {} is outside the vocabulary of {}", ids[i], V);
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+
+  // Embedding, copied into every stream.
+  Buffer<float> X(static_cast<size_t>(n * hc * d)), X2(static_cast<size_t>(n * hc * d));
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = X.data() + i * hc * d;
+    ops::widen_rows(row, w_.embed, ids[i], ids[i] + 1);
+    for (int64_t j = 1; j < hc; ++j) std::copy(row, row + d, row + j * d);
+  }
+  ops::MhcDims md;
+  md.tokens = n;
+  md.streams = hc;
+  md.dim = d;
+  md.sinkhorn_iters = cfg_.hc_sinkhorn_iters;
+  md.eps = static_cast<float>(cfg_.hc_eps);
+  md.norm_eps = eps;
+  Buffer<float> a(static_cast<size_t>(n * d)), o(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
+  Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
+  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
+    const auto& L = w_.layers[static_cast<size_t>(l)];
+    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_attn_fn), f32(L.hc_attn_base),
+                         f32(L.hc_attn_scale), md);
+    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.attn_norm), n, d, eps);
+    attention(o.data(), a.data(), l, st.layers[static_cast<size_t>(l)], p0, n);
+    ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
+    std::swap(X, X2);
+    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_ffn_fn), f32(L.hc_ffn_base),
+                         f32(L.hc_ffn_scale), md);
+    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.ffn_norm), n, d, eps);
+    moe(o.data(), a.data(), ids, l, n);
+    ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
+    std::swap(X, X2);
+  }
+  st.length += n;
+
+  const int64_t rows = all_logits ? n : 1, first = n - rows;
+  md.tokens = rows;
+  Buffer<float> y(static_cast<size_t>(rows * d));
+  ops::mhc_head_forward(y.data(), X.data() + first * hc * d, f32(w_.hc_head_fn), f32(w_.hc_head_base),
+                        f32(w_.hc_head_scale), md);
+  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), f32(w_.norm), rows, d, eps);
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, rows);
+  return logits;
+}
+
+}  // namespace ds::model

@@ -1,0 +1,285 @@
+// DeepSeek-V4 against the independent float64 reference
+// (tests/reference/deepseek_v4_ref.py) on the tiny checkpoints in
+// tests/data/v4/models, written by make_v4_fixtures.py:
+//   v4_tiny:      SWA, CSA, HCA, CSA layers; fp4 experts with E8M0 scales,
+//                 fp8 linears with E8M0 block scales, two hash-routed layers,
+//                 an MTP layer (recognised, not loaded), one file;
+//   v4_tiny_base: the -Base layout: fp8 experts, float32 block scales under
+//                 weight_scale_inv, the "model." prefix, the
+//                 e_score_correction_bias spelling, two shards, HCA first.
+// Sequences of 1 to 260 tokens cover the window (8), the CSA indexer's top-k
+// (4 of up to 65 entries) and two HCA entries. The logits must match to 1e-5
+// of the largest logit, with and without the fp8/fp4 simulations; a row may
+// differ by more only by as much as the reference's own logits move when its
+// roundings nearest to a boundary go the other way (flip_delta). Decoding one
+// token at a time, or in chunks, must give what one full forward gives.
+#include "model/v4_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+
+using namespace ds::model;
+
+namespace {
+
+struct V4Fixture {
+  std::string dir;
+  V4Config cfg;
+  ds::io::SafetensorsSet files;
+  V4Weights weights;
+  std::vector<std::vector<int32_t>> tokens;
+};
+
+std::string fixture_dir(const std::string& name) {
+  return std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/models/" + name;
+}
+
+std::unique_ptr<V4Fixture> load(const std::string& name) {
+  auto f = std::make_unique<V4Fixture>();
+  f->dir = fixture_dir(name);
+  f->cfg = V4Config::from_hf_json_file(f->dir + "/config.json");
+  f->files = ds::io::SafetensorsSet::open_dir(f->dir);
+  f->weights = V4Weights::load(f->files, f->cfg);
+  std::ifstream in(f->dir + "/tokens.json");
+  f->tokens = nlohmann::json::parse(in).get<std::vector<std::vector<int32_t>>>();
+  return f;
+}
+
+std::vector<float> expected(const std::string& dir, const std::string& name) {
+  auto e = ds::io::SafetensorsFile::open(dir + "/expected.safetensors");
+  return e.tensor(name).to_vector();
+}
+
+// max over the vocabulary of |got - want| in row r of [rows, V].
+double row_error(const std::vector<float>& got, const std::vector<float>& want, int64_t V, int64_t r) {
+  double worst = 0;
+  for (int64_t v = 0; v < V; ++v) worst = std::max(worst, std::fabs(double(got[r * V + v]) - want[r * V + v]));
+  return worst;
+}
+
+double allowed(const std::vector<float>& slack, int64_t r, double tol) {
+  return tol + (slack.empty() ? 0.0 : double(slack[static_cast<size_t>(r)]));
+}
+
+// Every row within tol + slack[row].
+void expect_rows_close(const std::vector<float>& got, const std::vector<float>& want, int64_t V,
+                       const std::vector<float>& slack, double tol, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (int64_t r = 0; r < static_cast<int64_t>(want.size()) / V; ++r)
+    EXPECT_LE(row_error(got, want, V, r), allowed(slack, r, tol)) << what << " row " << r;
+}
+
+// Rows beyond tol + slack[row].
+int64_t rows_beyond(const std::vector<float>& got, const std::vector<float>& want, int64_t V,
+                    const std::vector<float>& slack, double tol) {
+  int64_t n = 0;
+  for (int64_t r = 0; r < static_cast<int64_t>(want.size()) / V; ++r)
+    n += row_error(got, want, V, r) > allowed(slack, r, tol);
+  return n;
+}
+
+// f must throw ds::Error whose text contains `needle`.
+template <typename F>
+void expect_error(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one containing: " << needle;
+  } catch (const ds::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << "message: " << e.what();
+  }
+}
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, std::fabs(double(x)));
+  return m;
+}
+
+class V4Reference : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(V4Reference, FullForwardMatchesTheReference) {
+  auto f = load(GetParam());
+  const int64_t V = f->cfg.vocab_size;
+  for (bool qat : {true, false}) {
+    V4Model model(f->cfg, f->weights.view, V4Options{qat});
+    for (size_t s = 0; s < f->tokens.size(); ++s) {
+      const auto& ids = f->tokens[s];
+      const std::string suffix = "." + std::to_string(s);
+      const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
+      // flip_delta: how far the reference moves when its nearest-to-boundary
+      // roundings flip (the simulations only).
+      std::vector<float> slack;
+      if (qat) slack = expected(f->dir, "flip_delta" + suffix);
+      V4State st = model.new_state();
+      const auto got = model.forward(st, ids.data(), static_cast<int64_t>(ids.size()), true);
+      expect_rows_close(got, want, V, slack, 1e-5 * max_abs(want),
+                        std::string(GetParam()) + (qat ? " qat" : " no-qat") + " seq " + std::to_string(s));
+      EXPECT_EQ(st.length, static_cast<int64_t>(ids.size()));
+      EXPECT_EQ(st.bytes(), v4_state_bytes(f->cfg, st.length));
+    }
+  }
+}
+
+TEST_P(V4Reference, IncrementalEqualsFull) {
+  auto f = load(GetParam());
+  const int64_t V = f->cfg.vocab_size;
+  const size_t last_seq = f->tokens.size() - 1;
+  const auto& ids = f->tokens[last_seq];
+  const int64_t T = static_cast<int64_t>(ids.size());
+  for (bool qat : {true, false}) {
+    V4Model model(f->cfg, f->weights.view, V4Options{qat});
+    V4State full_state = model.new_state();
+    const auto full = model.forward(full_state, ids.data(), T, true);
+    const std::string suffix = "." + std::to_string(last_seq);
+    const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
+    std::vector<float> slack;
+    if (qat) slack = expected(f->dir, "flip_delta" + suffix);
+    const double tol = 1e-5 * max_abs(want);
+    // Token by token after a prefix, and in uneven chunks that cut windows
+    // of every kind (4, 8, 128) in the middle.
+    for (const std::vector<int64_t>& chunks : {std::vector<int64_t>{3}, std::vector<int64_t>{5, 7, 1, 130, 2, 61}}) {
+      V4State st = model.new_state();
+      std::vector<float> got;
+      int64_t at = 0;
+      size_t c = 0;
+      while (at < T) {
+        const int64_t len = std::min(T - at, c < chunks.size() ? chunks[c++] : int64_t{1});
+        auto part = model.forward(st, ids.data() + at, len, true);
+        got.insert(got.end(), part.begin(), part.end());
+        at += len;
+      }
+      const std::string what =
+          std::string(GetParam()) + (qat ? " qat" : " no-qat") + " chunks from " + std::to_string(chunks[0]);
+      if (!qat) {
+        // Nothing is rounded: the reference's tolerance, and the full
+        // forward's own logits.
+        expect_rows_close(got, want, V, {}, tol, what);
+        expect_rows_close(got, full, V, {}, tol, what + " vs full");
+      } else {
+        // A token's projections computed alone (decode kernels) and within
+        // a prompt (prefill kernels) differ in float32 rounding; where a
+        // simulated fp8/fp4 value lies that close to a rounding boundary it
+        // rounds the other way, and the rows that see it (a window, 15
+        // tokens in v4_tiny_base) move by a few 1e-4 of the largest logit.
+        // Every row stays within such a flip's reach of the reference, and
+        // nearly all within the full forward's tolerance.
+        const int64_t off = rows_beyond(got, want, V, slack, tol);
+        EXPECT_LE(off, T / 10) << what;
+        expect_rows_close(got, want, V, slack, 1e-3 * max_abs(want), what + " (flip bound)");
+      }
+      EXPECT_EQ(st.bytes(), full_state.bytes());
+    }
+    // The last token's logits alone are the last row.
+    V4State again = model.new_state();
+    auto last = model.forward(again, ids.data(), T, false);
+    ASSERT_EQ(static_cast<int64_t>(last.size()), V);
+    for (int64_t v = 0; v < V; ++v) EXPECT_NEAR(last[v], full[(T - 1) * V + v], tol);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, V4Reference, ::testing::Values("v4_tiny", "v4_tiny_base"));
+
+TEST(V4State, BytesPerTokenOfV4Flash) {
+  // V4-Flash's shapes (43 layers: 2 SWA, 21 CSA, 20 HCA): the state at 1M
+  // tokens is the compressed entries and indexer keys (float32), 13760 bytes
+  // a token, plus the windows and the compressors' open windows.
+  V4Config c;
+  c.vocab_size = 129280;
+  c.hidden_size = 4096;
+  c.num_hidden_layers = 43;
+  c.num_attention_heads = 64;
+  c.head_dim = 512;
+  c.qk_rope_head_dim = 64;
+  c.q_lora_rank = 1024;
+  c.o_groups = 8;
+  c.o_lora_rank = 1024;
+  c.sliding_window = 128;
+  c.compress_ratios = {0, 0};
+  for (int i = 0; i < 20; ++i) {
+    c.compress_ratios.push_back(4);
+    c.compress_ratios.push_back(128);
+  }
+  c.compress_ratios.push_back(4);
+  c.compress_ratios.push_back(0);
+  c.compress_rope_theta = 160000;
+  c.max_position_embeddings = 1 << 20;
+  c.n_routed_experts = 256;
+  c.n_shared_experts = 1;
+  c.num_experts_per_tok = 6;
+  c.moe_intermediate_size = 2048;
+  c.index_n_heads = 64;
+  c.index_head_dim = 128;
+  c.index_topk = 512;
+  c.hc_mult = 4;
+  c.hc_sinkhorn_iters = 20;
+  c.num_nextn_predict_layers = 1;
+  c.expert_dtype = "fp4";
+  c.validate();
+  const int64_t M = int64_t{1} << 20;
+  // Growth per 1M tokens: CSA entries (512 floats per 4 tokens) and keys
+  // (128 per 4) in 21 layers, HCA entries (512 per 128 tokens) in 20.
+  const double per_token = 21 * (512.0 + 128.0) * 4 / 4 + 20 * 512.0 * 4 / 128;
+  EXPECT_EQ(per_token, 13760.0);
+  const size_t fixed = v4_state_bytes(c, 128);
+  const size_t at_1m = v4_state_bytes(c, M);
+  EXPECT_NEAR(double(at_1m - fixed) / double(M - 128), per_token, 1.0);
+  EXPECT_LT(double(at_1m) / double(M), per_token + 16.0);
+}
+
+TEST(V4Loader, RejectsBadCheckpoints) {
+  const std::string dir = fixture_dir("v4_tiny");
+  const V4Config cfg = V4Config::from_hf_json_file(dir + "/config.json");
+  auto files = ds::io::SafetensorsSet::open_dir(dir);
+  // A config that implies other shapes.
+  V4Config wider = cfg;
+  wider.q_lora_rank = 48;
+  expect_error([&] { V4Weights::load(files, wider); }, "attn.wq_a.weight");
+  // Experts declared fp8 but stored packed fp4.
+  V4Config fp8 = cfg;
+  fp8.expert_dtype = "fp8";
+  expect_error([&] { V4Weights::load(files, fp8); }, "packed fp4");
+  // A hash layer count that the checkpoint does not have.
+  V4Config more_hash = cfg;
+  more_hash.num_hash_layers = 3;
+  expect_error([&] { V4Weights::load(files, more_hash); }, "tid2eid");
+}
+
+TEST(V4Config, RejectsImpossibleConfigs) {
+  std::ifstream in(fixture_dir("v4_tiny") + "/config.json");
+  const auto base = nlohmann::json::parse(in);
+  auto bad = [&](const char* key, nlohmann::json v, const char* msg) {
+    auto j = base;
+    if (v.is_null())
+      j.erase(key);
+    else
+      j[key] = v;
+    expect_error([&] { V4Config::from_hf_json_text(j.dump()); }, msg);
+  };
+  bad("compress_ratios", {0, 4}, "fewer than num_hidden_layers");
+  bad("compress_ratios", {0, 4, 1, 4, 0}, "compress_ratios[2]");
+  bad("compress_ratios", {0, 4, 128, 4, 4}, "MTP layers");
+  bad("head_dim", 90, "multiple of 64");
+  bad("o_groups", 3, "o_groups");
+  bad("index_head_dim", 48, "power of two");
+  bad("expert_dtype", "int4", "expert_dtype");
+  bad("num_key_value_heads", 4, "one shared K=V head");
+  bad("hc_mult", nullptr, "hc_mult");
+  bad("num_experts_per_tok", 9, "num_experts_per_tok");
+  bad("model_type", "deepseek_v3", "not deepseek_v4");
+  // Hugging Face's layer_types instead of compress_ratios.
+  auto j = base;
+  j.erase("compress_ratios");
+  j["layer_types"] = {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                      "compressed_sparse_attention"};
+  const V4Config c = V4Config::from_hf_json_text(j.dump());
+  EXPECT_EQ(c.compress_ratios, (std::vector<int64_t>{0, 4, 128, 4}));
+}
+
+}  // namespace
