@@ -3,6 +3,8 @@
 //   deepseek generate --model DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]
 //                     [--top-p P] [--seed S] [--kv-cache latent|naive]
 //   deepseek bench --model DIR [--batch B] [--prompt-len P] [--new-tokens N] [--kv-cache latent|naive]
+// A DeepSeek-V4 folder (model_type deepseek_v4) runs on its own attention
+// state (infer/v4_engine.h); --kv-cache does not apply to it.
 #include <fmt/format.h>
 #include <sys/resource.h>
 
@@ -16,6 +18,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "infer/generate.h"
+#include "infer/v4_engine.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
@@ -53,6 +56,51 @@ std::string mib(size_t bytes) {
   if (bytes < (1u << 20)) return fmt::format("{:.1f} KiB", bytes / 1024.0);
   return fmt::format("{:.1f} MiB", bytes / (1024.0 * 1024.0));
 }
+
+// A model folder of either family, behind the generation loop: the V2/V3
+// engine with its KV cache, or DeepSeek-V4 with its per-sequence state.
+struct GenModel {
+  bool v4 = false;
+  model::ModelConfig cfg;  // V2/V3
+  model::V4Config v4cfg;
+  std::unique_ptr<infer::LoadedModel> m;
+  std::unique_ptr<infer::LoadedV4Model> m4;
+  std::unique_ptr<infer::V4Decoder> decoder;
+
+  static GenModel config_of(const std::string& dir) {
+    GenModel g;
+    g.v4 = infer::is_v4_folder(dir);
+    if (g.v4)
+      g.v4cfg = infer::load_v4_config(dir);
+    else
+      g.cfg = model::load_config(dir);
+    return g;
+  }
+  int64_t vocab_size() const { return v4 ? v4cfg.vocab_size : cfg.vocab_size; }
+  int64_t eos_token_id() const { return v4 ? v4cfg.eos_token_id : cfg.eos_token_id; }
+  int64_t max_positions() const { return v4 ? v4cfg.max_position_embeddings : cfg.max_position_embeddings; }
+  void check(const std::vector<int64_t>& lengths, const infer::GenerateOptions& opt) const {
+    if (v4)
+      infer::check_v4_request(v4cfg, lengths, opt);
+    else
+      infer::check_generate_request(cfg, lengths, opt);
+  }
+  void load(const std::string& dir) {
+    if (v4) {
+      m4 = infer::load_v4_model(dir);
+      decoder = std::make_unique<infer::V4Decoder>(*m4->model);
+    } else {
+      m = infer::load_model(dir);
+    }
+  }
+  void generate(const std::vector<std::vector<int32_t>>& prompts, const infer::GenerateOptions& opt,
+                infer::GenerateStats* st = nullptr) {
+    if (v4)
+      infer::generate(*decoder, prompts, opt, st);
+    else
+      infer::generate(*m->engine, prompts, opt, st);
+  }
+};
 
 // ---- init -----------------------------------------------------------------
 
@@ -129,19 +177,19 @@ int run_generate(const GenerateArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = cache_kind(a.cache);
-  const model::ModelConfig cfg = model::load_config(a.model);
+  GenModel g = GenModel::config_of(a.model);
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
   DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
   const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
-  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "the tokenizer's {} ids do not fit the model's vocabulary of {}",
-           tok.vocab_size(), cfg.vocab_size);
+  DS_CHECK(tok.vocab_size() <= g.vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+           tok.vocab_size(), g.vocab_size());
   const std::vector<int32_t> prompt = tok.encode(a.prompt, /*add_special_tokens=*/!a.raw);
   DS_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
-  opt.eos_token_id = cfg.eos_token_id;
+  opt.eos_token_id = g.eos_token_id();
   opt.sample_vocab = tok.vocab_size();
-  infer::check_generate_request(cfg, {static_cast<int64_t>(prompt.size())}, opt);
+  g.check({static_cast<int64_t>(prompt.size())}, opt);
 
-  auto m = infer::load_model(a.model);
+  g.load(a.model);
   TextStream stream(tok);
   opt.on_token = [&](int64_t, int32_t id) {
     if (id != opt.eos_token_id) stream.push(id);
@@ -149,7 +197,7 @@ int run_generate(const GenerateArgs& a) {
   std::fputs(a.prompt.c_str(), stdout);
   check_stdout();
   infer::GenerateStats st;
-  infer::generate(*m->engine, {prompt}, opt, &st);
+  g.generate({prompt}, opt, &st);
   stream.finish();
   std::fputs("\n", stdout);
   check_stdout();
@@ -158,7 +206,8 @@ int run_generate(const GenerateArgs& a) {
       fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
                   "KV cache ({}): {} for {} tokens; weights {}; peak RSS {}; {} threads\n",
                   st.prompt_tokens, st.prefill_seconds, st.prefill_tokens_per_second(), st.decode_steps_tokens,
-                  st.decode_seconds, st.decode_tokens_per_second(), a.cache, mib(st.cache_bytes),
+                  st.decode_seconds, st.decode_tokens_per_second(), g.v4 ? "deepseek_v4 state" : a.cache,
+                  mib(st.cache_bytes),
                   st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)), mib(peak_rss_bytes()),
                   num_threads())
           .c_str());
@@ -177,41 +226,41 @@ struct BenchArgs {
 
 int run_bench(const BenchArgs& a) {
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
-  const model::ModelConfig config = model::load_config(a.model);
-  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= config.max_position_embeddings,
+  GenModel g = GenModel::config_of(a.model);
+  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= g.max_positions(),
            "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
-           config.max_position_embeddings);
+           g.max_positions());
   {
     infer::GenerateOptions check;
     check.cache = cache_kind(a.cache);
     check.prefill_chunk = a.prefill_chunk;
     check.max_new_tokens = a.new_tokens + 1;
-    infer::check_generate_request(config, std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
+    g.check(std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
   }
-  DS_CHECK(!a.dense_attention || config.index_n_heads > 0,
+  DS_CHECK(!a.dense_attention || (!g.v4 && g.cfg.index_n_heads > 0),
            "--dense-attention compares DeepSeek-V3.2 sparse attention with dense attention; this model has no indexer");
-  auto m = infer::load_model(a.model);
-  m->engine->set_dense_attention(a.dense_attention);
-  const auto& cfg = m->config;
+  g.load(a.model);
+  if (!g.v4) g.m->engine->set_dense_attention(a.dense_attention);
+  const int64_t V = g.vocab_size();
   Philox rng(a.seed);
   std::vector<std::vector<int32_t>> prompts(a.batch);
   for (int64_t s = 0; s < a.batch; ++s)
     for (int64_t i = 0; i < a.prompt_len; ++i)
-      prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % cfg.vocab_size));
+      prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % V));
   infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
   opt.cache = cache_kind(a.cache);
   opt.prefill_chunk = a.prefill_chunk;
   // Warm-up, not timed: the same prompts touch every weight page and grow
   // the allocator's arenas.
   opt.max_new_tokens = 2;
-  infer::generate(*m->engine, prompts, opt);
+  g.generate(prompts, opt);
   // One token comes from the prefill, then new_tokens decode steps. The
   // median of the repeats is reported for each phase.
   opt.max_new_tokens = a.new_tokens + 1;
   std::vector<double> prefill, decode;
   infer::GenerateStats st;
   for (int64_t r = 0; r < a.repeat; ++r) {
-    infer::generate(*m->engine, prompts, opt, &st);
+    g.generate(prompts, opt, &st);
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
   }
@@ -224,8 +273,11 @@ int run_bench(const BenchArgs& a) {
                       {"prompt_len", a.prompt_len},
                       {"new_tokens", a.new_tokens},
                       {"threads", num_threads()},
-                      {"kv_cache", a.cache},
-                      {"attention", cfg.index_n_heads == 0 ? "mla" : a.dense_attention ? "dense" : "sparse"},
+                      {"kv_cache", g.v4 ? "deepseek_v4" : a.cache},
+                      {"attention", g.v4                       ? "deepseek_v4"
+                                    : g.cfg.index_n_heads == 0 ? "mla"
+                                    : a.dense_attention        ? "dense"
+                                                               : "sparse"},
                       {"prefill_chunk", a.prefill_chunk},
                       {"repeat", a.repeat},
                       {"prefill_tokens_per_s", median(prefill)},

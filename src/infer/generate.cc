@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <memory>
 
 #include "core/error.h"
 #include "core/system.h"
@@ -26,7 +27,7 @@ int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind) 
   return cfg.num_hidden_layers * (per_layer * static_cast<int64_t>(sizeof(float)) + indexer);
 }
 
-void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
+void check_generate_options(int64_t vocab_size, int64_t max_positions, const std::vector<int64_t>& prompt_lengths,
                             const GenerateOptions& opt) {
   DS_CHECK(!prompt_lengths.empty(), "generate: no prompts");
   DS_CHECK(static_cast<int64_t>(prompt_lengths.size()) <= kMaxSequences, "generate: {} prompts; at most {} at once",
@@ -34,14 +35,20 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   DS_CHECK(opt.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got {}", opt.max_new_tokens);
   check_sampler(opt.sampler);
   DS_CHECK(opt.prefill_chunk >= 0, "generate: prefill_chunk must be >= 0, got {}", opt.prefill_chunk);
-  DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= cfg.vocab_size, "generate: sample_vocab {} outside [0, {}]",
-           opt.sample_vocab, cfg.vocab_size);
-  int64_t tokens = 0;
+  DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= vocab_size, "generate: sample_vocab {} outside [0, {}]",
+           opt.sample_vocab, vocab_size);
   for (size_t s = 0; s < prompt_lengths.size(); ++s) {
     const int64_t n = prompt_lengths[s];
     DS_CHECK(n > 0, "sequence {} is empty", s);
-    DS_CHECK(n <= cfg.max_position_embeddings, "sequence {} has {} tokens, beyond max_position_embeddings {}", s, n,
-             cfg.max_position_embeddings);
+    DS_CHECK(n <= max_positions, "sequence {} has {} tokens, beyond max_position_embeddings {}", s, n, max_positions);
+  }
+}
+
+void check_generate_request(const model::ModelConfig& cfg, const std::vector<int64_t>& prompt_lengths,
+                            const GenerateOptions& opt) {
+  check_generate_options(cfg.vocab_size, cfg.max_position_embeddings, prompt_lengths, opt);
+  int64_t tokens = 0;
+  for (const int64_t n : prompt_lengths) {
     // Tokens that go through the model: the prompt and every new token but
     // the last (generation stops at max_position_embeddings).
     const int64_t fed =
@@ -52,15 +59,48 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");
 }
 
+namespace {
+
+// The V2/V3 engine over its KV cache.
+class KvDecoder : public Decoder {
+ public:
+  KvDecoder(Engine& e, CacheKind kind) : e_(e), kind_(kind) {}
+  int64_t vocab_size() const override { return e_.config().vocab_size; }
+  int64_t max_positions() const override { return e_.config().max_position_embeddings; }
+  void start(int64_t sequences) override {
+    cache_ = std::make_unique<KvCache>(kind_, sequences, e_.config().num_hidden_layers);
+  }
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
+    return e_.step(*cache_, tokens, false);
+  }
+  int64_t length(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].length; }
+  size_t cache_bytes() const override { return cache_->bytes(); }
+
+ private:
+  Engine& e_;
+  CacheKind kind_;
+  std::unique_ptr<KvCache> cache_;
+};
+
+}  // namespace
+
 std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats) {
-  const auto& cfg = model.config();
   std::vector<int64_t> lengths;
   for (const auto& p : prompts) lengths.push_back(static_cast<int64_t>(p.size()));
-  check_generate_request(cfg, lengths, opt);
-  const int64_t V = cfg.vocab_size, S = static_cast<int64_t>(prompts.size());
+  check_generate_request(model.config(), lengths, opt);
+  KvDecoder d(model, opt.cache);
+  return generate(d, prompts, opt, stats);
+}
+
+std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std::vector<int32_t>>& prompts,
+                                           const GenerateOptions& opt, GenerateStats* stats) {
+  std::vector<int64_t> lengths;
+  for (const auto& p : prompts) lengths.push_back(static_cast<int64_t>(p.size()));
+  check_generate_options(model.vocab_size(), model.max_positions(), lengths, opt);
+  const int64_t V = model.vocab_size(), S = static_cast<int64_t>(prompts.size());
   const int64_t draw_vocab = opt.sample_vocab > 0 ? opt.sample_vocab : V;
-  KvCache cache(opt.cache, S, cfg.num_hidden_layers);
+  model.start(S);
   std::vector<std::vector<int32_t>> out(S);
   std::vector<bool> done(S, opt.max_new_tokens == 0);
   GenerateStats st;
@@ -77,7 +117,7 @@ std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vect
       if (opt.on_token) opt.on_token(s, tok);
       if ((opt.eos_token_id >= 0 && tok == opt.eos_token_id) ||
           static_cast<int64_t>(out[s].size()) >= opt.max_new_tokens ||
-          cache.seqs[s].length >= cfg.max_position_embeddings)
+          model.length(s) >= model.max_positions())
         done[s] = true;
     }
   };
@@ -100,7 +140,7 @@ std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vect
         fed[s] += n;
         budget -= static_cast<int64_t>(n);
       }
-      const auto lg = model.step(cache, part, false);
+      const auto lg = model.step(part);
       // step returns one row per sequence that received tokens, in order.
       int64_t row = 0;
       for (int64_t s = next; s < S; ++s) {
@@ -125,13 +165,13 @@ std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vect
           rows.push_back(s);
         }
       if (rows.empty()) break;
-      auto lg = model.step(cache, step, false);
+      auto lg = model.step(step);
       st.decode_steps_tokens += static_cast<int64_t>(rows.size());
       emit(lg, rows);
     }
     st.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   }
-  st.cache_bytes = cache.bytes();
+  st.cache_bytes = model.cache_bytes();
   if (stats) *stats = st;
   return out;
 }

@@ -55,4 +55,29 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
 std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats = nullptr);
 
+// What the generation loop drives: a set of sequences that take new tokens
+// and give the logits of each one's last token. The V2/V3 engine over a KV
+// cache is one (the overload above); DeepSeek-V4 (infer/v4_engine.h) another.
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_positions() const = 0;
+  // Drops every sequence and starts `sequences` empty ones.
+  virtual void start(int64_t sequences) = 0;
+  // Appends tokens[s] to sequence s (any may be empty); one row of logits
+  // [vocab] per sequence that received tokens, in order.
+  virtual std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) = 0;
+  virtual int64_t length(int64_t sequence) const = 0;
+  virtual size_t cache_bytes() const = 0;
+};
+
+// The request checks of check_generate_request that need no model config
+// (options, prompt count, lengths against max_positions), then the loop.
+// The caller checks memory.
+std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std::vector<int32_t>>& prompts,
+                                           const GenerateOptions& opt, GenerateStats* stats = nullptr);
+void check_generate_options(int64_t vocab_size, int64_t max_positions, const std::vector<int64_t>& prompt_lengths,
+                            const GenerateOptions& opt);
+
 }  // namespace ds::infer

@@ -1,0 +1,64 @@
+#include "infer/v4_engine.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/system.h"
+
+namespace ds::infer {
+
+namespace fs = std::filesystem;
+
+bool is_v4_folder(const std::string& dir) {
+  const fs::path p = fs::path(dir) / "config.json";
+  return fs::is_regular_file(p) && model::config_model_type(p.string()) == "deepseek_v4";
+}
+
+model::V4Config load_v4_config(const std::string& dir) {
+  DS_CHECK(fs::is_directory(dir), "model folder '{}' does not exist or is not a folder", dir);
+  return model::V4Config::from_hf_json_file((fs::path(dir) / "config.json").string());
+}
+
+std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Options opt) {
+  auto m = std::make_unique<LoadedV4Model>();
+  m->config = load_v4_config(dir);
+  m->files = io::SafetensorsSet::open_dir(dir);
+  m->weights = model::V4Weights::load(m->files, m->config);
+  m->model = std::make_unique<model::V4Model>(m->config, m->weights.view, opt);
+  return m;
+}
+
+void check_v4_request(const model::V4Config& cfg, const std::vector<int64_t>& prompt_lengths,
+                      const GenerateOptions& opt) {
+  check_generate_options(cfg.vocab_size, cfg.max_position_embeddings, prompt_lengths, opt);
+  size_t bytes = 0;
+  for (const int64_t n : prompt_lengths)
+    bytes += model::v4_state_bytes(
+        cfg, std::min(n + std::max<int64_t>(opt.max_new_tokens - 1, 0), cfg.max_position_embeddings));
+  check_fits_in_memory(static_cast<int64_t>(bytes), "the attention state of this request");
+}
+
+void V4Decoder::start(int64_t sequences) {
+  states_.clear();
+  for (int64_t s = 0; s < sequences; ++s) states_.push_back(m_.new_state());
+}
+
+std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) {
+  DS_CHECK(tokens.size() == states_.size(), "V4 step: {} token lists for {} sequences", tokens.size(), states_.size());
+  std::vector<float> out;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    if (tokens[s].empty()) continue;
+    auto row = m_.forward(states_[s], tokens[s].data(), static_cast<int64_t>(tokens[s].size()), false);
+    out.insert(out.end(), row.begin(), row.end());
+  }
+  return out;
+}
+
+size_t V4Decoder::cache_bytes() const {
+  size_t b = 0;
+  for (const auto& s : states_) b += s.bytes();
+  return b;
+}
+
+}  // namespace ds::infer

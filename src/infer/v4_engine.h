@@ -1,0 +1,49 @@
+// DeepSeek-V4 generation: a loaded V4 folder, and the per-sequence states
+// (model/v4_model.h) behind the common generation loop (infer/generate.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "infer/generate.h"
+#include "io/safetensors.h"
+#include "model/v4_model.h"
+
+namespace ds::infer {
+
+struct LoadedV4Model {
+  model::V4Config config;
+  io::SafetensorsSet files;
+  model::V4Weights weights;
+  std::unique_ptr<model::V4Model> model;  // refers to config and weights above
+};
+
+// Whether DIR/config.json says model_type deepseek_v4.
+bool is_v4_folder(const std::string& dir);
+// DIR/config.json alone (checked).
+model::V4Config load_v4_config(const std::string& dir);
+std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Options opt = {});
+
+// check_generate_options, then the states of every sequence at its longest
+// (prompt plus new tokens) against this machine's memory.
+void check_v4_request(const model::V4Config& cfg, const std::vector<int64_t>& prompt_lengths,
+                      const GenerateOptions& opt);
+
+class V4Decoder : public Decoder {
+ public:
+  explicit V4Decoder(model::V4Model& m) : m_(m) {}
+  int64_t vocab_size() const override { return m_.config().vocab_size; }
+  int64_t max_positions() const override { return m_.config().max_position_embeddings; }
+  void start(int64_t sequences) override;
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override;
+  int64_t length(int64_t s) const override { return states_[static_cast<size_t>(s)].length; }
+  size_t cache_bytes() const override;
+
+ private:
+  model::V4Model& m_;
+  std::vector<model::V4State> states_;
+};
+
+}  // namespace ds::infer
