@@ -182,6 +182,54 @@ TEST_P(V4Reference, IncrementalEqualsFull) {
   }
 }
 
+TEST_P(V4Reference, BatchOfSequencesMatchesTheReference) {
+  auto f = load(GetParam());
+  const int64_t V = f->cfg.vocab_size;
+  const size_t S = f->tokens.size();
+  for (bool qat : {false, true}) {
+    V4Model model(f->cfg, f->weights.view, V4Options{qat});
+    // Every sequence's first half in one forward (all rows), then the rest
+    // one token per sequence per step, sequences dropping out as they end.
+    std::vector<V4State> st;
+    std::vector<std::vector<float>> got(S);
+    for (size_t s = 0; s < S; ++s) st.push_back(model.new_state());
+    std::vector<V4Request> batch;
+    std::vector<int64_t> fed(S);
+    for (size_t s = 0; s < S; ++s) {
+      fed[s] = std::max<int64_t>(1, static_cast<int64_t>(f->tokens[s].size()) / 2);
+      batch.push_back({&st[s], f->tokens[s].data(), fed[s]});
+    }
+    auto all = model.forward(batch, true);
+    int64_t row = 0;
+    for (size_t s = 0; s < S; ++s, row += fed[s - 1])
+      got[s].assign(all.begin() + row * V, all.begin() + (row + fed[s]) * V);
+    for (;;) {
+      batch.clear();
+      std::vector<size_t> who;
+      for (size_t s = 0; s < S; ++s)
+        if (fed[s] < static_cast<int64_t>(f->tokens[s].size())) {
+          batch.push_back({&st[s], f->tokens[s].data() + fed[s], 1});
+          who.push_back(s);
+          ++fed[s];
+        }
+      if (batch.empty()) break;
+      auto last = model.forward(batch, false);
+      ASSERT_EQ(last.size(), who.size() * V);
+      for (size_t k = 0; k < who.size(); ++k)
+        got[who[k]].insert(got[who[k]].end(), last.begin() + k * V, last.begin() + (k + 1) * V);
+    }
+    for (size_t s = 0; s < S; ++s) {
+      const std::string suffix = "." + std::to_string(s);
+      const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
+      std::vector<float> slack;
+      if (qat) slack = expected(f->dir, "flip_delta" + suffix);
+      // Decoding with the roundings: see IncrementalEqualsFull.
+      expect_rows_close(got[s], want, V, slack, (qat ? kFlipReach : 1e-5) * max_abs(want),
+                        std::string(GetParam()) + " batch, seq " + std::to_string(s));
+    }
+  }
+}
+
 TEST_P(V4Reference, LogitsCommandMatchesTheReference) {
   auto f = load(GetParam());
   const int64_t V = f->cfg.vocab_size;

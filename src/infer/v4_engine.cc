@@ -46,13 +46,10 @@ void V4Decoder::start(int64_t sequences) {
 
 std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) {
   DS_CHECK(tokens.size() == states_.size(), "V4 step: {} token lists for {} sequences", tokens.size(), states_.size());
-  std::vector<float> out;
-  for (size_t s = 0; s < tokens.size(); ++s) {
-    if (tokens[s].empty()) continue;
-    auto row = m_.forward(states_[s], tokens[s].data(), static_cast<int64_t>(tokens[s].size()), false);
-    out.insert(out.end(), row.begin(), row.end());
-  }
-  return out;
+  std::vector<model::V4Request> batch;
+  for (size_t s = 0; s < tokens.size(); ++s)
+    if (!tokens[s].empty()) batch.push_back({&states_[s], tokens[s].data(), static_cast<int64_t>(tokens[s].size())});
+  return m_.forward(batch, false);
 }
 
 size_t V4Decoder::cache_bytes() const {

@@ -157,14 +157,15 @@ void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, co
   carry.start = keep;
 }
 
-void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState& st, int64_t p0, int64_t n) {
+void V4Model::attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs,
+                        const int32_t* positions, int64_t n) {
   const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
   const int64_t H = cfg_.num_attention_heads, D = cfg_.head_dim, R = cfg_.qk_rope_head_dim, N = D - R;
-  const int64_t Lq = cfg_.q_lora_rank, W = cfg_.sliding_window, m = cfg_.compress_ratio(layer);
+  const int64_t Lq = cfg_.q_lora_rank, W = cfg_.sliding_window, m = cfg_.compress_ratio(layer), d = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const float* freqs = m > 0 ? freqs_compressed_.data() : freqs_window_.data();
-  std::vector<int32_t> pos(static_cast<size_t>(n));
-  std::iota(pos.begin(), pos.end(), static_cast<int32_t>(p0));
+  const int32_t* pos = positions;
+  auto state = [&](const Segment& g) -> V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
 
   // Queries: q-LoRA, its norm, per-head RMS normalisation, RoPE on the tail.
   Buffer<float> qr(static_cast<size_t>(n * Lq)), q(static_cast<size_t>(n * H * D));
@@ -173,25 +174,29 @@ void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState&
   ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), f32(p.q_norm), n, Lq, eps);
   ops::linear_forward(q.data(), qr.data(), p.wq_b, n);
   ops::rmsnorm_forward(q.data(), rstd.data(), q.data(), ones(D), n * H, D, eps);
-  ops::rope_forward(q.data() + N, q.data() + N, pos.data(), freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
+  ops::rope_forward(q.data() + N, q.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
   // The shared K=V latent.
   Buffer<float> kv(static_cast<size_t>(n * D));
   ops::linear_forward(kv.data(), a, p.wkv, n);
   ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), f32(p.kv_norm), n, D, eps);
-  ops::rope_forward(kv.data() + N, kv.data() + N, pos.data(), freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
+  ops::rope_forward(kv.data() + N, kv.data() + N, pos, freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
   if (opt_.qat)
     for (int64_t i = 0; i < n; ++i)
       ops::fp8_round_blocks(kv.data() + i * D, kv.data() + i * D, N, kLatentFp8Block, /*ue8m0=*/true);
 
   // Compressed entries (they become visible only once their window closes).
-  if (m > 0) compress(st.entries, st.carry, a, p.compressor, D, m, false, p0, n);
   const int64_t Hi = cfg_.index_n_heads, Di = cfg_.index_head_dim;
+  for (const Segment& g : segs) {
+    V4LayerState& st = state(g);
+    if (m > 0) compress(st.entries, st.carry, a + g.row * d, p.compressor, D, m, false, g.start, g.n);
+    if (m == 4) compress(st.index_keys, st.index_carry, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n);
+    if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
+  }
   Buffer<float> qi, wts;
   if (m == 4) {
-    compress(st.index_keys, st.index_carry, a, p.index_compressor, Di, 4, true, p0, n);
     qi.resize(static_cast<size_t>(n * Hi * Di));
     ops::linear_forward(qi.data(), qr.data(), p.index_wq_b, n);
-    ops::rope_forward(qi.data() + Di - R, qi.data() + Di - R, pos.data(), freqs, n, Hi, R, Hi * Di, Di,
+    ops::rope_forward(qi.data() + Di - R, qi.data() + Di - R, pos, freqs, n, Hi, R, Hi * Di, Di,
                       ops::RopeLayout::Interleaved);
     ops::hadamard_rows(qi.data(), n * Hi, Di);
     if (opt_.qat) ops::fp4_round_blocks(qi.data(), qi.data(), n * Hi * Di, kIndexFp4Block);
@@ -202,7 +207,9 @@ void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState&
   }
 
   // Every query over its window and its compressed entries.
-  if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
+  std::vector<int32_t> seg_of(static_cast<size_t>(n));
+  for (size_t k = 0; k < segs.size(); ++k)
+    std::fill(seg_of.begin() + segs[k].row, seg_of.begin() + segs[k].row + segs[k].n, static_cast<int32_t>(k));
   const float* sink = f32(p.sink);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   Buffer<float> o(static_cast<size_t>(n * H * D));
@@ -210,7 +217,9 @@ void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState&
     std::vector<float> keys, s, isc;
     std::vector<int32_t> picked;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = p0 + i;
+      const Segment& g = segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])];
+      const V4LayerState& st = state(g);
+      const int64_t t = pos[i], p0 = g.start;
       const int64_t first = std::max<int64_t>(0, t - W + 1);
       const int64_t visible = m > 0 ? (t + 1) / m : 0;
       picked.clear();
@@ -235,7 +244,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState&
       keys.resize(static_cast<size_t>(C * D));
       float* k = keys.data();
       for (int64_t src = first; src <= t; ++src, k += D) {
-        const float* row = src >= p0 ? kv.data() + (src - p0) * D : st.window.data() + (src % W) * D;
+        const float* row = src >= p0 ? kv.data() + (g.row + src - p0) * D : st.window.data() + (src % W) * D;
         std::memcpy(k, row, static_cast<size_t>(D) * sizeof(float));
       }
       for (int32_t b : picked) {
@@ -259,10 +268,12 @@ void V4Model::attention(float* out, const float* a, int64_t layer, V4LayerState&
       ops::gemm(false, false, H, D, C, 1.0f, s.data(), C, keys.data(), D, 0.0f, o.data() + i * H * D, D);
     }
   });
-  for (int64_t src = std::max(p0, p0 + n - W); src < p0 + n; ++src)
-    std::memcpy(st.window.data() + (src % W) * D, kv.data() + (src - p0) * D, static_cast<size_t>(D) * sizeof(float));
+  for (const Segment& g : segs)
+    for (int64_t src = std::max(g.start, g.start + g.n - W); src < g.start + g.n; ++src)
+      std::memcpy(state(g).window.data() + (src % W) * D, kv.data() + (g.row + src - g.start) * D,
+                  static_cast<size_t>(D) * sizeof(float));
   // The values carry RoPE: rotate the output's tail back by -t.
-  ops::rope_backward(o.data() + N, o.data() + N, pos.data(), freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
+  ops::rope_backward(o.data() + N, o.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
 
   // Grouped low-rank output: group g's heads through wo_a's rows of group g.
   const int64_t G = cfg_.o_groups, r = cfg_.o_lora_rank, gw = H * D / G;
@@ -333,13 +344,35 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
 }
 
 std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits) {
-  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size, p0 = st.length;
+  std::vector<V4Request> one = {{&st, ids, n}};
+  return forward(one, all_logits);
+}
+
+std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
+  std::vector<Segment> segs;
+  int64_t n = 0;
+  for (const V4Request& r : batch) {
+    if (r.n == 0) continue;
+    DS_CHECK(r.state != nullptr && r.n > 0, "V4 forward: a request without a state or with a negative count");
+    DS_CHECK(static_cast<int64_t>(r.state->layers.size()) == cfg_.num_hidden_layers,
+             "V4 forward: state of another model");
+    DS_CHECK(r.state->length + r.n <= cfg_.max_position_embeddings,
+             "V4 forward: {} tokens exceed max_position_embeddings {}", r.state->length + r.n,
+             cfg_.max_position_embeddings);
+    for (const Segment& g : segs) DS_CHECK(g.state != r.state, "V4 forward: one sequence twice in a batch");
+    for (int64_t i = 0; i < r.n; ++i)
+      DS_CHECK(r.ids[i] >= 0 && r.ids[i] < V, "token id {} is outside the vocabulary of {}", r.ids[i], V);
+    segs.push_back({r.state, r.ids, r.state->length, r.n, n});
+    n += r.n;
+  }
   DS_CHECK(n >= 1, "V4 forward: no tokens");
-  DS_CHECK(static_cast<int64_t>(st.layers.size()) == cfg_.num_hidden_layers, "V4 forward: state of another model");
-  DS_CHECK(p0 + n <= cfg_.max_position_embeddings, "V4 forward: {} tokens exceed max_position_embeddings {}", p0 + n,
-           cfg_.max_position_embeddings);
-  for (int64_t i = 0; i < n; ++i)
-    DS_CHECK(ids[i] >= 0 && ids[i] < V, "token id {} is outside the vocabulary of {}", ids[i], V);
+  std::vector<int32_t> ids(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
+  for (size_t k = 0; k < segs.size(); ++k) {
+    std::copy(segs[k].ids, segs[k].ids + segs[k].n, ids.begin() + segs[k].row);
+    for (int64_t i = 0; i < segs[k].n; ++i)
+      pos[static_cast<size_t>(segs[k].row + i)] = static_cast<int32_t>(segs[k].start + i);
+  }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
 
   // Embedding, copied into every stream.
@@ -363,26 +396,32 @@ std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, 
     ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_attn_fn), f32(L.hc_attn_base),
                          f32(L.hc_attn_scale), md);
     ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.attn_norm), n, d, eps);
-    attention(o.data(), a.data(), l, st.layers[static_cast<size_t>(l)], p0, n);
+    attention(o.data(), a.data(), l, segs, pos.data(), n);
     ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
     std::swap(X, X2);
     ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_ffn_fn), f32(L.hc_ffn_base),
                          f32(L.hc_ffn_scale), md);
     ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.ffn_norm), n, d, eps);
-    moe(o.data(), a.data(), ids, l, n);
+    moe(o.data(), a.data(), ids.data(), l, n);
     ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
     std::swap(X, X2);
   }
-  st.length += n;
+  for (const Segment& g : segs) g.state->length += g.n;
 
-  const int64_t rows = all_logits ? n : 1, first = n - rows;
-  md.tokens = rows;
-  Buffer<float> y(static_cast<size_t>(rows * d));
-  ops::mhc_head_forward(y.data(), X.data() + first * hc * d, f32(w_.hc_head_fn), f32(w_.hc_head_base),
-                        f32(w_.hc_head_scale), md);
-  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), f32(w_.norm), rows, d, eps);
-  std::vector<float> logits(static_cast<size_t>(rows * V));
-  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, rows);
+  // Logits: every row, or each sequence's last.
+  std::vector<int64_t> rows;
+  for (const Segment& g : segs)
+    for (int64_t i = all_logits ? 0 : g.n - 1; i < g.n; ++i) rows.push_back(g.row + i);
+  const int64_t R = static_cast<int64_t>(rows.size());
+  Buffer<float> Xr(static_cast<size_t>(R * hc * d)), y(static_cast<size_t>(R * d));
+  for (int64_t r = 0; r < R; ++r)
+    std::copy(X.begin() + rows[static_cast<size_t>(r)] * hc * d,
+              X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
+  md.tokens = R;
+  ops::mhc_head_forward(y.data(), Xr.data(), f32(w_.hc_head_fn), f32(w_.hc_head_base), f32(w_.hc_head_scale), md);
+  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), f32(w_.norm), R, d, eps);
+  std::vector<float> logits(static_cast<size_t>(R * V));
+  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, R);
   return logits;
 }
 

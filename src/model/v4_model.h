@@ -73,6 +73,13 @@ struct V4State {
 // counts them.
 size_t v4_state_bytes(const V4Config& c, int64_t tokens);
 
+// New tokens for one sequence of a batch.
+struct V4Request {
+  V4State* state;
+  const int32_t* ids;
+  int64_t n;
+};
+
 class V4Model {
  public:
   V4Model(const V4Config& cfg, const V4View& w, V4Options opt = {});
@@ -82,12 +89,24 @@ class V4Model {
   // st.length) and returns the logits of every new token [n, vocab] when
   // all_logits, else of the last one [vocab].
   std::vector<float> forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits);
+  // Several sequences in one forward (their projections and experts share
+  // each weight read): the logits of every new token in request order, or
+  // of each non-empty request's last token.
+  std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits);
 
   const V4Config& config() const { return cfg_; }
   const V4Options& options() const { return opt_; }
 
  private:
-  void attention(float* out, const float* a, int64_t layer, V4LayerState& st, int64_t p0, int64_t n);
+  // The new tokens of one sequence: rows [row, row + n) of the batch, at
+  // positions start, start + 1, ...
+  struct Segment {
+    V4State* state;
+    const int32_t* ids;
+    int64_t start, n, row;
+  };
+  void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
+                 int64_t n);
   void compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
                 const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys, int64_t p0,
                 int64_t n);
