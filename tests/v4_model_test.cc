@@ -26,6 +26,7 @@
 
 #include "core/error.h"
 #include "io/safetensors.h"
+#include "ops/linear.h"
 #include "test_util.h"
 
 using namespace ds::model;
@@ -305,6 +306,75 @@ TEST(V4State, BytesPerTokenOfV4Flash) {
   const size_t at_1m = v4_state_bytes(c, M);
   EXPECT_NEAR(double(at_1m - fixed) / double(M - 128), per_token, 1.0);
   EXPECT_LT(double(at_1m) / double(M), per_token + 16.0);
+}
+
+TEST(V4Loader, HuggingFaceNames) {
+  EXPECT_EQ(v4_hf_name("embed.weight"), "model.embed_tokens.weight");
+  EXPECT_EQ(v4_hf_name("hc_head_fn"), "model.hc_head.hc_fn");
+  EXPECT_EQ(v4_hf_name("layers.3.hc_ffn_base"), "model.layers.3.ffn_hc.base");
+  EXPECT_EQ(v4_hf_name("layers.3.attn.wq_b.scale"), "model.layers.3.self_attn.q_b_proj.scale");
+  EXPECT_EQ(v4_hf_name("layers.1.attn.indexer.wq_b.weight"),
+            "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight");
+  EXPECT_EQ(v4_hf_name("layers.1.attn.indexer.compressor.ape"),
+            "model.layers.1.self_attn.compressor.indexer.position_bias");
+  EXPECT_EQ(v4_hf_name("layers.2.attn.compressor.norm.weight"), "model.layers.2.self_attn.compressor.kv_norm.weight");
+  EXPECT_EQ(v4_hf_name("layers.0.attn.attn_sink"), "model.layers.0.self_attn.sinks");
+  EXPECT_EQ(v4_hf_name("layers.0.ffn.gate.bias"), "model.layers.0.mlp.gate.e_score_correction_bias");
+  EXPECT_EQ(v4_hf_name("layers.0.ffn.shared_experts.w3.weight"), "model.layers.0.mlp.shared_experts.up_proj.weight");
+  EXPECT_EQ(v4_hf_name("layers.0.ffn.experts.5.w1.weight"), "");
+
+  // v4_tiny_base rewritten as Hugging Face saves it: renamed tensors, the
+  // routed experts fused (float32) per layer.
+  const std::string dir = fixture_dir("v4_tiny_base");
+  const V4Config cfg = V4Config::from_hf_json_file(dir + "/config.json");
+  auto files = ds::io::SafetensorsSet::open_dir(dir);
+  const V4Weights up = V4Weights::load(files, cfg);
+  const int64_t E = cfg.n_routed_experts, I = cfg.moe_intermediate_size, d = cfg.hidden_size;
+  std::vector<std::pair<std::string, ds::Tensor>> out;
+  for (const std::string& stored : files.names()) {
+    std::string name = stored.rfind("model.", 0) == 0 ? stored.substr(6) : stored;
+    if (name.find(".ffn.experts.") != std::string::npos) continue;
+    std::string hf;
+    if (name.ends_with(".weight_scale_inv")) {
+      hf = v4_hf_name(name.substr(0, name.size() - 10));  // X.weight_scale_inv -> X.weight
+      hf += "_scale_inv";
+    } else if (name.ends_with("e_score_correction_bias")) {
+      hf = v4_hf_name(name.substr(0, name.size() - 23) + "bias");
+    } else {
+      hf = v4_hf_name(name);
+    }
+    ASSERT_FALSE(hf.empty()) << name;
+    out.emplace_back(hf, files.tensor(stored));
+  }
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l) {
+    ds::Tensor gate_up = ds::Tensor::zeros({E, 2 * I, d}, ds::DType::F32),
+               down = ds::Tensor::zeros({E, d, I}, ds::DType::F32);
+    for (int64_t e = 0; e < E; ++e) {
+      const auto& x = up.view.layers[static_cast<size_t>(l)].experts[static_cast<size_t>(e)];
+      ds::ops::widen_rows(gate_up.data<float>() + e * 2 * I * d, x.w1, 0, I);
+      ds::ops::widen_rows(gate_up.data<float>() + (e * 2 * I + I) * d, x.w3, 0, I);
+      ds::ops::widen_rows(down.data<float>() + e * d * I, x.w2, 0, d);
+    }
+    const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+    out.emplace_back(p + "gate_up_proj", gate_up);
+    out.emplace_back(p + "down_proj", down);
+  }
+  ds::test::TempDir tmp("ds_v4_hf");
+  ds::io::save_safetensors(tmp.path() + "/model.safetensors", out);
+  auto hf_files = ds::io::SafetensorsSet::open_dir(tmp.path());
+  const V4Weights hf = V4Weights::load(hf_files, cfg);
+  std::ifstream in(dir + "/tokens.json");
+  const auto tokens = nlohmann::json::parse(in).get<std::vector<std::vector<int32_t>>>();
+  const auto& ids = tokens.back();
+  for (bool qat : {false, true}) {
+    V4Model a(cfg, up.view, V4Options{qat}), b(cfg, hf.view, V4Options{qat});
+    V4State sa = a.new_state(), sb = b.new_state();
+    const auto la = a.forward(sa, ids.data(), static_cast<int64_t>(ids.size()), true);
+    const auto lb = b.forward(sb, ids.data(), static_cast<int64_t>(ids.size()), true);
+    // float32 experts run other kernels than fp8 ones (see IncrementalEqualsFull).
+    expect_rows_close(lb, la, cfg.vocab_size, {}, (qat ? kFlipReach : 1e-5) * max_abs(la),
+                      qat ? "hf names, qat" : "hf names");
+  }
 }
 
 TEST(V4Loader, RejectsBadCheckpoints) {

@@ -1,6 +1,7 @@
 #include "model/v4_weights.h"
 
 #include <cstring>
+#include <map>
 #include <set>
 
 #include "core/dtype.h"
@@ -14,10 +15,13 @@ class V4Loader {
  public:
   V4Loader(const io::SafetensorsSet& st, const V4Config& cfg) : st_(st), cfg_(cfg) {}
 
-  // The stored name of `name`: itself, or with the "model." prefix.
+  // The stored name of `name`: itself, with the "model." prefix, or
+  // Hugging Face's.
   std::string find(const std::string& name) const {
     if (st_.contains(name)) return name;
     if (st_.contains("model." + name)) return "model." + name;
+    const std::string hf = v4_hf_name(name);
+    if (!hf.empty() && st_.contains(hf)) return hf;
     return "";
   }
   std::string require(const std::string& name, const Shape& shape) const {
@@ -26,9 +30,8 @@ class V4Loader {
     return s;
   }
   const io::TensorInfo& info(const std::string& stored) {
-    used_.insert(stored);
     const io::TensorInfo& i = st_.info(stored);
-    bytes_ += i.end - i.begin;
+    if (used_.insert(stored).second) bytes_ += i.end - i.begin;
     return i;
   }
   // A float tensor of exactly `shape`, checked for NaN and infinity.
@@ -43,15 +46,14 @@ class V4Loader {
     return t;
   }
 
-  // The scale of an fp8 or fp4 weight `base`.weight: `base`.scale (E8M0 or
-  // float32) or `base`.weight_scale_inv, widened to float32 (fp8), or the
-  // E8M0 bytes themselves (fp4, pointer into the file).
-  std::string scale_name(const std::string& base) const {
-    for (const char* suffix : {".scale", ".weight_scale_inv"}) {
-      const std::string s = find(base + suffix);
-      if (!s.empty()) return s;
-    }
-    DS_FAIL("checkpoint is missing the scale of '{}.weight' ('{}.scale' or '{}.weight_scale_inv')", base, base, base);
+  // The scale of an fp8 or fp4 weight stored as `base`.weight: `base`.scale
+  // (E8M0 or float32) or `base`.weight_scale_inv, widened to float32 (fp8),
+  // or the E8M0 bytes themselves (fp4, pointer into the file).
+  std::string scale_name(const std::string& stored) const {
+    const std::string base = stored.substr(0, stored.size() - std::string(".weight").size());
+    for (const char* suffix : {".scale", ".weight_scale_inv"})
+      if (st_.contains(base + suffix)) return base + suffix;
+    DS_FAIL("checkpoint is missing the scale of '{}' ('{}.scale' or '{}.weight_scale_inv')", stored, base, base);
   }
   void float_scales(std::vector<float>& out, const std::string& stored, const Shape& shape) {
     const io::TensorInfo& i = info(stored);
@@ -73,6 +75,7 @@ class V4Loader {
   }
 
   void load(const V4ParamInfo& p, V4Weight& w) {
+    if (p.routed_expert && find(p.name).empty() && load_fused_expert(p, w)) return;
     const std::string stored = require(p.name, p.shape);
     if (p.role == V4Role::HashTable) return load_table(p, stored, w);
     if (p.role == V4Role::Vector) {
@@ -82,7 +85,6 @@ class V4Loader {
       return;
     }
     const int64_t out = p.shape[0], in = p.shape[1];
-    const std::string base = p.name.substr(0, p.name.size() - std::string(".weight").size());
     const io::TensorInfo& i = st_.info(stored);
     if (i.dtype_name == "I8" || i.dtype_name == "U8") {  // packed fp4
       DS_CHECK(p.routed_expert && cfg_.expert_dtype == "fp4",
@@ -91,7 +93,7 @@ class V4Loader {
       info(stored);
       DS_CHECK(i.shape == (Shape{out, in / 2}), "tensor '{}' has shape {}, packed fp4 of [{}, {}] is [{}, {}]", stored,
                shape_str(i.shape), out, in, out, in / 2);
-      const std::string sn = scale_name(base);
+      const std::string sn = scale_name(stored);
       const io::TensorInfo& si = info(sn);
       DS_CHECK(si.dtype_name == "F8_E8M0" && si.shape == (Shape{out, in / 32}),
                "scale '{}' of the fp4 weight must be F8_E8M0 [{}, {}], got {} {}", sn, out, in / 32, si.dtype_name,
@@ -104,7 +106,7 @@ class V4Loader {
     if (t.dtype() == DType::F8E4M3 || t.dtype() == DType::F8E5M2) {
       DS_CHECK(p.role == V4Role::Projection, "tensor '{}' is fp8; only projections may be", stored);
       const int64_t br = cfg_.fp8_block_rows, bc = cfg_.fp8_block_cols;
-      float_scales(w.scale, scale_name(base), {(out + br - 1) / br, (in + bc - 1) / bc});
+      float_scales(w.scale, scale_name(stored), {(out + br - 1) / br, (in + bc - 1) / bc});
       w.view.scale_inv = w.scale.data();
       w.view.block_rows = br;
       w.view.block_cols = bc;
@@ -113,6 +115,33 @@ class V4Loader {
                "tensor '{}' is {}, but config.json says the routed experts are packed fp4", stored,
                dtype_name(t.dtype()));
     }
+  }
+
+  // Hugging Face's fused experts: layers.L.mlp.experts.gate_up_proj [E, 2I,
+  // d] (gate rows, then up rows, per expert) and down_proj [E, d, I], float
+  // dtypes only. False when the checkpoint has no such tensor.
+  bool load_fused_expert(const V4ParamInfo& p, V4Weight& w) {
+    const std::string pre = "layers." + std::to_string(p.layer) + ".ffn.experts.";
+    if (p.name.rfind(pre, 0) != 0) return false;
+    const size_t dot = p.name.find('.', pre.size());
+    const int64_t e = std::stoll(p.name.substr(pre.size(), dot - pre.size()));
+    const std::string which = p.name.substr(dot + 1);  // w1.weight, w3.weight, w2.weight
+    const bool down = which == "w2.weight";
+    const std::string stored =
+        "model.layers." + std::to_string(p.layer) + ".mlp.experts." + (down ? "down_proj" : "gate_up_proj");
+    if (!st_.contains(stored)) return false;
+    const int64_t E = cfg_.n_routed_experts, I = cfg_.moe_intermediate_size, d = cfg_.hidden_size;
+    const Shape shape = down ? Shape{E, d, I} : Shape{E, 2 * I, d};
+    auto it = fused_.find(stored);
+    if (it == fused_.end()) it = fused_.emplace(stored, float_tensor(stored, shape)).first;  // checked once
+    const Tensor& t = it->second;
+    DS_CHECK(t.dtype() != DType::F8E4M3 && t.dtype() != DType::F8E5M2,
+             "tensor '{}': fused fp8 experts are not supported (use the upstream per-expert layout)", stored);
+    const int64_t rows = down ? d : I, cols = down ? I : d;
+    const int64_t first = down ? e * d : e * 2 * I + (which == "w3.weight" ? I : 0);
+    const auto* base = static_cast<const uint8_t*>(t.raw()) + first * cols * static_cast<int64_t>(dtype_size(t.dtype()));
+    w.view = {base, t.dtype(), rows, cols, nullptr, 128, 128};
+    return true;
   }
 
   void load_table(const V4ParamInfo& p, const std::string& stored, V4Weight& w) {
@@ -167,10 +196,65 @@ class V4Loader {
   const io::SafetensorsSet& st_;
   const V4Config& cfg_;
   std::set<std::string> used_;
+  std::map<std::string, Tensor> fused_;  // Hugging Face's fused expert tensors, by name
   size_t bytes_ = 0;
 };
 
 }  // namespace
+
+std::string v4_hf_name(const std::string& name) {
+  static const std::vector<std::pair<std::string, std::string>> global = {
+      {"embed.weight", "model.embed_tokens.weight"}, {"head.weight", "lm_head.weight"},
+      {"norm.weight", "model.norm.weight"},          {"hc_head_fn", "model.hc_head.hc_fn"},
+      {"hc_head_base", "model.hc_head.hc_base"},     {"hc_head_scale", "model.hc_head.hc_scale"}};
+  for (const auto& [up, hf] : global)
+    if (name == up) return hf;
+  if (name.rfind("layers.", 0) != 0) return "";
+  const size_t dot = name.find('.', 7);
+  if (dot == std::string::npos) return "";
+  const std::string layer = name.substr(0, dot + 1), rest = name.substr(dot + 1);
+  // Longest upstream prefix first; a trailing '.' marks a prefix, else the
+  // whole rest must match.
+  static const std::vector<std::pair<std::string, std::string>> table = {
+      {"attn_norm.weight", "input_layernorm.weight"},
+      {"ffn_norm.weight", "post_attention_layernorm.weight"},
+      {"hc_attn_fn", "attn_hc.fn"},
+      {"hc_attn_base", "attn_hc.base"},
+      {"hc_attn_scale", "attn_hc.scale"},
+      {"hc_ffn_fn", "ffn_hc.fn"},
+      {"hc_ffn_base", "ffn_hc.base"},
+      {"hc_ffn_scale", "ffn_hc.scale"},
+      {"attn.attn_sink", "self_attn.sinks"},
+      {"attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"},
+      {"attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"},
+      {"attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"},
+      {"attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"},
+      {"attn.indexer.wq_b.", "self_attn.compressor.indexer.q_b_proj."},
+      {"attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.weights_proj.weight"},
+      {"attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"},
+      {"attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"},
+      {"attn.compressor.ape", "self_attn.compressor.position_bias"},
+      {"attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"},
+      {"attn.wq_a.", "self_attn.q_a_proj."},
+      {"attn.wq_b.", "self_attn.q_b_proj."},
+      {"attn.wkv.", "self_attn.kv_proj."},
+      {"attn.wo_a.", "self_attn.o_a_proj."},
+      {"attn.wo_b.", "self_attn.o_b_proj."},
+      {"attn.q_norm.weight", "self_attn.q_a_norm.weight"},
+      {"attn.kv_norm.weight", "self_attn.kv_norm.weight"},
+      {"ffn.gate.weight", "mlp.gate.weight"},
+      {"ffn.gate.bias", "mlp.gate.e_score_correction_bias"},
+      {"ffn.gate.tid2eid", "mlp.gate.tid2eid"},
+      {"ffn.shared_experts.w1.", "mlp.shared_experts.gate_proj."},
+      {"ffn.shared_experts.w3.", "mlp.shared_experts.up_proj."},
+      {"ffn.shared_experts.w2.", "mlp.shared_experts.down_proj."},
+  };
+  for (const auto& [up, hf] : table) {
+    if (up.back() == '.' ? rest.rfind(up, 0) == 0 : rest == up)
+      return "model." + layer + hf + rest.substr(up.size());
+  }
+  return "";
+}
 
 V4Weights V4Weights::load(const io::SafetensorsSet& st, const V4Config& cfg) {
   cfg.validate();

@@ -8,11 +8,14 @@
 //
 // Accepted spellings, as DeepSeek's own converter accepts them: a leading
 // "model.", "weight_scale_inv" for "scale", "e_score_correction_bias" for
-// "gate.bias"; tid2eid as I64 or I32. MTP layers ("mtp.*") are recognised
-// and not loaded.
+// "gate.bias"; tid2eid as I64 or I32. Hugging Face's names (a folder saved
+// by its DeepseekV4 classes) are read too, with its fused routed experts
+// (mlp.experts.gate_up_proj [E, 2I, d], down_proj [E, d, I]) in a float
+// dtype. MTP layers ("mtp.*") are recognised and not loaded.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -21,6 +24,10 @@
 #include "ops/linear.h"
 
 namespace ds::model {
+
+// Hugging Face's name for an upstream tensor name (weights, scales, tables;
+// "" for none, e.g. a routed expert, which it fuses).
+std::string v4_hf_name(const std::string& upstream);
 
 struct V4Weight {
   std::vector<float> f32;     // vectors, and matrices widened at load (see V4Weights::load)
