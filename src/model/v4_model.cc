@@ -18,6 +18,7 @@
 #include "ops/mhc.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/sparse_attention.h"
 
 namespace ds::model {
 
@@ -210,64 +211,56 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   std::vector<int32_t> seg_of(static_cast<size_t>(n));
   for (size_t k = 0; k < segs.size(); ++k)
     std::fill(seg_of.begin() + segs[k].row, seg_of.begin() + segs[k].row + segs[k].n, static_cast<int32_t>(k));
-  const float* sink = f32(p.sink);
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-  Buffer<float> o(static_cast<size_t>(n * H * D));
-  parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> keys, s, isc;
-    std::vector<int32_t> picked;
-    for (int64_t i = i0; i < i1; ++i) {
-      const Segment& g = segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])];
-      const V4LayerState& st = state(g);
-      const int64_t t = pos[i], p0 = g.start;
-      const int64_t first = std::max<int64_t>(0, t - W + 1);
-      const int64_t visible = m > 0 ? (t + 1) / m : 0;
-      picked.clear();
-      if (m == 4 && visible > 0) {
-        // Lightning indexer: sum_h w_h relu(q_h . k_b), top index_topk.
-        isc.assign(static_cast<size_t>(Hi * visible), 0.0f);
+  // Each query's compressed entries: HCA all visible ones, CSA the
+  // indexer's top index_topk (sum_h w_h relu(q_h . k_b)).
+  std::vector<std::vector<int32_t>> picked(static_cast<size_t>(n));
+  if (m > 0) {
+    parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> isc, score;
+      for (int64_t i = i0; i < i1; ++i) {
+        const V4LayerState& st = state(segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])]);
+        const int64_t visible = (pos[i] + 1) / m;
+        auto& pk = picked[static_cast<size_t>(i)];
+        if (m != 4) {
+          pk.resize(static_cast<size_t>(visible));
+          std::iota(pk.begin(), pk.end(), 0);
+          continue;
+        }
+        if (visible == 0) continue;
+        isc.resize(static_cast<size_t>(Hi * visible));
         ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, st.index_keys.data(), Di, 0.0f,
                   isc.data(), visible);
-        std::vector<float> score(static_cast<size_t>(visible), 0.0f);
+        score.assign(static_cast<size_t>(visible), 0.0f);
         for (int64_t h = 0; h < Hi; ++h) {
           const float wh = wts[static_cast<size_t>(i * Hi + h)];
           const float* row = isc.data() + h * visible;
           for (int64_t b = 0; b < visible; ++b) score[static_cast<size_t>(b)] += wh * std::max(row[b], 0.0f);
         }
-        picked.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
-        picked.resize(static_cast<size_t>(ops::topk_indices(picked.data(), score.data(), visible, cfg_.index_topk)));
-      } else if (m > 0) {
-        picked.resize(static_cast<size_t>(visible));
-        std::iota(picked.begin(), picked.end(), 0);
+        pk.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
+        pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
       }
-      const int64_t C = t - first + 1 + static_cast<int64_t>(picked.size());
-      keys.resize(static_cast<size_t>(C * D));
-      float* k = keys.data();
-      for (int64_t src = first; src <= t; ++src, k += D) {
-        const float* row = src >= p0 ? kv.data() + (g.row + src - p0) * D : st.window.data() + (src % W) * D;
-        std::memcpy(k, row, static_cast<size_t>(D) * sizeof(float));
-      }
-      for (int32_t b : picked) {
-        std::memcpy(k, st.entries.data() + b * D, static_cast<size_t>(D) * sizeof(float));
-        k += D;
-      }
-      s.resize(static_cast<size_t>(H * C));
-      ops::gemm(false, true, H, C, D, scale, q.data() + i * H * D, D, keys.data(), D, 0.0f, s.data(), C);
-      for (int64_t h = 0; h < H; ++h) {
-        float* row = s.data() + h * C;
-        float mx = sink[h];
-        for (int64_t c = 0; c < C; ++c) mx = std::max(mx, row[c]);
-        double sum = std::exp(static_cast<double>(sink[h]) - mx);
-        for (int64_t c = 0; c < C; ++c) {
-          row[c] = std::exp(row[c] - mx);
-          sum += row[c];
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t c = 0; c < C; ++c) row[c] *= inv;
-      }
-      ops::gemm(false, false, H, D, C, 1.0f, s.data(), C, keys.data(), D, 0.0f, o.data() + i * H * D, D);
-    }
-  });
+    });
+  }
+  // The key lists: the window (new tokens' latents, older ones from the
+  // ring), then the picked entries.
+  std::vector<int64_t> offsets(static_cast<size_t>(n + 1), 0);
+  std::vector<const float*> rows;
+  for (int64_t i = 0; i < n; ++i) {
+    const Segment& g = segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])];
+    const V4LayerState& st = state(g);
+    const int64_t t = pos[i];
+    for (int64_t src = std::max<int64_t>(0, t - W + 1); src <= t; ++src)
+      rows.push_back(src >= g.start ? kv.data() + (g.row + src - g.start) * D : st.window.data() + (src % W) * D);
+    for (int32_t b : picked[static_cast<size_t>(i)]) rows.push_back(st.entries.data() + b * D);
+    offsets[static_cast<size_t>(i + 1)] = static_cast<int64_t>(rows.size());
+  }
+  ops::SparseMqaDims sd;
+  sd.queries = n;
+  sd.heads = H;
+  sd.dim = D;
+  sd.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  Buffer<float> o(static_cast<size_t>(n * H * D)), lse(static_cast<size_t>(n * H));
+  ops::sparse_mqa_forward(o.data(), lse.data(), q.data(), rows.data(), offsets.data(), f32(p.sink), sd);
   for (const Segment& g : segs)
     for (int64_t src = std::max(g.start, g.start + g.n - W); src < g.start + g.n; ++src)
       std::memcpy(state(g).window.data() + (src % W) * D, kv.data() + (g.row + src - g.start) * D,
