@@ -62,6 +62,19 @@ const float* ones(int64_t n) {
 
 }  // namespace
 
+ops::ExpertSelectionConfig v4_selection_config(const V4Config& c) {
+  ops::ExpertSelectionConfig sc;
+  sc.num_experts = c.n_routed_experts;
+  sc.k = c.num_experts_per_tok;
+  sc.group_score = ops::GroupScore::None;
+  sc.scoring = c.scoring_func == V4Scoring::SqrtSoftplus ? ops::ExpertScoring::SqrtSoftplus
+               : c.scoring_func == V4Scoring::Sigmoid    ? ops::ExpertScoring::Sigmoid
+                                                         : ops::ExpertScoring::Softmax;
+  sc.norm_topk_prob = c.scoring_func != V4Scoring::Softmax;
+  sc.routed_scaling_factor = static_cast<float>(c.routed_scaling_factor);
+  return sc;
+}
+
 size_t V4LayerState::bytes() const {
   return (window.size() + carry.P.size() + carry.Z.size() + entries.size() + index_carry.P.size() +
           index_carry.Z.size() + index_keys.size()) *
@@ -109,7 +122,7 @@ V4State V4Model::new_state() const {
 
 void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
                        const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys,
-                       int64_t p0, int64_t n) {
+                       int64_t p0, int64_t n, V4CompressorSaved* sv) {
   const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
   const bool overlap = m == 4;
   const int64_t width = (overlap ? 2 : 1) * dim;
@@ -138,7 +151,9 @@ void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, co
     const int64_t k = windows - skip, b0 = start / m + skip;
     float* E = pooled.data() + skip * dim;
     Buffer<float> rstd(static_cast<size_t>(k));
+    if (sv) sv->pooled.assign(E, E + k * dim);
     ops::rmsnorm_forward(E, rstd.data(), E, f32(p.norm), k, dim, static_cast<float>(cfg_.rms_norm_eps));
+    if (sv) sv->rstd.assign(rstd.begin(), rstd.end());
     std::vector<int32_t> pos(static_cast<size_t>(k));
     for (int64_t b = 0; b < k; ++b) pos[static_cast<size_t>(b)] = static_cast<int32_t>((b0 + b) * m);
     ops::rope_forward(E + dim - R, E + dim - R, pos.data(), freqs_compressed_.data(), k, 1, R, dim, dim,
@@ -152,6 +167,11 @@ void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, co
     }
     entries.insert(entries.end(), E, E + k * dim);
   }
+  if (sv) {
+    DS_CHECK(old == 0 && start == 0, "internal: a training forward starts every sequence afresh");
+    sv->P.assign(P.begin(), P.end());
+    sv->Z.assign(Z.begin(), Z.end());
+  }
   const int64_t keep = carry_start(p0 + n, m);
   carry.P.assign(P.begin() + (keep - start) * width, P.end());
   carry.Z.assign(Z.begin() + (keep - start) * width, Z.end());
@@ -159,7 +179,7 @@ void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, co
 }
 
 void V4Model::attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs,
-                        const int32_t* positions, int64_t n) {
+                        const int32_t* positions, int64_t n, V4AttentionSaved* sv) {
   const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
   const int64_t H = cfg_.num_attention_heads, D = cfg_.head_dim, R = cfg_.qk_rope_head_dim, N = D - R;
   const int64_t Lq = cfg_.q_lora_rank, W = cfg_.sliding_window, m = cfg_.compress_ratio(layer), d = cfg_.hidden_size;
@@ -172,14 +192,23 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   Buffer<float> qr(static_cast<size_t>(n * Lq)), q(static_cast<size_t>(n * H * D));
   Buffer<float> rstd(static_cast<size_t>(n * H));
   ops::linear_forward(qr.data(), a, p.wq_a, n);
+  if (sv) sv->qr_lin.assign(qr.begin(), qr.end());
   ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), f32(p.q_norm), n, Lq, eps);
+  if (sv) {
+    sv->rstd_qr.assign(rstd.begin(), rstd.begin() + n);
+    sv->qr.assign(qr.begin(), qr.end());
+  }
   ops::linear_forward(q.data(), qr.data(), p.wq_b, n);
+  if (sv) sv->q_lin.assign(q.begin(), q.end());
   ops::rmsnorm_forward(q.data(), rstd.data(), q.data(), ones(D), n * H, D, eps);
+  if (sv) sv->rstd_q.assign(rstd.begin(), rstd.end());
   ops::rope_forward(q.data() + N, q.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
   // The shared K=V latent.
   Buffer<float> kv(static_cast<size_t>(n * D));
   ops::linear_forward(kv.data(), a, p.wkv, n);
+  if (sv) sv->kv_lin.assign(kv.begin(), kv.end());
   ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), f32(p.kv_norm), n, D, eps);
+  if (sv) sv->rstd_kv.assign(rstd.begin(), rstd.begin() + n);
   ops::rope_forward(kv.data() + N, kv.data() + N, pos, freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
   if (opt_.qat)
     for (int64_t i = 0; i < n; ++i)
@@ -189,8 +218,11 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   const int64_t Hi = cfg_.index_n_heads, Di = cfg_.index_head_dim;
   for (const Segment& g : segs) {
     V4LayerState& st = state(g);
-    if (m > 0) compress(st.entries, st.carry, a + g.row * d, p.compressor, D, m, false, g.start, g.n);
-    if (m == 4) compress(st.index_keys, st.index_carry, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n);
+    V4CompressorSaved* cs = nullptr;
+    if (sv && m > 0) cs = &sv->comp.emplace_back();
+    if (m > 0) compress(st.entries, st.carry, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs);
+    if (m == 4)
+      compress(st.index_keys, st.index_carry, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr);
     if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
   }
   Buffer<float> qi, wts;
@@ -249,9 +281,21 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
     const Segment& g = segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])];
     const V4LayerState& st = state(g);
     const int64_t t = pos[i];
-    for (int64_t src = std::max<int64_t>(0, t - W + 1); src <= t; ++src)
+    for (int64_t src = std::max<int64_t>(0, t - W + 1); src <= t; ++src) {
       rows.push_back(src >= g.start ? kv.data() + (g.row + src - g.start) * D : st.window.data() + (src % W) * D);
-    for (int32_t b : picked[static_cast<size_t>(i)]) rows.push_back(st.entries.data() + b * D);
+      if (sv) {
+        DS_CHECK(src >= g.start, "internal: a training forward starts every sequence afresh");
+        sv->key_seg.push_back(-1);
+        sv->key_idx.push_back(g.row + src - g.start);
+      }
+    }
+    for (int32_t b : picked[static_cast<size_t>(i)]) {
+      rows.push_back(st.entries.data() + b * D);
+      if (sv) {
+        sv->key_seg.push_back(seg_of[static_cast<size_t>(i)]);
+        sv->key_idx.push_back(b);
+      }
+    }
     offsets[static_cast<size_t>(i + 1)] = static_cast<int64_t>(rows.size());
   }
   ops::SparseMqaDims sd;
@@ -261,12 +305,20 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   sd.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   Buffer<float> o(static_cast<size_t>(n * H * D)), lse(static_cast<size_t>(n * H));
   ops::sparse_mqa_forward(o.data(), lse.data(), q.data(), rows.data(), offsets.data(), f32(p.sink), sd);
+  if (sv) {
+    sv->q.assign(q.begin(), q.end());
+    sv->kv.assign(kv.begin(), kv.end());
+    sv->o.assign(o.begin(), o.end());
+    sv->lse.assign(lse.begin(), lse.end());
+    sv->offsets = offsets;
+  }
   for (const Segment& g : segs)
     for (int64_t src = std::max(g.start, g.start + g.n - W); src < g.start + g.n; ++src)
       std::memcpy(state(g).window.data() + (src % W) * D, kv.data() + (g.row + src - g.start) * D,
                   static_cast<size_t>(D) * sizeof(float));
   // The values carry RoPE: rotate the output's tail back by -t.
   ops::rope_backward(o.data() + N, o.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
+  if (sv) sv->o2.assign(o.begin(), o.end());
 
   // Grouped low-rank output: group g's heads through wo_a's rows of group g.
   const int64_t G = cfg_.o_groups, r = cfg_.o_lora_rank, gw = H * D / G;
@@ -274,25 +326,18 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   for (int64_t g = 0; g < G; ++g)
     ops::linear_forward(z.data() + g * r, o.data() + g * gw, ops::row_slice(p.wo_a, g * r, (g + 1) * r), n, H * D,
                         G * r);
+  if (sv) sv->z.assign(z.begin(), z.end());
   ops::linear_forward(out, z.data(), p.wo_b, n);
 }
 
-void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n) {
+void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
   const auto& L = w_.layers[static_cast<size_t>(layer)];
   const int64_t d = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
   const int64_t I = cfg_.moe_intermediate_size;
   const float limit = static_cast<float>(cfg_.swiglu_limit);
   Buffer<float> logits(static_cast<size_t>(n * E)), scores(static_cast<size_t>(n * E));
   ops::linear_forward(logits.data(), x, L.gate, n);
-  ops::ExpertSelectionConfig sc;
-  sc.num_experts = E;
-  sc.k = K;
-  sc.group_score = ops::GroupScore::None;
-  sc.scoring = cfg_.scoring_func == V4Scoring::SqrtSoftplus ? ops::ExpertScoring::SqrtSoftplus
-               : cfg_.scoring_func == V4Scoring::Sigmoid    ? ops::ExpertScoring::Sigmoid
-                                                            : ops::ExpertScoring::Softmax;
-  sc.norm_topk_prob = cfg_.scoring_func != V4Scoring::Softmax;
-  sc.routed_scaling_factor = static_cast<float>(cfg_.routed_scaling_factor);
+  const ops::ExpertSelectionConfig sc = v4_selection_config(cfg_);
   std::vector<int32_t> experts(static_cast<size_t>(n * K)), fixed;
   std::vector<float> weights(static_cast<size_t>(n * K));
   const bool hashed = cfg_.hash_routed(layer);
@@ -304,15 +349,32 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
   ops::expert_selection_forward(experts.data(), weights.data(), scores.data(), logits.data(),
                                 hashed ? nullptr : f32(L.gate_bias), n, sc, hashed ? fixed.data() : nullptr);
 
-  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp) {
+  if (sv) {
+    sv->experts = experts;
+    sv->weights = weights;
+    sv->scores.assign(scores.begin(), scores.end());
+    sv->rows.assign(static_cast<size_t>(E), {});
+    sv->g.assign(static_cast<size_t>(E), {});
+    sv->u.assign(static_cast<size_t>(E), {});
+    sv->h.assign(static_cast<size_t>(E), {});
+    sv->y.assign(static_cast<size_t>(E), {});
+  }
+  // w2(silu(w1 x) * w3 x) with the clamp; g, u, h kept when asked.
+  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp,
+                    std::vector<float>* kg, std::vector<float>* ku, std::vector<float>* kh) {
     Buffer<float> g(static_cast<size_t>(rows * I)), u(static_cast<size_t>(rows * I)), h(static_cast<size_t>(rows * I));
     ops::linear_forward(g.data(), xs, mp.w1, rows);
     ops::linear_forward(u.data(), xs, mp.w3, rows);
     ops::silu_mul_forward(h.data(), g.data(), u.data(), rows * I, limit);
     ops::linear_forward(y, h.data(), mp.w2, rows);
+    if (kg) {
+      kg->assign(g.begin(), g.end());
+      ku->assign(u.begin(), u.end());
+      kh->assign(h.begin(), h.end());
+    }
   };
   if (cfg_.n_shared_experts > 0)
-    swiglu(out, x, n, L.shared);
+    swiglu(out, x, n, L.shared, sv ? &sv->sg : nullptr, sv ? &sv->su : nullptr, sv ? &sv->sh : nullptr);
   else
     std::fill(out, out + n * d, 0.0f);
   // Each chosen expert over its rows, added with the routing weight.
@@ -326,7 +388,13 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
     xs.resize(static_cast<size_t>(cnt * d));
     ys.resize(static_cast<size_t>(cnt * d));
     for (int64_t j = 0; j < cnt; ++j) std::copy(x + list[j] / K * d, x + (list[j] / K + 1) * d, xs.begin() + j * d);
-    swiglu(ys.data(), xs.data(), cnt, L.experts[static_cast<size_t>(e)]);
+    const size_t ei = static_cast<size_t>(e);
+    swiglu(ys.data(), xs.data(), cnt, L.experts[ei], sv ? &sv->g[ei] : nullptr, sv ? &sv->u[ei] : nullptr,
+           sv ? &sv->h[ei] : nullptr);
+    if (sv) {
+      sv->rows[ei] = list;
+      sv->y[ei].assign(ys.begin(), ys.end());
+    }
     for (int64_t j = 0; j < cnt; ++j) {
       const float wgt = weights[static_cast<size_t>(list[j])];
       float* dst = out + list[j] / K * d;
@@ -342,6 +410,10 @@ std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, 
 }
 
 std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits) {
+  return forward(batch, all_logits, nullptr);
+}
+
+std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
   std::vector<Segment> segs;
   int64_t n = 0;
@@ -367,6 +439,11 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
       pos[static_cast<size_t>(segs[k].row + i)] = static_cast<int32_t>(segs[k].start + i);
   }
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  if (saved) {
+    saved->ids = ids;
+    saved->pos = pos;
+    saved->layers.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
+  }
 
   // Embedding, copied into every stream.
   Buffer<float> X(static_cast<size_t>(n * hc * d)), X2(static_cast<size_t>(n * hc * d));
@@ -386,16 +463,34 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
   Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
   for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
     const auto& L = w_.layers[static_cast<size_t>(l)];
+    V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
+    auto keep = [&](std::vector<float> V4LayerSaved::*field, const Buffer<float>& src) {
+      if (ls) (ls->*field).assign(src.begin(), src.end());
+    };
+    keep(&V4LayerSaved::X, X);
     ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_attn_fn), f32(L.hc_attn_base),
                          f32(L.hc_attn_scale), md);
+    keep(&V4LayerSaved::a0, a);
     ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.attn_norm), n, d, eps);
-    attention(o.data(), a.data(), l, segs, pos.data(), n);
+    keep(&V4LayerSaved::rstd_a, rstd);
+    keep(&V4LayerSaved::a, a);
+    keep(&V4LayerSaved::post, post);
+    keep(&V4LayerSaved::comb, comb);
+    attention(o.data(), a.data(), l, segs, pos.data(), n, ls ? &ls->attn : nullptr);
+    keep(&V4LayerSaved::o, o);
     ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
     std::swap(X, X2);
+    keep(&V4LayerSaved::X1, X);
     ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_ffn_fn), f32(L.hc_ffn_base),
                          f32(L.hc_ffn_scale), md);
+    keep(&V4LayerSaved::f0, a);
     ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.ffn_norm), n, d, eps);
-    moe(o.data(), a.data(), ids.data(), l, n);
+    keep(&V4LayerSaved::rstd_f, rstd);
+    keep(&V4LayerSaved::f, a);
+    keep(&V4LayerSaved::fpost, post);
+    keep(&V4LayerSaved::fcomb, comb);
+    moe(o.data(), a.data(), ids.data(), l, n, ls ? &ls->moe : nullptr);
+    keep(&V4LayerSaved::fo, o);
     ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
     std::swap(X, X2);
   }
@@ -412,7 +507,16 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
               X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
   md.tokens = R;
   ops::mhc_head_forward(y.data(), Xr.data(), f32(w_.hc_head_fn), f32(w_.hc_head_base), f32(w_.hc_head_scale), md);
+  if (saved) {
+    saved->X.assign(Xr.begin(), Xr.end());
+    saved->y.assign(y.begin(), y.end());
+    saved->logit_rows = rows;
+  }
   ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), f32(w_.norm), R, d, eps);
+  if (saved) {
+    saved->rstd_y.assign(rstd.begin(), rstd.begin() + R);
+    saved->yn.assign(y.begin(), y.end());
+  }
   std::vector<float> logits(static_cast<size_t>(R * V));
   ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, R);
   return logits;

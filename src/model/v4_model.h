@@ -37,6 +37,7 @@
 
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
+#include "ops/expert_selection.h"
 
 namespace ds::model {
 
@@ -68,10 +69,57 @@ struct V4State {
   size_t bytes() const;
 };
 
+// The router's selection rule of a V4 config (flat top-k, no groups).
+ops::ExpertSelectionConfig v4_selection_config(const V4Config& c);
+
 // Bytes a sequence's state holds after `tokens` tokens (float32 storage,
 // every layer): the window, the carries and the entries, as V4State::bytes
 // counts them.
 size_t v4_state_bytes(const V4Config& c, int64_t tokens);
+
+// What a training forward keeps for the backward (model/v4_train.h), per
+// layer. Rows are the batch's new tokens; compressor buffers are per
+// sequence (each a fresh state: its whole prompt in one forward).
+struct V4CompressorSaved {
+  std::vector<float> P, Z;    // projections (+ position embedding) [tokens, width]
+  std::vector<float> pooled;  // entries before their norm [entries, dim]
+  std::vector<float> rstd;    // [entries]
+};
+struct V4AttentionSaved {
+  std::vector<float> qr_lin, qr, rstd_qr;  // q-LoRA before and after its norm
+  std::vector<float> q_lin, rstd_q, q;     // [N, H, D] before the head norm; after it and RoPE
+  std::vector<float> kv_lin, rstd_kv, kv;  // the K=V latent before its norm; after it and RoPE
+  std::vector<V4CompressorSaved> comp;     // per sequence (m > 0)
+  std::vector<float> o, lse;               // attention output (rotated) and log-sum-exp
+  std::vector<float> o2, z;                // output rotated back; grouped projection [N, G r]
+  // Every query's keys (offsets into these lists): key_seg -1 for row key_idx
+  // of kv, else entry key_idx of that sequence's compressed entries.
+  std::vector<int32_t> key_seg;
+  std::vector<int64_t> key_idx, offsets;
+};
+struct V4MoeSaved {
+  std::vector<int32_t> experts;                // [N, K]
+  std::vector<float> weights;                  // [N, K]
+  std::vector<float> scores;                   // [N, E]
+  std::vector<std::vector<int64_t>> rows;      // per expert: assignments (token * K + slot)
+  std::vector<std::vector<float>> g, u, h, y;  // per expert: [rows, I] x3, [rows, d]
+  std::vector<float> sg, su, sh;               // shared expert [N, I]
+};
+struct V4LayerSaved {
+  std::vector<float> X;                             // the layer's input streams [N, hc, d]
+  std::vector<float> a0, rstd_a, a, post, comb, o;  // around the attention
+  V4AttentionSaved attn;
+  std::vector<float> X1;                               // streams between the two sub-layers
+  std::vector<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
+  V4MoeSaved moe;
+};
+struct V4Saved {
+  std::vector<int32_t> ids, pos;
+  std::vector<V4LayerSaved> layers;
+  std::vector<float> X;              // the last layer's output streams
+  std::vector<float> y, rstd_y, yn;  // mhc_head output, its norm
+  std::vector<int64_t> logit_rows;   // rows whose logits were computed
+};
 
 // New tokens for one sequence of a batch.
 struct V4Request {
@@ -93,9 +141,17 @@ class V4Model {
   // each weight read): the logits of every new token in request order, or
   // of each non-empty request's last token.
   std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits);
+  // The same forward keeping what the training backward reads (the states
+  // must be fresh and outlive *saved; saved may be null).
+  std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved);
 
   const V4Config& config() const { return cfg_; }
   const V4Options& options() const { return opt_; }
+  // The RoPE frequencies of a layer [qk_rope_head_dim / 2]: the compressed
+  // layers' (YaRN) or the sliding-window ones'.
+  const float* rope_frequencies(int64_t layer) const {
+    return cfg_.compress_ratio(layer) > 0 ? freqs_compressed_.data() : freqs_window_.data();
+  }
 
  private:
   // The new tokens of one sequence: rows [row, row + n) of the batch, at
@@ -106,11 +162,11 @@ class V4Model {
     int64_t start, n, row;
   };
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
-                 int64_t n);
+                 int64_t n, V4AttentionSaved* sv);
   void compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
                 const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys, int64_t p0,
-                int64_t n);
-  void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n);
+                int64_t n, V4CompressorSaved* sv);
+  void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
 
   const V4Config& cfg_;
   const V4View& w_;

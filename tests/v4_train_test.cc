@@ -1,0 +1,168 @@
+// DeepSeek-V4's training loss and gradient (model/v4_train.h) against the
+// float64 autograd of the independent reference (tests/reference/
+// deepseek_v4_ref.py, through make_v4_train_fixtures.py): a tiny model with
+// a sliding-window, a CSA, an HCA and a CSA layer, hash and score routing,
+// two rows of 136 tokens (one complete HCA entry, up to 34 CSA entries of
+// which the indexer keeps 4). Every parameter's gradient must match; the
+// indexer's, which this loss does not train, must stay zero. Then central
+// differences of the engine's own float32 loss on sampled entries, and the
+// same gradients for any thread count.
+#include "model/v4_train.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+#include "test_util.h"
+
+using namespace ds::model;
+
+namespace {
+
+const std::string kDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/train/v4_train_tiny";
+
+struct Fixture {
+  V4Config cfg;
+  ds::io::SafetensorsSet files;
+  V4Weights weights;
+  V4TrainBatch batch;
+};
+
+std::unique_ptr<Fixture> load() {
+  auto f = std::make_unique<Fixture>();
+  f->cfg = V4Config::from_hf_json_file(kDir + "/config.json");
+  f->files = ds::io::SafetensorsSet::open_dir(kDir);
+  f->weights = V4Weights::load(f->files, f->cfg);
+  std::ifstream in(kDir + "/batch.json");
+  const auto j = nlohmann::json::parse(in);
+  const auto inputs = j["inputs"].get<std::vector<std::vector<int32_t>>>();
+  const auto targets = j["targets"].get<std::vector<std::vector<int32_t>>>();
+  f->batch.batch = static_cast<int64_t>(inputs.size());
+  f->batch.seq = static_cast<int64_t>(inputs[0].size());
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    f->batch.inputs.insert(f->batch.inputs.end(), inputs[r].begin(), inputs[r].end());
+    f->batch.targets.insert(f->batch.targets.end(), targets[r].begin(), targets[r].end());
+  }
+  return f;
+}
+
+// Zeroed gradient buffers for every float parameter, by name.
+struct Grads {
+  std::map<std::string, std::vector<float>> by_name;
+  V4Params<float*> tree;
+  explicit Grads(const V4Config& c) : tree(make_v4_params<float*>(c)) {
+    for_each_v4_param(
+        c,
+        [&](const V4ParamInfo& i, float*& leaf) {
+          if (i.role == V4Role::HashTable) return;
+          auto& v = by_name[i.name];
+          v.assign(static_cast<size_t>(ds::shape_numel(i.shape)), 0.0f);
+          leaf = v.data();
+        },
+        tree);
+  }
+};
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, std::fabs(double(x)));
+  return m;
+}
+
+TEST(V4Train, LossAndGradientsMatchTheReference) {
+  auto f = load();
+  auto expected = ds::io::SafetensorsFile::open(kDir + "/expected.safetensors");
+  Grads g(f->cfg);
+  const V4LossTerms lt = v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, f->batch);
+  const double want_loss = expected.tensor("loss").to_vector()[0];
+  EXPECT_NEAR(lt.loss, want_loss, 1e-5 * std::fabs(want_loss));
+  EXPECT_EQ(lt.tokens, f->batch.batch * f->batch.seq);
+  int checked = 0;
+  for (const auto& [name, got] : g.by_name) {
+    const auto want = expected.tensor("grad." + name).to_vector();
+    ASSERT_EQ(got.size(), want.size()) << name;
+    if (name.find(".attn.indexer.") != std::string::npos) {
+      EXPECT_EQ(max_abs(got), 0.0) << name << ": the indexer is not trained by this loss";
+      continue;
+    }
+    // Relative to the tensor's largest entry: float32 sums over 272 tokens.
+    ds::test::expect_close(got, ds::test::to_double(want), 0.0, 2e-4 * max_abs(want) + 1e-9, name.c_str());
+    ++checked;
+  }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(V4Train, GradientMatchesCentralDifferencesOfTheEngine) {
+  auto f = load();
+  Grads g(f->cfg);
+  v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, f->batch);
+  // Perturb float32 copies of a few tensors: the weights are views into the
+  // mapped file, so each probed tensor is copied and its view redirected.
+  const std::vector<std::pair<std::string, int64_t>> probes = {{"embed.weight", 5},
+                                                               {"layers.1.attn.wkv.weight", 3},
+                                                               {"layers.2.attn.compressor.wgate.weight", 3},
+                                                               {"layers.3.attn.attn_sink", 2},
+                                                               {"layers.1.hc_attn_fn", 3},
+                                                               {"layers.0.ffn.gate.weight", 3},
+                                                               {"hc_head_base", 2},
+                                                               {"layers.2.attn.wo_a.weight", 3},
+                                                               {"layers.3.ffn.shared_experts.w2.weight", 3}};
+  V4View view = f->weights.view;
+  for (const auto& [name, count] : probes) {
+    ds::ops::WeightView* leaf = nullptr;
+    for_each_v4_param(
+        f->cfg,
+        [&](const V4ParamInfo& i, ds::ops::WeightView& v) {
+          if (i.name == name) leaf = &v;
+        },
+        view);
+    ASSERT_NE(leaf, nullptr) << name;
+    const ds::ops::WeightView orig = *leaf;
+    std::vector<float> copy(static_cast<const float*>(orig.data),
+                            static_cast<const float*>(orig.data) + orig.rows * orig.cols);
+    leaf->data = copy.data();
+    const auto& grad = g.by_name.at(name);
+    for (int64_t k = 0; k < count; ++k) {
+      // The entries with the largest gradients, spread over the tensor.
+      const size_t stride = copy.size() / static_cast<size_t>(count);
+      size_t at = static_cast<size_t>(k) * stride;
+      for (size_t i = at; i < std::min(copy.size(), at + stride); ++i)
+        if (std::fabs(grad[i]) > std::fabs(grad[at])) at = i;
+      const float x0 = copy[at], h = 1e-3f * std::max(1.0f, std::fabs(x0));
+      copy[at] = x0 + h;
+      const double lp = v4_loss_and_grad(f->cfg, view, nullptr, f->batch).loss;
+      copy[at] = x0 - h;
+      const double lm = v4_loss_and_grad(f->cfg, view, nullptr, f->batch).loss;
+      copy[at] = x0;
+      const double fd = (lp - lm) / (2.0 * h);
+      EXPECT_NEAR(grad[at], fd, 5e-3 * std::fabs(fd) + 2e-4) << name << "[" << at << "]";
+    }
+    *leaf = orig;
+  }
+}
+
+TEST(V4Train, GradientsDoNotDependOnTheThreadCount) {
+  auto f = load();
+  ds::test::expect_same_for_any_thread_count([&] {
+    Grads g(f->cfg);
+    std::vector<float> all = {static_cast<float>(v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, f->batch).loss)};
+    for (const auto& [name, v] : g.by_name) all.insert(all.end(), v.begin(), v.end());
+    return all;
+  });
+}
+
+TEST(V4Train, BadBatchesAreErrors) {
+  auto f = load();
+  V4TrainBatch b = f->batch;
+  b.targets.pop_back();
+  EXPECT_THROW(v4_loss_and_grad(f->cfg, f->weights.view, nullptr, b), ds::Error);
+  b = f->batch;
+  b.targets[0] = static_cast<int32_t>(f->cfg.vocab_size);
+  EXPECT_THROW(v4_loss_and_grad(f->cfg, f->weights.view, nullptr, b), ds::Error);
+}
+
+}  // namespace
