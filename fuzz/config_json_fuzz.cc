@@ -1,5 +1,6 @@
-// libFuzzer target for the Hugging Face config.json reader. Any input must
-// either give a validated ModelConfig or raise ds::Error; a crash, a sanitizer
+// libFuzzer target for the Hugging Face config.json readers (V2/V3/V3.2
+// and DeepSeek-V4). Any input must either give a validated config or raise
+// ds::Error; a crash, a sanitizer
 // report or another exception type is a finding. Built by fuzz/CMakeLists.txt
 // (cmake -DDEEPSEEK_FUZZ=ON with clang) or scripts/fuzz.sh:
 //   build-fuzz/fuzz/config_json_fuzz -max_len=4096 fuzz/corpus/config_json
@@ -9,6 +10,7 @@
 
 #include "core/error.h"
 #include "model/config.h"
+#include "model/v4_config.h"
 #include "json_mutator.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -25,6 +27,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (c.num_hidden_layers > 0) moe_layers = moe_layers + (c.is_moe_layer(c.num_hidden_layers - 1) ? 1 : 0);
     (void)scale;
     (void)qk;
+  } catch (const ds::Error&) {
+  }
+  try {
+    const ds::model::V4Config c = ds::model::V4Config::from_hf_json_text(text, "fuzz");
+    volatile int64_t params = c.parameter_count();
+    volatile int64_t ratios = 0;
+    for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers && l < 8; ++l)
+      ratios = ratios + c.compress_ratio(l);
+    (void)params;
   } catch (const ds::Error&) {
   }
   return 0;

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <tuple>
 #include <type_traits>
 
 #include "core/error.h"
@@ -302,21 +303,10 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   }
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
-    const std::string method = get_or<std::string>(q, "quant_method", "", src);
-    const std::string fmt = get_or<std::string>(q, "fmt", "e4m3", src);
-    DS_CHECK(method == "fp8" && fmt == "e4m3", "{}: quantization '{}' ({}) is not supported (fp8 e4m3)", src, method,
-             fmt);
-    auto block = get_or<std::vector<int64_t>>(q, "weight_block_size", {128, 128}, src);
-    DS_CHECK(block.size() == 2 && block[0] > 0 && block[1] > 0, "{}: weight_block_size must be [rows, cols]", src);
-    c.fp8_block_rows = block[0];
-    c.fp8_block_cols = block[1];
+    std::tie(c.fp8_block_rows, c.fp8_block_cols) =
+        read_fp8_quantization(q, get_or<std::string>(q, "quant_method", "", src), src);
   }
-  try {
-    c.validate();
-  } catch (const Error& e) {
-    throw Error(fmt::format("{}: {}", src, e.what()));
-  }
-  return c;
+  return validated(std::move(c), src);
 }
 
 ModelConfig ModelConfig::from_hf_json_file(const std::string& path) {

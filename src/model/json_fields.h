@@ -3,10 +3,13 @@
 // error line naming the file and the key, never a silent conversion.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -76,6 +79,29 @@ inline YarnScaling read_rope_scaling(const json& j, const std::string& src) {
   y.mscale = get_or<double>(r, "mscale", 1.0, src);
   y.mscale_all_dim = get_or<double>(r, "mscale_all_dim", 0.0, src);
   return y;
+}
+
+// quantization_config (an object): fp8 e4m3 ("fmt" defaults to e4m3) with
+// block scales of weight_block_size [rows, cols] (default 128 x 128).
+inline std::pair<int64_t, int64_t> read_fp8_quantization(const json& q, const std::string& method,
+                                                         const std::string& src) {
+  const std::string fmt = get_or<std::string>(q, "fmt", "e4m3", src);
+  DS_CHECK(method == "fp8" && fmt == "e4m3", "{}: quantization '{}' ({}) is not supported (fp8 e4m3)", src, method,
+           fmt);
+  auto block = get_or<std::vector<int64_t>>(q, "weight_block_size", {128, 128}, src);
+  DS_CHECK(block.size() == 2 && block[0] > 0 && block[1] > 0, "{}: weight_block_size must be [rows, cols]", src);
+  return {block[0], block[1]};
+}
+
+// c.validate(), its error prefixed with the file's name.
+template <class Config>
+Config validated(Config c, const std::string& src) {
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: {}", src, e.what()));
+  }
+  return c;
 }
 
 }  // namespace ds::model::json_fields

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <map>
+#include <tuple>
 
 #include "core/error.h"
 #include "io/text_input.h"
@@ -78,7 +79,7 @@ void V4Config::validate() const {
   in_range(q_lora_rank, 1, kWidth, "q_lora_rank");
   in_range(o_groups, 1, num_attention_heads, "o_groups");
   in_range(o_lora_rank, 1, kWidth, "o_lora_rank");
-  in_range(sliding_window, 1, kPositions, "sliding_window");
+  in_range(sliding_window, 1, int64_t{1} << 16, "sliding_window");
   in_range(max_position_embeddings, 1, kPositions, "max_position_embeddings");
   in_range(n_routed_experts, 1, kExperts, "n_routed_experts");
   in_range(n_shared_experts, 0, 1, "n_shared_experts");
@@ -230,25 +231,14 @@ V4Config V4Config::from_hf_json_text(const std::string& text, const std::string&
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
     DS_CHECK(q.is_object(), "{}: quantization_config must be an object", src);
-    const std::string method = get_or<std::string>(q, "quant_method", "fp8", src);
-    const std::string fmt = get_or<std::string>(q, "fmt", "e4m3", src);
-    DS_CHECK(method == "fp8" && fmt == "e4m3", "{}: quantization '{}' ({}) is not supported (fp8 e4m3)", src, method,
-             fmt);
+    std::tie(c.fp8_block_rows, c.fp8_block_cols) =
+        read_fp8_quantization(q, get_or<std::string>(q, "quant_method", "fp8", src), src);
     // The K=V latent's fp8 simulation uses power-of-two scales, the rule of
     // every released V4 checkpoint.
     const std::string scale = get_or<std::string>(q, "scale_fmt", "ue8m0", src);
     DS_CHECK(scale == "ue8m0", "{}: scale_fmt '{}' is not supported (ue8m0)", src, scale);
-    auto block = get_or<std::vector<int64_t>>(q, "weight_block_size", {128, 128}, src);
-    DS_CHECK(block.size() == 2, "{}: weight_block_size must be [rows, cols]", src);
-    c.fp8_block_rows = block[0];
-    c.fp8_block_cols = block[1];
   }
-  try {
-    c.validate();
-  } catch (const Error& e) {
-    throw Error(fmt::format("{}: {}", src, e.what()));
-  }
-  return c;
+  return validated(std::move(c), src);
 }
 
 V4Config V4Config::from_hf_json_file(const std::string& path) {
