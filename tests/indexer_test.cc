@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "ops/linear.h"
 #include "core/error.h"
 #include "io/text_input.h"
 #include "ops/attention.h"
@@ -179,6 +180,33 @@ TEST(Indexer, V4RoundingSimulationsMatchTheIndependentReference) {
   ds::ops::fp4_round_blocks(z.data(), z.data(), n, 32);
   EXPECT_EQ(z, vec("fp4"));
   EXPECT_THROW(ds::ops::fp4_round_blocks(y.data(), x.data(), 48, 32), ds::Error);
+}
+
+TEST(Indexer, V4RoundingsKeptAsCodesDecodeToTheRoundedValues) {
+  // Values of every magnitude (tiny blocks hit the scale floors), in blocks
+  // of 64 (fp8) and 32 (fp4): decoding the codes gives the round functions'
+  // results bit for bit, fp4 through the packed-fp4 weight layout.
+  const int64_t n = 64 * 12;
+  std::vector<float> x = ds::test::randn(n, 31, 3.0f);
+  for (int64_t i = 0; i < 64; ++i) x[static_cast<size_t>(i)] *= 1e-7f;
+  for (int64_t i = 64; i < 128; ++i) x[static_cast<size_t>(i)] *= 1e4f;
+  std::vector<float> want(n), got(n);
+  std::vector<uint8_t> codes(n), scales(n / 32);
+  ds::ops::fp8_round_blocks(want.data(), x.data(), n, 64, true);
+  ds::ops::fp8_encode_blocks(codes.data(), scales.data(), x.data(), n, 64);
+  ds::ops::fp8_decode_blocks(got.data(), codes.data(), scales.data(), n, 64);
+  EXPECT_EQ(got, want);
+  ds::ops::fp4_round_blocks(want.data(), x.data(), n, 32);
+  std::vector<uint8_t> packed(n / 2);
+  ds::ops::fp4_encode_blocks(packed.data(), scales.data(), x.data(), n, 32);
+  ds::ops::WeightView w;
+  w.data = packed.data();
+  w.dtype = ds::DType::F4E2M1;
+  w.rows = n / 128;
+  w.cols = 128;
+  w.scale_e8m0 = scales.data();
+  ds::ops::widen_rows(got.data(), w, 0, w.rows);
+  EXPECT_EQ(got, want);
 }
 
 TEST(Indexer, ScoresAreHeadWeightedReluDots) {

@@ -107,8 +107,14 @@ class V4Reference : public ::testing::TestWithParam<const char*> {};
 TEST_P(V4Reference, FullForwardMatchesTheReference) {
   auto f = load(GetParam());
   const int64_t V = f->cfg.vocab_size;
-  for (bool qat : {true, false}) {
-    V4Model model(f->cfg, f->weights.view, V4Options{qat});
+  // With the roundings, the indexer's fp4 keys scored after widening (few
+  // keys) and straight from their codes (many).
+  for (const auto& [qat, widen] :
+       {std::pair{true, int64_t{4096}}, std::pair{true, int64_t{0}}, std::pair{false, int64_t{4096}}}) {
+    V4Options opt;
+    opt.qat = qat;
+    opt.widen_index_keys_up_to = widen;
+    V4Model model(f->cfg, f->weights.view, opt);
     for (size_t s = 0; s < f->tokens.size(); ++s) {
       const auto& ids = f->tokens[s];
       const std::string suffix = "." + std::to_string(s);
@@ -122,7 +128,7 @@ TEST_P(V4Reference, FullForwardMatchesTheReference) {
       expect_rows_close(got, want, V, slack, 1e-5 * max_abs(want),
                         std::string(GetParam()) + (qat ? " qat" : " no-qat") + " seq " + std::to_string(s));
       EXPECT_EQ(st.length, static_cast<int64_t>(ids.size()));
-      EXPECT_EQ(st.bytes(), v4_state_bytes(f->cfg, st.length));
+      EXPECT_EQ(st.bytes(), v4_state_bytes(f->cfg, st.length, /*codes=*/qat));
     }
   }
 }
@@ -263,8 +269,8 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, V4Reference, ::testing::Values("v4_tiny", "v4
 
 TEST(V4State, BytesPerTokenOfV4Flash) {
   // V4-Flash's shapes (43 layers: 2 SWA, 21 CSA, 20 HCA): the state at 1M
-  // tokens is the compressed entries and indexer keys (float32), 13760 bytes
-  // a token, plus the windows and the compressors' open windows.
+  // tokens is the compressed entries and indexer keys, plus the windows and
+  // the compressors' open windows.
   V4Config c;
   c.vocab_size = 129280;
   c.hidden_size = 4096;
@@ -298,14 +304,19 @@ TEST(V4State, BytesPerTokenOfV4Flash) {
   c.expert_dtype = "fp4";
   c.validate();
   const int64_t M = int64_t{1} << 20;
-  // Growth per 1M tokens: CSA entries (512 floats per 4 tokens) and keys
-  // (128 per 4) in 21 layers, HCA entries (512 per 128 tokens) in 20.
-  const double per_token = 21 * (512.0 + 128.0) * 4 / 4 + 20 * 512.0 * 4 / 128;
-  EXPECT_EQ(per_token, 13760.0);
-  const size_t fixed = v4_state_bytes(c, 128);
-  const size_t at_1m = v4_state_bytes(c, M);
-  EXPECT_NEAR(double(at_1m - fixed) / double(M - 128), per_token, 1.0);
-  EXPECT_LT(double(at_1m) / double(M), per_token + 16.0);
+  // Growth per token, float32: CSA entries (512 floats per 4 tokens) and
+  // keys (128 per 4) in 21 layers, HCA entries (512 per 128 tokens) in 20.
+  const double f32_per_token = 21 * (512.0 + 128.0) * 4 / 4 + 20 * 512.0 * 4 / 128;
+  EXPECT_EQ(f32_per_token, 13760.0);
+  // As codes: an entry is 448 e4m3 codes, 7 scale bytes and 64 float32 rope
+  // dims (711 bytes), a key 64 bytes of e2m1 pairs and 4 scale bytes.
+  const double code_per_token = 21 * (711.0 + 68.0) / 4 + 20 * 711.0 / 128;
+  for (const auto& [codes, per_token] : {std::pair{false, f32_per_token}, std::pair{true, code_per_token}}) {
+    const size_t fixed = v4_state_bytes(c, 128, codes);
+    const size_t at_1m = v4_state_bytes(c, M, codes);
+    EXPECT_NEAR(double(at_1m - fixed) / double(M - 128), per_token, 1.0) << codes;
+    EXPECT_LT(double(at_1m) / double(M), per_token + 16.0) << codes;
+  }
 }
 
 TEST(V4Loader, HuggingFaceNames) {

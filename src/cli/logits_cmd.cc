@@ -58,7 +58,7 @@ int run_logits_v4(const LogitsArgs& a, const std::string& out) {
   for (const auto& ids : seqs) lengths.push_back(static_cast<int64_t>(ids.size()));
   infer::GenerateOptions request;
   request.max_new_tokens = 1;
-  infer::check_v4_request(cfg, lengths, request);
+  infer::check_v4_request(cfg, lengths, request, /*codes=*/!a.no_quant_sim);
   const int64_t prefix = check_logits_request(a, lengths, cfg.vocab_size);
   auto m = infer::load_v4_model(a.model, model::V4Options{!a.no_quant_sim});
   std::vector<std::pair<std::string, Tensor>> outs;

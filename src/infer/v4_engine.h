@@ -28,8 +28,9 @@ std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Op
 
 // check_generate_options, then the states of every sequence at its longest
 // (prompt plus new tokens) against this machine's memory.
+// `codes`: the state's layout (model::v4_state_bytes).
 void check_v4_request(const model::V4Config& cfg, const std::vector<int64_t>& prompt_lengths,
-                      const GenerateOptions& opt);
+                      const GenerateOptions& opt, bool codes = true);
 
 class V4Decoder : public Decoder {
  public:

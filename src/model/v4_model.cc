@@ -77,8 +77,9 @@ ops::ExpertSelectionConfig v4_selection_config(const V4Config& c) {
 
 size_t V4LayerState::bytes() const {
   return (window.size() + carry.P.size() + carry.Z.size() + entries.size() + index_carry.P.size() +
-          index_carry.Z.size() + index_keys.size()) *
-         sizeof(float);
+          index_carry.Z.size() + index_keys.size() + entry_rope.size()) *
+             sizeof(float) +
+         entry_codes.size() + entry_scales.size() + key_codes.size() + key_scales.size();
 }
 
 size_t V4State::bytes() const {
@@ -87,20 +88,26 @@ size_t V4State::bytes() const {
   return b;
 }
 
-size_t v4_state_bytes(const V4Config& c, int64_t tokens) {
+size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes) {
   if (tokens <= 0) return 0;
-  size_t floats = 0;
-  auto comp = [&](int64_t ratio, int64_t dim) {
+  size_t bytes = 0;
+  const int64_t R = c.qk_rope_head_dim, N = c.nope_dim(), Di = c.index_head_dim;
+  auto carry = [&](int64_t ratio, int64_t dim) {
     const int64_t width = (ratio == 4 ? 2 : 1) * dim;
-    floats += static_cast<size_t>(2 * (tokens - carry_start(tokens, ratio)) * width + (tokens / ratio) * dim);
+    bytes += static_cast<size_t>(2 * (tokens - carry_start(tokens, ratio)) * width) * sizeof(float);
   };
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    floats += static_cast<size_t>(c.sliding_window * c.head_dim);
+    bytes += static_cast<size_t>(c.sliding_window * c.head_dim) * sizeof(float);
     const int64_t m = c.compress_ratio(l);
-    if (m > 0) comp(m, c.head_dim);
-    if (m == 4) comp(4, c.index_head_dim);
+    if (m == 0) continue;
+    const int64_t count = tokens / m;
+    carry(m, c.head_dim);
+    bytes += static_cast<size_t>(count * (codes ? N + N / kLatentFp8Block + R * 4 : c.head_dim * 4));
+    if (m != 4) continue;
+    carry(4, Di);
+    bytes += static_cast<size_t>(count * (codes ? Di / 2 + Di / kIndexFp4Block : Di * 4));
   }
-  return floats * sizeof(float);
+  return bytes;
 }
 
 V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
@@ -120,9 +127,9 @@ V4State V4Model::new_state() const {
   return s;
 }
 
-void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
-                       const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys,
-                       int64_t p0, int64_t n, V4CompressorSaved* sv) {
+void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
+                       int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv) {
+  V4CompressorCarry& carry = index_keys ? st.index_carry : st.carry;
   const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
   const bool overlap = m == 4;
   const int64_t width = (overlap ? 2 : 1) * dim;
@@ -158,14 +165,27 @@ void V4Model::compress(std::vector<float>& entries, V4CompressorCarry& carry, co
     for (int64_t b = 0; b < k; ++b) pos[static_cast<size_t>(b)] = static_cast<int32_t>((b0 + b) * m);
     ops::rope_forward(E + dim - R, E + dim - R, pos.data(), freqs_compressed_.data(), k, 1, R, dim, dim,
                       ops::RopeLayout::Interleaved);
-    if (index_keys) {
-      ops::hadamard_rows(E, k, dim);
-      if (opt_.qat) ops::fp4_round_blocks(E, E, k * dim, kIndexFp4Block);
-    } else if (opt_.qat) {
-      for (int64_t b = 0; b < k; ++b)
-        ops::fp8_round_blocks(E + b * dim, E + b * dim, dim - R, kLatentFp8Block, /*ue8m0=*/true);
+    if (index_keys) ops::hadamard_rows(E, k, dim);
+    if (!opt_.qat) {
+      auto& rows = index_keys ? st.index_keys : st.entries;
+      rows.insert(rows.end(), E, E + k * dim);
+    } else if (index_keys) {  // fp4 in blocks of 32, kept as codes
+      const size_t c0 = st.key_codes.size(), s0 = st.key_scales.size();
+      st.key_codes.resize(c0 + static_cast<size_t>(k * dim / 2));
+      st.key_scales.resize(s0 + static_cast<size_t>(k * dim / kIndexFp4Block));
+      ops::fp4_encode_blocks(st.key_codes.data() + c0, st.key_scales.data() + s0, E, k * dim, kIndexFp4Block);
+    } else {  // the non-rope dims to fp8 in blocks of 64, kept as codes; the rope dims as they are
+      const int64_t N = dim - R;
+      for (int64_t b = 0; b < k; ++b) {
+        const size_t c0 = st.entry_codes.size(), s0 = st.entry_scales.size();
+        st.entry_codes.resize(c0 + static_cast<size_t>(N));
+        st.entry_scales.resize(s0 + static_cast<size_t>(N / kLatentFp8Block));
+        ops::fp8_encode_blocks(st.entry_codes.data() + c0, st.entry_scales.data() + s0, E + b * dim, N,
+                               kLatentFp8Block);
+        st.entry_rope.insert(st.entry_rope.end(), E + b * dim + N, E + (b + 1) * dim);
+      }
     }
-    entries.insert(entries.end(), E, E + k * dim);
+    if (!index_keys) st.count += k;
   }
   if (sv) {
     DS_CHECK(old == 0 && start == 0, "internal: a training forward starts every sequence afresh");
@@ -187,6 +207,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   const float* freqs = m > 0 ? freqs_compressed_.data() : freqs_window_.data();
   const int32_t* pos = positions;
   auto state = [&](const Segment& g) -> V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
+  DS_CHECK(!sv || !opt_.qat, "internal: a training forward runs without the fp8/fp4 roundings");
 
   // Queries: q-LoRA, its norm, per-head RMS normalisation, RoPE on the tail.
   Buffer<float> qr(static_cast<size_t>(n * Lq)), q(static_cast<size_t>(n * H * D));
@@ -220,9 +241,8 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
     V4LayerState& st = state(g);
     V4CompressorSaved* cs = nullptr;
     if (sv && m > 0) cs = &sv->comp.emplace_back();
-    if (m > 0) compress(st.entries, st.carry, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs);
-    if (m == 4)
-      compress(st.index_keys, st.index_carry, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr);
+    if (m > 0) compress(st, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs);
+    if (m == 4) compress(st, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr);
     if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
   }
   Buffer<float> qi, wts;
@@ -246,11 +266,29 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   // Each query's compressed entries: HCA all visible ones, CSA the
   // indexer's top index_topk (sum_h w_h relu(q_h . k_b)).
   std::vector<std::vector<int32_t>> picked(static_cast<size_t>(n));
+  // Keys kept as codes: a few thousand are widened once for the call and
+  // scored by sgemm; beyond that each query scores them straight from the
+  // codes (the fp4 linear kernel widens them in registers).
+  std::vector<std::vector<float>> wide_keys(segs.size());
+  if (m == 4 && opt_.qat)
+    for (size_t k = 0; k < segs.size(); ++k) {
+      const V4LayerState& st = state(segs[k]);
+      if (st.count == 0 || st.count > opt_.widen_index_keys_up_to) continue;
+      ops::WeightView keys;
+      keys.data = st.key_codes.data();
+      keys.dtype = DType::F4E2M1;
+      keys.rows = st.count;
+      keys.cols = Di;
+      keys.scale_e8m0 = st.key_scales.data();
+      wide_keys[k].resize(static_cast<size_t>(st.count * Di));
+      ops::widen_rows(wide_keys[k].data(), keys, 0, st.count);
+    }
   if (m > 0) {
     parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> isc, score;
       for (int64_t i = i0; i < i1; ++i) {
-        const V4LayerState& st = state(segs[static_cast<size_t>(seg_of[static_cast<size_t>(i)])]);
+        const size_t seg = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
+        const V4LayerState& st = state(segs[seg]);
         const int64_t visible = (pos[i] + 1) / m;
         auto& pk = picked[static_cast<size_t>(i)];
         if (m != 4) {
@@ -260,8 +298,19 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
         }
         if (visible == 0) continue;
         isc.resize(static_cast<size_t>(Hi * visible));
-        ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, st.index_keys.data(), Di, 0.0f,
-                  isc.data(), visible);
+        if (opt_.qat && wide_keys[seg].empty()) {  // the keys' fp4 codes, widened inside the linear kernel
+          ops::WeightView keys;
+          keys.data = st.key_codes.data();
+          keys.dtype = DType::F4E2M1;
+          keys.rows = visible;
+          keys.cols = Di;
+          keys.scale_e8m0 = st.key_scales.data();
+          ops::linear_forward(isc.data(), qi.data() + i * Hi * Di, keys, Hi);
+        } else {
+          const float* keys = opt_.qat ? wide_keys[seg].data() : st.index_keys.data();
+          ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, keys, Di, 0.0f, isc.data(),
+                    visible);
+        }
         score.assign(static_cast<size_t>(visible), 0.0f);
         for (int64_t h = 0; h < Hi; ++h) {
           const float wh = wts[static_cast<size_t>(i * Hi + h)];
@@ -272,6 +321,25 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
         pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
       }
     });
+  }
+  // Entries kept as codes: the picked ones decoded once for this call.
+  std::vector<std::vector<int64_t>> slot(segs.size());
+  std::vector<std::vector<float>> decoded(segs.size());
+  if (m > 0 && opt_.qat) {
+    for (size_t k = 0; k < segs.size(); ++k) slot[k].assign(static_cast<size_t>(state(segs[k]).count), -1);
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t k = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
+      for (int32_t b : picked[static_cast<size_t>(i)])
+        if (slot[k][static_cast<size_t>(b)] < 0) {
+          const V4LayerState& st = state(segs[k]);
+          slot[k][static_cast<size_t>(b)] = static_cast<int64_t>(decoded[k].size()) / D;
+          decoded[k].resize(decoded[k].size() + static_cast<size_t>(D));
+          float* row = decoded[k].data() + decoded[k].size() - static_cast<size_t>(D);
+          ops::fp8_decode_blocks(row, st.entry_codes.data() + b * N, st.entry_scales.data() + b * (N / kLatentFp8Block),
+                                 N, kLatentFp8Block);
+          std::copy(st.entry_rope.begin() + b * R, st.entry_rope.begin() + (b + 1) * R, row + N);
+        }
+    }
   }
   // The key lists: the window (new tokens' latents, older ones from the
   // ring), then the picked entries.
@@ -289,8 +357,9 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
         sv->key_idx.push_back(g.row + src - g.start);
       }
     }
+    const size_t k = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
     for (int32_t b : picked[static_cast<size_t>(i)]) {
-      rows.push_back(st.entries.data() + b * D);
+      rows.push_back(opt_.qat ? decoded[k].data() + slot[k][static_cast<size_t>(b)] * D : st.entries.data() + b * D);
       if (sv) {
         sv->key_seg.push_back(seg_of[static_cast<size_t>(i)]);
         sv->key_idx.push_back(b);

@@ -43,6 +43,10 @@ namespace ds::model {
 
 struct V4Options {
   bool qat = true;  // the fp8 / fp4 roundings of DeepSeek's inference code
+  // With the roundings, a sequence's indexer keys (kept as fp4 codes) are
+  // widened once per forward while there are at most this many, and scored
+  // by sgemm; beyond, every query scores them from the codes directly.
+  int64_t widen_index_keys_up_to = 4096;
 };
 
 // A compressor's pending rows: the projections (P, Z with the position
@@ -53,13 +57,22 @@ struct V4CompressorCarry {
   std::vector<float> P, Z;  // [rows, width]
 };
 
-// What one layer keeps of one sequence between forwards.
+// What one layer keeps of one sequence between forwards. With the roundings
+// on (the default) the compressed entries and the indexer's keys are kept as
+// the codes they were rounded to, which loses nothing: an entry's non-rope
+// dims as e4m3 codes with an e8m0 scale per 64, its rope dims as float32; a
+// key as packed e2m1 codes with an e8m0 scale per 32. Without the roundings
+// they are float32 rows.
 struct V4LayerState {
   std::vector<float> window;      // [sliding_window, head_dim] ring: token s at slot s % sliding_window
   V4CompressorCarry carry;        // m > 0
-  std::vector<float> entries;     // m > 0: compressed K=V entries [count, head_dim]
   V4CompressorCarry index_carry;  // m == 4
-  std::vector<float> index_keys;  // m == 4: the indexer's keys [count, index_head_dim]
+  int64_t count = 0;              // compressed entries (and indexer keys)
+  std::vector<float> entries;     // float32 layout: [count, head_dim]
+  std::vector<float> index_keys;  // float32 layout: [count, index_head_dim]
+  std::vector<uint8_t> entry_codes, entry_scales;  // code layout: [count, nope], [count, nope / 64]
+  std::vector<float> entry_rope;                   // code layout: [count, qk_rope_head_dim]
+  std::vector<uint8_t> key_codes, key_scales;      // code layout: [count, index_head_dim / 2], [count, / 32]
   size_t bytes() const;
 };
 
@@ -72,10 +85,10 @@ struct V4State {
 // The router's selection rule of a V4 config (flat top-k, no groups).
 ops::ExpertSelectionConfig v4_selection_config(const V4Config& c);
 
-// Bytes a sequence's state holds after `tokens` tokens (float32 storage,
-// every layer): the window, the carries and the entries, as V4State::bytes
-// counts them.
-size_t v4_state_bytes(const V4Config& c, int64_t tokens);
+// Bytes a sequence's state holds after `tokens` tokens (every layer): the
+// window, the carries and the entries and keys, in the code layout (the
+// default, with the roundings) or float32, as V4State::bytes counts them.
+size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes = true);
 
 // What a training forward keeps for the backward (model/v4_train.h), per
 // layer. Rows are the batch's new tokens; compressor buffers are per
@@ -163,9 +176,10 @@ class V4Model {
   };
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
-  void compress(std::vector<float>& entries, V4CompressorCarry& carry, const float* a,
-                const V4CompressorParams<ops::WeightView>& p, int64_t dim, int64_t ratio, bool index_keys, int64_t p0,
-                int64_t n, V4CompressorSaved* sv);
+  // The entries (or with index_keys the indexer's keys) whose windows the
+  // new tokens close, appended to st in its layout.
+  void compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
+                int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv);
   void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
 
   const V4Config& cfg_;

@@ -44,6 +44,16 @@ void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, in
 void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool ue8m0);
 void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block);
 
+// The same roundings (fp8 with power-of-two scales) kept as codes: each
+// block's scale as an e8m0 byte (2^(e - 127)) in scales [n / block], and
+// e4m3 codes [n] or e2m1 codes packed two a byte (element 2j in the low
+// nibble of byte j) [n / 2]. Decoding gives exactly what the round
+// functions return (fp4: through a WeightView of dtype f4_e2m1).
+void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t n, int64_t block);
+void fp4_encode_blocks(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block);
+// y [n] from fp8_encode_blocks' codes and scales.
+void fp8_decode_blocks(float* y, const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t block);
+
 // scores [n, T] (row stride lds) for n queries against keys 0..T-1:
 //   scores[j, s] = sum_h w[j, h] * ReLU(q[j, h, :] . k[s, :])
 // q [n, heads, d] and w [n, heads] float32; the keys stay quantized (codes

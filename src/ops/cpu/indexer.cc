@@ -152,6 +152,47 @@ void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block) {
   }
 }
 
+namespace {
+
+// The e8m0 byte of a power of two.
+uint8_t e8m0_of(float pow2) { return static_cast<uint8_t>(std::ilogb(pow2) + 127); }
+
+}  // namespace
+
+void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_encode_blocks: {} values in blocks of {}", n, block);
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const float s = fp8_block_scale(x + b0, block, /*ue8m0=*/true);
+    scales[b0 / block] = e8m0_of(s);
+    for (int64_t c = b0; c < b0 + block; ++c) codes[c] = f32_to_e4m3(std::clamp(x[c] / s, -kFp8Max, kFp8Max));
+  }
+}
+
+void fp8_decode_blocks(float* y, const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_decode_blocks: {} values in blocks of {}", n, block);
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const float s = e8m0_to_f32(scales[b0 / block]);
+    for (int64_t c = b0; c < b0 + block; ++c) y[c] = e4m3_to_f32(codes[c]) * s;
+  }
+}
+
+void fp4_encode_blocks(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0, "fp4_encode_blocks: {} values in blocks of {}",
+           n, block);
+  constexpr float kFp4Max = 6.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = kFp4Max * 0x1p-126f;
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float s = pow2_ceil(amax / kFp4Max);
+    scales[b0 / block] = e8m0_of(s);
+    for (int64_t c = b0; c < b0 + block; c += 2) {
+      const uint8_t lo = f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max));
+      const uint8_t hi = f32_to_e2m1(std::clamp(x[c + 1] / s, -kFp4Max, kFp4Max));
+      packed[c / 2] = static_cast<uint8_t>((lo & 0x0F) | (hi << 4));
+    }
+  }
+}
+
 void indexer_scores(float* scores, int64_t lds, const float* q, const float* w, int64_t n, int64_t heads, int64_t d,
                     const uint8_t* key_codes, const float* key_scales, int64_t T) {
   if (n == 0 || T == 0) return;
