@@ -217,13 +217,7 @@ void ModelConfig::validate() const {
 }
 
 ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::string& src) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    DS_FAIL("{} is not valid JSON: {}", src, e.what());
-  }
-  DS_CHECK(j.is_object(), "{} must be a JSON object", src);
+  const json j = parse_object(text, src);
   ModelConfig c;
   c.model_type = get<std::string>(j, "model_type", src);
   const bool v2 = c.model_type == "deepseek_v2";

@@ -35,6 +35,18 @@ inline int64_t strict_int(const json& v, const char* key, const std::string& src
   return v.get<int64_t>();
 }
 
+// The text as a JSON object, or one error line naming `src`.
+inline json parse_object(const std::string& text, const std::string& src) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    DS_FAIL("{} is not valid JSON: {}", src, e.what());
+  }
+  DS_CHECK(j.is_object(), "{} must be a JSON object", src);
+  return j;
+}
+
 // Typed access to a config.json field, naming the key on a type mismatch.
 template <typename T>
 T get(const json& j, const char* key, const std::string& src) {

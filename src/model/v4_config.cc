@@ -155,13 +155,7 @@ void V4Config::validate() const {
 }
 
 V4Config V4Config::from_hf_json_text(const std::string& text, const std::string& src) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    DS_FAIL("{} is not valid JSON: {}", src, e.what());
-  }
-  DS_CHECK(j.is_object(), "{} must be a JSON object", src);
+  const json j = parse_object(text, src);
   const std::string type = get<std::string>(j, "model_type", src);
   DS_CHECK(type == "deepseek_v4", "{}: model_type '{}' is not deepseek_v4", src, type);
   const std::string act = get_or<std::string>(j, "hidden_act", "silu", src);
@@ -246,14 +240,8 @@ V4Config V4Config::from_hf_json_file(const std::string& path) {
 }
 
 std::string config_model_type(const std::string& path) {
-  const std::string text = io::read_file(path, "config");
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    DS_FAIL("{} is not valid JSON: {}", path, e.what());
-  }
-  if (!j.is_object() || !j.contains("model_type") || !j["model_type"].is_string()) return "";
+  const json j = parse_object(io::read_file(path, "config"), path);
+  if (!j.contains("model_type") || !j["model_type"].is_string()) return "";
   return j["model_type"].get<std::string>();
 }
 
