@@ -10,6 +10,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/compressor.h"
 #include "ops/expert_selection.h"
@@ -26,11 +27,6 @@ namespace {
 
 constexpr int64_t kLatentFp8Block = 64;  // the K=V latent's fp8 simulation blocks
 constexpr int64_t kIndexFp4Block = 32;   // the indexer's fp4 simulation blocks
-
-const float* f32(const ops::WeightView& v) {
-  DS_CHECK(v.data != nullptr && v.dtype == DType::F32, "internal: a V4 vector parameter must be a float32 view");
-  return static_cast<const float*>(v.data);
-}
 
 std::vector<float> frequencies(const V4Config& c, double theta, bool yarn) {
   ops::RopeConfig rc;
@@ -53,6 +49,18 @@ int64_t carry_start(int64_t tokens, int64_t ratio) {
   return (ratio == 4 ? std::max<int64_t>(open - 1, 0) : open) * ratio;
 }
 
+// The first `rows` indexer keys of a state kept as codes, as a packed-fp4
+// weight [rows, dim].
+ops::WeightView key_codes(const V4LayerState& st, int64_t rows, int64_t dim) {
+  ops::WeightView w;
+  w.data = st.key_codes.data();
+  w.dtype = DType::F4E2M1;
+  w.rows = rows;
+  w.cols = dim;
+  w.scale_e8m0 = st.key_scales.data();
+  return w;
+}
+
 // Unit weights for the per-head query norm, which has none.
 const float* ones(int64_t n) {
   thread_local std::vector<float> v;
@@ -61,6 +69,26 @@ const float* ones(int64_t n) {
 }
 
 }  // namespace
+
+ops::MhcDims v4_mhc_dims(const V4Config& c, int64_t tokens) {
+  ops::MhcDims md;
+  md.tokens = tokens;
+  md.streams = c.hc_mult;
+  md.dim = c.hidden_size;
+  md.sinkhorn_iters = c.hc_sinkhorn_iters;
+  md.eps = static_cast<float>(c.hc_eps);
+  md.norm_eps = static_cast<float>(c.rms_norm_eps);
+  return md;
+}
+
+ops::SparseMqaDims v4_attention_dims(const V4Config& c, int64_t queries) {
+  ops::SparseMqaDims sd;
+  sd.queries = queries;
+  sd.heads = c.num_attention_heads;
+  sd.dim = c.head_dim;
+  sd.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  return sd;
+}
 
 ops::ExpertSelectionConfig v4_selection_config(const V4Config& c) {
   ops::ExpertSelectionConfig sc;
@@ -141,7 +169,7 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
   std::copy(carry.Z.begin(), carry.Z.end(), Z.begin());
   ops::linear_forward(P.data() + old * width, a, p.wkv, n);
   ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
-  const float* ape = f32(p.ape);
+  const float* ape = vector_data(p.ape);
   for (int64_t i = 0; i < n; ++i) {
     float* z = Z.data() + (old + i) * width;
     const float* e = ape + ((p0 + i) % m) * width;
@@ -159,7 +187,7 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
     float* E = pooled.data() + skip * dim;
     Buffer<float> rstd(static_cast<size_t>(k));
     if (sv) sv->pooled.assign(E, E + k * dim);
-    ops::rmsnorm_forward(E, rstd.data(), E, f32(p.norm), k, dim, static_cast<float>(cfg_.rms_norm_eps));
+    ops::rmsnorm_forward(E, rstd.data(), E, vector_data(p.norm), k, dim, static_cast<float>(cfg_.rms_norm_eps));
     if (sv) sv->rstd.assign(rstd.begin(), rstd.end());
     std::vector<int32_t> pos(static_cast<size_t>(k));
     for (int64_t b = 0; b < k; ++b) pos[static_cast<size_t>(b)] = static_cast<int32_t>((b0 + b) * m);
@@ -204,7 +232,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   const int64_t H = cfg_.num_attention_heads, D = cfg_.head_dim, R = cfg_.qk_rope_head_dim, N = D - R;
   const int64_t Lq = cfg_.q_lora_rank, W = cfg_.sliding_window, m = cfg_.compress_ratio(layer), d = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  const float* freqs = m > 0 ? freqs_compressed_.data() : freqs_window_.data();
+  const float* freqs = rope_frequencies(layer);
   const int32_t* pos = positions;
   auto state = [&](const Segment& g) -> V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
   DS_CHECK(!sv || !opt_.qat, "internal: a training forward runs without the fp8/fp4 roundings");
@@ -214,7 +242,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   Buffer<float> rstd(static_cast<size_t>(n * H));
   ops::linear_forward(qr.data(), a, p.wq_a, n);
   if (sv) sv->qr_lin.assign(qr.begin(), qr.end());
-  ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), f32(p.q_norm), n, Lq, eps);
+  ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), vector_data(p.q_norm), n, Lq, eps);
   if (sv) {
     sv->rstd_qr.assign(rstd.begin(), rstd.begin() + n);
     sv->qr.assign(qr.begin(), qr.end());
@@ -228,7 +256,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   Buffer<float> kv(static_cast<size_t>(n * D));
   ops::linear_forward(kv.data(), a, p.wkv, n);
   if (sv) sv->kv_lin.assign(kv.begin(), kv.end());
-  ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), f32(p.kv_norm), n, D, eps);
+  ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), vector_data(p.kv_norm), n, D, eps);
   if (sv) sv->rstd_kv.assign(rstd.begin(), rstd.begin() + n);
   ops::rope_forward(kv.data() + N, kv.data() + N, pos, freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
   if (opt_.qat)
@@ -274,14 +302,8 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
     for (size_t k = 0; k < segs.size(); ++k) {
       const V4LayerState& st = state(segs[k]);
       if (st.count == 0 || st.count > opt_.widen_index_keys_up_to) continue;
-      ops::WeightView keys;
-      keys.data = st.key_codes.data();
-      keys.dtype = DType::F4E2M1;
-      keys.rows = st.count;
-      keys.cols = Di;
-      keys.scale_e8m0 = st.key_scales.data();
       wide_keys[k].resize(static_cast<size_t>(st.count * Di));
-      ops::widen_rows(wide_keys[k].data(), keys, 0, st.count);
+      ops::widen_rows(wide_keys[k].data(), key_codes(st, st.count, Di), 0, st.count);
     }
   if (m > 0) {
     parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
@@ -299,13 +321,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
         if (visible == 0) continue;
         isc.resize(static_cast<size_t>(Hi * visible));
         if (opt_.qat && wide_keys[seg].empty()) {  // the keys' fp4 codes, widened inside the linear kernel
-          ops::WeightView keys;
-          keys.data = st.key_codes.data();
-          keys.dtype = DType::F4E2M1;
-          keys.rows = visible;
-          keys.cols = Di;
-          keys.scale_e8m0 = st.key_scales.data();
-          ops::linear_forward(isc.data(), qi.data() + i * Hi * Di, keys, Hi);
+          ops::linear_forward(isc.data(), qi.data() + i * Hi * Di, key_codes(st, visible, Di), Hi);
         } else {
           const float* keys = opt_.qat ? wide_keys[seg].data() : st.index_keys.data();
           ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, keys, Di, 0.0f, isc.data(),
@@ -367,13 +383,9 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
     }
     offsets[static_cast<size_t>(i + 1)] = static_cast<int64_t>(rows.size());
   }
-  ops::SparseMqaDims sd;
-  sd.queries = n;
-  sd.heads = H;
-  sd.dim = D;
-  sd.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  const ops::SparseMqaDims sd = v4_attention_dims(cfg_, n);
   Buffer<float> o(static_cast<size_t>(n * H * D)), lse(static_cast<size_t>(n * H));
-  ops::sparse_mqa_forward(o.data(), lse.data(), q.data(), rows.data(), offsets.data(), f32(p.sink), sd);
+  ops::sparse_mqa_forward(o.data(), lse.data(), q.data(), rows.data(), offsets.data(), vector_data(p.sink), sd);
   if (sv) {
     sv->q.assign(q.begin(), q.end());
     sv->kv.assign(kv.begin(), kv.end());
@@ -416,7 +428,7 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
     for (int64_t i = 0; i < n; ++i) std::copy(table + ids[i] * K, table + (ids[i] + 1) * K, fixed.begin() + i * K);
   }
   ops::expert_selection_forward(experts.data(), weights.data(), scores.data(), logits.data(),
-                                hashed ? nullptr : f32(L.gate_bias), n, sc, hashed ? fixed.data() : nullptr);
+                                hashed ? nullptr : vector_data(L.gate_bias), n, sc, hashed ? fixed.data() : nullptr);
 
   if (sv) {
     sv->experts = experts;
@@ -521,13 +533,7 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     ops::widen_rows(row, w_.embed, ids[i], ids[i] + 1);
     for (int64_t j = 1; j < hc; ++j) std::copy(row, row + d, row + j * d);
   }
-  ops::MhcDims md;
-  md.tokens = n;
-  md.streams = hc;
-  md.dim = d;
-  md.sinkhorn_iters = cfg_.hc_sinkhorn_iters;
-  md.eps = static_cast<float>(cfg_.hc_eps);
-  md.norm_eps = eps;
+  ops::MhcDims md = v4_mhc_dims(cfg_, n);
   Buffer<float> a(static_cast<size_t>(n * d)), o(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
   Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
   for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
@@ -537,10 +543,10 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
       if (ls) (ls->*field).assign(src.begin(), src.end());
     };
     keep(&V4LayerSaved::X, X);
-    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_attn_fn), f32(L.hc_attn_base),
-                         f32(L.hc_attn_scale), md);
+    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_attn_fn),
+                         vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md);
     keep(&V4LayerSaved::a0, a);
-    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.attn_norm), n, d, eps);
+    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.attn_norm), n, d, eps);
     keep(&V4LayerSaved::rstd_a, rstd);
     keep(&V4LayerSaved::a, a);
     keep(&V4LayerSaved::post, post);
@@ -550,10 +556,10 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
     std::swap(X, X2);
     keep(&V4LayerSaved::X1, X);
-    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), f32(L.hc_ffn_fn), f32(L.hc_ffn_base),
-                         f32(L.hc_ffn_scale), md);
+    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_ffn_fn),
+                         vector_data(L.hc_ffn_base), vector_data(L.hc_ffn_scale), md);
     keep(&V4LayerSaved::f0, a);
-    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), f32(L.ffn_norm), n, d, eps);
+    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.ffn_norm), n, d, eps);
     keep(&V4LayerSaved::rstd_f, rstd);
     keep(&V4LayerSaved::f, a);
     keep(&V4LayerSaved::fpost, post);
@@ -575,13 +581,14 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     std::copy(X.begin() + rows[static_cast<size_t>(r)] * hc * d,
               X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
   md.tokens = R;
-  ops::mhc_head_forward(y.data(), Xr.data(), f32(w_.hc_head_fn), f32(w_.hc_head_base), f32(w_.hc_head_scale), md);
+  ops::mhc_head_forward(y.data(), Xr.data(), vector_data(w_.hc_head_fn), vector_data(w_.hc_head_base),
+                        vector_data(w_.hc_head_scale), md);
   if (saved) {
     saved->X.assign(Xr.begin(), Xr.end());
     saved->y.assign(y.begin(), y.end());
     saved->logit_rows = rows;
   }
-  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), f32(w_.norm), R, d, eps);
+  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), vector_data(w_.norm), R, d, eps);
   if (saved) {
     saved->rstd_y.assign(rstd.begin(), rstd.begin() + R);
     saved->yn.assign(y.begin(), y.end());

@@ -38,6 +38,8 @@
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
+#include "ops/mhc.h"
+#include "ops/sparse_attention.h"
 
 namespace ds::model {
 
@@ -84,6 +86,10 @@ struct V4State {
 
 // The router's selection rule of a V4 config (flat top-k, no groups).
 ops::ExpertSelectionConfig v4_selection_config(const V4Config& c);
+// The mHC mixing of `tokens` rows, and the attention over the K=V latent
+// (head_dim^-1/2 scale) of `queries` rows, as a V4 config sets them.
+ops::MhcDims v4_mhc_dims(const V4Config& c, int64_t tokens);
+ops::SparseMqaDims v4_attention_dims(const V4Config& c, int64_t queries);
 
 // Bytes a sequence's state holds after `tokens` tokens (every layer): the
 // window, the carries and the entries and keys, in the code layout (the

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/v4_model.h"
+#include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/compressor.h"
 #include "ops/expert_selection.h"
@@ -20,12 +21,7 @@ namespace {
 
 using View = ops::WeightView;
 
-const float* f32(const View& v) {
-  DS_CHECK(v.data != nullptr && v.dtype == DType::F32, "V4 training needs float32 weights");
-  return static_cast<const float*>(v.data);
-}
-
-void need_f32(const View& v, const char* what) {
+void need_vector_data(const View& v, const char* what) {
   DS_CHECK(v.dtype == DType::F32, "V4 training needs float32 weights ({} is {})", what, dtype_name(v.dtype));
 }
 
@@ -35,26 +31,29 @@ class Backward {
  public:
   Backward(const V4Config& c, const V4View& w, V4Params<float*>& g, const V4Model& model, const V4Saved& sv,
            std::vector<V4State>& states, int64_t batch, int64_t seq)
-      : c_(c), w_(w), g_(g), model_(model), sv_(sv), states_(states), B_(batch), T_(seq), n_(batch * seq) {
-    md_.tokens = n_;
-    md_.streams = c.hc_mult;
-    md_.dim = c.hidden_size;
-    md_.sinkhorn_iters = c.hc_sinkhorn_iters;
-    md_.eps = static_cast<float>(c.hc_eps);
-    md_.norm_eps = static_cast<float>(c.rms_norm_eps);
-  }
+      : c_(c),
+        w_(w),
+        g_(g),
+        model_(model),
+        sv_(sv),
+        states_(states),
+        B_(batch),
+        T_(seq),
+        n_(batch * seq),
+        md_(v4_mhc_dims(c, batch * seq)) {}
 
   // dlogits [n, V] -> every parameter's gradient.
   void run(const std::vector<float>& dlogits) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     const View& head = c_.tie_word_embeddings ? w_.embed : w_.head;
     float* dhead = c_.tie_word_embeddings ? g_.embed : g_.head;
-    need_f32(head, "head");
+    need_vector_data(head, "head");
     std::vector<float> dy(static_cast<size_t>(n_ * d)), dX = zeros(n_ * hc * d);
     ops::linear_backward(dy.data(), dhead, dlogits.data(), sv_.yn.data(), head, n_);
-    ops::rmsnorm_backward(dy.data(), g_.norm, dy.data(), sv_.y.data(), f32(w_.norm), sv_.rstd_y.data(), n_, d);
+    ops::rmsnorm_backward(dy.data(), g_.norm, dy.data(), sv_.y.data(), vector_data(w_.norm), sv_.rstd_y.data(), n_, d);
     ops::mhc_head_backward(dX.data(), g_.hc_head_fn, g_.hc_head_base, g_.hc_head_scale, dy.data(), sv_.X.data(),
-                           f32(w_.hc_head_fn), f32(w_.hc_head_base), f32(w_.hc_head_scale), md_);
+                           vector_data(w_.hc_head_fn), vector_data(w_.hc_head_base), vector_data(w_.hc_head_scale),
+                           md_);
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) layer(l, dX);
     // The embedding fed every stream.
     if (g_.embed)
@@ -80,9 +79,11 @@ class Backward {
     ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), s.X1.data(),
                            s.fpost.data(), s.fcomb.data(), md_);
     moe(da.data(), dsub.data(), s.moe, s.f.data(), l);
-    ops::rmsnorm_backward(da.data(), G.ffn_norm, da.data(), s.f0.data(), f32(L.ffn_norm), s.rstd_f.data(), n_, d);
+    ops::rmsnorm_backward(da.data(), G.ffn_norm, da.data(), s.f0.data(), vector_data(L.ffn_norm), s.rstd_f.data(), n_,
+                          d);
     ops::mhc_pre_backward(dX1.data(), G.hc_ffn_fn, G.hc_ffn_base, G.hc_ffn_scale, da.data(), dpost.data(), dcomb.data(),
-                          s.X1.data(), f32(L.hc_ffn_fn), f32(L.hc_ffn_base), f32(L.hc_ffn_scale), md_);
+                          s.X1.data(), vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
+                          vector_data(L.hc_ffn_scale), md_);
     // The attention sub-layer.
     std::fill(dsub.begin(), dsub.end(), 0.0f);
     std::fill(dpost.begin(), dpost.end(), 0.0f);
@@ -92,9 +93,11 @@ class Backward {
                            s.post.data(), s.comb.data(), md_);
     std::fill(da.begin(), da.end(), 0.0f);
     attention(da.data(), dsub.data(), s.attn, s.a.data(), l);
-    ops::rmsnorm_backward(da.data(), G.attn_norm, da.data(), s.a0.data(), f32(L.attn_norm), s.rstd_a.data(), n_, d);
+    ops::rmsnorm_backward(da.data(), G.attn_norm, da.data(), s.a0.data(), vector_data(L.attn_norm), s.rstd_a.data(), n_,
+                          d);
     ops::mhc_pre_backward(dX.data(), G.hc_attn_fn, G.hc_attn_base, G.hc_attn_scale, da.data(), dpost.data(),
-                          dcomb.data(), s.X.data(), f32(L.hc_attn_fn), f32(L.hc_attn_base), f32(L.hc_attn_scale), md_);
+                          dcomb.data(), s.X.data(), vector_data(L.hc_attn_fn), vector_data(L.hc_attn_base),
+                          vector_data(L.hc_attn_scale), md_);
   }
 
   // da += the attention's input gradient, given dout [n, d].
@@ -106,7 +109,7 @@ class Backward {
     const int64_t m = c_.compress_ratio(l);
     const float* freqs = model_.rope_frequencies(l);
     const int32_t* pos = sv_.pos.data();
-    for (const View* v : {&p.wq_a, &p.wq_b, &p.wkv, &p.wo_a, &p.wo_b}) need_f32(*v, "an attention projection");
+    for (const View* v : {&p.wq_a, &p.wq_b, &p.wkv, &p.wo_a, &p.wo_b}) need_vector_data(*v, "an attention projection");
     // out = wo_b z;  z_g = wo_a_g o2_g
     std::vector<float> dz(static_cast<size_t>(n_ * G * r)), dq(static_cast<size_t>(n_ * H * D));
     ops::linear_backward(dz.data(), g.wo_b, dout, s.z.data(), p.wo_b, n_);
@@ -128,24 +131,22 @@ class Backward {
       rows[j] = seg < 0 ? s.kv.data() + idx * D : entries(seg, l).data() + idx * D;
       drows[j] = seg < 0 ? dkv.data() + idx * D : dent[static_cast<size_t>(seg)].data() + idx * D;
     }
-    ops::SparseMqaDims sd;
-    sd.queries = n_;
-    sd.heads = H;
-    sd.dim = D;
-    sd.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    const ops::SparseMqaDims sd = v4_attention_dims(c_, n_);
     ops::sparse_mqa_backward(dq.data(), drows.data(), g.sink, dO.data(), s.o.data(), s.lse.data(), s.q.data(),
-                             rows.data(), s.offsets.data(), f32(p.sink), sd);
+                             rows.data(), s.offsets.data(), vector_data(p.sink), sd);
     // q: RoPE, the weightless head norm, wq_b, q_norm, wq_a.
     const std::vector<float> ones(static_cast<size_t>(D), 1.0f);
     ops::rope_backward(dq.data() + N, dq.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
     ops::rmsnorm_backward(dq.data(), nullptr, dq.data(), s.q_lin.data(), ones.data(), s.rstd_q.data(), n_ * H, D);
     std::vector<float> dqr(static_cast<size_t>(n_ * Lq));
     ops::linear_backward(dqr.data(), g.wq_b, dq.data(), s.qr.data(), p.wq_b, n_);
-    ops::rmsnorm_backward(dqr.data(), g.q_norm, dqr.data(), s.qr_lin.data(), f32(p.q_norm), s.rstd_qr.data(), n_, Lq);
+    ops::rmsnorm_backward(dqr.data(), g.q_norm, dqr.data(), s.qr_lin.data(), vector_data(p.q_norm), s.rstd_qr.data(),
+                          n_, Lq);
     ops::linear_backward(da, g.wq_a, dqr.data(), a, p.wq_a, n_, true);
     // The K=V latent: RoPE, kv_norm, wkv.
     ops::rope_backward(dkv.data() + N, dkv.data() + N, pos, freqs, n_, 1, R, D, D, ops::RopeLayout::Interleaved);
-    ops::rmsnorm_backward(dkv.data(), g.kv_norm, dkv.data(), s.kv_lin.data(), f32(p.kv_norm), s.rstd_kv.data(), n_, D);
+    ops::rmsnorm_backward(dkv.data(), g.kv_norm, dkv.data(), s.kv_lin.data(), vector_data(p.kv_norm), s.rstd_kv.data(),
+                          n_, D);
     ops::linear_backward(da, g.wkv, dkv.data(), a, p.wkv, n_, true);
     if (m > 0)
       for (int64_t k = 0; k < B_; ++k)
@@ -162,14 +163,14 @@ class Backward {
     const int64_t nb = static_cast<int64_t>(dE.size()) / D;
     const ops::CompressorDims dims{T_, D, m, m == 4};
     const int64_t width = dims.width();
-    need_f32(p.wkv, "compressor.wkv");
-    need_f32(p.wgate, "compressor.wgate");
+    need_vector_data(p.wkv, "compressor.wkv");
+    need_vector_data(p.wgate, "compressor.wgate");
     if (nb > 0) {
       std::vector<int32_t> epos(static_cast<size_t>(nb));
       for (int64_t b = 0; b < nb; ++b) epos[static_cast<size_t>(b)] = static_cast<int32_t>(b * m);
       ops::rope_backward(dE.data() + D - R, dE.data() + D - R, epos.data(), model_.rope_frequencies(l), nb, 1, R, D, D,
                          ops::RopeLayout::Interleaved);
-      ops::rmsnorm_backward(dE.data(), g.norm, dE.data(), cs.pooled.data(), f32(p.norm), cs.rstd.data(), nb, D);
+      ops::rmsnorm_backward(dE.data(), g.norm, dE.data(), cs.pooled.data(), vector_data(p.norm), cs.rstd.data(), nb, D);
     }
     std::vector<float> dP = zeros(T_ * width), dZ = zeros(T_ * width);
     ops::compressor_pool_backward(dP.data(), dZ.data(), dE.data(), cs.P.data(), cs.Z.data(), dims);
@@ -192,7 +193,7 @@ class Backward {
     auto swiglu = [&](float* dxs, const float* dy, const float* xs, int64_t rows, const std::vector<float>& gv,
                       const std::vector<float>& uv, const std::vector<float>& hv, const V4MlpParams<View>& mp,
                       V4MlpParams<float*>& mg) {
-      for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_f32(*v, "an expert");
+      for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
       std::vector<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
       ops::linear_backward(dh.data(), mg.w2, dy, hv.data(), mp.w2, rows);
       ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv.data(), uv.data(), rows * I, limit);
@@ -232,7 +233,7 @@ class Backward {
     std::vector<float> dlogits(static_cast<size_t>(n_ * E));
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
                                    v4_selection_config(c_));
-    need_f32(L.gate, "ffn.gate");
+    need_vector_data(L.gate, "ffn.gate");
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
   }
 

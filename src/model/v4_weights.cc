@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "model/weights.h"
 
 namespace ds::model {
 
@@ -36,14 +37,8 @@ class V4Loader {
   }
   // A float tensor of exactly `shape`, checked for NaN and infinity.
   Tensor float_tensor(const std::string& stored, const Shape& shape) {
-    const io::TensorInfo& i = info(stored);
-    DS_CHECK(i.shape == shape, "tensor '{}' has shape {}, the config implies {}", stored, shape_str(i.shape),
-             shape_str(shape));
-    Tensor t = st_.tensor(stored);
-    DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", stored, dtype_name(t.dtype()));
-    const int64_t bad = find_non_finite(t.raw(), t.dtype(), static_cast<size_t>(t.numel()));
-    DS_CHECK(bad < 0, "tensor '{}' holds a non-finite value (NaN or infinity) at element {}", stored, bad);
-    return t;
+    info(stored);
+    return checked_float_tensor(st_, stored, shape);
   }
 
   // The scale of an fp8 or fp4 weight stored as `base`.weight: `base`.scale
@@ -139,7 +134,8 @@ class V4Loader {
              "tensor '{}': fused fp8 experts are not supported (use the upstream per-expert layout)", stored);
     const int64_t rows = down ? d : I, cols = down ? I : d;
     const int64_t first = down ? e * d : e * 2 * I + (which == "w3.weight" ? I : 0);
-    const auto* base = static_cast<const uint8_t*>(t.raw()) + first * cols * static_cast<int64_t>(dtype_size(t.dtype()));
+    const auto* base =
+        static_cast<const uint8_t*>(t.raw()) + first * cols * static_cast<int64_t>(dtype_size(t.dtype()));
     w.view = {base, t.dtype(), rows, cols, nullptr, 128, 128};
     return true;
   }
@@ -250,8 +246,7 @@ std::string v4_hf_name(const std::string& name) {
       {"ffn.shared_experts.w2.", "mlp.shared_experts.down_proj."},
   };
   for (const auto& [up, hf] : table) {
-    if (up.back() == '.' ? rest.rfind(up, 0) == 0 : rest == up)
-      return "model." + layer + hf + rest.substr(up.size());
+    if (up.back() == '.' ? rest.rfind(up, 0) == 0 : rest == up) return "model." + layer + hf + rest.substr(up.size());
   }
   return "";
 }

@@ -14,6 +14,18 @@ const float* vector_data(const ops::WeightView& v) {
   return static_cast<const float*>(v.data);
 }
 
+Tensor checked_float_tensor(const io::SafetensorsSet& st, const std::string& name, const Shape& shape) {
+  Tensor t = st.tensor(name);
+  DS_CHECK(t.shape() == shape, "tensor '{}' has shape {}, the config implies {}", name, shape_str(t.shape()),
+           shape_str(shape));
+  DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", name, dtype_name(t.dtype()));
+  // A NaN or infinity in a weight or scale would turn every output into
+  // garbage that still looks like a result: refuse it at load.
+  const int64_t bad = find_non_finite(t.raw(), t.dtype(), static_cast<size_t>(t.numel()));
+  DS_CHECK(bad < 0, "tensor '{}' holds a non-finite value (NaN or infinity) at element {}", name, bad);
+  return t;
+}
+
 namespace {
 
 class Loader {
@@ -23,14 +35,7 @@ class Loader {
 
   Tensor get(const std::string& name, const Shape& shape) {
     DS_CHECK(st_.contains(name), "checkpoint is missing tensor '{}' (expected shape {})", name, shape_str(shape));
-    Tensor t = st_.tensor(name);
-    DS_CHECK(t.shape() == shape, "tensor '{}' has shape {}, the config implies {}", name, shape_str(t.shape()),
-             shape_str(shape));
-    DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", name, dtype_name(t.dtype()));
-    // A NaN or infinity in a weight or scale would turn every output into
-    // garbage that still looks like a result: refuse it at load.
-    const int64_t bad = find_non_finite(t.raw(), t.dtype(), static_cast<size_t>(t.numel()));
-    DS_CHECK(bad < 0, "tensor '{}' holds a non-finite value (NaN or infinity) at element {}", name, bad);
+    Tensor t = checked_float_tensor(st_, name, shape);
     used_.insert(name);
     bytes_ += t.nbytes();
     return t;

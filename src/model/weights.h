@@ -45,6 +45,10 @@ struct ModelWeights {
   static ModelWeights load(const io::SafetensorsSet& st, const ModelConfig& cfg, int64_t mtp_layers = 0);
 };
 
+// st's float tensor `name` (present), checked to have `shape` and to hold no
+// NaN or infinity: one error line otherwise.
+Tensor checked_float_tensor(const io::SafetensorsSet& st, const std::string& name, const Shape& shape);
+
 // A float32 view of n contiguous floats ([n, 1]); of [rows, cols] floats.
 inline ops::WeightView f32_view(const float* p, int64_t rows, int64_t cols = 1) {
   return {p, DType::F32, rows, cols, nullptr, 128, 128};
