@@ -70,6 +70,8 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
         ts.emplace_back(info.name, b);
         break;
       }
+      case model::ParamRole::Untrained:  // DeepSeek-V4 only
+        break;
     }
   });
   for (const auto& e : extra) ts.push_back(e);

@@ -43,12 +43,13 @@ std::unique_ptr<Fixture> load() {
   const auto j = nlohmann::json::parse(in);
   const auto inputs = j["inputs"].get<std::vector<std::vector<int32_t>>>();
   const auto targets = j["targets"].get<std::vector<std::vector<int32_t>>>();
-  f->batch.batch = static_cast<int64_t>(inputs.size());
-  f->batch.seq = static_cast<int64_t>(inputs[0].size());
+  std::vector<int32_t> ins, tg;
   for (size_t r = 0; r < inputs.size(); ++r) {
-    f->batch.inputs.insert(f->batch.inputs.end(), inputs[r].begin(), inputs[r].end());
-    f->batch.targets.insert(f->batch.targets.end(), targets[r].begin(), targets[r].end());
+    ins.insert(ins.end(), inputs[r].begin(), inputs[r].end());
+    tg.insert(tg.end(), targets[r].begin(), targets[r].end());
   }
+  f->batch = V4TrainBatch::rows(static_cast<int64_t>(inputs.size()), static_cast<int64_t>(inputs[0].size()),
+                                std::move(ins), std::move(tg));
   return f;
 }
 
@@ -82,7 +83,7 @@ TEST(V4Train, LossAndGradientsMatchTheReference) {
   const V4LossTerms lt = v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, f->batch);
   const double want_loss = expected.tensor("loss").to_vector()[0];
   EXPECT_NEAR(lt.loss, want_loss, 1e-5 * std::fabs(want_loss));
-  EXPECT_EQ(lt.tokens, f->batch.batch * f->batch.seq);
+  EXPECT_EQ(lt.tokens, static_cast<int64_t>(f->batch.inputs.size()));
   int checked = 0;
   for (const auto& [name, got] : g.by_name) {
     const auto want = expected.tensor("grad." + name).to_vector();
@@ -190,6 +191,89 @@ TEST(V4Train, AdamWStepsLowerTheLoss) {
                             static_cast<int64_t>(p.size()), ac, step);
   }
   EXPECT_LT(last, 0.5 * first) << "loss " << first << " -> " << last;
+}
+
+// A packed row (two document pieces and padding, as `deepseek train`'s
+// loader makes them) trains each piece as its own sequence: its loss and
+// gradient are the counted-target-weighted sums of the pieces' own, so no
+// attention, compressor window or indexer key crosses a document, positions
+// restart, padding and a document's last (uncounted) target do not count.
+TEST(V4Train, PackedRowsTrainEachDocumentAsItsOwnSequence) {
+  auto f = load();
+  const int64_t T = 136, A = 100, Bn = 30;  // piece 1 of row 0, piece 2 from row 1, then padding
+  ds::model::TrainBatch p;
+  p.batch = 1;
+  p.seq = T;
+  for (int64_t t = 0; t < T; ++t) {
+    const bool first = t < A, second = t >= A && t < A + Bn;
+    const size_t src = static_cast<size_t>(first ? t : second ? T + (t - A) : 0);
+    p.inputs.push_back(first || second ? f->batch.inputs[src] : 0);
+    p.targets.push_back(first || second ? f->batch.targets[src] : 0);
+    p.positions.push_back(static_cast<int32_t>(first ? t : second ? t - A : 0));
+    p.segment_ids.push_back(first ? 1 : second ? 2 : 0);
+    // A document's last target belongs to the next one: not counted.
+    p.target_segment_ids.push_back(first && t < A - 1 ? 1 : second && t < A + Bn - 1 ? 2 : 0);
+  }
+  const V4TrainBatch packed = V4TrainBatch::from_packed(p);
+  ASSERT_EQ(packed.lengths, (std::vector<int64_t>{A, Bn}));
+  Grads gp(f->cfg);
+  const V4LossTerms lp = v4_loss_and_grad(f->cfg, f->weights.view, &gp.tree, packed);
+  EXPECT_EQ(lp.tokens, (A - 1) + (Bn - 1));
+  // Each piece alone, weighed by its share of the counted targets.
+  double want = 0;
+  std::map<std::string, std::vector<double>> want_g;
+  for (int k = 0; k < 2; ++k) {
+    const int64_t first = k == 0 ? 0 : A, n = k == 0 ? A : Bn;
+    V4TrainBatch one = V4TrainBatch::rows(1, n, {p.inputs.begin() + first, p.inputs.begin() + first + n},
+                                          {p.targets.begin() + first, p.targets.begin() + first + n});
+    one.counted.assign(static_cast<size_t>(n), 1);
+    one.counted.back() = 0;
+    Grads g(f->cfg);
+    const double share = static_cast<double>(n - 1) / static_cast<double>(lp.tokens);
+    want += share * v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, one).loss;
+    for (const auto& [name, v] : g.by_name) {
+      auto& w = want_g[name];
+      w.resize(v.size(), 0.0);
+      for (size_t i = 0; i < v.size(); ++i) w[i] += share * v[i];
+    }
+  }
+  EXPECT_NEAR(lp.loss, want, 1e-6 * want);
+  for (const auto& [name, got] : gp.by_name) {
+    double scale = 0;
+    for (double x : want_g[name]) scale = std::max(scale, std::fabs(x));
+    ds::test::expect_close(got, want_g[name], 0.0, 1e-5 * scale + 1e-12, name.c_str());
+  }
+  // A piece whose positions do not start at 0 is refused.
+  p.positions[static_cast<size_t>(A)] = 1;
+  EXPECT_THROW(V4TrainBatch::from_packed(p), ds::Error);
+}
+
+// The z-loss term (z_loss_multiplier lse^2, MaxText's) and its gradient,
+// against central differences of the engine's own loss.
+TEST(V4Train, ZLossGradientMatchesCentralDifferences) {
+  auto f = load();
+  V4LossOptions o;
+  o.z_loss_multiplier = 0.05;
+  Grads g(f->cfg);
+  const V4LossTerms lt = v4_loss_and_grad(f->cfg, f->weights.view, &g.tree, f->batch, o);
+  EXPECT_GT(lt.z_loss, 0.0);
+  EXPECT_NEAR(lt.lm_loss - lt.z_loss, v4_loss_and_grad(f->cfg, f->weights.view, nullptr, f->batch).loss,
+              1e-6 * lt.lm_loss);
+  // The head's float32 copy, probed on a few entries.
+  V4View view = f->weights.view;
+  const auto* src = static_cast<const float*>(view.head.data);
+  std::vector<float> head(src, src + f->cfg.vocab_size * f->cfg.hidden_size);
+  view.head.data = head.data();
+  const auto& gh = g.by_name.at("head.weight");
+  for (size_t k : {size_t{3}, size_t{517}, size_t{2049}, size_t{4000}}) {
+    const float x = head[k], h = 1e-2f;
+    head[k] = x + h;
+    const double lp = v4_loss_and_grad(f->cfg, view, nullptr, f->batch, o).loss;
+    head[k] = x - h;
+    const double lm = v4_loss_and_grad(f->cfg, view, nullptr, f->batch, o).loss;
+    head[k] = x;
+    EXPECT_NEAR(gh[k], (lp - lm) / (2 * h), 2e-3 * std::fabs((lp - lm) / (2 * h)) + 2e-6) << k;
+  }
 }
 
 TEST(V4Train, BadBatchesAreErrors) {

@@ -57,16 +57,30 @@ int run_export(const ExportArgs& a) {
   else
     DS_FAIL("export: --dtype {} is not bf16, f16 or f32", a.dtype);
   const auto st = train::read_checkpoint_state(a.checkpoint);
-  model::ModelConfig cfg;
-  try {
-    cfg = model::ModelConfig::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
-  } catch (const Error& e) {
-    DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
+  int64_t mtp = 0;
+  if (st.model_config.is_object() && st.model_config.value("model_type", "") == "deepseek_v4") {
+    model::V4Config c;
+    try {
+      c = model::V4Config::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
+    } catch (const Error& e) {
+      DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
+    }
+    auto params = model::V4FlatParams::zeros(c);
+    train::load_checkpoint(a.checkpoint, model::v4_param_infos(c), params.data.data(), nullptr, nullptr);
+    params.sync_tables(c);
+    train::export_v4_hf(a.out, c, params.data.data(), dt);
+  } else {
+    model::ModelConfig cfg;
+    try {
+      cfg = model::ModelConfig::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
+    } catch (const Error& e) {
+      DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
+    }
+    mtp = cfg.num_nextn_predict_layers;
+    auto params = model::FlatParams::zeros(cfg, mtp);
+    train::load_checkpoint(a.checkpoint, cfg, mtp, params, nullptr, nullptr);
+    train::export_hf(a.out, cfg, mtp, params, dt);
   }
-  const int64_t mtp = cfg.num_nextn_predict_layers;
-  auto params = model::FlatParams::zeros(cfg, mtp);
-  train::load_checkpoint(a.checkpoint, cfg, mtp, params, nullptr, nullptr);
-  train::export_hf(a.out, cfg, mtp, params, dt);
   std::string tok_note = "no tokenizer recorded";
   if (!st.tokenizer.empty()) {
     std::error_code ec;

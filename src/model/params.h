@@ -29,6 +29,8 @@ enum class ParamRole {
   NormBias,     // LayerNorm bias (the DeepSeek-V3.2 indexer's k_norm)
   IndexerHeadWeights,  // the V3.2 indexer's weights_proj: per-head weights, never fp8
   LmHead,       // lm_head
+  Untrained,    // held fixed by the trainer: DeepSeek-V4's token -> experts table (hash routing), and its
+                // lightning indexer, which no loss of this trainer trains
 };
 
 struct ParamInfo {
@@ -39,7 +41,7 @@ struct ParamInfo {
   // A matrix: weight decay applies (never to norm scales or the bias).
   bool is_matrix() const { return shape.size() >= 2; }
   // Receives gradients and optimizer updates.
-  bool trainable() const { return role != ParamRole::RoutingBias; }
+  bool trainable() const { return role != ParamRole::RoutingBias && role != ParamRole::Untrained; }
   int64_t numel() const { return shape_numel(shape); }
 };
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <map>
+#include <set>
 #include <tuple>
 
 #include "core/error.h"
@@ -237,6 +238,164 @@ V4Config V4Config::from_hf_json_text(const std::string& text, const std::string&
 
 V4Config V4Config::from_hf_json_file(const std::string& path) {
   return from_hf_json_text(io::read_file(path, "config"), path);
+}
+
+json V4Config::to_hf_json() const {
+  json j = {{"model_type", "deepseek_v4"},
+            {"architectures", {"DeepseekV4ForCausalLM"}},
+            {"vocab_size", vocab_size},
+            {"hidden_size", hidden_size},
+            {"num_hidden_layers", num_hidden_layers},
+            {"num_attention_heads", num_attention_heads},
+            {"num_key_value_heads", 1},
+            {"head_dim", head_dim},
+            {"qk_rope_head_dim", qk_rope_head_dim},
+            {"q_lora_rank", q_lora_rank},
+            {"o_groups", o_groups},
+            {"o_lora_rank", o_lora_rank},
+            {"sliding_window", sliding_window},
+            {"compress_ratios", compress_ratios},
+            {"rope_theta", rope_theta},
+            {"compress_rope_theta", compress_rope_theta},
+            {"rope_scaling", nullptr},
+            {"max_position_embeddings", max_position_embeddings},
+            {"n_routed_experts", n_routed_experts},
+            {"n_shared_experts", n_shared_experts},
+            {"num_experts_per_tok", num_experts_per_tok},
+            {"moe_intermediate_size", moe_intermediate_size},
+            {"scoring_func", scoring_func == V4Scoring::SqrtSoftplus ? "sqrtsoftplus"
+                             : scoring_func == V4Scoring::Sigmoid    ? "sigmoid"
+                                                                     : "softmax"},
+            {"routed_scaling_factor", routed_scaling_factor},
+            {"num_hash_layers", num_hash_layers},
+            {"swiglu_limit", swiglu_limit},
+            {"expert_dtype", expert_dtype},
+            {"index_n_heads", index_n_heads},
+            {"index_head_dim", index_head_dim},
+            {"index_topk", index_topk},
+            {"hc_mult", hc_mult},
+            {"hc_sinkhorn_iters", hc_sinkhorn_iters},
+            {"hc_eps", hc_eps},
+            {"rms_norm_eps", rms_norm_eps},
+            {"num_nextn_predict_layers", num_nextn_predict_layers},
+            {"tie_word_embeddings", tie_word_embeddings},
+            {"bos_token_id", bos_token_id},
+            {"eos_token_id", eos_token_id},
+            {"hidden_act", "silu"}};
+  if (rope_scaling.enabled)
+    j["rope_scaling"] = {{"type", "yarn"},
+                         {"factor", rope_scaling.factor},
+                         {"original_max_position_embeddings", rope_scaling.original_max_position_embeddings},
+                         {"beta_fast", rope_scaling.beta_fast},
+                         {"beta_slow", rope_scaling.beta_slow}};
+  return j;
+}
+
+namespace {
+
+// MaxText key -> Hugging Face field (the value carried over as it is).
+const std::map<std::string, std::string>& maxtext_fields() {
+  static const std::map<std::string, std::string> m = {
+      {"base_emb_dim", "hidden_size"},
+      {"base_num_query_heads", "num_attention_heads"},
+      {"base_num_kv_heads", "num_key_value_heads"},
+      {"base_num_decoder_layers", "num_hidden_layers"},
+      {"base_moe_mlp_dim", "moe_intermediate_size"},
+      {"vocab_size", "vocab_size"},
+      {"head_dim", "head_dim"},
+      {"qk_rope_head_dim", "qk_rope_head_dim"},
+      {"q_lora_rank", "q_lora_rank"},
+      {"o_groups", "o_groups"},
+      {"o_lora_rank", "o_lora_rank"},
+      {"sliding_window_size", "sliding_window"},
+      {"compress_ratios", "compress_ratios"},
+      {"mhc_expansion_rate", "hc_mult"},
+      {"sinkhorn_iterations", "hc_sinkhorn_iters"},
+      {"hc_eps", "hc_eps"},
+      {"first_num_hash_layers", "num_hash_layers"},
+      {"indexer_n_heads", "index_n_heads"},
+      {"indexer_head_dim", "index_head_dim"},
+      {"indexer_topk", "index_topk"},
+      {"num_experts", "n_routed_experts"},
+      {"num_experts_per_tok", "num_experts_per_tok"},
+      {"shared_experts", "n_shared_experts"},
+      {"routed_score_func", "scoring_func"},
+      {"routed_scaling_factor", "routed_scaling_factor"},
+      {"mlp_activations_limit", "swiglu_limit"},
+      {"rope_max_timescale", "rope_theta"},
+      {"compressed_rope_max_timescale", "compress_rope_theta"},
+      {"max_position_embeddings", "max_position_embeddings"},
+      {"normalization_layer_epsilon", "rms_norm_eps"},
+      {"logits_via_embedding", "tie_word_embeddings"},
+  };
+  return m;
+}
+
+// Keys read besides those: the YaRN settings and the checked-only ones.
+const std::set<std::string>& maxtext_other_keys() {
+  static const std::set<std::string> s = {
+      "decoder_block", "attention_type", "mlp_activations", "enable_dropout",
+      "base_mlp_dim",  "rope_type",      "rope_factor",     "original_max_position_embeddings",
+      "beta_fast",     "beta_slow"};
+  return s;
+}
+
+}  // namespace
+
+bool V4Config::is_maxtext_key(const std::string& key) {
+  return maxtext_fields().count(key) > 0 || maxtext_other_keys().count(key) > 0;
+}
+
+V4Config V4Config::from_maxtext(const std::vector<std::pair<std::string, json>>& entries, const std::string& src) {
+  std::map<std::string, json> given;
+  for (const auto& [k, v] : entries) {
+    DS_CHECK(is_maxtext_key(k), "{}: '{}' is not a key of a DeepSeek-V4 model (decoder_block deepseek4)", src, k);
+    given[k] = v;
+  }
+  auto str = [&](const char* k, const std::string& def) {
+    if (!given.count(k)) return def;
+    DS_CHECK(given[k].is_string(), "{}: key '{}' must be a string", src, k);
+    return given[k].get<std::string>();
+  };
+  const std::string block = str("decoder_block", "");
+  DS_CHECK(block == "deepseek4" || block == "deepseek_v4", "{}: decoder_block '{}' is not deepseek4", src, block);
+  DS_CHECK(str("attention_type", "compressed") == "compressed", "{}: attention_type '{}': DeepSeek-V4 is 'compressed'",
+           src, str("attention_type", ""));
+  if (given.count("mlp_activations"))
+    DS_CHECK(given["mlp_activations"] == json::array({"silu", "linear"}),
+             "{}: mlp_activations {} is not supported ([silu, linear])", src, given["mlp_activations"].dump());
+  if (given.count("enable_dropout"))
+    DS_CHECK(given["enable_dropout"] == false, "{}: enable_dropout: DeepSeek-V4 trains without dropout", src);
+  if (given.count("base_mlp_dim") && given.count("base_moe_mlp_dim"))
+    DS_CHECK(given["base_mlp_dim"] == given["base_moe_mlp_dim"],
+             "{}: base_mlp_dim {} differs from base_moe_mlp_dim {}; DeepSeek-V4 has no dense MLP (its shared expert "
+             "is base_moe_mlp_dim wide)",
+             src, given["base_mlp_dim"].dump(), given["base_moe_mlp_dim"].dump());
+  for (const char* k : {"base_emb_dim", "base_num_query_heads", "base_num_decoder_layers", "base_moe_mlp_dim",
+                        "vocab_size", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window_size",
+                        "compress_ratios", "mhc_expansion_rate", "num_experts", "num_experts_per_tok"})
+    DS_CHECK(given.count(k), "{}: a DeepSeek-V4 model needs key '{}'", src, k);
+  json j = {{"model_type", "deepseek_v4"},
+            {"qk_rope_head_dim", 64},
+            {"hc_sinkhorn_iters", 20},
+            {"hc_eps", 1e-6},
+            {"n_shared_experts", 1}};
+  for (const auto& [k, field] : maxtext_fields())
+    if (given.count(k)) j[field] = given[k];
+  const std::string rope = str("rope_type", "default");
+  if (rope == "yarn") {
+    json r = {{"type", "yarn"}};
+    for (const auto& [k, field] :
+         std::map<std::string, std::string>{{"rope_factor", "factor"},
+                                            {"original_max_position_embeddings", "original_max_position_embeddings"},
+                                            {"beta_fast", "beta_fast"},
+                                            {"beta_slow", "beta_slow"}})
+      if (given.count(k)) r[field] = given[k];
+    j["rope_scaling"] = r;
+  } else {
+    DS_CHECK(rope == "default", "{}: rope_type '{}' is not supported (default, yarn)", src, rope);
+  }
+  return from_hf_json_text(j.dump(), src);
 }
 
 std::string config_model_type(const std::string& path) {

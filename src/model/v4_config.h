@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,32 @@ struct V4Config {
 
   static V4Config from_hf_json_text(const std::string& text, const std::string& source = "config.json");
   static V4Config from_hf_json_file(const std::string& path);
+  // config.json for this config (weights in float dtypes: no
+  // quantization_config); from_hf_json_text reads it back to the same config.
+  nlohmann::json to_hf_json() const;
+
+  // MaxText's keys for a DeepSeek-V4 model (decoder_block deepseek4, as its
+  // deepseek4-284b.yml spells them), each with the Hugging Face field it
+  // sets: base_emb_dim, base_num_query_heads, base_num_kv_heads (1),
+  // base_num_decoder_layers, base_moe_mlp_dim (base_mlp_dim, when given,
+  // must equal it: V4 has no dense MLP), vocab_size, head_dim,
+  // qk_rope_head_dim (64), q_lora_rank, o_groups, o_lora_rank,
+  // sliding_window_size, compress_ratios, mhc_expansion_rate (hc_mult),
+  // sinkhorn_iterations (hc_sinkhorn_iters, 20), hc_eps (1e-6),
+  // first_num_hash_layers, indexer_n_heads / indexer_head_dim /
+  // indexer_topk, num_experts, num_experts_per_tok, shared_experts (1),
+  // routed_score_func (sqrtsoftplus), routed_scaling_factor,
+  // mlp_activations_limit (swiglu_limit), rope_max_timescale,
+  // compressed_rope_max_timescale, rope_type (default, or yarn with
+  // rope_factor, original_max_position_embeddings, beta_fast, beta_slow:
+  // YaRN on the compressed layers, as DeepSeek's checkpoints), max_position_embeddings,
+  // normalization_layer_epsilon, logits_via_embedding; and, checked only:
+  // decoder_block, attention_type (compressed), mlp_activations
+  // ([silu, linear]), enable_dropout (false). `entries` are key / value in
+  // order (a later one wins); `source` names them in errors.
+  static V4Config from_maxtext(const std::vector<std::pair<std::string, nlohmann::json>>& entries,
+                               const std::string& source);
+  static bool is_maxtext_key(const std::string& key);
 };
 
 // The model_type of a config.json ("" when it has none): which loader a

@@ -29,18 +29,24 @@ std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size
 
 class Backward {
  public:
+  // Sequence k holds rows [first[k], first[k] + lengths[k]) of the batch.
   Backward(const V4Config& c, const V4View& w, V4Params<float*>& g, const V4Model& model, const V4Saved& sv,
-           std::vector<V4State>& states, int64_t batch, int64_t seq)
+           std::vector<V4State>& states, const std::vector<int64_t>& lengths)
       : c_(c),
         w_(w),
         g_(g),
         model_(model),
         sv_(sv),
         states_(states),
-        B_(batch),
-        T_(seq),
-        n_(batch * seq),
-        md_(v4_mhc_dims(c, batch * seq)) {}
+        len_(lengths),
+        n_(static_cast<int64_t>(sv.ids.size())),
+        md_(v4_mhc_dims(c, n_)) {
+    int64_t at = 0;
+    for (int64_t L : len_) {
+      first_.push_back(at);
+      at += L;
+    }
+  }
 
   // dlogits [n, V] -> every parameter's gradient.
   void run(const std::vector<float>& dlogits) {
@@ -121,8 +127,9 @@ class Backward {
     std::vector<float> dO = dq;  // d(attention output)
     // The sparse attention: its keys are rows of kv or compressed entries.
     std::vector<float> dkv = zeros(n_ * D);
-    std::vector<std::vector<float>> dent(static_cast<size_t>(B_));
-    for (int64_t k = 0; k < B_; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, l).size()));
+    const int64_t S = static_cast<int64_t>(len_.size());
+    std::vector<std::vector<float>> dent(static_cast<size_t>(S));
+    for (int64_t k = 0; k < S; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, l).size()));
     std::vector<const float*> rows(s.key_idx.size());
     std::vector<float*> drows(s.key_idx.size());
     for (size_t j = 0; j < rows.size(); ++j) {
@@ -149,19 +156,22 @@ class Backward {
                           n_, D);
     ops::linear_backward(da, g.wkv, dkv.data(), a, p.wkv, n_, true);
     if (m > 0)
-      for (int64_t k = 0; k < B_; ++k)
-        compressor(da + k * T_ * d, dent[static_cast<size_t>(k)], s.comp[static_cast<size_t>(k)], a + k * T_ * d, l);
+      for (int64_t k = 0; k < S; ++k) {
+        const size_t ks = static_cast<size_t>(k);
+        compressor(da + first_[ks] * d, dent[ks], s.comp[ks], a + first_[ks] * d, len_[ks], l);
+      }
   }
 
   // One sequence's compressed entries' gradient dE [entries, D] (consumed)
   // back through RoPE at b m, the norm, the pooling, the position
   // embedding and the two projections; da (that sequence's rows) +=.
-  void compressor(float* da, std::vector<float>& dE, const V4CompressorSaved& cs, const float* a, int64_t l) {
+  void compressor(float* da, std::vector<float>& dE, const V4CompressorSaved& cs, const float* a, int64_t T,
+                  int64_t l) {
     const auto& p = w_.layers[static_cast<size_t>(l)].attn.compressor;
     auto& g = g_.layers[static_cast<size_t>(l)].attn.compressor;
     const int64_t D = c_.head_dim, R = c_.qk_rope_head_dim, m = c_.compress_ratio(l);
     const int64_t nb = static_cast<int64_t>(dE.size()) / D;
-    const ops::CompressorDims dims{T_, D, m, m == 4};
+    const ops::CompressorDims dims{T, D, m, m == 4};
     const int64_t width = dims.width();
     need_vector_data(p.wkv, "compressor.wkv");
     need_vector_data(p.wgate, "compressor.wgate");
@@ -172,13 +182,13 @@ class Backward {
                          ops::RopeLayout::Interleaved);
       ops::rmsnorm_backward(dE.data(), g.norm, dE.data(), cs.pooled.data(), vector_data(p.norm), cs.rstd.data(), nb, D);
     }
-    std::vector<float> dP = zeros(T_ * width), dZ = zeros(T_ * width);
+    std::vector<float> dP = zeros(T * width), dZ = zeros(T * width);
     ops::compressor_pool_backward(dP.data(), dZ.data(), dE.data(), cs.P.data(), cs.Z.data(), dims);
     if (g.ape)
-      for (int64_t t = 0; t < T_; ++t)
+      for (int64_t t = 0; t < T; ++t)
         for (int64_t i = 0; i < width; ++i) g.ape[(t % m) * width + i] += dZ[static_cast<size_t>(t * width + i)];
-    ops::linear_backward(da, g.wkv, dP.data(), a, p.wkv, T_, true);
-    ops::linear_backward(da, g.wgate, dZ.data(), a, p.wgate, T_, true);
+    ops::linear_backward(da, g.wkv, dP.data(), a, p.wkv, T, true);
+    ops::linear_backward(da, g.wgate, dZ.data(), a, p.wgate, T, true);
   }
 
   // dx [n, d] `=` from the MoE's output gradient dout.
@@ -247,44 +257,209 @@ class Backward {
   const V4Model& model_;
   const V4Saved& sv_;
   std::vector<V4State>& states_;
-  int64_t B_, T_, n_;
+  const std::vector<int64_t>& len_;
+  std::vector<int64_t> first_;
+  int64_t n_;
   ops::MhcDims md_;
 };
 
 }  // namespace
 
-V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b) {
-  const int64_t B = b.batch, T = b.seq, V = cfg.vocab_size;
-  DS_CHECK(B > 0 && T > 0 && static_cast<int64_t>(b.inputs.size()) == B * T &&
-               static_cast<int64_t>(b.targets.size()) == B * T,
-           "V4 training batch: {} rows of {} tokens need {} inputs and targets (got {}, {})", B, T, B * T,
-           b.inputs.size(), b.targets.size());
+int64_t V4FlatParams::numel(const V4Config& c) {
+  int64_t n = 0;
+  for_each_v4_param(c, [&](const V4ParamInfo& i) { n += shape_numel(i.shape); });
+  return n;
+}
+
+V4FlatParams V4FlatParams::wrap(const V4Config& c, float* base) {
+  V4FlatParams f;
+  f.ptr = make_v4_params<float*>(c);
+  int64_t off = 0;
+  for_each_v4_param(
+      c,
+      [&](const V4ParamInfo& i, float*& p) {
+        p = base + off;
+        off += shape_numel(i.shape);
+      },
+      f.ptr);
+  return f;
+}
+
+V4FlatParams V4FlatParams::zeros(const V4Config& c) {
+  std::vector<float> data(static_cast<size_t>(numel(c)), 0.0f);
+  V4FlatParams f = wrap(c, data.data());
+  f.data = std::move(data);  // the heap block moves with it: the pointers stay valid
+  f.tables.resize(static_cast<size_t>(c.num_hidden_layers));
+  f.view = make_v4_params<ops::WeightView>(c);
+  for_each_v4_param(
+      c,
+      [&](const V4ParamInfo& i, float* const& p, ops::WeightView& v) {
+        const int64_t rows = i.shape[0], cols = i.shape.size() > 1 ? i.shape[1] : 1;
+        if (i.role == V4Role::HashTable) {
+          auto& t = f.tables[static_cast<size_t>(i.layer)];
+          t.assign(static_cast<size_t>(rows * cols), 0);
+          v = {t.data(), DType::I32, rows, cols, nullptr, 128, 128};
+        } else {
+          v = {p, DType::F32, rows, cols, nullptr, 128, 128};
+        }
+      },
+      f.ptr, f.view);
+  if (c.tie_word_embeddings) f.view.head = f.view.embed;
+  return f;
+}
+
+void V4FlatParams::sync_tables(const V4Config& c) {
+  for_each_v4_param(
+      c,
+      [&](const V4ParamInfo& i, float* const& p) {
+        if (i.role != V4Role::HashTable) return;
+        auto& t = tables[static_cast<size_t>(i.layer)];
+        for (size_t k = 0; k < t.size(); ++k) {
+          const float e = p[k];
+          DS_CHECK(e >= 0 && e < static_cast<float>(c.n_routed_experts) && e == std::floor(e),
+                   "'{}' routes token {} to {}, not an expert id in [0, {})", i.name,
+                   k / static_cast<size_t>(i.shape[1]), e, c.n_routed_experts);
+          t[k] = static_cast<int32_t>(e);
+        }
+      },
+      ptr);
+}
+
+std::vector<ParamInfo> v4_param_infos(const V4Config& c) {
+  std::vector<ParamInfo> out;
+  for_each_v4_param(c, [&](const V4ParamInfo& i) {
+    ParamRole role = ParamRole::Norm;  // vectors: norms, the sink, mHC mixes, position embeddings
+    switch (i.role) {
+      case V4Role::Embedding:
+        role = ParamRole::Embedding;
+        break;
+      case V4Role::Projection:
+        role = ParamRole::Projection;
+        break;
+      case V4Role::Router:
+        role = ParamRole::Router;
+        break;
+      case V4Role::LmHead:
+        role = ParamRole::LmHead;
+        break;
+      case V4Role::HashTable:
+        role = ParamRole::Untrained;
+        break;
+      case V4Role::Vector:
+        if (i.name.ends_with(".ffn.gate.bias")) role = ParamRole::RoutingBias;
+        break;
+    }
+    if (i.name.find(".attn.indexer.") != std::string::npos) role = ParamRole::Untrained;
+    out.push_back(ParamInfo{i.name, i.shape, role, i.layer});
+  });
+  return out;
+}
+
+V4TrainBatch V4TrainBatch::rows(int64_t batch, int64_t seq, std::vector<int32_t> inputs, std::vector<int32_t> targets) {
+  DS_CHECK(batch > 0 && seq > 0 && static_cast<int64_t>(inputs.size()) == batch * seq &&
+               static_cast<int64_t>(targets.size()) == batch * seq,
+           "V4 training batch: {} rows of {} tokens need {} inputs and targets (got {}, {})", batch, seq, batch * seq,
+           inputs.size(), targets.size());
+  V4TrainBatch b;
+  b.inputs = std::move(inputs);
+  b.targets = std::move(targets);
+  b.lengths.assign(static_cast<size_t>(batch), seq);
+  return b;
+}
+
+V4TrainBatch V4TrainBatch::from_packed(const TrainBatch& p) {
+  const int64_t n = p.batch * p.seq;
+  DS_CHECK(p.batch > 0 && p.seq > 0 && static_cast<int64_t>(p.inputs.size()) == n &&
+               static_cast<int64_t>(p.targets.size()) == n && static_cast<int64_t>(p.positions.size()) == n &&
+               static_cast<int64_t>(p.segment_ids.size()) == n &&
+               static_cast<int64_t>(p.target_segment_ids.size()) == n,
+           "training batch of {} x {} tokens has fields of the wrong length", p.batch, p.seq);
+  V4TrainBatch b;
+  b.counted.reserve(static_cast<size_t>(n));
+  for (int64_t r = 0; r < p.batch; ++r)
+    for (int64_t t = r * p.seq; t < (r + 1) * p.seq;) {
+      const int32_t seg = p.segment_ids[static_cast<size_t>(t)];
+      int64_t e = t + 1;
+      while (e < (r + 1) * p.seq && p.segment_ids[static_cast<size_t>(e)] == seg) ++e;
+      if (seg != 0) {
+        // A document piece: its own sequence, which must count from 0.
+        for (int64_t k = t; k < e; ++k)
+          DS_CHECK(p.positions[static_cast<size_t>(k)] == k - t,
+                   "row {}: segment {} has position {} at its token {}; DeepSeek-V4 trains on whole document pieces "
+                   "whose positions count from 0",
+                   r, seg, p.positions[static_cast<size_t>(k)], k - t);
+        b.inputs.insert(b.inputs.end(), p.inputs.begin() + t, p.inputs.begin() + e);
+        b.targets.insert(b.targets.end(), p.targets.begin() + t, p.targets.begin() + e);
+        for (int64_t k = t; k < e; ++k) b.counted.push_back(p.target_segment_ids[static_cast<size_t>(k)] != 0);
+        b.lengths.push_back(e - t);
+      }
+      t = e;
+    }
+  return b;
+}
+
+V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b,
+                             const V4LossOptions& opt) {
+  const int64_t n = static_cast<int64_t>(b.inputs.size()), V = cfg.vocab_size;
+  int64_t total = 0;
+  for (int64_t L : b.lengths) {
+    DS_CHECK(L > 0, "V4 training batch: a sequence of {} tokens", L);
+    total += L;
+  }
+  DS_CHECK(total == n && static_cast<int64_t>(b.targets.size()) == n &&
+               (b.counted.empty() || static_cast<int64_t>(b.counted.size()) == n),
+           "V4 training batch: sequences of {} tokens in all, {} inputs, {} targets, {} counted flags", total, n,
+           b.targets.size(), b.counted.size());
   for (int32_t t : b.targets) DS_CHECK(t >= 0 && t < V, "target {} is outside the vocabulary of {}", t, V);
+  V4LossTerms out;
+  if (n == 0) return out;  // only padding
   V4Model model(cfg, w, V4Options{false});
   std::vector<V4State> states;
   std::vector<V4Request> reqs;
-  for (int64_t r = 0; r < B; ++r) states.push_back(model.new_state());
-  for (int64_t r = 0; r < B; ++r) reqs.push_back({&states[static_cast<size_t>(r)], b.inputs.data() + r * T, T});
+  for (size_t k = 0; k < b.lengths.size(); ++k) states.push_back(model.new_state());
+  int64_t at = 0;
+  for (size_t k = 0; k < b.lengths.size(); ++k) {
+    reqs.push_back({&states[k], b.inputs.data() + at, b.lengths[k]});
+    at += b.lengths[k];
+  }
   V4Saved saved;
-  std::vector<float> logits = model.forward(reqs, true, grads ? &saved : nullptr);
-  // Mean cross-entropy; logits become dloss/dlogits in place.
-  const int64_t n = B * T;
-  double loss = 0;
+  const bool want_saved = grads || opt.expert_load;
+  std::vector<float> logits = model.forward(reqs, true, want_saved ? &saved : nullptr);
+  // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
+  // lm_loss holds the z term); logits become dloss/dlogits in place.
+  double count = 0;
+  for (int64_t i = 0; i < n; ++i) count += b.counted.empty() || b.counted[static_cast<size_t>(i)];
+  const double zm = opt.z_loss_multiplier, gscale = opt.grad_scale / (count + 1e-8);
+  double ce = 0, zsum = 0;
   for (int64_t i = 0; i < n; ++i) {
     float* z = logits.data() + i * V;
+    if (!(b.counted.empty() || b.counted[static_cast<size_t>(i)])) {
+      std::fill(z, z + V, 0.0f);
+      continue;
+    }
     const float mx = *std::max_element(z, z + V);
     double sum = 0;
     for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
     const double lse = mx + std::log(sum);
     const int32_t target = b.targets[static_cast<size_t>(i)];
-    loss += lse - z[target];
-    for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) / static_cast<double>(n));
-    z[target] -= static_cast<float>(1.0 / static_cast<double>(n));
+    ce += lse - z[target];
+    zsum += zm * lse * lse;
+    // d/dz (lse - z_t + zm lse^2) = (1 + 2 zm lse) softmax - onehot.
+    const double a = (1.0 + 2.0 * zm * lse) * gscale;
+    for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * a);
+    z[target] -= static_cast<float>(gscale);
   }
-  V4LossTerms out;
-  out.loss = loss / static_cast<double>(n);
-  out.tokens = n;
-  if (grads) Backward(cfg, w, *grads, model, saved, states, B, T).run(logits);
+  out.tokens = static_cast<int64_t>(count);
+  out.lm_loss = (ce + zsum) / (count + 1e-8);
+  out.z_loss = zsum / (count + 1e-8);
+  out.loss = out.lm_loss;
+  if (opt.expert_load)
+    for (const auto& L : saved.layers) {
+      std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);
+      for (int32_t e : L.moe.experts) ++load[static_cast<size_t>(e)];
+      out.expert_load.push_back(std::move(load));
+    }
+  if (grads) Backward(cfg, w, *grads, model, saved, states, b.lengths).run(logits);
   return out;
 }
 

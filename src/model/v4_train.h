@@ -2,9 +2,13 @@
 // generation runs (model/v4_model.h), which keeps its activations
 // (V4Saved) for the backward here.
 //
-//   loss = mean over the batch's tokens of CE(logits_t, target_t)
+//   lm_loss = mean over the counted targets of
+//             CE(logits_t, target_t) + z_loss_multiplier lse_t^2
 //
-// Each row of the batch is its own sequence (positions 0 .. seq - 1). The
+// (MaxText's lm_loss, z term included). Each sequence of the batch is its
+// own (positions 0 .. length - 1, a fresh state): a packed training row is
+// cut into its document pieces, so attention, the compressors' windows and
+// the indexer never cross a document. The
 // forward runs without the fp8/fp4 roundings (as Hugging Face's and
 // MaxText's V4 train), and the backward goes through every stage: the
 // grouped output projection, the inverse rotation, the sparse attention
@@ -21,25 +25,75 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/model.h"
 #include "model/v4_config.h"
 #include "model/v4_params.h"
 #include "model/v4_weights.h"
 
 namespace ds::model {
 
+// A V4 model's float32 parameters in one buffer, in for_each_v4_param order
+// (the trainer's master weights, gradients and Adam moments share the
+// layout). tid2eid is held there as floats (its expert ids are exact) and,
+// for the forward, as the int32 table of `tables`.
+struct V4FlatParams {
+  std::vector<float> data;
+  V4Params<float*> ptr;                      // into data
+  V4View view;                               // float32 views of the same memory (tid2eid: I32 views of tables)
+  std::vector<std::vector<int32_t>> tables;  // per layer (hash-routed layers)
+
+  V4FlatParams() = default;
+  V4FlatParams(const V4FlatParams&) = delete;
+  V4FlatParams& operator=(const V4FlatParams&) = delete;
+  V4FlatParams(V4FlatParams&&) = default;
+  V4FlatParams& operator=(V4FlatParams&&) = default;
+
+  static int64_t numel(const V4Config& c);
+  static V4FlatParams zeros(const V4Config& c);
+  // Pointers over `base` (numel floats, outliving the result), no views.
+  static V4FlatParams wrap(const V4Config& c, float* base);
+  // The int32 tables from the floats (after the buffer is filled); ds::Error
+  // for an entry that is not an expert id.
+  void sync_tables(const V4Config& c);
+};
+
+// The tensors of the layout above as the trainer's ParamInfo list. Roles:
+// the routing bias moves only by the balancing rule; tid2eid and the
+// lightning indexer are Untrained (this loss gives the indexer no gradient,
+// so weight decay alone would shrink it).
+std::vector<ParamInfo> v4_param_infos(const V4Config& c);
+
 struct V4TrainBatch {
-  int64_t batch = 0, seq = 0;
-  std::vector<int32_t> inputs, targets;  // [batch * seq]
+  std::vector<int32_t> inputs, targets;  // every sequence's tokens, one sequence after another
+  std::vector<int64_t> lengths;          // tokens of each sequence
+  std::vector<uint8_t> counted;          // per target: 1 when it counts in the loss (empty: all count)
+
+  // `batch` sequences of `seq` tokens, every target counted.
+  static V4TrainBatch rows(int64_t batch, int64_t seq, std::vector<int32_t> inputs, std::vector<int32_t> targets);
+  // The document pieces of packed rows (segment ids 1, 2, ... with
+  // positions from 0 in each; padding, segment 0, dropped); a target counts
+  // when its target_segment_id is not 0. ds::Error when a piece's positions
+  // do not count 0, 1, ...
+  static V4TrainBatch from_packed(const TrainBatch& packed);
+};
+
+struct V4LossOptions {
+  double z_loss_multiplier = 0.0;
+  double grad_scale = 1.0;   // the gradient added is grad_scale x dloss/dparam
+  bool expert_load = false;  // report each layer's assignments per expert
 };
 
 struct V4LossTerms {
-  double loss = 0;
-  int64_t tokens = 0;
+  double loss = 0, lm_loss = 0, z_loss = 0;
+  int64_t tokens = 0;                             // counted targets
+  std::vector<std::vector<int64_t>> expert_load;  // per layer (opt.expert_load)
 };
 
 // w: float32 views of every float parameter (tid2eid as I32). With grads,
-// dloss/dparam is added into each non-null leaf (shapes as the parameter
-// tree's; the indexer's and the bias's leaves are left as they are).
-V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b);
+// grad_scale x dloss/dparam is added into each non-null leaf (shapes as the
+// parameter tree's; the indexer's and the bias's leaves are left as they
+// are).
+V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b,
+                             const V4LossOptions& opt = {});
 
 }  // namespace ds::model

@@ -14,6 +14,7 @@
 #include "io/safetensors.h"
 #include "io/text_input.h"
 #include "model/init.h"
+#include "model/v4_weights.h"
 #include "model/weights.h"
 #include "ops/linear.h"
 
@@ -33,38 +34,42 @@ void fsync_dir(const fs::path& dir) {
   DS_CHECK(r == 0, "flushing folder '{}' failed", dir.string());
 }
 
-// The tree's tensors as borrowed float32 tensors under their names.
-std::vector<std::pair<std::string, Tensor>> named(const model::ModelConfig& cfg, int64_t mtp,
-                                                  const model::FlatParams& p) {
+// The layout's tensors, laid out one after another from base, as borrowed
+// float32 tensors under their names.
+std::vector<std::pair<std::string, Tensor>> named(const std::vector<model::ParamInfo>& layout, const float* base) {
   std::vector<std::pair<std::string, Tensor>> v;
-  model::for_each_param(
-      cfg, mtp,
-      [&](const model::ParamInfo& i, float* const& x) {
-        v.emplace_back(i.name, Tensor::borrow(x, i.shape, DType::F32));
-      },
-      p.ptr);
+  int64_t off = 0;
+  for (const auto& i : layout) {
+    v.emplace_back(i.name, Tensor::borrow(const_cast<float*>(base) + off, i.shape, DType::F32));
+    off += i.numel();
+  }
   return v;
 }
 
-// Copies the float32 tensors of `file` into the tree, checking names and shapes.
-void read_tree(const fs::path& file, const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& p) {
+// Copies the float32 tensors of `file` into the layout at base, checking names and shapes.
+void read_tree(const fs::path& file, const std::vector<model::ParamInfo>& layout, float* base) {
   DS_CHECK(fs::is_regular_file(file), "checkpoint file '{}' is missing", file.string());
   const auto st = io::SafetensorsSet::open_files({file.string()});
-  size_t used = 0;
+  int64_t off = 0;
+  for (const auto& i : layout) {
+    DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'", file.string(), i.name);
+    const Tensor t = st.tensor(i.name);
+    DS_CHECK(t.shape() == i.shape && t.dtype() == DType::F32, "'{}': tensor '{}' is {} {}, expected F32 {}",
+             file.string(), i.name, dtype_name(t.dtype()), shape_str(t.shape()), shape_str(i.shape));
+    const Tensor c = t.contiguous();
+    std::copy_n(c.data<float>(), i.numel(), base + off);
+    off += i.numel();
+  }
+  DS_CHECK(layout.size() == st.names().size(), "'{}' holds {} tensors, the model has {}: another model's checkpoint?",
+           file.string(), st.names().size(), layout.size());
+}
+
+// The first float of a V2/V3 tree laid out by FlatParams (zeros or wrap).
+float* tree_base(const model::ModelConfig& cfg, int64_t mtp, const model::FlatParams& p) {
+  float* base = nullptr;
   model::for_each_param(
-      cfg, mtp,
-      [&](const model::ParamInfo& i, float*& x) {
-        DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'", file.string(), i.name);
-        const Tensor t = st.tensor(i.name);
-        DS_CHECK(t.shape() == i.shape && t.dtype() == DType::F32, "'{}': tensor '{}' is {} {}, expected F32 {}",
-                 file.string(), i.name, dtype_name(t.dtype()), shape_str(t.shape()), shape_str(i.shape));
-        const Tensor c = t.contiguous();
-        std::copy_n(c.data<float>(), i.numel(), x);
-        ++used;
-      },
-      p.ptr);
-  DS_CHECK(used == st.names().size(), "'{}' holds {} tensors, the model has {}: another model's checkpoint?",
-           file.string(), st.names().size(), used);
+      cfg, mtp, [&](const model::ParamInfo&, float* const& x) { base = base ? base : x; }, p.ptr);
+  return base;
 }
 
 }  // namespace
@@ -72,6 +77,14 @@ void read_tree(const fs::path& file, const model::ModelConfig& cfg, int64_t mtp,
 std::string save_checkpoint(const std::string& checkpoints_dir, const model::ModelConfig& cfg, int64_t mtp,
                             const model::FlatParams& params, const model::FlatParams* adam_m,
                             const model::FlatParams* adam_v, const CheckpointState& state) {
+  return save_checkpoint(checkpoints_dir, model::param_infos(cfg, mtp), tree_base(cfg, mtp, params),
+                         adam_m ? tree_base(cfg, mtp, *adam_m) : nullptr,
+                         adam_v ? tree_base(cfg, mtp, *adam_v) : nullptr, state, mtp);
+}
+
+std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<model::ParamInfo>& layout,
+                            const float* params, const float* adam_m, const float* adam_v, const CheckpointState& state,
+                            int64_t mtp) {
   const fs::path root(checkpoints_dir);
   std::error_code ec;
   fs::create_directories(root, ec);
@@ -82,9 +95,9 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const model::Mod
   fs::create_directory(tmp, ec);
   DS_CHECK(!ec, "cannot create '{}': {}", tmp.string(), ec.message());
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
-  io::save_safetensors((tmp / "params.safetensors").string(), named(cfg, mtp, params), meta);
-  if (adam_m) io::save_safetensors((tmp / "adam_m.safetensors").string(), named(cfg, mtp, *adam_m), meta);
-  if (adam_v) io::save_safetensors((tmp / "adam_v.safetensors").string(), named(cfg, mtp, *adam_v), meta);
+  io::save_safetensors((tmp / "params.safetensors").string(), named(layout, params), meta);
+  if (adam_m) io::save_safetensors((tmp / "adam_m.safetensors").string(), named(layout, adam_m), meta);
+  if (adam_v) io::save_safetensors((tmp / "adam_v.safetensors").string(), named(layout, adam_v), meta);
   nlohmann::json j = {{"format", kFormat},
                       {"step", state.step},
                       {"data_state", state.data_state},
@@ -168,12 +181,19 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
 
 CheckpointState load_checkpoint(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp,
                                 model::FlatParams& params, model::FlatParams* adam_m, model::FlatParams* adam_v) {
+  return load_checkpoint(dir, model::param_infos(cfg, mtp), tree_base(cfg, mtp, params),
+                         adam_m ? tree_base(cfg, mtp, *adam_m) : nullptr,
+                         adam_v ? tree_base(cfg, mtp, *adam_v) : nullptr);
+}
+
+CheckpointState load_checkpoint(const std::string& dir, const std::vector<model::ParamInfo>& layout, float* params,
+                                float* adam_m, float* adam_v) {
   CheckpointState s = read_checkpoint_state(dir);
   const fs::path d(dir);
   try {
-    read_tree(d / "params.safetensors", cfg, mtp, params);
-    if (adam_m) read_tree(d / "adam_m.safetensors", cfg, mtp, *adam_m);
-    if (adam_v) read_tree(d / "adam_v.safetensors", cfg, mtp, *adam_v);
+    read_tree(d / "params.safetensors", layout, params);
+    if (adam_m) read_tree(d / "adam_m.safetensors", layout, adam_m);
+    if (adam_v) read_tree(d / "adam_v.safetensors", layout, adam_v);
   } catch (const Error& e) {
     DS_FAIL("checkpoint '{}' is corrupt or from another model: {}", dir, e.what());
   }
@@ -238,6 +258,83 @@ void init_params(const model::ModelConfig& cfg, int64_t mtp, model::FlatParams& 
         }
       },
       params.ptr);
+}
+
+void init_v4_params(const model::V4Config& c, model::V4FlatParams& p, uint64_t seed, float std) {
+  uint64_t stream = 0;  // one Philox stream per matrix, in tree order
+  model::for_each_v4_param(
+      c,
+      [&](const model::V4ParamInfo& i, float* const& x) {
+        const int64_t n = shape_numel(i.shape);
+        if (i.role == model::V4Role::HashTable) {
+          // Each token's experts: distinct, drawn from its own counters.
+          const Philox rng(seed, stream++);
+          const int64_t k = i.shape[1];
+          uint64_t at = 0;
+          for (int64_t t = 0; t < i.shape[0]; ++t)
+            for (int64_t j = 0; j < k; ++j) {
+              float e;
+              bool taken;
+              do {
+                e = static_cast<float>(rng.u32(at++) % static_cast<uint32_t>(c.n_routed_experts));
+                taken = std::find(x + t * k, x + t * k + j, e) != x + t * k + j;
+              } while (taken);
+              x[t * k + j] = e;
+            }
+        } else if (i.shape.size() >= 2) {
+          fill_normal(x, n, std, seed, stream++);
+        } else {
+          // Norm scales and the mHC scales 1; the sink, the mHC biases and the routing bias 0.
+          const bool one = i.name.ends_with("norm.weight") || i.name.ends_with("_scale");
+          std::fill(x, x + n, one ? 1.0f : 0.0f);
+        }
+      },
+      p.ptr);
+  p.sync_tables(c);
+}
+
+void load_v4_hf_params(const std::string& dir, const model::V4Config& c, model::V4FlatParams& p) {
+  // The generation loader finds and checks every tensor; each is then widened.
+  const auto st = io::SafetensorsSet::open_dir(dir);
+  const auto w = model::V4Weights::load(st, c);
+  model::for_each_v4_param(
+      c,
+      [](const model::V4ParamInfo& i, const ops::WeightView& v, float* const& x) {
+        if (i.role == model::V4Role::HashTable) {
+          const auto* t = static_cast<const int32_t*>(v.data);
+          for (int64_t k = 0; k < shape_numel(i.shape); ++k) x[k] = static_cast<float>(t[k]);
+        } else {
+          ops::widen_rows(x, v, 0, v.rows);
+        }
+      },
+      w.view, p.ptr);
+  p.sync_tables(c);
+}
+
+void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype) {
+  DS_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+           "export: weights can be written as f32, bf16 or f16, not {}", dtype_name(dtype));
+  model::prepare_model_folder(out_dir, "export");
+  std::vector<std::pair<std::string, Tensor>> ts;
+  int64_t off = 0;
+  model::for_each_v4_param(c, [&](const model::V4ParamInfo& i) {
+    const Tensor f32 = Tensor::borrow(const_cast<float*>(params) + off, i.shape, DType::F32);
+    off += shape_numel(i.shape);
+    if (i.role == model::V4Role::HashTable) {
+      Tensor t = Tensor::empty(i.shape, DType::I32);
+      for (int64_t k = 0; k < t.numel(); ++k) t.data<int32_t>()[k] = static_cast<int32_t>(f32.data<float>()[k]);
+      ts.emplace_back(i.name, std::move(t));
+    } else {
+      ts.emplace_back(i.name,
+                      i.role == model::V4Role::Vector || dtype == DType::F32 ? f32.to(DType::F32) : f32.to(dtype));
+    }
+  });
+  io::save_safetensors((fs::path(out_dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
+  // Float weights: no quantization_config, and the routed experts are not packed fp4.
+  auto j = c.to_hf_json();
+  j.erase("expert_dtype");
+  j["torch_dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
+  io::write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
 }
 
 }  // namespace ds::train

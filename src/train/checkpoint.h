@@ -20,6 +20,7 @@
 
 #include "model/config.h"
 #include "model/model.h"
+#include "model/v4_train.h"
 
 namespace ds::train {
 
@@ -37,6 +38,12 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const model::Mod
                             const model::FlatParams& params, const model::FlatParams* adam_m,
                             const model::FlatParams* adam_v, const CheckpointState& state);
 
+// Any model family: the tensors of `layout` laid out one after another from
+// params (and the moments); mtp_layers is recorded in state.json.
+std::string save_checkpoint(const std::string& checkpoints_dir, const std::vector<model::ParamInfo>& layout,
+                            const float* params, const float* adam_m, const float* adam_v, const CheckpointState& state,
+                            int64_t mtp_layers);
+
 // The complete checkpoints in the folder, oldest first (steps).
 std::vector<int64_t> list_checkpoints(const std::string& checkpoints_dir);
 // Removes all but the newest `keep` (keep < 1: none removed) and stale .tmp folders.
@@ -47,6 +54,8 @@ void prune_checkpoints(const std::string& checkpoints_dir, int64_t keep);
 // missing, malformed or inconsistent.
 CheckpointState load_checkpoint(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp_layers,
                                 model::FlatParams& params, model::FlatParams* adam_m, model::FlatParams* adam_v);
+CheckpointState load_checkpoint(const std::string& dir, const std::vector<model::ParamInfo>& layout, float* params,
+                                float* adam_m, float* adam_v);
 // Only its state.json (to find the model of a checkpoint before loading it).
 CheckpointState read_checkpoint_state(const std::string& dir);
 
@@ -65,5 +74,17 @@ void export_hf(const std::string& out_dir, const model::ModelConfig& cfg, int64_
 // tensor, in tree order, as `deepseek init` does), norms 1, routing bias 0.
 void init_params(const model::ModelConfig& cfg, int64_t mtp_layers, model::FlatParams& params, uint64_t seed,
                  float std);
+
+// DeepSeek-V4, in the layout of model::V4FlatParams (tables synced after
+// each). Random initialisation: matrices normal(0, std) (one Philox stream
+// per tensor in tree order), norm and mHC scales 1, the sinks and the mHC
+// and routing biases 0, and each token's hash-routed experts distinct draws.
+void init_v4_params(const model::V4Config& c, model::V4FlatParams& p, uint64_t seed, float std);
+// Parameters of a V4 folder (any stored dtype: fp8, packed fp4, bf16),
+// checked as generation checks them and widened to float32.
+void load_v4_hf_params(const std::string& dir, const model::V4Config& c, model::V4FlatParams& p);
+// A V4 folder from float32 parameters: upstream tensor names in `dtype`
+// (vectors float32, tid2eid int32) and config.json; `deepseek generate` reads it.
+void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype);
 
 }  // namespace ds::train

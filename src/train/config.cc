@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
+#include "model/v4_config.h"
 
 namespace ds::train {
 
@@ -145,6 +146,30 @@ std::string scalar_text(const YAML::Node& n) {
   return e.c_str();
 }
 
+// A YAML value as JSON: scalars as integers, then numbers, then booleans,
+// then strings (as the YAML 1.2 core schema reads them); lists and maps alike.
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (n.IsNull()) return nullptr;
+  if (n.IsSequence()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& x : n) a.push_back(yaml_to_json(x));
+    return a;
+  }
+  if (n.IsMap()) {
+    nlohmann::json o = nlohmann::json::object();
+    for (const auto& kv : n) o[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+    return o;
+  }
+  const std::string text = n.Scalar();
+  if (n.Tag() != "!") {  // an unquoted scalar
+    static const std::regex integer("[-+]?[0-9]+"), number("[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?");
+    if (std::regex_match(text, integer)) return n.as<int64_t>();
+    if (std::regex_match(text, number)) return n.as<double>();
+    if (text == "true" || text == "True" || text == "false" || text == "False") return n.as<bool>();
+  }
+  return text;
+}
+
 std::string find_preset(const std::string& name, const std::string& source) {
   std::vector<fs::path> tries;
   if (name.ends_with(".yml") || name.ends_with(".yaml")) tries.push_back(name);
@@ -162,6 +187,7 @@ std::string find_preset(const std::string& name, const std::string& source) {
 void check_config(const RunConfig& rc) {
   const TrainConfig& t = rc.train;
   const model::ModelConfig& m = rc.model;
+  const int64_t max_positions = rc.v4 ? rc.v4->max_position_embeddings : m.max_position_embeddings;
   DS_CHECK(!t.run_name.empty() && t.run_name.find('/') == std::string::npos && t.run_name != "." && t.run_name != "..",
            "run_name '{}' must be a non-empty folder name", t.run_name);
   DS_CHECK(!t.base_output_directory.empty(), "base_output_directory must not be empty");
@@ -196,9 +222,9 @@ void check_config(const RunConfig& rc) {
   DS_CHECK(t.per_device_batch_size >= 1 && t.per_device_batch_size <= (1 << 20),
            "per_device_batch_size {} not in [1, 2^20]", t.per_device_batch_size);
   DS_CHECK(t.max_target_length >= 2, "max_target_length {} must be >= 2", t.max_target_length);
-  DS_CHECK(t.max_target_length <= m.max_position_embeddings,
+  DS_CHECK(t.max_target_length <= max_positions,
            "max_target_length {} is longer than the model allows (max_position_embeddings {})", t.max_target_length,
-           m.max_position_embeddings);
+           max_positions);
   DS_CHECK(t.z_loss_multiplier >= 0 && t.load_balance_loss_weight >= 0 && t.mtp_loss_scaling_factor >= 0,
            "z_loss_multiplier, load_balance_loss_weight and mtp_loss_scaling_factor must be >= 0");
   DS_CHECK(t.dtype == "float32" && t.weight_dtype == "float32",
@@ -236,6 +262,17 @@ void check_config(const RunConfig& rc) {
       } catch (const std::regex_error& e) {
         DS_FAIL("'{}' is not a valid regular expression: {}", re, e.what());
       }
+  if (rc.v4) {
+    // What the V4 trainer does not offer yet: one clear line each.
+    DS_CHECK(t.load_balance_loss_weight == 0,
+             "load_balance_loss_weight: DeepSeek-V4 training balances its experts by the routing-bias update "
+             "(routed_bias_update_rate); the balance loss is not implemented for it");
+    DS_CHECK(!t.indexer_sparse_training && t.indexer_loss_scaling_factor == 0,
+             "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
+             "(its CSA layers always attend through it)");
+    DS_CHECK(!t.use_batch_split_schedule, "use_batch_split_schedule: DeepSeek-V4 training runs on one process");
+    return;
+  }
   // DeepSeek-V3.2's indexer.
   DS_CHECK(t.indexer_loss_scaling_factor >= 0, "indexer_loss_scaling_factor {} must be >= 0",
            t.indexer_loss_scaling_factor);
@@ -270,38 +307,92 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
 
   RunConfig rc;
   TrainConfig& t = rc.train;
-  std::vector<std::string> model_overrides;
-  std::vector<std::pair<std::string, std::string>> custom_remat;
   std::map<std::string, YAML::Node> given;
-  for (const auto& [key, value, where] : entries) {
-    given[key] = value;
+  std::vector<io::YamlEntry> rest;  // model keys, remat names, unknown keys
+  for (const auto& e : entries) {
+    given[e.key] = e.value;
     const auto& keys = train_keys();
-    if (auto it = keys.find(key); it != keys.end()) {
+    if (auto it = keys.find(e.key); it != keys.end()) {
       try {
-        it->second(t, value);
-      } catch (const YAML::Exception& e) {
-        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, e.what());
-      } catch (const Error& e) {
-        DS_FAIL("{}: key '{}': {}", where, key, e.what());
+        it->second(t, e.value);
+      } catch (const YAML::Exception& ex) {
+        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", e.where, e.key, ex.what());
+      } catch (const Error& ex) {
+        DS_FAIL("{}: key '{}': {}", e.where, e.key, ex.what());
       }
-    } else if (model::ModelConfig::is_yaml_key(key)) {
-      model_overrides.push_back(key + "=" + scalar_text(value));
-    } else if (is_remat_name(key)) {
-      custom_remat.emplace_back(key, value.as<std::string>());
     } else {
-      DS_FAIL("{}: unknown key '{}' (neither a training key nor a model key)", where, key);
+      rest.push_back(e);
     }
   }
   nlohmann::json j = nlohmann::json::object();
   for (const auto& [key, value] : given) j[key] = scalar_text(value);
   t.as_json = j;
 
-  // The model.
-  if (!t.hf_config.empty() || !t.load_parameters_path.empty()) {
-    std::string path = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
+  // The model's family: DeepSeek-V4 from a deepseek_v4 config.json, or
+  // decoder_block deepseek4 in the preset or the keys.
+  std::string hf_path = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
+  if (!hf_path.empty()) {
     std::error_code ec;
-    if (fs::is_directory(path, ec)) path = (fs::path(path) / "config.json").string();
-    rc.model = model::ModelConfig::from_hf_json_text(io::read_file(path, "hf_config"), path);
+    if (fs::is_directory(hf_path, ec)) hf_path = (fs::path(hf_path) / "config.json").string();
+  }
+  std::string preset;
+  std::vector<io::YamlEntry> preset_entries;
+  if (hf_path.empty() && !t.model_name.empty()) {
+    preset = find_preset(t.model_name, source);
+    preset_entries = io::yaml_entries(io::read_file(preset, "preset"), {}, preset, "");
+  }
+  auto says_v4 = [](const std::vector<io::YamlEntry>& es) {
+    bool v4 = false;
+    for (const auto& e : es)
+      if (e.key == "decoder_block" && e.value.IsScalar())
+        v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
+    return v4;
+  };
+  const bool v4 =
+      !hf_path.empty() ? model::config_model_type(hf_path) == "deepseek_v4" : says_v4(preset_entries) || says_v4(rest);
+
+  std::vector<std::string> model_overrides;
+  std::vector<std::pair<std::string, nlohmann::json>> v4_keys;
+  std::vector<std::pair<std::string, std::string>> custom_remat;
+  for (const auto& [key, value, where] : rest) {
+    if (v4 && (key == "routed_bias_update_rate" || key == "mtp_num_layers")) {
+      try {
+        if (key == "routed_bias_update_rate") rc.v4_routed_bias_update_rate = value.as<double>();
+        DS_CHECK(key != "mtp_num_layers" || value.as<int64_t>() == 0,
+                 "{}: mtp_num_layers {}: multi-token prediction is not trained for DeepSeek-V4 yet (use 0)", where,
+                 scalar_text(value));
+      } catch (const YAML::Exception& ex) {
+        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
+      }
+    } else if (v4 && model::V4Config::is_maxtext_key(key)) {
+      DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
+               where, key);
+      v4_keys.emplace_back(key, yaml_to_json(value));
+    } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
+      model_overrides.push_back(key + "=" + scalar_text(value));
+    } else if (is_remat_name(key)) {
+      custom_remat.emplace_back(key, value.as<std::string>());
+    } else {
+      DS_FAIL("{}: unknown key '{}' (neither a training key nor a {} model key)", where, key,
+              v4 ? "DeepSeek-V4" : "DeepSeek-V2/V3");
+    }
+  }
+
+  // The model.
+  if (v4) {
+    rc.model = model::ModelConfig();
+    if (!hf_path.empty()) {
+      rc.v4 = model::V4Config::from_hf_json_file(hf_path);
+    } else {
+      std::vector<std::pair<std::string, nlohmann::json>> all;
+      for (const auto& e : preset_entries) all.emplace_back(e.key, yaml_to_json(e.value));
+      all.insert(all.end(), v4_keys.begin(), v4_keys.end());
+      rc.v4 = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
+    }
+    DS_CHECK(rc.v4_routed_bias_update_rate >= 0, "routed_bias_update_rate {} must be >= 0",
+             rc.v4_routed_bias_update_rate);
+  } else if (!hf_path.empty()) {
+    rc.model = model::ModelConfig::from_hf_json_text(io::read_file(hf_path, "hf_config"), hf_path);
     for (const auto& o : model_overrides) {
       const std::string key = o.substr(0, o.find('='));
       DS_CHECK(model_key_allowed_with_hf(key),
@@ -313,7 +404,6 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
     }
     rc.model.validate();
   } else if (!t.model_name.empty()) {
-    const std::string preset = find_preset(t.model_name, source);
     rc.model = model::ModelConfig::from_yaml_file(preset, model_overrides);
   } else {
     DS_CHECK(!model_overrides.empty(),
@@ -327,7 +417,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
   t.remat = model::RematPolicy::from_name(t.remat_policy, custom_remat);
   t.data.batch = t.per_device_batch_size;
   t.data.seq = t.max_target_length;
-  t.data.vocab_size = rc.model.vocab_size;
+  t.data.vocab_size = rc.v4 ? rc.v4->vocab_size : rc.model.vocab_size;
   check_config(rc);
   return rc;
 }

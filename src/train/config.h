@@ -19,12 +19,14 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dist/mesh.h"
 #include "model/config.h"
 #include "model/layer.h"
+#include "model/v4_config.h"
 #include "train/data.h"
 
 namespace ds::train {
@@ -104,7 +106,7 @@ struct TrainConfig {
   double link_model_latency_us = 0, link_model_gbps = 0;
   // Step whose batch-split schedule of the first MoE layer is drawn to
   // timeline.svg in the run folder (-1: none).
-  int64_t timeline_step = -1;         // the expert output gradient moves as e5m2 + row scales
+  int64_t timeline_step = -1;  // the expert output gradient moves as e5m2 + row scales
 
   // Every key as given (after overrides), for the run folder and checkpoints.
   nlohmann::json as_json;
@@ -114,8 +116,14 @@ struct TrainConfig {
 };
 
 struct RunConfig {
-  model::ModelConfig model;
+  model::ModelConfig model;  // DeepSeek-V2/V3 (unused for V4)
   TrainConfig train;
+  // DeepSeek-V4: a deepseek_v4 config.json (hf_config or
+  // load_parameters_path), or a preset / keys with decoder_block deepseek4 in
+  // MaxText's names (model::V4Config::from_maxtext). Its model keys besides
+  // those: routed_bias_update_rate, and mtp_num_layers (0 only).
+  std::optional<model::V4Config> v4;
+  double v4_routed_bias_update_rate = 0.0;
 };
 
 // Parses the YAML text plus overrides; `source` names the file in errors and

@@ -1,5 +1,7 @@
 #include "train/flops.h"
 
+#include <algorithm>
+
 namespace ds::train {
 
 double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
@@ -25,6 +27,29 @@ double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64
   const int64_t layers = c.num_hidden_layers + mtp_layers;
   for (int64_t l = 0; l < layers; ++l) per_token += layer(l);
   const double attn = 2.0 * tok * T * H * (nope + rope + vd) / 2 * static_cast<double>(layers);
+  return 3 * (2 * tok * per_token + attn) * static_cast<double>(grad_accum);
+}
+
+double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum) {
+  const double d = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
+  const double Dh = static_cast<double>(c.head_dim), ql = static_cast<double>(c.q_lora_rank);
+  const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
+  const double ffn = 3 * d * static_cast<double>(c.moe_intermediate_size);
+  double per_token = d * static_cast<double>(c.vocab_size), attn = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const int64_t m = c.compress_ratio(l);
+    double w = d * ql + ql * H * Dh + d * Dh;  // q-LoRA, K=V latent
+    w += H * Dh * static_cast<double>(c.o_lora_rank) + static_cast<double>(c.o_groups * c.o_lora_rank) * d;
+    if (m > 0) w += 2 * d * (m == 4 ? 2 : 1) * Dh;  // compressor projections
+    w += d * static_cast<double>(c.n_routed_experts) +
+         static_cast<double>(c.n_shared_experts + c.num_experts_per_tok) * ffn;
+    per_token += w;
+    // Keys per query on average: the window, and the compressed entries
+    // (all of them on HCA layers, the indexer's top-k on CSA ones).
+    double keys = std::min(static_cast<double>(c.sliding_window), (T + 1) / 2);
+    if (m > 0) keys += m == 4 ? std::min(static_cast<double>(c.index_topk), T / 8) : T / (2 * m);
+    attn += 2.0 * tok * keys * H * Dh * 2;  // scores and the weighted sum (K = V)
+  }
   return 3 * (2 * tok * per_token + attn) * static_cast<double>(grad_accum);
 }
 

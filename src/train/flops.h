@@ -10,10 +10,18 @@
 #include <cstdint>
 
 #include "model/config.h"
+#include "model/v4_config.h"
 
 namespace ds::train {
 
 double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers = 0,
                   int64_t grad_accum = 1);
+
+// DeepSeek-V4 by the same rule: every weight a token meets (q-LoRA, the K=V
+// latent, the grouped output, the compressors, router, shared and k routed
+// experts, unembedding; the indexer's small projections are not counted),
+// plus the attention over the keys a query sees on average (the window, and
+// the compressed entries or the indexer's top-k of them).
+double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum = 1);
 
 }  // namespace ds::train

@@ -23,8 +23,7 @@ std::vector<std::regex> compile(const std::vector<std::string>& v) {
 
 }  // namespace
 
-AdamW::AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc,
-             std::vector<OwnedRange> owned)
+AdamW::AdamW(const std::vector<model::ParamInfo>& layout, const TrainConfig& tc, std::vector<OwnedRange> owned)
     : owned_(std::move(owned)) {
   int64_t total = 0, prev = 0;
   for (const auto& r : owned_) {
@@ -43,17 +42,20 @@ AdamW::AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig
   const auto no_decay = compile(tc.adamw_mask), train_only = compile(tc.trainable_parameters_mask);
   bool any_trainable = false;
   int64_t off = 0;
-  model::for_each_param(mc, mtp_layers, [&](const model::ParamInfo& i) {
+  for (const model::ParamInfo& i : layout) {
     TensorSlot s{i, off, false, false};
     off += i.numel();
     s.trainable = i.trainable() && (train_only.empty() || any_search(train_only, i.name));
     s.decay = i.is_matrix() && !any_search(no_decay, i.name);
     any_trainable |= s.trainable;
     slots_.push_back(std::move(s));
-  });
+  }
   DS_CHECK(prev <= off, "internal: AdamW run ends at {} past the {} parameters", prev, off);
   DS_CHECK(any_trainable, "trainable_parameters_mask matches no parameter: nothing would train");
 }
+
+AdamW::AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, std::vector<OwnedRange> owned)
+    : AdamW(model::param_infos(mc, mtp_layers), tc, std::move(owned)) {}
 
 AdamW::AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, model::FlatParams& params,
              model::FlatParams& grads)

@@ -45,8 +45,11 @@ struct TensorSlot {
 
 class AdamW {
  public:
-  // Owns m and v of the elements of `owned` (which must outlive it; runs in
-  // increasing order, not overlapping).
+  // The tensors of `layout`, in order, make up the flat parameter order
+  // (any model family). Owns m and v of the elements of `owned` (which must
+  // outlive it; runs in increasing order, not overlapping).
+  AdamW(const std::vector<model::ParamInfo>& layout, const TrainConfig& tc, std::vector<OwnedRange> owned);
+  // A V2/V3 model's tree (for_each_param order).
   AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, std::vector<OwnedRange> owned);
   // The whole buffer.
   AdamW(const model::ModelConfig& mc, int64_t mtp_layers, const TrainConfig& tc, model::FlatParams& params,

@@ -223,7 +223,10 @@ void write_timeline_svg(const std::string& path, const std::vector<model::Timeli
 TrainSummary train(const RunConfig& rc) {
   const model::ModelConfig& cfg = rc.model;
   const TrainConfig& tc = rc.train;
-  const int64_t mtp = cfg.num_nextn_predict_layers;
+  // DeepSeek-V4 shares the loop: its own parameter layout, loss and
+  // checkpoint tensors; one process.
+  const model::V4Config* v4 = rc.v4 ? &*rc.v4 : nullptr;
+  const int64_t mtp = v4 ? 0 : cfg.num_nextn_predict_layers;
   TrainSummary sum;
   sum.run_dir = tc.run_dir();
   const fs::path run(sum.run_dir), ckdir = run / "checkpoints";
@@ -235,6 +238,7 @@ TrainSummary train(const RunConfig& rc) {
   dist::set_collective_timeout(tc.collective_timeout_seconds);
   dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
   const bool lead = world.rank() == 0, multi = world.size() > 1;
+  DS_CHECK(!v4 || !multi, "DeepSeek-V4 training runs on one process ({} were started)", world.size());
   // A modeled link under the per-layer collectives: the expert exchange, the
   // dense weights' gathers (shard group) and the experts' (fsdp axis).
   const int64_t F = mesh.size(dist::kFsdp), X = mesh.size(dist::kExpert), G = mesh.shard_group_size();
@@ -295,11 +299,21 @@ TrainSummary train(const RunConfig& rc) {
   // expert rank over fsdp) and streams the layers in (all-gather) and their
   // gradients out (reduce-scatter); the whole buffer exists only for a moment
   // at the start, at a resume and at a checkpoint.
-  const int64_t P = model::FlatParams::numel(cfg, mtp);
+  const std::vector<model::ParamInfo> layout = v4 ? model::v4_param_infos(*v4) : model::param_infos(cfg, mtp);
+  const int64_t P = v4 ? model::V4FlatParams::numel(*v4) : model::FlatParams::numel(cfg, mtp);
   model::FlatParams params, grads;
+  model::V4FlatParams v4_params;
+  std::vector<float> v4_grad_data;
+  model::V4Params<float*> v4_grads;
   std::unique_ptr<dist::FsdpParams> fsdp;
   std::unique_ptr<AdamW> opt_box;
-  if (G == 1) {
+  if (v4) {
+    v4_params = model::V4FlatParams::zeros(*v4);
+    v4_grad_data.assign(static_cast<size_t>(P), 0.0f);
+    v4_grads = model::V4FlatParams::wrap(*v4, v4_grad_data.data()).ptr;
+    opt_box = std::make_unique<AdamW>(layout, tc,
+                                      std::vector<OwnedRange>{{0, P, v4_params.data.data(), v4_grad_data.data()}});
+  } else if (G == 1) {
     params = model::FlatParams::zeros(cfg, mtp);
     grads = model::FlatParams::zeros(cfg, mtp);
     opt_box = std::make_unique<AdamW>(cfg, mtp, tc, params, grads);
@@ -324,7 +338,12 @@ TrainSummary train(const RunConfig& rc) {
   model::FlatParams full_box;
   if (fsdp) full_box = model::FlatParams::zeros(cfg, mtp);
   model::FlatParams& full = fsdp ? full_box : params;
-  if (lead) {
+  if (lead && v4) {
+    if (!tc.load_parameters_path.empty())
+      load_v4_hf_params(tc.load_parameters_path, *v4, v4_params);
+    else
+      init_v4_params(*v4, v4_params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
+  } else if (lead) {
     if (!tc.load_parameters_path.empty())
       load_hf_params(tc.load_parameters_path, cfg, mtp, full);
     else
@@ -343,7 +362,7 @@ TrainSummary train(const RunConfig& rc) {
   // Resume: rank 0 reads the checkpoint (whole tensors, so any world size
   // resumes any other's); every rank takes the parameters and its shard of
   // the moments.
-  const nlohmann::json model_json = model::to_hf_json(cfg, mtp);
+  const nlohmann::json model_json = v4 ? v4->to_hf_json() : model::to_hf_json(cfg, mtp);
   int64_t start = 0, consecutive_skipped = 0;
   nlohmann::json resumed = {{"start", 0}, {"consecutive_skipped", 0}, {"newest", -1}};
   {
@@ -353,8 +372,15 @@ TrainSummary train(const RunConfig& rc) {
       const std::string dir = (ckdir / ("step_" + std::to_string(existing.back()))).string();
       m_full.assign(static_cast<size_t>(P), 0.0f);
       v_full.assign(static_cast<size_t>(P), 0.0f);
-      auto mf = model::FlatParams::wrap(cfg, mtp, m_full.data()), vf = model::FlatParams::wrap(cfg, mtp, v_full.data());
-      const CheckpointState st = load_checkpoint(dir, cfg, mtp, full, &mf, &vf);
+      CheckpointState st;
+      if (v4) {
+        st = load_checkpoint(dir, layout, v4_params.data.data(), m_full.data(), v_full.data());
+        v4_params.sync_tables(*v4);
+      } else {
+        auto mf = model::FlatParams::wrap(cfg, mtp, m_full.data()),
+             vf = model::FlatParams::wrap(cfg, mtp, v_full.data());
+        st = load_checkpoint(dir, cfg, mtp, full, &mf, &vf);
+      }
       DS_CHECK(st.model_config == model_json,
                "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
                dir);
@@ -425,23 +451,31 @@ TrainSummary train(const RunConfig& rc) {
     DS_CHECK(metrics.good(), "cannot append to '{}'", metrics_path.string());
   }
 
-  // MoE layers in the order loss_and_grad reports their loads, with their bias.
+  // MoE layers in the order the loss reports their loads (V4: every layer),
+  // with the place of their routing bias in the flat order ({-1, 0}: none,
+  // e.g. V4's hash-routed layers); this rank updates the elements it owns.
   std::vector<int64_t> moe_layers;
-  for (int64_t l = 0; l < cfg.num_hidden_layers + mtp; ++l)
-    if (cfg.is_moe_layer(l)) moe_layers.push_back(l);
-  // The routing biases' places in the flat order (this rank updates the
-  // elements it owns).
-  std::vector<std::pair<int64_t, int64_t>> biases;
+  for (int64_t l = 0; l < (v4 ? v4->num_hidden_layers : cfg.num_hidden_layers + mtp); ++l)
+    if (v4 || cfg.is_moe_layer(l)) moe_layers.push_back(l);
+  std::vector<std::pair<int64_t, int64_t>> biases(moe_layers.size(), {-1, 0});
   {
     int64_t off = 0;
-    model::for_each_param(cfg, mtp, [&](const model::ParamInfo& i) {
-      if (i.role == model::ParamRole::RoutingBias) biases.emplace_back(off, i.numel());
+    for (const auto& i : layout) {
+      if (i.role == model::ParamRole::RoutingBias) {
+        const auto it = std::find(moe_layers.begin(), moe_layers.end(), i.layer);
+        DS_CHECK(it != moe_layers.end(), "internal: routing bias '{}' of a layer without experts", i.name);
+        biases[static_cast<size_t>(it - moe_layers.begin())] = {off, i.numel()};
+      }
       off += i.numel();
-    });
+    }
   }
-  const bool bias_update = cfg.routed_bias_update_rate > 0 && !biases.empty();
-  DS_CHECK(!bias_update || biases.size() == moe_layers.size(), "internal: {} routing biases for {} MoE layers",
-           biases.size(), moe_layers.size());
+  const double bias_rate = v4 ? rc.v4_routed_bias_update_rate : cfg.routed_bias_update_rate;
+  const bool bias_update = bias_rate > 0;
+  if (lead && v4)
+    fmt::print(stderr,
+               "DeepSeek-V4 model ({:.2f}M parameters): each document piece its own sequence; the lightning indexer "
+               "and the hash table stay as they are; every activation is kept (remat_policy does not apply)\n",
+               static_cast<double>(P) / 1e6);
 
   model::LossOptions lo;
   lo.stream = fsdp.get();
@@ -462,7 +496,8 @@ TrainSummary train(const RunConfig& rc) {
                    ? fmt::format("learns from its KL loss (x {})", tc.indexer_loss_scaling_factor)
                    : std::string("is not trained (indexer_loss_scaling_factor is 0)"));
   const int64_t GA = tc.gradient_accumulation_steps;
-  const double flops = step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
+  const double flops = v4 ? v4_step_flops(*v4, tc.per_device_batch_size, tc.max_target_length, GA)
+                          : step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
   const double step_tokens = static_cast<double>(tc.per_device_batch_size * tc.max_target_length * GA);
   const bool tty = lead && ::isatty(STDERR_FILENO) == 1;
   const auto grad_spans = opt.grad_spans();
@@ -494,8 +529,6 @@ TrainSummary train(const RunConfig& rc) {
       full_box = model::FlatParams();
       return;
     }
-    auto mf = model::FlatParams::wrap(cfg, mtp, m_src);
-    auto vf = model::FlatParams::wrap(cfg, mtp, v_src);
     CheckpointState st;
     st.step = step;
     st.data_state = data->state();
@@ -503,7 +536,14 @@ TrainSummary train(const RunConfig& rc) {
     st.model_config = model_json;
     st.run_config = tc.as_json;
     if (!tc.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc.tokenizer_path).string();
-    const std::string where = save_checkpoint(ckdir.string(), cfg, mtp, fsdp ? full_box : params, &mf, &vf, st);
+    std::string where;
+    if (v4) {
+      where = save_checkpoint(ckdir.string(), layout, v4_params.data.data(), m_src, v_src, st, 0);
+    } else {
+      auto mf = model::FlatParams::wrap(cfg, mtp, m_src);
+      auto vf = model::FlatParams::wrap(cfg, mtp, v_src);
+      where = save_checkpoint(ckdir.string(), cfg, mtp, fsdp ? full_box : params, &mf, &vf, st);
+    }
     full_box = model::FlatParams();
     prune_checkpoints(ckdir.string(), tc.max_num_checkpoints_to_keep);
     if (tty) fmt::print(stderr, "\n");
@@ -522,6 +562,13 @@ TrainSummary train(const RunConfig& rc) {
     double xent = 0, weight = 0;
     for (int64_t i = 0; i < n; ++i) {
       const model::TrainBatch b = eval_data->next();
+      if (v4) {
+        const auto t = model::v4_loss_and_grad(*v4, v4_params.view, nullptr, model::V4TrainBatch::from_packed(b),
+                                               {tc.z_loss_multiplier, 1.0, false});
+        xent += t.lm_loss * static_cast<double>(t.tokens);
+        weight += static_cast<double>(t.tokens);
+        continue;
+      }
       const int64_t r = b.batch / shards;
       if (multi) el.whole = model::loss_weights(b, 0);
       model::TrainBatch part;
@@ -554,6 +601,8 @@ TrainSummary train(const RunConfig& rc) {
     }
     if (fsdp)
       fsdp->start_step();
+    else if (v4)
+      std::fill(v4_grad_data.begin(), v4_grad_data.end(), 0.0f);
     else
       std::fill(grads.data.begin(), grads.data.end(), 0.0f);
     model::LossTerms terms;
@@ -567,8 +616,19 @@ TrainSummary train(const RunConfig& rc) {
       if (multi) mo.whole = model::loss_weights(micro[i], mtp);
       if (draw && i == 0) model::timeline_record(true);
       model::TrainBatch part;  // one process: the whole micro-batch, not a copy
-      auto t = model::loss_and_grad(cfg, pview, &gtree,
-                                    multi ? (part = slice_rows(micro[i], shard * rows, rows)) : micro[i], mo, tc.remat);
+      model::LossTerms t;
+      if (v4) {
+        auto t4 = model::v4_loss_and_grad(*v4, v4_params.view, &v4_grads, model::V4TrainBatch::from_packed(micro[i]),
+                                          {tc.z_loss_multiplier, wi, true});
+        t.loss = t4.loss;
+        t.lm_loss = t4.lm_loss;
+        t.z_loss = t4.z_loss;
+        t.tokens = static_cast<double>(t4.tokens);
+        t.expert_load = std::move(t4.expert_load);
+      } else {
+        t = model::loss_and_grad(cfg, pview, &gtree,
+                                 multi ? (part = slice_rows(micro[i], shard * rows, rows)) : micro[i], mo, tc.remat);
+      }
       if (draw && i == 0) {
         model::timeline_record(false);
         const int64_t first_moe = moe_layers.empty() ? 0 : moe_layers.front();
@@ -596,10 +656,10 @@ TrainSummary train(const RunConfig& rc) {
         const auto& c = t.expert_load[l];
         if (load[l].empty()) load[l].assign(c.size(), 0);
         for (size_t e = 0; e < c.size(); ++e) load[l][e] += c[e];
-        if (bias_update) {
+        if (bias_update && biases[l].first >= 0) {
           if (bias_delta[l].empty()) bias_delta[l].assign(c.size(), 0.0f);
           ops::update_routing_bias(bias_delta[l].data(), c.data(), static_cast<int64_t>(c.size()),
-                                   static_cast<float>(cfg.routed_bias_update_rate));
+                                   static_cast<float>(bias_rate));
         }
       }
     }
@@ -637,10 +697,11 @@ TrainSummary train(const RunConfig& rc) {
       opt.update(lr);
       if (bias_update)
         for (size_t l = 0; l < biases.size(); ++l)
-          opt.for_owned(biases[l].first, biases[l].first + biases[l].second, [&](float* p, int64_t first, int64_t n) {
-            const float* d = bias_delta[l].data() + (first - biases[l].first);
-            for (int64_t e = 0; e < n; ++e) p[e] += d[e];
-          });
+          if (biases[l].first >= 0)
+            opt.for_owned(biases[l].first, biases[l].first + biases[l].second, [&](float* p, int64_t first, int64_t n) {
+              const float* d = bias_delta[l].data() + (first - biases[l].first);
+              for (int64_t e = 0; e < n; ++e) p[e] += d[e];
+            });
     } else {
       ++sum.skipped_steps;
       ++consecutive_skipped;
