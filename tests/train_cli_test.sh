@@ -2,7 +2,7 @@
 # `deepseek train` end to end on the tiny preset: a corpus prepared with the
 # fixture tokenizer, a few steps with eval and checkpoints, metrics and the
 # loss curve in the run folder, `deepseek export` to a Hugging Face folder
-# that `deepseek generate` runs; and bad input (unknown key, missing corpus,
+# that `deepseek generate` runs; the same for a DeepSeek-V4 preset; and bad input (unknown key, missing corpus,
 # impossible sizes, a corrupt checkpoint) gives one error line and exit code
 # 2 without losing a checkpoint.
 # Usage: train_cli_test.sh DEEPSEEK SOURCE_DIR
@@ -59,6 +59,20 @@ check '[ $? -eq 0 ] && [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safet
 check 'grep -q "\"num_nextn_predict_layers\": 1" "$tmp/hf/config.json"' "export keeps the MTP layer"
 gen=$("$bin" generate --model "$tmp/hf" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the exported folder"
+
+# DeepSeek-V4 from MaxText's keys (configs/v4-tiny.yml): the same run file,
+# export to a deepseek_v4 folder that `deepseek generate` runs.
+"$bin" train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4 mtp_num_layers=0 steps=4 eval_interval=2 \
+  checkpoint_period=4 >/dev/null 2>"$tmp/v4.err"
+check '[ $? -eq 0 ] && grep -q "DeepSeek-V4 model" "$tmp/v4.err"' "train a V4 model ($(tail -1 "$tmp/v4.err"))"
+check '[ "$(wc -l <"$tmp/runs/v4/metrics.jsonl")" -eq 4 ] && grep -q "\"expert_load\"" "$tmp/runs/v4/metrics.jsonl"' \
+  "V4 metrics with each layer's expert load"
+"$bin" export --checkpoint "$tmp/runs/v4/checkpoints/step_4" --out "$tmp/hf4" >/dev/null
+check '[ $? -eq 0 ] && grep -q "\"model_type\": \"deepseek_v4\"" "$tmp/hf4/config.json"' "the V4 export is a deepseek_v4 folder"
+gen=$("$bin" generate --model "$tmp/hf4" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
+check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the V4 export"
+expect_error train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4b  # mtp_num_layers: 1
+expect_error train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4b mtp_num_layers=0 base_num_kv_heads=2
 
 # Bad input: one line, exit 2.
 expect_error train "$tmp/run.yml" no_such_key=1

@@ -13,7 +13,9 @@
 //                              folder;
 // with the model keys of the file and the command line applied on top of a
 // preset (with a Hugging Face config only mtp_num_layers and
-// routed_bias_update_rate may be changed).
+// routed_bias_update_rate may be changed). A DeepSeek-V4 model (a
+// deepseek_v4 config.json, or decoder_block deepseek4 in the preset or the
+// keys) takes MaxText's V4 keys instead (RunConfig::v4).
 #pragma once
 
 #include <cstdint>
