@@ -60,18 +60,20 @@ check 'grep -q "\"num_nextn_predict_layers\": 1" "$tmp/hf/config.json"' "export 
 gen=$("$bin" generate --model "$tmp/hf" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the exported folder"
 
-# DeepSeek-V4 from MaxText's keys (configs/v4-tiny.yml): the same run file,
-# export to a deepseek_v4 folder that `deepseek generate` runs.
-"$bin" train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4 mtp_num_layers=0 steps=4 eval_interval=2 \
+# DeepSeek-V4 from MaxText's keys (configs/v4-tiny.yml): the same run file
+# (its MTP layer included), export to a deepseek_v4 folder that `deepseek
+# generate` runs.
+"$bin" train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4 steps=4 eval_interval=2 \
   checkpoint_period=4 >/dev/null 2>"$tmp/v4.err"
 check '[ $? -eq 0 ] && grep -q "DeepSeek-V4 model" "$tmp/v4.err"' "train a V4 model ($(tail -1 "$tmp/v4.err"))"
-check '[ "$(wc -l <"$tmp/runs/v4/metrics.jsonl")" -eq 4 ] && grep -q "\"expert_load\"" "$tmp/runs/v4/metrics.jsonl"' \
-  "V4 metrics with each layer's expert load"
+check '[ "$(wc -l <"$tmp/runs/v4/metrics.jsonl")" -eq 4 ] && grep -q "\"expert_load\"" "$tmp/runs/v4/metrics.jsonl" &&
+  grep -q "\"mtp_loss\":0\.[0-9]*[1-9]" "$tmp/runs/v4/metrics.jsonl"' "V4 metrics with each layer's expert load and the MTP loss"
 "$bin" export --checkpoint "$tmp/runs/v4/checkpoints/step_4" --out "$tmp/hf4" >/dev/null
-check '[ $? -eq 0 ] && grep -q "\"model_type\": \"deepseek_v4\"" "$tmp/hf4/config.json"' "the V4 export is a deepseek_v4 folder"
+check '[ $? -eq 0 ] && grep -q "\"model_type\": \"deepseek_v4\"" "$tmp/hf4/config.json" &&
+  grep -q "\"num_nextn_predict_layers\": 1" "$tmp/hf4/config.json"' "the V4 export is a deepseek_v4 folder with its MTP layer"
 gen=$("$bin" generate --model "$tmp/hf4" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the V4 export"
-expect_error train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4b  # mtp_num_layers: 1
+expect_error train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4b mtp_num_layers=2
 expect_error train "$tmp/run.yml" model_name="$src/configs/v4-tiny.yml" run_name=v4b mtp_num_layers=0 base_num_kv_heads=2
 
 # Bad input: one line, exit 2.

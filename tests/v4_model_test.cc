@@ -133,6 +133,90 @@ TEST_P(V4Reference, FullForwardMatchesTheReference) {
   }
 }
 
+// The MTP layer (mtp.0: e_proj / h_proj over the next token's embedding and
+// the main streams, a sliding-window block with score routing, its own
+// mHC head and norm) against the reference's, every sequence alone and all
+// of them as one batch.
+TEST(V4Mtp, MtpLogitsMatchTheReference) {
+  auto f = load("v4_tiny");
+  ASSERT_EQ(f->cfg.num_nextn_predict_layers, 1);
+  ASSERT_EQ(v4_stored_mtp_layers(f->files, f->cfg), 1);
+  const int64_t V = f->cfg.vocab_size;
+  for (bool qat : {true, false}) {
+    V4Model model(f->cfg, f->weights.view, V4Options{qat});
+    std::vector<float> want_all, batch_mtp;
+    std::vector<V4State> states;
+    std::vector<V4Request> reqs;
+    for (size_t s = 0; s < f->tokens.size(); ++s) states.push_back(model.new_state());
+    for (size_t s = 0; s < f->tokens.size(); ++s) {
+      const auto& ids = f->tokens[s];
+      reqs.push_back({&states[s], ids.data(), static_cast<int64_t>(ids.size())});
+      if (ids.size() < 2) continue;
+      const std::string suffix = "." + std::to_string(s);
+      const auto want = expected(f->dir, (qat ? "mtp_logits" : "mtp_logits_noqat") + suffix);
+      std::vector<float> slack;
+      if (qat) slack = expected(f->dir, "mtp_flip_delta" + suffix);
+      V4State st = model.new_state();
+      std::vector<float> got;
+      model.forward({{&st, ids.data(), static_cast<int64_t>(ids.size())}}, true, nullptr, &got);
+      expect_rows_close(got, want, V, slack, 1e-5 * max_abs(want),
+                        std::string(qat ? "qat" : "no-qat") + " mtp seq " + std::to_string(s));
+      want_all.insert(want_all.end(), want.begin(), want.end());
+    }
+    ASSERT_FALSE(want_all.empty());
+    // As one batch: the kernels round float32 sums differently for other
+    // row counts, so with the roundings a value that close to a boundary
+    // may flip (see IncrementalEqualsFull); without them, 1e-5.
+    model.forward(reqs, true, nullptr, &batch_mtp);
+    expect_rows_close(batch_mtp, want_all, V, {}, (qat ? kFlipReach : 1e-5) * max_abs(want_all),
+                      qat ? "qat batch" : "batch");
+  }
+  // Only whole sequences.
+  V4Model model(f->cfg, f->weights.view);
+  V4State st = model.new_state();
+  const auto& ids = f->tokens.back();
+  model.forward(st, ids.data(), 2, false);
+  std::vector<float> m;
+  expect_error([&] { model.forward({{&st, ids.data() + 2, 3}}, true, nullptr, &m); }, "whole sequences");
+}
+
+// A folder without the MTP tensors (Hugging Face's classes do not save
+// them) loads without its MTP layer.
+TEST(V4Mtp, FolderWithoutMtpTensorsLoadsWithoutTheLayer) {
+  auto f = load("v4_tiny");
+  // The file's bytes without the mtp.* tensors (E8M0 scales and packed fp4
+  // copied as they are).
+  nlohmann::json header = nlohmann::json::object();
+  std::string data;
+  for (const std::string& n : f->files.names()) {
+    if (n.rfind("mtp.", 0) == 0) continue;
+    const auto& i = f->files.info(n);
+    const size_t at = data.size();
+    data.append(reinterpret_cast<const char*>(f->files.bytes(n)), i.end - i.begin);
+    header[n] = {{"dtype", i.dtype_name}, {"shape", i.shape}, {"data_offsets", {at, data.size()}}};
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');
+  ds::test::TempDir tmp("ds_v4_nomtp");
+  {
+    std::ofstream out(tmp.path() + "/model.safetensors", std::ios::binary);
+    const uint64_t len = h.size();
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << h << data;
+  }
+  auto files = ds::io::SafetensorsSet::open_dir(tmp.path());
+  EXPECT_EQ(v4_stored_mtp_layers(files, f->cfg), 0);
+  expect_error([&] { V4Weights::load(files, f->cfg); }, "mtp.0.");
+  V4Config c = f->cfg;
+  c.num_nextn_predict_layers = 0;
+  const V4Weights w = V4Weights::load(files, c);
+  V4Model a(c, w.view), b(f->cfg, f->weights.view);
+  V4State sa = a.new_state(), sb = b.new_state();
+  const auto& ids = f->tokens.back();
+  EXPECT_EQ(a.forward(sa, ids.data(), static_cast<int64_t>(ids.size()), true),
+            b.forward(sb, ids.data(), static_cast<int64_t>(ids.size()), true));
+}
+
 TEST_P(V4Reference, IncrementalEqualsFull) {
   auto f = load(GetParam());
   const int64_t V = f->cfg.vocab_size;
@@ -259,8 +343,18 @@ TEST_P(V4Reference, LogitsCommandMatchesTheReference) {
       const auto logits = got.tensor("logits" + suffix).to_vector();
       const double tol = 1e-5 * max_abs(want);
       // Decoding with the roundings: see IncrementalEqualsFull.
-      const bool decode_qat = qat && std::string(extra).find("--incremental") != std::string::npos;
-      expect_rows_close(logits, want, V, slack, decode_qat ? kFlipReach * max_abs(want) : tol, cmd);
+      const bool incremental = std::string(extra).find("--incremental") != std::string::npos;
+      expect_rows_close(logits, want, V, slack, qat && incremental ? kFlipReach * max_abs(want) : tol, cmd);
+      // The MTP layer's logits of whole sequences, when the model has it.
+      const bool mtp = f->cfg.num_nextn_predict_layers > 0 && !incremental && f->tokens[s].size() >= 2;
+      EXPECT_EQ(got.contains("mtp_logits" + suffix), mtp) << cmd;
+      if (mtp) {
+        const auto mwant = expected(f->dir, (qat ? "mtp_logits" : "mtp_logits_noqat") + suffix);
+        std::vector<float> mslack;
+        if (qat) mslack = expected(f->dir, "mtp_flip_delta" + suffix);
+        expect_rows_close(got.tensor("mtp_logits" + suffix).to_vector(), mwant, V, mslack, 1e-5 * max_abs(mwant),
+                          cmd + " mtp");
+      }
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model/v4_train.h"
+#include "model/v4_model.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
 #include "train/checkpoint.h"
@@ -99,7 +101,7 @@ TEST(V4TrainConfig, MaxTextKeysSetTheModel) {
 TEST(V4TrainConfig, WhatTheV4TrainerLacksIsOneClearError) {
   const std::string m = "model_name=" + kV4Tiny;
   for (const auto& o : std::vector<std::vector<std::string>>{
-           {m, "mtp_num_layers=1"},                // MTP training not offered for V4
+           {m, "mtp_num_layers=2"},                // V4 has one MTP layer
            {m, "load_balance_loss_weight=0.01"},   // only the bias update balances
            {m, "indexer_loss_scaling_factor=1"},   // the indexer is not trained
            {m, "base_num_kv_heads=2"},             // one shared K=V head
@@ -145,13 +147,102 @@ TEST(V4TrainLayout, RolesKeepTheTableTheIndexerAndTheBiasAwayFromAdamW) {
   EXPECT_GT(decayed, 50);
 }
 
+// The MTP layer's loss and gradient (v4-tiny with mtp_num_layers=1, random
+// weights): the loss is the CE of row t's MTP logits against token t + 2,
+// computed here from the forward's MTP logits; the gradient of every kind
+// of tensor it reaches (its projections, norms, head and block, the trunk,
+// the embedding) matches central differences of the engine's own loss.
+TEST(V4Mtp, LossAndGradientMatchCentralDifferences) {
+  const auto rc = train::parse_run_config("", {"model_name=" + kV4Tiny, "mtp_num_layers=1"}, "test");
+  const auto& c = *rc.v4;
+  ASSERT_EQ(c.num_nextn_predict_layers, 1);
+  auto p = model::V4FlatParams::zeros(c);
+  train::init_v4_params(c, p, 7, 0.2f);
+  // Two sequences (lengths 30 and 21), every target counted but one.
+  std::vector<int32_t> ids;
+  uint64_t x = 99;
+  for (int t = 0; t < 53; ++t) ids.push_back(static_cast<int32_t>((x = x * 6364136223846793005ULL + 1) >> 55));
+  model::V4TrainBatch b;
+  b.lengths = {30, 21};
+  b.inputs.assign(ids.begin(), ids.begin() + 30);
+  b.inputs.insert(b.inputs.end(), ids.begin() + 31, ids.begin() + 52);
+  b.targets.assign(ids.begin() + 1, ids.begin() + 31);
+  b.targets.insert(b.targets.end(), ids.begin() + 32, ids.begin() + 53);
+  b.counted.assign(51, 1);
+  b.counted[40] = 0;
+  model::V4LossOptions o;
+  o.mtp_loss_scaling_factor = 1.0;
+  auto g = model::V4FlatParams::zeros(c);
+  const auto t = model::v4_loss_and_grad(c, p.view, &g.ptr, b, o);
+  EXPECT_EQ(t.mtp_tokens, 29 + 20 - 1);
+  // The MTP loss from the forward's MTP logits.
+  {
+    model::V4Model m(c, p.view, model::V4Options{false});
+    std::vector<model::V4State> st = {m.new_state(), m.new_state()};
+    std::vector<float> ml;
+    m.forward({{&st[0], b.inputs.data(), 30}, {&st[1], b.inputs.data() + 30, 21}}, true, nullptr, &ml);
+    ASSERT_EQ(ml.size(), static_cast<size_t>(49 * c.vocab_size));
+    double ce = 0;
+    int counted = 0;
+    for (int r = 0; r < 49; ++r) {
+      const int i = r < 29 ? r + 1 : 30 + (r - 29) + 1;  // row t of a sequence predicts its target t + 1
+      if (!b.counted[static_cast<size_t>(i)]) continue;
+      const float* z = ml.data() + static_cast<int64_t>(r) * c.vocab_size;
+      double mx = z[0], sum = 0;
+      for (int64_t v = 0; v < c.vocab_size; ++v) mx = std::max(mx, static_cast<double>(z[v]));
+      for (int64_t v = 0; v < c.vocab_size; ++v) sum += std::exp(z[v] - mx);
+      ce += mx + std::log(sum) - z[b.targets[static_cast<size_t>(i)]];
+      ++counted;
+    }
+    EXPECT_NEAR(t.mtp_loss, ce / counted, 1e-9 * ce);
+  }
+  EXPECT_NEAR(t.loss, t.lm_loss + t.mtp_loss, 1e-12);
+  // Central differences on a few entries of each kind.
+  const auto infos = model::v4_param_infos(c);
+  std::map<std::string, int64_t> offset;
+  int64_t off = 0;
+  for (const auto& i : infos) {
+    offset[i.name] = off;
+    off += i.numel();
+  }
+  int checked = 0;
+  for (const char* name : {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
+                           "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.hc_head_base", "mtp.0.attn.wq_a.weight",
+                           "mtp.0.attn.attn_sink", "mtp.0.hc_ffn_fn", "mtp.0.ffn.shared_experts.w2.weight",
+                           "mtp.0.ffn.gate.weight", "layers.3.attn.wkv.weight", "layers.2.hc_attn_base",
+                           "embed.weight"}) {
+    ASSERT_TRUE(offset.count(name)) << name;
+    const int64_t at = offset[name];
+    for (int64_t k : {int64_t{0}, int64_t{5}, int64_t{17}}) {
+      float& w = p.data[static_cast<size_t>(at + k)];
+      const float w0 = w, h = 1e-2f;
+      w = w0 + h;
+      const double lp = model::v4_loss_and_grad(c, p.view, nullptr, b, o).loss;
+      w = w0 - h;
+      const double lm = model::v4_loss_and_grad(c, p.view, nullptr, b, o).loss;
+      w = w0;
+      const double fd = (lp - lm) / (2.0 * h), an = g.data[static_cast<size_t>(at + k)];
+      EXPECT_NEAR(an, fd, 2e-2 * std::fabs(fd) + 2e-5) << name << "[" << k << "]";
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 45);
+  // The MTP loss reaches the trunk: without it a main layer's gradient differs.
+  o.mtp = false;
+  auto g0 = model::V4FlatParams::zeros(c);
+  model::v4_loss_and_grad(c, p.view, &g0.ptr, b, o);
+  const int64_t wkv = offset["layers.3.attn.wkv.weight"];
+  EXPECT_NE(g0.data[static_cast<size_t>(wkv)], g.data[static_cast<size_t>(wkv)]);
+  EXPECT_EQ(g0.data[static_cast<size_t>(offset["mtp.0.e_proj.weight"])], 0.0f);
+}
+
 // Stopping at a checkpoint and resuming gives the uninterrupted run's losses
-// bit for bit (gradient accumulation, z-loss and bias updates on).
+// bit for bit (gradient accumulation, z-loss, the MTP layer and bias updates on).
 TEST(V4Training, ResumeIsBitwiseIdentical) {
   const auto dir = temp_dir("resume");
   const std::vector<std::string> common = {"learning_rate_schedule_steps=8", "routed_bias_update_rate=1e-3",
                                            "z_loss_multiplier=1e-4", "gradient_accumulation_steps=2",
-                                           "checkpoint_period=4"};
+                                           "checkpoint_period=4", "mtp_num_layers=1"};
   auto full = common, part = common, rest = common;
   full.insert(full.end(), {"run_name=full", "steps=8"});
   part.insert(part.end(), {"run_name=part", "steps=4"});
@@ -168,7 +259,8 @@ TEST(V4Training, ResumeIsBitwiseIdentical) {
     EXPECT_EQ(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()) << "step " << i;
     EXPECT_EQ(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()) << "step " << i;
     EXPECT_GT(a[i]["z_loss"].get<double>(), 0.0);
-    ASSERT_EQ(a[i]["expert_load"].size(), 4u);  // every layer reports its experts' load
+    EXPECT_GT(a[i]["mtp_loss"].get<double>(), 0.0);
+    ASSERT_EQ(a[i]["expert_load"].size(), 5u);  // every layer and the MTP block report their experts' load
   }
   EXPECT_NE(a[0]["loss"], a[7]["loss"]);
   const auto pa = tensors(dir / "full/checkpoints/step_8/params.safetensors");

@@ -7,7 +7,8 @@
 // and every later position goes through the KV cache one token at a time.
 // A DeepSeek-V4 folder runs on its own attention state; --no-quant-sim turns
 // off its fp8/fp4 roundings of DeepSeek's inference code (Hugging Face's
-// arithmetic).
+// arithmetic). A V4 folder with its MTP layer also gets `mtp_logits.<i>`
+// [seq_i - 1, vocab] (row t: the draft for token t + 2) without --incremental.
 #include <fmt/format.h>
 
 #include <fstream>
@@ -66,7 +67,15 @@ int run_logits_v4(const LogitsArgs& a, const std::string& out) {
     const auto& ids = seqs[s];
     const int64_t T = lengths[s];
     model::V4State st = m->model->new_state();
-    std::vector<float> logits = m->model->forward(st, ids.data(), prefix > 0 ? prefix : T, true);
+    std::vector<float> logits;
+    if (prefix == 0 && m->config.num_nextn_predict_layers == 1 && T >= 2) {
+      // A whole sequence of a model with its MTP layer: its logits too.
+      std::vector<float> mtp;
+      logits = m->model->forward({{&st, ids.data(), T}}, true, nullptr, &mtp);
+      outs.emplace_back(fmt::format("mtp_logits.{}", s), Tensor::from_vector(mtp, {T - 1, cfg.vocab_size}));
+    } else {
+      logits = m->model->forward(st, ids.data(), prefix > 0 ? prefix : T, true);
+    }
     for (int64_t t = prefix > 0 ? prefix : T; t < T; ++t) {
       auto one = m->model->forward(st, ids.data() + t, 1, true);
       logits.insert(logits.end(), one.begin(), one.end());

@@ -24,6 +24,7 @@ std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Op
   auto m = std::make_unique<LoadedV4Model>();
   m->config = load_v4_config(dir);
   m->files = io::SafetensorsSet::open_dir(dir);
+  m->config.num_nextn_predict_layers = model::v4_stored_mtp_layers(m->files, m->config);
   m->weights = model::V4Weights::load(m->files, m->config);
   m->model = std::make_unique<model::V4Model>(m->config, m->weights.view, opt);
   return m;

@@ -146,12 +146,14 @@ V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
       freqs_compressed_(
           frequencies(cfg, cfg.compress_rope_theta > 1 ? cfg.compress_rope_theta : cfg.rope_theta, true)) {
   cfg_.validate();
-  DS_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_hidden_layers, "V4 weights do not match the config");
+  DS_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers &&
+               static_cast<int64_t>(w.mtp.size()) == cfg.num_nextn_predict_layers,
+           "V4 weights do not match the config");
 }
 
 V4State V4Model::new_state() const {
   V4State s;
-  s.layers.resize(static_cast<size_t>(cfg_.num_hidden_layers));
+  s.layers.resize(static_cast<size_t>(cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers));
   return s;
 }
 
@@ -494,18 +496,79 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
   return forward(batch, all_logits, nullptr);
 }
 
-std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved) {
+void V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
+                            const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const auto& L = w_.layers[static_cast<size_t>(l)];
+  const ops::MhcDims md = v4_mhc_dims(cfg_, n);
+  Buffer<float> a(static_cast<size_t>(n * d)), o(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
+  Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
+  auto keep = [&](std::vector<float> V4LayerSaved::*field, const Buffer<float>& src) {
+    if (ls) (ls->*field).assign(src.begin(), src.end());
+  };
+  keep(&V4LayerSaved::X, X);
+  ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_attn_fn),
+                       vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md);
+  keep(&V4LayerSaved::a0, a);
+  ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.attn_norm), n, d, eps);
+  keep(&V4LayerSaved::rstd_a, rstd);
+  keep(&V4LayerSaved::a, a);
+  keep(&V4LayerSaved::post, post);
+  keep(&V4LayerSaved::comb, comb);
+  attention(o.data(), a.data(), l, segs, pos, n, ls ? &ls->attn : nullptr);
+  keep(&V4LayerSaved::o, o);
+  ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
+  std::swap(X, X2);
+  keep(&V4LayerSaved::X1, X);
+  ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_ffn_fn),
+                       vector_data(L.hc_ffn_base), vector_data(L.hc_ffn_scale), md);
+  keep(&V4LayerSaved::f0, a);
+  ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.ffn_norm), n, d, eps);
+  keep(&V4LayerSaved::rstd_f, rstd);
+  keep(&V4LayerSaved::f, a);
+  keep(&V4LayerSaved::fpost, post);
+  keep(&V4LayerSaved::fcomb, comb);
+  moe(o.data(), a.data(), ids, l, n, ls ? &ls->moe : nullptr);
+  keep(&V4LayerSaved::fo, o);
+  ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
+  std::swap(X, X2);
+}
+
+std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,
+                                         const ops::WeightView& base, const ops::WeightView& scale,
+                                         const ops::WeightView& norm, V4HeadSaved* sv) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
+  Buffer<float> y(static_cast<size_t>(R * d)), rstd(static_cast<size_t>(R));
+  ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
+  if (sv) {
+    sv->X.assign(Xr, Xr + R * hc * d);
+    sv->y.assign(y.begin(), y.end());
+  }
+  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), vector_data(norm), R, d, static_cast<float>(cfg_.rms_norm_eps));
+  if (sv) {
+    sv->rstd_y.assign(rstd.begin(), rstd.end());
+    sv->yn.assign(y.begin(), y.end());
+  }
+  std::vector<float> logits(static_cast<size_t>(R * V));
+  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, R);
+  return logits;
+}
+
+std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
+                                    std::vector<float>* mtp_logits) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   std::vector<Segment> segs;
   int64_t n = 0;
   for (const V4Request& r : batch) {
     if (r.n == 0) continue;
     DS_CHECK(r.state != nullptr && r.n > 0, "V4 forward: a request without a state or with a negative count");
-    DS_CHECK(static_cast<int64_t>(r.state->layers.size()) == cfg_.num_hidden_layers,
+    DS_CHECK(static_cast<int64_t>(r.state->layers.size()) == L + cfg_.num_nextn_predict_layers,
              "V4 forward: state of another model");
     DS_CHECK(r.state->length + r.n <= cfg_.max_position_embeddings,
              "V4 forward: {} tokens exceed max_position_embeddings {}", r.state->length + r.n,
              cfg_.max_position_embeddings);
+    DS_CHECK(!mtp_logits || r.state->length == 0, "V4 forward: the MTP logits need whole sequences (fresh states)");
     for (const Segment& g : segs) DS_CHECK(g.state != r.state, "V4 forward: one sequence twice in a batch");
     for (int64_t i = 0; i < r.n; ++i)
       DS_CHECK(r.ids[i] >= 0 && r.ids[i] < V, "token id {} is outside the vocabulary of {}", r.ids[i], V);
@@ -513,17 +576,19 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     n += r.n;
   }
   DS_CHECK(n >= 1, "V4 forward: no tokens");
+  DS_CHECK(!mtp_logits || cfg_.num_nextn_predict_layers == 1, "V4 forward: the MTP logits need one MTP layer ({})",
+           cfg_.num_nextn_predict_layers);
   std::vector<int32_t> ids(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
   for (size_t k = 0; k < segs.size(); ++k) {
     std::copy(segs[k].ids, segs[k].ids + segs[k].n, ids.begin() + segs[k].row);
     for (int64_t i = 0; i < segs[k].n; ++i)
       pos[static_cast<size_t>(segs[k].row + i)] = static_cast<int32_t>(segs[k].start + i);
   }
-  const float eps = static_cast<float>(cfg_.rms_norm_eps);
   if (saved) {
     saved->ids = ids;
     saved->pos = pos;
-    saved->layers.assign(static_cast<size_t>(cfg_.num_hidden_layers), {});
+    saved->layers.assign(static_cast<size_t>(L + (mtp_logits ? 1 : 0)), {});
+    saved->mtp.clear();
   }
 
   // Embedding, copied into every stream.
@@ -533,69 +598,81 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     ops::widen_rows(row, w_.embed, ids[i], ids[i] + 1);
     for (int64_t j = 1; j < hc; ++j) std::copy(row, row + d, row + j * d);
   }
-  ops::MhcDims md = v4_mhc_dims(cfg_, n);
-  Buffer<float> a(static_cast<size_t>(n * d)), o(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
-  Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
-  for (int64_t l = 0; l < cfg_.num_hidden_layers; ++l) {
-    const auto& L = w_.layers[static_cast<size_t>(l)];
-    V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
-    auto keep = [&](std::vector<float> V4LayerSaved::*field, const Buffer<float>& src) {
-      if (ls) (ls->*field).assign(src.begin(), src.end());
-    };
-    keep(&V4LayerSaved::X, X);
-    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_attn_fn),
-                         vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md);
-    keep(&V4LayerSaved::a0, a);
-    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.attn_norm), n, d, eps);
-    keep(&V4LayerSaved::rstd_a, rstd);
-    keep(&V4LayerSaved::a, a);
-    keep(&V4LayerSaved::post, post);
-    keep(&V4LayerSaved::comb, comb);
-    attention(o.data(), a.data(), l, segs, pos.data(), n, ls ? &ls->attn : nullptr);
-    keep(&V4LayerSaved::o, o);
-    ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
-    std::swap(X, X2);
-    keep(&V4LayerSaved::X1, X);
-    ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_ffn_fn),
-                         vector_data(L.hc_ffn_base), vector_data(L.hc_ffn_scale), md);
-    keep(&V4LayerSaved::f0, a);
-    ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.ffn_norm), n, d, eps);
-    keep(&V4LayerSaved::rstd_f, rstd);
-    keep(&V4LayerSaved::f, a);
-    keep(&V4LayerSaved::fpost, post);
-    keep(&V4LayerSaved::fcomb, comb);
-    moe(o.data(), a.data(), ids.data(), l, n, ls ? &ls->moe : nullptr);
-    keep(&V4LayerSaved::fo, o);
-    ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
-    std::swap(X, X2);
-  }
+  for (int64_t l = 0; l < L; ++l)
+    layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
   for (const Segment& g : segs) g.state->length += g.n;
+
+  if (mtp_logits) *mtp_logits = mtp_forward(X.data(), segs, ids, saved);
 
   // Logits: every row, or each sequence's last.
   std::vector<int64_t> rows;
   for (const Segment& g : segs)
     for (int64_t i = all_logits ? 0 : g.n - 1; i < g.n; ++i) rows.push_back(g.row + i);
   const int64_t R = static_cast<int64_t>(rows.size());
-  Buffer<float> Xr(static_cast<size_t>(R * hc * d)), y(static_cast<size_t>(R * d));
+  Buffer<float> Xr(static_cast<size_t>(R * hc * d));
   for (int64_t r = 0; r < R; ++r)
     std::copy(X.begin() + rows[static_cast<size_t>(r)] * hc * d,
               X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
-  md.tokens = R;
-  ops::mhc_head_forward(y.data(), Xr.data(), vector_data(w_.hc_head_fn), vector_data(w_.hc_head_base),
-                        vector_data(w_.hc_head_scale), md);
-  if (saved) {
-    saved->X.assign(Xr.begin(), Xr.end());
-    saved->y.assign(y.begin(), y.end());
-    saved->logit_rows = rows;
+  if (saved) saved->logit_rows = rows;
+  return head_forward(Xr.data(), R, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
+                      saved ? &saved->head : nullptr);
+}
+
+std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segment>& segs,
+                                        const std::vector<int32_t>& ids, V4Saved* saved) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, l = cfg_.num_hidden_layers;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const auto& M = w_.mtp[0];
+  // Row t of a sequence: its main streams at token t and the embedding of token t + 1.
+  std::vector<Segment> msegs;
+  std::vector<int64_t> rows;
+  std::vector<int32_t> next, pos;
+  for (const Segment& g : segs) {
+    if (g.n < 2) continue;
+    msegs.push_back({g.state, g.ids + 1, 0, g.n - 1, static_cast<int64_t>(rows.size())});
+    for (int64_t t = 0; t + 1 < g.n; ++t) {
+      rows.push_back(g.row + t);
+      next.push_back(ids[static_cast<size_t>(g.row + t + 1)]);
+      pos.push_back(static_cast<int32_t>(t));
+    }
   }
-  ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), vector_data(w_.norm), R, d, eps);
+  const int64_t R = static_cast<int64_t>(rows.size());
+  V4MtpSaved* ms = nullptr;
   if (saved) {
-    saved->rstd_y.assign(rstd.begin(), rstd.begin() + R);
-    saved->yn.assign(y.begin(), y.end());
+    saved->mtp.emplace_back();
+    ms = &saved->mtp.back();
+    ms->rows = rows;
+    ms->ids = next;
+    ms->pos = pos;
   }
-  std::vector<float> logits(static_cast<size_t>(R * V));
-  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, R);
-  return logits;
+  if (R == 0) return {};
+  Buffer<float> e(static_cast<size_t>(R * d)), re(static_cast<size_t>(R));
+  Buffer<float> h(static_cast<size_t>(R * hc * d)), rh(static_cast<size_t>(R * hc));
+  for (int64_t r = 0; r < R; ++r) {
+    ops::widen_rows(e.data() + r * d, w_.embed, next[static_cast<size_t>(r)], next[static_cast<size_t>(r)] + 1);
+    std::copy(X + rows[static_cast<size_t>(r)] * hc * d, X + (rows[static_cast<size_t>(r)] + 1) * hc * d,
+              h.data() + r * hc * d);
+  }
+  if (ms) {
+    ms->e0.assign(e.begin(), e.end());
+    ms->h0.assign(h.begin(), h.end());
+  }
+  ops::rmsnorm_forward(e.data(), re.data(), e.data(), vector_data(M.enorm), R, d, eps);
+  ops::rmsnorm_forward(h.data(), rh.data(), h.data(), vector_data(M.hnorm), R * hc, d, eps);
+  if (ms) {
+    ms->rstd_e.assign(re.begin(), re.end());
+    ms->e.assign(e.begin(), e.end());
+    ms->rstd_h.assign(rh.begin(), rh.end());
+    ms->h.assign(h.begin(), h.end());
+  }
+  Buffer<float> Xm(static_cast<size_t>(R * hc * d)), Xm2(static_cast<size_t>(R * hc * d)), pe(static_cast<size_t>(R * d));
+  ops::linear_forward(Xm.data(), h.data(), M.h_proj, R * hc);
+  ops::linear_forward(pe.data(), e.data(), M.e_proj, R);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < hc; ++j)
+      for (int64_t i = 0; i < d; ++i) Xm[(r * hc + j) * d + i] += pe[r * d + i];
+  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
+  return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr);
 }
 
 }  // namespace ds::model

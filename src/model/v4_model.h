@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/buffer.h"
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
@@ -132,12 +133,25 @@ struct V4LayerSaved {
   std::vector<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
   V4MoeSaved moe;
 };
+// Around a head: the streams it contracts, the mhc_head output, its norm.
+struct V4HeadSaved {
+  std::vector<float> X, y, rstd_y, yn;
+};
+// The MTP layer (depth 1): row r is token rows[r] of the batch with the
+// next token ids[r] at position pos[r] of its sequence.
+struct V4MtpSaved {
+  std::vector<int64_t> rows;
+  std::vector<int32_t> ids, pos;
+  std::vector<float> e0, rstd_e, e;  // the next token's embedding, before and after enorm [R, d]
+  std::vector<float> h0, rstd_h, h;  // the main streams, before and after hnorm [R, hc, d]
+  V4HeadSaved head;                  // its own mhc_head and norm; the block's in V4Saved::layers[L]
+};
 struct V4Saved {
   std::vector<int32_t> ids, pos;
-  std::vector<V4LayerSaved> layers;
-  std::vector<float> X;              // the last layer's output streams
-  std::vector<float> y, rstd_y, yn;  // mhc_head output, its norm
+  std::vector<V4LayerSaved> layers;  // the main layers (then the MTP block)
+  V4HeadSaved head;                  // the last layer's output streams of logit_rows
   std::vector<int64_t> logit_rows;   // rows whose logits were computed
+  std::vector<V4MtpSaved> mtp;
 };
 
 // New tokens for one sequence of a batch.
@@ -161,8 +175,12 @@ class V4Model {
   // of each non-empty request's last token.
   std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits);
   // The same forward keeping what the training backward reads (the states
-  // must be fresh and outlive *saved; saved may be null).
-  std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved);
+  // must be fresh and outlive *saved; saved may be null). With mtp_logits
+  // (whole sequences, one MTP layer), also the MTP layer's logits: for each
+  // sequence of n tokens, n - 1 rows predicting token t + 2 from token t's
+  // main streams and token t + 1, in request order.
+  std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
+                             std::vector<float>* mtp_logits = nullptr);
 
   const V4Config& config() const { return cfg_; }
   const V4Options& options() const { return opt_; }
@@ -180,6 +198,15 @@ class V4Model {
     const int32_t* ids;
     int64_t start, n, row;
   };
+  // One layer (or the MTP block, l = num_hidden_layers) on the streams X
+  // [n, hc, d], X2 scratch of the same size.
+  void layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
+                     const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+  // head(rmsnorm(mhc_head(Xr))) for R rows.
+  std::vector<float> head_forward(const float* Xr, int64_t R, const ops::WeightView& fn, const ops::WeightView& base,
+                                  const ops::WeightView& scale, const ops::WeightView& norm, V4HeadSaved* sv);
+  std::vector<float> mtp_forward(const float* X, const std::vector<Segment>& segs, const std::vector<int32_t>& ids,
+                                 V4Saved* saved);
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
   // The entries (or with index_keys the indexer's keys) whose windows the

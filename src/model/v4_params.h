@@ -3,6 +3,10 @@
 // its logical shape [out, in] (packed fp4 experts hold in / 2 bytes a row),
 // written down once. for_each_v4_param walks one or more trees of the same
 // config in a fixed order, as for_each_param does for V2/V3.
+//
+// The MTP layers (num_nextn_predict_layers of them, "mtp.k.*") follow the
+// main model: block k is layers[num_hidden_layers + k] (a sliding-window
+// layer with score routing), and mtp[k] holds what it adds around it.
 #pragma once
 
 #include <cstdint>
@@ -60,18 +64,27 @@ struct V4LayerParams {
   V4MlpParams<T> shared;  // n_shared_experts == 1
 };
 
+// Around MTP block k: X = e_proj(rmsnorm(embed(next token); enorm)) +
+// h_proj(rmsnorm(main streams; hnorm)); logits = head(rmsnorm(hc_head(block(X)); norm)).
+template <class T>
+struct V4MtpParams {
+  T e_proj{}, h_proj{}, enorm{}, hnorm{}, norm{}, hc_head_fn{}, hc_head_base{}, hc_head_scale{};
+};
+
 template <class T>
 struct V4Params {
   T embed{};
-  std::vector<V4LayerParams<T>> layers;
+  std::vector<V4LayerParams<T>> layers;  // the main layers, then the MTP blocks
   T norm{}, head{}, hc_head_fn{}, hc_head_base{}, hc_head_scale{};
+  std::vector<V4MtpParams<T>> mtp;
 };
 
 template <class T>
 V4Params<T> make_v4_params(const V4Config& c) {
   V4Params<T> p;
-  p.layers.resize(static_cast<size_t>(c.num_hidden_layers));
+  p.layers.resize(static_cast<size_t>(c.num_hidden_layers + c.num_nextn_predict_layers));
   for (auto& L : p.layers) L.experts.resize(static_cast<size_t>(c.n_routed_experts));
+  p.mtp.resize(static_cast<size_t>(c.num_nextn_predict_layers));
   return p;
 }
 
@@ -139,11 +152,14 @@ void visit_v4_layer(const V4Config& c, int64_t l, const std::string& p, F& f, La
 
 }  // namespace detail
 
-// f(const V4ParamInfo&, leaf of trees[0], ...) for every tensor of the main
-// model: embed, the layers, norm, the mHC head, head (skipped when tied).
+// f(const V4ParamInfo&, leaf of trees[0], ...) for every tensor: embed, the
+// layers, norm, the mHC head, head (skipped when tied), then each MTP layer.
 template <class F, class... Tree>
 void for_each_v4_param(const V4Config& c, F&& f, Tree&&... trees) {
-  DS_CHECK(((static_cast<int64_t>(trees.layers.size()) == c.num_hidden_layers) && ...),
+  const int64_t M = c.num_nextn_predict_layers;
+  DS_CHECK(((static_cast<int64_t>(trees.layers.size()) == c.num_hidden_layers + M &&
+             static_cast<int64_t>(trees.mtp.size()) == M) &&
+            ...),
            "V4 parameter tree does not match the config");
   const int64_t d = c.hidden_size, n = c.hc_mult;
   f(V4ParamInfo{"embed.weight", {c.vocab_size, d}, V4Role::Embedding}, trees.embed...);
@@ -154,6 +170,20 @@ void for_each_v4_param(const V4Config& c, F&& f, Tree&&... trees) {
   f(V4ParamInfo{"hc_head_base", {n}, V4Role::Vector}, trees.hc_head_base...);
   f(V4ParamInfo{"hc_head_scale", {1}, V4Role::Vector}, trees.hc_head_scale...);
   if (!c.tie_word_embeddings) f(V4ParamInfo{"head.weight", {c.vocab_size, d}, V4Role::LmHead}, trees.head...);
+  for (int64_t k = 0; k < M; ++k) {
+    const std::string p = "mtp." + std::to_string(k) + ".";
+    const int64_t l = c.num_hidden_layers + k;
+    const size_t ks = static_cast<size_t>(k);
+    f(V4ParamInfo{p + "e_proj.weight", {d, d}, V4Role::Projection, l}, trees.mtp[ks].e_proj...);
+    f(V4ParamInfo{p + "h_proj.weight", {d, d}, V4Role::Projection, l}, trees.mtp[ks].h_proj...);
+    f(V4ParamInfo{p + "enorm.weight", {d}, V4Role::Vector, l}, trees.mtp[ks].enorm...);
+    f(V4ParamInfo{p + "hnorm.weight", {d}, V4Role::Vector, l}, trees.mtp[ks].hnorm...);
+    detail::visit_v4_layer(c, l, p, f, trees.layers[static_cast<size_t>(l)]...);
+    f(V4ParamInfo{p + "norm.weight", {d}, V4Role::Vector, l}, trees.mtp[ks].norm...);
+    f(V4ParamInfo{p + "hc_head_fn", {n, n * d}, V4Role::Vector, l}, trees.mtp[ks].hc_head_fn...);
+    f(V4ParamInfo{p + "hc_head_base", {n}, V4Role::Vector, l}, trees.mtp[ks].hc_head_base...);
+    f(V4ParamInfo{p + "hc_head_scale", {1}, V4Role::Vector, l}, trees.mtp[ks].hc_head_scale...);
+  }
 }
 
 }  // namespace ds::model

@@ -40,7 +40,8 @@ class Backward {
         states_(states),
         len_(lengths),
         n_(static_cast<int64_t>(sv.ids.size())),
-        md_(v4_mhc_dims(c, n_)) {
+        md_(v4_mhc_dims(c, n_)),
+        pos_(sv.pos.data()) {
     int64_t at = 0;
     for (int64_t L : len_) {
       first_.push_back(at);
@@ -48,18 +49,13 @@ class Backward {
     }
   }
 
-  // dlogits [n, V] -> every parameter's gradient.
-  void run(const std::vector<float>& dlogits) {
+  // dlogits [n, V] (and the MTP layer's, when it ran) -> every parameter's gradient.
+  void run(const std::vector<float>& dlogits, const std::vector<float>* dmtp) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
-    const View& head = c_.tie_word_embeddings ? w_.embed : w_.head;
-    float* dhead = c_.tie_word_embeddings ? g_.embed : g_.head;
-    need_vector_data(head, "head");
-    std::vector<float> dy(static_cast<size_t>(n_ * d)), dX = zeros(n_ * hc * d);
-    ops::linear_backward(dy.data(), dhead, dlogits.data(), sv_.yn.data(), head, n_);
-    ops::rmsnorm_backward(dy.data(), g_.norm, dy.data(), sv_.y.data(), vector_data(w_.norm), sv_.rstd_y.data(), n_, d);
-    ops::mhc_head_backward(dX.data(), g_.hc_head_fn, g_.hc_head_base, g_.hc_head_scale, dy.data(), sv_.X.data(),
-                           vector_data(w_.hc_head_fn), vector_data(w_.hc_head_base), vector_data(w_.hc_head_scale),
-                           md_);
+    std::vector<float> dX = zeros(n_ * hc * d);
+    head(dX.data(), dlogits.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
+         g_.hc_head_fn, g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
+    if (dmtp && !sv_.mtp.empty() && !sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) layer(l, dX);
     // The embedding fed every stream.
     if (g_.embed)
@@ -73,6 +69,66 @@ class Backward {
   }
 
  private:
+  // dX (`=`, [R, hc, d]) and the head's parameters' gradients from dlogits
+  // [R, V]: head(rmsnorm(mhc_head(X))).
+  void head(float* dX, const float* dlogits, const V4HeadSaved& hs, const View& fn, const View& base,
+            const View& scale, const View& norm, float* gfn, float* gbase, float* gscale, float* gnorm, int64_t R) {
+    const int64_t d = c_.hidden_size;
+    const View& w = c_.tie_word_embeddings ? w_.embed : w_.head;
+    float* dw = c_.tie_word_embeddings ? g_.embed : g_.head;
+    need_vector_data(w, "head");
+    std::vector<float> dy(static_cast<size_t>(R * d));
+    ops::linear_backward(dy.data(), dw, dlogits, hs.yn.data(), w, R);
+    ops::rmsnorm_backward(dy.data(), gnorm, dy.data(), hs.y.data(), vector_data(norm), hs.rstd_y.data(), R, d);
+    ops::mhc_head_backward(dX, gfn, gbase, gscale, dy.data(), hs.X.data(), vector_data(fn), vector_data(base),
+                           vector_data(scale), v4_mhc_dims(c_, R));
+  }
+
+  // The MTP layer: its head, its block (layer num_hidden_layers over the MTP
+  // rows), the two projections and norms; dX (the main streams) and the
+  // embedding (the next tokens) +=.
+  void mtp(std::vector<float>& dX, const std::vector<float>& dlogits) {
+    const int64_t d = c_.hidden_size, hc = c_.hc_mult, l = c_.num_hidden_layers;
+    const V4MtpSaved& ms = sv_.mtp[0];
+    const auto& M = w_.mtp[0];
+    auto& G = g_.mtp[0];
+    const int64_t R = static_cast<int64_t>(ms.rows.size());
+    std::vector<float> dXm(static_cast<size_t>(R * hc * d));
+    head(dXm.data(), dlogits.data(), ms.head, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, G.hc_head_fn,
+         G.hc_head_base, G.hc_head_scale, G.norm, R);
+    const int64_t n0 = n_;
+    const ops::MhcDims md0 = md_;
+    const int32_t* pos0 = pos_;
+    n_ = R;
+    md_ = v4_mhc_dims(c_, R);
+    pos_ = ms.pos.data();
+    layer(l, dXm);
+    n_ = n0;
+    md_ = md0;
+    pos_ = pos0;
+    // Xm = h_proj(h) + e_proj(e) copied into every stream.
+    need_vector_data(M.h_proj, "mtp.h_proj");
+    need_vector_data(M.e_proj, "mtp.e_proj");
+    std::vector<float> dh(static_cast<size_t>(R * hc * d)), de(static_cast<size_t>(R * d)), dpe = zeros(R * d);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < hc; ++j)
+        for (int64_t i = 0; i < d; ++i) dpe[static_cast<size_t>(r * d + i)] += dXm[static_cast<size_t>((r * hc + j) * d + i)];
+    ops::linear_backward(dh.data(), G.h_proj, dXm.data(), ms.h.data(), M.h_proj, R * hc);
+    ops::linear_backward(de.data(), G.e_proj, dpe.data(), ms.e.data(), M.e_proj, R);
+    ops::rmsnorm_backward(dh.data(), G.hnorm, dh.data(), ms.h0.data(), vector_data(M.hnorm), ms.rstd_h.data(), R * hc,
+                          d);
+    ops::rmsnorm_backward(de.data(), G.enorm, de.data(), ms.e0.data(), vector_data(M.enorm), ms.rstd_e.data(), R, d);
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = dX.data() + ms.rows[static_cast<size_t>(r)] * hc * d;
+      const float* src = dh.data() + r * hc * d;
+      for (int64_t i = 0; i < hc * d; ++i) dst[i] += src[i];
+      if (g_.embed) {
+        float* row = g_.embed + static_cast<int64_t>(ms.ids[static_cast<size_t>(r)]) * d;
+        for (int64_t i = 0; i < d; ++i) row[i] += de[static_cast<size_t>(r * d + i)];
+      }
+    }
+  }
+
   // dX holds dL/d(layer output) on entry, dL/d(layer input) on return.
   void layer(int64_t l, std::vector<float>& dX) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
@@ -114,7 +170,7 @@ class Backward {
     const int64_t N = D - R, Lq = c_.q_lora_rank, G = c_.o_groups, r = c_.o_lora_rank, gw = H * D / G;
     const int64_t m = c_.compress_ratio(l);
     const float* freqs = model_.rope_frequencies(l);
-    const int32_t* pos = sv_.pos.data();
+    const int32_t* pos = pos_;
     for (const View* v : {&p.wq_a, &p.wq_b, &p.wkv, &p.wo_a, &p.wo_b}) need_vector_data(*v, "an attention projection");
     // out = wo_b z;  z_g = wo_a_g o2_g
     std::vector<float> dz(static_cast<size_t>(n_ * G * r)), dq(static_cast<size_t>(n_ * H * D));
@@ -259,8 +315,9 @@ class Backward {
   std::vector<V4State>& states_;
   const std::vector<int64_t>& len_;
   std::vector<int64_t> first_;
-  int64_t n_;
+  int64_t n_;  // rows of the pass (the batch's tokens, or the MTP layer's rows)
   ops::MhcDims md_;
+  const int32_t* pos_;  // their positions
 };
 
 }  // namespace
@@ -424,7 +481,9 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   }
   V4Saved saved;
   const bool want_saved = grads || opt.expert_load;
-  std::vector<float> logits = model.forward(reqs, true, want_saved ? &saved : nullptr);
+  const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
+  std::vector<float> mtp_logits;
+  std::vector<float> logits = model.forward(reqs, true, want_saved ? &saved : nullptr, with_mtp ? &mtp_logits : nullptr);
   // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
   // lm_loss holds the z term); logits become dloss/dlogits in place.
   double count = 0;
@@ -453,13 +512,42 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   out.lm_loss = (ce + zsum) / (count + 1e-8);
   out.z_loss = zsum / (count + 1e-8);
   out.loss = out.lm_loss;
+  if (with_mtp) {
+    // MaxText's MTP loss: factor x the mean over counted targets of the CE
+    // of row t predicting target t + 1 (no z-loss); the MTP rows of each
+    // sequence are its tokens but the last, in order.
+    std::vector<int64_t> mrows;
+    for (size_t k = 0, at = 0; k < b.lengths.size(); at += static_cast<size_t>(b.lengths[k]), ++k)
+      for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
+    double mcount = 0, mce = 0;
+    for (int64_t i : mrows) mcount += b.counted.empty() || b.counted[static_cast<size_t>(i)];
+    const double ms = opt.mtp_loss_scaling_factor * opt.grad_scale / (mcount + 1e-8);
+    for (size_t r = 0; r < mrows.size(); ++r) {
+      float* z = mtp_logits.data() + static_cast<int64_t>(r) * V;
+      const size_t i = static_cast<size_t>(mrows[r]);
+      if (!(b.counted.empty() || b.counted[i])) {
+        std::fill(z, z + V, 0.0f);
+        continue;
+      }
+      const float mx = *std::max_element(z, z + V);
+      double sum = 0;
+      for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
+      const double lse = mx + std::log(sum);
+      mce += lse - z[b.targets[i]];
+      for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * ms);
+      z[b.targets[i]] -= static_cast<float>(ms);
+    }
+    out.mtp_tokens = static_cast<int64_t>(mcount);
+    out.mtp_loss = opt.mtp_loss_scaling_factor * mce / (mcount + 1e-8);
+    out.loss += out.mtp_loss;
+  }
   if (opt.expert_load)
     for (const auto& L : saved.layers) {
       std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);
       for (int32_t e : L.moe.experts) ++load[static_cast<size_t>(e)];
       out.expert_load.push_back(std::move(load));
     }
-  if (grads) Backward(cfg, w, *grads, model, saved, states, b.lengths).run(logits);
+  if (grads) Backward(cfg, w, *grads, model, saved, states, b.lengths).run(logits, with_mtp ? &mtp_logits : nullptr);
   return out;
 }
 

@@ -5,7 +5,12 @@
 //   lm_loss = mean over the counted targets of
 //             CE(logits_t, target_t) + z_loss_multiplier lse_t^2
 //
-// (MaxText's lm_loss, z term included). Each sequence of the batch is its
+// (MaxText's lm_loss, z term included), plus with an MTP layer
+//
+//   mtp_loss = mtp_loss_scaling_factor x mean over counted targets t + 1 of
+//              CE(mtp_logits_t, target_{t+1})
+//
+// (MaxText's pooled MTP loss, no z term). Each sequence of the batch is its
 // own (positions 0 .. length - 1, a fresh state): a packed training row is
 // cut into its document pieces, so attention, the compressors' windows and
 // the indexer never cross a document. The
@@ -81,12 +86,15 @@ struct V4LossOptions {
   double z_loss_multiplier = 0.0;
   double grad_scale = 1.0;   // the gradient added is grad_scale x dloss/dparam
   bool expert_load = false;  // report each layer's assignments per expert
+  // A model with an MTP layer: its loss (false: none, as in eval).
+  bool mtp = true;
+  double mtp_loss_scaling_factor = 0.1;
 };
 
 struct V4LossTerms {
-  double loss = 0, lm_loss = 0, z_loss = 0;
-  int64_t tokens = 0;                             // counted targets
-  std::vector<std::vector<int64_t>> expert_load;  // per layer (opt.expert_load)
+  double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss
+  int64_t tokens = 0, mtp_tokens = 0;                      // counted targets
+  std::vector<std::vector<int64_t>> expert_load;           // per layer, the MTP block last (opt.expert_load)
 };
 
 // w: float32 views of every float parameter (tid2eid as I32). With grads,

@@ -165,12 +165,17 @@ class V4Loader {
     w.view = {w.ints.data(), DType::I32, p.shape[0], p.shape[1], nullptr, 128, 128};
   }
 
-  // Aliases the official converter accepts, and the MTP layers.
+  // Aliases the official converter accepts; the MTP layers' copies of the
+  // embedding and head (DeepSeek's converter skips them too), and the MTP
+  // layers themselves when the config does not load them.
   void check_all_used() const {
     for (const auto& name : st_.names()) {
       if (used_.count(name)) continue;
       const std::string bare = name.rfind("model.", 0) == 0 ? name.substr(6) : name;
-      if (bare.rfind("mtp.", 0) == 0 && cfg_.num_nextn_predict_layers > 0) continue;
+      if (bare.rfind("mtp.", 0) == 0 &&
+          (bare.find("emb") != std::string::npos || bare.ends_with("head.weight") ||
+           cfg_.num_nextn_predict_layers == 0))
+        continue;
       DS_FAIL("checkpoint tensor '{}' is not part of a deepseek_v4 model with this config (wrong config.json?)",
               name.size() > 200 ? name.substr(0, 200) + "..." : name);
     }
@@ -249,6 +254,15 @@ std::string v4_hf_name(const std::string& name) {
     if (up.back() == '.' ? rest.rfind(up, 0) == 0 : rest == up) return "model." + layer + hf + rest.substr(up.size());
   }
   return "";
+}
+
+int64_t v4_stored_mtp_layers(const io::SafetensorsSet& st, const V4Config& cfg) {
+  int64_t k = 0;
+  while (k < cfg.num_nextn_predict_layers &&
+         (st.contains("mtp." + std::to_string(k) + ".e_proj.weight") ||
+          st.contains("model.mtp." + std::to_string(k) + ".e_proj.weight")))
+    ++k;
+  return k;
 }
 
 V4Weights V4Weights::load(const io::SafetensorsSet& st, const V4Config& cfg) {

@@ -11,7 +11,10 @@
 // "gate.bias"; tid2eid as I64 or I32. Hugging Face's names (a folder saved
 // by its DeepseekV4 classes) are read too, with its fused routed experts
 // (mlp.experts.gate_up_proj [E, 2I, d], down_proj [E, d, I]) in a float
-// dtype. MTP layers ("mtp.*") are recognised and not loaded.
+// dtype. The config's MTP layers ("mtp.k.*") are loaded like the others;
+// their copies of the embedding and head are skipped, and a folder without
+// them (Hugging Face's classes do not save MTP) is read with a config whose
+// num_nextn_predict_layers is v4_stored_mtp_layers.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +31,9 @@ namespace ds::model {
 // Hugging Face's name for an upstream tensor name (weights, scales, tables;
 // "" for none, e.g. a routed expert, which it fuses).
 std::string v4_hf_name(const std::string& upstream);
+
+// How many of the config's MTP layers the checkpoint holds (the first k).
+int64_t v4_stored_mtp_layers(const io::SafetensorsSet& st, const V4Config& cfg);
 
 struct V4Weight {
   std::vector<float> f32;     // vectors, and matrices widened at load (see V4Weights::load)

@@ -353,14 +353,15 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
 
   std::vector<std::string> model_overrides;
   std::vector<std::pair<std::string, nlohmann::json>> v4_keys;
+  std::optional<int64_t> v4_mtp;
   std::vector<std::pair<std::string, std::string>> custom_remat;
   for (const auto& [key, value, where] : rest) {
     if (v4 && (key == "routed_bias_update_rate" || key == "mtp_num_layers")) {
       try {
         if (key == "routed_bias_update_rate") rc.v4_routed_bias_update_rate = value.as<double>();
-        DS_CHECK(key != "mtp_num_layers" || value.as<int64_t>() == 0,
-                 "{}: mtp_num_layers {}: multi-token prediction is not trained for DeepSeek-V4 yet (use 0)", where,
-                 scalar_text(value));
+        if (key == "mtp_num_layers") v4_mtp = value.as<int64_t>();
+        DS_CHECK(!v4_mtp || (*v4_mtp >= 0 && *v4_mtp <= 1),
+                 "{}: mtp_num_layers {}: DeepSeek-V4 has at most one MTP layer", where, scalar_text(value));
       } catch (const YAML::Exception& ex) {
         DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
       }
@@ -389,6 +390,11 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
       all.insert(all.end(), v4_keys.begin(), v4_keys.end());
       rc.v4 = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
     }
+    if (v4_mtp) rc.v4->num_nextn_predict_layers = *v4_mtp;
+    DS_CHECK(rc.v4->num_nextn_predict_layers <= 1,
+             "num_nextn_predict_layers {}: DeepSeek-V4 trains at most one MTP layer (set mtp_num_layers=0 or 1)",
+             rc.v4->num_nextn_predict_layers);
+    rc.v4->validate();
     DS_CHECK(rc.v4_routed_bias_update_rate >= 0, "routed_bias_update_rate {} must be >= 0",
              rc.v4_routed_bias_update_rate);
   } else if (!hf_path.empty()) {

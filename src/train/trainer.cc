@@ -455,7 +455,8 @@ TrainSummary train(const RunConfig& rc) {
   // with the place of their routing bias in the flat order ({-1, 0}: none,
   // e.g. V4's hash-routed layers); this rank updates the elements it owns.
   std::vector<int64_t> moe_layers;
-  for (int64_t l = 0; l < (v4 ? v4->num_hidden_layers : cfg.num_hidden_layers + mtp); ++l)
+  for (int64_t l = 0; l < (v4 ? v4->num_hidden_layers + v4->num_nextn_predict_layers : cfg.num_hidden_layers + mtp);
+       ++l)
     if (v4 || cfg.is_moe_layer(l)) moe_layers.push_back(l);
   std::vector<std::pair<int64_t, int64_t>> biases(moe_layers.size(), {-1, 0});
   {
@@ -564,7 +565,7 @@ TrainSummary train(const RunConfig& rc) {
       const model::TrainBatch b = eval_data->next();
       if (v4) {
         const auto t = model::v4_loss_and_grad(*v4, v4_params.view, nullptr, model::V4TrainBatch::from_packed(b),
-                                               {tc.z_loss_multiplier, 1.0, false});
+                                               {tc.z_loss_multiplier, 1.0, false, false});
         xent += t.lm_loss * static_cast<double>(t.tokens);
         weight += static_cast<double>(t.tokens);
         continue;
@@ -619,10 +620,11 @@ TrainSummary train(const RunConfig& rc) {
       model::LossTerms t;
       if (v4) {
         auto t4 = model::v4_loss_and_grad(*v4, v4_params.view, &v4_grads, model::V4TrainBatch::from_packed(micro[i]),
-                                          {tc.z_loss_multiplier, wi, true});
+                                          {tc.z_loss_multiplier, wi, true, true, tc.mtp_loss_scaling_factor});
         t.loss = t4.loss;
         t.lm_loss = t4.lm_loss;
         t.z_loss = t4.z_loss;
+        t.mtp_loss = t4.mtp_loss;
         t.tokens = static_cast<double>(t4.tokens);
         t.expert_load = std::move(t4.expert_load);
       } else {
