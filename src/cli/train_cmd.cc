@@ -65,6 +65,7 @@ int run_export(const ExportArgs& a) {
     } catch (const Error& e) {
       DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
     }
+    mtp = c.num_nextn_predict_layers;
     auto params = model::V4FlatParams::zeros(c);
     train::load_checkpoint(a.checkpoint, model::v4_param_infos(c), params.data.data(), nullptr, nullptr);
     params.sync_tables(c);
