@@ -455,6 +455,20 @@ V4TrainBatch V4TrainBatch::from_packed(const TrainBatch& p) {
   return b;
 }
 
+V4LossWeights v4_loss_weights(const V4TrainBatch& b) {
+  V4LossWeights w;
+  size_t at = 0;
+  for (const int64_t L : b.lengths) {
+    for (int64_t t = 0; t < L; ++t) {
+      const bool c = b.counted.empty() || b.counted[at + static_cast<size_t>(t)];
+      w.targets += c;
+      w.mtp_targets += c && t >= 1;  // MTP row t - 1 predicts target t
+    }
+    at += static_cast<size_t>(L);
+  }
+  return w;
+}
+
 V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b,
                              const V4LossOptions& opt) {
   const int64_t n = static_cast<int64_t>(b.inputs.size()), V = cfg.vocab_size;
@@ -468,8 +482,14 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
            "V4 training batch: sequences of {} tokens in all, {} inputs, {} targets, {} counted flags", total, n,
            b.targets.size(), b.counted.size());
   for (int32_t t : b.targets) DS_CHECK(t >= 0 && t < V, "target {} is outside the vocabulary of {}", t, V);
+  const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
   V4LossTerms out;
-  if (n == 0) return out;  // only padding
+  if (n == 0) {  // only padding: no term, no gradient, loads of zero
+    if (opt.expert_load)
+      out.expert_load.assign(static_cast<size_t>(cfg.num_hidden_layers + (with_mtp ? 1 : 0)),
+                             std::vector<int64_t>(static_cast<size_t>(cfg.n_routed_experts), 0));
+    return out;
+  }
   V4Model model(cfg, w, V4Options{false});
   std::vector<V4State> states;
   std::vector<V4Request> reqs;
@@ -481,14 +501,14 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   }
   V4Saved saved;
   const bool want_saved = grads || opt.expert_load;
-  const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
   std::vector<float> mtp_logits;
   std::vector<float> logits = model.forward(reqs, true, want_saved ? &saved : nullptr, with_mtp ? &mtp_logits : nullptr);
   // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
   // lm_loss holds the z term); logits become dloss/dlogits in place.
   double count = 0;
   for (int64_t i = 0; i < n; ++i) count += b.counted.empty() || b.counted[static_cast<size_t>(i)];
-  const double zm = opt.z_loss_multiplier, gscale = opt.grad_scale / (count + 1e-8);
+  const double norm = opt.whole_targets > 0 ? opt.whole_targets : count;
+  const double zm = opt.z_loss_multiplier, gscale = opt.grad_scale / (norm + 1e-8);
   double ce = 0, zsum = 0;
   for (int64_t i = 0; i < n; ++i) {
     float* z = logits.data() + i * V;
@@ -509,8 +529,8 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     z[target] -= static_cast<float>(gscale);
   }
   out.tokens = static_cast<int64_t>(count);
-  out.lm_loss = (ce + zsum) / (count + 1e-8);
-  out.z_loss = zsum / (count + 1e-8);
+  out.lm_loss = (ce + zsum) / (norm + 1e-8);
+  out.z_loss = zsum / (norm + 1e-8);
   out.loss = out.lm_loss;
   if (with_mtp) {
     // MaxText's MTP loss: factor x the mean over counted targets of the CE
@@ -521,7 +541,8 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
       for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
     double mcount = 0, mce = 0;
     for (int64_t i : mrows) mcount += b.counted.empty() || b.counted[static_cast<size_t>(i)];
-    const double ms = opt.mtp_loss_scaling_factor * opt.grad_scale / (mcount + 1e-8);
+    const double mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mcount;
+    const double ms = opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8);
     for (size_t r = 0; r < mrows.size(); ++r) {
       float* z = mtp_logits.data() + static_cast<int64_t>(r) * V;
       const size_t i = static_cast<size_t>(mrows[r]);
@@ -538,7 +559,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
       z[b.targets[i]] -= static_cast<float>(ms);
     }
     out.mtp_tokens = static_cast<int64_t>(mcount);
-    out.mtp_loss = opt.mtp_loss_scaling_factor * mce / (mcount + 1e-8);
+    out.mtp_loss = opt.mtp_loss_scaling_factor * mce / (mnorm + 1e-8);
     out.loss += out.mtp_loss;
   }
   if (opt.expert_load)

@@ -89,7 +89,19 @@ struct V4LossOptions {
   // A model with an MTP layer: its loss (false: none, as in eval).
   bool mtp = true;
   double mtp_loss_scaling_factor = 0.1;
+  // Data parallelism: this batch is one shard of a whole one with these
+  // counted targets (v4_loss_weights of the whole batch); every term, and
+  // so the gradient, is this shard's share of the whole batch's (0: this
+  // batch is the whole).
+  double whole_targets = 0, whole_mtp_targets = 0;
 };
+
+// Counted targets of a batch, and those of its MTP rows (target t + 1 of
+// each sequence, t + 1 < its length).
+struct V4LossWeights {
+  double targets = 0, mtp_targets = 0;
+};
+V4LossWeights v4_loss_weights(const V4TrainBatch& b);
 
 struct V4LossTerms {
   double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss

@@ -270,7 +270,9 @@ void check_config(const RunConfig& rc) {
     DS_CHECK(!t.indexer_sparse_training && t.indexer_loss_scaling_factor == 0,
              "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
              "(its CSA layers always attend through it)");
-    DS_CHECK(!t.use_batch_split_schedule, "use_batch_split_schedule: DeepSeek-V4 training runs on one process");
+    DS_CHECK(!t.use_batch_split_schedule,
+             "use_batch_split_schedule overlaps the expert exchange, and DeepSeek-V4 training has no expert "
+             "parallelism");
     return;
   }
   // DeepSeek-V3.2's indexer.

@@ -224,7 +224,7 @@ TrainSummary train(const RunConfig& rc) {
   const model::ModelConfig& cfg = rc.model;
   const TrainConfig& tc = rc.train;
   // DeepSeek-V4 shares the loop: its own parameter layout, loss and
-  // checkpoint tensors; one process.
+  // checkpoint tensors; data parallelism only.
   const model::V4Config* v4 = rc.v4 ? &*rc.v4 : nullptr;
   const int64_t mtp = v4 ? 0 : cfg.num_nextn_predict_layers;
   TrainSummary sum;
@@ -238,10 +238,19 @@ TrainSummary train(const RunConfig& rc) {
   dist::set_collective_timeout(tc.collective_timeout_seconds);
   dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
   const bool lead = world.rank() == 0, multi = world.size() > 1;
-  DS_CHECK(!v4 || !multi, "DeepSeek-V4 training runs on one process ({} were started)", world.size());
   // A modeled link under the per-layer collectives: the expert exchange, the
   // dense weights' gathers (shard group) and the experts' (fsdp axis).
   const int64_t F = mesh.size(dist::kFsdp), X = mesh.size(dist::kExpert), G = mesh.shard_group_size();
+  // DeepSeek-V4: data parallelism only. Every rank holds the whole model; the
+  // batch is split over the data and fsdp axes alike (fsdp then shards the
+  // batch, not the parameters).
+  DS_CHECK(!v4 || X == 1,
+           "{}: expert parallelism is not implemented for DeepSeek-V4 models (ici_/dcn_data_parallelism and "
+           "fsdp split the batch)",
+           mesh.describe());
+  if (v4 && multi && lead)
+    fmt::print(stderr, "DeepSeek-V4 on {}: every rank holds the whole model; the batch is split over {} ranks\n",
+               mesh.describe(), world.size());
   std::unique_ptr<dist::LinkModel> link_expert, link_group, link_fsdp;
   if (tc.link_model_gbps > 0) {
     const double lat = tc.link_model_latency_us * 1e-6, bw = tc.link_model_gbps * 1e9;
@@ -329,7 +338,7 @@ TrainSummary train(const RunConfig& rc) {
   const model::ParamsView& pview = fsdp ? fsdp->view : params.view;
   model::ModelParams<float*>& gtree = fsdp ? fsdp->grads : grads.ptr;
   if (multi) {
-    const int64_t held = fsdp ? fsdp->floats_held() : static_cast<int64_t>(params.data.size() + grads.data.size());
+    const int64_t held = fsdp ? fsdp->floats_held() : v4 ? 2 * P : static_cast<int64_t>(params.data.size() + grads.data.size());
     fmt::print(stderr, "rank {}: {}; shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
                world.rank(), mesh.describe(), mesh.shard_group().rank(), G,
                static_cast<double>(held + static_cast<int64_t>(opt.m.size() + opt.v.size())) * 4 / (1 << 20));
@@ -396,7 +405,12 @@ TrainSummary train(const RunConfig& rc) {
     }
     if (multi) {
       resumed = nlohmann::json::parse(broadcast_string(world, resumed.dump()));
-      world.broadcast(full.data.data(), P, 0).wait();
+      if (v4) {
+        world.broadcast(v4_params.data.data(), P, 0).wait();
+        v4_params.sync_tables(*v4);
+      } else {
+        world.broadcast(full.data.data(), P, 0).wait();
+      }
       have_moments = resumed["newest"].get<int64_t>() >= 0;
       if (have_moments) {
         m_full.resize(static_cast<size_t>(P));
@@ -506,7 +520,7 @@ TrainSummary train(const RunConfig& rc) {
   // A norm over the whole tree from this rank's shard (sums of squares added
   // over the shard group; one shard: the plain norm).
   auto tree_norm = [&](const std::vector<ops::GradSpan>& spans) {
-    if (G == 1) return ops::global_grad_norm(spans);
+    if (!fsdp) return ops::global_grad_norm(spans);
     double ss = sum_squares(spans);
     mesh.shard_group().all_reduce(&ss, 1).wait();
     return std::sqrt(ss);
@@ -563,14 +577,17 @@ TrainSummary train(const RunConfig& rc) {
     double xent = 0, weight = 0;
     for (int64_t i = 0; i < n; ++i) {
       const model::TrainBatch b = eval_data->next();
+      const int64_t r = b.batch / shards;
       if (v4) {
-        const auto t = model::v4_loss_and_grad(*v4, v4_params.view, nullptr, model::V4TrainBatch::from_packed(b),
-                                               {tc.z_loss_multiplier, 1.0, false, false});
-        xent += t.lm_loss * static_cast<double>(t.tokens);
-        weight += static_cast<double>(t.tokens);
+        // This rank's rows' share of the whole batch's mean.
+        model::V4LossOptions o{tc.z_loss_multiplier, 1.0, false, false};
+        o.whole_targets = counted_targets(b);
+        const auto t = model::v4_loss_and_grad(*v4, v4_params.view, nullptr,
+                                               model::V4TrainBatch::from_packed(multi ? slice_rows(b, shard * r, r) : b), o);
+        xent += t.lm_loss * o.whole_targets;
+        weight += o.whole_targets;
         continue;
       }
-      const int64_t r = b.batch / shards;
       if (multi) el.whole = model::loss_weights(b, 0);
       model::TrainBatch part;
       const auto t =
@@ -619,8 +636,15 @@ TrainSummary train(const RunConfig& rc) {
       model::TrainBatch part;  // one process: the whole micro-batch, not a copy
       model::LossTerms t;
       if (v4) {
-        auto t4 = model::v4_loss_and_grad(*v4, v4_params.view, &v4_grads, model::V4TrainBatch::from_packed(micro[i]),
-                                          {tc.z_loss_multiplier, wi, true, true, tc.mtp_loss_scaling_factor});
+        model::V4LossOptions o{tc.z_loss_multiplier, wi, true, true, tc.mtp_loss_scaling_factor};
+        if (multi) {
+          const auto whole = model::v4_loss_weights(model::V4TrainBatch::from_packed(micro[i]));
+          o.whole_targets = whole.targets;
+          o.whole_mtp_targets = whole.mtp_targets;
+        }
+        auto t4 = model::v4_loss_and_grad(
+            *v4, v4_params.view, &v4_grads,
+            model::V4TrainBatch::from_packed(multi ? slice_rows(micro[i], shard * rows, rows) : micro[i]), o);
         t.loss = t4.loss;
         t.lm_loss = t4.lm_loss;
         t.z_loss = t4.z_loss;
@@ -671,7 +695,9 @@ TrainSummary train(const RunConfig& rc) {
       double t6[7] = {terms.loss,        terms.lm_loss, terms.z_loss,      terms.mtp_loss,
                       terms.moe_lb_loss, terms.tokens,  terms.indexer_loss};
       auto ht = world.all_reduce(t6, 7);
-      if (!fsdp) {
+      if (v4) {
+        world.all_reduce(v4_grad_data.data(), P).wait();
+      } else if (!fsdp) {
         world.all_reduce(grads.data.data(), P).wait();
       } else {
         fsdp->finish_grads();
