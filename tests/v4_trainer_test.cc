@@ -17,10 +17,11 @@
 
 #include "core/error.h"
 #include "io/safetensors.h"
-#include "model/v4_train.h"
 #include "model/v4_model.h"
+#include "model/v4_train.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/data.h"
@@ -32,13 +33,6 @@ using namespace ds;
 namespace fs = std::filesystem;
 
 const std::string kV4Tiny = std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml";
-
-fs::path temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("ds_v4_trainer_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
-}
 
 std::vector<std::string> base(const fs::path& out) {
   return {"model_name=" + kV4Tiny,   "base_output_directory=" + out.string(),
@@ -206,11 +200,11 @@ TEST(V4Mtp, LossAndGradientMatchCentralDifferences) {
     off += i.numel();
   }
   int checked = 0;
-  for (const char* name : {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight",
-                           "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.hc_head_base", "mtp.0.attn.wq_a.weight",
-                           "mtp.0.attn.attn_sink", "mtp.0.hc_ffn_fn", "mtp.0.ffn.shared_experts.w2.weight",
-                           "mtp.0.ffn.gate.weight", "layers.3.attn.wkv.weight", "layers.2.hc_attn_base",
-                           "embed.weight"}) {
+  for (const char* name :
+       {"mtp.0.e_proj.weight", "mtp.0.h_proj.weight", "mtp.0.enorm.weight", "mtp.0.hnorm.weight", "mtp.0.norm.weight",
+        "mtp.0.hc_head_fn", "mtp.0.hc_head_base", "mtp.0.attn.wq_a.weight", "mtp.0.attn.attn_sink", "mtp.0.hc_ffn_fn",
+        "mtp.0.ffn.shared_experts.w2.weight", "mtp.0.ffn.gate.weight", "layers.3.attn.wkv.weight",
+        "layers.2.hc_attn_base", "embed.weight"}) {
     ASSERT_TRUE(offset.count(name)) << name;
     const int64_t at = offset[name];
     for (int64_t k : {int64_t{0}, int64_t{5}, int64_t{17}}) {
@@ -239,10 +233,11 @@ TEST(V4Mtp, LossAndGradientMatchCentralDifferences) {
 // Stopping at a checkpoint and resuming gives the uninterrupted run's losses
 // bit for bit (gradient accumulation, z-loss, the MTP layer and bias updates on).
 TEST(V4Training, ResumeIsBitwiseIdentical) {
-  const auto dir = temp_dir("resume");
-  const std::vector<std::string> common = {"learning_rate_schedule_steps=8", "routed_bias_update_rate=1e-3",
-                                           "z_loss_multiplier=1e-4", "gradient_accumulation_steps=2",
-                                           "checkpoint_period=4", "mtp_num_layers=1"};
+  const test::TempDir tmp("ds_v4_trainer_resume");
+  const fs::path dir = tmp.path();
+  const std::vector<std::string> common = {
+      "learning_rate_schedule_steps=8", "routed_bias_update_rate=1e-3", "z_loss_multiplier=1e-4",
+      "gradient_accumulation_steps=2",  "checkpoint_period=4",          "mtp_num_layers=1"};
   auto full = common, part = common, rest = common;
   full.insert(full.end(), {"run_name=full", "steps=8"});
   part.insert(part.end(), {"run_name=part", "steps=4"});
@@ -266,13 +261,13 @@ TEST(V4Training, ResumeIsBitwiseIdentical) {
   const auto pa = tensors(dir / "full/checkpoints/step_8/params.safetensors");
   const auto pb = tensors(dir / "part/checkpoints/step_8/params.safetensors");
   EXPECT_EQ(pa, pb);
-  fs::remove_all(dir);
 }
 
 // Two micro-batches of 2 rows give the gradient of one batch of 4 (the
 // same rows, from json datasets).
 TEST(V4Training, GradientAccumulationEqualsOneBigBatch) {
-  const auto dir = temp_dir("accum");
+  const test::TempDir tmp("ds_v4_trainer_accum");
+  const fs::path dir = tmp.path();
   nlohmann::json big = nlohmann::json::array(), halves = nlohmann::json::array();
   uint64_t x = 12345;
   for (int step = 0; step < 2; ++step) {
@@ -306,7 +301,6 @@ TEST(V4Training, GradientAccumulationEqualsOneBigBatch) {
         << i;
   }
   EXPECT_NE(ma[0]["loss"], ma[1]["loss"]);  // it trained
-  fs::remove_all(dir);
 }
 
 // The bias update alone (learning rate 0): every score-routed layer's bias
@@ -314,7 +308,8 @@ TEST(V4Training, GradientAccumulationEqualsOneBigBatch) {
 // micro-batches; the hash-routed layer has none; the table and the indexer
 // stay put even under weight decay with a learning rate.
 TEST(V4Training, BiasUpdateOnScoreRoutedLayersOnly) {
-  const auto dir = temp_dir("bias");
+  const test::TempDir tmp("ds_v4_trainer_bias");
+  const fs::path dir = tmp.path();
   const double rate = 1e-3;
   train::train(run_config(dir, {"run_name=b", "steps=1", "learning_rate=0", "warmup_steps_fraction=0",
                                 "routed_bias_update_rate=1e-3", "checkpoint_period=1"}));
@@ -366,13 +361,13 @@ TEST(V4Training, BiasUpdateOnScoreRoutedLayersOnly) {
     const auto& after = p2.at(i.name);
     for (int64_t k = 0; k < i.numel(); ++k) ASSERT_EQ(after[k], before[k]) << i.name;
   }
-  fs::remove_all(dir);
 }
 
 // The export, read by the generation loader, gives the loss the trainer's
 // own forward gives on the checkpoint's parameters.
 TEST(V4Training, ExportLoadsWithTheTrainedWeights) {
-  const auto dir = temp_dir("export");
+  const test::TempDir tmp("ds_v4_trainer_export");
+  const fs::path dir = tmp.path();
   train::train(run_config(dir, {"run_name=e", "steps=3", "checkpoint_period=3"}));
   const auto ck = (dir / "e/checkpoints/step_3").string();
   const auto st = train::read_checkpoint_state(ck);
@@ -400,7 +395,6 @@ TEST(V4Training, ExportLoadsWithTheTrainedWeights) {
   const auto f16 = io::SafetensorsSet::open_dir((dir / "hf16").string());
   const auto w16 = model::V4Weights::load(f16, model::V4Config::from_hf_json_file((dir / "hf16/config.json").string()));
   EXPECT_NEAR(model::v4_loss_and_grad(c2, w16.view, nullptr, b).loss, want, 1e-2 * want);
-  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -665,13 +665,15 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
     ms->rstd_h.assign(rh.begin(), rh.end());
     ms->h.assign(h.begin(), h.end());
   }
-  Buffer<float> Xm(static_cast<size_t>(R * hc * d)), Xm2(static_cast<size_t>(R * hc * d)), pe(static_cast<size_t>(R * d));
+  Buffer<float> Xm(static_cast<size_t>(R * hc * d)), Xm2(static_cast<size_t>(R * hc * d)),
+      pe(static_cast<size_t>(R * d));
   ops::linear_forward(Xm.data(), h.data(), M.h_proj, R * hc);
   ops::linear_forward(pe.data(), e.data(), M.e_proj, R);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < hc; ++j)
       for (int64_t i = 0; i < d; ++i) Xm[(r * hc + j) * d + i] += pe[r * d + i];
-  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
+  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R,
+                saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
   return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr);
 }
 

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <numeric>
 
 #include "core/error.h"
 #include "model/v4_model.h"
@@ -26,6 +28,44 @@ void need_vector_data(const View& v, const char* what) {
 }
 
 std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+
+double counted_among(const V4TrainBatch& b, const std::vector<int64_t>& targets) {
+  double n = 0;
+  for (int64_t i : targets) n += b.counted.empty() || b.counted[static_cast<size_t>(i)];
+  return n;
+}
+
+struct CrossEntropySums {
+  double ce = 0, z = 0;  // over the counted rows: lse - z_target, zm lse^2
+};
+
+// Row r of logits [rows, V] against target targets[r] of b: the sums, and
+// the row replaced by scale x d(CE + zm lse^2)/dlogits when that target
+// counts, by zeros when it does not.
+CrossEntropySums cross_entropy_rows(float* logits, int64_t V, const V4TrainBatch& b,
+                                    const std::vector<int64_t>& targets, double zm, double scale) {
+  CrossEntropySums s;
+  for (size_t r = 0; r < targets.size(); ++r) {
+    float* z = logits + static_cast<int64_t>(r) * V;
+    const size_t i = static_cast<size_t>(targets[r]);
+    if (!(b.counted.empty() || b.counted[i])) {
+      std::fill(z, z + V, 0.0f);
+      continue;
+    }
+    const float mx = *std::max_element(z, z + V);
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
+    const double lse = mx + std::log(sum);
+    const int32_t target = b.targets[i];
+    s.ce += lse - z[target];
+    s.z += zm * lse * lse;
+    // d/dz (lse - z_t + zm lse^2) = (1 + 2 zm lse) softmax - onehot.
+    const double a = (1.0 + 2.0 * zm * lse) * scale;
+    for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * a);
+    z[target] -= static_cast<float>(scale);
+  }
+  return s;
+}
 
 class Backward {
  public:
@@ -53,8 +93,8 @@ class Backward {
   void run(const std::vector<float>& dlogits, const std::vector<float>* dmtp) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     std::vector<float> dX = zeros(n_ * hc * d);
-    head(dX.data(), dlogits.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
-         g_.hc_head_fn, g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
+    head(dX.data(), dlogits.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
+         g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
     if (dmtp && !sv_.mtp.empty() && !sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) layer(l, dX);
     // The embedding fed every stream.
@@ -71,8 +111,8 @@ class Backward {
  private:
   // dX (`=`, [R, hc, d]) and the head's parameters' gradients from dlogits
   // [R, V]: head(rmsnorm(mhc_head(X))).
-  void head(float* dX, const float* dlogits, const V4HeadSaved& hs, const View& fn, const View& base,
-            const View& scale, const View& norm, float* gfn, float* gbase, float* gscale, float* gnorm, int64_t R) {
+  void head(float* dX, const float* dlogits, const V4HeadSaved& hs, const View& fn, const View& base, const View& scale,
+            const View& norm, float* gfn, float* gbase, float* gscale, float* gnorm, int64_t R) {
     const int64_t d = c_.hidden_size;
     const View& w = c_.tie_word_embeddings ? w_.embed : w_.head;
     float* dw = c_.tie_word_embeddings ? g_.embed : g_.head;
@@ -112,7 +152,8 @@ class Backward {
     std::vector<float> dh(static_cast<size_t>(R * hc * d)), de(static_cast<size_t>(R * d)), dpe = zeros(R * d);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < hc; ++j)
-        for (int64_t i = 0; i < d; ++i) dpe[static_cast<size_t>(r * d + i)] += dXm[static_cast<size_t>((r * hc + j) * d + i)];
+        for (int64_t i = 0; i < d; ++i)
+          dpe[static_cast<size_t>(r * d + i)] += dXm[static_cast<size_t>((r * hc + j) * d + i)];
     ops::linear_backward(dh.data(), G.h_proj, dXm.data(), ms.h.data(), M.h_proj, R * hc);
     ops::linear_backward(de.data(), G.e_proj, dpe.data(), ms.e.data(), M.e_proj, R);
     ops::rmsnorm_backward(dh.data(), G.hnorm, dh.data(), ms.h0.data(), vector_data(M.hnorm), ms.rstd_h.data(), R * hc,
@@ -385,27 +426,14 @@ void V4FlatParams::sync_tables(const V4Config& c) {
 std::vector<ParamInfo> v4_param_infos(const V4Config& c) {
   std::vector<ParamInfo> out;
   for_each_v4_param(c, [&](const V4ParamInfo& i) {
-    ParamRole role = ParamRole::Norm;  // vectors: norms, the sink, mHC mixes, position embeddings
-    switch (i.role) {
-      case V4Role::Embedding:
-        role = ParamRole::Embedding;
-        break;
-      case V4Role::Projection:
-        role = ParamRole::Projection;
-        break;
-      case V4Role::Router:
-        role = ParamRole::Router;
-        break;
-      case V4Role::LmHead:
-        role = ParamRole::LmHead;
-        break;
-      case V4Role::HashTable:
-        role = ParamRole::Untrained;
-        break;
-      case V4Role::Vector:
-        if (i.name.ends_with(".ffn.gate.bias")) role = ParamRole::RoutingBias;
-        break;
-    }
+    // Vectors (norms, the sink, mHC mixes, position embeddings) are Norm:
+    // no weight decay when 1-D.
+    static const std::map<V4Role, ParamRole> role_of = {
+        {V4Role::Embedding, ParamRole::Embedding}, {V4Role::Projection, ParamRole::Projection},
+        {V4Role::Router, ParamRole::Router},       {V4Role::LmHead, ParamRole::LmHead},
+        {V4Role::HashTable, ParamRole::Untrained}, {V4Role::Vector, ParamRole::Norm}};
+    ParamRole role = role_of.at(i.role);
+    if (i.name.ends_with(".ffn.gate.bias")) role = ParamRole::RoutingBias;
     if (i.name.find(".attn.indexer.") != std::string::npos) role = ParamRole::Untrained;
     out.push_back(ParamInfo{i.name, i.shape, role, i.layer});
   });
@@ -502,35 +530,19 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   V4Saved saved;
   const bool want_saved = grads || opt.expert_load;
   std::vector<float> mtp_logits;
-  std::vector<float> logits = model.forward(reqs, true, want_saved ? &saved : nullptr, with_mtp ? &mtp_logits : nullptr);
+  std::vector<float> logits =
+      model.forward(reqs, true, want_saved ? &saved : nullptr, with_mtp ? &mtp_logits : nullptr);
   // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
   // lm_loss holds the z term); logits become dloss/dlogits in place.
-  double count = 0;
-  for (int64_t i = 0; i < n; ++i) count += b.counted.empty() || b.counted[static_cast<size_t>(i)];
+  std::vector<int64_t> rows(static_cast<size_t>(n));
+  std::iota(rows.begin(), rows.end(), int64_t{0});
+  const double count = counted_among(b, rows);
   const double norm = opt.whole_targets > 0 ? opt.whole_targets : count;
-  const double zm = opt.z_loss_multiplier, gscale = opt.grad_scale / (norm + 1e-8);
-  double ce = 0, zsum = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    float* z = logits.data() + i * V;
-    if (!(b.counted.empty() || b.counted[static_cast<size_t>(i)])) {
-      std::fill(z, z + V, 0.0f);
-      continue;
-    }
-    const float mx = *std::max_element(z, z + V);
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
-    const double lse = mx + std::log(sum);
-    const int32_t target = b.targets[static_cast<size_t>(i)];
-    ce += lse - z[target];
-    zsum += zm * lse * lse;
-    // d/dz (lse - z_t + zm lse^2) = (1 + 2 zm lse) softmax - onehot.
-    const double a = (1.0 + 2.0 * zm * lse) * gscale;
-    for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * a);
-    z[target] -= static_cast<float>(gscale);
-  }
+  const CrossEntropySums main =
+      cross_entropy_rows(logits.data(), V, b, rows, opt.z_loss_multiplier, opt.grad_scale / (norm + 1e-8));
   out.tokens = static_cast<int64_t>(count);
-  out.lm_loss = (ce + zsum) / (norm + 1e-8);
-  out.z_loss = zsum / (norm + 1e-8);
+  out.lm_loss = (main.ce + main.z) / (norm + 1e-8);
+  out.z_loss = main.z / (norm + 1e-8);
   out.loss = out.lm_loss;
   if (with_mtp) {
     // MaxText's MTP loss: factor x the mean over counted targets of the CE
@@ -539,27 +551,12 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     std::vector<int64_t> mrows;
     for (size_t k = 0, at = 0; k < b.lengths.size(); at += static_cast<size_t>(b.lengths[k]), ++k)
       for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
-    double mcount = 0, mce = 0;
-    for (int64_t i : mrows) mcount += b.counted.empty() || b.counted[static_cast<size_t>(i)];
+    const double mcount = counted_among(b, mrows);
     const double mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mcount;
-    const double ms = opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8);
-    for (size_t r = 0; r < mrows.size(); ++r) {
-      float* z = mtp_logits.data() + static_cast<int64_t>(r) * V;
-      const size_t i = static_cast<size_t>(mrows[r]);
-      if (!(b.counted.empty() || b.counted[i])) {
-        std::fill(z, z + V, 0.0f);
-        continue;
-      }
-      const float mx = *std::max_element(z, z + V);
-      double sum = 0;
-      for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
-      const double lse = mx + std::log(sum);
-      mce += lse - z[b.targets[i]];
-      for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * ms);
-      z[b.targets[i]] -= static_cast<float>(ms);
-    }
+    const CrossEntropySums m = cross_entropy_rows(mtp_logits.data(), V, b, mrows, 0.0,
+                                                  opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
     out.mtp_tokens = static_cast<int64_t>(mcount);
-    out.mtp_loss = opt.mtp_loss_scaling_factor * mce / (mnorm + 1e-8);
+    out.mtp_loss = opt.mtp_loss_scaling_factor * m.ce / (mnorm + 1e-8);
     out.loss += out.mtp_loss;
   }
   if (opt.expert_load)

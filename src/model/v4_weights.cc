@@ -172,9 +172,8 @@ class V4Loader {
     for (const auto& name : st_.names()) {
       if (used_.count(name)) continue;
       const std::string bare = name.rfind("model.", 0) == 0 ? name.substr(6) : name;
-      if (bare.rfind("mtp.", 0) == 0 &&
-          (bare.find("emb") != std::string::npos || bare.ends_with("head.weight") ||
-           cfg_.num_nextn_predict_layers == 0))
+      if (bare.rfind("mtp.", 0) == 0 && (bare.find("emb") != std::string::npos || bare.ends_with("head.weight") ||
+                                         cfg_.num_nextn_predict_layers == 0))
         continue;
       DS_FAIL("checkpoint tensor '{}' is not part of a deepseek_v4 model with this config (wrong config.json?)",
               name.size() > 200 ? name.substr(0, 200) + "..." : name);
@@ -258,9 +257,8 @@ std::string v4_hf_name(const std::string& name) {
 
 int64_t v4_stored_mtp_layers(const io::SafetensorsSet& st, const V4Config& cfg) {
   int64_t k = 0;
-  while (k < cfg.num_nextn_predict_layers &&
-         (st.contains("mtp." + std::to_string(k) + ".e_proj.weight") ||
-          st.contains("model.mtp." + std::to_string(k) + ".e_proj.weight")))
+  while (k < cfg.num_nextn_predict_layers && (st.contains("mtp." + std::to_string(k) + ".e_proj.weight") ||
+                                              st.contains("model.mtp." + std::to_string(k) + ".e_proj.weight")))
     ++k;
   return k;
 }

@@ -338,7 +338,9 @@ TrainSummary train(const RunConfig& rc) {
   const model::ParamsView& pview = fsdp ? fsdp->view : params.view;
   model::ModelParams<float*>& gtree = fsdp ? fsdp->grads : grads.ptr;
   if (multi) {
-    const int64_t held = fsdp ? fsdp->floats_held() : v4 ? 2 * P : static_cast<int64_t>(params.data.size() + grads.data.size());
+    const int64_t held = fsdp ? fsdp->floats_held()
+                         : v4 ? 2 * P
+                              : static_cast<int64_t>(params.data.size() + grads.data.size());
     fmt::print(stderr, "rank {}: {}; shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
                world.rank(), mesh.describe(), mesh.shard_group().rank(), G,
                static_cast<double>(held + static_cast<int64_t>(opt.m.size() + opt.v.size())) * 4 / (1 << 20));
@@ -582,8 +584,8 @@ TrainSummary train(const RunConfig& rc) {
         // This rank's rows' share of the whole batch's mean.
         model::V4LossOptions o{tc.z_loss_multiplier, 1.0, false, false};
         o.whole_targets = counted_targets(b);
-        const auto t = model::v4_loss_and_grad(*v4, v4_params.view, nullptr,
-                                               model::V4TrainBatch::from_packed(multi ? slice_rows(b, shard * r, r) : b), o);
+        const auto t = model::v4_loss_and_grad(
+            *v4, v4_params.view, nullptr, model::V4TrainBatch::from_packed(multi ? slice_rows(b, shard * r, r) : b), o);
         xent += t.lm_loss * o.whole_targets;
         weight += o.whole_targets;
         continue;
