@@ -575,5 +575,31 @@ TEST(DType, BulkNarrowingMatchesScalar) {
   });
 }
 
+// find_non_finite on every dtype it scans, the elements starting at any
+// byte offset (a checkpoint may pack a one-byte tensor of odd length before
+// a bf16 one), a hit in the last element of a long run and none at all.
+TEST(FindNonFinite, AnyOffsetAnyPosition) {
+  struct Case {
+    DType t;
+    size_t size;
+    uint32_t finite, bad;
+  };
+  for (const Case& c : {Case{DType::F32, 4, 0x3f800000u, 0x7fc00000u}, Case{DType::BF16, 2, 0x3f80u, 0xff80u},
+                        Case{DType::F16, 2, 0x3c00u, 0x7c00u}, Case{DType::F8E4M3, 1, 0x38u, 0xffu},
+                        Case{DType::F8E5M2, 1, 0x3cu, 0x7cu}})
+    for (size_t offset = 0; offset < 4; ++offset) {
+      const size_t n = 5000;
+      std::vector<unsigned char> buf(offset + n * c.size);
+      auto put = [&](size_t i, uint32_t v) { std::memcpy(buf.data() + offset + i * c.size, &v, c.size); };
+      for (size_t i = 0; i < n; ++i) put(i, c.finite);
+      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), -1) << dtype_name(c.t) << " offset " << offset;
+      put(n - 1, c.bad);
+      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), static_cast<int64_t>(n - 1))
+          << dtype_name(c.t) << " offset " << offset;
+      put(7, c.bad);
+      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), 7) << dtype_name(c.t) << " offset " << offset;
+    }
+}
+
 }  // namespace
 }  // namespace ds

@@ -449,17 +449,25 @@ namespace {
 
 // Whether any of n elements has all exponent bits (mask) set; written as a
 // branch-free reduction over blocks so the compiler vectorizes it, then the
-// block with a hit is searched.
+// block with a hit is searched. Elements are read with memcpy: a
+// checkpoint's tensors need not start on their element size (a file may
+// pack a one-byte scale tensor of odd length before a bf16 one).
 template <typename U>
-int64_t find_all_ones(const U* p, size_t n, U mask) {
+int64_t find_all_ones(const void* data, size_t n, U mask) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  auto at = [p](size_t i) {
+    U v;
+    std::memcpy(&v, p + i * sizeof(U), sizeof(U));
+    return v;
+  };
   constexpr size_t kBlock = 4096;
   for (size_t b = 0; b < n; b += kBlock) {
     const size_t e = std::min(n, b + kBlock);
     bool any = false;
-    for (size_t i = b; i < e; ++i) any |= (p[i] & mask) == mask;
+    for (size_t i = b; i < e; ++i) any |= (at(i) & mask) == mask;
     if (any)
       for (size_t i = b; i < e; ++i)
-        if ((p[i] & mask) == mask) return static_cast<int64_t>(i);
+        if ((at(i) & mask) == mask) return static_cast<int64_t>(i);
   }
   return -1;
 }
@@ -469,15 +477,15 @@ int64_t find_all_ones(const U* p, size_t n, U mask) {
 int64_t find_non_finite(const void* data, DType t, size_t n) {
   switch (t) {
     case DType::F32:
-      return find_all_ones(static_cast<const uint32_t*>(data), n, uint32_t{0x7f800000u});
+      return find_all_ones(data, n, uint32_t{0x7f800000u});
     case DType::BF16:
-      return find_all_ones(static_cast<const uint16_t*>(data), n, uint16_t{0x7f80u});
+      return find_all_ones(data, n, uint16_t{0x7f80u});
     case DType::F16:
-      return find_all_ones(static_cast<const uint16_t*>(data), n, uint16_t{0x7c00u});
+      return find_all_ones(data, n, uint16_t{0x7c00u});
     case DType::F8E4M3:  // no infinities; S.1111.111 is NaN
-      return find_all_ones(static_cast<const uint8_t*>(data), n, uint8_t{0x7fu});
+      return find_all_ones(data, n, uint8_t{0x7fu});
     case DType::F8E5M2:
-      return find_all_ones(static_cast<const uint8_t*>(data), n, uint8_t{0x7cu});
+      return find_all_ones(data, n, uint8_t{0x7cu});
     default:
       return -1;
   }
