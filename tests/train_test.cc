@@ -23,6 +23,7 @@
 #include "train/optimizer.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "train_util.h"
 
 namespace {
 
@@ -47,13 +48,9 @@ train::RunConfig run_config(const fs::path& out, const std::vector<std::string>&
   return train::parse_run_config("", o, "test");
 }
 
-std::vector<nlohmann::json> metrics(const fs::path& run) {
-  std::vector<nlohmann::json> v;
-  std::ifstream in(run / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line));
-  return v;
-}
+using test::json_dataset;
+using test::json_halves;
+std::vector<nlohmann::json> metrics(const fs::path& run) { return test::run_metrics(run); }
 
 // ---------------------------------------------------------------------------
 // Schedule
@@ -220,40 +217,12 @@ TEST(AdamWMasks, DecayOnlyMatricesAndMaskedOnesFreezeTheRest) {
 // Whole runs
 
 // A json dataset file of `steps` steps of `rows` rows of seq + 1 ids.
-fs::path json_dataset(const fs::path& dir, int64_t steps, int64_t rows, int64_t seq, int64_t vocab, int salt) {
-  nlohmann::json all = nlohmann::json::array();
-  uint64_t x = 12345 + salt;
-  for (int64_t s = 0; s < steps; ++s) {
-    nlohmann::json step = nlohmann::json::array();
-    for (int64_t r = 0; r < rows; ++r) {
-      std::vector<int> ids;
-      for (int64_t j = 0; j <= seq; ++j) {
-        x = x * 6364136223846793005ULL + 1442695040888963407ULL;
-        ids.push_back(static_cast<int>((x >> 33) % static_cast<uint64_t>(vocab)));
-      }
-      step.push_back(ids);
-    }
-    all.push_back(step);
-  }
-  const fs::path f = dir / ("data" + std::to_string(rows) + ".json");
-  std::ofstream(f) << all.dump();
-  return f;
-}
-
 // Gradient accumulation over 2 micro-batches of 2 rows gives the gradient of
 // the 4-row batch: the same losses (to float rounding) over several steps.
 TEST(Training, GradientAccumulationMatchesOneBigBatch) {
   const auto dir = temp_dir("ga");
   const auto d4 = json_dataset(dir, 4, 4, 16, 512, 0);
-  // The same rows, two per micro-batch.
-  auto all = nlohmann::json::parse(std::ifstream(d4));
-  nlohmann::json halves = nlohmann::json::array();
-  for (const auto& step : all) {
-    halves.push_back({step[0], step[1]});
-    halves.push_back({step[2], step[3]});
-  }
-  const fs::path d2 = dir / "halves.json";
-  std::ofstream(d2) << halves.dump();
+  const auto d2 = json_halves(d4);  // the same rows, two per micro-batch
   const std::vector<std::string> common = {"dataset_type=json", "steps=4", "enable_checkpointing=false",
                                            "mtp_num_layers=1", "warmup_steps_fraction=0"};
   auto a = common, b = common;

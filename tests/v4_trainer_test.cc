@@ -26,6 +26,7 @@
 #include "train/config.h"
 #include "train/data.h"
 #include "train/trainer.h"
+#include "train_util.h"
 
 namespace {
 
@@ -47,13 +48,7 @@ train::RunConfig run_config(const fs::path& out, const std::vector<std::string>&
   return train::parse_run_config("", o, "test");
 }
 
-std::vector<nlohmann::json> metrics(const fs::path& run) {
-  std::vector<nlohmann::json> v;
-  std::ifstream in(run / "metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line));
-  return v;
-}
+std::vector<nlohmann::json> metrics(const fs::path& run) { return test::run_metrics(run); }
 
 std::map<std::string, std::vector<float>> tensors(const fs::path& file) {
   std::map<std::string, std::vector<float>> out;
@@ -269,27 +264,14 @@ TEST(V4Training, ResumeIsBitwiseIdentical) {
 TEST(V4Training, GradientAccumulationEqualsOneBigBatch) {
   const test::TempDir tmp("ds_v4_trainer_accum");
   const fs::path dir = tmp.path();
-  nlohmann::json big = nlohmann::json::array(), halves = nlohmann::json::array();
-  uint64_t x = 12345;
-  for (int step = 0; step < 2; ++step) {
-    nlohmann::json rows = nlohmann::json::array();
-    for (int r = 0; r < 4; ++r) {
-      std::vector<int> ids;
-      for (int t = 0; t < 41; ++t) ids.push_back(static_cast<int>((x = x * 6364136223846793005ULL + 1) >> 55));
-      rows.push_back(ids);
-    }
-    big.push_back(rows);
-    halves.push_back({rows[0], rows[1]});
-    halves.push_back({rows[2], rows[3]});
-  }
-  std::ofstream(dir / "big.json") << big.dump();
-  std::ofstream(dir / "halves.json") << halves.dump();
+  const auto big = test::json_dataset(dir, 2, 4, 40, 512, 0);
+  const auto halves = test::json_halves(big);  // the same rows, two per micro-batch
   const std::vector<std::string> c = {"steps=2", "gradient_clipping_threshold=0", "dataset_type=json",
                                       "enable_checkpointing=false", "warmup_steps_fraction=0"};
   auto one = c, two = c;
-  one.insert(one.end(), {"run_name=one", "per_device_batch_size=4", "dataset_path=" + (dir / "big.json").string()});
+  one.insert(one.end(), {"run_name=one", "per_device_batch_size=4", "dataset_path=" + big.string()});
   two.insert(two.end(), {"run_name=two", "per_device_batch_size=2", "gradient_accumulation_steps=2",
-                         "dataset_path=" + (dir / "halves.json").string()});
+                         "dataset_path=" + halves.string()});
   train::train(run_config(dir, one));
   train::train(run_config(dir, two));
   const auto ma = metrics(dir / "one"), mb = metrics(dir / "two");

@@ -46,6 +46,17 @@ int run_train(const TrainArgs& a) {
   return s.interrupted ? 130 : 0;
 }
 
+// The model config a checkpoint's state.json records; one error line when
+// it is not a valid one.
+template <class Config>
+Config recorded_model(const train::CheckpointState& st, const std::string& dir) {
+  try {
+    return Config::from_hf_json_text(st.model_config.dump(), dir + "/state.json");
+  } catch (const Error& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: {}", dir, e.what());
+  }
+}
+
 int run_export(const ExportArgs& a) {
   DType dt;
   if (a.dtype == "bf16")
@@ -59,24 +70,14 @@ int run_export(const ExportArgs& a) {
   const auto st = train::read_checkpoint_state(a.checkpoint);
   int64_t mtp = 0;
   if (st.model_config.is_object() && st.model_config.value("model_type", "") == "deepseek_v4") {
-    model::V4Config c;
-    try {
-      c = model::V4Config::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
-    } catch (const Error& e) {
-      DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
-    }
+    const auto c = recorded_model<model::V4Config>(st, a.checkpoint);
     mtp = c.num_nextn_predict_layers;
     auto params = model::V4FlatParams::zeros(c);
     train::load_checkpoint(a.checkpoint, model::v4_param_infos(c), params.data.data(), nullptr, nullptr);
     params.sync_tables(c);
     train::export_v4_hf(a.out, c, params.data.data(), dt);
   } else {
-    model::ModelConfig cfg;
-    try {
-      cfg = model::ModelConfig::from_hf_json_text(st.model_config.dump(), a.checkpoint + "/state.json");
-    } catch (const Error& e) {
-      DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
-    }
+    const auto cfg = recorded_model<model::ModelConfig>(st, a.checkpoint);
     mtp = cfg.num_nextn_predict_layers;
     auto params = model::FlatParams::zeros(cfg, mtp);
     train::load_checkpoint(a.checkpoint, cfg, mtp, params, nullptr, nullptr);
