@@ -285,6 +285,24 @@ TEST_P(RopeLayouts, SingleHeadInPlaceMatchesOutOfPlace) {
   EXPECT_EQ(z, y);
 }
 
+// A packed batch repeats its positions (fewer positions than tokens): the
+// cos and sin are then taken once per position, with the same bits as one
+// token at a time, forward and backward.
+TEST_P(RopeLayouts, RepeatedPositionsMatchOneTokenAtATime) {
+  const Problem p(9, 3, 64, {0, 1, 2, 3, 0, 1, 2, 0, 1}, 13);
+  for (bool fwd : {true, false}) {
+    const auto y = fwd ? p.forward(p.x, GetParam()) : p.backward(p.x, GetParam());
+    std::vector<float> z(p.x.size());
+    const int64_t row = p.heads * p.dim;
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      auto* f = fwd ? &ops::rope_forward : &ops::rope_backward;
+      f(z.data() + t * row, p.x.data() + t * row, p.pos.data() + t, p.freqs.data(), 1, p.heads, p.dim, row, p.dim,
+        GetParam());
+    }
+    EXPECT_EQ(z, y) << (fwd ? "forward" : "backward");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, RopeLayouts, ::testing::Values(RopeLayout::Interleaved, RopeLayout::HalfSplit));
 
 TEST(Rope, ResultIndependentOfThreadCount) {

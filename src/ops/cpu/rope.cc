@@ -49,17 +49,40 @@ void rope_apply(float* y, const float* x, const int32_t* positions, const float*
   for (int64_t t = 0; t < tokens; ++t)
     DS_CHECK(positions[t] >= 0, "{}: position {} of token {} is negative", name, positions[t], t);
   const int64_t half = dim / 2;
-  parallel_ranges(tokens, tokens * heads * dim >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
+  // The angle is rounded to float32 as the reference implementations do;
+  // cos and sin of that angle are then taken in double and rounded once.
+  auto angles = [&](float* c, float* s, int32_t pos) {
+    const float p = static_cast<float>(pos);
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(p * freqs[i]);
+      c[i] = static_cast<float>(std::cos(angle));
+      s[i] = sin_sign * static_cast<float>(std::sin(angle));
+    }
+  };
+  const bool parallel = tokens * heads * dim >= (int64_t{1} << 14);
+  // A batch of several sequences repeats its positions: when there are fewer
+  // positions than tokens, each position's cos and sin are taken once.
+  int32_t max_pos = 0;
+  for (int64_t t = 0; t < tokens; ++t) max_pos = std::max(max_pos, positions[t]);
+  if (tokens > 1 && static_cast<int64_t>(max_pos) + 1 < tokens) {
+    const int64_t P = static_cast<int64_t>(max_pos) + 1;
+    std::vector<float> c(static_cast<size_t>(P * half)), s(c.size());
+    parallel_ranges(P, parallel, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) angles(c.data() + p * half, s.data() + p * half, static_cast<int32_t>(p));
+    });
+    parallel_ranges(tokens, parallel, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t off = t * token_stride + h * head_stride;
+          rotate_head(y + off, x + off, c.data() + positions[t] * half, s.data() + positions[t] * half, half, layout);
+        }
+    });
+    return;
+  }
+  parallel_ranges(tokens, parallel, [&](int64_t t0, int64_t t1) {
     std::vector<float> c(half), s(half);
     for (int64_t t = t0; t < t1; ++t) {
-      const float p = static_cast<float>(positions[t]);
-      for (int64_t i = 0; i < half; ++i) {
-        // The angle is rounded to float32 as the reference implementations do;
-        // cos and sin of that angle are then taken in double and rounded once.
-        const double angle = static_cast<double>(p * freqs[i]);
-        c[i] = static_cast<float>(std::cos(angle));
-        s[i] = sin_sign * static_cast<float>(std::sin(angle));
-      }
+      angles(c.data(), s.data(), positions[t]);
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t off = t * token_stride + h * head_stride;
         rotate_head(y + off, x + off, c.data(), s.data(), half, layout);
