@@ -21,8 +21,9 @@ struct Case {
 };
 
 // Lists of varying length over nkeys keys (some shared between queries, one
-// repeated within a list, one empty when there is a sink).
-Case make_case(int64_t queries, int64_t heads, int64_t dim, int64_t nkeys, bool empty_list) {
+// repeated within a list, one empty when there is a sink); `extra` more keys
+// in every list that is not empty (lists longer than two vectors).
+Case make_case(int64_t queries, int64_t heads, int64_t dim, int64_t nkeys, bool empty_list, int64_t extra = 0) {
   Case c;
   c.d.queries = queries;
   c.d.heads = heads;
@@ -33,7 +34,7 @@ Case make_case(int64_t queries, int64_t heads, int64_t dim, int64_t nkeys, bool 
   for (int64_t i = 0; i < queries; ++i) {
     std::vector<int64_t> l;
     if (!(empty_list && i == 1))
-      for (int64_t j = 0; j < 1 + (i * 5 + 3) % 7; ++j) l.push_back((i * 3 + j * 5) % nkeys);
+      for (int64_t j = 0; j < 1 + (i * 5 + 3) % 7 + extra; ++j) l.push_back((i * 3 + j * 5) % nkeys);
     if (i == 2 && !l.empty()) l.push_back(l.front());  // a key twice
     c.lists.push_back(l);
     c.offsets.push_back(c.offsets.back() + static_cast<int64_t>(l.size()));
@@ -51,21 +52,25 @@ std::vector<T*> row_pointers(std::vector<T>& keys, const Case& c) {
 
 }  // namespace
 
+// The small shapes, and lists of 36 to 43 keys with an odd head count and a
+// dimension that is no multiple of any vector length (every tail of the
+// kernels' tiles).
 TEST(SparseAttention, MatchesTheReference) {
-  for (bool with_sink : {false, true}) {
-    Case c = make_case(6, 3, 8, 9, with_sink);
-    auto q = ds::test::randn(c.d.queries * c.d.heads * c.d.dim, 1);
-    auto keys = ds::test::randn(c.nkeys * c.d.dim, 2);
-    std::vector<float> sink;
-    if (with_sink) sink = ds::test::randn(c.d.heads, 3);
-    std::vector<float> out(q.size()), lse(c.d.queries * c.d.heads);
-    const auto rows = row_pointers(keys, c);
-    ds::ops::sparse_mqa_forward(out.data(), lse.data(), q.data(), rows.data(), c.offsets.data(),
-                                with_sink ? sink.data() : nullptr, c.d);
-    const auto want =
-        ds::ref::sparse_mqa(ds::test::to_double(q), ds::test::to_double(keys), c.lists, ds::test::to_double(sink), c.d);
-    ds::test::expect_close(out, want, 1e-5, 1e-6, with_sink ? "sink" : "no sink");
-  }
+  for (bool with_sink : {false, true})
+    for (bool odd : {false, true}) {
+      Case c = odd ? make_case(5, 3, 37, 45, with_sink, 35) : make_case(6, 3, 8, 9, with_sink);
+      auto q = ds::test::randn(c.d.queries * c.d.heads * c.d.dim, 1);
+      auto keys = ds::test::randn(c.nkeys * c.d.dim, 2);
+      std::vector<float> sink;
+      if (with_sink) sink = ds::test::randn(c.d.heads, 3);
+      std::vector<float> out(q.size()), lse(c.d.queries * c.d.heads);
+      const auto rows = row_pointers(keys, c);
+      ds::ops::sparse_mqa_forward(out.data(), lse.data(), q.data(), rows.data(), c.offsets.data(),
+                                  with_sink ? sink.data() : nullptr, c.d);
+      const auto want = ds::ref::sparse_mqa(ds::test::to_double(q), ds::test::to_double(keys), c.lists,
+                                            ds::test::to_double(sink), c.d);
+      ds::test::expect_close(out, want, 1e-5, 1e-6, with_sink ? "sink" : "no sink");
+    }
 }
 
 TEST(SparseAttention, HandChecked) {
@@ -90,40 +95,42 @@ TEST(SparseAttention, HandChecked) {
 }
 
 TEST(SparseAttention, BackwardMatchesCentralDifferences) {
-  for (bool with_sink : {false, true}) {
-    Case c = make_case(5, 2, 6, 7, with_sink);
-    auto q = ds::test::randn(c.d.queries * c.d.heads * c.d.dim, 11);
-    auto keys = ds::test::randn(c.nkeys * c.d.dim, 12);
-    std::vector<float> sink;
-    if (with_sink) sink = ds::test::randn(c.d.heads, 13);
-    const auto g = ds::test::randn(q.size(), 14);
-    const float* sp = with_sink ? sink.data() : nullptr;
-    std::vector<float> out(q.size()), lse(c.d.queries * c.d.heads);
-    auto rows = row_pointers(keys, c);
-    ds::ops::sparse_mqa_forward(out.data(), lse.data(), q.data(), rows.data(), c.offsets.data(), sp, c.d);
-    std::vector<float> dq(q.size(), 7.0f), dkeys(keys.size(), 0.5f), dsink(c.d.heads, -0.25f);
-    auto drows = row_pointers(dkeys, c);
-    ds::ops::sparse_mqa_backward(dq.data(), drows.data(), with_sink ? dsink.data() : nullptr, g.data(), out.data(),
-                                 lse.data(), q.data(), rows.data(), c.offsets.data(), sp, c.d);
-    for (auto& v : dkeys) v -= 0.5f;  // accumulated into
-    for (auto& v : dsink) v += 0.25f;
-    const auto Q = ds::test::to_double(q), K = ds::test::to_double(keys), S = ds::test::to_double(sink);
-    const auto G = ds::test::to_double(g);
-    auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& ss) {
-      return ds::test::weighted_sum(ds::ref::sparse_mqa(qq, kk, c.lists, ss, c.d), G);
-    };
-    ds::test::expect_close(dq, ds::test::numeric_grad([&](const auto& v) { return loss(v, K, S); }, Q), 1e-5, 1e-6,
-                           "dq");
-    ds::test::expect_close(dkeys, ds::test::numeric_grad([&](const auto& v) { return loss(Q, v, S); }, K), 1e-5, 1e-6,
-                           "dkeys");
-    if (with_sink)
-      ds::test::expect_close(dsink, ds::test::numeric_grad([&](const auto& v) { return loss(Q, K, v); }, S), 1e-5, 1e-6,
-                             "dsink");
-  }
+  for (bool with_sink : {false, true})
+    for (bool odd : {false, true}) {
+      Case c = odd ? make_case(4, 3, 37, 45, with_sink, 35) : make_case(5, 2, 6, 7, with_sink);
+      auto q = ds::test::randn(c.d.queries * c.d.heads * c.d.dim, 11);
+      auto keys = ds::test::randn(c.nkeys * c.d.dim, 12);
+      std::vector<float> sink;
+      if (with_sink) sink = ds::test::randn(c.d.heads, 13);
+      const auto g = ds::test::randn(q.size(), 14);
+      const float* sp = with_sink ? sink.data() : nullptr;
+      std::vector<float> out(q.size()), lse(c.d.queries * c.d.heads);
+      auto rows = row_pointers(keys, c);
+      ds::ops::sparse_mqa_forward(out.data(), lse.data(), q.data(), rows.data(), c.offsets.data(), sp, c.d);
+      std::vector<float> dq(q.size(), 7.0f), dkeys(keys.size(), 0.5f), dsink(c.d.heads, -0.25f);
+      auto drows = row_pointers(dkeys, c);
+      ds::ops::sparse_mqa_backward(dq.data(), drows.data(), with_sink ? dsink.data() : nullptr, g.data(), out.data(),
+                                   lse.data(), q.data(), rows.data(), c.offsets.data(), sp, c.d);
+      for (auto& v : dkeys) v -= 0.5f;  // accumulated into
+      for (auto& v : dsink) v += 0.25f;
+      const auto Q = ds::test::to_double(q), K = ds::test::to_double(keys), S = ds::test::to_double(sink);
+      const auto G = ds::test::to_double(g);
+      auto loss = [&](const std::vector<double>& qq, const std::vector<double>& kk, const std::vector<double>& ss) {
+        return ds::test::weighted_sum(ds::ref::sparse_mqa(qq, kk, c.lists, ss, c.d), G);
+      };
+      ds::test::expect_close(dq, ds::test::numeric_grad([&](const auto& v) { return loss(v, K, S); }, Q), 1e-5, 1e-6,
+                             "dq");
+      ds::test::expect_close(dkeys, ds::test::numeric_grad([&](const auto& v) { return loss(Q, v, S); }, K), 1e-5, 1e-6,
+                             "dkeys");
+      if (with_sink)
+        ds::test::expect_close(dsink, ds::test::numeric_grad([&](const auto& v) { return loss(Q, K, v); }, S), 1e-5,
+                               1e-6, "dsink");
+    }
 }
 
+// Three blocks of queries, long lists, odd shapes.
 TEST(SparseAttention, ResultsDoNotDependOnTheThreadCount) {
-  Case c = make_case(40, 8, 64, 50, true);
+  Case c = make_case(600, 3, 37, 50, true, 20);
   auto q = ds::test::randn(c.d.queries * c.d.heads * c.d.dim, 21);
   auto keys = ds::test::randn(c.nkeys * c.d.dim, 22);
   const auto sink = ds::test::randn(c.d.heads, 23), g = ds::test::randn(q.size(), 24);

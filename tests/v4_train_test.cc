@@ -241,7 +241,12 @@ TEST(V4Train, PackedRowsTrainEachDocumentAsItsOwnSequence) {
   for (const auto& [name, got] : gp.by_name) {
     double scale = 0;
     for (double x : want_g[name]) scale = std::max(scale, std::fabs(x));
-    ds::test::expect_close(got, want_g[name], 0.0, 1e-5 * scale + 1e-12, name.c_str());
+    // The two sides differ only by float32 rounding: the gradients of the
+    // mHC scales and bases and of the sinks are sums over the tokens whose
+    // terms largely cancel, and one sum over the packed row rounds
+    // differently from two sums over the pieces (up to 2e-5 of the result
+    // here). A document seeing another would be off by far more.
+    ds::test::expect_close(got, want_g[name], 0.0, 1e-4 * scale + 1e-12, name.c_str());
   }
   // A piece whose positions do not start at 0 is refused.
   p.positions[static_cast<size_t>(A)] = 1;

@@ -1,16 +1,171 @@
+// The per-query products are Highway code (compiled once per SIMD target and
+// dispatched at run time, core/simd.h). A query's list is short (a window
+// and a few compressed entries), so one BLAS call per product would cost more
+// in call overhead than in arithmetic. Every product here is written as
+// multiply-adds along one output row, in a fixed order over the summed index;
+// no sum is split across lanes, so a result does not depend on the vector
+// width either (targets without a fused multiply-add, such as SSE4 and the
+// scalar fallback, round each product first and differ from those with one).
 #include "ops/sparse_attention.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "core/error.h"
 #include "core/parallel.h"
-#include "ops/matmul.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cpu/sparse_attention.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+#include "ops/cpu/lanes-inl.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace ds::ops {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+// Each output element is one chain of multiply-adds in a fixed order; the
+// tiles below run several independent chains at once so that the adds'
+// latency overlaps (a single chain waits on its previous add at every step).
+
+// S[h, j] = sum_c q[h, c] Kt[c, j] for h < H, j < ld: q [H, D], Kt [D, ld]
+// (the keys transposed, ld a multiple of the vector length, padding
+// included), S [H, ld].
+void Scores(float* S, const float* q, const float* Kt, int64_t H, int64_t ld, int64_t D) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t h = 0; h < H; h += 2) {
+    const float* q0 = q + h * D;
+    const float* q1 = h + 1 < H ? q0 + D : q0;  // odd H: the last row twice, stored once
+    for (int64_t j = 0; j < ld; j += 2 * N) {
+      const bool two = j + N < ld;
+      auto a00 = hn::Zero(d), a01 = hn::Zero(d), a10 = hn::Zero(d), a11 = hn::Zero(d);
+      for (int64_t c = 0; c < D; ++c) {
+        const auto x0 = hn::Set(d, q0[c]), x1 = hn::Set(d, q1[c]);
+        const auto k0 = hn::LoadU(d, Kt + c * ld + j);
+        a00 = hn::MulAdd(x0, k0, a00);
+        a10 = hn::MulAdd(x1, k0, a10);
+        if (two) {
+          const auto k1 = hn::LoadU(d, Kt + c * ld + j + N);
+          a01 = hn::MulAdd(x0, k1, a01);
+          a11 = hn::MulAdd(x1, k1, a11);
+        }
+      }
+      hn::StoreU(a00, d, S + h * ld + j);
+      if (two) hn::StoreU(a01, d, S + h * ld + j + N);
+      if (h + 1 < H) {
+        hn::StoreU(a10, d, S + (h + 1) * ld + j);
+        if (two) hn::StoreU(a11, d, S + (h + 1) * ld + j + N);
+      }
+    }
+  }
+}
+
+// O[h, :] = sum_j P[h, j] rows[j] for h < H: P [H, ldp] (n used), rows n
+// pointers to D floats, O [H, D].
+void Combine(float* O, const float* P, int64_t ldp, const float* const* rows, int64_t H, int64_t n, int64_t D) {
+  const DF d;
+  const size_t N = hn::Lanes(d), dd = static_cast<size_t>(D);
+  for (int64_t h = 0; h < H; h += 2) {
+    const float* p0 = P + h * ldp;
+    const float* p1 = h + 1 < H ? p0 + ldp : p0;
+    size_t c = 0;
+    for (; c + 2 * N <= dd; c += 2 * N) {
+      auto a00 = hn::Zero(d), a01 = hn::Zero(d), a10 = hn::Zero(d), a11 = hn::Zero(d);
+      for (int64_t j = 0; j < n; ++j) {
+        const auto r0 = hn::LoadU(d, rows[j] + c), r1 = hn::LoadU(d, rows[j] + c + N);
+        const auto x0 = hn::Set(d, p0[j]), x1 = hn::Set(d, p1[j]);
+        a00 = hn::MulAdd(x0, r0, a00);
+        a01 = hn::MulAdd(x0, r1, a01);
+        a10 = hn::MulAdd(x1, r0, a10);
+        a11 = hn::MulAdd(x1, r1, a11);
+      }
+      hn::StoreU(a00, d, O + h * D + static_cast<int64_t>(c));
+      hn::StoreU(a01, d, O + h * D + static_cast<int64_t>(c + N));
+      if (h + 1 < H) {
+        hn::StoreU(a10, d, O + (h + 1) * D + static_cast<int64_t>(c));
+        hn::StoreU(a11, d, O + (h + 1) * D + static_cast<int64_t>(c + N));
+      }
+    }
+    for (; c < dd; c += N) {  // the last one or two vectors, the last maybe partial
+      auto a0 = hn::Zero(d), a1 = hn::Zero(d);
+      for (int64_t j = 0; j < n; ++j) {
+        const auto r = LoadUpTo(d, rows[j] + c, dd - c);
+        a0 = hn::MulAdd(hn::Set(d, p0[j]), r, a0);
+        a1 = hn::MulAdd(hn::Set(d, p1[j]), r, a1);
+      }
+      StoreUpTo(d, a0, O + h * D + static_cast<int64_t>(c), dd - c);
+      if (h + 1 < H) StoreUpTo(d, a1, O + (h + 1) * D + static_cast<int64_t>(c), dd - c);
+    }
+  }
+}
+
+// dK[j, :] = sum_h A[h, j] X[h, :] + sum_h B[h, j] Y[h, :] for j < n (the two
+// sums formed apart, then added): A, B [H, ld], X, Y [H, D], dK [n, D].
+void KeyGrads(float* dK, const float* A, const float* X, const float* B, const float* Y, int64_t ld, int64_t H,
+              int64_t n, int64_t D) {
+  const DF d;
+  const size_t N = hn::Lanes(d), dd = static_cast<size_t>(D);
+  for (int64_t j = 0; j < n; ++j) {
+    size_t c = 0;
+    for (; c + 2 * N <= dd; c += 2 * N) {
+      auto a0 = hn::Zero(d), a1 = hn::Zero(d), b0 = hn::Zero(d), b1 = hn::Zero(d);
+      for (int64_t h = 0; h < H; ++h) {
+        const auto xa = hn::Set(d, A[h * ld + j]), xb = hn::Set(d, B[h * ld + j]);
+        const float* xr = X + h * D + static_cast<int64_t>(c);
+        const float* yr = Y + h * D + static_cast<int64_t>(c);
+        a0 = hn::MulAdd(xa, hn::LoadU(d, xr), a0);
+        a1 = hn::MulAdd(xa, hn::LoadU(d, xr + N), a1);
+        b0 = hn::MulAdd(xb, hn::LoadU(d, yr), b0);
+        b1 = hn::MulAdd(xb, hn::LoadU(d, yr + N), b1);
+      }
+      hn::StoreU(hn::Add(a0, b0), d, dK + j * D + static_cast<int64_t>(c));
+      hn::StoreU(hn::Add(a1, b1), d, dK + j * D + static_cast<int64_t>(c + N));
+    }
+    for (; c < dd; c += N) {
+      auto a = hn::Zero(d), b = hn::Zero(d);
+      for (int64_t h = 0; h < H; ++h) {
+        a = hn::MulAdd(hn::Set(d, A[h * ld + j]), LoadUpTo(d, X + h * D + static_cast<int64_t>(c), dd - c), a);
+        b = hn::MulAdd(hn::Set(d, B[h * ld + j]), LoadUpTo(d, Y + h * D + static_cast<int64_t>(c), dd - c), b);
+      }
+      StoreUpTo(d, hn::Add(a, b), dK + j * D + static_cast<int64_t>(c), dd - c);
+    }
+  }
+}
+
+// dst[j][:] += src[j, :] for j < n, in order of j: src [n, D].
+void AddRowsInto(float* const* dst, const float* src, int64_t n, int64_t D) {
+  const DF d;
+  for (int64_t j = 0; j < n; ++j)
+    Map2(d, dst[j], dst[j], src + j * D, static_cast<size_t>(D),
+         [](hn::Vec<DF> a, hn::Vec<DF> b) HWY_ATTR { return hn::Add(a, b); });
+}
+
+// The vector length of the dispatched target, for padding.
+int64_t VectorFloats() { return static_cast<int64_t>(hn::Lanes(DF())); }
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds::ops
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "core/simd.h"
 
 namespace ds::ops {
+
+HWY_EXPORT(Scores);
+HWY_EXPORT(Combine);
+HWY_EXPORT(KeyGrads);
+HWY_EXPORT(VectorFloats);
+HWY_EXPORT(AddRowsInto);
 
 namespace {
 
@@ -25,11 +180,19 @@ void check(const float* const* rows, const int64_t* offsets, const float* sink, 
   DS_CHECK(d.queries == 0 || rows != nullptr || offsets[d.queries] == 0, "sparse attention: no key rows");
 }
 
-// The keys of one query, gathered [n, dim].
-void gather(std::vector<float>& K, const float* const* rows, int64_t n, int64_t D) {
-  K.resize(static_cast<size_t>(n * D));
-  for (int64_t j = 0; j < n; ++j) std::memcpy(K.data() + j * D, rows[j], static_cast<size_t>(D) * sizeof(float));
+// The keys of one query transposed, Kt [dim, ld], columns n .. ld - 1 zero.
+void gather_transposed(std::vector<float>& Kt, const float* const* rows, int64_t n, int64_t ld, int64_t D) {
+  Kt.resize(static_cast<size_t>(ld * D));
+  // Column by column: the stores run along Kt's rows.
+  for (int64_t c = 0; c < D; ++c) {
+    float* dst = Kt.data() + c * ld;
+    for (int64_t j = 0; j < n; ++j) dst[j] = rows[j][c];
+    std::fill(dst + n, dst + ld, 0.0f);
+  }
 }
+
+// n rounded up to a whole number of vectors of `lanes`.
+int64_t padded(int64_t n, int64_t lanes) { return (n + lanes - 1) / lanes * lanes; }
 
 }  // namespace
 
@@ -37,8 +200,9 @@ void sparse_mqa_forward(float* out, float* lse, const float* q, const float* con
                         const float* sink, const SparseMqaDims& d) {
   check(rows, offsets, sink, d);
   const int64_t H = d.heads, D = d.dim;
+  const int64_t lanes = DS_DISPATCH(VectorFloats)();
   parallel_ranges(d.queries, d.queries > 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> K, s;
+    std::vector<float> Kt, s;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = offsets[i + 1] - offsets[i];
       float* o = out + i * H * D;
@@ -47,11 +211,13 @@ void sparse_mqa_forward(float* out, float* lse, const float* q, const float* con
         for (int64_t h = 0; h < H; ++h) lse[i * H + h] = sink[h];
         continue;
       }
-      gather(K, rows + offsets[i], n, D);
-      s.resize(static_cast<size_t>(H * n));
-      gemm(false, true, H, n, D, d.scale, q + i * H * D, D, K.data(), D, 0.0f, s.data(), n);
+      const int64_t ld = padded(n, lanes);
+      gather_transposed(Kt, rows + offsets[i], n, ld, D);
+      s.resize(static_cast<size_t>(H * ld));
+      DS_DISPATCH(Scores)(s.data(), q + i * H * D, Kt.data(), H, ld, D);
       for (int64_t h = 0; h < H; ++h) {
-        float* row = s.data() + h * n;
+        float* row = s.data() + h * ld;
+        for (int64_t j = 0; j < n; ++j) row[j] *= d.scale;
         float mx = sink ? sink[h] : -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
         double sum = sink ? std::exp(static_cast<double>(sink[h]) - mx) : 0.0;
@@ -63,7 +229,7 @@ void sparse_mqa_forward(float* out, float* lse, const float* q, const float* con
         for (int64_t j = 0; j < n; ++j) row[j] *= inv;
         lse[i * H + h] = mx + static_cast<float>(std::log(sum));
       }
-      gemm(false, false, H, D, n, 1.0f, s.data(), n, K.data(), D, 0.0f, o, D);
+      DS_DISPATCH(Combine)(o, s.data(), ld, rows + offsets[i], H, n, D);
     }
   });
 }
@@ -73,47 +239,66 @@ void sparse_mqa_backward(float* dq, float* const* drows, float* dsink, const flo
                          const float* sink, const SparseMqaDims& d) {
   check(rows, offsets, sink, d);
   const int64_t H = d.heads, D = d.dim;
-  std::vector<float> K, P, dP, dK, Dh(static_cast<size_t>(H));
-  // Query by query in order: the key gradients of queries that share keys
-  // add up in one fixed order; each query's products use every thread.
-  for (int64_t i = 0; i < d.queries; ++i) {
-    const int64_t n = offsets[i + 1] - offsets[i];
-    const float* qi = q + i * H * D;
-    const float* gi = dout + i * H * D;
-    for (int64_t h = 0; h < H; ++h) {
-      double acc = 0;
-      for (int64_t c = 0; c < D; ++c) acc += static_cast<double>(gi[h * D + c]) * out[(i * H + h) * D + c];
-      Dh[static_cast<size_t>(h)] = static_cast<float>(acc);
-      if (sink && dsink) dsink[h] -= std::exp(sink[h] - lse[i * H + h]) * Dh[static_cast<size_t>(h)];
-    }
-    if (n == 0) {
-      std::fill(dq + i * H * D, dq + (i + 1) * H * D, 0.0f);
-      continue;
-    }
-    gather(K, rows + offsets[i], n, D);
-    P.resize(static_cast<size_t>(H * n));
-    dP.resize(static_cast<size_t>(H * n));
-    gemm(false, true, H, n, D, d.scale, qi, D, K.data(), D, 0.0f, P.data(), n);
-    gemm(false, true, H, n, D, 1.0f, gi, D, K.data(), D, 0.0f, dP.data(), n);
-    for (int64_t h = 0; h < H; ++h) {
-      const float l = lse[i * H + h], Dv = Dh[static_cast<size_t>(h)];
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t k = h * n + j;
-        P[k] = std::exp(P[k] - l);
-        dP[k] = P[k] * (dP[k] - Dv);  // ds
+  const int64_t lanes = DS_DISPATCH(VectorFloats)();
+  // Blocks of a fixed number of queries. Inside a block each query's
+  // products run on one thread (every query is independent) and leave its
+  // key gradients and sink terms in scratch; the block then adds them to
+  // their destinations in query order, the threads taking disjoint columns.
+  // Every sum is formed in the same order whatever the thread count, and in
+  // the order of a plain loop over the queries.
+  constexpr int64_t kBlock = 256;
+  std::vector<float> dkeys, dsinks;
+  for (int64_t i0 = 0; i0 < d.queries; i0 += kBlock) {
+    const int64_t i1 = std::min(d.queries, i0 + kBlock), e0 = offsets[i0], e1 = offsets[i1];
+    if (drows) dkeys.resize(static_cast<size_t>((e1 - e0) * D));
+    if (sink && dsink) dsinks.assign(static_cast<size_t>((i1 - i0) * H), 0.0f);
+    parallel_ranges(i1 - i0, i1 - i0 > 1, [&](int64_t b, int64_t e) {
+      std::vector<float> Kt, P, dS, Dh(static_cast<size_t>(H));
+      for (int64_t i = i0 + b; i < i0 + e; ++i) {
+        const int64_t n = offsets[i + 1] - offsets[i];
+        const float* qi = q + i * H * D;
+        const float* gi = dout + i * H * D;
+        for (int64_t h = 0; h < H; ++h) {
+          double acc = 0;
+          for (int64_t c = 0; c < D; ++c) acc += static_cast<double>(gi[h * D + c]) * out[(i * H + h) * D + c];
+          Dh[static_cast<size_t>(h)] = static_cast<float>(acc);
+          if (sink && dsink)
+            dsinks[static_cast<size_t>((i - i0) * H + h)] =
+                std::exp(sink[h] - lse[i * H + h]) * Dh[static_cast<size_t>(h)];
+        }
+        if (n == 0) {
+          std::fill(dq + i * H * D, dq + (i + 1) * H * D, 0.0f);
+          continue;
+        }
+        const int64_t ld = padded(n, lanes);
+        gather_transposed(Kt, rows + offsets[i], n, ld, D);
+        P.resize(static_cast<size_t>(H * ld));
+        dS.resize(static_cast<size_t>(H * ld));
+        DS_DISPATCH(Scores)(P.data(), qi, Kt.data(), H, ld, D);
+        DS_DISPATCH(Scores)(dS.data(), gi, Kt.data(), H, ld, D);  // dp
+        for (int64_t h = 0; h < H; ++h) {
+          const float l = lse[i * H + h], Dv = Dh[static_cast<size_t>(h)];
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t k = h * ld + j;
+            P[static_cast<size_t>(k)] = std::exp(P[static_cast<size_t>(k)] * d.scale - l);
+            // scale x ds: both gradients below take it with that factor
+            dS[static_cast<size_t>(k)] = d.scale * (P[static_cast<size_t>(k)] * (dS[static_cast<size_t>(k)] - Dv));
+          }
+        }
+        DS_DISPATCH(Combine)(dq + i * H * D, dS.data(), ld, rows + offsets[i], H, n, D);
+        if (drows)
+          DS_DISPATCH(KeyGrads)(dkeys.data() + (offsets[i] - e0) * D, dS.data(), qi, P.data(), gi, ld, H, n, D);
       }
-    }
-    gemm(false, false, H, D, n, d.scale, dP.data(), n, K.data(), D, 0.0f, dq + i * H * D, D);
-    if (!drows) continue;
-    dK.resize(static_cast<size_t>(n * D));
-    gemm(true, false, n, D, H, d.scale, dP.data(), n, qi, D, 0.0f, dK.data(), D);
-    gemm(true, false, n, D, H, 1.0f, P.data(), n, gi, D, 1.0f, dK.data(), D);
-    for (int64_t j = 0; j < n; ++j) {
-      float* dst = drows[offsets[i] + j];
-      const float* src = dK.data() + j * D;
-      for (int64_t c = 0; c < D; ++c) dst[c] += src[c];
-    }
+    });
+    if (sink && dsink)
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t h = 0; h < H; ++h) dsink[h] -= dsinks[static_cast<size_t>((i - i0) * H + h)];
+    // Keys shared by several queries (or listed twice) get their terms in
+    // entry order. One thread: split by columns, two threads would share the
+    // cache line at their boundary in every row.
+    if (drows) DS_DISPATCH(AddRowsInto)(drows + e0, dkeys.data(), e1 - e0, D);
   }
 }
 
 }  // namespace ds::ops
+#endif  // HWY_ONCE
