@@ -158,7 +158,8 @@ V4State V4Model::new_state() const {
 }
 
 void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
-                       int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv) {
+                       int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
+                       const std::pair<const float*, const float*>& proj) {
   V4CompressorCarry& carry = index_keys ? st.index_carry : st.carry;
   const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
   const bool overlap = m == 4;
@@ -169,8 +170,13 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
   Buffer<float> P(static_cast<size_t>(total * width)), Z(static_cast<size_t>(total * width));
   std::copy(carry.P.begin(), carry.P.end(), P.begin());
   std::copy(carry.Z.begin(), carry.Z.end(), Z.begin());
-  ops::linear_forward(P.data() + old * width, a, p.wkv, n);
-  ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
+  if (proj.first) {
+    std::copy(proj.first, proj.first + n * width, P.begin() + old * width);
+    std::copy(proj.second, proj.second + n * width, Z.begin() + old * width);
+  } else {
+    ops::linear_forward(P.data() + old * width, a, p.wkv, n);
+    ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
+  }
   const float* ape = vector_data(p.ape);
   for (int64_t i = 0; i < n; ++i) {
     float* z = Z.data() + (old + i) * width;
@@ -267,12 +273,35 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
 
   // Compressed entries (they become visible only once their window closes).
   const int64_t Hi = cfg_.index_n_heads, Di = cfg_.index_head_dim;
+  // With several sequences, the compressors' projections of every new row
+  // in one product each (one small product per sequence costs more in
+  // overhead than in arithmetic).
+  const int64_t cw = (m == 4 ? 2 : 1) * D, iw = 2 * Di;
+  Buffer<float> cP, cZ, iP, iZ;
+  const bool batched = m > 0 && segs.size() > 1;
+  if (batched) {
+    cP.resize(static_cast<size_t>(n * cw));
+    cZ.resize(cP.size());
+    ops::linear_forward(cP.data(), a, p.compressor.wkv, n);
+    ops::linear_forward(cZ.data(), a, p.compressor.wgate, n);
+    if (m == 4) {
+      iP.resize(static_cast<size_t>(n * iw));
+      iZ.resize(iP.size());
+      ops::linear_forward(iP.data(), a, p.index_compressor.wkv, n);
+      ops::linear_forward(iZ.data(), a, p.index_compressor.wgate, n);
+    }
+  }
   for (const Segment& g : segs) {
     V4LayerState& st = state(g);
     V4CompressorSaved* cs = nullptr;
     if (sv && m > 0) cs = &sv->comp.emplace_back();
-    if (m > 0) compress(st, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs);
-    if (m == 4) compress(st, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr);
+    auto rows_of = [&](const Buffer<float>& P, const Buffer<float>& Z, int64_t width) {
+      return batched ? std::pair<const float*, const float*>{P.data() + g.row * width, Z.data() + g.row * width}
+                     : std::pair<const float*, const float*>{nullptr, nullptr};
+    };
+    if (m > 0) compress(st, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs, rows_of(cP, cZ, cw));
+    if (m == 4)
+      compress(st, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr, rows_of(iP, iZ, iw));
     if (st.window.empty()) st.window.assign(static_cast<size_t>(W * D), 0.0f);
   }
   Buffer<float> qi, wts;

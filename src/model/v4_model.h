@@ -33,6 +33,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/buffer.h"
@@ -210,9 +211,12 @@ class V4Model {
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
   // The entries (or with index_keys the indexer's keys) whose windows the
-  // new tokens close, appended to st in its layout.
+  // new tokens close, appended to st in its layout. proj, when given, holds
+  // the n new rows' wkv and wgate projections ([n, width] each, computed for
+  // a whole batch at once); otherwise they are computed here from a.
   void compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
-                int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv);
+                int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
+                const std::pair<const float*, const float*>& proj = {nullptr, nullptr});
   void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
 
   const V4Config& cfg_;

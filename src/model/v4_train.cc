@@ -10,6 +10,7 @@
 #include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/compressor.h"
+#include "ops/cross_entropy.h"
 #include "ops/expert_selection.h"
 #include "ops/linear.h"
 #include "ops/mhc.h"
@@ -44,26 +45,33 @@ struct CrossEntropySums {
 // counts, by zeros when it does not.
 CrossEntropySums cross_entropy_rows(float* logits, int64_t V, const V4TrainBatch& b,
                                     const std::vector<int64_t>& targets, double zm, double scale) {
-  CrossEntropySums s;
-  for (size_t r = 0; r < targets.size(); ++r) {
-    float* z = logits + static_cast<int64_t>(r) * V;
-    const size_t i = static_cast<size_t>(targets[r]);
-    if (!(b.counted.empty() || b.counted[i])) {
-      std::fill(z, z + V, 0.0f);
-      continue;
-    }
-    const float mx = *std::max_element(z, z + V);
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(z[v]) - mx);
-    const double lse = mx + std::log(sum);
-    const int32_t target = b.targets[i];
-    s.ce += lse - z[target];
-    s.z += zm * lse * lse;
-    // d/dz (lse - z_t + zm lse^2) = (1 + 2 zm lse) softmax - onehot.
-    const double a = (1.0 + 2.0 * zm * lse) * scale;
-    for (int64_t v = 0; v < V; ++v) z[v] = static_cast<float>(std::exp(z[v] - lse) * a);
-    z[target] -= static_cast<float>(scale);
+  // The rows in parallel through the cross-entropy op (uncounted rows get
+  // target -1: no loss, zero gradient); its backward with dloss = scale (1 +
+  // 2 zm lse) gives scale (1 + 2 zm lse) (softmax - onehot), and the z-loss
+  // term's missing scale 2 zm lse at the target completes
+  // scale ((1 + 2 zm lse) softmax - onehot).
+  const int64_t N = static_cast<int64_t>(targets.size());
+  std::vector<int32_t> tgt(static_cast<size_t>(N));
+  for (int64_t r = 0; r < N; ++r) {
+    const size_t i = static_cast<size_t>(targets[static_cast<size_t>(r)]);
+    tgt[static_cast<size_t>(r)] = b.counted.empty() || b.counted[i] ? b.targets[i] : -1;
   }
+  std::vector<float> loss(static_cast<size_t>(N)), lse(static_cast<size_t>(N)), dloss(static_cast<size_t>(N));
+  ops::cross_entropy_forward(loss.data(), lse.data(), logits, tgt.data(), N, V);
+  CrossEntropySums s;
+  for (int64_t r = 0; r < N; ++r) {
+    if (tgt[static_cast<size_t>(r)] < 0) continue;
+    const double l = lse[static_cast<size_t>(r)];
+    s.ce += loss[static_cast<size_t>(r)];
+    s.z += zm * l * l;
+    dloss[static_cast<size_t>(r)] = static_cast<float>(scale * (1.0 + 2.0 * zm * l));
+  }
+  ops::cross_entropy_backward(logits, dloss.data(), logits, tgt.data(), lse.data(), N, V);
+  if (zm != 0)
+    for (int64_t r = 0; r < N; ++r)
+      if (tgt[static_cast<size_t>(r)] >= 0)
+        logits[r * V + tgt[static_cast<size_t>(r)]] +=
+            static_cast<float>(scale * 2.0 * zm * static_cast<double>(lse[static_cast<size_t>(r)]));
   return s;
 }
 
@@ -207,7 +215,7 @@ class Backward {
   void attention(float* da, const float* dout, const V4AttentionSaved& s, const float* a, int64_t l) {
     const auto& p = w_.layers[static_cast<size_t>(l)].attn;
     auto& g = g_.layers[static_cast<size_t>(l)].attn;
-    const int64_t d = c_.hidden_size, H = c_.num_attention_heads, D = c_.head_dim, R = c_.qk_rope_head_dim;
+    const int64_t H = c_.num_attention_heads, D = c_.head_dim, R = c_.qk_rope_head_dim;
     const int64_t N = D - R, Lq = c_.q_lora_rank, G = c_.o_groups, r = c_.o_lora_rank, gw = H * D / G;
     const int64_t m = c_.compress_ratio(l);
     const float* freqs = model_.rope_frequencies(l);
@@ -252,26 +260,34 @@ class Backward {
     ops::rmsnorm_backward(dkv.data(), g.kv_norm, dkv.data(), s.kv_lin.data(), vector_data(p.kv_norm), s.rstd_kv.data(),
                           n_, D);
     ops::linear_backward(da, g.wkv, dkv.data(), a, p.wkv, n_, true);
-    if (m > 0)
+    if (m > 0) {
+      // Every sequence's projection gradients, then the two projections'
+      // backward over all rows at once.
+      const auto& cp = p.compressor;
+      auto& cg = g.compressor;
+      need_vector_data(cp.wkv, "compressor.wkv");
+      need_vector_data(cp.wgate, "compressor.wgate");
+      const int64_t width = (m == 4 ? 2 : 1) * D;
+      std::vector<float> dP(static_cast<size_t>(n_ * width)), dZ(dP.size());
       for (int64_t k = 0; k < S; ++k) {
         const size_t ks = static_cast<size_t>(k);
-        compressor(da + first_[ks] * d, dent[ks], s.comp[ks], a + first_[ks] * d, len_[ks], l);
+        compressor(dP.data() + first_[ks] * width, dZ.data() + first_[ks] * width, dent[ks], s.comp[ks], len_[ks], l);
       }
+      ops::linear_backward(da, cg.wkv, dP.data(), a, cp.wkv, n_, true);
+      ops::linear_backward(da, cg.wgate, dZ.data(), a, cp.wgate, n_, true);
+    }
   }
 
   // One sequence's compressed entries' gradient dE [entries, D] (consumed)
-  // back through RoPE at b m, the norm, the pooling, the position
-  // embedding and the two projections; da (that sequence's rows) +=.
-  void compressor(float* da, std::vector<float>& dE, const V4CompressorSaved& cs, const float* a, int64_t T,
-                  int64_t l) {
+  // back through RoPE at b m, the norm, the pooling and the position
+  // embedding to its rows' projections: dP, dZ [T, width] (`=`).
+  void compressor(float* dP, float* dZ, std::vector<float>& dE, const V4CompressorSaved& cs, int64_t T, int64_t l) {
     const auto& p = w_.layers[static_cast<size_t>(l)].attn.compressor;
     auto& g = g_.layers[static_cast<size_t>(l)].attn.compressor;
     const int64_t D = c_.head_dim, R = c_.qk_rope_head_dim, m = c_.compress_ratio(l);
     const int64_t nb = static_cast<int64_t>(dE.size()) / D;
     const ops::CompressorDims dims{T, D, m, m == 4};
     const int64_t width = dims.width();
-    need_vector_data(p.wkv, "compressor.wkv");
-    need_vector_data(p.wgate, "compressor.wgate");
     if (nb > 0) {
       std::vector<int32_t> epos(static_cast<size_t>(nb));
       for (int64_t b = 0; b < nb; ++b) epos[static_cast<size_t>(b)] = static_cast<int32_t>(b * m);
@@ -279,13 +295,12 @@ class Backward {
                          ops::RopeLayout::Interleaved);
       ops::rmsnorm_backward(dE.data(), g.norm, dE.data(), cs.pooled.data(), vector_data(p.norm), cs.rstd.data(), nb, D);
     }
-    std::vector<float> dP = zeros(T * width), dZ = zeros(T * width);
-    ops::compressor_pool_backward(dP.data(), dZ.data(), dE.data(), cs.P.data(), cs.Z.data(), dims);
+    std::fill(dP, dP + T * width, 0.0f);
+    std::fill(dZ, dZ + T * width, 0.0f);
+    ops::compressor_pool_backward(dP, dZ, dE.data(), cs.P.data(), cs.Z.data(), dims);
     if (g.ape)
       for (int64_t t = 0; t < T; ++t)
-        for (int64_t i = 0; i < width; ++i) g.ape[(t % m) * width + i] += dZ[static_cast<size_t>(t * width + i)];
-    ops::linear_backward(da, g.wkv, dP.data(), a, p.wkv, T, true);
-    ops::linear_backward(da, g.wgate, dZ.data(), a, p.wgate, T, true);
+        for (int64_t i = 0; i < width; ++i) g.ape[(t % m) * width + i] += dZ[t * width + i];
   }
 
   // dx [n, d] `=` from the MoE's output gradient dout.
