@@ -173,7 +173,7 @@ void for_each_v4_param(const V4Config& c, F&& f, Tree&&... trees) {
   for (int64_t k = 0; k < M; ++k) {
     const std::string p = "mtp." + std::to_string(k) + ".";
     const int64_t l = c.num_hidden_layers + k;
-    const size_t ks = static_cast<size_t>(k);
+    [[maybe_unused]] const size_t ks = static_cast<size_t>(k);  // unused when no tree is walked
     f(V4ParamInfo{p + "e_proj.weight", {d, d}, V4Role::Projection, l}, trees.mtp[ks].e_proj...);
     f(V4ParamInfo{p + "h_proj.weight", {d, d}, V4Role::Projection, l}, trees.mtp[ks].h_proj...);
     f(V4ParamInfo{p + "enorm.weight", {d}, V4Role::Vector, l}, trees.mtp[ks].enorm...);
