@@ -223,15 +223,15 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
     }
     if (!index_keys) st.count += k;
   }
-  if (sv) {
-    DS_CHECK(old == 0 && start == 0, "internal: a training forward starts every sequence afresh");
-    sv->P.assign(P.begin(), P.end());
-    sv->Z.assign(Z.begin(), Z.end());
-  }
   const int64_t keep = carry_start(p0 + n, m);
   carry.P.assign(P.begin() + (keep - start) * width, P.end());
   carry.Z.assign(Z.begin() + (keep - start) * width, Z.end());
   carry.start = keep;
+  if (sv) {
+    DS_CHECK(old == 0 && start == 0, "internal: a training forward starts every sequence afresh");
+    sv->P = std::move(P);
+    sv->Z = std::move(Z);
+  }
 }
 
 void V4Model::attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs,
@@ -245,27 +245,32 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   auto state = [&](const Segment& g) -> V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
   DS_CHECK(!sv || !opt_.qat, "internal: a training forward runs without the fp8/fp4 roundings");
 
+  // Training keeps the values before each norm in buffers of their own (they
+  // move into sv at the end, as does everything else it keeps); inference
+  // normalises in place.
+  auto normed = [&](Buffer<float>& y, Buffer<float>& lin, Buffer<float>& rstd, const float* w, int64_t rows,
+                    int64_t dim) {
+    rstd.resize(static_cast<size_t>(rows));
+    if (sv) {
+      y.resize(lin.size());
+      ops::rmsnorm_forward(y.data(), rstd.data(), lin.data(), w, rows, dim, eps);
+    } else {
+      ops::rmsnorm_forward(lin.data(), rstd.data(), lin.data(), w, rows, dim, eps);
+      y = std::move(lin);
+    }
+  };
   // Queries: q-LoRA, its norm, per-head RMS normalisation, RoPE on the tail.
-  Buffer<float> qr(static_cast<size_t>(n * Lq)), q(static_cast<size_t>(n * H * D));
-  Buffer<float> rstd(static_cast<size_t>(n * H));
-  ops::linear_forward(qr.data(), a, p.wq_a, n);
-  if (sv) sv->qr_lin.assign(qr.begin(), qr.end());
-  ops::rmsnorm_forward(qr.data(), rstd.data(), qr.data(), vector_data(p.q_norm), n, Lq, eps);
-  if (sv) {
-    sv->rstd_qr.assign(rstd.begin(), rstd.begin() + n);
-    sv->qr.assign(qr.begin(), qr.end());
-  }
-  ops::linear_forward(q.data(), qr.data(), p.wq_b, n);
-  if (sv) sv->q_lin.assign(q.begin(), q.end());
-  ops::rmsnorm_forward(q.data(), rstd.data(), q.data(), ones(D), n * H, D, eps);
-  if (sv) sv->rstd_q.assign(rstd.begin(), rstd.end());
+  Buffer<float> qr_lin(static_cast<size_t>(n * Lq)), qr, rstd_qr;
+  ops::linear_forward(qr_lin.data(), a, p.wq_a, n);
+  normed(qr, qr_lin, rstd_qr, vector_data(p.q_norm), n, Lq);
+  Buffer<float> q_lin(static_cast<size_t>(n * H * D)), q, rstd_q;
+  ops::linear_forward(q_lin.data(), qr.data(), p.wq_b, n);
+  normed(q, q_lin, rstd_q, ones(D), n * H, D);
   ops::rope_forward(q.data() + N, q.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
   // The shared K=V latent.
-  Buffer<float> kv(static_cast<size_t>(n * D));
-  ops::linear_forward(kv.data(), a, p.wkv, n);
-  if (sv) sv->kv_lin.assign(kv.begin(), kv.end());
-  ops::rmsnorm_forward(kv.data(), rstd.data(), kv.data(), vector_data(p.kv_norm), n, D, eps);
-  if (sv) sv->rstd_kv.assign(rstd.begin(), rstd.begin() + n);
+  Buffer<float> kv_lin(static_cast<size_t>(n * D)), kv, rstd_kv;
+  ops::linear_forward(kv_lin.data(), a, p.wkv, n);
+  normed(kv, kv_lin, rstd_kv, vector_data(p.kv_norm), n, D);
   ops::rope_forward(kv.data() + N, kv.data() + N, pos, freqs, n, 1, R, D, D, ops::RopeLayout::Interleaved);
   if (opt_.qat)
     for (int64_t i = 0; i < n; ++i)
@@ -417,29 +422,40 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   const ops::SparseMqaDims sd = v4_attention_dims(cfg_, n);
   Buffer<float> o(static_cast<size_t>(n * H * D)), lse(static_cast<size_t>(n * H));
   ops::sparse_mqa_forward(o.data(), lse.data(), q.data(), rows.data(), offsets.data(), vector_data(p.sink), sd);
-  if (sv) {
-    sv->q.assign(q.begin(), q.end());
-    sv->kv.assign(kv.begin(), kv.end());
-    sv->o.assign(o.begin(), o.end());
-    sv->lse.assign(lse.begin(), lse.end());
-    sv->offsets = offsets;
-  }
   for (const Segment& g : segs)
     for (int64_t src = std::max(g.start, g.start + g.n - W); src < g.start + g.n; ++src)
       std::memcpy(state(g).window.data() + (src % W) * D, kv.data() + (g.row + src - g.start) * D,
                   static_cast<size_t>(D) * sizeof(float));
-  // The values carry RoPE: rotate the output's tail back by -t.
-  ops::rope_backward(o.data() + N, o.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
-  if (sv) sv->o2.assign(o.begin(), o.end());
+  // The values carry RoPE: rotate the output's tail back by -t (training
+  // keeps the output as it was too).
+  Buffer<float> o2;
+  if (sv) o2 = o;
+  Buffer<float>& ob = sv ? o2 : o;
+  ops::rope_backward(ob.data() + N, ob.data() + N, pos, freqs, n, H, R, H * D, D, ops::RopeLayout::Interleaved);
 
   // Grouped low-rank output: group g's heads through wo_a's rows of group g.
   const int64_t G = cfg_.o_groups, r = cfg_.o_lora_rank, gw = H * D / G;
   Buffer<float> z(static_cast<size_t>(n * G * r));
   for (int64_t g = 0; g < G; ++g)
-    ops::linear_forward(z.data() + g * r, o.data() + g * gw, ops::row_slice(p.wo_a, g * r, (g + 1) * r), n, H * D,
+    ops::linear_forward(z.data() + g * r, ob.data() + g * gw, ops::row_slice(p.wo_a, g * r, (g + 1) * r), n, H * D,
                         G * r);
-  if (sv) sv->z.assign(z.begin(), z.end());
   ops::linear_forward(out, z.data(), p.wo_b, n);
+  if (sv) {
+    sv->qr_lin = std::move(qr_lin);
+    sv->qr = std::move(qr);
+    sv->rstd_qr = std::move(rstd_qr);
+    sv->q_lin = std::move(q_lin);
+    sv->q = std::move(q);
+    sv->rstd_q = std::move(rstd_q);
+    sv->kv_lin = std::move(kv_lin);
+    sv->kv = std::move(kv);
+    sv->rstd_kv = std::move(rstd_kv);
+    sv->o = std::move(o);
+    sv->lse = std::move(lse);
+    sv->o2 = std::move(o2);
+    sv->z = std::move(z);
+    sv->offsets = std::move(offsets);
+  }
 }
 
 void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
@@ -531,37 +547,51 @@ void V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, cons
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& L = w_.layers[static_cast<size_t>(l)];
   const ops::MhcDims md = v4_mhc_dims(cfg_, n);
-  Buffer<float> a(static_cast<size_t>(n * d)), o(static_cast<size_t>(n * d)), rstd(static_cast<size_t>(n));
-  Buffer<float> post(static_cast<size_t>(n * hc)), comb(static_cast<size_t>(n * hc * hc));
-  auto keep = [&](std::vector<float> V4LayerSaved::*field, const Buffer<float>& src) {
-    if (ls) (ls->*field).assign(src.begin(), src.end());
+  const size_t nd = static_cast<size_t>(n * d), nh = static_cast<size_t>(n * hc), ns = static_cast<size_t>(n * hc * d);
+  // Each sub-layer: x0 = mhc_pre(X), x = rmsnorm(x0), y = f(x), X = mhc_post(y, X).
+  // Training moves every buffer it keeps into ls (x0 and x apart, the input
+  // streams once mhc_post has read them) and the next sub-layer starts with
+  // fresh ones; inference normalises in place and reuses the buffers.
+  Buffer<float> x0(nd), x, y(nd), rstd(static_cast<size_t>(n)), post(nh), comb(nh * static_cast<size_t>(hc));
+  auto sublayer = [&](const ops::WeightView& fn, const ops::WeightView& base, const ops::WeightView& scale,
+                      const ops::WeightView& norm, auto&& f) {
+    ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
+                         vector_data(scale), md);
+    if (ls) {
+      x.resize(nd);
+      ops::rmsnorm_forward(x.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
+    } else {
+      ops::rmsnorm_forward(x0.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
+    }
+    f(y.data(), ls ? x.data() : x0.data());
+    ops::mhc_post_forward(X2.data(), y.data(), X.data(), post.data(), comb.data(), md);
+    std::swap(X, X2);
   };
-  keep(&V4LayerSaved::X, X);
-  ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_attn_fn),
-                       vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md);
-  keep(&V4LayerSaved::a0, a);
-  ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.attn_norm), n, d, eps);
-  keep(&V4LayerSaved::rstd_a, rstd);
-  keep(&V4LayerSaved::a, a);
-  keep(&V4LayerSaved::post, post);
-  keep(&V4LayerSaved::comb, comb);
-  attention(o.data(), a.data(), l, segs, pos, n, ls ? &ls->attn : nullptr);
-  keep(&V4LayerSaved::o, o);
-  ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
-  std::swap(X, X2);
-  keep(&V4LayerSaved::X1, X);
-  ops::mhc_pre_forward(a.data(), post.data(), comb.data(), X.data(), vector_data(L.hc_ffn_fn),
-                       vector_data(L.hc_ffn_base), vector_data(L.hc_ffn_scale), md);
-  keep(&V4LayerSaved::f0, a);
-  ops::rmsnorm_forward(a.data(), rstd.data(), a.data(), vector_data(L.ffn_norm), n, d, eps);
-  keep(&V4LayerSaved::rstd_f, rstd);
-  keep(&V4LayerSaved::f, a);
-  keep(&V4LayerSaved::fpost, post);
-  keep(&V4LayerSaved::fcomb, comb);
-  moe(o.data(), a.data(), ids, l, n, ls ? &ls->moe : nullptr);
-  keep(&V4LayerSaved::fo, o);
-  ops::mhc_post_forward(X2.data(), o.data(), X.data(), post.data(), comb.data(), md);
-  std::swap(X, X2);
+  // Moves the attention's or the MoE's buffers into ls; fresh ones follow.
+  auto keep = [&](Buffer<float>& in, Buffer<float>& a0, Buffer<float>& rs, Buffer<float>& a, Buffer<float>& p,
+                  Buffer<float>& c, Buffer<float>& o) {
+    in = std::move(X2);
+    a0 = std::move(x0);
+    rs = std::move(rstd);
+    a = std::move(x);
+    p = std::move(post);
+    c = std::move(comb);
+    o = std::move(y);
+    X2 = Buffer<float>(ns);
+    x0 = Buffer<float>(nd);
+    x = Buffer<float>();
+    rstd = Buffer<float>(static_cast<size_t>(n));
+    post = Buffer<float>(nh);
+    comb = Buffer<float>(nh * static_cast<size_t>(hc));
+    y = Buffer<float>(nd);
+  };
+  sublayer(L.hc_attn_fn, L.hc_attn_base, L.hc_attn_scale, L.attn_norm, [&](float* out, const float* a) {
+    attention(out, a, l, segs, pos, n, ls ? &ls->attn : nullptr);
+  });
+  if (ls) keep(ls->X, ls->a0, ls->rstd_a, ls->a, ls->post, ls->comb, ls->o);
+  sublayer(L.hc_ffn_fn, L.hc_ffn_base, L.hc_ffn_scale, L.ffn_norm,
+           [&](float* out, const float* a) { moe(out, a, ids, l, n, ls ? &ls->moe : nullptr); });
+  if (ls) keep(ls->X1, ls->f0, ls->rstd_f, ls->f, ls->fpost, ls->fcomb, ls->fo);
 }
 
 std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,

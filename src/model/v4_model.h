@@ -102,17 +102,17 @@ size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes = true);
 // layer. Rows are the batch's new tokens; compressor buffers are per
 // sequence (each a fresh state: its whole prompt in one forward).
 struct V4CompressorSaved {
-  std::vector<float> P, Z;    // projections (+ position embedding) [tokens, width]
+  Buffer<float> P, Z;         // projections (+ position embedding) [tokens, width]
   std::vector<float> pooled;  // entries before their norm [entries, dim]
   std::vector<float> rstd;    // [entries]
 };
 struct V4AttentionSaved {
-  std::vector<float> qr_lin, qr, rstd_qr;  // q-LoRA before and after its norm
-  std::vector<float> q_lin, rstd_q, q;     // [N, H, D] before the head norm; after it and RoPE
-  std::vector<float> kv_lin, rstd_kv, kv;  // the K=V latent before its norm; after it and RoPE
-  std::vector<V4CompressorSaved> comp;     // per sequence (m > 0)
-  std::vector<float> o, lse;               // attention output (rotated) and log-sum-exp
-  std::vector<float> o2, z;                // output rotated back; grouped projection [N, G r]
+  Buffer<float> qr_lin, qr, rstd_qr;     // q-LoRA before and after its norm
+  Buffer<float> q_lin, rstd_q, q;        // [N, H, D] before the head norm; after it and RoPE
+  Buffer<float> kv_lin, rstd_kv, kv;     // the K=V latent before its norm; after it and RoPE
+  std::vector<V4CompressorSaved> comp;   // per sequence (m > 0)
+  Buffer<float> o, lse;                  // attention output (rotated) and log-sum-exp
+  Buffer<float> o2, z;                   // output rotated back; grouped projection [N, G r]
   // Every query's keys (offsets into these lists): key_seg -1 for row key_idx
   // of kv, else entry key_idx of that sequence's compressed entries.
   std::vector<int32_t> key_seg;
@@ -127,11 +127,11 @@ struct V4MoeSaved {
   std::vector<float> sg, su, sh;               // shared expert [N, I]
 };
 struct V4LayerSaved {
-  std::vector<float> X;                             // the layer's input streams [N, hc, d]
-  std::vector<float> a0, rstd_a, a, post, comb, o;  // around the attention
+  Buffer<float> X;                             // the layer's input streams [N, hc, d]
+  Buffer<float> a0, rstd_a, a, post, comb, o;  // around the attention
   V4AttentionSaved attn;
-  std::vector<float> X1;                               // streams between the two sub-layers
-  std::vector<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
+  Buffer<float> X1;                               // streams between the two sub-layers
+  Buffer<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
   V4MoeSaved moe;
 };
 // Around a head: the streams it contracts, the mhc_head output, its norm.
