@@ -13,7 +13,116 @@
 #include "core/parallel.h"
 #include "ops/matmul.h"
 
+// The Sinkhorn normalizations run a vector of tokens at a time, one token per
+// lane (Highway, dispatched at run time, core/simd.h): each lane does its
+// token's sums, products and divisions in the order of the scalar loops, and
+// the file is compiled without contraction into fused multiply-adds
+// (CMakeLists.txt), so every target gives the scalar code's bits.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "ops/cpu/mhc.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
 namespace ds::ops {
+namespace HWY_NAMESPACE {
+// Internal linkage, so that same-named kernels of other files do not collide.
+namespace {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+// M [cnt, n n] (each token's row softmax plus eps already taken) through the
+// 2 iters - 1 normalizations (columns first, then rows and columns
+// alternating), in place; with states [cnt, 2 iters, n n], states[t][0] is
+// the input and states[t][i + 1] the matrix after normalization i.
+void SinkhornNormalize(float* M, int64_t cnt, int64_t n, int64_t iters, float eps, float* states) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n, steps = 2 * iters - 1;
+  std::vector<float> buf(static_cast<size_t>(nn * N));  // [nn][lanes]
+  const VF veps = hn::Set(d, eps);
+  for (int64_t t0 = 0; t0 < cnt; t0 += N) {
+    const int64_t lanes = std::min(N, cnt - t0);
+    // Lanes past the last token repeat it; their results are dropped.
+    for (int64_t i = 0; i < nn; ++i)
+      for (int64_t k = 0; k < N; ++k) buf[static_cast<size_t>(i * N + k)] = M[(t0 + std::min(k, lanes - 1)) * nn + i];
+    if (states)
+      for (int64_t k = 0; k < lanes; ++k)
+        std::copy(M + (t0 + k) * nn, M + (t0 + k + 1) * nn, states + (t0 + k) * (steps + 1) * nn);
+    for (int64_t step = 0; step < steps; ++step) {
+      const bool cols = step % 2 == 0;
+      for (int64_t a = 0; a < n; ++a) {
+        VF sum = hn::Zero(d);
+        for (int64_t b = 0; b < n; ++b)
+          sum = hn::Add(sum, hn::LoadU(d, buf.data() + (cols ? b * n + a : a * n + b) * N));
+        const VF den = hn::Add(sum, veps);
+        for (int64_t b = 0; b < n; ++b) {
+          float* v = buf.data() + (cols ? b * n + a : a * n + b) * N;
+          hn::StoreU(hn::Div(hn::LoadU(d, v), den), d, v);
+        }
+      }
+      if (states)
+        for (int64_t k = 0; k < lanes; ++k)
+          for (int64_t i = 0; i < nn; ++i)
+            states[((t0 + k) * (steps + 1) + step + 1) * nn + i] = buf[static_cast<size_t>(i * N + k)];
+    }
+    for (int64_t k = 0; k < lanes; ++k)
+      for (int64_t i = 0; i < nn; ++i) M[(t0 + k) * nn + i] = buf[static_cast<size_t>(i * N + k)];
+  }
+}
+
+// The normalizations' backward, in reverse: g [cnt, n n] holds dcomb on entry
+// and the gradient of the normalizations' input on return; states as
+// SinkhornNormalize leaves them.
+void SinkhornNormalizeBackward(float* g, const float* states, int64_t cnt, int64_t n, int64_t iters, float eps) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n, steps = 2 * iters - 1;
+  std::vector<float> gb(static_cast<size_t>(nn * N)), in(gb.size());
+  const VF veps = hn::Set(d, eps);
+  for (int64_t t0 = 0; t0 < cnt; t0 += N) {
+    const int64_t lanes = std::min(N, cnt - t0);
+    auto lane = [&](int64_t k) { return t0 + std::min(k, lanes - 1); };
+    for (int64_t i = 0; i < nn; ++i)
+      for (int64_t k = 0; k < N; ++k) gb[static_cast<size_t>(i * N + k)] = g[lane(k) * nn + i];
+    for (int64_t step = steps - 1; step >= 0; --step) {
+      const bool cols = step % 2 == 0;
+      for (int64_t i = 0; i < nn; ++i)  // the matrix this normalization divided
+        for (int64_t k = 0; k < N; ++k)
+          in[static_cast<size_t>(i * N + k)] = states[(lane(k) * (steps + 1) + step) * nn + i];
+      for (int64_t a = 0; a < n; ++a) {
+        VF sum = hn::Zero(d), dot = hn::Zero(d);
+        for (int64_t b = 0; b < n; ++b) {
+          const int64_t i = (cols ? b * n + a : a * n + b) * N;
+          const VF x = hn::LoadU(d, in.data() + i);
+          sum = hn::Add(sum, x);
+          dot = hn::Add(dot, hn::Mul(hn::LoadU(d, gb.data() + i), x));
+        }
+        const VF den = hn::Add(sum, veps);
+        const VF den2 = hn::Mul(den, den);
+        for (int64_t b = 0; b < n; ++b) {
+          float* gi = gb.data() + (cols ? b * n + a : a * n + b) * N;
+          hn::StoreU(hn::Sub(hn::Div(hn::LoadU(d, gi), den), hn::Div(dot, den2)), d, gi);
+        }
+      }
+    }
+    for (int64_t k = 0; k < lanes; ++k)
+      for (int64_t i = 0; i < nn; ++i) g[(t0 + k) * nn + i] = gb[static_cast<size_t>(i * N + k)];
+  }
+}
+
+}  // namespace
+}  // namespace HWY_NAMESPACE
+}  // namespace ds::ops
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "core/simd.h"
+
+namespace ds::ops {
+
+HWY_EXPORT(SinkhornNormalize);
+HWY_EXPORT(SinkhornNormalizeBackward);
+
 namespace {
 
 void check_dims(const MhcDims& d) {
@@ -56,57 +165,40 @@ void mixes_backward(float* dx, float* dfn, const float* draw, const float* ds, c
   if (dfn) gemm(true, false, m, nd, T, 1.0f, draw, m, x, nd, 1.0f, dfn, nd);
 }
 
-// The Sinkhorn projection of one n x n matrix in place (the logits in, comb
-// out). With states, states[0] is the softmax plus eps and states[i + 1]
-// the matrix after normalization i (columns first, then rows and columns
-// alternating): 2 iters - 1 normalizations, (2 iters) n^2 floats.
-void sinkhorn(float* M, int64_t n, int64_t iters, float eps, float* states) {
-  for (int64_t j = 0; j < n; ++j) {
-    float* r = M + j * n;
-    const float mx = *std::max_element(r, r + n);
-    float sum = 0;
-    for (int64_t k = 0; k < n; ++k) sum += (r[k] = std::exp(r[k] - mx));
-    for (int64_t k = 0; k < n; ++k) r[k] = r[k] / sum + eps;
-  }
-  if (states) std::copy(M, M + n * n, states);
-  for (int64_t step = 0; step < 2 * iters - 1; ++step) {
-    const bool cols = step % 2 == 0;
-    for (int64_t a = 0; a < n; ++a) {
+// The Sinkhorn projection of cnt n x n matrices M [cnt, n n] in place (the
+// logits in, comb out): each row's softmax plus eps, then the normalizations.
+// With states [cnt, 2 iters, n n]: the softmax plus eps, then the matrix
+// after each normalization.
+void sinkhorn(float* M, int64_t cnt, int64_t n, int64_t iters, float eps, float* states) {
+  for (int64_t t = 0; t < cnt; ++t)
+    for (int64_t j = 0; j < n; ++j) {
+      float* r = M + (t * n + j) * n;
+      const float mx = *std::max_element(r, r + n);
       float sum = 0;
-      for (int64_t b = 0; b < n; ++b) sum += cols ? M[b * n + a] : M[a * n + b];
-      const float den = sum + eps;
-      for (int64_t b = 0; b < n; ++b) (cols ? M[b * n + a] : M[a * n + b]) /= den;
+      for (int64_t k = 0; k < n; ++k) sum += (r[k] = std::exp(r[k] - mx));
+      for (int64_t k = 0; k < n; ++k) r[k] = r[k] / sum + eps;
     }
-    if (states) std::copy(M, M + n * n, states + (step + 1) * n * n);
-  }
+  DS_DISPATCH(SinkhornNormalize)(M, cnt, n, iters, eps, states);
 }
 
-// dL (the logits' gradient) from dcomb, through the normalizations in
-// reverse and the softmax (dL is overwritten).
-void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t n, int64_t iters, float eps) {
-  std::vector<float> g(dcomb, dcomb + n * n);
-  for (int64_t step = 2 * iters - 2; step >= 0; --step) {
-    const bool cols = step % 2 == 0;
-    const float* in = states + step * n * n;  // the matrix this normalization divided
-    for (int64_t a = 0; a < n; ++a) {
-      float sum = 0, dot = 0;
-      for (int64_t b = 0; b < n; ++b) {
-        const int64_t i = cols ? b * n + a : a * n + b;
-        sum += in[i];
-        dot += g[i] * in[i];
-      }
-      const float den = sum + eps;
-      for (int64_t b = 0; b < n; ++b) {
-        const int64_t i = cols ? b * n + a : a * n + b;
-        g[i] = g[i] / den - dot / (den * den);
-      }
+// dL [cnt, n n] (the logits' gradient, overwritten) from dcomb, through the
+// normalizations in reverse and the softmax.
+void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t cnt, int64_t n, int64_t iters,
+                       float eps) {
+  const int64_t nn = n * n, per = 2 * iters * nn;
+  std::copy(dcomb, dcomb + cnt * nn, dL);
+  DS_DISPATCH(SinkhornNormalizeBackward)(dL, states, cnt, n, iters, eps);
+  // states[t][0] = softmax + eps: the softmax's own gradient.
+  std::vector<float> g(static_cast<size_t>(nn));
+  for (int64_t t = 0; t < cnt; ++t) {
+    const float* s0 = states + t * per;
+    float* dl = dL + t * nn;
+    std::copy(dl, dl + nn, g.begin());
+    for (int64_t j = 0; j < n; ++j) {
+      float dot = 0;
+      for (int64_t k = 0; k < n; ++k) dot += (s0[j * n + k] - eps) * g[static_cast<size_t>(j * n + k)];
+      for (int64_t k = 0; k < n; ++k) dl[j * n + k] = (s0[j * n + k] - eps) * (g[static_cast<size_t>(j * n + k)] - dot);
     }
-  }
-  // states[0] = softmax + eps: the softmax's own gradient.
-  for (int64_t j = 0; j < n; ++j) {
-    float dot = 0;
-    for (int64_t k = 0; k < n; ++k) dot += (states[j * n + k] - eps) * g[j * n + k];
-    for (int64_t k = 0; k < n; ++k) dL[j * n + k] = (states[j * n + k] - eps) * (g[j * n + k] - dot);
   }
 }
 
@@ -123,13 +215,16 @@ void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const f
     std::vector<float> pre(n);
     for (int64_t t = t0; t < t1; ++t) {
       const float* z = mix.data() + t * m;
+      float* c = comb + t * n * n;
+      for (int64_t i = 0; i < n * n; ++i) c[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
+    }
+    sinkhorn(comb + t0 * n * n, t1 - t0, n, d.sinkhorn_iters, d.eps, nullptr);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* z = mix.data() + t * m;
       for (int64_t j = 0; j < n; ++j) {
         pre[j] = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
         post[t * n + j] = 2.0f * sigmoid(z[n + j] * scale[1] + base[n + j]);
       }
-      float* c = comb + t * n * n;
-      for (int64_t i = 0; i < n * n; ++i) c[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
-      sinkhorn(c, n, d.sinkhorn_iters, d.eps, nullptr);
       float* at = a + t * D;
       const float* xt = x + t * n * D;
       for (int64_t i = 0; i < D; ++i) {
@@ -154,7 +249,15 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
   // summed afterwards in token order.
   Buffer<float> draw(static_cast<size_t>(T * m)), dz_all(static_cast<size_t>(T * m)), ds_all(static_cast<size_t>(T));
   parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
-    std::vector<float> states(static_cast<size_t>(2 * d.sinkhorn_iters * n * n)), dL(n * n), logits(n * n);
+    // The comb logits' gradients of this range's tokens first, all at once.
+    const int64_t nn = n * n, cnt = t1 - t0;
+    std::vector<float> states(static_cast<size_t>(cnt * 2 * d.sinkhorn_iters * nn)), dL(static_cast<size_t>(cnt * nn)),
+        logits(static_cast<size_t>(cnt * nn));
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i = 0; i < nn; ++i)
+        logits[static_cast<size_t>((t - t0) * nn + i)] = mix[t * m + 2 * n + i] * scale[2] + base[2 * n + i];
+    sinkhorn(logits.data(), cnt, n, d.sinkhorn_iters, d.eps, states.data());
+    sinkhorn_backward(dL.data(), dcomb + t0 * nn, states.data(), cnt, n, d.sinkhorn_iters, d.eps);
     for (int64_t t = t0; t < t1; ++t) {
       const float* z = mix.data() + t * m;
       const float* xt = x + t * nd;
@@ -168,10 +271,7 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
         const float sq = sigmoid(z[n + j] * scale[1] + base[n + j]);
         dz[n + j] = dpost[t * n + j] * 2.0f * sq * (1.0f - sq);
       }
-      for (int64_t i = 0; i < n * n; ++i) logits[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
-      sinkhorn(logits.data(), n, d.sinkhorn_iters, d.eps, states.data());
-      sinkhorn_backward(dL.data(), dcomb + t * n * n, states.data(), n, d.sinkhorn_iters, d.eps);
-      std::copy(dL.begin(), dL.end(), dz + 2 * n);
+      std::copy(dL.begin() + (t - t0) * nn, dL.begin() + (t - t0 + 1) * nn, dz + 2 * n);
       // dz so far is d(logit); d(mix) = d(logit) scale_g.
       float ds = 0;
       for (int64_t i = 0; i < m; ++i) {
@@ -306,3 +406,4 @@ void mhc_head_backward(float* dx, float* dfn, float* dbase, float* dscale, const
 }
 
 }  // namespace ds::ops
+#endif  // HWY_ONCE
