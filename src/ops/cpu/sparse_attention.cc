@@ -4,8 +4,8 @@
 // in call overhead than in arithmetic. Every product here is written as
 // multiply-adds along one output row, in a fixed order over the summed index;
 // no sum is split across lanes, so a result does not depend on the vector
-// width either (targets without a fused multiply-add, such as SSE4 and the
-// scalar fallback, round each product first and differ from those with one).
+// width either (a target without a fused multiply-add, such as the scalar
+// fallback, rounds each product first and differs from those with one).
 #include "ops/sparse_attention.h"
 
 #include <algorithm>
@@ -243,9 +243,9 @@ void sparse_mqa_backward(float* dq, float* const* drows, float* dsink, const flo
   // Blocks of a fixed number of queries. Inside a block each query's
   // products run on one thread (every query is independent) and leave its
   // key gradients and sink terms in scratch; the block then adds them to
-  // their destinations in query order, the threads taking disjoint columns.
-  // Every sum is formed in the same order whatever the thread count, and in
-  // the order of a plain loop over the queries.
+  // their destinations in query order. Every sum is formed in the same order
+  // whatever the thread count, and in the order of a plain loop over the
+  // queries.
   constexpr int64_t kBlock = 256;
   std::vector<float> dkeys, dsinks;
   for (int64_t i0 = 0; i0 < d.queries; i0 += kBlock) {
