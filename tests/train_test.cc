@@ -216,7 +216,6 @@ TEST(AdamWMasks, DecayOnlyMatricesAndMaskedOnesFreezeTheRest) {
 // ---------------------------------------------------------------------------
 // Whole runs
 
-// A json dataset file of `steps` steps of `rows` rows of seq + 1 ids.
 // Gradient accumulation over 2 micro-batches of 2 rows gives the gradient of
 // the 4-row batch: the same losses (to float rounding) over several steps.
 TEST(Training, GradientAccumulationMatchesOneBigBatch) {
