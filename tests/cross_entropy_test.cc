@@ -178,7 +178,8 @@ INSTANTIATE_TEST_SUITE_P(Chunks, FusedShapes,
                                            Shape{17, 16, 100, 4, 7},       // 5 blocks, 15 chunks (last 2)
                                            Shape{9, 12, 40, 3, 5},         // both exact multiples
                                            Shape{37, 24, 513, 8, 64},      // 9 chunks, the last one column wide
-                                           Shape{64, 32, 300, 256, 2048},  // the defaults: one block, one chunk
+                                           Shape{64, 32, 300, 256, 2048},  // the defaults: one block, 128-wide chunks
+                                           Shape{300, 16, 1000, 256, 2048},  // defaults: 2 blocks, 8 chunks (last 104)
                                            Shape{6, 5, 11, 1, 1}));        // one-by-one tiles
 
 // Every target ignored: zero loss, zero dh, dW untouched; lse is still the
@@ -265,6 +266,26 @@ TEST(CrossEntropy, BitwiseIndependentOfThreadCount) {
   for (int threads : {2, 3}) {
     omp_set_num_threads(threads);
     const Fused got = run_fused(h, w, targets, dloss, dw0, N, D, V, chunks);
+    EXPECT_EQ(got.loss, want.loss) << threads << " threads";
+    EXPECT_EQ(got.lse, want.lse) << threads << " threads";
+    EXPECT_EQ(got.dh, want.dh) << threads << " threads";
+    EXPECT_EQ(got.dw, want.dw) << threads << " threads";
+  }
+}
+
+// With the default chunks a vocabulary that fits one chunk is still cut
+// into chunks the threads share (by V alone): the bits stay the same for
+// any thread count.
+TEST(CrossEntropy, SmallVocabularyBitwiseIndependentOfThreadCount) {
+  ThreadCountGuard guard;
+  const int64_t N = 300, D = 24, V = 1000;
+  const auto h = randn(N * D, 60), w = randn(V * D, 61), dloss = randn(N, 62), dw0 = randn(V * D, 63);
+  const auto targets = random_targets(N, V, 64, 6);
+  omp_set_num_threads(1);
+  const Fused want = run_fused(h, w, targets, dloss, dw0, N, D, V, {});
+  for (int threads : {2, 3}) {
+    omp_set_num_threads(threads);
+    const Fused got = run_fused(h, w, targets, dloss, dw0, N, D, V, {});
     EXPECT_EQ(got.loss, want.loss) << threads << " threads";
     EXPECT_EQ(got.lse, want.lse) << threads << " threads";
     EXPECT_EQ(got.dh, want.dh) << threads << " threads";

@@ -22,6 +22,9 @@ namespace ds::ops {
 
 struct CrossEntropyChunks {
   int64_t token_block = 256;
+  // The most columns a vocabulary chunk has. A vocabulary of fewer than 16
+  // such chunks is cut into 16 (of at least 128 columns), so that the threads
+  // have chunks to share; V alone decides, never the thread count.
   int64_t vocab_chunk = 2048;
 };
 

@@ -113,6 +113,18 @@ void check_sizes(int64_t N, int64_t D, int64_t V, const CrossEntropyChunks& c, c
            c.token_block, c.vocab_chunk);
 }
 
+// Columns per vocabulary chunk: at most c.vocab_chunk, and few enough that
+// the vocabulary makes kMinChunks chunks for the threads to share (a
+// vocabulary within one chunk would run on one thread), but not below
+// kMinChunkCols columns, where the products get thin. V alone decides, so the
+// chunks, and with them the order of every sum, are the same for any thread
+// count.
+constexpr int64_t kMinChunks = 16, kMinChunkCols = 128;
+int64_t vocab_chunk_cols(int64_t V, const CrossEntropyChunks& c) {
+  const int64_t split = std::max(kMinChunkCols, (V + kMinChunks - 1) / kMinChunks);
+  return std::min({c.vocab_chunk, (split + 15) / 16 * 16, V});
+}
+
 // Per-thread scratch of the fused kernels.
 struct Tile {
   std::vector<float> logits;  // [token_block, vocab_chunk], row stride = the chunk's width
@@ -161,7 +173,7 @@ void lm_head_cross_entropy_forward(float* loss, float* lse, const float* h, cons
   check_sizes(N, D, V, chunks, "lm_head_cross_entropy_forward");
   check_targets(targets, N, V, "lm_head_cross_entropy_forward");
   const int64_t TB = std::min(chunks.token_block, std::max<int64_t>(N, 1));
-  const int64_t VC = std::min(chunks.vocab_chunk, V);
+  const int64_t VC = vocab_chunk_cols(V, chunks);
   const int64_t nc = (V + VC - 1) / VC;
   // Per row of the current block and per chunk: the chunk's max and sum of exp.
   std::vector<float> cmax(TB * nc);  // [TB, nc]
@@ -208,7 +220,7 @@ void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, co
   check_targets(targets, N, V, "lm_head_cross_entropy_backward");
   if (!dh && !dw) return;
   const int64_t TB = std::min(chunks.token_block, std::max<int64_t>(N, 1));
-  const int64_t VC = std::min(chunks.vocab_chunk, V);
+  const int64_t VC = vocab_chunk_cols(V, chunks);
   const int64_t nc = (V + VC - 1) / VC;
 #pragma omp parallel
   {
