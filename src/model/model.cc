@@ -5,7 +5,6 @@
 
 #include "core/buffer.h"
 #include "core/error.h"
-#include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -77,60 +76,6 @@ std::vector<int32_t> roll(const std::vector<int32_t>& x, int64_t B, int64_t T) {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i + 1 < T; ++i) y[b * T + i] = x[b * T + i + 1];
   return y;
-}
-
-// The head's loss on normed hidden states hn [N, D]: per-token loss and lse
-// (masked tokens: target -1). Returns sum(mask * xent) and sum(mask * z-term).
-struct HeadLoss {
-  Buffer<float> loss, lse;
-  std::vector<int32_t> targets;  // -1 where masked
-  double ce_sum = 0, z_sum = 0, weight = 0;
-};
-void head_forward(HeadLoss& hl, const float* hn, const ops::WeightView& head, const std::vector<int32_t>& targets,
-                  const std::vector<int32_t>& mask, int64_t N, int64_t D, double zm) {
-  hl.targets.resize(N);
-  for (int64_t t = 0; t < N; ++t) hl.targets[t] = mask[t] != 0 ? targets[t] : -1;
-  hl.loss.resize(N);
-  hl.lse.resize(N);
-  ops::lm_head_cross_entropy_forward(hl.loss.data(), hl.lse.data(), hn, static_cast<const float*>(head.data),
-                                     hl.targets.data(), N, D, head.rows);
-  for (int64_t t = 0; t < N; ++t) {
-    if (hl.targets[t] < 0) continue;
-    const double l = hl.lse[t];
-    hl.ce_sum += hl.loss[t];
-    hl.z_sum += zm * l * l;
-    hl.weight += 1;
-  }
-}
-// d(scale * sum_t mask_t (ce_t + zm lse_t^2)) into dhn (`=`) and the head's gradient.
-void head_backward(float* dhn, float* dhead, const HeadLoss& hl, const float* hn, const ops::WeightView& head,
-                   int64_t N, int64_t D, double zm, double scale) {
-  // d/dz (lse - z_t + zm lse^2) = (1 + a)(softmax - onehot) + a onehot, a = 2 zm lse.
-  Buffer<float> dloss(N);
-  std::vector<double> extra(N, 0.0);
-  for (int64_t t = 0; t < N; ++t) {
-    if (hl.targets[t] < 0) {
-      dloss[t] = 0.0f;
-      continue;
-    }
-    const double a = 2.0 * zm * hl.lse[t];
-    dloss[t] = static_cast<float>(scale * (1.0 + a));
-    extra[t] = scale * a;
-  }
-  const float* W = static_cast<const float*>(head.data);
-  ops::lm_head_cross_entropy_backward(dhn, dhead, dloss.data(), hn, W, hl.targets.data(), hl.lse.data(), N, D,
-                                      head.rows);
-  if (zm == 0) return;
-  for (int64_t t = 0; t < N; ++t) {
-    if (hl.targets[t] < 0 || extra[t] == 0) continue;
-    const float a = static_cast<float>(extra[t]);
-    const float* w = W + static_cast<int64_t>(hl.targets[t]) * D;
-    for (int64_t d = 0; d < D; ++d) dhn[t * D + d] += a * w[d];
-    if (dhead) {
-      float* dw = dhead + static_cast<int64_t>(hl.targets[t]) * D;
-      for (int64_t d = 0; d < D; ++d) dw[d] += a * hn[t * D + d];
-    }
-  }
 }
 
 float eps(const ModelConfig& c) { return static_cast<float>(c.rms_norm_eps); }
@@ -224,7 +169,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   Buffer<float> hn(N * D), rstd(N);
   ops::rmsnorm_forward(hn.data(), rstd.data(), h.data(), vector_data(w.final_norm), N, D, eps(cfg));
   HeadLoss main;
-  head_forward(main, hn.data(), w.lm_head, b.targets, b.target_segment_ids, N, D, opt.z_loss_multiplier);
+  head_loss_forward(main, hn.data(), w.lm_head, b.targets, b.target_segment_ids, N, D, opt.z_loss_multiplier);
   out.tokens = main.weight;
   const double denom = (shard ? opt.whole.targets : main.weight) + 1e-8;
   out.lm_loss = (main.ce_sum + main.z_sum) / denom;
@@ -272,7 +217,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
       m.hn.resize(N * D);
       m.hnrstd.resize(N);
       ops::rmsnorm_forward(m.hn.data(), m.hnrstd.data(), m.h.data(), vector_data(p.head_norm), N, D, eps(cfg));
-      head_forward(m.head, m.hn.data(), w.lm_head, tgt, tm, N, D, 0.0);
+      head_loss_forward(m.head, m.hn.data(), w.lm_head, tgt, tm, N, D, 0.0);
       release(L + k, false);
       mtp_ce += m.head.ce_sum;
       mtp_weight += m.head.weight;
@@ -312,8 +257,8 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
     const auto& p = w.mtp[k];
     auto& gk = g.mtp[k];
     Buffer<float> dhk(dh.begin(), dh.end()), dhn(N * D);
-    head_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
-                  gs * opt.mtp_loss_scaling_factor / mtp_denom);
+    head_loss_backward(dhn.data(), g.lm_head, m.head, m.hn.data(), w.lm_head, N, D, 0.0,
+                       gs * opt.mtp_loss_scaling_factor / mtp_denom);
     norm_backward(dhk.data(), gk.head_norm, dhn.data(), m.h.data(), p.head_norm, m.hnrstd.data(), N, true);
     backward_layer(dhk.data(), gk.layer, m.saved, p.layer, L + k, dlb);
     Buffer<float> dx(N * 2 * D), den(N * D), dhp(N * D);
@@ -331,7 +276,7 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   }
   {
     Buffer<float> dhn(N * D);
-    head_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, gs / denom);
+    head_loss_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, gs / denom);
     norm_backward(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N, true);
   }
   for (int64_t l = L - 1; l >= 0; --l) {

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "ops/activations.h"
+#include "ops/cross_entropy.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -63,6 +64,64 @@ void norm_backward(float* dx, float* dw, const float* dy, const float* x, const 
   float* out = accumulate_dx ? dn.data() : dx;
   ops::rmsnorm_backward(out, dw ? dw : scratch.data(), dy, x, vector_data(w), rstd, rows, dim);
   if (accumulate_dx) add_into(dx, dn.data(), rows * dim);
+}
+
+// ---------------------------------------------------------------- LM head
+
+void head_loss_forward(HeadLoss& hl, const float* hn, const ops::WeightView& head, const std::vector<int32_t>& targets,
+                       const std::vector<int32_t>& mask, int64_t N, int64_t D, double zm) {
+  hl.targets.resize(N);
+  for (int64_t t = 0; t < N; ++t) hl.targets[t] = mask[t] != 0 ? targets[t] : -1;
+  hl.loss.resize(N);
+  hl.lse.resize(N);
+  // A stored (bf16, fp8) head, as when evaluating a loaded checkpoint, is
+  // widened once; training's master weights are float32 already.
+  Buffer<float> wide;
+  if (head.dtype != DType::F32) {
+    wide.resize(static_cast<size_t>(head.rows * D));
+    ops::widen_rows(wide.data(), head, 0, head.rows);
+  }
+  ops::lm_head_cross_entropy_forward(hl.loss.data(), hl.lse.data(), hn,
+                                     wide.empty() ? static_cast<const float*>(head.data) : wide.data(),
+                                     hl.targets.data(), N, D, head.rows);
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0) continue;
+    const double l = hl.lse[t];
+    hl.ce_sum += hl.loss[t];
+    hl.z_sum += zm * l * l;
+    hl.weight += 1;
+  }
+}
+
+void head_loss_backward(float* dhn, float* dhead, const HeadLoss& hl, const float* hn, const ops::WeightView& head,
+                        int64_t N, int64_t D, double zm, double scale) {
+  DS_CHECK(head.dtype == DType::F32, "training needs a float32 LM head (it is {})", dtype_name(head.dtype));
+  // d/dz (lse - z_t + zm lse^2) = (1 + a)(softmax - onehot) + a onehot, a = 2 zm lse.
+  Buffer<float> dloss(N);
+  std::vector<double> extra(N, 0.0);
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0) {
+      dloss[t] = 0.0f;
+      continue;
+    }
+    const double a = 2.0 * zm * hl.lse[t];
+    dloss[t] = static_cast<float>(scale * (1.0 + a));
+    extra[t] = scale * a;
+  }
+  const float* W = static_cast<const float*>(head.data);
+  ops::lm_head_cross_entropy_backward(dhn, dhead, dloss.data(), hn, W, hl.targets.data(), hl.lse.data(), N, D,
+                                      head.rows);
+  if (zm == 0) return;
+  for (int64_t t = 0; t < N; ++t) {
+    if (hl.targets[t] < 0 || extra[t] == 0) continue;
+    const float a = static_cast<float>(extra[t]);
+    const float* w = W + static_cast<int64_t>(hl.targets[t]) * D;
+    for (int64_t d = 0; d < D; ++d) dhn[t * D + d] += a * w[d];
+    if (dhead) {
+      float* dw = dhead + static_cast<int64_t>(hl.targets[t]) * D;
+      for (int64_t d = 0; d < D; ++d) dw[d] += a * hn[t * D + d];
+    }
+  }
 }
 
 // ---------------------------------------------------------------- MLA

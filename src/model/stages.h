@@ -58,6 +58,26 @@ struct StageConfig {
 void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
                    int64_t rows, bool accumulate_dx = false);
 
+// ---------------------------------------------------------------- LM head
+
+// The LM head and its loss, fused and chunked over the vocabulary (the
+// [N, vocab] logits are never materialised): hn [N, D] normed rows against
+// the head [vocab, D] (float32 for the backward; the forward widens a stored
+// bf16 or fp8 head once). The loss of a token is its cross-entropy plus
+// zm lse^2 (MaxText's z-loss); tokens whose mask is 0 do not count (their
+// target is -1 in `targets`: no loss, no gradient).
+struct HeadLoss {
+  Buffer<float> loss, lse;                   // per token
+  std::vector<int32_t> targets;              // -1 where masked
+  double ce_sum = 0, z_sum = 0, weight = 0;  // over counted tokens: CE, zm lse^2, count
+};
+void head_loss_forward(HeadLoss& hl, const float* hn, const ops::WeightView& head, const std::vector<int32_t>& targets,
+                       const std::vector<int32_t>& mask, int64_t N, int64_t D, double zm);
+// The gradient of scale * sum over counted tokens of (CE + zm lse^2): dhn
+// `=`, the head's into dhead (`+=`, may be null).
+void head_loss_backward(float* dhn, float* dhead, const HeadLoss& hl, const float* hn, const ops::WeightView& head,
+                        int64_t N, int64_t D, double zm, double scale);
+
 // ---------------------------------------------------------------- MLA
 
 // query_projection: x [N, D] (normed) -> query_proj [N, H, qk] with RoPE on

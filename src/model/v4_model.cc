@@ -596,7 +596,7 @@ void V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, cons
 
 std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,
                                          const ops::WeightView& base, const ops::WeightView& scale,
-                                         const ops::WeightView& norm, V4HeadSaved* sv) {
+                                         const ops::WeightView& norm, V4HeadSaved* sv, bool logits) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
   Buffer<float> y(static_cast<size_t>(R * d)), rstd(static_cast<size_t>(R));
   ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
@@ -609,13 +609,24 @@ std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::
     sv->rstd_y.assign(rstd.begin(), rstd.end());
     sv->yn.assign(y.begin(), y.end());
   }
-  std::vector<float> logits(static_cast<size_t>(R * V));
-  ops::linear_forward(logits.data(), y.data(), cfg_.tie_word_embeddings ? w_.embed : w_.head, R);
-  return logits;
+  if (!logits) return std::vector<float>(y.begin(), y.end());
+  std::vector<float> out(static_cast<size_t>(R * V));
+  ops::linear_forward(out.data(), y.data(), head_weight(), R);
+  return out;
 }
 
 std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
                                     std::vector<float>* mtp_logits) {
+  return run(batch, all_logits, saved, mtp_logits, true);
+}
+
+std::vector<float> V4Model::forward_normed(const std::vector<V4Request>& batch, V4Saved* saved,
+                                           std::vector<float>* mtp_normed) {
+  return run(batch, true, saved, mtp_normed, false);
+}
+
+std::vector<float> V4Model::run(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
+                                std::vector<float>* mtp_logits, bool logits) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
   std::vector<Segment> segs;
   int64_t n = 0;
@@ -661,7 +672,7 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
     layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
   for (const Segment& g : segs) g.state->length += g.n;
 
-  if (mtp_logits) *mtp_logits = mtp_forward(X.data(), segs, ids, saved);
+  if (mtp_logits) *mtp_logits = mtp_forward(X.data(), segs, ids, saved, logits);
 
   // Logits: every row, or each sequence's last.
   std::vector<int64_t> rows;
@@ -674,11 +685,11 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
               X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
   if (saved) saved->logit_rows = rows;
   return head_forward(Xr.data(), R, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
-                      saved ? &saved->head : nullptr);
+                      saved ? &saved->head : nullptr, logits);
 }
 
 std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segment>& segs,
-                                        const std::vector<int32_t>& ids, V4Saved* saved) {
+                                        const std::vector<int32_t>& ids, V4Saved* saved, bool logits) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, l = cfg_.num_hidden_layers;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& M = w_.mtp[0];
@@ -733,7 +744,8 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
       for (int64_t i = 0; i < d; ++i) Xm[(r * hc + j) * d + i] += pe[r * d + i];
   layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R,
                 saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
-  return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr);
+  return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
+                      logits);
 }
 
 }  // namespace ds::model

@@ -182,6 +182,15 @@ class V4Model {
   // main streams and token t + 1, in request order.
   std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
                              std::vector<float>* mtp_logits = nullptr);
+  // The training forward: forward(batch, true, saved, mtp_normed) stopped
+  // before the LM head's product. It returns every row's normed head input
+  // [n, hidden] (the logits are these rows times head_weight()^T, which a
+  // fused loss takes a vocabulary chunk at a time), and with mtp_normed the
+  // MTP layer's rows likewise.
+  std::vector<float> forward_normed(const std::vector<V4Request>& batch, V4Saved* saved,
+                                    std::vector<float>* mtp_normed = nullptr);
+  // The LM head [vocab, hidden] (the embedding when tied).
+  const ops::WeightView& head_weight() const { return cfg_.tie_word_embeddings ? w_.embed : w_.head; }
 
   const V4Config& config() const { return cfg_; }
   const V4Options& options() const { return opt_; }
@@ -203,11 +212,16 @@ class V4Model {
   // [n, hc, d], X2 scratch of the same size.
   void layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
                      const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
-  // head(rmsnorm(mhc_head(Xr))) for R rows.
+  // Both public batch forwards: with logits the head's product, else the
+  // normed rows it would multiply.
+  std::vector<float> run(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
+                         std::vector<float>* mtp_out, bool logits);
+  // head(rmsnorm(mhc_head(Xr))) for R rows, or without logits rmsnorm(mhc_head(Xr)).
   std::vector<float> head_forward(const float* Xr, int64_t R, const ops::WeightView& fn, const ops::WeightView& base,
-                                  const ops::WeightView& scale, const ops::WeightView& norm, V4HeadSaved* sv);
+                                  const ops::WeightView& scale, const ops::WeightView& norm, V4HeadSaved* sv,
+                                  bool logits);
   std::vector<float> mtp_forward(const float* X, const std::vector<Segment>& segs, const std::vector<int32_t>& ids,
-                                 V4Saved* saved);
+                                 V4Saved* saved, bool logits);
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
   // The entries (or with index_keys the indexer's keys) whose windows the

@@ -6,11 +6,11 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "model/stages.h"
 #include "model/v4_model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/compressor.h"
-#include "ops/cross_entropy.h"
 #include "ops/expert_selection.h"
 #include "ops/linear.h"
 #include "ops/mhc.h"
@@ -30,49 +30,20 @@ void need_vector_data(const View& v, const char* what) {
 
 std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
 
-double counted_among(const V4TrainBatch& b, const std::vector<int64_t>& targets) {
-  double n = 0;
-  for (int64_t i : targets) n += b.counted.empty() || b.counted[static_cast<size_t>(i)];
-  return n;
-}
-
-struct CrossEntropySums {
-  double ce = 0, z = 0;  // over the counted rows: lse - z_target, zm lse^2
-};
-
-// Row r of logits [rows, V] against target targets[r] of b: the sums, and
-// the row replaced by scale x d(CE + zm lse^2)/dlogits when that target
-// counts, by zeros when it does not.
-CrossEntropySums cross_entropy_rows(float* logits, int64_t V, const V4TrainBatch& b,
-                                    const std::vector<int64_t>& targets, double zm, double scale) {
-  // The rows in parallel through the cross-entropy op (uncounted rows get
-  // target -1: no loss, zero gradient); its backward with dloss = scale (1 +
-  // 2 zm lse) gives scale (1 + 2 zm lse) (softmax - onehot), and the z-loss
-  // term's missing scale 2 zm lse at the target completes
-  // scale ((1 + 2 zm lse) softmax - onehot).
-  const int64_t N = static_cast<int64_t>(targets.size());
-  std::vector<int32_t> tgt(static_cast<size_t>(N));
-  for (int64_t r = 0; r < N; ++r) {
-    const size_t i = static_cast<size_t>(targets[static_cast<size_t>(r)]);
-    tgt[static_cast<size_t>(r)] = b.counted.empty() || b.counted[i] ? b.targets[i] : -1;
+// The fused head loss (model/stages.h) of the normed rows hn [R, d]: row r
+// predicts target rows[r] of b, and counts where b counts that target.
+HeadLoss head_loss_rows(const float* hn, const View& head, const V4TrainBatch& b, const std::vector<int64_t>& rows,
+                        int64_t d, double zm) {
+  const int64_t R = static_cast<int64_t>(rows.size());
+  std::vector<int32_t> tgt(static_cast<size_t>(R)), mask(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const size_t i = static_cast<size_t>(rows[static_cast<size_t>(r)]);
+    tgt[static_cast<size_t>(r)] = b.targets[i];
+    mask[static_cast<size_t>(r)] = b.counted.empty() || b.counted[i];
   }
-  std::vector<float> loss(static_cast<size_t>(N)), lse(static_cast<size_t>(N)), dloss(static_cast<size_t>(N));
-  ops::cross_entropy_forward(loss.data(), lse.data(), logits, tgt.data(), N, V);
-  CrossEntropySums s;
-  for (int64_t r = 0; r < N; ++r) {
-    if (tgt[static_cast<size_t>(r)] < 0) continue;
-    const double l = lse[static_cast<size_t>(r)];
-    s.ce += loss[static_cast<size_t>(r)];
-    s.z += zm * l * l;
-    dloss[static_cast<size_t>(r)] = static_cast<float>(scale * (1.0 + 2.0 * zm * l));
-  }
-  ops::cross_entropy_backward(logits, dloss.data(), logits, tgt.data(), lse.data(), N, V);
-  if (zm != 0)
-    for (int64_t r = 0; r < N; ++r)
-      if (tgt[static_cast<size_t>(r)] >= 0)
-        logits[r * V + tgt[static_cast<size_t>(r)]] +=
-            static_cast<float>(scale * 2.0 * zm * static_cast<double>(lse[static_cast<size_t>(r)]));
-  return s;
+  HeadLoss hl;
+  head_loss_forward(hl, hn, head, tgt, mask, R, d, zm);
+  return hl;
 }
 
 class Backward {
@@ -97,11 +68,13 @@ class Backward {
     }
   }
 
-  // dlogits [n, V] (and the MTP layer's, when it ran) -> every parameter's gradient.
-  void run(const std::vector<float>& dlogits, const std::vector<float>* dmtp) {
+  // dyn, the gradient of the main head's normed rows [n, d] (and the MTP
+  // layer's, when it ran), the LM head's own gradient already taken -> every
+  // other parameter's gradient.
+  void run(const std::vector<float>& dyn, const std::vector<float>* dmtp) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     std::vector<float> dX = zeros(n_ * hc * d);
-    head(dX.data(), dlogits.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
+    head(dX.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
          g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
     if (dmtp && !sv_.mtp.empty() && !sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
     for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) layer(l, dX);
@@ -117,17 +90,13 @@ class Backward {
   }
 
  private:
-  // dX (`=`, [R, hc, d]) and the head's parameters' gradients from dlogits
-  // [R, V]: head(rmsnorm(mhc_head(X))).
-  void head(float* dX, const float* dlogits, const V4HeadSaved& hs, const View& fn, const View& base, const View& scale,
+  // dX (`=`, [R, hc, d]) and the gradients of rmsnorm(mhc_head(X))'s
+  // parameters from dyn [R, d].
+  void head(float* dX, const float* dyn, const V4HeadSaved& hs, const View& fn, const View& base, const View& scale,
             const View& norm, float* gfn, float* gbase, float* gscale, float* gnorm, int64_t R) {
     const int64_t d = c_.hidden_size;
-    const View& w = c_.tie_word_embeddings ? w_.embed : w_.head;
-    float* dw = c_.tie_word_embeddings ? g_.embed : g_.head;
-    need_vector_data(w, "head");
     std::vector<float> dy(static_cast<size_t>(R * d));
-    ops::linear_backward(dy.data(), dw, dlogits, hs.yn.data(), w, R);
-    ops::rmsnorm_backward(dy.data(), gnorm, dy.data(), hs.y.data(), vector_data(norm), hs.rstd_y.data(), R, d);
+    ops::rmsnorm_backward(dy.data(), gnorm, dyn, hs.y.data(), vector_data(norm), hs.rstd_y.data(), R, d);
     ops::mhc_head_backward(dX, gfn, gbase, gscale, dy.data(), hs.X.data(), vector_data(fn), vector_data(base),
                            vector_data(scale), v4_mhc_dims(c_, R));
   }
@@ -135,14 +104,14 @@ class Backward {
   // The MTP layer: its head, its block (layer num_hidden_layers over the MTP
   // rows), the two projections and norms; dX (the main streams) and the
   // embedding (the next tokens) +=.
-  void mtp(std::vector<float>& dX, const std::vector<float>& dlogits) {
+  void mtp(std::vector<float>& dX, const std::vector<float>& dyn) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult, l = c_.num_hidden_layers;
     const V4MtpSaved& ms = sv_.mtp[0];
     const auto& M = w_.mtp[0];
     auto& G = g_.mtp[0];
     const int64_t R = static_cast<int64_t>(ms.rows.size());
     std::vector<float> dXm(static_cast<size_t>(R * hc * d));
-    head(dXm.data(), dlogits.data(), ms.head, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, G.hc_head_fn,
+    head(dXm.data(), dyn.data(), ms.head, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, G.hc_head_fn,
          G.hc_head_base, G.hc_head_scale, G.norm, R);
     const int64_t n0 = n_;
     const ops::MhcDims md0 = md_;
@@ -544,34 +513,35 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   }
   V4Saved saved;
   const bool want_saved = grads || opt.expert_load;
-  std::vector<float> mtp_logits;
-  std::vector<float> logits =
-      model.forward(reqs, true, want_saved ? &saved : nullptr, with_mtp ? &mtp_logits : nullptr);
+  std::vector<float> mtp_hn;
+  const std::vector<float> hn = model.forward_normed(reqs, want_saved ? &saved : nullptr, with_mtp ? &mtp_hn : nullptr);
+  // The LM head and its loss fused, a vocabulary chunk at a time: no
+  // [tokens, vocab] logits.
+  const View& head = model.head_weight();
+  const int64_t d = cfg.hidden_size;
   // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
-  // lm_loss holds the z term); logits become dloss/dlogits in place.
+  // lm_loss holds the z term).
   std::vector<int64_t> rows(static_cast<size_t>(n));
   std::iota(rows.begin(), rows.end(), int64_t{0});
-  const double count = counted_among(b, rows);
-  const double norm = opt.whole_targets > 0 ? opt.whole_targets : count;
-  const CrossEntropySums main =
-      cross_entropy_rows(logits.data(), V, b, rows, opt.z_loss_multiplier, opt.grad_scale / (norm + 1e-8));
-  out.tokens = static_cast<int64_t>(count);
-  out.lm_loss = (main.ce + main.z) / (norm + 1e-8);
-  out.z_loss = main.z / (norm + 1e-8);
+  const HeadLoss main = head_loss_rows(hn.data(), head, b, rows, d, opt.z_loss_multiplier);
+  const double norm = opt.whole_targets > 0 ? opt.whole_targets : main.weight;
+  out.tokens = static_cast<int64_t>(main.weight);
+  out.lm_loss = (main.ce_sum + main.z_sum) / (norm + 1e-8);
+  out.z_loss = main.z_sum / (norm + 1e-8);
   out.loss = out.lm_loss;
+  // MaxText's MTP loss: factor x the mean over counted targets of the CE of
+  // row t predicting target t + 1 (no z-loss); the MTP rows of each sequence
+  // are its tokens but the last, in order.
+  std::vector<int64_t> mrows;
+  HeadLoss mtp;
+  double mnorm = 0;
   if (with_mtp) {
-    // MaxText's MTP loss: factor x the mean over counted targets of the CE
-    // of row t predicting target t + 1 (no z-loss); the MTP rows of each
-    // sequence are its tokens but the last, in order.
-    std::vector<int64_t> mrows;
     for (size_t k = 0, at = 0; k < b.lengths.size(); at += static_cast<size_t>(b.lengths[k]), ++k)
       for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
-    const double mcount = counted_among(b, mrows);
-    const double mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mcount;
-    const CrossEntropySums m = cross_entropy_rows(mtp_logits.data(), V, b, mrows, 0.0,
-                                                  opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
-    out.mtp_tokens = static_cast<int64_t>(mcount);
-    out.mtp_loss = opt.mtp_loss_scaling_factor * m.ce / (mnorm + 1e-8);
+    mtp = head_loss_rows(mtp_hn.data(), head, b, mrows, d, 0.0);
+    mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mtp.weight;
+    out.mtp_tokens = static_cast<int64_t>(mtp.weight);
+    out.mtp_loss = opt.mtp_loss_scaling_factor * mtp.ce_sum / (mnorm + 1e-8);
     out.loss += out.mtp_loss;
   }
   if (opt.expert_load)
@@ -580,7 +550,16 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
       for (int32_t e : L.moe.experts) ++load[static_cast<size_t>(e)];
       out.expert_load.push_back(std::move(load));
     }
-  if (grads) Backward(cfg, w, *grads, model, saved, states, b.lengths).run(logits, with_mtp ? &mtp_logits : nullptr);
+  if (grads) {
+    float* dhead = cfg.tie_word_embeddings ? grads->embed : grads->head;
+    std::vector<float> dyn(static_cast<size_t>(n * d)), dmtp(mrows.size() * static_cast<size_t>(d));
+    head_loss_backward(dyn.data(), dhead, main, hn.data(), head, n, d, opt.z_loss_multiplier,
+                       opt.grad_scale / (norm + 1e-8));
+    if (!mrows.empty())
+      head_loss_backward(dmtp.data(), dhead, mtp, mtp_hn.data(), head, static_cast<int64_t>(mrows.size()), d, 0.0,
+                         opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
+    Backward(cfg, w, *grads, model, saved, states, b.lengths).run(dyn, with_mtp ? &dmtp : nullptr);
+  }
   return out;
 }
 
