@@ -1,6 +1,6 @@
-// The main() of the Google Benchmark executables: the run's context (OpenMP
-// threads, the OpenBLAS kernel set) in the report header, then every
-// benchmark register_all() registered.
+// The main() of the Google Benchmark executables: the program's heap
+// settings, the run's context (OpenMP threads, the OpenBLAS kernel set) in
+// the report header, then every benchmark register_all() registered.
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -10,10 +10,12 @@
 #include <string>
 
 #include "core/simd.h"
+#include "core/system.h"
 
 namespace ds::bench {
 
 inline int bench_main(int argc, char** argv, void (*register_all)()) {
+  ds::keep_freed_memory_in_heap();  // as the program does
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   // Debian's OpenBLAS picks its kernels at run time; on CPUs newer than it

@@ -3,7 +3,6 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fcntl.h>
-#include <malloc.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -20,6 +19,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "core/simd.h"
+#include "core/system.h"
 #include "dist/communicator.h"
 #include "ops/attention.h"
 #include "ops/matmul.h"
@@ -148,12 +148,7 @@ static void guard_standard_descriptors() {
 int main(int argc, char** argv) {
   guard_standard_descriptors();
   default_to_spinning_threads(argv);
-  // Activation buffers of a few MB are allocated and freed on every layer
-  // of every step. glibc would serve each from a fresh mmap (or trim it back
-  // to the system) and fault its pages in again each time; keep them in the
-  // heap instead.
-  mallopt(M_MMAP_THRESHOLD, 512 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  ds::keep_freed_memory_in_heap();
   CLI::App app{"deepseek.cpp: train and serve DeepSeek-V3-family models", "deepseek"};
   app.require_subcommand(0, 1);
   int threads = 0;

@@ -2,6 +2,10 @@
 
 #include <unistd.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include "core/error.h"
 
 namespace ds {
@@ -17,6 +21,13 @@ void check_fits_in_memory(int64_t bytes, const char* what) {
   if (have <= 0) return;
   DS_CHECK(bytes >= 0 && bytes <= have, "{} needs {:.1f} GiB, more than this machine's {:.1f} GiB of memory", what,
            bytes / 1073741824.0, have / 1073741824.0);
+}
+
+void keep_freed_memory_in_heap() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 512 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+#endif
 }
 
 }  // namespace ds

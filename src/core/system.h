@@ -13,4 +13,10 @@ int64_t physical_memory_bytes();
 // allocation failure (or the OOM killer) halfway through are refused first.
 void check_fits_in_memory(int64_t bytes, const char* what);
 
+// Keeps freed memory in the process's heap. Activation buffers of a few MB
+// are allocated and freed in every layer of every step; glibc would serve
+// each from a fresh mmap (or trim it back to the system) and fault its pages
+// in again each time. The program and the benchmarks call this first.
+void keep_freed_memory_in_heap();
+
 }  // namespace ds
