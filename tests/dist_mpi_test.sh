@@ -41,14 +41,15 @@ done
 
 # The losses of a run's metrics.jsonl, one per line.
 losses() { grep -o '"loss":[-0-9.e+]*' "$1/metrics.jsonl" | cut -d: -f2; }
-# same_losses RUN_A RUN_B [FIRST_STEP]: equal count and max relative difference <= 1e-5.
+# same_losses RUN_A RUN_B [FIRST_STEP]: equal count and max relative difference <= loss_tol.
+loss_tol=1e-5
 same_losses() {
   local a b
   a=$(losses "$tmp/runs/$1" | tail -n +"$((${3:-0} + 1))")
   b=$(losses "$tmp/runs/$2")
   [ -n "$a" ] && [ "$(wc -l <<<"$a")" -eq "$(wc -l <<<"$b")" ] || { echo "  $1 and $2 differ in length"; return 1; }
   paste <(echo "$a") <(echo "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1);
-    if (r > m) m = r } END { printf "  %s\n", "max relative loss difference " m; exit !(m <= 1e-5) }'
+    if (r > m) m = r } END { printf "  %s\n", "max relative loss difference " m; exit !(m <= tol) }' tol="$loss_tol"
 }
 # falls RUN: the last loss is below 0.9 x the first.
 falls() { losses "$tmp/runs/$1" | awk 'NR == 1 { f = $1 } { l = $1 } END { exit !(l < 0.9 * f) }'; }
@@ -226,7 +227,16 @@ check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err
 # every rank holding the model and the batch split over the data or fsdp
 # axis; the same losses as one process on synthetic rows and on packed
 # documents (each piece its own sequence), eval included; a checkpoint saved
-# at 2 ranks resumes at 1; expert parallelism is refused.
+# at 2 ranks resumes at 1; expert parallelism is refused. V4 makes more
+# discrete choices per token than V3 (the indexer's top-k, hash routing, the
+# experts' top-k): the rounding of the ranks' gradient sums (a few 1e-7 of
+# the loss after 10 steps) can flip a near tie, and the loss of that step
+# then differs by a few 1e-5 (1.5e-5 once, at step 16 of 20). Its runs are
+# held to 1e-4. What that still catches (measured on the synthetic run): a
+# rank left out of the gradient sum moves the loss by 3e-3 from the first
+# update on; gradients twice too large, 2e-4 to 4e-4 over the last steps
+# (Adam and the clipping hide most of a uniform scale).
+loss_tol=1e-4
 v4=(model_name="$src/configs/v4-tiny.yml" load_balance_loss_weight=0 max_target_length=40)
 for data in synthetic tokens; do
   case $data in

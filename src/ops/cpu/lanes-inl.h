@@ -20,6 +20,7 @@
 #include <hwy/highway.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -136,6 +137,41 @@ HWY_INLINE double SumLanesInOrder(D d, hn::VFromD<D> v) {
   double s = 0;
   for (size_t i = 0; i < hn::Lanes(d); ++i) s += static_cast<double>(buf[i]);
   return s;
+}
+
+// dst[i * ldd + j] (+= with kAccumulate) src_j[i] for i, j < 4: four rows of
+// four floats, each at its own address, transposed in 128-bit vectors by two
+// rounds of interleaves.
+template <bool kAccumulate>
+HWY_INLINE void TransposeRows4x4(const float* HWY_RESTRICT s0, const float* HWY_RESTRICT s1,
+                                 const float* HWY_RESTRICT s2, const float* HWY_RESTRICT s3, float* HWY_RESTRICT dst,
+                                 int64_t ldd) {
+#if HWY_TARGET != HWY_SCALAR
+  const hn::FixedTag<float, 4> d4;
+  const hn::Repartition<uint64_t, decltype(d4)> d64;
+  const auto a = hn::LoadU(d4, s0), b = hn::LoadU(d4, s1), c = hn::LoadU(d4, s2), e = hn::LoadU(d4, s3);
+  // [a0 b0 a1 b1], [a2 b2 a3 b3], [c0 e0 c1 e1], [c2 e2 c3 e3]
+  const auto ab_lo = hn::BitCast(d64, hn::InterleaveLower(d4, a, b));
+  const auto ab_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, a, b));
+  const auto ce_lo = hn::BitCast(d64, hn::InterleaveLower(d4, c, e));
+  const auto ce_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, c, e));
+  // (Separate stores: SVE vectors cannot be array elements.)
+  const auto store = [&](auto v, float* o) HWY_ATTR {
+    if constexpr (kAccumulate) {
+      hn::StoreU(hn::Add(hn::LoadU(d4, o), v), d4, o);
+    } else {
+      hn::StoreU(v, d4, o);
+    }
+  };
+  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_lo, ce_lo)), dst);
+  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_lo, ce_lo)), dst + ldd);
+  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_hi, ce_hi)), dst + 2 * ldd);
+  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_hi, ce_hi)), dst + 3 * ldd);
+#else
+  const float* src[4] = {s0, s1, s2, s3};
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) dst[i * ldd + j] = kAccumulate ? dst[i * ldd + j] + src[j][i] : src[j][i];
+#endif
 }
 
 }  // namespace HWY_NAMESPACE

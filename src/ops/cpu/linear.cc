@@ -118,6 +118,8 @@ inline float bf16_bits_to_f32(uint16_t h) {
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
+#include "ops/cpu/lanes-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace ds::ops {
 namespace HWY_NAMESPACE {
@@ -524,30 +526,14 @@ int64_t PanelRows() { return 2 * static_cast<int64_t>(hn::Lanes(DF())); }
 // The one-lane scalar target transposes one float at a time.
 constexpr bool kVectorTranspose = HWY_TARGET != HWY_SCALAR;
 
-// dst[i * ldd + j] (+)= src[j * lds + i] for i, j < 4: a 4 x 4 block
-// transposed in 128-bit vectors by two rounds of interleaves.
+// dst[i * ldd + j] (+)= src[j * lds + i] for i, j < 4: a 4 x 4 block.
 HWY_INLINE void Transpose4x4(const float* HWY_RESTRICT src, int64_t lds, float* HWY_RESTRICT dst, int64_t ldd,
                              bool accumulate) {
-#if HWY_TARGET != HWY_SCALAR
-  const hn::FixedTag<float, 4> d4;
-  const hn::Repartition<uint64_t, decltype(d4)> d64;
-  const auto a = hn::LoadU(d4, src), b = hn::LoadU(d4, src + lds);
-  const auto c = hn::LoadU(d4, src + 2 * lds), e = hn::LoadU(d4, src + 3 * lds);
-  // [a0 b0 a1 b1], [a2 b2 a3 b3], [c0 e0 c1 e1], [c2 e2 c3 e3]
-  const auto ab_lo = hn::BitCast(d64, hn::InterleaveLower(d4, a, b));
-  const auto ab_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, a, b));
-  const auto ce_lo = hn::BitCast(d64, hn::InterleaveLower(d4, c, e));
-  const auto ce_hi = hn::BitCast(d64, hn::InterleaveUpper(d4, c, e));
-  // (Separate stores: SVE vectors cannot be array elements.)
-  const auto store = [&](auto v, float* o) HWY_ATTR { hn::StoreU(accumulate ? hn::Add(hn::LoadU(d4, o), v) : v, d4, o); };
-  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_lo, ce_lo)), dst);
-  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_lo, ce_lo)), dst + ldd);
-  store(hn::BitCast(d4, hn::InterleaveLower(d64, ab_hi, ce_hi)), dst + 2 * ldd);
-  store(hn::BitCast(d4, hn::InterleaveUpper(d64, ab_hi, ce_hi)), dst + 3 * ldd);
-#else
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) dst[i * ldd + j] = accumulate ? dst[i * ldd + j] + src[j * lds + i] : src[j * lds + i];
-#endif
+  if (accumulate) {
+    TransposeRows4x4<true>(src, src + lds, src + 2 * lds, src + 3 * lds, dst, ldd);
+  } else {
+    TransposeRows4x4<false>(src, src + lds, src + 2 * lds, src + 3 * lds, dst, ldd);
+  }
 }
 
 // xt[k][j] = x[j][k] for j < rows (<= P), zero for rows <= j < P: 4 x 4

@@ -21,6 +21,7 @@
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
+#include "ops/cpu/fast_exp-inl.h"
 #include "ops/cpu/lanes-inl.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -30,6 +31,7 @@ namespace HWY_NAMESPACE {
 namespace {
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
 
 // Each output element is one chain of multiply-adds in a fixed order; the
 // tiles below run several independent chains at once so that the adds'
@@ -148,6 +150,66 @@ void AddRowsInto(float* const* dst, const float* src, int64_t n, int64_t D) {
          [](hn::Vec<DF> a, hn::Vec<DF> b) HWY_ATTR { return hn::Add(a, b); });
 }
 
+// Kt [D, ld] = the n rows of D floats transposed, columns n .. ld - 1 zero:
+// blocks of 4 rows x 4 columns through 128-bit vectors, then the edges.
+void GatherTransposed(float* HWY_RESTRICT Kt, const float* const* rows, int64_t n, int64_t ld, int64_t D) {
+  const int64_t n4 = HWY_TARGET != HWY_SCALAR ? n / 4 * 4 : 0, D4 = D / 4 * 4;
+  for (int64_t j = 0; j < n4; j += 4) {
+    const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
+    for (int64_t c = 0; c < D4; c += 4) TransposeRows4x4<false>(r0 + c, r1 + c, r2 + c, r3 + c, Kt + c * ld + j, ld);
+    for (int64_t c = D4; c < D; ++c) {
+      float* dst = Kt + c * ld + j;
+      dst[0] = r0[c], dst[1] = r1[c], dst[2] = r2[c], dst[3] = r3[c];
+    }
+  }
+  for (int64_t c = 0; c < D; ++c) {
+    float* dst = Kt + c * ld;
+    for (int64_t j = n4; j < n; ++j) dst[j] = rows[j][c];
+    for (int64_t j = n; j < ld; ++j) dst[j] = 0.0f;
+  }
+}
+
+// Row h of S [H, ld] (n > 0 entries used) becomes the softmax of scale x
+// S[h, :], the sink's logit sink[h] (sink may be null) in its denominator;
+// lse[h] is the log of that denominator. The elementwise steps run in
+// vectors; the maximum is exact in any order and the sum runs in double in
+// the order of the entries, so no result depends on the vector width.
+void SoftmaxRows(float* S, int64_t ld, int64_t H, int64_t n, float scale, const float* sink, float* lse) {
+  const DF d;
+  const size_t nn = static_cast<size_t>(n);
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = S + h * ld;
+    Map1(d, row, row, nn, [d, scale](VF v) HWY_ATTR { return hn::Mul(v, hn::Set(d, scale)); });
+    const float mx = std::max(sink ? sink[h] : -std::numeric_limits<float>::infinity(), RowMaxSkippingNaN(d, row, nn));
+    Map1(d, row, row, nn, [d, mx](VF v) HWY_ATTR { return FastExp(d, hn::Sub(v, hn::Set(d, mx))); });
+    double sum = sink ? std::exp(static_cast<double>(sink[h]) - mx) : 0.0;
+    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    const float inv = static_cast<float>(1.0 / sum);
+    Map1(d, row, row, nn, [d, inv](VF v) HWY_ATTR { return hn::Mul(v, hn::Set(d, inv)); });
+    lse[h] = mx + static_cast<float>(std::log(sum));
+  }
+}
+
+// For j < n of each row h: P[h, j] = exp(scale P[h, j] - lse[h]) (P holds
+// the scores, and becomes the probabilities) and dS[h, j] = scale P[h, j]
+// (dS[h, j] - Dh[h]) (dS holds dP; scale x the scores' gradient, the factor
+// both gradients below take). Elementwise.
+void ProbsAndScoreGrads(float* P, float* dS, int64_t ld, int64_t H, int64_t n, float scale, const float* lse,
+                        const float* Dh) {
+  const DF d;
+  const size_t nn = static_cast<size_t>(n);
+  for (int64_t h = 0; h < H; ++h) {
+    float* p = P + h * ld;
+    float* ds = dS + h * ld;
+    const float l = lse[h], dv = Dh[h];
+    Map1(d, p, p, nn,
+         [d, scale, l](VF v) HWY_ATTR { return FastExp(d, hn::Sub(hn::Mul(v, hn::Set(d, scale)), hn::Set(d, l))); });
+    Map2(d, ds, p, ds, nn, [d, scale, dv](VF pv, VF g) HWY_ATTR {
+      return hn::Mul(hn::Set(d, scale), hn::Mul(pv, hn::Sub(g, hn::Set(d, dv))));
+    });
+  }
+}
+
 // The vector length of the dispatched target, for padding.
 int64_t VectorFloats() { return static_cast<int64_t>(hn::Lanes(DF())); }
 
@@ -166,6 +228,9 @@ HWY_EXPORT(Combine);
 HWY_EXPORT(KeyGrads);
 HWY_EXPORT(VectorFloats);
 HWY_EXPORT(AddRowsInto);
+HWY_EXPORT(GatherTransposed);
+HWY_EXPORT(SoftmaxRows);
+HWY_EXPORT(ProbsAndScoreGrads);
 
 namespace {
 
@@ -180,15 +245,10 @@ void check(const float* const* rows, const int64_t* offsets, const float* sink, 
   DS_CHECK(d.queries == 0 || rows != nullptr || offsets[d.queries] == 0, "sparse attention: no key rows");
 }
 
-// The keys of one query transposed, Kt [dim, ld], columns n .. ld - 1 zero.
+// The keys of one query transposed into Kt [dim, ld].
 void gather_transposed(std::vector<float>& Kt, const float* const* rows, int64_t n, int64_t ld, int64_t D) {
   Kt.resize(static_cast<size_t>(ld * D));
-  // Column by column: the stores run along Kt's rows.
-  for (int64_t c = 0; c < D; ++c) {
-    float* dst = Kt.data() + c * ld;
-    for (int64_t j = 0; j < n; ++j) dst[j] = rows[j][c];
-    std::fill(dst + n, dst + ld, 0.0f);
-  }
+  DS_DISPATCH(GatherTransposed)(Kt.data(), rows, n, ld, D);
 }
 
 // n rounded up to a whole number of vectors of `lanes`.
@@ -215,20 +275,7 @@ void sparse_mqa_forward(float* out, float* lse, const float* q, const float* con
       gather_transposed(Kt, rows + offsets[i], n, ld, D);
       s.resize(static_cast<size_t>(H * ld));
       DS_DISPATCH(Scores)(s.data(), q + i * H * D, Kt.data(), H, ld, D);
-      for (int64_t h = 0; h < H; ++h) {
-        float* row = s.data() + h * ld;
-        for (int64_t j = 0; j < n; ++j) row[j] *= d.scale;
-        float mx = sink ? sink[h] : -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
-        double sum = sink ? std::exp(static_cast<double>(sink[h]) - mx) : 0.0;
-        for (int64_t j = 0; j < n; ++j) {
-          row[j] = std::exp(row[j] - mx);
-          sum += row[j];
-        }
-        const float inv = static_cast<float>(1.0 / sum);
-        for (int64_t j = 0; j < n; ++j) row[j] *= inv;
-        lse[i * H + h] = mx + static_cast<float>(std::log(sum));
-      }
+      DS_DISPATCH(SoftmaxRows)(s.data(), ld, H, n, d.scale, sink, lse + i * H);
       DS_DISPATCH(Combine)(o, s.data(), ld, rows + offsets[i], H, n, D);
     }
   });
@@ -276,15 +323,7 @@ void sparse_mqa_backward(float* dq, float* const* drows, float* dsink, const flo
         dS.resize(static_cast<size_t>(H * ld));
         DS_DISPATCH(Scores)(P.data(), qi, Kt.data(), H, ld, D);
         DS_DISPATCH(Scores)(dS.data(), gi, Kt.data(), H, ld, D);  // dp
-        for (int64_t h = 0; h < H; ++h) {
-          const float l = lse[i * H + h], Dv = Dh[static_cast<size_t>(h)];
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t k = h * ld + j;
-            P[static_cast<size_t>(k)] = std::exp(P[static_cast<size_t>(k)] * d.scale - l);
-            // scale x ds: both gradients below take it with that factor
-            dS[static_cast<size_t>(k)] = d.scale * (P[static_cast<size_t>(k)] * (dS[static_cast<size_t>(k)] - Dv));
-          }
-        }
+        DS_DISPATCH(ProbsAndScoreGrads)(P.data(), dS.data(), ld, H, n, d.scale, lse + i * H, Dh.data());
         DS_DISPATCH(Combine)(dq + i * H * D, dS.data(), ld, rows + offsets[i], H, n, D);
         if (drows)
           DS_DISPATCH(KeyGrads)(dkeys.data() + (offsets[i] - e0) * D, dS.data(), qi, P.data(), gi, ld, H, n, D);
