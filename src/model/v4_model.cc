@@ -605,10 +605,7 @@ std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::
     sv->y.assign(y.begin(), y.end());
   }
   ops::rmsnorm_forward(y.data(), rstd.data(), y.data(), vector_data(norm), R, d, static_cast<float>(cfg_.rms_norm_eps));
-  if (sv) {
-    sv->rstd_y.assign(rstd.begin(), rstd.end());
-    sv->yn.assign(y.begin(), y.end());
-  }
+  if (sv) sv->rstd_y.assign(rstd.begin(), rstd.end());
   if (!logits) return std::vector<float>(y.begin(), y.end());
   std::vector<float> out(static_cast<size_t>(R * V));
   ops::linear_forward(out.data(), y.data(), head_weight(), R);

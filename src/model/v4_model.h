@@ -136,7 +136,7 @@ struct V4LayerSaved {
 };
 // Around a head: the streams it contracts, the mhc_head output, its norm.
 struct V4HeadSaved {
-  std::vector<float> X, y, rstd_y, yn;
+  std::vector<float> X, y, rstd_y;
 };
 // The MTP layer (depth 1): row r is token rows[r] of the batch with the
 // next token ids[r] at position pos[r] of its sequence.
