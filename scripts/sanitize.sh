@@ -9,8 +9,10 @@
 #   ./scripts/sanitize.sh                 # everything
 #   ./scripts/sanitize.sh -R tokenizer    # extra arguments go to ctest
 #
-# Debug build at -O1 -g1, so assert() stays on (no NDEBUG) and the reports name
-# file:line (line tables; full -g costs a quarter more build time);
+# Debug build at -Og -g1, so assert() stays on (no NDEBUG) and the reports name
+# file:line (line tables; full -g costs a quarter more build time). -Og
+# rather than -O1: the instrumented build is 30% shorter (the sanitizers'
+# code generation dominates it) and the tests about 10% longer;
 # -D_GLIBCXX_ASSERTIONS adds libstdc++'s bounds checks. Benchmarks
 # are off. Every sanitizer report ends its process (abort_on_error,
 # halt_on_error, -fno-sanitize-recover=all). AddressSanitizer and
@@ -61,7 +63,7 @@ fi
 
 t0=$(date +%s)
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Debug "${HWY_ARGS[@]}" \
-  -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+  -DCMAKE_CXX_FLAGS_DEBUG="-Og -g1" \
   -DCMAKE_CXX_FLAGS="$SAN_FLAGS -D_GLIBCXX_ASSERTIONS" \
   -DCMAKE_EXE_LINKER_FLAGS="$SAN_FLAGS" \
   -DDEEPSEEK_BUILD_TESTS=ON -DDEEPSEEK_BUILD_BENCH=OFF
