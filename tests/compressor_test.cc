@@ -1,6 +1,6 @@
 // DeepSeek-V4's compressor pooling (ops/compressor.h): plain and overlapping
 // windows against the double reference, a hand-checked case, the backward
-// against central differences, and thread-count independence.
+// against central differences, thread-count and vector-lane independence.
 #include "ops/compressor.h"
 
 #include <gtest/gtest.h>
@@ -100,6 +100,42 @@ TEST(Compressor, ResultsDoNotDependOnTheThreadCount) {
     out.insert(out.end(), dZ.begin(), dZ.end());
     return out;
   });
+}
+
+// A channel's result is the same whether it is one lane of a full vector or
+// one of the channels past the last whole vector (computed a lane at a
+// time): every channel of a 37-wide entry against the same channel pooled
+// alone, forward and backward, bit for bit.
+TEST(Compressor, ChannelsDoNotDependOnTheirLane) {
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "plain");
+    const int64_t D = 37, halves = overlap ? 2 : 1;
+    const auto d = dims(5 * 4, D, 4, overlap), d1 = dims(5 * 4, 1, 4, overlap);
+    const auto P = ds::test::randn(d.tokens * d.width(), 9), Z = ds::test::randn(d.tokens * d.width(), 10, 2.0f);
+    const auto g = ds::test::randn(d.entries() * D, 11);
+    std::vector<float> out(d.entries() * D), dP(P.size(), 0.0f), dZ(Z.size(), 0.0f);
+    ds::ops::compressor_pool_forward(out.data(), P.data(), Z.data(), d);
+    ds::ops::compressor_pool_backward(dP.data(), dZ.data(), g.data(), P.data(), Z.data(), d);
+    for (int64_t c = 0; c < D; ++c) {
+      // Channel c alone: its column of each half of P and Z, its column of g.
+      std::vector<float> P1(d.tokens * halves), Z1(P1.size()), g1(d.entries()), out1(d.entries());
+      std::vector<float> dP1(P1.size(), 0.0f), dZ1(P1.size(), 0.0f);
+      for (int64_t t = 0; t < d.tokens; ++t)
+        for (int64_t h = 0; h < halves; ++h) {
+          P1[t * halves + h] = P[t * d.width() + h * D + c];
+          Z1[t * halves + h] = Z[t * d.width() + h * D + c];
+        }
+      for (int64_t b = 0; b < d.entries(); ++b) g1[b] = g[b * D + c];
+      ds::ops::compressor_pool_forward(out1.data(), P1.data(), Z1.data(), d1);
+      ds::ops::compressor_pool_backward(dP1.data(), dZ1.data(), g1.data(), P1.data(), Z1.data(), d1);
+      for (int64_t b = 0; b < d.entries(); ++b) ASSERT_EQ(out[b * D + c], out1[b]) << "channel " << c << " entry " << b;
+      for (int64_t t = 0; t < d.tokens; ++t)
+        for (int64_t h = 0; h < halves; ++h) {
+          ASSERT_EQ(dP[t * d.width() + h * D + c], dP1[t * halves + h]) << "channel " << c << " token " << t;
+          ASSERT_EQ(dZ[t * d.width() + h * D + c], dZ1[t * halves + h]) << "channel " << c << " token " << t;
+        }
+    }
+  }
 }
 
 TEST(Compressor, BadDimsAreErrors) {
