@@ -37,11 +37,11 @@ struct Slots {
   int groups;
 };
 
-Slots EntrySlots(int64_t b, int64_t ratio, int64_t dim, bool overlap) {
-  const int64_t m = ratio;
-  if (!overlap) return {{b * m, 0}, {m, 0}, {0, 0}, 1};
-  if (b == 0) return {{0, 0}, {m, 0}, {dim, 0}, 1};
-  return {{(b - 1) * m, b * m}, {m, m}, {0, dim}, 2};
+Slots EntrySlots(int64_t b, const CompressorDims& d) {
+  const int64_t m = d.ratio;
+  if (!d.overlap) return {{b * m, 0}, {m, 0}, {0, 0}, 1};
+  if (b == 0) return {{0, 0}, {m, 0}, {d.dim, 0}, 1};
+  return {{(b - 1) * m, b * m}, {m, m}, {0, d.dim}, 2};
 }
 
 // Calls f(k) with the index into P and Z of every slot of channel i, in
@@ -98,34 +98,37 @@ HWY_INLINE void BackwardLanes(D d, const Slots& s, const float* P, const float* 
   });
 }
 
-// Entries [b0, b1): out [entries, dim] from P, Z [tokens, width].
-void PoolForward(float* out, const float* P, const float* Z, int64_t b0, int64_t b1, int64_t ratio, int64_t dim,
-                 bool overlap) {
+// Calls f(tag, i) for the channels [0, dim): whole vectors of them, then
+// the rest one lane at a time.
+template <typename F>
+HWY_INLINE void ForChannels(int64_t dim, F&& f) {
   const hn::ScalableTag<float> d;
   const hn::CappedTag<float, 1> d1;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), W = (overlap ? 2 : 1) * dim;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  int64_t i = 0;
+  for (; i + N <= dim; i += N) f(d, i);
+  for (; i < dim; ++i) f(d1, i);
+}
+
+// Entries [b0, b1): out [entries, dim] from P, Z [tokens, width].
+void PoolForward(float* out, const float* P, const float* Z, int64_t b0, int64_t b1, const CompressorDims& d) {
+  const int64_t D = d.dim, W = d.width();
   for (int64_t b = b0; b < b1; ++b) {
-    const Slots s = EntrySlots(b, ratio, dim, overlap);
-    float* o = out + b * dim;
-    int64_t i = 0;
-    for (; i + N <= dim; i += N) ForwardLanes(d, s, P, Z, W, i, o);
-    for (; i < dim; ++i) ForwardLanes(d1, s, P, Z, W, i, o);
+    const Slots s = EntrySlots(b, d);
+    float* o = out + b * D;
+    ForChannels(D, [&](auto tag, int64_t i) { ForwardLanes(tag, s, P, Z, W, i, o); });
   }
 }
 
 // Entries [b0, b1): dP, dZ [tokens, width] += the gradients from dout
 // [entries, dim].
 void PoolBackward(float* dP, float* dZ, const float* dout, const float* P, const float* Z, int64_t b0, int64_t b1,
-                  int64_t ratio, int64_t dim, bool overlap) {
-  const hn::ScalableTag<float> d;
-  const hn::CappedTag<float, 1> d1;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), W = (overlap ? 2 : 1) * dim;
+                  const CompressorDims& d) {
+  const int64_t D = d.dim, W = d.width();
   for (int64_t b = b0; b < b1; ++b) {
-    const Slots s = EntrySlots(b, ratio, dim, overlap);
-    const float* g = dout + b * dim;
-    int64_t i = 0;
-    for (; i + N <= dim; i += N) BackwardLanes(d, s, P, Z, g, W, i, dP, dZ);
-    for (; i < dim; ++i) BackwardLanes(d1, s, P, Z, g, W, i, dP, dZ);
+    const Slots s = EntrySlots(b, d);
+    const float* g = dout + b * D;
+    ForChannels(D, [&](auto tag, int64_t i) { BackwardLanes(tag, s, P, Z, g, W, i, dP, dZ); });
   }
 }
 
@@ -155,7 +158,7 @@ void compressor_pool_forward(float* out, const float* P, const float* Z, const C
   check_dims(d);
   const int64_t B = d.entries();
   parallel_ranges(B, B * d.ratio * d.dim >= (int64_t{1} << 14), [&](int64_t b0, int64_t b1) {
-    DS_DISPATCH(PoolForward)(out, P, Z, b0, b1, d.ratio, d.dim, d.overlap);
+    DS_DISPATCH(PoolForward)(out, P, Z, b0, b1, d);
   });
 }
 
@@ -167,7 +170,7 @@ void compressor_pool_backward(float* dP, float* dZ, const float* dout, const flo
   // first halves no other entry touches: entries write disjoint elements,
   // so they run in parallel.
   parallel_ranges(B, B * d.ratio * d.dim >= (int64_t{1} << 14), [&](int64_t b0, int64_t b1) {
-    DS_DISPATCH(PoolBackward)(dP, dZ, dout, P, Z, b0, b1, d.ratio, d.dim, d.overlap);
+    DS_DISPATCH(PoolBackward)(dP, dZ, dout, P, Z, b0, b1, d);
   });
 }
 
