@@ -6,6 +6,8 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <exception>
+#include <vector>
 
 namespace ds {
 
@@ -38,6 +40,31 @@ void parallel_ranges(int64_t n, bool parallel, F&& f) {
     const int64_t b = n * id / nt, e = n * (id + 1) / nt;
     if (b < e) f(b, e);
   }
+}
+
+// Runs f(t) for every t in [0, n) as tasks that the threads take one at a
+// time (the largest first, if the caller orders them so), or in order on the
+// calling thread when `parallel` is false or a team is already active. f must
+// give the same result whichever thread runs it. A task's exception is
+// rethrown here once every task has ended (the lowest task's, if several).
+template <typename F>
+void parallel_tasks(int64_t n, bool parallel, F&& f) {
+  if (n <= 0) return;
+  if (!parallel || n == 1 || omp_in_parallel() || omp_get_max_threads() == 1) {
+    for (int64_t t = 0; t < n; ++t) f(t);
+    return;
+  }
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < n; ++t) {
+    try {
+      f(t);
+    } catch (...) {
+      errors[static_cast<size_t>(t)] = std::current_exception();
+    }
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 }  // namespace ds

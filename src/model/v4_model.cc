@@ -458,6 +458,54 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   }
 }
 
+V4ExpertRows::V4ExpertRows(const int32_t* experts, int64_t n, int64_t K, int64_t E, bool shared)
+    : first(static_cast<size_t>(E + 1), 0), row(static_cast<size_t>(n * K)), assignment(row.size()) {
+  for (int64_t a = 0; a < n * K; ++a) ++first[static_cast<size_t>(experts[a] + 1)];
+  for (int64_t e = 0; e < E; ++e) first[static_cast<size_t>(e + 1)] += first[static_cast<size_t>(e)];
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t a = 0; a < n * K; ++a) {
+    const int64_t r = next[static_cast<size_t>(experts[a])]++;
+    row[static_cast<size_t>(a)] = r;
+    assignment[static_cast<size_t>(r)] = a;
+  }
+  if (shared) tasks.push_back(-1);
+  for (int64_t e = 0; e < E; ++e)
+    if (rows(e) > 0) tasks.push_back(e);
+  std::stable_sort(tasks.begin(), tasks.end(), [&](int64_t x, int64_t y) {
+    auto size = [&](int64_t e) { return e < 0 ? n : rows(e); };
+    return size(x) > size(y);
+  });
+}
+
+bool V4ExpertRows::as_tasks(int64_t hidden, int64_t intermediate) const {
+  const int64_t T = static_cast<int64_t>(tasks.size());
+  // Multiply-adds of one product of an average task.
+  const double macs = static_cast<double>(row.size()) / static_cast<double>(std::max<int64_t>(T, 1)) *
+                      static_cast<double>(hidden) * static_cast<double>(intermediate);
+  return T >= 2 * num_threads() && macs < static_cast<double>(int64_t{1} << 24);
+}
+
+void v4_add_by_expert(float* out, const float* rows, const float* w, const int32_t* experts, const V4ExpertRows& er,
+                      int64_t n, int64_t K, int64_t d) {
+  parallel_ranges(n, n * K * d >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+    std::vector<int64_t> order(static_cast<size_t>(K));
+    for (int64_t t = t0; t < t1; ++t) {
+      std::iota(order.begin(), order.end(), t * K);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return experts[a] < experts[b]; });
+      float* dst = out + t * d;
+      for (const int64_t a : order) {
+        const float* src = rows + er.row[static_cast<size_t>(a)] * d;
+        if (w) {
+          const float wgt = w[a];
+          for (int64_t c = 0; c < d; ++c) dst[c] += wgt * src[c];
+        } else {
+          for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
+        }
+      }
+    }
+  });
+}
+
 void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
   const auto& L = w_.layers[static_cast<size_t>(layer)];
   const int64_t d = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
@@ -477,58 +525,59 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
   ops::expert_selection_forward(experts.data(), weights.data(), scores.data(), logits.data(),
                                 hashed ? nullptr : vector_data(L.gate_bias), n, sc, hashed ? fixed.data() : nullptr);
 
-  if (sv) {
-    sv->experts = experts;
-    sv->weights = weights;
-    sv->scores.assign(scores.begin(), scores.end());
-    sv->rows.assign(static_cast<size_t>(E), {});
-    sv->g.assign(static_cast<size_t>(E), {});
-    sv->u.assign(static_cast<size_t>(E), {});
-    sv->h.assign(static_cast<size_t>(E), {});
-    sv->y.assign(static_cast<size_t>(E), {});
-  }
-  // w2(silu(w1 x) * w3 x) with the clamp; g, u, h kept when asked.
-  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp,
-                    std::vector<float>* kg, std::vector<float>* ku, std::vector<float>* kh) {
-    Buffer<float> g(static_cast<size_t>(rows * I)), u(static_cast<size_t>(rows * I)), h(static_cast<size_t>(rows * I));
-    ops::linear_forward(g.data(), xs, mp.w1, rows);
-    ops::linear_forward(u.data(), xs, mp.w3, rows);
-    ops::silu_mul_forward(h.data(), g.data(), u.data(), rows * I, limit);
-    ops::linear_forward(y, h.data(), mp.w2, rows);
-    if (kg) {
-      kg->assign(g.begin(), g.end());
-      ku->assign(u.begin(), u.end());
-      kh->assign(h.begin(), h.end());
-    }
+  // Every routed expert's rows in expert-major buffers: its outputs ys and
+  // g = w1 x, u = w3 x, h = silu(g) * u (training keeps them all).
+  const bool shared = cfg_.n_shared_experts > 0;
+  V4ExpertRows er(experts.data(), n, K, E, shared);
+  const size_t A = static_cast<size_t>(n * K);
+  Buffer<float> own[7];
+  Buffer<float>& ys = sv ? sv->y : own[0];
+  Buffer<float>& g = sv ? sv->g : own[1];
+  Buffer<float>& u = sv ? sv->u : own[2];
+  Buffer<float>& h = sv ? sv->h : own[3];
+  Buffer<float>& sg = sv ? sv->sg : own[4];
+  Buffer<float>& su = sv ? sv->su : own[5];
+  Buffer<float>& sh = sv ? sv->sh : own[6];
+  ys.resize(A * static_cast<size_t>(d));
+  for (Buffer<float>* b : {&g, &u, &h}) b->resize(A * static_cast<size_t>(I));
+  if (shared)
+    for (Buffer<float>* b : {&sg, &su, &sh}) b->resize(static_cast<size_t>(n * I));
+  // w2(silu(w1 x) * w3 x) with the clamp.
+  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp, float* gr,
+                    float* ur, float* hr) {
+    ops::linear_forward(gr, xs, mp.w1, rows);
+    ops::linear_forward(ur, xs, mp.w3, rows);
+    ops::silu_mul_forward(hr, gr, ur, rows * I, limit);
+    ops::linear_forward(y, hr, mp.w2, rows);
   };
-  if (cfg_.n_shared_experts > 0)
-    swiglu(out, x, n, L.shared, sv ? &sv->sg : nullptr, sv ? &sv->su : nullptr, sv ? &sv->sh : nullptr);
-  else
-    std::fill(out, out + n * d, 0.0f);
-  // Each chosen expert over its rows, added with the routing weight.
-  std::vector<std::vector<int64_t>> rows(static_cast<size_t>(E));
-  for (int64_t a = 0; a < n * K; ++a) rows[static_cast<size_t>(experts[static_cast<size_t>(a)])].push_back(a);
-  Buffer<float> xs, ys;
-  for (int64_t e = 0; e < E; ++e) {
-    const auto& list = rows[static_cast<size_t>(e)];
-    if (list.empty()) continue;
-    const int64_t cnt = static_cast<int64_t>(list.size());
-    xs.resize(static_cast<size_t>(cnt * d));
-    ys.resize(static_cast<size_t>(cnt * d));
-    for (int64_t j = 0; j < cnt; ++j) std::copy(x + list[j] / K * d, x + (list[j] / K + 1) * d, xs.begin() + j * d);
-    const size_t ei = static_cast<size_t>(e);
-    swiglu(ys.data(), xs.data(), cnt, L.experts[ei], sv ? &sv->g[ei] : nullptr, sv ? &sv->u[ei] : nullptr,
-           sv ? &sv->h[ei] : nullptr);
-    if (sv) {
-      sv->rows[ei] = list;
-      sv->y[ei].assign(ys.begin(), ys.end());
+  // One task per expert; the shared expert's writes out. Many small experts
+  // run on a thread each (a threaded product that small costs more in
+  // overhead than in arithmetic); a few experts (decode), or large ones, run
+  // one after another with every thread inside each product, which leaves no
+  // thread idle at the end. A product's result does not depend on the thread
+  // count, so neither does out.
+  parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t t) {
+    const int64_t e = er.tasks[static_cast<size_t>(t)];
+    if (e < 0) {
+      swiglu(out, x, n, L.shared, sg.data(), su.data(), sh.data());
+      return;
     }
+    const int64_t r0 = er.first[static_cast<size_t>(e)], cnt = er.rows(e);
+    Buffer<float> xs(static_cast<size_t>(cnt * d));
     for (int64_t j = 0; j < cnt; ++j) {
-      const float wgt = weights[static_cast<size_t>(list[j])];
-      float* dst = out + list[j] / K * d;
-      const float* src = ys.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] += wgt * src[c];
+      const int64_t tok = er.assignment[static_cast<size_t>(r0 + j)] / K;
+      std::copy(x + tok * d, x + (tok + 1) * d, xs.begin() + j * d);
     }
+    swiglu(ys.data() + r0 * d, xs.data(), cnt, L.experts[static_cast<size_t>(e)], g.data() + r0 * I, u.data() + r0 * I,
+           h.data() + r0 * I);
+  });
+  if (!shared) std::fill(out, out + n * d, 0.0f);
+  v4_add_by_expert(out, ys.data(), weights.data(), experts.data(), er, n, K, d);
+  if (sv) {
+    sv->experts = std::move(experts);
+    sv->weights = std::move(weights);
+    sv->scores.assign(scores.begin(), scores.end());
+    sv->rows = std::move(er);
   }
 }
 

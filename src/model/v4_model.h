@@ -118,13 +118,33 @@ struct V4AttentionSaved {
   std::vector<int32_t> key_seg;
   std::vector<int64_t> key_idx, offsets;
 };
+// A MoE layer's routed rows grouped by expert: assignment a (token a / K)
+// is row row[a] of the expert-major buffers, where expert e's rows start at
+// first[e], its assignments in order (assignment[r] is row r's); tasks lists
+// the experts that have rows, the largest first, after -1 for the shared
+// expert when there is one.
+struct V4ExpertRows {
+  std::vector<int64_t> first, row, assignment, tasks;
+  V4ExpertRows() = default;
+  V4ExpertRows(const int32_t* experts, int64_t n, int64_t K, int64_t E, bool shared);
+  int64_t rows(int64_t e) const { return first[static_cast<size_t>(e + 1)] - first[static_cast<size_t>(e)]; }
+  // Whether the tasks run on a thread each rather than one after another
+  // with every thread inside each product: many experts whose products
+  // (width hidden -> intermediate) are small.
+  bool as_tasks(int64_t hidden, int64_t intermediate) const;
+};
+// out[t] (+)= the rows of token t's assignments, each times w[a] when w is
+// given, in the order of their experts (the order of a loop over experts,
+// whatever the thread count).
+void v4_add_by_expert(float* out, const float* rows, const float* w, const int32_t* experts, const V4ExpertRows& er,
+                      int64_t n, int64_t K, int64_t d);
 struct V4MoeSaved {
-  std::vector<int32_t> experts;                // [N, K]
-  std::vector<float> weights;                  // [N, K]
-  std::vector<float> scores;                   // [N, E]
-  std::vector<std::vector<int64_t>> rows;      // per expert: assignments (token * K + slot)
-  std::vector<std::vector<float>> g, u, h, y;  // per expert: [rows, I] x3, [rows, d]
-  std::vector<float> sg, su, sh;               // shared expert [N, I]
+  std::vector<int32_t> experts;  // [N, K]
+  std::vector<float> weights;    // [N, K]
+  std::vector<float> scores;     // [N, E]
+  V4ExpertRows rows;
+  Buffer<float> g, u, h, y;  // routed rows, expert-major: [N K, I] x3, [N K, d]
+  Buffer<float> sg, su, sh;  // shared expert [N, I]
 };
 struct V4LayerSaved {
   Buffer<float> X;                             // the layer's input streams [N, hc, d]

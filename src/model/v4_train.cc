@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "model/stages.h"
 #include "model/v4_model.h"
 #include "model/weights.h"
@@ -281,45 +282,47 @@ class Backward {
     const float limit = static_cast<float>(c_.swiglu_limit);
     std::fill(dx, dx + n_ * d, 0.0f);
     // w2(silu(w1 x) * w3 x) backward: dxs (+=) from dy.
-    auto swiglu = [&](float* dxs, const float* dy, const float* xs, int64_t rows, const std::vector<float>& gv,
-                      const std::vector<float>& uv, const std::vector<float>& hv, const V4MlpParams<View>& mp,
-                      V4MlpParams<float*>& mg) {
+    auto swiglu = [&](float* dxs, const float* dy, const float* xs, int64_t rows, const float* gv, const float* uv,
+                      const float* hv, const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) {
       for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
       std::vector<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
-      ops::linear_backward(dh.data(), mg.w2, dy, hv.data(), mp.w2, rows);
-      ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv.data(), uv.data(), rows * I, limit);
+      ops::linear_backward(dh.data(), mg.w2, dy, hv, mp.w2, rows);
+      ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv, uv, rows * I, limit);
       ops::linear_backward(dxs, mg.w1, dg.data(), xs, mp.w1, rows, true);
       ops::linear_backward(dxs, mg.w3, du.data(), xs, mp.w3, rows, true);
     };
-    if (c_.n_shared_experts > 0) swiglu(dx, dout, x, n_, s.sg, s.su, s.sh, L.shared, G.shared);
-    // Routed experts: the combine weights' and the rows' gradients.
-    std::vector<float> dweights = zeros(n_ * K), xs, dy, dxs;
-    for (int64_t e = 0; e < E; ++e) {
-      const auto& list = s.rows[static_cast<size_t>(e)];
-      if (list.empty()) continue;
-      const int64_t cnt = static_cast<int64_t>(list.size());
-      const std::vector<float>& y = s.y[static_cast<size_t>(e)];
-      xs.resize(static_cast<size_t>(cnt * d));
-      dy.resize(xs.size());
-      dxs.assign(xs.size(), 0.0f);
+    // The forward's tasks: one per expert (its weight gradients are sums over
+    // its rows, so one task owns them all), the shared expert's into dx. The
+    // routed experts' input gradients land in dxs, expert-major, and are
+    // added to dx afterwards in expert order.
+    const V4ExpertRows& er = s.rows;
+    std::vector<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
+    parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
+      const int64_t e = er.tasks[static_cast<size_t>(task)];
+      const size_t ei = static_cast<size_t>(e);
+      if (e < 0) {
+        swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
+        return;
+      }
+      // The combine weights' and the rows' gradients.
+      const int64_t r0 = er.first[ei], cnt = er.rows(e);
+      std::vector<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
       for (int64_t j = 0; j < cnt; ++j) {
-        const int64_t asg = list[static_cast<size_t>(j)], t = asg / K;
+        const int64_t asg = er.assignment[static_cast<size_t>(r0 + j)], t = asg / K;
         const float wgt = s.weights[static_cast<size_t>(asg)];
+        const float* y = s.y.data() + (r0 + j) * d;
         double dot = 0;
         for (int64_t i = 0; i < d; ++i) {
-          dot += static_cast<double>(dout[t * d + i]) * y[static_cast<size_t>(j * d + i)];
+          dot += static_cast<double>(dout[t * d + i]) * y[i];
           dy[static_cast<size_t>(j * d + i)] = wgt * dout[t * d + i];
           xs[static_cast<size_t>(j * d + i)] = x[t * d + i];
         }
         dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
       }
-      const size_t ei = static_cast<size_t>(e);
-      swiglu(dxs.data(), dy.data(), xs.data(), cnt, s.g[ei], s.u[ei], s.h[ei], L.experts[ei], G.experts[ei]);
-      for (int64_t j = 0; j < cnt; ++j) {
-        const int64_t t = list[static_cast<size_t>(j)] / K;
-        for (int64_t i = 0; i < d; ++i) dx[t * d + i] += dxs[static_cast<size_t>(j * d + i)];
-      }
-    }
+      swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
+             s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
+    });
+    v4_add_by_expert(dx, dxs.data(), nullptr, s.experts.data(), er, n_, K, d);
     // The router, through the combine weights (its choices are constants).
     std::vector<float> dlogits(static_cast<size_t>(n_ * E));
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
