@@ -6,6 +6,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <vector>
 
@@ -40,6 +41,13 @@ void parallel_ranges(int64_t n, bool parallel, F&& f) {
     const int64_t b = n * id / nt, e = n * (id + 1) / nt;
     if (b < e) f(b, e);
   }
+}
+
+// p[0, n) = 0, split over the threads when n is large: a memset of a few
+// MiB on one thread leaves the others waiting.
+inline void parallel_zero(float* p, int64_t n) {
+  parallel_ranges(n, n >= (int64_t{1} << 18),
+                  [&](int64_t b, int64_t e) { std::memset(p + b, 0, static_cast<size_t>(e - b) * sizeof(float)); });
 }
 
 // Runs f(t) for every t in [0, n) as tasks that the threads take one at a

@@ -5,6 +5,7 @@
 #include <map>
 #include <numeric>
 
+#include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/stages.h"
@@ -29,7 +30,13 @@ void need_vector_data(const View& v, const char* what) {
   DS_CHECK(v.dtype == DType::F32, "V4 training needs float32 weights ({} is {})", what, dtype_name(v.dtype));
 }
 
-std::vector<float> zeros(int64_t n) { return std::vector<float>(static_cast<size_t>(n), 0.0f); }
+// n zeros, written by every thread when n is large.
+Buffer<float> zeros(int64_t n) {
+  Buffer<float> b(static_cast<size_t>(n));
+  parallel_zero(b.data(), n);
+  return b;
+}
+void zero(Buffer<float>& b) { parallel_zero(b.data(), static_cast<int64_t>(b.size())); }
 
 // The fused head loss (model/stages.h) of the normed rows hn [R, d]: row r
 // predicts target rows[r] of b, and counts where b counts that target.
@@ -72,9 +79,9 @@ class Backward {
   // dyn, the gradient of the main head's normed rows [n, d] (and the MTP
   // layer's, when it ran), the LM head's own gradient already taken -> every
   // other parameter's gradient.
-  void run(const std::vector<float>& dyn, const std::vector<float>* dmtp) {
+  void run(const Buffer<float>& dyn, const Buffer<float>* dmtp) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
-    std::vector<float> dX = zeros(n_ * hc * d);
+    Buffer<float> dX = zeros(n_ * hc * d);
     head(dX.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
          g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
     if (dmtp && !sv_.mtp.empty() && !sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
@@ -96,7 +103,7 @@ class Backward {
   void head(float* dX, const float* dyn, const V4HeadSaved& hs, const View& fn, const View& base, const View& scale,
             const View& norm, float* gfn, float* gbase, float* gscale, float* gnorm, int64_t R) {
     const int64_t d = c_.hidden_size;
-    std::vector<float> dy(static_cast<size_t>(R * d));
+    Buffer<float> dy(static_cast<size_t>(R * d));
     ops::rmsnorm_backward(dy.data(), gnorm, dyn, hs.y.data(), vector_data(norm), hs.rstd_y.data(), R, d);
     ops::mhc_head_backward(dX, gfn, gbase, gscale, dy.data(), hs.X.data(), vector_data(fn), vector_data(base),
                            vector_data(scale), v4_mhc_dims(c_, R));
@@ -105,13 +112,13 @@ class Backward {
   // The MTP layer: its head, its block (layer num_hidden_layers over the MTP
   // rows), the two projections and norms; dX (the main streams) and the
   // embedding (the next tokens) +=.
-  void mtp(std::vector<float>& dX, const std::vector<float>& dyn) {
+  void mtp(Buffer<float>& dX, const Buffer<float>& dyn) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult, l = c_.num_hidden_layers;
     const V4MtpSaved& ms = sv_.mtp[0];
     const auto& M = w_.mtp[0];
     auto& G = g_.mtp[0];
     const int64_t R = static_cast<int64_t>(ms.rows.size());
-    std::vector<float> dXm(static_cast<size_t>(R * hc * d));
+    Buffer<float> dXm = zeros(R * hc * d);  // the head adds into it
     head(dXm.data(), dyn.data(), ms.head, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, G.hc_head_fn,
          G.hc_head_base, G.hc_head_scale, G.norm, R);
     const int64_t n0 = n_;
@@ -127,7 +134,7 @@ class Backward {
     // Xm = h_proj(h) + e_proj(e) copied into every stream.
     need_vector_data(M.h_proj, "mtp.h_proj");
     need_vector_data(M.e_proj, "mtp.e_proj");
-    std::vector<float> dh(static_cast<size_t>(R * hc * d)), de(static_cast<size_t>(R * d)), dpe = zeros(R * d);
+    Buffer<float> dh(static_cast<size_t>(R * hc * d)), de(static_cast<size_t>(R * d)), dpe = zeros(R * d);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t j = 0; j < hc; ++j)
         for (int64_t i = 0; i < d; ++i)
@@ -149,13 +156,13 @@ class Backward {
   }
 
   // dX holds dL/d(layer output) on entry, dL/d(layer input) on return.
-  void layer(int64_t l, std::vector<float>& dX) {
+  void layer(int64_t l, Buffer<float>& dX) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     const auto& s = sv_.layers[static_cast<size_t>(l)];
     const auto& L = w_.layers[static_cast<size_t>(l)];
     auto& G = g_.layers[static_cast<size_t>(l)];
-    std::vector<float> dsub = zeros(n_ * d), dX1 = zeros(n_ * hc * d), dpost = zeros(n_ * hc),
-                       dcomb = zeros(n_ * hc * hc), da(static_cast<size_t>(n_ * d));
+    Buffer<float> dsub = zeros(n_ * d), dX1 = zeros(n_ * hc * d), dpost = zeros(n_ * hc), dcomb = zeros(n_ * hc * hc),
+                  da(static_cast<size_t>(n_ * d));
     // The MoE sub-layer.
     ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), s.X1.data(),
                            s.fpost.data(), s.fcomb.data(), md_);
@@ -166,13 +173,10 @@ class Backward {
                           s.X1.data(), vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
                           vector_data(L.hc_ffn_scale), md_);
     // The attention sub-layer.
-    std::fill(dsub.begin(), dsub.end(), 0.0f);
-    std::fill(dpost.begin(), dpost.end(), 0.0f);
-    std::fill(dcomb.begin(), dcomb.end(), 0.0f);
-    std::fill(dX.begin(), dX.end(), 0.0f);
+    for (Buffer<float>* b : {&dsub, &dpost, &dcomb, &dX}) zero(*b);
     ops::mhc_post_backward(dsub.data(), dX.data(), dpost.data(), dcomb.data(), dX1.data(), s.o.data(), s.X.data(),
                            s.post.data(), s.comb.data(), md_);
-    std::fill(da.begin(), da.end(), 0.0f);
+    zero(da);
     attention(da.data(), dsub.data(), s.attn, s.a.data(), l);
     ops::rmsnorm_backward(da.data(), G.attn_norm, da.data(), s.a0.data(), vector_data(L.attn_norm), s.rstd_a.data(), n_,
                           d);
@@ -192,18 +196,18 @@ class Backward {
     const int32_t* pos = pos_;
     for (const View* v : {&p.wq_a, &p.wq_b, &p.wkv, &p.wo_a, &p.wo_b}) need_vector_data(*v, "an attention projection");
     // out = wo_b z;  z_g = wo_a_g o2_g
-    std::vector<float> dz(static_cast<size_t>(n_ * G * r)), dq(static_cast<size_t>(n_ * H * D));
+    Buffer<float> dz(static_cast<size_t>(n_ * G * r)), dO(static_cast<size_t>(n_ * H * D));  // dO: d(attention output)
     ops::linear_backward(dz.data(), g.wo_b, dout, s.z.data(), p.wo_b, n_);
     for (int64_t k = 0; k < G; ++k)
-      ops::linear_backward(dq.data() + k * gw, g.wo_a ? g.wo_a + k * r * gw : nullptr, dz.data() + k * r,
+      ops::linear_backward(dO.data() + k * gw, g.wo_a ? g.wo_a + k * r * gw : nullptr, dz.data() + k * r,
                            s.o2.data() + k * gw, ops::row_slice(p.wo_a, k * r, (k + 1) * r), n_, H * D, G * r);
     // o2 = o rotated by -t: do = do2 rotated by +t.
-    ops::rope_forward(dq.data() + N, dq.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
-    std::vector<float> dO = dq;  // d(attention output)
+    ops::rope_forward(dO.data() + N, dO.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
+    Buffer<float> dq(dO.size());  // written whole by the attention's backward
     // The sparse attention: its keys are rows of kv or compressed entries.
-    std::vector<float> dkv = zeros(n_ * D);
+    Buffer<float> dkv = zeros(n_ * D);
     const int64_t S = static_cast<int64_t>(len_.size());
-    std::vector<std::vector<float>> dent(static_cast<size_t>(S));
+    std::vector<Buffer<float>> dent(static_cast<size_t>(S));
     for (int64_t k = 0; k < S; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, l).size()));
     std::vector<const float*> rows(s.key_idx.size());
     std::vector<float*> drows(s.key_idx.size());
@@ -220,7 +224,7 @@ class Backward {
     const std::vector<float> ones(static_cast<size_t>(D), 1.0f);
     ops::rope_backward(dq.data() + N, dq.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
     ops::rmsnorm_backward(dq.data(), nullptr, dq.data(), s.q_lin.data(), ones.data(), s.rstd_q.data(), n_ * H, D);
-    std::vector<float> dqr(static_cast<size_t>(n_ * Lq));
+    Buffer<float> dqr(static_cast<size_t>(n_ * Lq));
     ops::linear_backward(dqr.data(), g.wq_b, dq.data(), s.qr.data(), p.wq_b, n_);
     ops::rmsnorm_backward(dqr.data(), g.q_norm, dqr.data(), s.qr_lin.data(), vector_data(p.q_norm), s.rstd_qr.data(),
                           n_, Lq);
@@ -238,7 +242,7 @@ class Backward {
       need_vector_data(cp.wkv, "compressor.wkv");
       need_vector_data(cp.wgate, "compressor.wgate");
       const int64_t width = (m == 4 ? 2 : 1) * D;
-      std::vector<float> dP(static_cast<size_t>(n_ * width)), dZ(dP.size());
+      Buffer<float> dP(static_cast<size_t>(n_ * width)), dZ(dP.size());
       for (int64_t k = 0; k < S; ++k) {
         const size_t ks = static_cast<size_t>(k);
         compressor(dP.data() + first_[ks] * width, dZ.data() + first_[ks] * width, dent[ks], s.comp[ks], len_[ks], l);
@@ -251,7 +255,7 @@ class Backward {
   // One sequence's compressed entries' gradient dE [entries, D] (consumed)
   // back through RoPE at b m, the norm, the pooling and the position
   // embedding to its rows' projections: dP, dZ [T, width] (`=`).
-  void compressor(float* dP, float* dZ, std::vector<float>& dE, const V4CompressorSaved& cs, int64_t T, int64_t l) {
+  void compressor(float* dP, float* dZ, Buffer<float>& dE, const V4CompressorSaved& cs, int64_t T, int64_t l) {
     const auto& p = w_.layers[static_cast<size_t>(l)].attn.compressor;
     auto& g = g_.layers[static_cast<size_t>(l)].attn.compressor;
     const int64_t D = c_.head_dim, R = c_.qk_rope_head_dim, m = c_.compress_ratio(l);
@@ -265,8 +269,8 @@ class Backward {
                          ops::RopeLayout::Interleaved);
       ops::rmsnorm_backward(dE.data(), g.norm, dE.data(), cs.pooled.data(), vector_data(p.norm), cs.rstd.data(), nb, D);
     }
-    std::fill(dP, dP + T * width, 0.0f);
-    std::fill(dZ, dZ + T * width, 0.0f);
+    parallel_zero(dP, T * width);
+    parallel_zero(dZ, T * width);
     ops::compressor_pool_backward(dP, dZ, dE.data(), cs.P.data(), cs.Z.data(), dims);
     if (g.ape)
       for (int64_t t = 0; t < T; ++t)
@@ -280,12 +284,12 @@ class Backward {
     const int64_t d = c_.hidden_size, E = c_.n_routed_experts, K = c_.num_experts_per_tok;
     const int64_t I = c_.moe_intermediate_size;
     const float limit = static_cast<float>(c_.swiglu_limit);
-    std::fill(dx, dx + n_ * d, 0.0f);
+    parallel_zero(dx, n_ * d);
     // w2(silu(w1 x) * w3 x) backward: dxs (+=) from dy.
     auto swiglu = [&](float* dxs, const float* dy, const float* xs, int64_t rows, const float* gv, const float* uv,
                       const float* hv, const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) {
       for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
-      std::vector<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
+      Buffer<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
       ops::linear_backward(dh.data(), mg.w2, dy, hv, mp.w2, rows);
       ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv, uv, rows * I, limit);
       ops::linear_backward(dxs, mg.w1, dg.data(), xs, mp.w1, rows, true);
@@ -296,7 +300,7 @@ class Backward {
     // routed experts' input gradients land in dxs, expert-major, and are
     // added to dx afterwards in expert order.
     const V4ExpertRows& er = s.rows;
-    std::vector<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
+    Buffer<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
     parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
       const int64_t e = er.tasks[static_cast<size_t>(task)];
       const size_t ei = static_cast<size_t>(e);
@@ -306,7 +310,7 @@ class Backward {
       }
       // The combine weights' and the rows' gradients.
       const int64_t r0 = er.first[ei], cnt = er.rows(e);
-      std::vector<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
+      Buffer<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
       for (int64_t j = 0; j < cnt; ++j) {
         const int64_t asg = er.assignment[static_cast<size_t>(r0 + j)], t = asg / K;
         const float wgt = s.weights[static_cast<size_t>(asg)];
@@ -324,7 +328,7 @@ class Backward {
     });
     v4_add_by_expert(dx, dxs.data(), nullptr, s.experts.data(), er, n_, K, d);
     // The router, through the combine weights (its choices are constants).
-    std::vector<float> dlogits(static_cast<size_t>(n_ * E));
+    Buffer<float> dlogits(static_cast<size_t>(n_ * E));
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
                                    v4_selection_config(c_));
     need_vector_data(L.gate, "ffn.gate");
@@ -555,7 +559,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     }
   if (grads) {
     float* dhead = cfg.tie_word_embeddings ? grads->embed : grads->head;
-    std::vector<float> dyn(static_cast<size_t>(n * d)), dmtp(mrows.size() * static_cast<size_t>(d));
+    Buffer<float> dyn(static_cast<size_t>(n * d)), dmtp(mrows.size() * static_cast<size_t>(d));
     head_loss_backward(dyn.data(), dhead, main, hn.data(), head, n, d, opt.z_loss_multiplier,
                        opt.grad_scale / (norm + 1e-8));
     if (!mrows.empty())
