@@ -342,35 +342,74 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
       ops::widen_rows(wide_keys[k].data(), key_codes(st, st.count, Di), 0, st.count);
     }
   if (m > 0) {
-    parallel_ranges(n, n > 1, [&](int64_t i0, int64_t i1) {
+    // CSA queries in blocks of consecutive rows of one sequence: with the keys
+    // as floats, a block's scores against the keys its last query sees are
+    // one product. Blocks depend on the positions only, never on the thread
+    // count.
+    struct Block {
+      int64_t i0, i1;
+    };
+    std::vector<Block> blocks;
+    for (const Segment& g : segs) {
+      if (m != 4) {
+        blocks.push_back({g.row, g.row + g.n});
+        continue;
+      }
+      for (int64_t i0 = g.row; i0 < g.row + g.n;) {
+        const int64_t vis = std::max<int64_t>(1, (pos[g.row + g.n - 1] + 1) / m);
+        const int64_t rows = std::clamp<int64_t>((int64_t{1} << 16) / (Hi * vis), 1, 64);
+        const int64_t i1 = std::min(g.row + g.n, i0 + rows);
+        blocks.push_back({i0, i1});
+        i0 = i1;
+      }
+    }
+    parallel_ranges(static_cast<int64_t>(blocks.size()), blocks.size() > 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> isc, score;
-      for (int64_t i = i0; i < i1; ++i) {
-        const size_t seg = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
+      for (int64_t bi = b0; bi < b1; ++bi) {
+        const Block& blk = blocks[static_cast<size_t>(bi)];
+        const size_t seg = static_cast<size_t>(seg_of[static_cast<size_t>(blk.i0)]);
         const V4LayerState& st = state(segs[seg]);
-        const int64_t visible = (pos[i] + 1) / m;
-        auto& pk = picked[static_cast<size_t>(i)];
         if (m != 4) {
-          pk.resize(static_cast<size_t>(visible));
-          std::iota(pk.begin(), pk.end(), 0);
+          for (int64_t i = blk.i0; i < blk.i1; ++i) {
+            auto& pk = picked[static_cast<size_t>(i)];
+            pk.resize(static_cast<size_t>((pos[i] + 1) / m));
+            std::iota(pk.begin(), pk.end(), 0);
+          }
           continue;
         }
-        if (visible == 0) continue;
-        isc.resize(static_cast<size_t>(Hi * visible));
-        if (opt_.qat && wide_keys[seg].empty()) {  // the keys' fp4 codes, widened inside the linear kernel
-          ops::linear_forward(isc.data(), qi.data() + i * Hi * Di, key_codes(st, visible, Di), Hi);
-        } else {
+        // Scores of the block's queries: [rows, Hi, ld], row i's first
+        // visible(i) columns used.
+        const bool codes = opt_.qat && wide_keys[seg].empty();
+        const int64_t ld = (pos[blk.i1 - 1] + 1) / m;
+        if (ld == 0) continue;
+        if (!codes) {
           const float* keys = opt_.qat ? wide_keys[seg].data() : st.index_keys.data();
-          ops::gemm(false, true, Hi, visible, Di, 1.0f, qi.data() + i * Hi * Di, Di, keys, Di, 0.0f, isc.data(),
-                    visible);
+          isc.resize(static_cast<size_t>((blk.i1 - blk.i0) * Hi * ld));
+          ops::gemm(false, true, (blk.i1 - blk.i0) * Hi, ld, Di, 1.0f, qi.data() + blk.i0 * Hi * Di, Di, keys, Di, 0.0f,
+                    isc.data(), ld);
         }
-        score.assign(static_cast<size_t>(visible), 0.0f);
-        for (int64_t h = 0; h < Hi; ++h) {
-          const float wh = wts[static_cast<size_t>(i * Hi + h)];
-          const float* row = isc.data() + h * visible;
-          for (int64_t b = 0; b < visible; ++b) score[static_cast<size_t>(b)] += wh * std::max(row[b], 0.0f);
+        for (int64_t i = blk.i0; i < blk.i1; ++i) {
+          const int64_t visible = (pos[i] + 1) / m;
+          if (visible == 0) continue;
+          const float* rows = isc.data() + (i - blk.i0) * Hi * ld;
+          int64_t stride = ld;
+          std::vector<float> own;
+          if (codes) {  // the keys' fp4 codes, widened inside the linear kernel
+            own.resize(static_cast<size_t>(Hi * visible));
+            ops::linear_forward(own.data(), qi.data() + i * Hi * Di, key_codes(st, visible, Di), Hi);
+            rows = own.data();
+            stride = visible;
+          }
+          score.assign(static_cast<size_t>(visible), 0.0f);
+          for (int64_t h = 0; h < Hi; ++h) {
+            const float wh = wts[static_cast<size_t>(i * Hi + h)];
+            const float* row = rows + h * stride;
+            for (int64_t b = 0; b < visible; ++b) score[static_cast<size_t>(b)] += wh * std::max(row[b], 0.0f);
+          }
+          auto& pk = picked[static_cast<size_t>(i)];
+          pk.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
+          pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
         }
-        pk.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
-        pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
       }
     });
   }
