@@ -81,6 +81,10 @@ class Backward {
   // other parameter's gradient.
   void run(const Buffer<float>& dyn, const Buffer<float>* dmtp) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
+    // The head's saved streams are row t's for every token t, in order.
+    bool every_row = static_cast<int64_t>(sv_.logit_rows.size()) == n_;
+    for (int64_t t = 0; every_row && t < n_; ++t) every_row = sv_.logit_rows[static_cast<size_t>(t)] == t;
+    DS_CHECK(every_row, "internal: the V4 backward needs the head's saved streams of all {} tokens in order", n_);
     Buffer<float> dX = zeros(n_ * hc * d);
     head(dX.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
          g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
