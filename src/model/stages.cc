@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -497,9 +496,8 @@ void experts_in_row_tasks(const ExpertOut& o, const float* xs, const float* x, c
   const bool shared = m.shared.gate.data != nullptr;
   const auto tasks = expert_tasks(r, sizes, shared, m);
   const int64_t T = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
-  for (int64_t t = 0; t < T; ++t) {
-    const ExpertTask& k = tasks[t];
+  parallel_tasks(T, true, [&](int64_t t) {
+    const ExpertTask& k = tasks[static_cast<size_t>(t)];
     const int64_t I = k.mlp->gate.rows;
     if (k.expert < 0) {
       mlp_forward(o.shared_out + k.row0 * D, o.shared_mlpwi_0 ? o.shared_mlpwi_0 + k.row0 * I : nullptr,
@@ -508,7 +506,7 @@ void experts_in_row_tasks(const ExpertOut& o, const float* xs, const float* x, c
       mlp_forward(o.ys + k.row0 * D, o.moe_mlpwi_0 ? o.moe_mlpwi_0 + k.row0 * I : nullptr,
                   o.moe_mlpwi_1 ? o.moe_mlpwi_1 + k.row0 * I : nullptr, xs + k.row0 * D, *k.mlp, k.rows);
     }
-  }
+  });
   if (!shared) std::fill(o.shared_out, o.shared_out + r.tokens * D, 0.0f);
 }
 
@@ -547,23 +545,15 @@ void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* 
   Buffer<float> dshared_x;
   if (shared) dshared_x.resize(r.tokens * D);
   const int64_t T = static_cast<int64_t>(tasks.size());
-  std::vector<std::exception_ptr> errors(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1) if (T > 1 && !omp_in_parallel())
-  for (int64_t t = 0; t < T; ++t) {
-    try {
-      const Task& k = tasks[t];
-      if (k.expert < 0) {
-        mlp_backward(dshared_x.data(), g.shared, dshared, shared_mlpwi_0, shared_mlpwi_1, x, p.shared, r.tokens, false);
-      } else {
-        mlp_backward(dxs + k.row0 * D, g.experts[k.expert], dys + k.row0 * D, moe_mlpwi_0 + k.row0 * I,
-                     moe_mlpwi_1 + k.row0 * I, xs + k.row0 * D, p.experts[k.expert], k.rows, false);
-      }
-    } catch (...) {
-      errors[t] = std::current_exception();
+  parallel_tasks(T, true, [&](int64_t t) {
+    const Task& k = tasks[static_cast<size_t>(t)];
+    if (k.expert < 0) {
+      mlp_backward(dshared_x.data(), g.shared, dshared, shared_mlpwi_0, shared_mlpwi_1, x, p.shared, r.tokens, false);
+    } else {
+      mlp_backward(dxs + k.row0 * D, g.experts[k.expert], dys + k.row0 * D, moe_mlpwi_0 + k.row0 * I,
+                   moe_mlpwi_1 + k.row0 * I, xs + k.row0 * D, p.experts[k.expert], k.rows, false);
     }
-  }
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
+  });
   // Rows of experts nobody chose do not exist (n = sum of sizes), so dxs is complete.
   if (shared) add_into(dx, dshared_x.data(), r.tokens * D);
 }
