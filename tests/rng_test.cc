@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -157,6 +158,53 @@ TEST(Parallel, ReduceBlocks) {
   EXPECT_EQ(reduce_blocks(kReduceBlock), 1);
   EXPECT_EQ(reduce_blocks(kReduceBlock + 1), 2);
   EXPECT_EQ(reduce_blocks(10 * kReduceBlock), 10);
+}
+
+TEST(Parallel, TasksRunOnceEachAndPassOnTheLowestError) {
+  const int saved = num_threads();
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    for (bool parallel : {false, true}) {
+      std::vector<int> runs(37, 0);
+      std::vector<int> team(37, 0);
+      parallel_tasks(37, parallel, [&](int64_t t) {
+        ++runs[static_cast<size_t>(t)];
+        team[static_cast<size_t>(t)] = omp_get_num_threads();
+      });
+      EXPECT_EQ(runs, std::vector<int>(37, 1)) << threads << " threads, parallel " << parallel;
+      // Each task is on one thread of a team of all of them (or alone).
+      for (int n : team) EXPECT_EQ(n, parallel ? threads : 1);
+    }
+    // Every task still runs when some fail; the lowest failing task's error
+    // is the one raised (the sequential fallback stops at the first anyway).
+    std::vector<int> runs(20, 0);
+    try {
+      parallel_tasks(20, true, [&](int64_t t) {
+        ++runs[static_cast<size_t>(t)];
+        if (t == 7 || t == 13) throw Error("task " + std::to_string(t));
+      });
+      ADD_FAILURE() << "no error";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), "task 7");
+    }
+    if (threads > 1) EXPECT_EQ(runs, std::vector<int>(20, 1));
+  }
+  set_num_threads(saved);
+}
+
+TEST(Parallel, ZeroFillsExactlyTheRange) {
+  const int saved = num_threads();
+  for (int threads : {1, 2, 3}) {
+    set_num_threads(threads);
+    for (int64_t n : {int64_t{0}, int64_t{5}, int64_t{1} << 18, (int64_t{1} << 19) + 3}) {
+      std::vector<float> v(static_cast<size_t>(n + 2), 1.5f);
+      parallel_zero(v.data() + 1, n);
+      EXPECT_EQ(v.front(), 1.5f);
+      EXPECT_EQ(v.back(), 1.5f);
+      for (int64_t i = 1; i <= n; ++i) ASSERT_EQ(v[static_cast<size_t>(i)], 0.0f) << n << " " << i;
+    }
+  }
+  set_num_threads(saved);
 }
 
 }  // namespace
