@@ -2,6 +2,7 @@
 // every field that changes the math is read, and bad values are errors.
 #include "model/config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -204,7 +205,7 @@ original_max_position_embeddings: 256
 
 TEST(ModelConfig, ShippedPresetsAreValid) {
   for (const char* name : {"tiny", "small"}) {
-    ModelConfig c = ModelConfig::from_yaml_file(std::string(DEEPSEEK_SOURCE_DIR) + "/configs/" + name + ".yml");
+    ModelConfig c = ModelConfig::from_yaml_file(fmt::format("{}/configs/{}.yml", DEEPSEEK_SOURCE_DIR, name));
     EXPECT_GT(c.n_routed_experts, 0) << name;
   }
 }

@@ -187,7 +187,9 @@ TEST(Parallel, TasksRunOnceEachAndPassOnTheLowestError) {
     } catch (const Error& e) {
       EXPECT_EQ(std::string(e.what()), "task 7");
     }
-    if (threads > 1) EXPECT_EQ(runs, std::vector<int>(20, 1));
+    if (threads > 1) {
+      EXPECT_EQ(runs, std::vector<int>(20, 1));
+    }
   }
   set_num_threads(saved);
 }

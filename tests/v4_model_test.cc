@@ -17,6 +17,7 @@
 // few flipped roundings (decode and prefill kernels round differently).
 #include "model/v4_model.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -55,6 +56,9 @@ std::unique_ptr<V4Fixture> load(const std::string& name) {
   f->tokens = nlohmann::json::parse(in).get<std::vector<std::vector<int32_t>>>();
   return f;
 }
+
+// ".<s>": the suffix of sequence s's tensors in the fixtures.
+std::string seq_suffix(size_t s) { return fmt::format(".{}", s); }
 
 std::vector<float> expected(const std::string& dir, const std::string& name) {
   auto e = ds::io::SafetensorsFile::open(dir + "/expected.safetensors");
@@ -117,7 +121,7 @@ TEST_P(V4Reference, FullForwardMatchesTheReference) {
     V4Model model(f->cfg, f->weights.view, opt);
     for (size_t s = 0; s < f->tokens.size(); ++s) {
       const auto& ids = f->tokens[s];
-      const std::string suffix = "." + std::to_string(s);
+      const std::string suffix = seq_suffix(s);
       const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
       // flip_delta: how far the reference moves when its nearest-to-boundary
       // roundings flip (the simulations only).
@@ -152,7 +156,7 @@ TEST(V4Mtp, MtpLogitsMatchTheReference) {
       const auto& ids = f->tokens[s];
       reqs.push_back({&states[s], ids.data(), static_cast<int64_t>(ids.size())});
       if (ids.size() < 2) continue;
-      const std::string suffix = "." + std::to_string(s);
+      const std::string suffix = seq_suffix(s);
       const auto want = expected(f->dir, (qat ? "mtp_logits" : "mtp_logits_noqat") + suffix);
       std::vector<float> slack;
       if (qat) slack = expected(f->dir, "mtp_flip_delta" + suffix);
@@ -227,7 +231,7 @@ TEST_P(V4Reference, IncrementalEqualsFull) {
     V4Model model(f->cfg, f->weights.view, V4Options{qat});
     V4State full_state = model.new_state();
     const auto full = model.forward(full_state, ids.data(), T, true);
-    const std::string suffix = "." + std::to_string(last_seq);
+    const std::string suffix = seq_suffix(last_seq);
     const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
     std::vector<float> slack;
     if (qat) slack = expected(f->dir, "flip_delta" + suffix);
@@ -310,7 +314,7 @@ TEST_P(V4Reference, BatchOfSequencesMatchesTheReference) {
         got[who[k]].insert(got[who[k]].end(), last.begin() + k * V, last.begin() + (k + 1) * V);
     }
     for (size_t s = 0; s < S; ++s) {
-      const std::string suffix = "." + std::to_string(s);
+      const std::string suffix = seq_suffix(s);
       const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
       std::vector<float> slack;
       if (qat) slack = expected(f->dir, "flip_delta" + suffix);
@@ -336,7 +340,7 @@ TEST_P(V4Reference, LogitsCommandMatchesTheReference) {
     auto got = ds::io::SafetensorsFile::open(out);
     const bool qat = std::string(extra).find("--no-quant-sim") == std::string::npos;
     for (size_t s = 0; s < f->tokens.size(); ++s) {
-      const std::string suffix = "." + std::to_string(s);
+      const std::string suffix = seq_suffix(s);
       const auto want = expected(f->dir, (qat ? "logits" : "logits_noqat") + suffix);
       std::vector<float> slack;
       if (qat) slack = expected(f->dir, "flip_delta" + suffix);
