@@ -355,16 +355,16 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
         blocks.push_back({g.row, g.row + g.n});
         continue;
       }
+      const int64_t vis = std::max<int64_t>(1, (pos[g.row + g.n - 1] + 1) / m);
+      const int64_t rows = std::clamp<int64_t>((int64_t{1} << 16) / (Hi * vis), 1, 64);
       for (int64_t i0 = g.row; i0 < g.row + g.n;) {
-        const int64_t vis = std::max<int64_t>(1, (pos[g.row + g.n - 1] + 1) / m);
-        const int64_t rows = std::clamp<int64_t>((int64_t{1} << 16) / (Hi * vis), 1, 64);
         const int64_t i1 = std::min(g.row + g.n, i0 + rows);
         blocks.push_back({i0, i1});
         i0 = i1;
       }
     }
     parallel_ranges(static_cast<int64_t>(blocks.size()), blocks.size() > 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> isc, score;
+      std::vector<float> isc, score, own;
       for (int64_t bi = b0; bi < b1; ++bi) {
         const Block& blk = blocks[static_cast<size_t>(bi)];
         const size_t seg = static_cast<size_t>(seg_of[static_cast<size_t>(blk.i0)]);
@@ -393,7 +393,6 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
           if (visible == 0) continue;
           const float* rows = isc.data() + (i - blk.i0) * Hi * ld;
           int64_t stride = ld;
-          std::vector<float> own;
           if (codes) {  // the keys' fp4 codes, widened inside the linear kernel
             own.resize(static_cast<size_t>(Hi * visible));
             ops::linear_forward(own.data(), qi.data() + i * Hi * Di, key_codes(st, visible, Di), Hi);
@@ -524,18 +523,19 @@ bool V4ExpertRows::as_tasks(int64_t hidden, int64_t intermediate) const {
   return T >= 2 * num_threads() && macs < static_cast<double>(int64_t{1} << 24);
 }
 
-void v4_add_by_expert(float* out, const float* rows, const float* w, const int32_t* experts, const V4ExpertRows& er,
-                      int64_t n, int64_t K, int64_t d) {
+void v4_add_by_expert(float* out, const float* rows, const float* w, const V4ExpertRows& er, int64_t n, int64_t K,
+                      int64_t d) {
   parallel_ranges(n, n * K * d >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> order(static_cast<size_t>(K));
     for (int64_t t = t0; t < t1; ++t) {
-      std::iota(order.begin(), order.end(), t * K);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return experts[a] < experts[b]; });
+      // Rows are expert-major, so ascending rows are the experts' order.
+      for (int64_t j = 0; j < K; ++j) order[static_cast<size_t>(j)] = er.row[static_cast<size_t>(t * K + j)];
+      std::sort(order.begin(), order.end());
       float* dst = out + t * d;
-      for (const int64_t a : order) {
-        const float* src = rows + er.row[static_cast<size_t>(a)] * d;
+      for (const int64_t r : order) {
+        const float* src = rows + r * d;
         if (w) {
-          const float wgt = w[a];
+          const float wgt = w[er.assignment[static_cast<size_t>(r)]];
           for (int64_t c = 0; c < d; ++c) dst[c] += wgt * src[c];
         } else {
           for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
@@ -611,7 +611,7 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
            h.data() + r0 * I);
   });
   if (!shared) std::fill(out, out + n * d, 0.0f);
-  v4_add_by_expert(out, ys.data(), weights.data(), experts.data(), er, n, K, d);
+  v4_add_by_expert(out, ys.data(), weights.data(), er, n, K, d);
   if (sv) {
     sv->experts = std::move(experts);
     sv->weights = std::move(weights);

@@ -136,8 +136,8 @@ struct V4ExpertRows {
 // out[t] (+)= the rows of token t's assignments, each times w[a] when w is
 // given, in the order of their experts (the order of a loop over experts,
 // whatever the thread count).
-void v4_add_by_expert(float* out, const float* rows, const float* w, const int32_t* experts, const V4ExpertRows& er,
-                      int64_t n, int64_t K, int64_t d);
+void v4_add_by_expert(float* out, const float* rows, const float* w, const V4ExpertRows& er, int64_t n, int64_t K,
+                      int64_t d);
 struct V4MoeSaved {
   std::vector<int32_t> experts;  // [N, K]
   std::vector<float> weights;    // [N, K]

@@ -330,7 +330,7 @@ class Backward {
       swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
              s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
     });
-    v4_add_by_expert(dx, dxs.data(), nullptr, s.experts.data(), er, n_, K, d);
+    v4_add_by_expert(dx, dxs.data(), nullptr, er, n_, K, d);
     // The router, through the combine weights (its choices are constants).
     Buffer<float> dlogits(static_cast<size_t>(n_ * E));
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
