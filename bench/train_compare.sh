@@ -2,8 +2,8 @@
 # Training-step throughput of deepseek.cpp against the same step in PyTorch eager
 # mode (float32, bench/torch_train.py) on this CPU, in one run. Usage:
 #   bench/train_compare.sh [BUILD_DIR]     # BUILD_DIR defaults to build
-# Needs BUILD_DIR/bench/train_step_bench and BUILD_DIR/bench/matmul_bench
-# (cmake --build BUILD_DIR --target train_step_bench matmul_bench).
+# Needs BUILD_DIR/bench/{train_step_bench,matmul_bench,peak_bench}
+# (cmake --build BUILD_DIR --target train_step_bench matmul_bench peak_bench).
 #
 # One step = forward + backward of the LM loss (mean cross-entropy over the
 # targets; no MTP, no z-loss, no balance loss) on a batch of 8 x 128 random
@@ -22,6 +22,9 @@
 # "% sgemm" divides it by the raw dnnl_sgemm rate of matmul_bench at
 # 1024 x 1024 x 1024 measured in the same run (the BLAS the engine calls).
 # cblas_sgemm (OpenBLAS, the BLAS Debian's PyTorch calls) is printed beside it.
+# "% peak" divides it by the float32 FMA ceiling of every core at once
+# (peak_bench, same run), and "3x torch" is what three times PyTorch's tokens/s
+# would need of that ceiling: above 100% no float32 step can reach it here.
 #
 # Settings (environment): PRESETS (default "tiny small"), POLICIES (default
 # "full minimal"), REPS (3), MIN_TIME (seconds per repetition, 1),
@@ -40,6 +43,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${1:-$root/build}"
 train_bench="$build/bench/train_step_bench"
 matmul_bench="$build/bench/matmul_bench"
+peak_bench="$build/bench/peak_bench"
 py="${PYTHON:-/usr/bin/python3}"
 presets="${PRESETS:-tiny small}"
 policies="${POLICIES:-full minimal}"
@@ -56,9 +60,9 @@ case "${ISA:-}" in
   *) echo "error: ISA=$ISA: only avx2 can be capped to" >&2; exit 1 ;;
 esac
 
-for b in "$train_bench" "$matmul_bench"; do
+for b in "$train_bench" "$matmul_bench" "$peak_bench"; do
   [ -x "$b" ] || {
-    echo "error: $b not found; build it first (cmake --build $build --target train_step_bench matmul_bench) or pass BUILD_DIR" >&2
+    echo "error: $b not found; build it first (cmake --build $build --target train_step_bench matmul_bench peak_bench) or pass BUILD_DIR" >&2
     exit 1
   }
 done
@@ -106,6 +110,12 @@ OMP_WAIT_POLICY="$ours_wait" "$matmul_bench" --benchmark_filter='^matmul/(dnnl|c
   { cat "$tmp/sgemm.err" >&2; echo "error: matmul_bench failed" >&2; exit 1; }
 dnnl_gflops="$(gbench_counter "$tmp/sgemm.json" matmul/dnnl_sgemm/1024x1024x1024 GFLOP/s)"
 cblas_gflops="$(gbench_counter "$tmp/sgemm.json" matmul/cblas_sgemm/1024x1024x1024 GFLOP/s)"
+echo "peak_bench: float32 FMA ceiling, every core ..." >&2
+OMP_WAIT_POLICY="$ours_wait" "$peak_bench" --benchmark_filter='^fma_peak/f32/all_threads' --benchmark_min_time=0.5 \
+  --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
+  --benchmark_format=json >"$tmp/peak.json" 2>"$tmp/peak.err" ||
+  { cat "$tmp/peak.err" >&2; echo "error: peak_bench failed" >&2; exit 1; }
+peak_gflops="$(gbench_counter "$tmp/peak.json" fma_peak/f32/all_threads GFLOP/s)"
 
 rows=()
 for p in $presets; do
@@ -134,9 +144,11 @@ for p in $presets; do
     oms="$(gbench_counter "$tmp/ours_$p.json" "$name" real_time_ms)"
     otf="$(gbench_counter "$tmp/ours_$p.json" "$name" TFLOP_per_s)"
     ttf="$(calc %.4f "$otf * $tt / $ot")" # same FLOPs per token
-    rows+=("$(printf '%-6s %-8s | %9.0f %9.0f %6s | %8.1f %8.1f | %7.3f %7.3f | %5s%% %5s%%' \
+    rows+=("$(printf '%-6s %-8s | %9.0f %9.0f %6s | %8.1f %8.1f | %7.3f %7.3f | %5s%% %5s%% | %5s%% %5s%% | %7s%%' \
       "$p" "$pol" "$ot" "$tt" "$(calc %.2f "$ot / $tt")" "$oms" "$tms" "$otf" "$ttf" \
-      "$(calc %.1f "100 * $otf * 1000 / $dnnl_gflops")" "$(calc %.1f "100 * $ttf * 1000 / $dnnl_gflops")")")
+      "$(calc %.1f "100 * $otf * 1000 / $dnnl_gflops")" "$(calc %.1f "100 * $ttf * 1000 / $dnnl_gflops")" \
+      "$(calc %.1f "100 * $otf * 1000 / $peak_gflops")" "$(calc %.1f "100 * $ttf * 1000 / $peak_gflops")" \
+      "$(calc %.0f "300 * $ttf * 1000 / $peak_gflops")")")
   done
 done
 
@@ -150,8 +162,11 @@ echo "ours:    $(basename "$build")/bench/train_step_bench, OMP_WAIT_POLICY $our
 echo "step:    forward + backward, batch $batch x $seq random tokens, random weights, float32"
 printf 'sgemm:   dnnl_sgemm %.1f GFLOP/s, cblas_sgemm (OpenBLAS) %.1f GFLOP/s at 1024^3 (matmul_bench, this run)\n' \
   "$dnnl_gflops" "$cblas_gflops"
+printf 'peak:    float32 FMA %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak_gflops"
 echo
-printf '%-15s | %-26s | %-17s | %-15s | %s\n' "" "tokens/s" "ms / step" "TFLOP/s" "% of dnnl_sgemm"
-printf '%-6s %-8s | %9s %9s %6s | %8s %8s | %7s %7s | %6s %6s\n' preset policy ours torch ratio ours torch ours torch ours torch
-echo "----------------+----------------------------+-------------------+-----------------+--------------"
+printf '%-15s | %-26s | %-17s | %-15s | %-13s | %-13s | %s\n' "" "tokens/s" "ms / step" "TFLOP/s" "% dnnl_sgemm" \
+  "% FMA peak" "3x torch"
+printf '%-6s %-8s | %9s %9s %6s | %8s %8s | %7s %7s | %6s %6s | %6s %6s | %8s\n' preset policy ours torch ratio ours \
+  torch ours torch ours torch ours torch "% peak"
+echo "----------------+----------------------------+-------------------+-----------------+---------------+---------------+---------"
 for r in "${rows[@]}"; do echo "$r"; done

@@ -1,0 +1,117 @@
+// The float32 FMA ceiling of this CPU: a loop of independent fused
+// multiply-adds at the widest SIMD target the kernels dispatch to, on one
+// thread and on every OpenMP thread at once. Every throughput figure of the
+// engine (GFLOP/s, MFU-like fractions in docs/performance.md) can be read
+// against it; the sgemm rates of matmul_bench show how much of it a tuned
+// BLAS reaches.
+//
+//   OMP_WAIT_POLICY=active build/bench/peak_bench --benchmark_min_time=0.5
+//
+// DEEPSEEK_MAX_CPU_ISA (avx2, ...) caps the target, as for the kernels.
+// GFLOP/s counts 2 per lane per FMA.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "peak_bench.cc"
+#include <hwy/foreach_target.h>  // must come before highway.h
+#include <hwy/highway.h>
+
+HWY_BEFORE_NAMESPACE();
+namespace ds::bench::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Twelve independent accumulators (more than FMA latency x FMA ports on
+// current x86 and Arm cores), `iters` rounds of twelve FMAs each; ab holds
+// a, b and the accumulators' starting values (14 floats). Returns
+// the FLOPs done; *sink receives a value that depends on every accumulator
+// so that none of the work can be dropped.
+int64_t FmaLoop(int64_t iters, const float* ab, float* sink) {
+  const hn::ScalableTag<float> d;
+  // Distinct starting values: equal chains would be merged by the compiler.
+  const auto a = hn::Set(d, ab[0]), b = hn::Set(d, ab[1]);
+  auto c0 = hn::Set(d, ab[2]), c1 = hn::Set(d, ab[3]), c2 = hn::Set(d, ab[4]), c3 = hn::Set(d, ab[5]);
+  auto c4 = hn::Set(d, ab[6]), c5 = hn::Set(d, ab[7]), c6 = hn::Set(d, ab[8]), c7 = hn::Set(d, ab[9]);
+  auto c8 = hn::Set(d, ab[10]), c9 = hn::Set(d, ab[11]), c10 = hn::Set(d, ab[12]), c11 = hn::Set(d, ab[13]);
+  for (int64_t i = 0; i < iters; ++i) {
+    c0 = hn::MulAdd(c0, a, b);
+    c1 = hn::MulAdd(c1, a, b);
+    c2 = hn::MulAdd(c2, a, b);
+    c3 = hn::MulAdd(c3, a, b);
+    c4 = hn::MulAdd(c4, a, b);
+    c5 = hn::MulAdd(c5, a, b);
+    c6 = hn::MulAdd(c6, a, b);
+    c7 = hn::MulAdd(c7, a, b);
+    c8 = hn::MulAdd(c8, a, b);
+    c9 = hn::MulAdd(c9, a, b);
+    c10 = hn::MulAdd(c10, a, b);
+    c11 = hn::MulAdd(c11, a, b);
+  }
+  const auto s = hn::Add(hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)), hn::Add(hn::Add(c4, c5), hn::Add(c6, c7))),
+                         hn::Add(hn::Add(c8, c9), hn::Add(c10, c11)));
+  *sink = hn::GetLane(hn::SumOfLanes(d, s));
+  return iters * 12 * static_cast<int64_t>(hn::Lanes(d)) * 2;
+}
+
+}  // namespace ds::bench::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <atomic>
+
+#include "bench_main.h"
+#include "core/simd.h"
+
+namespace ds::bench {
+HWY_EXPORT(FmaLoop);
+
+namespace {
+
+// Rounds per call: about a millisecond on a current core.
+constexpr int64_t kIters = 1 << 18;
+
+// a, b, then the twelve accumulators' starting values: a * c + b stays
+// finite for any number of rounds (|a| < 1).
+float* operands() {
+  static float ab[14] = {0.5f, 0.25f, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
+  benchmark::DoNotOptimize(ab);
+  return ab;
+}
+
+void BM_FmaOneThread(benchmark::State& state) {
+  float sink = 0;
+  int64_t flops = 0;
+  for (auto _ : state) flops = DS_DISPATCH(FmaLoop)(kIters, operands(), &sink);
+  benchmark::DoNotOptimize(sink);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(static_cast<double>(flops) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_FmaAllThreads(benchmark::State& state) {
+  const int threads = omp_get_max_threads();
+  std::atomic<int64_t> flops{0};
+  for (auto _ : state) {
+#pragma omp parallel
+    {
+      float s = 0;
+      flops.store(DS_DISPATCH(FmaLoop)(kIters, operands(), &s), std::memory_order_relaxed);
+      benchmark::DoNotOptimize(s);
+    }
+  }
+  state.counters["threads"] = threads;
+  state.counters["GFLOP/s"] = benchmark::Counter(static_cast<double>(flops.load()) * threads * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s/thread"] = benchmark::Counter(static_cast<double>(flops.load()) * 1e-9,
+                                                        benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void register_all() {
+  benchmark::RegisterBenchmark("fma_peak/f32/one_thread", BM_FmaOneThread)->UseRealTime();
+  benchmark::RegisterBenchmark("fma_peak/f32/all_threads", BM_FmaAllThreads)->UseRealTime();
+}
+
+}  // namespace
+}  // namespace ds::bench
+
+int main(int argc, char** argv) { return ds::bench::bench_main(argc, argv, ds::bench::register_all); }
+#endif  // HWY_ONCE
