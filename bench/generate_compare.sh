@@ -10,6 +10,12 @@
 # each sequence's first new token); decode tok/s = batch * NEW_TOKENS / decode
 # seconds, over NEW_TOKENS decode steps. Each side reports the median of 3 runs
 # after a warm-up.
+# The prefill's FLOP rate is the model's FLOPs (MaxText's accounting, as
+# `deepseek bench` reports them: every weight a token meets, causal attention,
+# the unembedding for each prompt's last token) times tokens/s, the same FLOPs
+# per token for both sides; "% peak" divides it by the float32 FMA ceiling of
+# every core at once (BUILD_DIR/bench/peak_bench, this run), and "2x torch"
+# is the share of that ceiling twice PyTorch's prefill would need.
 # ISA=avx2 caps both sides to AVX2 on an AVX-512 machine, as an AVX2-only CPU
 # would run them: the engine's SIMD kernels (DEEPSEEK_MAX_CPU_ISA) and oneDNN
 # (ONEDNN_MAX_CPU_ISA), PyTorch's own kernels (ATEN_CPU_CAPABILITY) and
@@ -20,6 +26,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${1:-$root/build}"
 bin="$build/deepseek"
+peak_bench="$build/bench/peak_bench"
 py="${PYTHON:-/usr/bin/python3}"
 batches="${BATCHES:-1 8}"
 prompt_len="${PROMPT_LEN:-128}"
@@ -32,6 +39,8 @@ case "${ISA:-}" in
 esac
 
 [ -x "$bin" ] || { echo "error: $bin not found; build the project first (or pass BUILD_DIR)" >&2; exit 1; }
+[ -x "$peak_bench" ] ||
+  { echo "error: $peak_bench not found; build it first (cmake --build $build --target peak_bench)" >&2; exit 1; }
 "$py" -c "import torch, numpy" 2>/dev/null ||
   { echo "error: $py cannot import torch and numpy (apt-get install python3-torch python3-numpy)" >&2; exit 1; }
 
@@ -47,6 +56,11 @@ fi
 # last_json: the last line of stdin that is a JSON object (the result line).
 last_json() { grep '^{' | tail -n 1; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+echo "peak_bench: float32 FMA ceiling, every core ..." >&2
+peak="$(OMP_WAIT_POLICY=active "$peak_bench" --benchmark_filter='^fma_peak/f32/all_threads' \
+  --benchmark_min_time=0.5 --benchmark_format=json | "$py" -c 'import json, sys
+print(json.load(sys.stdin)["benchmarks"][0]["GFLOP/s"])')"
 
 echo "creating a random checkpoint of configs/small.yml ..." >&2
 "$bin" init --config "$root/configs/small.yml" --out "$tmp/small" --seed 1 >&2
@@ -64,8 +78,12 @@ for b in $batches; do
   fi
   op="$(field "$ours" prefill_tokens_per_s)" tp="$(field "$theirs" prefill_tokens_per_s)"
   od="$(field "$ours" decode_tokens_per_s)" td="$(field "$theirs" decode_tokens_per_s)"
-  rows+=("$(printf '%5s | %10.1f %10.1f %6s | %10.1f %10.1f %6s' \
-    "$b" "$op" "$tp" "$(ratio "$op" "$tp")" "$od" "$td" "$(ratio "$od" "$td")")")
+  flops="$(field "$ours" prefill_model_flops_per_token)"
+  pct() { awk -v r="$1" -v f="$flops" -v p="$peak" 'BEGIN { printf "%.0f%%", 100 * r * f * 1e-9 / p }'; }
+  rows+=("$(printf '%5s | %10.1f %10.1f %6s | %6.1f %6s %6s %8s | %10.1f %10.1f %6s' \
+    "$b" "$op" "$tp" "$(ratio "$op" "$tp")" "$(awk -v r="$op" -v f="$flops" 'BEGIN { print r * f * 1e-9 }')" \
+    "$(pct "$op")" "$(pct "$tp")" "$(pct "$(awk -v t="$tp" 'BEGIN { print 2 * t }')")" \
+    "$od" "$td" "$(ratio "$od" "$td")")")
 done
 
 echo
@@ -75,8 +93,10 @@ echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (float32 eag
   "OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-PASSIVE}"
 echo "ours:    SIMD kernels $("$bin" selfcheck | sed -n 's/^SIMD kernels: \([A-Z0-9]*\).*/\1/p')${ISA:+ (capped: ISA=$ISA)}"
 echo "model:   configs/small.yml (random weights), prompt $prompt_len tokens, $new_tokens decode steps, greedy"
+printf 'peak:    float32 FMA %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak"
 echo
-printf '%5s | %-28s | %s\n' "" "prefill tok/s" "decode tok/s"
-printf '%5s | %10s %10s %6s | %10s %10s %6s\n' batch ours torch ratio ours torch ratio
-echo "------+------------------------------+------------------------------"
+printf '%5s | %-28s | %-29s | %s\n' "" "prefill tok/s" "prefill GFLOP/s, % of peak" "decode tok/s"
+printf '%5s | %10s %10s %6s | %6s %6s %6s %8s | %10s %10s %6s\n' batch ours torch ratio ours ours torch "2x torch" \
+  ours torch ratio
+echo "------+------------------------------+-------------------------------+------------------------------"
 for r in "${rows[@]}"; do echo "$r"; done

@@ -46,6 +46,8 @@ check '[ "$a" == "$b" ]' "sampling is reproducible with a seed"
 
 json=$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 3)
 check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_tokens_per_s\""* ]]' "bench prints a JSON line: $json"
+check '[[ "$json" == *"\"prefill_model_flops_per_token\":"[1-9]* && "$json" == *"\"prefill_gflop_per_s\":"[0-9]* ]]' \
+  "bench reports the prefill's model FLOPs per token and its FLOP rate: $json"
 
 # DeepSeek-V3.2 (use_indexer): init writes the indexer, and generation runs
 # past index_topk on sparse attention, the same text through either cache.

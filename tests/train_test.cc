@@ -129,6 +129,12 @@ TEST(Flops, DeepSeekV3MatchesMaxTextAccounting) {
   EXPECT_NEAR(train::step_flops(c, 1, 4096) / 1e12, 1025.84, 0.01);
   EXPECT_NEAR(train::step_flops(c, 1, 4096, 1) / 1e12, 1042.29, 0.01);
   EXPECT_NEAR(train::step_flops(c, 1, 4096, 0, 4), 4 * train::step_flops(c, 1, 4096), 1.0);
+  // A forward pass is a third of a step; a prefill's takes the unembedding
+  // (7168 x 129280 multiply-adds per row) for the last token of each
+  // sequence only.
+  const double step = train::step_flops(c, 2, 4096), head = 2.0 * (2 * 4096 - 2) * 7168 * 129280;
+  EXPECT_NEAR(train::forward_flops(c, 2, 4096, 2 * 4096) * 3, step, 1e-12 * step);
+  EXPECT_NEAR(train::forward_flops(c, 2, 4096, 2 * 4096) - train::forward_flops(c, 2, 4096, 2), head, 1e-9 * head);
 }
 
 // ---------------------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
+#include "train/flops.h"
 
 namespace ds::cli {
 
@@ -268,6 +269,14 @@ int run_bench(const BenchArgs& a) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
   };
+  // Model FLOPs of the prefill per prompt token, by MaxText's accounting
+  // (every weight a token meets, causal attention; the unembedding only for
+  // the last token of each prompt, the logits a prefill computes), the same
+  // figure for any implementation of the model.
+  const double prefill_flops =
+      (g.v4 ? train::v4_forward_flops(g.v4cfg, a.batch, a.prompt_len, a.batch)
+            : train::forward_flops(g.cfg, a.batch, a.prompt_len, a.batch)) /
+      static_cast<double>(a.batch * a.prompt_len);
   nlohmann::json j = {{"impl", "deepseek.cpp"},
                       {"batch", a.batch},
                       {"prompt_len", a.prompt_len},
@@ -281,6 +290,8 @@ int run_bench(const BenchArgs& a) {
                       {"prefill_chunk", a.prefill_chunk},
                       {"repeat", a.repeat},
                       {"prefill_tokens_per_s", median(prefill)},
+                      {"prefill_model_flops_per_token", prefill_flops},
+                      {"prefill_gflop_per_s", prefill_flops * median(prefill) * 1e-9},
                       {"decode_tokens_per_s", median(decode)},
                       {"cache_bytes", st.cache_bytes},
                       {"weight_file_bytes", weight_file_bytes(a.model)},

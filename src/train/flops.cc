@@ -4,7 +4,8 @@
 
 namespace ds::train {
 
-double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
+double forward_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t head_rows,
+                     int64_t mtp_layers) {
   const double D = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
   const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
   const double nope = static_cast<double>(c.qk_nope_head_dim), rope = static_cast<double>(c.qk_rope_head_dim);
@@ -23,19 +24,24 @@ double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64
       w += ffn(static_cast<double>(c.intermediate_size));
     return w;
   };
-  double per_token = D * static_cast<double>(c.vocab_size);  // unembedding
+  double per_token = 0;
   const int64_t layers = c.num_hidden_layers + mtp_layers;
   for (int64_t l = 0; l < layers; ++l) per_token += layer(l);
+  const double head = D * static_cast<double>(c.vocab_size);  // unembedding, per row
   const double attn = 2.0 * tok * T * H * (nope + rope + vd) / 2 * static_cast<double>(layers);
-  return 3 * (2 * tok * per_token + attn) * static_cast<double>(grad_accum);
+  return 2 * tok * per_token + 2 * static_cast<double>(head_rows) * head + attn;
 }
 
-double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum) {
+double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
+  return 3 * forward_flops(c, batch, seq, batch * seq, mtp_layers) * static_cast<double>(grad_accum);
+}
+
+double v4_forward_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t head_rows) {
   const double d = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
   const double Dh = static_cast<double>(c.head_dim), ql = static_cast<double>(c.q_lora_rank);
   const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
   const double ffn = 3 * d * static_cast<double>(c.moe_intermediate_size);
-  double per_token = d * static_cast<double>(c.vocab_size), attn = 0;
+  double per_token = 0, attn = 0;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const int64_t m = c.compress_ratio(l);
     double w = d * ql + ql * H * Dh + d * Dh;  // q-LoRA, K=V latent
@@ -50,7 +56,12 @@ double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64
     if (m > 0) keys += m == 4 ? std::min(static_cast<double>(c.index_topk), T / 8) : T / (2 * m);
     attn += 2.0 * tok * keys * H * Dh * 2;  // scores and the weighted sum (K = V)
   }
-  return 3 * (2 * tok * per_token + attn) * static_cast<double>(grad_accum);
+  const double head = d * static_cast<double>(c.vocab_size);  // unembedding, per row
+  return 2 * tok * per_token + 2 * static_cast<double>(head_rows) * head + attn;
+}
+
+double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum) {
+  return 3 * v4_forward_flops(c, batch, seq, batch * seq) * static_cast<double>(grad_accum);
 }
 
 }  // namespace ds::train
