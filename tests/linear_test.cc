@@ -8,6 +8,8 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
+#include <string_view>
 
 #include "core/error.h"
 #include "ops/reference/matmul.h"
@@ -158,6 +160,55 @@ TEST(Linear, EveryDtypeMatchesTheWidenedProduct) {
         ds::test::expect_close(y, want, 2e-5, 0, ds::dtype_name(dt).data());
       }
     }
+  });
+}
+
+TEST(Linear, Bf16PrefillSumsInAFixedOrder) {
+  // Whatever the tile shapes and the SIMD target, every output of the
+  // prefill kernel is the same float32 sum: the first product, then a fused
+  // multiply-add per k in order (a product and a sum on the scalar fallback,
+  // which has no FMA), then (accumulating) added to y. So its bits are known,
+  // and a kernel that changes them (another order, a split of K) fails here.
+  // N = 1..13 cover every partial tile, M every partial panel. x row 0 is
+  // zero and weight row 0 negative, so that output is -0 (+0 times a
+  // negative weight), which a sum started from +0 would turn into +0.
+  ds::test::for_each_simd_target([](const char* target) {
+    const bool fused = std::string_view(target) != "SCALAR" && std::string_view(target) != "EMU128";
+    for (int64_t K : {2, 33, 34, 384})
+      for (int64_t N : {1, 5, 6, 7, 12, 13, 70})
+        for (int64_t M : {9, 16, 17, 40, 130})
+          for (bool accumulate : {false, true}) {
+            auto w = make_weight(DType::BF16, N, K, 128, 128, 61);
+            for (int64_t c = 0; c < K; ++c) {
+              reinterpret_cast<uint16_t*>(w.bytes.data())[c] |= 0x8000;  // negative
+              w.value[c] = -std::fabs(w.value[c]);
+            }
+            const int64_t ldx = K + 3, ldy = N + 5;
+            auto x = ds::test::randn(M * ldx, 62);
+            std::fill(x.begin(), x.begin() + K, 0.0f);
+            std::vector<float> got(M * ldy, 0.0f);
+            if (accumulate) got = ds::test::randn(M * ldy, 63);
+            std::vector<float> want = got;
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t n = 0; n < N; ++n) {
+                float s = x[m * ldx] * w.value[n * K];
+                for (int64_t k = 1; k < K; ++k) {
+                  if (fused) {
+                    s = std::fma(x[m * ldx + k], w.value[n * K + k], s);
+                  } else {
+                    volatile float p = x[m * ldx + k] * w.value[n * K + k];  // rounded on its own
+                    s = p + s;
+                  }
+                }
+                want[m * ldy + n] = accumulate ? want[m * ldy + n] + s : s;
+              }
+            ds::ops::linear_forward(got.data(), x.data(), w.view, M, ldx, ldy, accumulate);
+            ASSERT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+                << target << " K " << K << " N " << N << " M " << M << " accumulate " << accumulate;
+            if (!accumulate) {
+              ASSERT_TRUE(std::signbit(got[0]) && got[0] == 0.0f) << target << " " << got[0];
+            }
+          }
   });
 }
 
