@@ -30,20 +30,14 @@ int64_t FmaLoop(int64_t iters, const float* ab, float* sink) {
   auto c0 = hn::Set(d, ab[2]), c1 = hn::Set(d, ab[3]), c2 = hn::Set(d, ab[4]), c3 = hn::Set(d, ab[5]);
   auto c4 = hn::Set(d, ab[6]), c5 = hn::Set(d, ab[7]), c6 = hn::Set(d, ab[8]), c7 = hn::Set(d, ab[9]);
   auto c8 = hn::Set(d, ab[10]), c9 = hn::Set(d, ab[11]), c10 = hn::Set(d, ab[12]), c11 = hn::Set(d, ab[13]);
+#define DS_PEAK_FMA(i) c##i = hn::MulAdd(c##i, a, b);
   for (int64_t i = 0; i < iters; ++i) {
-    c0 = hn::MulAdd(c0, a, b);
-    c1 = hn::MulAdd(c1, a, b);
-    c2 = hn::MulAdd(c2, a, b);
-    c3 = hn::MulAdd(c3, a, b);
-    c4 = hn::MulAdd(c4, a, b);
-    c5 = hn::MulAdd(c5, a, b);
-    c6 = hn::MulAdd(c6, a, b);
-    c7 = hn::MulAdd(c7, a, b);
-    c8 = hn::MulAdd(c8, a, b);
-    c9 = hn::MulAdd(c9, a, b);
-    c10 = hn::MulAdd(c10, a, b);
-    c11 = hn::MulAdd(c11, a, b);
+    // clang-format off
+    DS_PEAK_FMA(0) DS_PEAK_FMA(1) DS_PEAK_FMA(2) DS_PEAK_FMA(3) DS_PEAK_FMA(4) DS_PEAK_FMA(5)
+    DS_PEAK_FMA(6) DS_PEAK_FMA(7) DS_PEAK_FMA(8) DS_PEAK_FMA(9) DS_PEAK_FMA(10) DS_PEAK_FMA(11)
+    // clang-format on
   }
+#undef DS_PEAK_FMA
   const auto s = hn::Add(hn::Add(hn::Add(hn::Add(c0, c1), hn::Add(c2, c3)), hn::Add(hn::Add(c4, c5), hn::Add(c6, c7))),
                          hn::Add(hn::Add(c8, c9), hn::Add(c10, c11)));
   *sink = hn::GetLane(hn::SumOfLanes(d, s));
@@ -101,8 +95,8 @@ void BM_FmaAllThreads(benchmark::State& state) {
   state.counters["threads"] = threads;
   state.counters["GFLOP/s"] = benchmark::Counter(static_cast<double>(flops.load()) * threads * 1e-9,
                                                  benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GFLOP/s/thread"] = benchmark::Counter(static_cast<double>(flops.load()) * 1e-9,
-                                                        benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s/thread"] =
+      benchmark::Counter(static_cast<double>(flops.load()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void register_all() {

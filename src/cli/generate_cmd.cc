@@ -273,10 +273,9 @@ int run_bench(const BenchArgs& a) {
   // (every weight a token meets, causal attention; the unembedding only for
   // the last token of each prompt, the logits a prefill computes), the same
   // figure for any implementation of the model.
-  const double prefill_flops =
-      (g.v4 ? train::v4_forward_flops(g.v4cfg, a.batch, a.prompt_len, a.batch)
-            : train::forward_flops(g.cfg, a.batch, a.prompt_len, a.batch)) /
-      static_cast<double>(a.batch * a.prompt_len);
+  const double prefill_flops = (g.v4 ? train::v4_forward_flops(g.v4cfg, a.batch, a.prompt_len, a.batch)
+                                     : train::forward_flops(g.cfg, a.batch, a.prompt_len, a.batch)) /
+                               static_cast<double>(a.batch * a.prompt_len);
   nlohmann::json j = {{"impl", "deepseek.cpp"},
                       {"batch", a.batch},
                       {"prompt_len", a.prompt_len},

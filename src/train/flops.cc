@@ -4,8 +4,7 @@
 
 namespace ds::train {
 
-double forward_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t head_rows,
-                     int64_t mtp_layers) {
+double forward_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t head_rows, int64_t mtp_layers) {
   const double D = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
   const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
   const double nope = static_cast<double>(c.qk_nope_head_dim), rope = static_cast<double>(c.qk_rope_head_dim);
