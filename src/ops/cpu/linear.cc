@@ -649,7 +649,7 @@ constexpr int64_t kGroupRows = 128;
 // FMA, where reading bf16 in place costs one more vector op per weight. Even
 // on AVX2, where the broadcast is a load of its own either way, reading bf16
 // pairs in place (one 32-bit broadcast, then a shift or a mask per weight)
-// ran 9-15% slower than widening on a Zen 3 (single-thread products of the
+// ran 7-17% slower than widening on a Zen 3 (single-thread products of the
 // `small` preset's shapes, alternated in one process).
 void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate) {
   const int64_t N = w.rows, K = w.cols, P = PanelRows();
