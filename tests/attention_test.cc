@@ -203,6 +203,38 @@ TEST(AttentionReference, PackedSegmentsEqualSeparateSequences) {
 
 // ---------------------------------------------------------------- fast vs reference
 
+// Queries continuing a sequence (inference with a cache): the last n rows of
+// the double reference's causal attention over the whole sequence, for
+// continuations that start on, before and after tile edges, and every
+// thread count giving the same bits.
+TEST(Attention, ContinuingQueriesMatchTheWholeSequence) {
+  for (const auto& [past, n] : std::vector<std::pair<int64_t, int64_t>>{
+           {0, 1}, {0, 130}, {1, 1}, {5, 3}, {127, 1}, {128, 128}, {200, 129}, {300, 260}, {1000, 64}}) {
+    const int64_t T = past + n, H = 3, Dqk = 24, Dv = 8;
+    const AttentionDims whole{1, T, H, Dqk, Dv, default_scale(Dqk)};
+    const Problem p(whole, {}, 500 + past + n);
+    std::vector<double> want, lse;
+    ref::attention_forward(want, lse, to_double(p.q), to_double(p.k), to_double(p.v), {}, whole);
+    want.erase(want.begin(), want.begin() + past * H * Dv);
+    const AttentionDims d{1, n, H, Dqk, Dv, whole.scale};
+    const float* q = p.q.data() + past * H * Dqk;
+    auto run = [&] {
+      std::vector<float> out(n * H * Dv, std::numeric_limits<float>::quiet_NaN());
+      ops::attention_forward_past(out.data(), q, p.k.data(), p.v.data(), past, d);
+      return out;
+    };
+    const std::string what = "past " + std::to_string(past) + " n " + std::to_string(n);
+    expect_close(run(), want, kOutTol, 0, what.c_str());
+    test::expect_same_for_any_thread_count(run);
+  }
+  // One sequence only; bad sizes are errors.
+  std::vector<float> x(64, 0.0f);
+  EXPECT_THROW(ops::attention_forward_past(x.data(), x.data(), x.data(), x.data(), 0, AttentionDims{2, 1, 1, 4, 4, 1}),
+               Error);
+  EXPECT_THROW(ops::attention_forward_past(x.data(), x.data(), x.data(), x.data(), -1, AttentionDims{1, 1, 1, 4, 4, 1}),
+               Error);
+}
+
 TEST(Attention, OneToken) {
   // A single query attends only to itself: out = v exactly (p = exp(0) = 1,
   // l = 1) and lse = its own score.

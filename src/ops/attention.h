@@ -40,6 +40,15 @@ struct AttentionDims {
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const int32_t* segment_ids, const AttentionDims& d, const uint8_t* selected = nullptr,
                        const float* sink = nullptr);
+// Inference: n new queries continuing one sequence that already has `past`
+// tokens. q [n, H, Dqk] (query i at position past + i); k [past + n, H, Dqk]
+// and v [past + n, H, Dv] hold every key and value so far; query i attends
+// to keys 0..past + i. out [n, H, Dv]. The same tiles and online softmax as
+// attention_forward (d.batch must be 1, d.seq = n), threaded over (head,
+// query tile); no lse, no segments.
+void attention_forward_past(float* out, const float* q, const float* k, const float* v, int64_t past,
+                            const AttentionDims& d);
+
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
                         const AttentionDims& d, const uint8_t* selected = nullptr, const float* sink = nullptr,

@@ -352,6 +352,56 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   });
 }
 
+void attention_forward_past(float* out, const float* q, const float* k, const float* v, int64_t past,
+                            const AttentionDims& d) {
+  check_dims(d, "attention_forward_past");
+  DS_CHECK(out && q && k && v, "attention_forward_past: null tensor pointer");
+  DS_CHECK(d.batch == 1 && past >= 0, "attention_forward_past: batch {} past {}: one sequence, past >= 0", d.batch,
+           past);
+  const int64_t n = d.seq, H = d.heads, Dqk = d.qk_dim, Dv = d.v_dim, nq_tiles = (n + kTileQ - 1) / kTileQ;
+  const int64_t ldq = H * Dqk, ldv = H * Dv;
+  const int64_t per_thread = kTileQ * kTileK + kTileQ * Dv + 2 * kTileQ;
+  // Items (head, query tile), the last query tiles (the most keys) first.
+  run_items(H * nq_tiles, per_thread, [&](int64_t it, float* w) {
+    const int64_t h = it % H, qt = nq_tiles - 1 - it / H;
+    float* s = w;
+    float* o = s + kTileQ * kTileK;
+    float* m = o + kTileQ * Dv;
+    float* l = m + kTileQ;
+    const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, n - i0);
+    const int64_t last = past + i0 + nq - 1;  // the last key any query of the tile sees
+    std::fill(o, o + nq * Dv, 0.0f);
+    std::fill(m, m + nq, kNegInf);
+    std::fill(l, l + nq, 0.0f);
+    for (int64_t j0 = 0; j0 <= last; j0 += kTileK) {
+      const int64_t nk = std::min(kTileK, last + 1 - j0);
+      gemm(false, true, nq, nk, Dqk, d.scale, q + i0 * ldq + h * Dqk, ldq, k + j0 * ldq + h * Dqk, ldq, 0.0f, s, nk);
+      for (int64_t r = 0; r < nq; ++r) {
+        float* sr = s + r * nk;
+        // Keys [j0, j0 + allowed) are at or left of query r's position.
+        const int64_t allowed = std::clamp<int64_t>(past + i0 + r - j0 + 1, 0, nk);
+        std::fill(sr + allowed, sr + nk, kNegInf);
+        if (allowed == 0) {
+          std::fill(sr, sr + nk, 0.0f);
+          continue;
+        }
+        const float mnew = std::max(m[r], row_max(sr, allowed));
+        const float alpha = std::exp(m[r] - mnew);  // 0 on the first tile
+        l[r] = l[r] * alpha + exp_row(sr, nk, mnew);
+        m[r] = mnew;
+        if (alpha != 1.0f)
+          for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+      }
+      gemm(false, false, nq, Dv, nk, 1.0f, s, nk, v + j0 * ldv + h * Dv, ldv, 1.0f, o, Dv);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      const float inv = 1.0f / l[r];  // every query sees at least its own key
+      float* dst = out + (i0 + r) * ldv + h * Dv;
+      for (int64_t c = 0; c < Dv; ++c) dst[c] = o[r * Dv + c] * inv;
+    }
+  });
+}
+
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* segment_ids,
                         const AttentionDims& d, const uint8_t* selected, const float* sink, float* dsink) {
