@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "infer/engine.h"
 #include "infer/generate.h"
 #include "io/safetensors.h"
 #include "model/load.h"
@@ -97,6 +98,42 @@ TEST_F(TransformerTest, SeveralTokensContinuingACacheEqualTheFullForward) {
     auto rest = m->engine->step(cache, {{ids.begin() + 7, ids.end()}}, true);
     ds::test::expect_close(rest, std::vector<float>(full.begin() + 7 * V, full.end()), kTol, 0,
                            kind == CacheKind::Latent ? "latent" : "naive");
+  }
+}
+
+TEST_F(TransformerTest, ManyTokensContinuingACacheEqualTheFullForward) {
+  // A long prompt's later prefill chunks: 70 tokens after 30 attend over keys
+  // and values expanded from the latent cache (cheaper here than the latent
+  // form), 20 after 80 in the latent form; the naive cache takes the tiled
+  // attention for both. Three chunks too, and any thread count.
+  auto cfg = ds::test::tiny_v3_config();
+  ds::test::write_random_model(dir_, cfg);
+  auto m = ds::infer::load_model(dir_);
+  ASSERT_TRUE(ds::infer::expand_continuation(m->config, 30, 70, true));
+  ASSERT_FALSE(ds::infer::expand_continuation(m->config, 80, 20, true));
+  ASSERT_FALSE(ds::infer::expand_continuation(m->config, 99, 1, true));
+  ASSERT_TRUE(ds::infer::expand_continuation(m->config, 80, 20, false));
+  const int64_t V = m->config.vocab_size;
+  auto ids = tokens(100, V, 12);
+  for (CacheKind kind : {CacheKind::Latent, CacheKind::Naive}) {
+    const char* what = kind == CacheKind::Latent ? "latent" : "naive";
+    auto full = full_logits(*m, ids, kind);
+    for (const std::vector<size_t>& cuts : {std::vector<size_t>{30}, {80}, {20, 50}}) {
+      auto run = [&] {
+        KvCache cache(kind, 1, m->config.num_hidden_layers);
+        std::vector<float> logits;
+        size_t begin = 0;
+        for (size_t i = 0; i <= cuts.size(); ++i) {
+          const size_t end = i < cuts.size() ? cuts[i] : ids.size();
+          auto part = m->engine->step(cache, {{ids.begin() + begin, ids.begin() + end}}, true);
+          logits.insert(logits.end(), part.begin(), part.end());
+          begin = end;
+        }
+        return logits;
+      };
+      ds::test::expect_close(run(), full, kTol, 0, what);
+      ds::test::expect_same_for_any_thread_count(run);
+    }
   }
 }
 

@@ -36,6 +36,10 @@ struct Batch {
 // then fresh sequences attend over their own expanded keys (tiled causal
 // attention), sequences that continue a cache over all their cached tokens
 // (latent: absorbed, one pass over c_kv for all heads; naive: per head).
+// Many new tokens continuing a cache (a long prompt's later prefill chunks)
+// take the tiled attention too, over keys and values expanded from the
+// latent cache when that costs fewer multiply-adds than the absorbed form
+// (see expand_continuation).
 //
 // DeepSeek-V3.2 (DSA): a query at position p >= index_topk sees more keys
 // than the indexer keeps, so it attends only to the index_topk keys the
@@ -114,6 +118,20 @@ class CacheAttention : public model::KvAttention {
         ops::AttentionDims d{1, dense, H, qk, vd, s.softmax_scale};
         ops::attention_forward(ctx + r0 * H * vd, lse.data(), q + r0 * H * qk, kfull.data() + r0 * H * qk,
                                vfull.data() + r0 * H * vd, nullptr, d);
+      } else if (dense > 0 && expand_continuation(c, sq.past, dense, latent)) {
+        const int64_t T = sq.past + dense;  // the keys the dense rows see
+        Buffer<float> kx, vx;
+        const float* kall = latent ? nullptr : sc.k[layer].data();
+        const float* vall = latent ? nullptr : sc.v[layer].data();
+        if (latent) {
+          kx.resize(T * H * qk);
+          vx.resize(T * H * vd);
+          model::get_key_value_forward(kx.data(), vx.data(), sc.c_kv[layer].data(), sc.k_pe[layer].data(), a, s, T);
+          kall = kx.data();
+          vall = vx.data();
+        }
+        ops::attention_forward_past(ctx + r0 * H * vd, q + r0 * H * qk, kall, vall, sq.past,
+                                    ops::AttentionDims{1, dense, H, qk, vd, s.softmax_scale});
       } else if (dense > 0) {
         items.push_back({&sq, r0, dense, sq.past, false});
       }
@@ -234,6 +252,25 @@ class CacheAttention : public model::KvAttention {
   KvCache& cache_;
   const Batch& b_;
 };
+
+// Multiply-adds of each form, over the T = past + n keys (causal: query j
+// sees past + j + 1 of them):
+//   absorbed: H n kvl (nope + v)  + H pairs (2 kvl + rope)
+//   expanded: T kvl H (nope + v)  + H pairs (nope + rope + v)
+// with the naive cache already expanded (no first term). Few queries
+// (decode) stay absorbed: reading the latent once is what makes decode fast.
+bool expand_continuation(const model::ModelConfig& c, int64_t past, int64_t n, bool latent) {
+  constexpr int64_t kMinRows = 16;
+  if (n < kMinRows) return false;
+  if (!latent) return true;
+  const double H = static_cast<double>(c.num_attention_heads), kvl = static_cast<double>(c.kv_lora_rank);
+  const double nope = static_cast<double>(c.qk_nope_head_dim), rope = static_cast<double>(c.qk_rope_head_dim);
+  const double vd = static_cast<double>(c.v_head_dim), N = static_cast<double>(n);
+  const double T = static_cast<double>(past) + N, pairs = N * (static_cast<double>(past) + (N + 1) / 2);
+  const double absorbed = H * N * kvl * (nope + vd) + H * pairs * (2 * kvl + rope);
+  const double expanded = T * kvl * H * (nope + vd) + H * pairs * (nope + rope + vd);
+  return expanded < absorbed;
+}
 
 Engine::Engine(const model::ModelConfig& cfg, const model::ParamsView& w) : cfg_(cfg), w_(w), stages_(cfg) {
   absorbed_kv_b_.resize(static_cast<size_t>(cfg.num_hidden_layers));

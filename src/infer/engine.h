@@ -46,6 +46,14 @@ class Engine {
   friend class CacheAttention;
 };
 
+// Whether n new tokens continuing a sequence with `past` cached tokens attend
+// through keys and values expanded from the cache (the tiled attention,
+// threaded over heads and query tiles) rather than in the latent space (one
+// task per sequence): with a latent cache, when that costs fewer
+// multiply-adds; with a naive cache (already expanded), from 16 tokens on.
+// Decode (few tokens) always stays in the latent space.
+bool expand_continuation(const model::ModelConfig& c, int64_t past, int64_t n, bool latent_cache);
+
 // A loaded Hugging Face model folder and an engine over it.
 struct LoadedModel {
   model::ModelConfig config;
