@@ -1,7 +1,8 @@
 // The generation engine: runs the model's one forward (model/layer.h) over
 // new tokens of many sequences, with the attention over a KV cache. Latent
-// caches attend in the latent space (ops/latent_attention.h); naive caches
-// and fresh prompts attend over expanded keys and values.
+// caches attend in the latent space (ops/latent_attention.h); naive caches,
+// fresh prompts and long continuations (expand_continuation) attend over
+// expanded keys and values.
 #pragma once
 
 #include <cstdint>
