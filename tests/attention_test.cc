@@ -226,6 +226,11 @@ TEST(Attention, ContinuingQueriesMatchTheWholeSequence) {
     const std::string what = "past " + std::to_string(past) + " n " + std::to_string(n);
     expect_close(run(), want, kOutTol, 0, what.c_str());
     test::expect_same_for_any_thread_count(run);
+    if (past == 0) {  // the same tiles and fold as the training forward: its bits
+      std::vector<float> out(n * H * Dv), lse(n * H);
+      ops::attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), nullptr, d);
+      EXPECT_EQ(run(), out) << what;
+    }
   }
   // One sequence only; bad sizes are errors.
   std::vector<float> x(64, 0.0f);

@@ -260,6 +260,27 @@ void check_selection(const Geometry& g, const int32_t* seg) {
     }
 }
 
+// Folds masked scores s [nq, nk] of one key tile into the running row max m,
+// row sum l and unnormalized output o [nq, Dv] (rescaled by exp(m - m')); s
+// becomes the tile's P, to be multiplied by the tile's values into o.
+void fold_scores(float* s, int64_t nq, int64_t nk, float* m, float* l, float* o, int64_t Dv) {
+  for (int64_t r = 0; r < nq; ++r) {
+    float* sr = s + r * nk;
+    const float mnew = std::max(m[r], row_max(sr, nk));
+    if (mnew == kNegInf) {
+      // Nothing allowed for this query yet: its p row is 0 (exp(-inf -
+      // -inf) would be NaN), and O, l stay 0.
+      std::fill(sr, sr + nk, 0.0f);
+      continue;
+    }
+    const float alpha = std::exp(m[r] - mnew);  // 0 on the first allowed tile
+    l[r] = l[r] * alpha + exp_row(sr, nk, mnew);
+    m[r] = mnew;
+    if (alpha != 1.0f)
+      for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+  }
+}
+
 // Work item it of n_tiles per (b, h), ordered so that the tiles with the most
 // work (the last query tiles, the first key tiles) are handed out first.
 struct ItemIndex {
@@ -316,21 +337,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
       const Pair p = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
       if (p.skip) continue;
       scores(s, p, q, k, segment_ids, g, b, h);
-      for (int64_t r = 0; r < nq; ++r) {
-        float* sr = s + r * p.nk;
-        const float mnew = std::max(m[r], row_max(sr, p.nk));
-        if (mnew == kNegInf) {
-          // Nothing allowed for this query yet: its p row is 0 (exp(-inf -
-          // -inf) would be NaN), and O, l stay 0.
-          std::fill(sr, sr + p.nk, 0.0f);
-          continue;
-        }
-        const float alpha = std::exp(m[r] - mnew);  // 0 on the first allowed tile
-        l[r] = l[r] * alpha + exp_row(sr, p.nk, mnew);
-        m[r] = mnew;
-        if (alpha != 1.0f)
-          for (int64_t c = 0; c < g.Dv; ++c) o[r * g.Dv + c] *= alpha;
-      }
+      fold_scores(s, nq, p.nk, m, l, o, g.Dv);
       gemm(false, false, nq, g.Dv, p.nk, 1.0f, s, p.nk, v + g.row(b, p.j0, h, g.Dv), g.ld_v(), 1.0f, o, g.Dv);
     }
     // Every query attends to a key (itself, or a selected one), so l is
@@ -377,21 +384,11 @@ void attention_forward_past(float* out, const float* q, const float* k, const fl
       const int64_t nk = std::min(kTileK, last + 1 - j0);
       gemm(false, true, nq, nk, Dqk, d.scale, q + i0 * ldq + h * Dqk, ldq, k + j0 * ldq + h * Dqk, ldq, 0.0f, s, nk);
       for (int64_t r = 0; r < nq; ++r) {
-        float* sr = s + r * nk;
         // Keys [j0, j0 + allowed) are at or left of query r's position.
         const int64_t allowed = std::clamp<int64_t>(past + i0 + r - j0 + 1, 0, nk);
-        std::fill(sr + allowed, sr + nk, kNegInf);
-        if (allowed == 0) {
-          std::fill(sr, sr + nk, 0.0f);
-          continue;
-        }
-        const float mnew = std::max(m[r], row_max(sr, allowed));
-        const float alpha = std::exp(m[r] - mnew);  // 0 on the first tile
-        l[r] = l[r] * alpha + exp_row(sr, nk, mnew);
-        m[r] = mnew;
-        if (alpha != 1.0f)
-          for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+        std::fill(s + r * nk + allowed, s + (r + 1) * nk, kNegInf);
       }
+      fold_scores(s, nq, nk, m, l, o, Dv);
       gemm(false, false, nq, Dv, nk, 1.0f, s, nk, v + j0 * ldv + h * Dv, ldv, 1.0f, o, Dv);
     }
     for (int64_t r = 0; r < nq; ++r) {
