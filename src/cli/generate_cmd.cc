@@ -260,14 +260,8 @@ int run_bench(const BenchArgs& a) {
   opt.max_new_tokens = a.new_tokens + 1;
   std::vector<double> prefill, decode;
   infer::GenerateStats st;
-  std::vector<double> pm[2];
-  const int expc = getenv("EXP_CHUNK") ? atoi(getenv("EXP_CHUNK")) : -1;
-  const int64_t base_chunk = opt.prefill_chunk;
   for (int64_t r = 0; r < a.repeat; ++r) {
-    const int mode = (r / 2 + r) % 2;
-    opt.prefill_chunk = mode && expc >= 0 ? expc : base_chunk;
     g.generate(prompts, opt, &st);
-    pm[mode].push_back(st.prefill_tokens_per_second());
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
   }
@@ -275,7 +269,6 @@ int run_bench(const BenchArgs& a) {
     std::sort(v.begin(), v.end());
     return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
   };
-  if (expc >= 0) fmt::print(stderr, "EXP base {:.1f} other {:.1f} ratio {:.3f}\n", median(pm[0]), median(pm[1]), median(pm[1]) / median(pm[0]));
   // Model FLOPs of the prefill per prompt token, by MaxText's accounting
   // (every weight a token meets, causal attention; the unembedding only for
   // the last token of each prompt, the logits a prefill computes), the same
