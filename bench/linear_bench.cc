@@ -97,6 +97,10 @@ void register_all() {
       // A 64 MiB weight, far beyond the caches: decode streams it from memory.
       {8, 16384, 2048, "stream_decode_b8"},
       {1, 16384, 2048, "stream_decode_b1"},
+      // Rows as short as the `small` preset's experts' (384 columns), 48 MiB
+      // of them as bf16: a decode step's experts, each met by one or two
+      // tokens, as one weight.
+      {2, 65536, 384, "expert_rows_stream_decode"},
   };
   for (const Shape& s : shapes) {
     const std::string n =

@@ -245,6 +245,20 @@ void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64
 
 // ---------------------------------------------------------------- decode
 
+// How far ahead of the line it reads the decode kernel asks for a weight
+// streamed from memory, into L2 (not L1: a line requested for L1 holds one of
+// the core's few L1 miss buffers until it arrives, and those then cap the
+// bandwidth). Products with one or two rows of x, as a decode step's experts
+// are, read the weight faster than the hardware prefetchers follow rows of a
+// few hundred bytes: on a Zen 4, prefetching the next block of rows into L1
+// streamed rows of the `small` preset's experts at 19-25 GB/s, 8 KiB ahead
+// into L2 at 48-59 (linear_bench's expert_rows_stream_decode row,
+// docs/performance.md). Lines past the end of a weight are harmless: a
+// prefetch never faults.
+constexpr int64_t kStreamPrefetchBytes = 8192;
+
+HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
 // Weight sources for the decode kernel. Each has blocks of BlockCols()
 // columns sharing a scale (the whole row when there is none): Scales(r) is
 // row r's scales, one per block (computed once per row and call: it
@@ -254,6 +268,7 @@ struct Bf16Rows {
   const uint16_t* w;
   int64_t cols;
   static constexpr int64_t kColumnsPerLine = 32;  // 64-byte cache line
+  static constexpr int64_t kPrefetchBytes = kStreamPrefetchBytes;
   int64_t BlockCols() const { return cols; }
   const float* Scales(int64_t) const { return nullptr; }
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
@@ -267,6 +282,7 @@ struct Bf16Rows {
 struct Fp8Rows {
   Fp8Weight f;
   static constexpr int64_t kColumnsPerLine = 64;
+  static constexpr int64_t kPrefetchBytes = kStreamPrefetchBytes;
   int64_t BlockCols() const { return f.block_cols; }
   const float* Scales(int64_t r) const { return f.scale_row(r); }
   VF Start(DF d, const float* sc, int64_t b) const { return hn::Set(d, sc[b] * kE4m3Shift); }
@@ -284,6 +300,7 @@ struct Fp8BitsRows {
   const uint8_t* w;
   int64_t cols;
   static constexpr int64_t kColumnsPerLine = 64;
+  static constexpr int64_t kPrefetchBytes = kStreamPrefetchBytes;
   int64_t BlockCols() const { return cols; }
   const float* Scales(int64_t) const { return nullptr; }
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
@@ -298,6 +315,7 @@ struct F32Rows {
   const float* w;
   int64_t cols;
   static constexpr int64_t kColumnsPerLine = 16;
+  static constexpr int64_t kPrefetchBytes = 0;  // rows widened into a cache-resident buffer
   int64_t BlockCols() const { return cols; }
   const float* Scales(int64_t) const { return nullptr; }
   VF Start(DF d, const float*, int64_t) const { return hn::Zero(d); }
@@ -316,9 +334,11 @@ struct F32Rows {
 struct Fp4Rows {
   Fp4Weight f;
   int64_t lanes;
-  // Longer than a scale block, so DotBlock issues no software prefetch (one
-  // per 16-byte block measured slower; the hardware follows the rows).
+  // Longer than a scale block, so DotBlock's line loop (and its prefetch)
+  // never runs: a prefetch of the next block of rows per 16-byte block
+  // measured slower; the hardware follows the rows.
   static constexpr int64_t kColumnsPerLine = 128;
+  static constexpr int64_t kPrefetchBytes = 0;
   int64_t BlockCols() const { return kFp4Block; }
   const uint8_t* Scales(int64_t r) const { return f.scale_row(r); }
   VF Start(DF d, const uint8_t* sc, int64_t b) const { return hn::Set(d, fp4_multiplier(sc[b])); }
@@ -367,7 +387,7 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
   VF a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
   float tail[4][4] = {};
   // One cache line of each row per step of the main loop, with a prefetch
-  // of the same line of the next block of rows.
+  // kPrefetchBytes ahead of each (none for sources already in cache).
   const int64_t line = std::max<int64_t>(Src::kColumnsPerLine, N);
   const int64_t B = src.BlockCols();
   const decltype(src.Scales(r)) sc[4] = {src.Scales(r), R > 1 ? src.Scales(r + 1) : nullptr,
@@ -391,7 +411,8 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
   }
     int64_t c = c0;
     for (; c + line <= c1; c += line) {
-      for (int i = 0; i < R; ++i) hwy::Prefetch(src.At(r + R + i, c));
+      if constexpr (Src::kPrefetchBytes > 0)
+        for (int i = 0; i < R; ++i) PrefetchL2(static_cast<const char*>(src.At(r + i, c)) + Src::kPrefetchBytes);
       for (int64_t s = 0; s < line; s += N) DS_STEP(c + s)
     }
     for (; c + N <= c1; c += N) DS_STEP(c)
