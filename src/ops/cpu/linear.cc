@@ -114,7 +114,6 @@ inline float bf16_bits_to_f32(uint16_t h) {
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/cpu/linear.cc"
-#include <hwy/cache_control.h>
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
