@@ -251,7 +251,7 @@ void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64
 // are, read the weight faster than the hardware prefetchers follow rows of a
 // few hundred bytes: on a Zen 4, prefetching the next block of rows into L1
 // streamed rows of the `small` preset's experts at 19-25 GB/s, 8 KiB ahead
-// into L2 at 48-59 (linear_bench's expert_rows_stream_decode row,
+// into L2 at 52-57 (linear_bench's expert_rows_stream_decode row,
 // docs/performance.md). Lines past the end of a weight are harmless: a
 // prefetch never faults.
 constexpr int64_t kStreamPrefetchBytes = 8192;
