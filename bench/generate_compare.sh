@@ -20,6 +20,12 @@
 # would run them: the engine's SIMD kernels (DEEPSEEK_MAX_CPU_ISA) and oneDNN
 # (ONEDNN_MAX_CPU_ISA), PyTorch's own kernels (ATEN_CPU_CAPABILITY) and
 # OpenBLAS (OPENBLAS_CORETYPE=Haswell).
+# PRECISION=bf16 runs both sides in bfloat16: the engine with
+# `--matmul-precision bf16` (linear layers on x rounded to bf16, on
+# AVX512-BF16's dot products where the CPU has them), PyTorch with its model
+# in bfloat16 as Hugging Face runs one (torch_generate.py --dtype bfloat16).
+# "% peak" still divides by the float32 FMA ceiling; bf16 dot products
+# have twice that ceiling.
 # Needs Debian's python3-torch and python3-numpy (PYTHON, default
 # /usr/bin/python3); jq is used for the JSON when installed.
 set -euo pipefail
@@ -36,6 +42,11 @@ case "${ISA:-}" in
   "") ;;
   avx2) export DEEPSEEK_MAX_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 OPENBLAS_CORETYPE=Haswell ;;
   *) echo "error: ISA=$ISA: only avx2 can be capped to" >&2; exit 1 ;;
+esac
+case "${PRECISION:-f32}" in
+  f32) ours_precision=f32 torch_dtype=float32 ;;
+  bf16) ours_precision=bf16 torch_dtype=bfloat16 ;;
+  *) echo "error: PRECISION=$PRECISION: f32 or bf16" >&2; exit 1 ;;
 esac
 
 [ -x "$bin" ] || { echo "error: $bin not found; build the project first (or pass BUILD_DIR)" >&2; exit 1; }
@@ -69,9 +80,11 @@ args=(--model "$tmp/small" --prompt-len "$prompt_len" --new-tokens "$new_tokens"
 rows=()
 for b in $batches; do
   echo "batch $b: deepseek.cpp ..." >&2
-  ours="$("$bin" --threads "$threads" bench "${args[@]}" --batch "$b" | last_json)"
+  ours="$("$bin" --threads "$threads" --matmul-precision "$ours_precision" bench "${args[@]}" --batch "$b" |
+    last_json)"
   echo "batch $b: torch ..." >&2
-  theirs="$("$py" "$root/bench/torch_generate.py" "${args[@]}" --batch "$b" --threads "$threads" | last_json)"
+  theirs="$("$py" "$root/bench/torch_generate.py" "${args[@]}" --batch "$b" --threads "$threads" \
+    --dtype "$torch_dtype" | last_json)"
   if [ -z "$ours" ] || [ -z "$theirs" ]; then
     echo "error: a benchmark printed no JSON result" >&2
     exit 1
@@ -89,9 +102,10 @@ done
 echo
 echo "machine: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores," \
   "load average $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (float32 eager), threads $threads," \
+echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') ($torch_dtype eager), threads $threads," \
   "OMP_WAIT_POLICY ${OMP_WAIT_POLICY:-PASSIVE}"
-echo "ours:    SIMD kernels $("$bin" selfcheck | sed -n 's/^SIMD kernels: \([A-Z0-9]*\).*/\1/p')${ISA:+ (capped: ISA=$ISA)}"
+echo "ours:    SIMD kernels $("$bin" selfcheck | sed -n 's/^SIMD kernels: \([A-Z0-9]*\).*/\1/p')${ISA:+ (capped: ISA=$ISA)}," \
+  "matmul precision $ours_precision$([[ "$(field "$ours" bf16_dot_products)" =~ ^[Tt]rue$ ]] && echo ' (bf16 dot products)')"
 echo "model:   configs/small.yml (random weights), prompt $prompt_len tokens, $new_tokens decode steps, greedy"
 printf 'peak:    float32 FMA %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak"
 echo

@@ -8,7 +8,9 @@
 //
 // DEEPSEEK_MAX_CPU_ISA (avx2, scalar, ...) caps the SIMD target the kernels
 // run. GFLOP/s counts 2 M N K; weight_GB/s the weight's bytes (with fp4's
-// scale bytes).
+// scale bytes). The linear/bf16_bf16x rows run bf16 weights in the bf16
+// matmul precision (x rounded to bf16; AVX512-BF16's dot products where the
+// CPU has them, which DEEPSEEK_MAX_CPU_ISA=avx512 turns off).
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 
@@ -54,8 +56,9 @@ void set_rate(benchmark::State& state, const Shape& s) {
 
 // The weight as a checkpoint stores it: bf16, or fp8 e4m3 with 128 x 128
 // block scales.
-void BM_Linear(benchmark::State& state, Shape s, ds::DType dt) {
+void BM_Linear(benchmark::State& state, Shape s, ds::DType dt, ds::ops::MatmulPrecision precision) {
   Operands o(s);
+  ds::ops::set_matmul_precision(precision);
   const bool fp8 = dt == ds::DType::F8E4M3, fp4 = dt == ds::DType::F4E2M1;
   const void* data = fp8 ? static_cast<const void*>(o.w8.data())
                    : fp4 ? static_cast<const void*>(o.w4.data())
@@ -66,6 +69,7 @@ void BM_Linear(benchmark::State& state, Shape s, ds::DType dt) {
     ds::ops::linear_forward(o.y.data(), o.x.data(), w, s.M);
     benchmark::DoNotOptimize(o.y.data());
   }
+  ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kF32);
   set_rate(state, s);
   const double bytes = fp4 ? static_cast<double>(o.w4.size() + o.w4_scale.size())
                            : static_cast<double>(s.N * s.K * ds::dtype_size(dt));
@@ -105,9 +109,13 @@ void register_all() {
   for (const Shape& s : shapes) {
     const std::string n =
         std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K);
-    benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_Linear, s, ds::DType::BF16)->UseRealTime();
-    benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_Linear, s, ds::DType::F8E4M3)->UseRealTime();
-    benchmark::RegisterBenchmark(("linear/fp4/" + n).c_str(), BM_Linear, s, ds::DType::F4E2M1)->UseRealTime();
+    const auto f32 = ds::ops::MatmulPrecision::kF32;
+    benchmark::RegisterBenchmark(("linear/bf16/" + n).c_str(), BM_Linear, s, ds::DType::BF16, f32)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/bf16_bf16x/" + n).c_str(), BM_Linear, s, ds::DType::BF16,
+                                 ds::ops::MatmulPrecision::kBf16)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp8/" + n).c_str(), BM_Linear, s, ds::DType::F8E4M3, f32)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp4/" + n).c_str(), BM_Linear, s, ds::DType::F4E2M1, f32)->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
 }

@@ -13,7 +13,7 @@ followed here (interleaved YaRN RoPE, mscale, the routing variants).
 
 Usage:
   torch_generate.py --model DIR --batch B --prompt-len P --new-tokens N --threads T
-                    [--seed S] [--repeat R]
+                    [--seed S] [--repeat R] [--dtype float32|bfloat16]
       Prefills B random prompts of P tokens in one forward, which gives each
       sequence its first new token, then runs N greedy decode steps (one batched
       forward each, tokens 2..N+1), as the engine's `bench` command does. After a
@@ -118,9 +118,10 @@ def load_weights_f32(model_dir, cfg):
 
 
 def rms_norm(x, w, eps):
-    """Hugging Face's DeepseekV3RMSNorm (float32 throughout)."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return w * (x * torch.rsqrt(variance + eps))
+    """Hugging Face's DeepseekV3RMSNorm: float32 inside, the result in x's dtype."""
+    x32 = x.float()
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    return w * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
 def rotate_half(x):
@@ -179,11 +180,11 @@ class KvCache:
     """Expanded per-head keys ([k_nope | k_pe], k_pe repeated over heads) and values of
     every layer, preallocated for max_len positions (a static cache)."""
 
-    def __init__(self, cfg, batch, max_len):
+    def __init__(self, cfg, batch, max_len, dtype=F32):
         H = cfg.num_attention_heads
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        self.k = [torch.empty(batch, H, max_len, qk, dtype=F32) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.empty(batch, H, max_len, cfg.v_head_dim, dtype=F32) for _ in range(cfg.num_hidden_layers)]
+        self.k = [torch.empty(batch, H, max_len, qk, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.empty(batch, H, max_len, cfg.v_head_dim, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.length = 0  # positions filled (the same for every sequence of the batch)
 
 
@@ -214,10 +215,17 @@ class Layer:
 
 
 class TorchDeepSeek:
-    def __init__(self, model_dir):
+    """dtype float32 (the default) runs everything in float32; bfloat16 runs the model
+    as Hugging Face's does when loaded with torch_dtype=torch.bfloat16: weights,
+    activations and cache in bf16, RMSNorm and the attention softmax in float32 (cast
+    back), the router's logits in float32 from a float32 gate."""
+
+    def __init__(self, model_dir, dtype=F32):
         with open(os.path.join(model_dir, "config.json")) as f:
             self.cfg = c = Config(json.load(f))
+        self.dtype = dtype
         w = load_weights_f32(model_dir, c)
+        w = {k: v if k.endswith((".mlp.gate.weight", "e_score_correction_bias")) else v.to(dtype) for k, v in w.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         self.lm_head = self.embed if c.tie_word_embeddings else w["lm_head.weight"]
@@ -234,11 +242,11 @@ class TorchDeepSeek:
             return
         ang = torch.outer(torch.arange(n, dtype=torch.float64), self.inv_freq)
         emb = torch.cat((ang, ang), dim=-1)
-        self.cos, self.sin = emb.cos().to(F32), emb.sin().to(F32)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def new_cache(self, batch, max_len):
         self._rope_tables(max_len)
-        return KvCache(self.cfg, batch, max_len)
+        return KvCache(self.cfg, batch, max_len, self.dtype)
 
     # --- blocks ---------------------------------------------------------------
     def attention(self, L, l, x, cache, mask):
@@ -269,14 +277,14 @@ class TorchDeepSeek:
         att = torch.matmul(q, ck[:, :, :end].transpose(2, 3)) * self.scale
         if mask is not None:
             att = att + mask
-        att = F.softmax(att, dim=-1, dtype=F32)
+        att = F.softmax(att, dim=-1, dtype=F32).to(q.dtype)
         o = torch.matmul(att, cv[:, :, :end])  # [B,H,T,vd]
         return F.linear(o.transpose(1, 2).reshape(B, T, H * vd), L.o_proj)
 
     def route(self, L, x):
         """x [N, D] -> (expert ids [N,k], weights [N,k])."""
         c = self.cfg
-        logits = F.linear(x, L.gate)
+        logits = F.linear(x.float(), L.gate)
         if c.scoring_func == "sigmoid":
             scores = logits.sigmoid()
         elif c.scoring_func == "softmax":
@@ -303,7 +311,7 @@ class TorchDeepSeek:
             if cnt == 0:
                 continue
             r = rows[begin:begin + cnt]
-            out.index_add_(0, r, L.experts[e](x[r]) * slot_w[begin:begin + cnt])
+            out.index_add_(0, r, L.experts[e](x[r]) * slot_w[begin:begin + cnt].to(x.dtype))
             begin += cnt
         if L.shared is not None:
             out = out + L.shared(x)
@@ -317,7 +325,7 @@ class TorchDeepSeek:
         start = cache.length
         mask = None
         if T > 1:  # causal: query start+i sees keys 0..start+i
-            mask = torch.full((T, start + T), float("-inf"), dtype=F32).triu_(start + 1)
+            mask = torch.full((T, start + T), float("-inf"), dtype=self.dtype).triu_(start + 1)
         h = F.embedding(tokens, self.embed)
         for l, L in enumerate(self.layers):
             h = h + self.attention(L, l, rms_norm(h, L.input_norm, self.eps), cache, mask)
@@ -326,7 +334,7 @@ class TorchDeepSeek:
         cache.length = start + T
         if not all_logits:
             h = h[:, -1:]
-        return F.linear(rms_norm(h, self.norm, self.eps), self.lm_head)
+        return F.linear(rms_norm(h, self.norm, self.eps), self.lm_head).float()
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +361,7 @@ def generate(model, prompts, decode_steps):
 
 def bench(args):
     torch.set_num_threads(args.threads)
-    model = TorchDeepSeek(args.model)
+    model = TorchDeepSeek(args.model, torch.bfloat16 if args.dtype == "bfloat16" else F32)
     V = model.cfg.vocab_size
     rng = np.random.Generator(np.random.PCG64(args.seed))
     prompts = torch.from_numpy(rng.integers(0, V, size=(args.batch, args.prompt_len), dtype=np.int64))
@@ -374,6 +382,7 @@ def bench(args):
         "repeat": args.repeat,
         "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "dtype": args.dtype,
         "torch": torch.__version__,
     }))
     return 0
@@ -609,6 +618,8 @@ def main(argv):
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (or weights)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs; the median is reported")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype for the benchmark (bfloat16: as Hugging Face runs bf16)")
     ap.add_argument("--check", action="store_true", help="check logits against tests/data/models and exit")
     ap.add_argument("--models-dir", default=os.path.join(HERE, "..", "tests", "data", "models"))
     ap.add_argument("--make-random", metavar="DIR", help="write a random checkpoint of --config-yaml to DIR")

@@ -572,6 +572,14 @@ TEST(DType, BulkNarrowingMatchesScalar) {
   test::for_each_simd_target([&](const char*) {
     expect_bulk_matches<float, uint16_t>(DType::BF16, DType::F32, in, f32_to_bf16, "f32 -> bf16");
     expect_bulk_matches<float, uint16_t>(DType::F16, DType::F32, in, f32_to_f16, "f32 -> f16");
+    // Rounding in place to bf16 values: the same bits as the scalar round trip.
+    std::vector<float> r = in;
+    round_to_bf16(r.data(), r.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      const uint32_t want = std::bit_cast<uint32_t>(bf16_to_f32(f32_to_bf16(in[i])));
+      ASSERT_EQ(std::bit_cast<uint32_t>(r[i]), want) << "round_to_bf16 of bits " << std::hex
+                                                      << std::bit_cast<uint32_t>(in[i]);
+    }
   });
 }
 

@@ -9,9 +9,11 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string_view>
 
 #include "core/error.h"
+#include "core/simd.h"
 #include "ops/reference/matmul.h"
 #include "test_util.h"
 
@@ -354,4 +356,126 @@ TEST(Linear, E4m3WidensExactlyAsTheScalarDecode) {
       }
     });
   }
+}
+
+namespace {
+
+// Sets the matmul precision for a scope.
+struct PrecisionGuard {
+  explicit PrecisionGuard(ds::ops::MatmulPrecision p) { ds::ops::set_matmul_precision(p); }
+  ~PrecisionGuard() { ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kF32); }
+};
+
+// Runs fn(target, dot) for every SIMD target and, where the target and CPU
+// have bf16 dot products, once with them (dot) and once without, then
+// restores what the environment allowed. Returns whether the dot products
+// ran, which they must wherever the CPU has them and the cap allows them.
+template <class F>
+bool for_each_bf16_path(F fn) {
+  const bool allowed = ds::simd_bf16_dot_allowed();
+  bool ran_dot = false;
+  ds::test::for_each_simd_target([&](const char* target) {
+    for (bool dot : {true, false}) {
+      ds::detail::set_simd_bf16_dot_allowed(dot);
+      if (dot != ds::ops::bf16_dot_products()) continue;  // no such path on this target
+      SCOPED_TRACE(dot ? "bf16 dot products" : "float32 kernels on rounded x");
+      fn(target, dot);
+      ran_dot = ran_dot || dot;
+    }
+  });
+  ds::detail::set_simd_bf16_dot_allowed(allowed);
+  EXPECT_EQ(ran_dot, allowed) << "bf16 dot products allowed here but never dispatched";
+  return ran_dot;
+}
+
+std::vector<double> rounded_to_bf16(const std::vector<float>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) r[i] = ds::bf16_to_f32(ds::f32_to_bf16(x[i]));
+  return r;
+}
+
+}  // namespace
+
+TEST(Linear, Bf16PrecisionMultipliesXRoundedToBf16) {
+  // In bf16 precision every narrow dtype multiplies x rounded to bf16 (by
+  // the scalar conversion here), with float32 sums: against a float64
+  // product of the rounded x, to float32 accuracy; against the unrounded x
+  // it is visibly off (x's rounding error, ~2^-9 relative, is far above the
+  // tolerance), so a kernel that skipped the rounding fails. M spans the
+  // decode kernel, one and two vectors of a panel and several panels; K = 33
+  // is odd (the dot kernel's last pair is half zero), N = 13 a partial tile.
+  PrecisionGuard bf16(ds::ops::MatmulPrecision::kBf16);
+  for_each_bf16_path([](const char*, bool) {
+    for (DType dt : {DType::BF16, DType::F16, DType::F8E4M3})
+      for (int64_t K : {33, 200})
+        for (int64_t N : {13, 70})
+          for (int64_t M : {1, 5, 8, 9, 16, 17, 33, 100}) {
+            auto w = make_weight(dt, N, K, 16, 16, 71);
+            auto x = ds::test::randn(M * K, 72);
+            std::vector<float> y(M * N);
+            ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+            const auto wv = ds::test::to_double(w.value);
+            const auto want = ds::ref::matmul<double>(rounded_to_bf16(x), wv, M, N, K, false, true);
+            const auto plain = ds::ref::matmul<double>(ds::test::to_double(x), wv, M, N, K, false, true);
+            ds::test::expect_close(y, want, 2e-5, 0, ds::dtype_name(dt).data());
+            double scale = 0, off = 0;
+            for (size_t i = 0; i < y.size(); ++i) {
+              scale = std::max(scale, std::fabs(plain[i]));
+              off = std::max(off, std::fabs(y[i] - plain[i]));
+            }
+            EXPECT_GT(off, 1e-4 * scale) << ds::dtype_name(dt) << " M " << M << " K " << K << ": x not rounded";
+          }
+  });
+}
+
+TEST(Linear, Bf16PrecisionStridesAccumulationAndThreads) {
+  // ldx/ldy padding, y += x W^T, NaN and infinity in x, and bitwise the same
+  // for any thread count (a weight big enough to run threaded).
+  PrecisionGuard bf16(ds::ops::MatmulPrecision::kBf16);
+  for_each_bf16_path([](const char*, bool) {
+    for (int64_t M : {3, 40}) {
+      auto w = make_weight(DType::BF16, 70, 33, 16, 16, 81);
+      const int64_t ldx = 40, ldy = 90;
+      auto x = ds::test::randn(M * ldx, 82);
+      x[1 * ldx + 4] = std::numeric_limits<float>::quiet_NaN();  // row 1: every output NaN
+      x[2 * ldx + 7] = std::numeric_limits<float>::infinity();   // row 2: +-inf or NaN
+      std::vector<float> y(M * ldy, 1.0f);
+      ds::ops::linear_forward(y.data(), x.data(), w.view, M, ldx, ldy, /*accumulate=*/true);
+      for (int64_t i = 0; i < M; ++i) {
+        for (int64_t o = 0; o < 70; ++o) {
+          if (i == 1) {
+            EXPECT_TRUE(std::isnan(y[i * ldy + o])) << o;
+            continue;
+          }
+          if (i == 2) {
+            EXPECT_FALSE(std::isfinite(y[i * ldy + o])) << o;
+            continue;
+          }
+          double s = 1.0;
+          for (int64_t c = 0; c < 33; ++c)
+            s += static_cast<double>(ds::bf16_to_f32(ds::f32_to_bf16(x[i * ldx + c]))) * w.value[o * 33 + c];
+          EXPECT_NEAR(y[i * ldy + o], s, 1e-4) << i << "," << o;
+        }
+        for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
+      }
+    }
+    for (int64_t M : {2, 70, 300}) {
+      auto w = make_weight(DType::BF16, 515, 301, 128, 128, 83);
+      auto x = ds::test::randn(M * 301, 84);
+      ds::test::expect_same_for_any_thread_count([&] {
+        std::vector<float> y(M * 515);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+        return y;
+      });
+    }
+  });
+}
+
+TEST(Linear, MatmulPrecisionNames) {
+  EXPECT_EQ(ds::ops::parse_matmul_precision("bf16"), ds::ops::MatmulPrecision::kBf16);
+  EXPECT_EQ(ds::ops::parse_matmul_precision("bfloat16"), ds::ops::MatmulPrecision::kBf16);
+  EXPECT_EQ(ds::ops::parse_matmul_precision("f32"), ds::ops::MatmulPrecision::kF32);
+  EXPECT_THROW(ds::ops::parse_matmul_precision("fp8"), ds::Error);
+  EXPECT_EQ(ds::ops::matmul_precision_name(ds::ops::MatmulPrecision::kBf16), "bf16");
+  EXPECT_EQ(ds::ops::matmul_precision(), ds::ops::MatmulPrecision::kF32);  // the default
 }

@@ -49,6 +49,16 @@ check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_token
 check '[[ "$json" == *"\"prefill_model_flops_per_token\":"[1-9]* && "$json" == *"\"prefill_gflop_per_s\":"[0-9]* ]]' \
   "bench reports the prefill's model FLOPs per token and its FLOP rate: $json"
 
+# The bf16 matmul precision runs every path (bf16 weights, fp8 weights,
+# generation) and says so; an unknown precision is one error line.
+json=$("$bin" --matmul-precision bf16 bench --model "$m" --batch 2 --prompt-len 20 --new-tokens 3 --repeat 1)
+check '[[ "$json" == *"\"matmul_precision\":\"bf16\""* ]]' "bench --matmul-precision bf16 reports it: $json"
+check '"$bin" --matmul-precision bf16 bench --model "$tmp/fp8" --batch 2 --prompt-len 20 --new-tokens 3 --repeat 1 | grep -q "\"matmul_precision\":\"bf16\""' \
+  "an fp8 checkpoint runs in bf16 precision"
+bf16_out=$("$bin" --matmul-precision bf16 generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 2>/dev/null)
+check '[[ "$bf16_out" == "hello world"* ]]' "generate runs in bf16 precision"
+expect_error --matmul-precision fp8 bench --model "$m"
+
 # DeepSeek-V3.2 (use_indexer): init writes the indexer, and generation runs
 # past index_topk on sparse attention, the same text through either cache.
 v32=(--set use_indexer=true --set indexer_n_heads=2 --set indexer_head_dim=16 --set indexer_topk=8)

@@ -15,6 +15,7 @@
 
 #include "io/safetensors.h"
 #include "model/load.h"
+#include "ops/linear.h"
 #include "model_fixture.h"
 #include "test_util.h"
 
@@ -93,6 +94,32 @@ TEST_P(ReferenceModel, ABatchOfAllSequencesMatchesTheReference) {
     row += n;
   }
   EXPECT_EQ(row, got.size());
+}
+
+// The bf16 matmul precision (ops/linear.h) rounds x to bf16 before every
+// linear layer over bf16 or fp8 weights: the logits move by about bf16's
+// rounding (2^-9 relative) carried through the layers, and no further. Models
+// stored in float32 run exactly as in float32 precision.
+TEST_P(ReferenceModel, Bf16PrecisionStaysNearTheReference) {
+  Fixture f = read_fixture(GetParam());
+  auto m = ds::infer::load_model(f.dir);
+  const auto& t = f.tokens[0];
+  KvCache plain_cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
+  const auto plain = m->engine->step(plain_cache, {t}, true);
+  ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kBf16);
+  KvCache cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
+  const auto got = m->engine->step(cache, {t}, true);
+  const auto incremental = ds::test::incremental_logits(*m, t, t.size() / 2 + 1, CacheKind::Latent);
+  ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kF32);
+  const bool f32_weights = std::string(GetParam()).find("f32") != std::string::npos ||
+                           std::string(GetParam()) == "v2_plain_softmax";
+  if (f32_weights) {
+    EXPECT_EQ(got, plain) << "float32 weights must not change with the precision";
+    return;
+  }
+  EXPECT_NE(got, plain) << "bf16 precision changed nothing";
+  ds::test::expect_close(got, f.expected[0], 2e-2, 0, "bf16 precision, full forward");
+  ds::test::expect_close(incremental, f.expected[0], 2e-2, 0, "bf16 precision, prefill then decode");
 }
 
 // The command users and scripts call: `deepseek logits`, full and incremental.

@@ -36,10 +36,15 @@ TEST(SimdTargets, CapFromTheEnvironmentIsHonoured) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  // bf16 dot products: wherever the CPU has them, unless the cap is below
+  // avx512bf16.
+  const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+  const bool dot_capped = !(cap.empty() || cap == "avx512bf16") || env("DEEPSEEK_DISABLE_AVX512") == "1";
+  EXPECT_EQ(ds::simd_bf16_dot_allowed(), bf16_dot && !dot_capped) << "cap " << cap;
   if (cap == "avx2" || env("DEEPSEEK_DISABLE_AVX512") == "1") {
     EXPECT_EQ(target, avx2 ? "AVX2" : target) << "capped to AVX2";
     EXPECT_NE(target, "AVX3");
-  } else if (cap.empty()) {
+  } else if (cap.empty() || cap == "avx512bf16" || cap == "avx512") {
     if (avx512) {
       EXPECT_EQ(target, "AVX3");
     } else if (avx2) {

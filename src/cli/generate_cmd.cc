@@ -22,6 +22,7 @@
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
+#include "ops/linear.h"
 #include "train/flops.h"
 
 namespace ds::cli {
@@ -287,6 +288,9 @@ int run_bench(const BenchArgs& a) {
                                     : a.dense_attention        ? "dense"
                                                                : "sparse"},
                       {"prefill_chunk", a.prefill_chunk},
+                      {"matmul_precision", ops::matmul_precision_name(ops::matmul_precision())},
+                      {"bf16_dot_products", ops::matmul_precision() == ops::MatmulPrecision::kBf16 &&
+                                                ops::bf16_dot_products()},
                       {"repeat", a.repeat},
                       {"prefill_tokens_per_s", median(prefill)},
                       {"prefill_model_flops_per_token", prefill_flops},

@@ -22,6 +22,7 @@
 #include "core/system.h"
 #include "dist/communicator.h"
 #include "ops/attention.h"
+#include "ops/linear.h"
 #include "ops/matmul.h"
 #include "ops/reference/matmul.h"
 #include "ops/rmsnorm.h"
@@ -63,7 +64,8 @@ int run_selfcheck() {
     for (int64_t j = 0; j < 16; ++j)
       DS_CHECK(std::fabs(o[h * 16 + j] - v[h * 16 + j]) < 1e-5, "selfcheck: attention of token 0 is not v[0]");
   fmt::print("attention T=64: first token equals its own value row; threads {}\n", num_threads());
-  fmt::print("SIMD kernels: {} (DEEPSEEK_MAX_CPU_ISA caps it)\n", simd_target_name());
+  fmt::print("SIMD kernels: {} (DEEPSEEK_MAX_CPU_ISA caps it); bf16 dot products: {}\n", simd_target_name(),
+             ops::bf16_dot_products() ? "yes" : "no");
   fmt::print("selfcheck passed\n");
   return 0;
 }
@@ -153,6 +155,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   int threads = 0;
   app.add_option("--threads", threads, "worker threads (default: all cores)")->check(CLI::PositiveNumber);
+  std::string precision = "f32";
+  app.add_option("--matmul-precision", precision,
+                 "linear layers over bf16/fp8/fp4 weights: f32 (default) or bf16 (x rounded to bf16 first; "
+                 "AVX512-BF16 dot products where the CPU has them)")
+      ->check(CLI::IsMember({"f32", "float32", "bf16", "bfloat16"}));
   app.set_version_flag("--version", "deepseek.cpp 0.1.0");
   ds::cli::CommandList commands;
   ds::cli::add_selfcheck_command(app, commands);
@@ -174,6 +181,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (threads > 0) ds::set_num_threads(threads);
+    ds::ops::set_matmul_precision(ds::ops::parse_matmul_precision(precision));
     ds::init_simd_targets();  // a bad DEEPSEEK_MAX_CPU_ISA is an error before any work
     int rc = -1;
     for (auto& [cmd, run] : commands)

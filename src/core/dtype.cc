@@ -127,6 +127,16 @@ void F32ToBf16(uint16_t* out, const float* in, size_t n) {
   for (; i < n; ++i) out[i] = f32_to_bf16(in[i]);
 }
 
+void RoundF32ToBf16(float* x, size_t n) {
+  const DU du;
+  const size_t N = hn::Lanes(du);
+  size_t i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::BitCast(DF(), hn::ShiftLeft<16>(Bf16FromF32Bits(hn::BitCast(du, hn::LoadU(DF(), x + i))))), DF(),
+               x + i);
+  for (; i < n; ++i) x[i] = bf16_to_f32(f32_to_bf16(x[i]));
+}
+
 void F16ToF32(float* out, const uint16_t* in, size_t n) {
   const DU du;
   const size_t N = hn::Lanes(du);
@@ -183,6 +193,7 @@ namespace ds {
 
 HWY_EXPORT(Bf16ToF32);
 HWY_EXPORT(F32ToBf16);
+HWY_EXPORT(RoundF32ToBf16);
 HWY_EXPORT(F16ToF32);
 HWY_EXPORT(F32ToF16);
 HWY_EXPORT(E4m3ToF32);
@@ -473,6 +484,10 @@ int64_t find_all_ones(const void* data, size_t n, U mask) {
 }
 
 }  // namespace
+
+void round_to_bf16(float* x, size_t n) {
+  if (n) DS_DISPATCH(RoundF32ToBf16)(x, n);
+}
 
 int64_t find_non_finite(const void* data, DType t, size_t n) {
   switch (t) {

@@ -45,6 +45,10 @@ float e8m0_to_f32(uint8_t e);
 // Converts n elements between any two floating dtypes (through float32).
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
 
+// x[i] = bf16_to_f32(f32_to_bf16(x[i])) for i < n: float32 values rounded to
+// the nearest bf16 (what a bf16 matmul input holds), vectorized.
+void round_to_bf16(float* x, size_t n);
+
 // Index of the first NaN or infinity among n elements of a floating dtype
 // (e4m3's NaN codes included), or -1 if all are finite; for integer dtypes
 // always -1. Runs at memory speed: a checkpoint is scanned once at load.

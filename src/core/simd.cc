@@ -43,6 +43,7 @@ struct Cap {
 // below its own.
 constexpr Cap kCaps[] = {
 #if HWY_ARCH_X86
+    {"avx512bf16", HWY_AVX3},
     {"avx512", HWY_AVX3},
     {"avx3", HWY_AVX3},
     {"avx2", HWY_AVX2},
@@ -85,15 +86,34 @@ int64_t disabled_by_environment() {
   return 0;
 }
 
+// Whether the environment's cap leaves bf16 dot products: none, or avx512bf16.
+bool bf16_dot_allowed_by_environment() {
+  const char* isa = std::getenv("DEEPSEEK_MAX_CPU_ISA");
+  if (isa && *isa) return lower(isa) == "avx512bf16";
+  const char* no512 = std::getenv("DEEPSEEK_DISABLE_AVX512");
+  return !(no512 && *no512 && std::string(no512) != "0");
+}
+
+bool cpu_has_bf16_dot() {
+#if HWY_ARCH_X86 && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // The capped set of targets, 0 while there is no cap.
 std::atomic<int64_t> g_capped{0};
+// Whether bf16 dot products may run (set with the cap).
+std::atomic<bool> g_bf16_dot{false};
 
 void init_simd_targets() {
   const int64_t disabled = disabled_by_environment();
   static std::once_flag once;
   std::call_once(once, [&] {
+    g_bf16_dot = cpu_has_bf16_dot() && bf16_dot_allowed_by_environment();
     if (!disabled) return;
     // Not hwy::DisableTargets: Highway 1.0's SupportedTargets() resets the
     // dispatch choice to every target the CPU has before it applies that
@@ -113,6 +133,11 @@ int64_t capped_simd_targets() {
   return g_capped;
 }
 
+void set_simd_bf16_dot_allowed(bool allowed) {
+  ensure_simd_targets();
+  g_bf16_dot = allowed && cpu_has_bf16_dot();
+}
+
 void init_simd_targets_nothrow() {
   try {
     init_simd_targets();
@@ -123,6 +148,11 @@ void init_simd_targets_nothrow() {
 }  // namespace detail
 
 HWY_EXPORT(DispatchedTarget);
+
+bool simd_bf16_dot_allowed() {
+  ensure_simd_targets();
+  return g_bf16_dot;
+}
 
 std::string simd_target_name() { return hwy::TargetName(DS_DISPATCH(DispatchedTarget)()); }
 

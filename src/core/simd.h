@@ -5,8 +5,13 @@
 // scalar fallback. At the first call the best target this CPU supports is
 // chosen, capped by the environment:
 //
-//   DEEPSEEK_MAX_CPU_ISA=avx512|avx2|neon|sve|sve2|scalar   the best target allowed
-//   DEEPSEEK_DISABLE_AVX512=1                                the same as avx2
+//   DEEPSEEK_MAX_CPU_ISA=avx512bf16|avx512|avx2|neon|sve|sve2|scalar
+//                                the best target allowed
+//   DEEPSEEK_DISABLE_AVX512=1    the same as avx2
+//
+// avx512bf16 is AVX-512 with AVX512-BF16's dot products (vdpbf16ps, which
+// Highway 1.0 has no target for): the bf16 matmul precision (ops/linear.h)
+// runs on them where the CPU has them, unless the cap is avx512 or below.
 //
 // so that tests and benchmarks can run every path on one machine (as
 // ONEDNN_MAX_CPU_ISA does for oneDNN's kernels). Kernel files call their
@@ -29,8 +34,16 @@ void init_simd_targets();
 // "NEON", "SVE", "SVE2", "SCALAR"/"EMU128"), after the cap.
 std::string simd_target_name();
 
+// Whether kernels may use bf16 dot products: the CPU has AVX512-BF16 and the
+// cap allows it. (The kernels use them only where the dispatched target is
+// AVX-512 too.)
+bool simd_bf16_dot_allowed();
+
 namespace detail {
 void init_simd_targets_nothrow();
+// For tests: allow (if the CPU has them) or forbid bf16 dot products, whatever
+// the environment says.
+void set_simd_bf16_dot_allowed(bool allowed);
 // The set of Highway targets the cap leaves (HWY_* bits), or 0 without a cap:
 // what a test that switches targets must restore afterwards.
 int64_t capped_simd_targets();

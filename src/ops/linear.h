@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "core/dtype.h"
 
@@ -40,6 +41,27 @@ WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1);
 
 // Widens rows [r0, r1) of W into out[(r1 - r0), cols] (float32, dequantized).
 void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
+
+// The precision of linear_forward over narrow (non-float32) weights:
+//   kF32   x as it is, float32 products and sums (the default);
+//   kBf16  x rounded to the nearest bf16 first, float32 sums: a bf16 matmul
+//          as PyTorch's autocast, JAX's default precision or llama.cpp's bf16
+//          weights run it. Where the CPU has AVX512-BF16 (and core/simd.h's cap
+//          allows it) products over bf16 weights with more than 8 rows of x
+//          run on its dot-product instruction, at twice the FMA rate; its sums
+//          take two products at a time and treat subnormal inputs as zero.
+//          Elsewhere the float32 kernels multiply the rounded x.
+// Float32 weights (training) always run in float32. Process-wide, set once by
+// the program (`deepseek --matmul-precision`) before it runs a model.
+enum class MatmulPrecision { kF32, kBf16 };
+void set_matmul_precision(MatmulPrecision p);
+MatmulPrecision matmul_precision();
+// "f32"/"float32" or "bf16"/"bfloat16"; anything else is an error.
+MatmulPrecision parse_matmul_precision(std::string_view name);
+std::string_view matmul_precision_name(MatmulPrecision p);
+// Whether bf16-precision products over bf16 weights run on bf16 dot-product
+// instructions here (the dispatched target, the CPU and the cap).
+bool bf16_dot_products();
 
 // y = x W^T; x [M, in] row-major with row stride ldx, y [M, out] with row
 // stride ldy. With accumulate, y += x W^T.

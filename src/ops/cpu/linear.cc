@@ -13,6 +13,10 @@
 //   broadcast (bf16 straight from memory; other dtypes from a chunk of rows
 //   widened into an L2-sized buffer) and multiplied into a tile of
 //   accumulators, one FMA chain over k per output element.
+// - In bf16 precision (ops/linear.h) x is rounded to bf16 first. With bf16
+//   weights on a CPU with AVX512-BF16, prefill-sized products then run the
+//   same outer-product tiles on bf16 pairs: x packed as pairs of columns,
+//   each weight pair broadcast from memory into vdpbf16ps.
 //
 // Every output element is computed by one call in a fixed order, however the
 // rows are shared among threads, so results are bitwise the same for any
@@ -20,6 +24,7 @@
 #include "ops/linear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -629,13 +634,27 @@ HWY_INLINE void Tile(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xt, con
 #undef DS_TILE_STORE
 #undef DS_TILE_ROWS
 
+// y[m][n] (+)= tile[n][m] for m < rows, n < nr (tile rows of P floats): 4 x 4
+// blocks, then the edges.
+void StoreTile(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT tile, int64_t rows, int64_t nr,
+               bool accumulate) {
+  const int64_t P = PanelRows();
+  const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, nr4 = kVectorTranspose ? nr / 4 * 4 : 0;
+  for (int64_t m = 0; m < rows4; m += 4)
+    for (int64_t n = 0; n < nr4; n += 4) Transpose4x4(tile + n * P + m, P, y + m * ldy + n, ldy, accumulate);
+  for (int64_t m = 0; m < rows; ++m) {
+    float* ym = y + m * ldy;
+    for (int64_t n = m < rows4 ? nr4 : 0; n < nr; ++n) ym[n] = accumulate ? ym[n] + tile[n * P + m] : tile[n * P + m];
+  }
+}
+
 // Weight rows [r0, r1) (src indexed from r0) against one panel of `rows`
 // (<= P) rows of x, a tile of kTileN rows at a time; the tile holds y
 // transposed and is added into y element by element.
 template <class Src>
 void PanelRowsRange(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xt, int64_t rows, Src src, int64_t K,
                     int64_t r0, int64_t r1, bool accumulate) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(DF())), P = 2 * N;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
   HWY_ALIGN float tile[kTileN * 2 * HWY_LANES(float)];
   const auto* base = src.w;
   for (int64_t n0 = r0; n0 < r1; n0 += kTileN) {
@@ -645,14 +664,7 @@ void PanelRowsRange(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRIC
       with_count<kTileN>(nr, [&](auto n) HWY_ATTR { Tile<n(), true>(tile, xt, src, K); });
     else
       with_count<kTileN>(nr, [&](auto n) HWY_ATTR { Tile<n(), false>(tile, xt, src, K); });
-    // y[m][n0 + n] (+)= tile[n][m]: 4 x 4 blocks, then the edges.
-    const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, nr4 = kVectorTranspose ? nr / 4 * 4 : 0;
-    for (int64_t m = 0; m < rows4; m += 4)
-      for (int64_t n = 0; n < nr4; n += 4) Transpose4x4(tile + n * P + m, P, y + m * ldy + n0 + n, ldy, accumulate);
-    for (int64_t m = 0; m < rows; ++m) {
-      float* ym = y + m * ldy + n0;
-      for (int64_t n = m < rows4 ? nr4 : 0; n < nr; ++n) ym[n] = accumulate ? ym[n] + tile[n * P + m] : tile[n * P + m];
-    }
+    StoreTile(y + n0, ldy, tile, rows, nr, accumulate);
   }
 }
 
@@ -663,6 +675,189 @@ constexpr int64_t kChunkN = 8 * kTileN;
 // per-thread buffer that stays in L2.
 constexpr int64_t kGroupRows = 128;
 
+// How a prefill product of M rows of x against N weight rows of K columns is
+// shared among the threads, for panels of x packed into `panel_floats`
+// floats each: pack(xt, p0, p1) packs panels [p0, p1) at xt, and
+// run(xt, r0, r1, p0, p1) multiplies them (panel p0 at xt) by weight rows
+// [r0, r1). Every output element is one run call's, whatever the split.
+template <class Pack, class Run>
+void SplitPrefill(int64_t M, int64_t N, int64_t K, int64_t panel_floats, const Pack& pack, const Run& run) {
+  const int64_t P = PanelRows(), panels = (M + P - 1) / P;
+  const bool parallel = M * N * K >= (int64_t{1} << 16);
+  const int64_t group_panels = std::max<int64_t>(1, kGroupRows / P);
+  const int64_t groups = (panels + group_panels - 1) / group_panels;
+  if (groups >= 2 * num_threads()) {
+    // Many rows of x: each thread packs and multiplies its own groups of
+    // panels against the whole weight. Packing all of x up front instead
+    // would write it out to memory and read it back.
+    parallel_ranges(groups, parallel, [&](int64_t g0, int64_t g1) {
+      Buffer<float> xt(static_cast<size_t>(group_panels * panel_floats));
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t p0 = g * group_panels, p1 = std::min(panels, p0 + group_panels);
+        pack(xt.data(), p0, p1);
+        run(xt.data(), 0, N, p0, p1);
+      }
+    });
+    return;
+  }
+  // Few rows of x: pack them once; the threads split the weight rows in whole
+  // tiles (each reads only its share of the weight) when there are enough,
+  // else the panels.
+  Buffer<float> xt(static_cast<size_t>(panels * panel_floats));
+  parallel_ranges(panels, M * K >= (int64_t{1} << 15),
+                  [&](int64_t p0, int64_t p1) { pack(xt.data() + p0 * panel_floats, p0, p1); });
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  if (tiles >= 4 * num_threads() || tiles >= 4 * panels) {
+    parallel_ranges(tiles, parallel,
+                    [&](int64_t t0, int64_t t1) { run(xt.data(), t0 * kTileN, std::min(N, t1 * kTileN), 0, panels); });
+  } else {
+    parallel_ranges(panels, parallel,
+                    [&](int64_t p0, int64_t p1) { run(xt.data() + p0 * panel_floats, 0, N, p0, p1); });
+  }
+}
+
+#if HWY_TARGET == HWY_AVX3
+// bf16 dot products (AVX512-BF16's vdpbf16ps: per float32 lane, the two
+// products of a pair of bf16 added to the accumulator) for the bf16 matmul
+// precision, at twice the FMA rate. Highway 1.0 has no target for them, so
+// these functions add the feature to the AVX-512 target's own; they run only
+// where the CPU has it (HasBf16Dot, core/simd.h's cap).
+#define DS_BF16_DOT_ATTR __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
+
+bool HasBf16Dot() { return true; }
+
+// Panel of P (32) rows of x as bf16 pairs: the 32 bits of xp[j * P + m] hold
+// x[m][2j] in their low and x[m][2j + 1] in their high half, rounded to the
+// nearest bf16 (an odd K's last pair has a zero high half); rows >= `rows`
+// are zero. x is packed as float32 into `tmp` ([K][P]) and rounded there
+// first, so a rounded value's bits are its bf16 in the high half.
+void PackPanelBf16(float* HWY_RESTRICT xp, const float* HWY_RESTRICT x, int64_t ldx, int64_t rows, int64_t K,
+                   float* HWY_RESTRICT tmp) {
+  const DF d;
+  const hn::RebindToUnsigned<DF> du;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), P = PanelRows();
+  PackPanel(tmp, x, ldx, rows, K, P);
+  round_to_bf16(tmp, static_cast<size_t>(K * P));
+  for (int64_t j = 0; j < K / 2; ++j)
+    for (int64_t m = 0; m < P; m += N) {
+      const auto lo = hn::BitCast(du, hn::LoadU(d, tmp + 2 * j * P + m));
+      const auto hi = hn::BitCast(du, hn::LoadU(d, tmp + (2 * j + 1) * P + m));
+      hn::StoreU(hn::BitCast(d, hn::Or(hn::ShiftRight<16>(lo), hi)), d, xp + j * P + m);
+    }
+  if (K % 2)
+    for (int64_t m = 0; m < P; m += N) {
+      const auto lo = hn::BitCast(du, hn::LoadU(d, tmp + (K - 1) * P + m));
+      hn::StoreU(hn::BitCast(d, hn::ShiftRight<16>(lo)), d, xp + K / 2 * P + m);
+    }
+}
+
+// tile[n][0, P) = x rows [0, P) . W[n] for n < NR, from a panel of pairs and
+// NR bf16 weight rows of K columns (read in place, a 32-bit pair at a time).
+#define DS_DOT_STEP(n)                                                  \
+  if constexpr (NR > n) {                                               \
+    uint32_t pair;                                                      \
+    std::memcpy(&pair, w + n * K + 2 * j, sizeof pair);                 \
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); \
+    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                         \
+    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);      \
+  }
+#define DS_DOT_LAST(n)                                                       \
+  if constexpr (NR > n) {                                                    \
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[n * K + K - 1])); \
+    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                              \
+    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);           \
+  }
+#define DS_DOT_STORE(n)                                       \
+  if constexpr (NR > n) {                                     \
+    _mm512_storeu_ps(tile + n * P, c##n##a);                  \
+    if constexpr (Two) _mm512_storeu_ps(tile + n * P + 16, c##n##b); \
+  }
+#define DS_DOT_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
+
+template <int NR, bool Two>
+DS_BF16_DOT_ATTR void TileBf16Dot(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
+                                  const uint16_t* HWY_RESTRICT w, int64_t K) {
+  static_assert(NR <= 12, "twelve named accumulator rows");
+  constexpr int64_t P = 32;
+  const int64_t K2 = K / 2;
+  __m512 c0a = _mm512_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a, c3a = c0a, c3b = c0a;
+  __m512 c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a, c6a = c0a, c6b = c0a, c7a = c0a, c7b = c0a;
+  __m512 c8a = c0a, c8b = c0a, c9a = c0a, c9b = c0a, c10a = c0a, c10b = c0a, c11a = c0a, c11b = c0a;
+  for (int64_t j = 0; j < K2; ++j) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + j * P);
+    const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + j * P + 16) : x0;
+    DS_DOT_ROWS(DS_DOT_STEP)
+  }
+  if (K % 2) {  // the last column: its pair's high half is zero in x and in b
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + K2 * P);
+    const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + K2 * P + 16) : x0;
+    DS_DOT_ROWS(DS_DOT_LAST)
+  }
+  DS_DOT_ROWS(DS_DOT_STORE)
+}
+#undef DS_DOT_STEP
+#undef DS_DOT_LAST
+#undef DS_DOT_STORE
+#undef DS_DOT_ROWS
+
+template <int NR>
+DS_BF16_DOT_ATTR void TileBf16DotRows(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
+                                      const uint16_t* HWY_RESTRICT w, int64_t K, bool two) {
+  if (two)
+    TileBf16Dot<NR, true>(tile, xp, w, K);
+  else
+    TileBf16Dot<NR, false>(tile, xp, w, K);
+}
+
+// y (+)= x W^T over bf16 weights in bf16 precision: the prefill split and
+// tiles of the float32 kernel, with x packed as bf16 pairs and the weight's
+// pairs broadcast straight from memory.
+DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
+                                     const uint16_t* w, int64_t N, int64_t K, bool accumulate) {
+  const int64_t P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
+  const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
+  auto pack = [&](float* xt, int64_t p0, int64_t p1) {
+    Buffer<float> tmp(static_cast<size_t>(K * P));
+    for (int64_t p = p0; p < p1; ++p)
+      PackPanelBf16(xt + (p - p0) * panel, x + p * P * ldx, ldx, std::min<int64_t>(P, M - p * P), K, tmp.data());
+  };
+  auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
+    HWY_ALIGN float tile[kTileN * 32];
+    for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+      const int64_t c1 = std::min(r1, c0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t rows = std::min<int64_t>(P, M - p * P);
+        const float* xp = xt + (p - p0) * panel;
+        for (int64_t n0 = c0; n0 < c1; n0 += kTileN) {
+          const int nr = static_cast<int>(std::min<int64_t>(kTileN, c1 - n0));
+          const uint16_t* wn = w + n0 * K;
+          const bool two = rows > P / 2;
+          switch (nr) {
+            case 12: TileBf16DotRows<12>(tile, xp, wn, K, two); break;
+            case 11: TileBf16DotRows<11>(tile, xp, wn, K, two); break;
+            case 10: TileBf16DotRows<10>(tile, xp, wn, K, two); break;
+            case 9: TileBf16DotRows<9>(tile, xp, wn, K, two); break;
+            case 8: TileBf16DotRows<8>(tile, xp, wn, K, two); break;
+            case 7: TileBf16DotRows<7>(tile, xp, wn, K, two); break;
+            case 6: TileBf16DotRows<6>(tile, xp, wn, K, two); break;
+            case 5: TileBf16DotRows<5>(tile, xp, wn, K, two); break;
+            case 4: TileBf16DotRows<4>(tile, xp, wn, K, two); break;
+            case 3: TileBf16DotRows<3>(tile, xp, wn, K, two); break;
+            case 2: TileBf16DotRows<2>(tile, xp, wn, K, two); break;
+            default: TileBf16DotRows<1>(tile, xp, wn, K, two); break;
+          }
+          StoreTile(y + p * P * ldy + n0, ldy, tile, rows, nr, accumulate);
+        }
+      }
+    }
+  };
+  SplitPrefill(M, N, K, panel, pack, run);
+}
+#undef DS_BF16_DOT_ATTR
+#else
+bool HasBf16Dot() { return false; }
+#endif  // HWY_TARGET == HWY_AVX3
+
 // y (+)= x W^T for M > kMaxXRows. The weight is widened to f32 a chunk of
 // rows at a time (about 256 KiB, L2-sized) into a per-thread buffer that every
 // panel of x then reuses: the tile kernel then folds each broadcast into its
@@ -671,10 +866,21 @@ constexpr int64_t kGroupRows = 128;
 // pairs in place (one 32-bit broadcast, then a shift or a mask per weight)
 // ran 7-17% slower than widening on a Zen 3 (single-thread products of the
 // `small` preset's shapes, alternated in one process).
-void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate) {
+// In bf16 precision x is rounded to bf16 as it is packed (round_x), and bf16
+// weights take the dot-product kernel above where the caller found it usable
+// (bf16_dot).
+void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate,
+             bool round_x, bool bf16_dot) {
+#if HWY_TARGET == HWY_AVX3
+  if (bf16_dot && w.dtype == DType::BF16) {
+    PrefillBf16Dot(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.rows, w.cols, accumulate);
+    return;
+  }
+#else
+  (void)bf16_dot;
+#endif
   const int64_t N = w.rows, K = w.cols, P = PanelRows();
   const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
-  const int64_t panels = (M + P - 1) / P;
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
   // [r0, r1), a chunk of weight rows at a time.
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
@@ -690,39 +896,13 @@ void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
     }
   };
   auto pack = [&](float* xt, int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      PackPanel(xt + (p - p0) * K * P, x + p * P * ldx, ldx, std::min<int64_t>(P, M - p * P), K, P);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* panel = xt + (p - p0) * K * P;
+      PackPanel(panel, x + p * P * ldx, ldx, std::min<int64_t>(P, M - p * P), K, P);
+      if (round_x) round_to_bf16(panel, static_cast<size_t>(K * P));
+    }
   };
-  const bool parallel = M * N * K >= (int64_t{1} << 16);
-  const int64_t group_panels = std::max<int64_t>(1, kGroupRows / P);
-  const int64_t groups = (panels + group_panels - 1) / group_panels;
-  if (groups >= 2 * num_threads()) {
-    // Many rows of x: each thread packs and multiplies its own groups of
-    // panels against the whole weight. Packing all of x up front instead
-    // would write it out to memory and read it back.
-    parallel_ranges(groups, parallel, [&](int64_t g0, int64_t g1) {
-      Buffer<float> xt(static_cast<size_t>(group_panels * K * P));
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t p0 = g * group_panels, p1 = std::min(panels, p0 + group_panels);
-        pack(xt.data(), p0, p1);
-        run(xt.data(), 0, N, p0, p1);
-      }
-    });
-    return;
-  }
-  // Few rows of x: pack them once; the threads split the weight rows in whole
-  // tiles (each reads only its share of the weight) when there are enough,
-  // else the panels.
-  Buffer<float> xt(static_cast<size_t>(panels * K * P));
-  parallel_ranges(panels, M * K >= (int64_t{1} << 15),
-                  [&](int64_t p0, int64_t p1) { pack(xt.data() + p0 * K * P, p0, p1); });
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
-  if (tiles >= 4 * num_threads() || tiles >= 4 * panels) {
-    parallel_ranges(tiles, parallel,
-                    [&](int64_t t0, int64_t t1) { run(xt.data(), t0 * kTileN, std::min(N, t1 * kTileN), 0, panels); });
-  } else {
-    parallel_ranges(panels, parallel, [&](int64_t p0, int64_t p1) { run(xt.data() + p0 * K * P, 0, N, p0, p1); });
-  }
+  SplitPrefill(M, N, K, K * P, pack, run);
 }
 
 }  // namespace HWY_NAMESPACE
@@ -743,6 +923,7 @@ HWY_EXPORT(GemvFp8);
 HWY_EXPORT(GemvFp8ScaledX);
 HWY_EXPORT(GemvF32);
 HWY_EXPORT(Prefill);
+HWY_EXPORT(HasBf16Dot);
 
 namespace {
 
@@ -852,6 +1033,23 @@ void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   }
 }
 
+namespace {
+std::atomic<MatmulPrecision> g_precision{MatmulPrecision::kF32};
+}  // namespace
+
+void set_matmul_precision(MatmulPrecision p) { g_precision = p; }
+MatmulPrecision matmul_precision() { return g_precision; }
+
+MatmulPrecision parse_matmul_precision(std::string_view name) {
+  if (name == "f32" || name == "float32") return MatmulPrecision::kF32;
+  if (name == "bf16" || name == "bfloat16") return MatmulPrecision::kBf16;
+  DS_FAIL("matmul precision '{}' is not one of: f32, bf16", name);
+}
+
+std::string_view matmul_precision_name(MatmulPrecision p) { return p == MatmulPrecision::kBf16 ? "bf16" : "f32"; }
+
+bool bf16_dot_products() { return simd_bf16_dot_allowed() && DS_DISPATCH(HasBf16Dot)(); }
+
 void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
                     bool accumulate) {
   check_weight(w);
@@ -862,6 +1060,17 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     gemm(false, true, M, w.rows, w.cols, 1.0f, x, ldx, static_cast<const float*>(w.data), w.cols,
          accumulate ? 1.0f : 0.0f, y, ldy);
     return;
+  }
+  const bool bf16_precision = matmul_precision() == MatmulPrecision::kBf16;
+  Buffer<float> rounded;
+  if (bf16_precision && M <= 8) {
+    // Decode-sized products stream the weight, whatever the precision: x is
+    // rounded to bf16 into a copy and the float32 kernels multiply it.
+    rounded = Buffer<float>(static_cast<size_t>(M * w.cols));
+    for (int64_t m = 0; m < M; ++m) std::memcpy(rounded.data() + m * w.cols, x + m * ldx, w.cols * sizeof(float));
+    round_to_bf16(rounded.data(), rounded.size());
+    x = rounded.data();
+    ldx = w.cols;
   }
   if (M <= 8) {
     // e4m3 widens in registers when its scale blocks are whole vectors (128
@@ -895,7 +1104,8 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     });
     return;
   }
-  DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate);
+  DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision,
+                       bf16_precision && w.dtype == DType::BF16 && bf16_dot_products());
 }
 
 void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
