@@ -402,12 +402,13 @@ TEST(Linear, Bf16PrecisionMultipliesXRoundedToBf16) {
   // product of the rounded x, to float32 accuracy; against the unrounded x
   // it is visibly off (x's rounding error, ~2^-9 relative, is far above the
   // tolerance), so a kernel that skipped the rounding fails. M spans the
-  // decode kernel, one and two vectors of a panel and several panels; K = 33
-  // is odd (the dot kernel's last pair is half zero), N = 13 a partial tile.
+  // decode kernel, one and two vectors of a panel and several panels; K = 1
+  // and 33 are odd (the dot kernel's last pair is half zero), N = 13 a
+  // partial tile.
   PrecisionGuard bf16(ds::ops::MatmulPrecision::kBf16);
   for_each_bf16_path([](const char*, bool) {
     for (DType dt : {DType::BF16, DType::F16, DType::F8E4M3})
-      for (int64_t K : {33, 200})
+      for (int64_t K : {1, 2, 33, 200})
         for (int64_t N : {13, 70})
           for (int64_t M : {1, 5, 8, 9, 16, 17, 33, 100}) {
             auto w = make_weight(dt, N, K, 16, 16, 71);

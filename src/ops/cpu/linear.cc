@@ -729,26 +729,28 @@ bool HasBf16Dot() { return true; }
 // Panel of P (32) rows of x as bf16 pairs: the 32 bits of xp[j * P + m] hold
 // x[m][2j] in their low and x[m][2j + 1] in their high half, rounded to the
 // nearest bf16 (an odd K's last pair has a zero high half); rows >= `rows`
-// are zero. x is packed as float32 into `tmp` ([K][P]) and rounded there
-// first, so a rounded value's bits are its bf16 in the high half.
-void PackPanelBf16(float* HWY_RESTRICT xp, const float* HWY_RESTRICT x, int64_t ldx, int64_t rows, int64_t K,
-                   float* HWY_RESTRICT tmp) {
-  const DF d;
-  const hn::RebindToUnsigned<DF> du;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), P = PanelRows();
-  PackPanel(tmp, x, ldx, rows, K, P);
-  round_to_bf16(tmp, static_cast<size_t>(K * P));
-  for (int64_t j = 0; j < K / 2; ++j)
-    for (int64_t m = 0; m < P; m += N) {
-      const auto lo = hn::BitCast(du, hn::LoadU(d, tmp + 2 * j * P + m));
-      const auto hi = hn::BitCast(du, hn::LoadU(d, tmp + (2 * j + 1) * P + m));
-      hn::StoreU(hn::BitCast(d, hn::Or(hn::ShiftRight<16>(lo), hi)), d, xp + j * P + m);
+// are zero. Each row is rounded into `tmp` ([rows][K2] pairs) by
+// vcvtne2ps2bf16 (round to nearest even; subnormals become zero, as
+// vdpbf16ps would read them anyway), then the pairs are transposed.
+DS_BF16_DOT_ATTR void PackPanelBf16(float* HWY_RESTRICT xp, const float* HWY_RESTRICT x, int64_t ldx, int64_t rows,
+                                    int64_t K, float* HWY_RESTRICT tmp) {
+  const int64_t K2 = (K + 1) / 2, P = PanelRows();
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * ldx;
+    auto* row = reinterpret_cast<uint16_t*>(tmp + m * K2);  // written through vector stores only
+    for (int64_t c = 0; c < K; c += 32) {
+      const int64_t n = std::min<int64_t>(32, K - c);
+      const __mmask16 lo = static_cast<__mmask16>(n >= 16 ? 0xffffu : (1u << n) - 1);
+      const __mmask16 hi = static_cast<__mmask16>(n >= 32 ? 0xffffu : n > 16 ? (1u << (n - 16)) - 1 : 0u);
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xm + c + 16), _mm512_maskz_loadu_ps(lo, xm + c));
+      // Up to an even count: an odd K's pad element is the zero loaded above.
+      const int64_t store = std::min<int64_t>(32, 2 * K2 - c);
+      const __mmask32 keep = store >= 32 ? ~__mmask32{0} : (__mmask32{1} << store) - 1;
+      _mm512_mask_storeu_epi16(row + c, keep, (__m512i)v);
     }
-  if (K % 2)
-    for (int64_t m = 0; m < P; m += N) {
-      const auto lo = hn::BitCast(du, hn::LoadU(d, tmp + (K - 1) * P + m));
-      hn::StoreU(hn::BitCast(d, hn::ShiftRight<16>(lo)), d, xp + K / 2 * P + m);
-    }
+  }
+  // Transposing 32-bit pairs moves their bits as floats would.
+  PackPanel(xp, tmp, K2, rows, K2, P);
 }
 
 // tile[n][0, P) = x rows [0, P) . W[n] for n < NR, from a panel of pairs and
@@ -816,8 +818,8 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
                                      const uint16_t* w, int64_t N, int64_t K, bool accumulate) {
   const int64_t P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
   const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
-  auto pack = [&](float* xt, int64_t p0, int64_t p1) {
-    Buffer<float> tmp(static_cast<size_t>(K * P));
+  auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
+    Buffer<float> tmp(static_cast<size_t>(panel));
     for (int64_t p = p0; p < p1; ++p)
       PackPanelBf16(xt + (p - p0) * panel, x + p * P * ldx, ldx, std::min<int64_t>(P, M - p * P), K, tmp.data());
   };
@@ -832,6 +834,13 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
           const int nr = static_cast<int>(std::min<int64_t>(kTileN, c1 - n0));
           const uint16_t* wn = w + n0 * K;
           const bool two = rows > P / 2;
+          // The tile's rows of y, fetched while it is computed: each line's
+          // first store would otherwise wait for it.
+          for (int64_t m = 0; m < rows; ++m) {
+            float* ym = y + (p * P + m) * ldy + n0;
+            __builtin_prefetch(ym, 1, 3);
+            __builtin_prefetch(ym + nr - 1, 1, 3);
+          }
           switch (nr) {
             case 12: TileBf16DotRows<12>(tile, xp, wn, K, two); break;
             case 11: TileBf16DotRows<11>(tile, xp, wn, K, two); break;
