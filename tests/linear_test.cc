@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <string_view>
+#include <utility>
 
 #include "core/error.h"
 #include "core/simd.h"
@@ -407,11 +408,15 @@ TEST(Linear, Bf16PrecisionMultipliesXRoundedToBf16) {
   // partial tile.
   PrecisionGuard bf16(ds::ops::MatmulPrecision::kBf16);
   for_each_bf16_path([](const char*, bool) {
-    for (DType dt : {DType::BF16, DType::F16, DType::F8E4M3})
+    // fp8 with blocks of 16 (tiles straddle row blocks; K = 33 ends in a
+    // one-column block), DeepSeek-V3's 128 and an odd 15 (which the dot
+    // kernel, pairing columns, leaves to the float32 kernels).
+    for (auto [dt, block] : {std::pair{DType::BF16, 16}, {DType::F16, 16}, {DType::F8E4M3, 16},
+                             {DType::F8E4M3, 128}, {DType::F8E4M3, 15}})
       for (int64_t K : {1, 2, 33, 200})
         for (int64_t N : {13, 70})
           for (int64_t M : {1, 5, 8, 9, 16, 17, 33, 100}) {
-            auto w = make_weight(dt, N, K, 16, 16, 71);
+            auto w = make_weight(dt, N, K, block, block, 71);
             auto x = ds::test::randn(M * K, 72);
             std::vector<float> y(M * N);
             ds::ops::linear_forward(y.data(), x.data(), w.view, M);
@@ -460,15 +465,16 @@ TEST(Linear, Bf16PrecisionStridesAccumulationAndThreads) {
         for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
       }
     }
-    for (int64_t M : {2, 70, 300}) {
-      auto w = make_weight(DType::BF16, 515, 301, 128, 128, 83);
-      auto x = ds::test::randn(M * 301, 84);
-      ds::test::expect_same_for_any_thread_count([&] {
-        std::vector<float> y(M * 515);
-        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
-        return y;
-      });
-    }
+    for (DType dt : {DType::BF16, DType::F8E4M3})
+      for (int64_t M : {2, 70, 300}) {
+        auto w = make_weight(dt, 515, 301, 128, 128, 83);
+        auto x = ds::test::randn(M * 301, 84);
+        ds::test::expect_same_for_any_thread_count([&] {
+          std::vector<float> y(M * 515);
+          ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+          return y;
+        });
+      }
   });
 }
 

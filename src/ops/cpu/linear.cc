@@ -14,9 +14,10 @@
 //   widened into an L2-sized buffer) and multiplied into a tile of
 //   accumulators, one FMA chain over k per output element.
 // - In bf16 precision (ops/linear.h) x is rounded to bf16 first. With bf16
-//   weights on a CPU with AVX512-BF16, prefill-sized products then run the
-//   same outer-product tiles on bf16 pairs: x packed as pairs of columns,
-//   each weight pair broadcast from memory into vdpbf16ps.
+//   or block-scaled e4m3 weights on a CPU with AVX512-BF16, prefill-sized
+//   products then run the same outer-product tiles on bf16 pairs: x packed
+//   as pairs of columns, each weight pair (e4m3 widened exactly to bf16, its
+//   scale applied to each block's sums) broadcast into vdpbf16ps.
 //
 // Every output element is computed by one call in a fixed order, however the
 // rows are shared among threads, so results are bitwise the same for any
@@ -755,68 +756,143 @@ DS_BF16_DOT_ATTR void PackPanelBf16(float* HWY_RESTRICT xp, const float* HWY_RES
 
 // tile[n][0, P) = x rows [0, P) . W[n] for n < NR, from a panel of pairs and
 // NR bf16 weight rows of K columns (read in place, a 32-bit pair at a time).
-#define DS_DOT_STEP(n)                                                  \
-  if constexpr (NR > n) {                                               \
-    uint32_t pair;                                                      \
-    std::memcpy(&pair, w + n * K + 2 * j, sizeof pair);                 \
+// Scaled (block-scaled fp8 widened exactly to bf16): the sums run over each
+// block of bc columns (even) and are added into the tile times the block's
+// scale, scale[n][block] (scale[n]: row n's scales).
+#define DS_DOT_ZERO(n)                         \
+  if constexpr (NR > n) {                      \
+    c##n##a = _mm512_setzero_ps();             \
+    if constexpr (Two) c##n##b = c##n##a;      \
+  }
+#define DS_DOT_STEP(n)                                                      \
+  if constexpr (NR > n) {                                                   \
+    uint32_t pair;                                                          \
+    std::memcpy(&pair, w + n * K + 2 * j, sizeof pair);                     \
     const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); \
-    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                         \
-    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);      \
+    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                             \
+    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);          \
   }
-#define DS_DOT_LAST(n)                                                       \
-  if constexpr (NR > n) {                                                    \
+#define DS_DOT_LAST(n)                                                                   \
+  if constexpr (NR > n) {                                                                \
     const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[n * K + K - 1])); \
-    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                              \
-    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);           \
+    c##n##a = _mm512_dpbf16_ps(c##n##a, x0, b);                                          \
+    if constexpr (Two) c##n##b = _mm512_dpbf16_ps(c##n##b, x1, b);                       \
   }
-#define DS_DOT_STORE(n)                                       \
-  if constexpr (NR > n) {                                     \
-    _mm512_storeu_ps(tile + n * P, c##n##a);                  \
+#define DS_DOT_STORE(n)                                              \
+  if constexpr (NR > n) {                                            \
+    _mm512_storeu_ps(tile + n * P, c##n##a);                         \
     if constexpr (Two) _mm512_storeu_ps(tile + n * P + 16, c##n##b); \
+  }
+#define DS_DOT_FOLD(n)                                                                                         \
+  if constexpr (NR > n) {                                                                                      \
+    const __m512 s = _mm512_set1_ps(scale[n][b0 / bc]);                                                        \
+    float* t = tile + n * P;                                                                                   \
+    _mm512_storeu_ps(t, b0 ? _mm512_fmadd_ps(c##n##a, s, _mm512_loadu_ps(t)) : _mm512_mul_ps(c##n##a, s));     \
+    if constexpr (Two)                                                                                         \
+      _mm512_storeu_ps(t + 16,                                                                                 \
+                       b0 ? _mm512_fmadd_ps(c##n##b, s, _mm512_loadu_ps(t + 16)) : _mm512_mul_ps(c##n##b, s)); \
   }
 #define DS_DOT_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7) OP(8) OP(9) OP(10) OP(11)
 
-template <int NR, bool Two>
+template <int NR, bool Two, bool Scaled>
 DS_BF16_DOT_ATTR void TileBf16Dot(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
-                                  const uint16_t* HWY_RESTRICT w, int64_t K) {
+                                  const uint16_t* HWY_RESTRICT w, int64_t K, const float* const* scale, int64_t bc) {
   static_assert(NR <= 12, "twelve named accumulator rows");
   constexpr int64_t P = 32;
-  const int64_t K2 = K / 2;
-  __m512 c0a = _mm512_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a, c3a = c0a, c3b = c0a;
-  __m512 c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a, c6a = c0a, c6b = c0a, c7a = c0a, c7b = c0a;
-  __m512 c8a = c0a, c8b = c0a, c9a = c0a, c9b = c0a, c10a = c0a, c10b = c0a, c11a = c0a, c11b = c0a;
-  for (int64_t j = 0; j < K2; ++j) {
-    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + j * P);
-    const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + j * P + 16) : x0;
-    DS_DOT_ROWS(DS_DOT_STEP)
+  const int64_t block = Scaled ? bc : K;
+  __m512 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b;
+  __m512 c6a, c6b, c7a, c7b, c8a, c8b, c9a, c9b, c10a, c10b, c11a, c11b;
+  for (int64_t b0 = 0; b0 < K; b0 += block) {
+    const int64_t b1 = std::min(K, b0 + block);
+    DS_DOT_ROWS(DS_DOT_ZERO)
+    for (int64_t j = b0 / 2; j < b1 / 2; ++j) {
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + j * P);
+      const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + j * P + 16) : x0;
+      DS_DOT_ROWS(DS_DOT_STEP)
+    }
+    if (b1 % 2) {  // an odd K's last column: its pair's high half is zero in x and in b
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + b1 / 2 * P);
+      const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + b1 / 2 * P + 16) : x0;
+      DS_DOT_ROWS(DS_DOT_LAST)
+    }
+    if constexpr (Scaled) {
+      DS_DOT_ROWS(DS_DOT_FOLD)
+    } else {
+      DS_DOT_ROWS(DS_DOT_STORE)
+    }
   }
-  if (K % 2) {  // the last column: its pair's high half is zero in x and in b
-    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + K2 * P);
-    const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + K2 * P + 16) : x0;
-    DS_DOT_ROWS(DS_DOT_LAST)
-  }
-  DS_DOT_ROWS(DS_DOT_STORE)
 }
+#undef DS_DOT_ZERO
 #undef DS_DOT_STEP
 #undef DS_DOT_LAST
 #undef DS_DOT_STORE
+#undef DS_DOT_FOLD
 #undef DS_DOT_ROWS
 
-template <int NR>
+template <int NR, bool Scaled>
 DS_BF16_DOT_ATTR void TileBf16DotRows(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
-                                      const uint16_t* HWY_RESTRICT w, int64_t K, bool two) {
+                                      const uint16_t* HWY_RESTRICT w, int64_t K, bool two, const float* const* scale,
+                                      int64_t bc) {
   if (two)
-    TileBf16Dot<NR, true>(tile, xp, w, K);
+    TileBf16Dot<NR, true, Scaled>(tile, xp, w, K, scale, bc);
   else
-    TileBf16Dot<NR, false>(tile, xp, w, K);
+    TileBf16Dot<NR, false, Scaled>(tile, xp, w, K, scale, bc);
 }
 
-// y (+)= x W^T over bf16 weights in bf16 precision: the prefill split and
+template <bool Scaled>
+DS_BF16_DOT_ATTR void TileBf16DotAnyRows(int nr, float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
+                                         const uint16_t* HWY_RESTRICT w, int64_t K, bool two,
+                                         const float* const* scale, int64_t bc) {
+  switch (nr) {
+    case 12: return TileBf16DotRows<12, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 11: return TileBf16DotRows<11, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 10: return TileBf16DotRows<10, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 9: return TileBf16DotRows<9, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 8: return TileBf16DotRows<8, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 7: return TileBf16DotRows<7, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 6: return TileBf16DotRows<6, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 5: return TileBf16DotRows<5, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 4: return TileBf16DotRows<4, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 3: return TileBf16DotRows<3, Scaled>(tile, xp, w, K, two, scale, bc);
+    case 2: return TileBf16DotRows<2, Scaled>(tile, xp, w, K, two, scale, bc);
+    default: return TileBf16DotRows<1, Scaled>(tile, xp, w, K, two, scale, bc);
+  }
+}
+
+// Rows [r0, r1) of an e4m3 weight as bf16, without their scales: every e4m3
+// value is a bf16 value, so this is exact (the NaN codes read as 480, as in
+// LoadE4m3).
+void WidenE4m3RowsToBf16(uint16_t* HWY_RESTRICT out, const Fp8Weight& f, int64_t r0, int64_t r1) {
+  const DF d;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const VF shift = hn::Set(d, kE4m3Shift);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* q = f.w + r * f.cols;
+    uint16_t* o = out + (r - r0) * f.cols;
+    int64_t c = 0;
+    for (; c + N <= f.cols; c += N) {
+      const auto bits = hn::ShiftRight<16>(hn::BitCast(du, hn::Mul(E4m3Bits(d, q + c), shift)));
+      hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, bits)), d16, o + c);
+    }
+    for (; c < f.cols; ++c) o[c] = f32_to_bf16(fp8_table().e4m3[q[c]]);
+  }
+}
+
+// y (+)= x W^T in bf16 precision over bf16 weights (read in place) or
+// block-scaled e4m3 weights (widened exactly to bf16 a chunk of rows at a
+// time, each block's sums scaled as they are added): the prefill split and
 // tiles of the float32 kernel, with x packed as bf16 pairs and the weight's
-// pairs broadcast straight from memory.
+// pairs broadcast from memory.
 DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
-                                     const uint16_t* w, int64_t N, int64_t K, bool accumulate) {
-  const int64_t P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
+                                     const WeightView& w, bool accumulate) {
+  const int64_t N = w.rows, K = w.cols, P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
+  const bool fp8 = w.dtype == DType::F8E4M3;
+  const Fp8Weight f = fp8 ? Fp8Weight{static_cast<const uint8_t*>(w.data), K, w.scale_inv, w.block_rows,
+                                      w.block_cols, (K + w.block_cols - 1) / w.block_cols}
+                          : Fp8Weight{};
   const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
   auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     Buffer<float> tmp(static_cast<size_t>(panel));
@@ -825,14 +901,16 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
   };
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     HWY_ALIGN float tile[kTileN * 32];
+    Buffer<uint16_t> wide(fp8 ? static_cast<size_t>(std::min(chunk, r1 - r0) * K) : 0);
+    const float* scale[kTileN] = {};
     for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
       const int64_t c1 = std::min(r1, c0 + chunk);
+      if (fp8) WidenE4m3RowsToBf16(wide.data(), f, c0, c1);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t rows = std::min<int64_t>(P, M - p * P);
         const float* xp = xt + (p - p0) * panel;
         for (int64_t n0 = c0; n0 < c1; n0 += kTileN) {
           const int nr = static_cast<int>(std::min<int64_t>(kTileN, c1 - n0));
-          const uint16_t* wn = w + n0 * K;
           const bool two = rows > P / 2;
           // The tile's rows of y, fetched while it is computed: each line's
           // first store would otherwise wait for it.
@@ -841,19 +919,12 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
             __builtin_prefetch(ym, 1, 3);
             __builtin_prefetch(ym + nr - 1, 1, 3);
           }
-          switch (nr) {
-            case 12: TileBf16DotRows<12>(tile, xp, wn, K, two); break;
-            case 11: TileBf16DotRows<11>(tile, xp, wn, K, two); break;
-            case 10: TileBf16DotRows<10>(tile, xp, wn, K, two); break;
-            case 9: TileBf16DotRows<9>(tile, xp, wn, K, two); break;
-            case 8: TileBf16DotRows<8>(tile, xp, wn, K, two); break;
-            case 7: TileBf16DotRows<7>(tile, xp, wn, K, two); break;
-            case 6: TileBf16DotRows<6>(tile, xp, wn, K, two); break;
-            case 5: TileBf16DotRows<5>(tile, xp, wn, K, two); break;
-            case 4: TileBf16DotRows<4>(tile, xp, wn, K, two); break;
-            case 3: TileBf16DotRows<3>(tile, xp, wn, K, two); break;
-            case 2: TileBf16DotRows<2>(tile, xp, wn, K, two); break;
-            default: TileBf16DotRows<1>(tile, xp, wn, K, two); break;
+          if (fp8) {
+            for (int n = 0; n < nr; ++n) scale[n] = f.scale_row(n0 + n);
+            TileBf16DotAnyRows<true>(nr, tile, xp, wide.data() + (n0 - c0) * K, K, two, scale, f.block_cols);
+          } else {
+            TileBf16DotAnyRows<false>(nr, tile, xp, static_cast<const uint16_t*>(w.data) + n0 * K, K, two, nullptr,
+                                      K);
           }
           StoreTile(y + p * P * ldy + n0, ldy, tile, rows, nr, accumulate);
         }
@@ -875,14 +946,14 @@ bool HasBf16Dot() { return false; }
 // pairs in place (one 32-bit broadcast, then a shift or a mask per weight)
 // ran 7-17% slower than widening on a Zen 3 (single-thread products of the
 // `small` preset's shapes, alternated in one process).
-// In bf16 precision x is rounded to bf16 as it is packed (round_x), and bf16
-// weights take the dot-product kernel above where the caller found it usable
-// (bf16_dot).
+// In bf16 precision x is rounded to bf16 as it is packed (round_x), and the
+// dot-product kernel above runs instead where the caller found it usable
+// (bf16_dot: bf16 or block-scaled e4m3 weights on a CPU that has it).
 void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate,
              bool round_x, bool bf16_dot) {
 #if HWY_TARGET == HWY_AVX3
-  if (bf16_dot && w.dtype == DType::BF16) {
-    PrefillBf16Dot(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.rows, w.cols, accumulate);
+  if (bf16_dot) {
+    PrefillBf16Dot(y, ldy, x, ldx, M, w, accumulate);
     return;
   }
 #else
@@ -1113,8 +1184,13 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     });
     return;
   }
+  // bf16 dot products take bf16 weights, and e4m3 ones whose scale blocks
+  // are pairs of columns wide (128 in DeepSeek-V3) with finite scales.
+  const bool dot_weight = w.dtype == DType::BF16 ||
+                          (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0 &&
+                           max_e4m3_scale(w) <= std::numeric_limits<float>::max());
   DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision,
-                       bf16_precision && w.dtype == DType::BF16 && bf16_dot_products());
+                       bf16_precision && dot_weight && bf16_dot_products());
 }
 
 void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
