@@ -649,6 +649,16 @@ void StoreTile(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT til
   }
 }
 
+// Fetches rows [0, rows) of y's columns [0, nr) for the tile about to be
+// computed: each line's first store would otherwise wait for it. (The bf16
+// dot kernel gains from it; the float32 tiles, twice as long, did not.)
+HWY_INLINE void PrefetchTileRows(float* y, int64_t ldy, int64_t rows, int64_t nr) {
+  for (int64_t m = 0; m < rows; ++m) {
+    __builtin_prefetch(y + m * ldy, 1, 3);
+    __builtin_prefetch(y + m * ldy + nr - 1, 1, 3);
+  }
+}
+
 // Weight rows [r0, r1) (src indexed from r0) against one panel of `rows`
 // (<= P) rows of x, a tile of kTileN rows at a time; the tile holds y
 // transposed and is added into y element by element.
@@ -912,13 +922,7 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
         for (int64_t n0 = c0; n0 < c1; n0 += kTileN) {
           const int nr = static_cast<int>(std::min<int64_t>(kTileN, c1 - n0));
           const bool two = rows > P / 2;
-          // The tile's rows of y, fetched while it is computed: each line's
-          // first store would otherwise wait for it.
-          for (int64_t m = 0; m < rows; ++m) {
-            float* ym = y + (p * P + m) * ldy + n0;
-            __builtin_prefetch(ym, 1, 3);
-            __builtin_prefetch(ym + nr - 1, 1, 3);
-          }
+          PrefetchTileRows(y + p * P * ldy + n0, ldy, rows, nr);
           if (fp8) {
             for (int n = 0; n < nr; ++n) scale[n] = f.scale_row(n0 + n);
             TileBf16DotAnyRows<true>(nr, tile, xp, wide.data() + (n0 - c0) * K, K, two, scale, f.block_cols);
