@@ -8,9 +8,10 @@
 //
 // DEEPSEEK_MAX_CPU_ISA (avx2, scalar, ...) caps the SIMD target the kernels
 // run. GFLOP/s counts 2 M N K; weight_GB/s the weight's bytes (with fp4's
-// scale bytes). The linear/bf16_bf16x and fp8_bf16x rows run bf16 and fp8
-// weights in the bf16 matmul precision (x rounded to bf16; AVX512-BF16's dot products where the
-// CPU has them, which DEEPSEEK_MAX_CPU_ISA=avx512 turns off).
+// scale bytes). The linear/bf16_bf16x, fp8_bf16x and fp4_bf16x rows run
+// those weights in the bf16 matmul precision (x rounded to bf16;
+// AVX512-BF16's dot products where the CPU has them, which
+// DEEPSEEK_MAX_CPU_ISA=avx512 turns off).
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 
@@ -119,6 +120,9 @@ void register_all() {
                                  ds::ops::MatmulPrecision::kBf16)
         ->UseRealTime();
     benchmark::RegisterBenchmark(("linear/fp4/" + n).c_str(), BM_Linear, s, ds::DType::F4E2M1, f32)->UseRealTime();
+    benchmark::RegisterBenchmark(("linear/fp4_bf16x/" + n).c_str(), BM_Linear, s, ds::DType::F4E2M1,
+                                 ds::ops::MatmulPrecision::kBf16)
+        ->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
 }

@@ -368,15 +368,16 @@ struct PrecisionGuard {
 };
 
 // Runs fn(target, dot) for every SIMD target and, where the target and CPU
-// have bf16 dot products, once with them (dot) and once without, then
-// restores what the environment allowed. Returns whether the dot products
-// ran, which they must wherever the CPU has them and the cap allows them.
+// have bf16 dot products and the cap allows them, once with them (dot) and
+// once without, then restores what the environment allowed. Returns whether
+// the dot products ran, which they must wherever they are allowed.
 template <class F>
 bool for_each_bf16_path(F fn) {
   const bool allowed = ds::simd_bf16_dot_allowed();
   bool ran_dot = false;
   ds::test::for_each_simd_target([&](const char* target) {
     for (bool dot : {true, false}) {
+      if (dot && !allowed) continue;
       ds::detail::set_simd_bf16_dot_allowed(dot);
       if (dot != ds::ops::bf16_dot_products()) continue;  // no such path on this target
       SCOPED_TRACE(dot ? "bf16 dot products" : "float32 kernels on rounded x");
@@ -431,6 +432,17 @@ TEST(Linear, Bf16PrecisionMultipliesXRoundedToBf16) {
             }
             EXPECT_GT(off, 1e-4 * scale) << ds::dtype_name(dt) << " M " << M << " K " << K << ": x not rounded";
           }
+    // fp4 (e2m1 with power-of-two scales: exactly bf16 values).
+    for (int64_t K : {32, 320})
+      for (int64_t N : {13, 70})
+        for (int64_t M : {1, 8, 9, 33, 100}) {
+          auto w = make_fp4(N, K, 73);
+          auto x = ds::test::randn(M * K, 74);
+          std::vector<float> y(M * N);
+          ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+          const auto want = ds::ref::matmul<double>(rounded_to_bf16(x), ds::test::to_double(w.value), M, N, K, false, true);
+          ds::test::expect_close(y, want, 2e-5, 0, "fp4");
+        }
   });
 }
 
@@ -464,6 +476,15 @@ TEST(Linear, Bf16PrecisionStridesAccumulationAndThreads) {
         }
         for (int64_t o = 70; o < ldy; ++o) EXPECT_EQ(y[i * ldy + o], 1.0f);  // padding untouched
       }
+    }
+    for (int64_t M : {2, 70, 300}) {
+      auto w = make_fp4(515, 320, 85);
+      auto x = ds::test::randn(M * 320, 86);
+      ds::test::expect_same_for_any_thread_count([&] {
+        std::vector<float> y(M * 515);
+        ds::ops::linear_forward(y.data(), x.data(), w.view, M);
+        return y;
+      });
     }
     for (DType dt : {DType::BF16, DType::F8E4M3})
       for (int64_t M : {2, 70, 300}) {

@@ -47,9 +47,9 @@ void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
 //   kBf16  x rounded to the nearest bf16 first, float32 sums: a bf16 matmul
 //          as PyTorch's autocast, JAX's default precision or llama.cpp's bf16
 //          weights run it. Where the CPU has AVX512-BF16 (and core/simd.h's cap
-//          allows it) products over bf16 or block-scaled e4m3 weights with
-//          more than 8 rows of x run on its dot-product instruction, at twice
-//          the FMA rate; its sums take two products at a time and treat
+//          allows it) products over bf16, fp4 or block-scaled e4m3 weights
+//          with more than 8 rows of x run on its dot-product instruction, at
+//          twice the FMA rate; its sums take two products at a time and treat
 //          subnormal inputs as zero, and e4m3 weights are scaled per block of
 //          sums rather than per element. Elsewhere the float32 kernels multiply
 //          the rounded x.

@@ -17,7 +17,8 @@
 //   or block-scaled e4m3 weights on a CPU with AVX512-BF16, prefill-sized
 //   products then run the same outer-product tiles on bf16 pairs: x packed
 //   as pairs of columns, each weight pair (e4m3 widened exactly to bf16, its
-//   scale applied to each block's sums) broadcast into vdpbf16ps.
+//   scale applied to each block's sums; fp4 widened exactly with its scales)
+//   broadcast into vdpbf16ps.
 //
 // Every output element is computed by one call in a fixed order, however the
 // rows are shared among threads, so results are bitwise the same for any
@@ -891,18 +892,20 @@ void WidenE4m3RowsToBf16(uint16_t* HWY_RESTRICT out, const Fp8Weight& f, int64_t
   }
 }
 
-// y (+)= x W^T in bf16 precision over bf16 weights (read in place) or
+// y (+)= x W^T in bf16 precision over bf16 weights (read in place),
 // block-scaled e4m3 weights (widened exactly to bf16 a chunk of rows at a
-// time, each block's sums scaled as they are added): the prefill split and
+// time, each block's sums scaled as they are added) or fp4 weights (widened
+// with their power-of-two scales, exactly, a chunk at a time): the prefill split and
 // tiles of the float32 kernel, with x packed as bf16 pairs and the weight's
 // pairs broadcast from memory.
 DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
                                      const WeightView& w, bool accumulate) {
   const int64_t N = w.rows, K = w.cols, P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
-  const bool fp8 = w.dtype == DType::F8E4M3;
+  const bool fp8 = w.dtype == DType::F8E4M3, fp4 = w.dtype == DType::F4E2M1;
   const Fp8Weight f = fp8 ? Fp8Weight{static_cast<const uint8_t*>(w.data), K, w.scale_inv, w.block_rows,
                                       w.block_cols, (K + w.block_cols - 1) / w.block_cols}
                           : Fp8Weight{};
+  const Fp4Weight f4 = fp4 ? Fp4Weight{static_cast<const uint8_t*>(w.data), K, w.scale_e8m0} : Fp4Weight{};
   const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
   auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     Buffer<float> tmp(static_cast<size_t>(panel));
@@ -911,11 +914,17 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
   };
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     HWY_ALIGN float tile[kTileN * 32];
-    Buffer<uint16_t> wide(fp8 ? static_cast<size_t>(std::min(chunk, r1 - r0) * K) : 0);
+    const size_t chunk_elems = static_cast<size_t>(std::min(chunk, r1 - r0) * K);
+    Buffer<uint16_t> wide(fp8 || fp4 ? chunk_elems : 0);
+    Buffer<float> wide32(fp4 ? chunk_elems : 0);
     const float* scale[kTileN] = {};
     for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
       const int64_t c1 = std::min(r1, c0 + chunk);
       if (fp8) WidenE4m3RowsToBf16(wide.data(), f, c0, c1);
+      if (fp4) {  // e2m1 values times powers of two: bf16 holds them exactly
+        WidenFp4Rows(wide32.data(), f4, c0, c1);
+        convert(wide.data(), DType::BF16, wide32.data(), DType::F32, static_cast<size_t>((c1 - c0) * K));
+      }
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t rows = std::min<int64_t>(P, M - p * P);
         const float* xp = xt + (p - p0) * panel;
@@ -927,8 +936,8 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
             for (int n = 0; n < nr; ++n) scale[n] = f.scale_row(n0 + n);
             TileBf16DotAnyRows<true>(nr, tile, xp, wide.data() + (n0 - c0) * K, K, two, scale, f.block_cols);
           } else {
-            TileBf16DotAnyRows<false>(nr, tile, xp, static_cast<const uint16_t*>(w.data) + n0 * K, K, two, nullptr,
-                                      K);
+            const uint16_t* wn = fp4 ? wide.data() + (n0 - c0) * K : static_cast<const uint16_t*>(w.data) + n0 * K;
+            TileBf16DotAnyRows<false>(nr, tile, xp, wn, K, two, nullptr, K);
           }
           StoreTile(y + p * P * ldy + n0, ldy, tile, rows, nr, accumulate);
         }
@@ -952,7 +961,7 @@ bool HasBf16Dot() { return false; }
 // `small` preset's shapes, alternated in one process).
 // In bf16 precision x is rounded to bf16 as it is packed (round_x), and the
 // dot-product kernel above runs instead where the caller found it usable
-// (bf16_dot: bf16 or block-scaled e4m3 weights on a CPU that has it).
+// (bf16_dot: bf16, fp4 or block-scaled e4m3 weights on a CPU that has it).
 void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate,
              bool round_x, bool bf16_dot) {
 #if HWY_TARGET == HWY_AVX3
@@ -1188,9 +1197,9 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     });
     return;
   }
-  // bf16 dot products take bf16 weights, and e4m3 ones whose scale blocks
-  // are pairs of columns wide (128 in DeepSeek-V3) with finite scales.
-  const bool dot_weight = w.dtype == DType::BF16 ||
+  // bf16 dot products take bf16 and fp4 weights, and e4m3 ones whose scale
+  // blocks are pairs of columns wide (128 in DeepSeek-V3) with finite scales.
+  const bool dot_weight = w.dtype == DType::BF16 || w.dtype == DType::F4E2M1 ||
                           (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0 &&
                            max_e4m3_scale(w) <= std::numeric_limits<float>::max());
   DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision,
