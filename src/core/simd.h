@@ -9,13 +9,13 @@
 //                                the best target allowed
 //   DEEPSEEK_DISABLE_AVX512=1    the same as avx2
 //
-// avx512bf16 is AVX-512 with AVX512-BF16's dot products (vdpbf16ps, which
-// Highway 1.0 has no target for): the bf16 matmul precision (ops/linear.h)
-// runs on them where the CPU has them, unless the cap is avx512 or below.
-//
 // so that tests and benchmarks can run every path on one machine (as
 // ONEDNN_MAX_CPU_ISA does for oneDNN's kernels). Kernel files call their
 // exported functions through DS_DISPATCH, which applies the cap first.
+//
+// avx512bf16 is AVX-512 with AVX512-BF16's dot products (vdpbf16ps, which
+// Highway 1.0 has no target for): the bf16 matmul precision (ops/linear.h)
+// runs on them where the CPU has them, unless the cap is avx512 or below.
 #pragma once
 
 #include <cstdint>

@@ -53,16 +53,18 @@ void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
 //          subnormal inputs as zero, and e4m3 weights are scaled per block of
 //          sums rather than per element. Elsewhere the float32 kernels multiply
 //          the rounded x.
-// Float32 weights (training) always run in float32. Process-wide, set once by
-// the program (`deepseek --matmul-precision`) before it runs a model.
+// Float32 weights without block scales (training's) always run in float32.
+// Process-wide, set once by the program (`deepseek --matmul-precision`)
+// before it runs a model.
 enum class MatmulPrecision { kF32, kBf16 };
 void set_matmul_precision(MatmulPrecision p);
 MatmulPrecision matmul_precision();
 // "f32"/"float32" or "bf16"/"bfloat16"; anything else is an error.
 MatmulPrecision parse_matmul_precision(std::string_view name);
 std::string_view matmul_precision_name(MatmulPrecision p);
-// Whether bf16-precision products over bf16 weights run on bf16 dot-product
-// instructions here (the dispatched target, the CPU and the cap).
+// Whether bf16-precision prefill products over bf16, fp4 and block-scaled
+// e4m3 weights run on bf16 dot-product instructions here (the dispatched
+// target, the CPU and the cap).
 bool bf16_dot_products();
 
 // y = x W^T; x [M, in] row-major with row stride ldx, y [M, out] with row

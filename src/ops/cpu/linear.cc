@@ -13,8 +13,8 @@
 //   broadcast (bf16 straight from memory; other dtypes from a chunk of rows
 //   widened into an L2-sized buffer) and multiplied into a tile of
 //   accumulators, one FMA chain over k per output element.
-// - In bf16 precision (ops/linear.h) x is rounded to bf16 first. With bf16
-//   or block-scaled e4m3 weights on a CPU with AVX512-BF16, prefill-sized
+// - In bf16 precision (ops/linear.h) x is rounded to bf16 first. With bf16,
+//   fp4 or block-scaled e4m3 weights on a CPU with AVX512-BF16, prefill-sized
 //   products then run the same outer-product tiles on bf16 pairs: x packed
 //   as pairs of columns, each weight pair (e4m3 widened exactly to bf16, its
 //   scale applied to each block's sums; fp4 widened exactly with its scales)
