@@ -638,8 +638,8 @@ HWY_INLINE void Tile(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xt, con
 
 // y[m][n] (+)= tile[n][m] for m < rows, n < nr (tile rows of P floats): 4 x 4
 // blocks, then the edges.
-void StoreTile(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT tile, int64_t rows, int64_t nr,
-               bool accumulate) {
+HWY_INLINE void StoreTile(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT tile, int64_t rows, int64_t nr,
+                           bool accumulate) {
   const int64_t P = PanelRows();
   const int64_t rows4 = kVectorTranspose ? rows / 4 * 4 : 0, nr4 = kVectorTranspose ? nr / 4 * 4 : 0;
   for (int64_t m = 0; m < rows4; m += 4)
