@@ -8,6 +8,7 @@
 // to 1e-5 of the largest logit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -98,12 +99,25 @@ TEST_P(ReferenceModel, ABatchOfAllSequencesMatchesTheReference) {
 
 // The bf16 matmul precision (ops/linear.h) rounds x to bf16 before every
 // linear layer over bf16 or fp8 weights: the logits move by about bf16's
-// rounding (2^-9 relative) carried through the layers, and no further. Models
-// stored in float32 run exactly as in float32 precision.
+// rounding (2^-9 relative) carried through the layers, 0.8-1.0% of the
+// largest here, and no further; 2% bounds it. The longest sequence is used,
+// so that its prefill (more than 8 rows) takes the prefill kernels (the
+// bf16 dot products where the CPU has them). DeepSeek-V3.2's sparse
+// attention is compared densely, against the float32 engine: a perturbation
+// that small can change which keys the indexer's top-k picks past
+// index_topk, and then the logits move by far more (up to 90% of the
+// largest on these tiny fixtures), as they would for any rounding of the
+// scores. Models stored in float32 run exactly as in float32 precision.
 TEST_P(ReferenceModel, Bf16PrecisionStaysNearTheReference) {
   Fixture f = read_fixture(GetParam());
   auto m = ds::infer::load_model(f.dir);
-  const auto& t = f.tokens[0];
+  const size_t s = static_cast<size_t>(
+      std::max_element(f.tokens.begin(), f.tokens.end(), [](const auto& a, const auto& b) { return a.size() < b.size(); }) -
+      f.tokens.begin());
+  const auto& t = f.tokens[s];
+  ASSERT_GT(t.size(), 8u);
+  const bool sparse = m->config.index_n_heads > 0;
+  m->engine->set_dense_attention(sparse);
   KvCache plain_cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
   const auto plain = m->engine->step(plain_cache, {t}, true);
   ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kBf16);
@@ -118,8 +132,9 @@ TEST_P(ReferenceModel, Bf16PrecisionStaysNearTheReference) {
     return;
   }
   EXPECT_NE(got, plain) << "bf16 precision changed nothing";
-  ds::test::expect_close(got, f.expected[0], 2e-2, 0, "bf16 precision, full forward");
-  ds::test::expect_close(incremental, f.expected[0], 2e-2, 0, "bf16 precision, prefill then decode");
+  const auto& want = sparse ? plain : f.expected[s];
+  ds::test::expect_close(got, want, 2e-2, 0, "bf16 precision, full forward");
+  ds::test::expect_close(incremental, want, 2e-2, 0, "bf16 precision, prefill then decode");
 }
 
 // The command users and scripts call: `deepseek logits`, full and incremental.
