@@ -61,6 +61,12 @@ std::string lower(const char* s) {
   return out;
 }
 
+// DEEPSEEK_DISABLE_AVX512 set to anything but empty or 0.
+bool avx512_disabled_by_environment() {
+  const char* no512 = std::getenv("DEEPSEEK_DISABLE_AVX512");
+  return no512 && *no512 && std::string(no512) != "0";
+}
+
 // The mask of targets to disable, from the environment (0: no cap).
 int64_t disabled_by_environment() {
   const char* isa = std::getenv("DEEPSEEK_MAX_CPU_ISA");
@@ -77,8 +83,7 @@ int64_t disabled_by_environment() {
     for (const Cap& c : kCaps) known += std::string(known.empty() ? "" : ", ") + c.name;
     DS_FAIL("DEEPSEEK_MAX_CPU_ISA={} is not a target of this CPU family (one of: {})", isa, known);
   }
-  const char* no512 = std::getenv("DEEPSEEK_DISABLE_AVX512");
-  if (no512 && *no512 && std::string(no512) != "0") {
+  if (avx512_disabled_by_environment()) {
 #if HWY_ARCH_X86
     return HWY_AVX2 - 1;
 #endif
@@ -90,8 +95,7 @@ int64_t disabled_by_environment() {
 bool bf16_dot_allowed_by_environment() {
   const char* isa = std::getenv("DEEPSEEK_MAX_CPU_ISA");
   if (isa && *isa) return lower(isa) == "avx512bf16";
-  const char* no512 = std::getenv("DEEPSEEK_DISABLE_AVX512");
-  return !(no512 && *no512 && std::string(no512) != "0");
+  return !avx512_disabled_by_environment();
 }
 
 bool cpu_has_bf16_dot() {

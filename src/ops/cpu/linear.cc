@@ -687,6 +687,11 @@ constexpr int64_t kChunkN = 8 * kTileN;
 // per-thread buffer that stays in L2.
 constexpr int64_t kGroupRows = 128;
 
+// Weight rows per chunk for K columns: about 256 KiB as float32, whole tiles.
+int64_t ChunkRows(int64_t K) {
+  return std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
+}
+
 // How a prefill product of M rows of x against N weight rows of K columns is
 // shared among the threads, for panels of x packed into `panel_floats`
 // floats each: pack(xt, p0, p1) packs panels [p0, p1) at xt, and
@@ -850,26 +855,6 @@ DS_BF16_DOT_ATTR void TileBf16DotRows(float* HWY_RESTRICT tile, const float* HWY
     TileBf16Dot<NR, false, Scaled>(tile, xp, w, K, scale, bc);
 }
 
-template <bool Scaled>
-DS_BF16_DOT_ATTR void TileBf16DotAnyRows(int nr, float* HWY_RESTRICT tile, const float* HWY_RESTRICT xp,
-                                         const uint16_t* HWY_RESTRICT w, int64_t K, bool two,
-                                         const float* const* scale, int64_t bc) {
-  switch (nr) {
-    case 12: return TileBf16DotRows<12, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 11: return TileBf16DotRows<11, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 10: return TileBf16DotRows<10, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 9: return TileBf16DotRows<9, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 8: return TileBf16DotRows<8, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 7: return TileBf16DotRows<7, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 6: return TileBf16DotRows<6, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 5: return TileBf16DotRows<5, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 4: return TileBf16DotRows<4, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 3: return TileBf16DotRows<3, Scaled>(tile, xp, w, K, two, scale, bc);
-    case 2: return TileBf16DotRows<2, Scaled>(tile, xp, w, K, two, scale, bc);
-    default: return TileBf16DotRows<1, Scaled>(tile, xp, w, K, two, scale, bc);
-  }
-}
-
 // Rows [r0, r1) of an e4m3 weight as bf16, without their scales: every e4m3
 // value is a bf16 value, so this is exact (the NaN codes read as 480, as in
 // LoadE4m3).
@@ -906,7 +891,7 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
                                       w.block_cols, (K + w.block_cols - 1) / w.block_cols}
                           : Fp8Weight{};
   const Fp4Weight f4 = fp4 ? Fp4Weight{static_cast<const uint8_t*>(w.data), K, w.scale_e8m0} : Fp4Weight{};
-  const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
+  const int64_t chunk = ChunkRows(K);
   auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     Buffer<float> tmp(static_cast<size_t>(panel));
     for (int64_t p = p0; p < p1; ++p)
@@ -934,10 +919,14 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
           PrefetchTileRows(y + p * P * ldy + n0, ldy, rows, nr);
           if (fp8) {
             for (int n = 0; n < nr; ++n) scale[n] = f.scale_row(n0 + n);
-            TileBf16DotAnyRows<true>(nr, tile, xp, wide.data() + (n0 - c0) * K, K, two, scale, f.block_cols);
+            with_count<kTileN>(nr, [&](auto n) DS_BF16_DOT_ATTR {
+              TileBf16DotRows<n(), true>(tile, xp, wide.data() + (n0 - c0) * K, K, two, scale, f.block_cols);
+            });
           } else {
             const uint16_t* wn = fp4 ? wide.data() + (n0 - c0) * K : static_cast<const uint16_t*>(w.data) + n0 * K;
-            TileBf16DotAnyRows<false>(nr, tile, xp, wn, K, two, nullptr, K);
+            with_count<kTileN>(nr, [&](auto n) DS_BF16_DOT_ATTR {
+              TileBf16DotRows<n(), false>(tile, xp, wn, K, two, nullptr, K);
+            });
           }
           StoreTile(y + p * P * ldy + n0, ldy, tile, rows, nr, accumulate);
         }
@@ -973,7 +962,7 @@ void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
   (void)bf16_dot;
 #endif
   const int64_t N = w.rows, K = w.cols, P = PanelRows();
-  const int64_t chunk = std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
+  const int64_t chunk = ChunkRows(K);
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
   // [r0, r1), a chunk of weight rows at a time.
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
@@ -1198,12 +1187,12 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     return;
   }
   // bf16 dot products take bf16 and fp4 weights, and e4m3 ones whose scale
-  // blocks are pairs of columns wide (128 in DeepSeek-V3) with finite scales.
-  const bool dot_weight = w.dtype == DType::BF16 || w.dtype == DType::F4E2M1 ||
-                          (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0 &&
-                           max_e4m3_scale(w) <= std::numeric_limits<float>::max());
-  DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision,
-                       bf16_precision && dot_weight && bf16_dot_products());
+  // blocks are pairs of columns wide (128 in DeepSeek-V3).
+  const bool dot = bf16_precision &&
+                   (w.dtype == DType::BF16 || w.dtype == DType::F4E2M1 ||
+                    (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0)) &&
+                   bf16_dot_products();
+  DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision, dot);
 }
 
 void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
