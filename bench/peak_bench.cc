@@ -8,7 +8,9 @@
 //   OMP_WAIT_POLICY=active build/bench/peak_bench --benchmark_min_time=0.5
 //
 // DEEPSEEK_MAX_CPU_ISA (avx2, ...) caps the target, as for the kernels.
-// GFLOP/s counts 2 per lane per FMA.
+// GFLOP/s counts 2 per lane per FMA. Where the CPU has AVX512-BF16 (and the
+// cap allows it) the dot_peak/bf16 rows give the bf16 dot products' ceiling
+// too, 4 FLOPs per float32 lane per instruction.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "peak_bench.cc"
 #include <hwy/foreach_target.h>  // must come before highway.h
@@ -44,6 +46,38 @@ int64_t FmaLoop(int64_t iters, const float* ab, float* sink) {
   return iters * 12 * static_cast<int64_t>(hn::Lanes(d)) * 2;
 }
 
+// The bf16 dot-product ceiling (AVX512-BF16's vdpbf16ps, which the bf16
+// matmul precision's prefill tiles run): twelve independent accumulators,
+// each instruction 2 products of a bf16 pair per float32 lane (4 FLOPs per
+// lane). Returns 0 on every other target (no such instruction here).
+#if HWY_TARGET == HWY_AVX3
+__attribute__((target(HWY_TARGET_STR ",avx512bf16"))) int64_t Bf16DotLoop(int64_t iters, const float* ab,
+                                                                          float* sink) {
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(ab[0]), _mm512_set1_ps(ab[0]));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(ab[1]), _mm512_set1_ps(ab[1]));
+  __m512 c0 = _mm512_set1_ps(ab[2]), c1 = _mm512_set1_ps(ab[3]), c2 = _mm512_set1_ps(ab[4]);
+  __m512 c3 = _mm512_set1_ps(ab[5]), c4 = _mm512_set1_ps(ab[6]), c5 = _mm512_set1_ps(ab[7]);
+  __m512 c6 = _mm512_set1_ps(ab[8]), c7 = _mm512_set1_ps(ab[9]), c8 = _mm512_set1_ps(ab[10]);
+  __m512 c9 = _mm512_set1_ps(ab[11]), c10 = _mm512_set1_ps(ab[12]), c11 = _mm512_set1_ps(ab[13]);
+#define DS_PEAK_DOT(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
+  for (int64_t i = 0; i < iters; ++i) {
+    // clang-format off
+    DS_PEAK_DOT(0) DS_PEAK_DOT(1) DS_PEAK_DOT(2) DS_PEAK_DOT(3) DS_PEAK_DOT(4) DS_PEAK_DOT(5)
+    DS_PEAK_DOT(6) DS_PEAK_DOT(7) DS_PEAK_DOT(8) DS_PEAK_DOT(9) DS_PEAK_DOT(10) DS_PEAK_DOT(11)
+    // clang-format on
+  }
+#undef DS_PEAK_DOT
+  const __m512 s = _mm512_add_ps(
+      _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c0, c1), _mm512_add_ps(c2, c3)),
+                    _mm512_add_ps(_mm512_add_ps(c4, c5), _mm512_add_ps(c6, c7))),
+      _mm512_add_ps(_mm512_add_ps(c8, c9), _mm512_add_ps(c10, c11)));
+  *sink = _mm512_reduce_add_ps(s);
+  return iters * 12 * 16 * 4;
+}
+#else
+int64_t Bf16DotLoop(int64_t, const float*, float*) { return 0; }
+#endif
+
 }  // namespace ds::bench::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -58,6 +92,7 @@ HWY_AFTER_NAMESPACE();
 
 namespace ds::bench {
 HWY_EXPORT(FmaLoop);
+HWY_EXPORT(Bf16DotLoop);
 
 namespace {
 
@@ -72,23 +107,30 @@ float* operands() {
   return ab;
 }
 
-void BM_FmaOneThread(benchmark::State& state) {
+// kIters rounds of the FMA loop, or of the bf16 dot-product one; the FLOPs
+// done (0: no dot products on this target).
+int64_t run_loop(bool dot, float* sink) {
+  return dot ? DS_DISPATCH(Bf16DotLoop)(kIters, operands(), sink) : DS_DISPATCH(FmaLoop)(kIters, operands(), sink);
+}
+
+void OneThread(benchmark::State& state, bool dot) {
   float sink = 0;
   int64_t flops = 0;
-  for (auto _ : state) flops = DS_DISPATCH(FmaLoop)(kIters, operands(), &sink);
+  for (auto _ : state) flops = run_loop(dot, &sink);
   benchmark::DoNotOptimize(sink);
   state.counters["GFLOP/s"] =
       benchmark::Counter(static_cast<double>(flops) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_FmaAllThreads(benchmark::State& state) {
+// Every OpenMP thread running the loop at once.
+void AllThreads(benchmark::State& state, bool dot) {
   const int threads = omp_get_max_threads();
   std::atomic<int64_t> flops{0};
   for (auto _ : state) {
 #pragma omp parallel
     {
       float s = 0;
-      flops.store(DS_DISPATCH(FmaLoop)(kIters, operands(), &s), std::memory_order_relaxed);
+      flops.store(run_loop(dot, &s), std::memory_order_relaxed);
       benchmark::DoNotOptimize(s);
     }
   }
@@ -100,8 +142,14 @@ void BM_FmaAllThreads(benchmark::State& state) {
 }
 
 void register_all() {
-  benchmark::RegisterBenchmark("fma_peak/f32/one_thread", BM_FmaOneThread)->UseRealTime();
-  benchmark::RegisterBenchmark("fma_peak/f32/all_threads", BM_FmaAllThreads)->UseRealTime();
+  benchmark::RegisterBenchmark("fma_peak/f32/one_thread", OneThread, false)->UseRealTime();
+  benchmark::RegisterBenchmark("fma_peak/f32/all_threads", AllThreads, false)->UseRealTime();
+  // The bf16 dot products, where the CPU has them and the cap allows them.
+  float sink = 0;
+  if (simd_bf16_dot_allowed() && DS_DISPATCH(Bf16DotLoop)(1, operands(), &sink) > 0) {
+    benchmark::RegisterBenchmark("dot_peak/bf16/one_thread", OneThread, true)->UseRealTime();
+    benchmark::RegisterBenchmark("dot_peak/bf16/all_threads", AllThreads, true)->UseRealTime();
+  }
 }
 
 }  // namespace

@@ -22,9 +22,11 @@ Usage:
         {"impl": "torch", "batch": B, "prompt_len": P, "new_tokens": N,
          "prefill_tokens_per_s": B*P / prefill seconds,
          "decode_tokens_per_s": B*N / decode seconds, ...}
-  torch_generate.py --check [--models-dir DIR]
+  torch_generate.py --check [--models-dir DIR] [--dtype float32|bfloat16]
       Checks the logits against every fixture under tests/data/models (full forward
       and prefill + cached decode, single and batched); exits 1 on a mismatch.
+      With --dtype bfloat16 it prints how far the bf16 model moves (and, its
+      tolerance being float32's, reports a mismatch).
   torch_generate.py --make-random DIR --config-yaml PRESET [--seed S]
       Writes a random BF16 checkpoint (config.json + model.safetensors, Hugging Face
       names) of a YAML preset's shape, for trying the benchmark by hand.
@@ -398,7 +400,7 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def check(models_dir, tol=1e-4):
+def check(models_dir, dtype=F32, tol=1e-4):
     torch.set_num_threads(1)
     worst_all = 0.0
     ok = True
@@ -406,7 +408,7 @@ def check(models_dir, tol=1e-4):
         d = os.path.join(models_dir, name)
         if not os.path.exists(os.path.join(d, "expected.safetensors")):
             continue
-        model = TorchDeepSeek(d)
+        model = TorchDeepSeek(d, dtype)
         with open(os.path.join(d, "tokens.json")) as f:
             seqs = json.load(f)
         expected, _ = read_safetensors_raw(os.path.join(d, "expected.safetensors"))
@@ -625,14 +627,14 @@ def main(argv):
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts (or weights)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs; the median is reported")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="the model's dtype for the benchmark (bfloat16: as Hugging Face runs bf16)")
+                    help="the model's dtype for the benchmark and --check (bfloat16: as Hugging Face runs bf16)")
     ap.add_argument("--check", action="store_true", help="check logits against tests/data/models and exit")
     ap.add_argument("--models-dir", default=os.path.join(HERE, "..", "tests", "data", "models"))
     ap.add_argument("--make-random", metavar="DIR", help="write a random checkpoint of --config-yaml to DIR")
     ap.add_argument("--config-yaml", help="YAML preset for --make-random")
     args = ap.parse_args(argv)
     if args.check:
-        return check(args.models_dir)
+        return check(args.models_dir, torch.bfloat16 if args.dtype == "bfloat16" else F32)
     if args.make_random:
         if not args.config_yaml:
             ap.error("--make-random needs --config-yaml")
