@@ -135,16 +135,15 @@ void register_all() {
   // MLA heads at T = 1024, one sequence; then the same tokens packed as four
   // documents of 256 (most key tiles are skipped); then a longer sequence.
   const Shape shapes[] = {
-      {1, 1024, 16, 192, 128, 0},
-      {1, 1024, 16, 192, 128, 256},
-      {1, 4096, 4, 192, 128, 0},
+      {1, 1024, 16, 192, 128, 0}, {1, 1024, 16, 192, 128, 256}, {1, 4096, 4, 192, 128, 0},
+      {1, 128, 6, 48, 32, 0},     {4, 128, 6, 48, 32, 0},
   };
   for (const Shape& s : shapes) {
     benchmark::RegisterBenchmark(("attention/fwd/" + name(s)).c_str(), BM_Forward, s)->UseRealTime();
     benchmark::RegisterBenchmark(("attention/bwd/" + name(s)).c_str(), BM_Backward, s)->UseRealTime();
   }
   // Square, and the skinny product of the score tiles' shape (K = Dqk).
-  const Gemm gemms[] = {{1024, 1024, 1024}, {1024, 1024, 192}};
+  const Gemm gemms[] = {{1024, 1024, 1024}, {1024, 1024, 192}, {128, 128, 48}, {128, 32, 128}};
   for (const Gemm& g : gemms)
     benchmark::RegisterBenchmark(("sgemm/dnnl/" + name(g)).c_str(), BM_Dnnl, g)->UseRealTime();
   // OpenBLAS last: its worker threads keep spinning for a while after each

@@ -366,6 +366,10 @@ TEST(Attention, SinkMatchesReference) {
 TEST(Attention, MlaHeadSizes) {
   // DeepSeek-V3 MLA: qk head dim 128 + 64 = 192, v head dim 128.
   expect_matches_reference(Problem({1, 130, 2, 192, 128, default_scale(192)}, from_lengths({40, 90}), 27));
+  // The small preset's heads (32 + 16, v 32): whole vectors of keys and
+  // values on every target, T = 128 one diagonal tile; then a second tile.
+  expect_matches_reference(Problem({2, 128, 6, 48, 32, default_scale(48)}, {}, 30));
+  expect_matches_reference(Problem({1, 200, 3, 48, 32, default_scale(48)}, {}, 31));
 }
 
 TEST(Attention, BatchRowsWithDifferentLayouts) {

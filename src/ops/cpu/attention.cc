@@ -3,12 +3,20 @@
 //
 // Forward: one work item per (batch, head, query tile). The item walks the key
 // tiles left of (and on) the causal diagonal, computing S = scale Q K^T for
-// the tile pair with one gemm, masking, and folding the tile into a running
-// row max m, row sum l and unnormalized output O:
+// the tile pair, masking, and folding the tile into a running row max m, row
+// sum l and unnormalized output O:
 //   m' = max(m, rowmax S),  P = exp(S - m'),  l = l exp(m - m') + rowsum P,
-//   O = O exp(m - m') + P V                                  (second gemm)
+//   O = O exp(m - m') + P V
 // and finally out = O / l, lse = m + log l. Scratch is one tile pair per
-// thread; no [T, T] matrix exists.
+// thread; no [T, T] matrix exists. The two products are Highway register
+// tiles (below), not BLAS calls: the query rows go in blocks of 4 or 8, each
+// block scoring only the keys its last row may see (rounded up to 16), so a
+// diagonal tile costs little more than its lower triangle, which matters for
+// prompts of a few hundred tokens, where most tiles are diagonal. With MLA's
+// small heads a BLAS call per tile also spent as much on its fixed costs as
+// on the arithmetic: the small preset's prefill (T = 128, 6 heads, Dqk 48,
+// Dv 32) ran at 58-61 GFLOP/s on 2 threads through oneDNN's sgemm and at
+// 100-109 this way (bench/attention_bench).
 //
 // Backward recomputes P = exp(S - lse) tile by tile, with D = dout . out per
 // row computed up front:
@@ -41,7 +49,9 @@
 #include <limits>
 #include <vector>
 
+#include "core/buffer.h"
 #include "core/error.h"
+#include "core/parallel.h"
 #include "ops/matmul.h"
 
 // The row kernels below are Highway code, compiled once per SIMD target and
@@ -61,11 +71,6 @@ namespace HWY_NAMESPACE {
 namespace {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Largest of x[0, n), skipping NaN, as std::max would.
-float RowMax(const float* x, int64_t n) {
-  return RowMaxSkippingNaN(hn::ScalableTag<float>(), x, static_cast<size_t>(n));
-}
-
 // x[j] = exp(x[j] - shift) for j < n, returning the sum of the new x in a
 // fixed order (per lane, then the lanes in order).
 float ExpRow(float* x, int64_t n, float shift) {
@@ -79,6 +84,236 @@ void SoftmaxGradRow(float* ds, const float* p, int64_t n, float d) {
   Map2(df, ds, ds, p, static_cast<size_t>(n),
        [df, d](V g, V pr) HWY_ATTR { return hn::Mul(pr, hn::Sub(g, hn::Set(df, d))); });
 }
+
+// The forward's two tile products, as register tiles of up to kBlockRows
+// query rows by two vectors. At most 16 lanes, so that a count of columns
+// that is a multiple of 16 is a whole number of vectors on every target.
+using DT = hn::CappedTag<float, 16>;
+using VT = hn::Vec<DT>;
+
+// Calls f(std::integral_constant<int, n>{}) for a run-time n in [1, Max].
+template <int Max, typename F>
+HWY_INLINE void WithRows(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return WithRows<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
+// Accumulators c<r>a (columns [0, N)) and c<r>b ([N, 2N), only with Two) are
+// named variables, not an array: SVE's vectors cannot be array elements.
+#define DS_ATT_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+#define DS_ATT_DECLARE(r) VT c##r##a = hn::Zero(d), c##r##b = hn::Zero(d);
+
+// s[r][c] = scale * sum_k q[r][k] kt[k][c] for r < R and the one or two
+// vectors of columns at kt and s. The sum runs over k in order, one fused
+// multiply-add per k.
+template <int R, bool Two>
+HWY_INLINE void ScoreBlock(float* HWY_RESTRICT s, int64_t lds, const float* HWY_RESTRICT q, int64_t ldq,
+                           const float* HWY_RESTRICT kt, int64_t ldk, int64_t K, float scale) {
+  static_assert(R <= 8, "eight named accumulator rows");
+  const DT d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  DS_ATT_ROWS(DS_ATT_DECLARE)
+  for (int64_t k = 0; k < K; ++k) {
+    const VT x0 = hn::LoadU(d, kt + k * ldk);
+    const VT x1 = Two ? hn::LoadU(d, kt + k * ldk + N) : x0;
+#define DS_STEP(r)                                           \
+  if constexpr (R > r) {                                     \
+    const VT b = hn::Set(d, q[r * ldq + k]);                 \
+    c##r##a = hn::MulAdd(x0, b, c##r##a);                    \
+    if constexpr (Two) c##r##b = hn::MulAdd(x1, b, c##r##b); \
+  }
+    DS_ATT_ROWS(DS_STEP)
+#undef DS_STEP
+  }
+  const VT sc = hn::Set(d, scale);
+#define DS_STORE(r)                                                          \
+  if constexpr (R > r) {                                                     \
+    hn::StoreU(hn::Mul(c##r##a, sc), d, s + r * lds);                        \
+    if constexpr (Two) hn::StoreU(hn::Mul(c##r##b, sc), d, s + r * lds + N); \
+  }
+  DS_ATT_ROWS(DS_STORE)
+#undef DS_STORE
+}
+
+// o[r][c] += sum_j p[r][j] v[j][c] for r < R and the one or two vectors of
+// columns at o and v; the sum over j in order.
+template <int R, bool Two>
+HWY_INLINE void ValueBlock(float* HWY_RESTRICT o, int64_t ldo, const float* HWY_RESTRICT p, int64_t ldp,
+                           const float* HWY_RESTRICT v, int64_t ldv, int64_t n) {
+  const DT d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  DS_ATT_ROWS(DS_ATT_DECLARE)
+#define DS_LOAD(r)                                              \
+  if constexpr (R > r) {                                        \
+    c##r##a = hn::LoadU(d, o + r * ldo);                        \
+    if constexpr (Two) c##r##b = hn::LoadU(d, o + r * ldo + N); \
+  }
+  DS_ATT_ROWS(DS_LOAD)
+#undef DS_LOAD
+  for (int64_t j = 0; j < n; ++j) {
+    const VT x0 = hn::LoadU(d, v + j * ldv);
+    const VT x1 = Two ? hn::LoadU(d, v + j * ldv + N) : x0;
+#define DS_STEP(r)                                           \
+  if constexpr (R > r) {                                     \
+    const VT b = hn::Set(d, p[r * ldp + j]);                 \
+    c##r##a = hn::MulAdd(x0, b, c##r##a);                    \
+    if constexpr (Two) c##r##b = hn::MulAdd(x1, b, c##r##b); \
+  }
+    DS_ATT_ROWS(DS_STEP)
+#undef DS_STEP
+  }
+#define DS_STORE(r)                                             \
+  if constexpr (R > r) {                                        \
+    hn::StoreU(c##r##a, d, o + r * ldo);                        \
+    if constexpr (Two) hn::StoreU(c##r##b, d, o + r * ldo + N); \
+  }
+  DS_ATT_ROWS(DS_STORE)
+#undef DS_STORE
+}
+#undef DS_ATT_DECLARE
+#undef DS_ATT_ROWS
+
+// Targets with 16 vector registers get 4 rows (8 accumulators; with 6 rows
+// GCC spilled a key vector to the stack on AVX2, and the tile ran 10-30%
+// slower), the others 8 (16 accumulators).
+#if HWY_TARGET == HWY_AVX2 || HWY_TARGET == HWY_SSE4 || HWY_TARGET == HWY_SSSE3 || HWY_TARGET == HWY_SCALAR || \
+    HWY_TARGET == HWY_EMU128
+constexpr int kScoreRows = 4;
+#else
+constexpr int kScoreRows = 4;
+#endif
+
+// Keys of a tile pair that query rows [r0, r0 + rows) may see: those of the
+// block's last row, diag + r0 + rows, clamped to [0, nk].
+HWY_INLINE int64_t BlockKeys(int64_t r0, int64_t rows, int64_t nk, int64_t diag) {
+  return std::clamp<int64_t>(diag + r0 + rows, 0, nk);
+}
+
+// Scores of one tile pair: s[r][c] = scale * q[r] . k[c] for query rows r <
+// nq, in blocks of kScoreRows rows, each for the keys c its last row may see
+// (BlockKeys) rounded up to 16; kt = the keys transposed ([K][ldk], zero past
+// the keys). Column blocks outside, row blocks inside, so that each column
+// block of kt (K x 2 vectors) stays in L1 while every row block reads it.
+void ScoreTile(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t nq, int64_t nk,
+               int64_t diag, int64_t K, float scale) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DT()));
+  const int64_t cols = (BlockKeys(0, nq, nk, diag) + 15) / 16 * 16;
+  for (int64_t c = 0; c < cols; c += 2 * N) {
+    for (int64_t r0 = 0; r0 < nq; r0 += kScoreRows) {
+      const int64_t rows = std::min<int64_t>(kScoreRows, nq - r0);
+      const int64_t n = (BlockKeys(r0, rows, nk, diag) + 15) / 16 * 16;
+      if (c >= n) continue;
+      float* sb = s + r0 * lds + c;
+      const float* qb = q + r0 * ldq;
+      if (c + 2 * N <= n) {
+        WithRows<kScoreRows>(rows,
+                             [&](auto r) HWY_ATTR { ScoreBlock<r(), true>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
+      } else {
+        WithRows<kScoreRows>(rows,
+                             [&](auto r) HWY_ATTR { ScoreBlock<r(), false>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
+      }
+    }
+  }
+}
+
+// o[r][c] += sum_j p[r][j] v[j][c] for query rows r < nq, c < cols (a
+// multiple of 16), j over the keys of the row's block (BlockKeys); column
+// blocks outside, so that each column block of v stays in L1.
+void ValueTile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nq, int64_t nk,
+               int64_t diag, int64_t cols) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(DT()));
+  for (int64_t c = 0; c < cols; c += 2 * N) {
+    for (int64_t r0 = 0; r0 < nq; r0 += kScoreRows) {
+      const int64_t rows = std::min<int64_t>(kScoreRows, nq - r0);
+      const int64_t n = BlockKeys(r0, rows, nk, diag);
+      if (n == 0) continue;
+      float* ob = o + r0 * ldo + c;
+      const float* pb = p + r0 * ldp;
+      if (c + 2 * N <= cols) {
+        WithRows<kScoreRows>(rows, [&](auto r) HWY_ATTR { ValueBlock<r(), true>(ob, ldo, pb, ldp, v + c, ldv, n); });
+      } else {
+        WithRows<kScoreRows>(rows, [&](auto r) HWY_ATTR { ValueBlock<r(), false>(ob, ldo, pb, ldp, v + c, ldv, n); });
+      }
+    }
+  }
+}
+
+// Folds the masked scores of rows [0, rows) of s (n columns each, a multiple
+// of 16) into each row's running max m, sum l and unnormalized output o (ldo
+// columns, a multiple of 16; rescaled by exp(m - m')); s becomes the rows' P,
+// to be multiplied by the tile's values into o. A row's max and sum are
+// reduced across the lanes by Highway's shuffles: at MLA's small head sizes
+// the products per score are few, and lane-by-lane reductions cost as much as
+// they do.
+void FoldRows(float* s, int64_t lds, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t ldo) {
+  const DT d;
+  const size_t N = hn::Lanes(d);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = s + r * lds;
+    // The max skips NaN, as std::max(m, x) does.
+    VT m0 = hn::Set(d, ninf), m1 = m0;
+    size_t j = 0;
+    for (; j + 2 * N <= static_cast<size_t>(n); j += 2 * N) {
+      const VT v0 = hn::LoadU(d, sr + j), v1 = hn::LoadU(d, sr + j + N);
+      m0 = hn::IfThenElse(hn::Gt(v0, m0), v0, m0);
+      m1 = hn::IfThenElse(hn::Gt(v1, m1), v1, m1);
+    }
+    for (; j < static_cast<size_t>(n); j += N) {
+      const VT v = hn::LoadU(d, sr + j);
+      m0 = hn::IfThenElse(hn::Gt(v, m0), v, m0);
+    }
+    const float mnew = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, hn::Max(m0, m1))));
+    if (mnew == ninf) {
+      // Nothing allowed for this query yet: its p row is 0 (exp(-inf -
+      // -inf) would be NaN), and O, l stay 0.
+      std::fill(sr, sr + n, 0.0f);
+      continue;
+    }
+    const VT sh = hn::Set(d, mnew);
+    VT s0 = hn::Zero(d), s1 = s0;
+    j = 0;
+    for (; j + 2 * N <= static_cast<size_t>(n); j += 2 * N) {
+      const VT e0 = FastExp(d, hn::Sub(hn::LoadU(d, sr + j), sh));
+      const VT e1 = FastExp(d, hn::Sub(hn::LoadU(d, sr + j + N), sh));
+      hn::StoreU(e0, d, sr + j);
+      hn::StoreU(e1, d, sr + j + N);
+      s0 = hn::Add(s0, e0);
+      s1 = hn::Add(s1, e1);
+    }
+    for (; j < static_cast<size_t>(n); j += N) {
+      const VT e = FastExp(d, hn::Sub(hn::LoadU(d, sr + j), sh));
+      hn::StoreU(e, d, sr + j);
+      s0 = hn::Add(s0, e);
+    }
+    const float sum = hn::GetLane(hn::SumOfLanes(d, hn::Add(s0, s1)));
+    if (m[r] == ninf) {  // the row's first allowed keys: O and l are 0
+      l[r] = sum;
+    } else {
+      const float alpha = std::exp(m[r] - mnew);
+      l[r] = l[r] * alpha + sum;
+      if (alpha != 1.0f) {
+        float* orow = o + r * ldo;
+        for (size_t c = 0; c < static_cast<size_t>(ldo); c += N)
+          hn::StoreU(hn::Mul(hn::LoadU(d, orow + c), hn::Set(d, alpha)), d, orow + c);
+      }
+    }
+    m[r] = mnew;
+  }
+}
+
+// kt [K, ld] (columns [0, width)) = the n <= 128 rows of k (K floats each,
+// ldk apart) transposed, columns n .. width - 1 zero.
+void TransposeKeys(float* kt, int64_t ld, int64_t width, const float* k, int64_t ldk, int64_t n, int64_t K) {
+  const float* rows[128];
+  HWY_DASSERT(n <= 128);
+  for (int64_t j = 0; j < n; ++j) rows[j] = k + j * ldk;
+  GatherTransposed(kt, rows, n, width, ld, K);
+}
+
+int64_t BlockRows() { return kScoreRows; }
 
 }  // namespace
 }  // namespace HWY_NAMESPACE
@@ -94,25 +329,28 @@ namespace detail {
 float attention_exp_row(float* x, int64_t n, float shift);
 }  // namespace detail
 
-HWY_EXPORT(RowMax);
 HWY_EXPORT(ExpRow);
 HWY_EXPORT(SoftmaxGradRow);
+HWY_EXPORT(ScoreTile);
+HWY_EXPORT(ValueTile);
+HWY_EXPORT(FoldRows);
+HWY_EXPORT(TransposeKeys);
+HWY_EXPORT(BlockRows);
 
 namespace {
 
-// Tile edges: query rows per work item and keys per step. The tile products
-// are small gemm calls whose fixed costs (packing, dispatch) need about this
-// much work to amortize: forward at MLA's head sizes (Dqk 192, Dv 128),
-// T = 1024, 16 heads, 2 threads ran at ~75 GFLOP/s with 64 x 64 tiles,
-// ~115 with 64 x 128 or 128 x 64, ~130 with 128 x 128, and no better with
-// 256-row or 256-key tiles, which also waste more work on the half-masked
-// diagonal tiles and leave fewer items to share out for short sequences.
+// Tile edges: query rows per work item and keys per step. The backward's tile
+// products are small gemm calls whose fixed costs (packing, dispatch) need
+// about this much work to amortize: at MLA's head sizes (Dqk 192, Dv 128),
+// T = 1024, 16 heads, 2 threads, the forward (then on gemm too) ran at ~75
+// GFLOP/s with 64 x 64 tiles, ~115 with 64 x 128 or 128 x 64, ~130 with
+// 128 x 128, and no better with 256-row or 256-key tiles, which also leave
+// fewer items to share out for short sequences.
 constexpr int64_t kTileQ = 128;
 constexpr int64_t kTileK = 128;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-float row_max(const float* x, int64_t n) { return DS_DISPATCH(RowMax)(x, n); }
 float exp_row(float* x, int64_t n, float shift) { return DS_DISPATCH(ExpRow)(x, n, shift); }
 void softmax_grad_row(float* ds, const float* p, int64_t n, float d) { DS_DISPATCH(SoftmaxGradRow)(ds, p, n, d); }
 
@@ -260,25 +498,105 @@ void check_selection(const Geometry& g, const int32_t* seg) {
     }
 }
 
-// Folds masked scores s [nq, nk] of one key tile into the running row max m,
-// row sum l and unnormalized output o [nq, Dv] (rescaled by exp(m - m')); s
-// becomes the tile's P, to be multiplied by the tile's values into o.
-void fold_scores(float* s, int64_t nq, int64_t nk, float* m, float* l, float* o, int64_t Dv) {
-  for (int64_t r = 0; r < nq; ++r) {
-    float* sr = s + r * nk;
-    const float mnew = std::max(m[r], row_max(sr, nk));
-    if (mnew == kNegInf) {
-      // Nothing allowed for this query yet: its p row is 0 (exp(-inf -
-      // -inf) would be NaN), and O, l stay 0.
-      std::fill(sr, sr + nk, 0.0f);
-      continue;
-    }
-    const float alpha = std::exp(m[r] - mnew);  // 0 on the first allowed tile
-    l[r] = l[r] * alpha + exp_row(sr, nk, mnew);
-    m[r] = mnew;
-    if (alpha != 1.0f)
-      for (int64_t c = 0; c < Dv; ++c) o[r * Dv + c] *= alpha;
+constexpr int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// The forward's per-thread scratch: s/p [TileQ, TileK], O [TileQ, Dvp] (Dv
+// rounded up to 16 columns), m and l [TileQ].
+struct ForwardScratch {
+  float *s, *o, *m, *l;
+  static int64_t floats(int64_t Dv) { return kTileQ * kTileK + kTileQ * round_up16(Dv) + 2 * kTileQ; }
+  ForwardScratch(float* w, int64_t Dv) {
+    s = w;
+    o = s + kTileQ * kTileK;
+    m = o + kTileQ * round_up16(Dv);
+    l = m + kTileQ;
   }
+};
+
+// The keys and values of each (batch row, head) as the forward's kernels
+// read them, made once per call (every query tile reads them again): each
+// key tile transposed, [Dqk, kKeyLd] (zeros past the tile's keys), and the
+// values contiguous, v [T, Dvp] (zeros past Dv). About the size of k and v.
+// Rows of a transposed tile are kKeyLd = 144 floats apart, not 128 or the
+// sequence's length: at such power-of-two strides the rows the score kernel
+// walks down map to a few sets of the L1 cache and evict each other. So do
+// a head's rows in v (H * Dv floats apart), hence the copy.
+constexpr int64_t kKeyLd = kTileK + 16;
+
+struct PackedKeys {
+  int64_t T, Tp, tiles, Dqk, Dv, Dvp;
+  Buffer<float> kt, v;
+  // k and v as [B, T, H, D]; sequence b * H + h is head h of batch row b.
+  PackedKeys(int64_t B, int64_t T_, int64_t H, int64_t Dqk_, int64_t Dv_, const float* k, const float* v_)
+      : T(T_), Tp(round_up16(T_)), tiles((T_ + kTileK - 1) / kTileK), Dqk(Dqk_), Dv(Dv_), Dvp(round_up16(Dv_)) {
+    const int64_t n_seq = B * H, ld_k = H * Dqk, ld_v = H * Dv;
+    kt.resize(static_cast<size_t>(n_seq * tiles * Dqk * kKeyLd));
+    v.resize(static_cast<size_t>(n_seq * T * Dvp));
+    parallel_ranges(n_seq * tiles, n_seq * T * (Dqk + Dv) >= (int64_t{1} << 15), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t sq = i / tiles, j0 = i % tiles * kTileK, nk = std::min(kTileK, T - j0);
+        const int64_t b = sq / H, h = sq % H;
+        DS_DISPATCH(TransposeKeys)
+        (keys(sq, j0), kKeyLd, round_up16(nk), k + (b * T + j0) * ld_k + h * Dqk, ld_k, nk, Dqk);
+        for (int64_t j = j0; j < j0 + nk; ++j) {
+          float* dst = values(sq) + j * Dvp;
+          std::memcpy(dst, v_ + (b * T + j) * ld_v + h * Dv, Dv * sizeof(float));
+          std::fill(dst + Dv, dst + Dvp, 0.0f);
+        }
+      }
+    });
+  }
+  // The transposed tile of sequence sq whose first key is j0 (a multiple of the tile).
+  float* keys(int64_t sq, int64_t j0) { return kt.data() + (sq * tiles + j0 / kTileK) * Dqk * kKeyLd; }
+  float* values(int64_t sq) { return v.data() + sq * T * Dvp; }
+};
+
+// One tile pair of the forward: query rows [0, nq) of a query tile against
+// keys [0, nk) of a key tile. Query row r may see the tile's keys [0, diag +
+// r + 1) (clamped to [0, nk]), and of those only the ones with its segment id
+// (seg_q[r] == seg_k[c], with segment ids) and the selected ones
+// (sel[r * ld_sel + c] != 0, with a selection).
+struct ForwardPair {
+  const float* q;   // query row 0 of the tile, rows ldq apart
+  const float* kt;  // the key tile transposed, PackedKeys::keys (rows kKeyLd apart)
+  const float* v;   // the tile's first value row in PackedKeys::v (ldv = Dvp)
+  int64_t ldq;
+  int64_t nq, nk, diag;
+  const int32_t* seg_q = nullptr;
+  const int32_t* seg_k = nullptr;
+  const uint8_t* sel = nullptr;
+  int64_t ld_sel = 0;
+};
+
+// Folds one tile pair into the running m, l and O of the query tile. The
+// query rows go in blocks of the kernels' register tile; a block computes
+// scores for the keys its last row may see (rounded up to 16), so the
+// diagonal tile costs little more than its lower triangle.
+void forward_pair(const ForwardScratch& w, const ForwardPair& p, int64_t Dqk, int64_t Dv, float scale) {
+  const int64_t Dvp = round_up16(Dv);
+  const int64_t R = DS_DISPATCH(BlockRows)();
+  DS_DISPATCH(ScoreTile)(w.s, kTileK, p.q, p.ldq, p.kt, kKeyLd, p.nq, p.nk, p.diag, Dqk, scale);
+  for (int64_t r0 = 0; r0 < p.nq; r0 += R) {
+    const int64_t rows = std::min(R, p.nq - r0);
+    const int64_t n = std::clamp<int64_t>(p.diag + r0 + rows, 0, p.nk);  // keys the block's last row may see
+    if (n == 0) continue;
+    // The block's scores reach nr, past n in whole vectors: those p are 0.
+    const int64_t nr = round_up16(n);
+    float* s = w.s + r0 * kTileK;
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      float* sr = s + (r - r0) * kTileK;
+      const int64_t allowed = std::clamp<int64_t>(p.diag + r + 1, 0, n);
+      if (p.seg_q)
+        for (int64_t c = 0; c < allowed; ++c)
+          if (p.seg_k[c] != p.seg_q[r]) sr[c] = kNegInf;
+      if (p.sel)
+        for (int64_t c = 0; c < allowed; ++c)
+          if (!p.sel[r * p.ld_sel + c]) sr[c] = kNegInf;
+      std::fill(sr + allowed, sr + nr, kNegInf);
+    }
+    DS_DISPATCH(FoldRows)(s, kTileK, rows, nr, w.m + r0, w.l + r0, w.o + r0 * Dvp, Dvp);
+  }
+  DS_DISPATCH(ValueTile)(w.o, Dvp, w.s, kTileK, p.v, Dvp, p.nq, p.nk, p.diag, Dvp);
 }
 
 // Work item it of n_tiles per (b, h), ordered so that the tiles with the most
@@ -321,24 +639,36 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   if (selected) check_selection(g, segment_ids);
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
-  // Scratch: s/p [TileQ, TileK], O [TileQ, Dv], m and l [TileQ].
-  const int64_t per_thread = kTileQ * kTileK + kTileQ * g.Dv + 2 * kTileQ;
-  run_items(g.B * g.H * g.nq_tiles, per_thread, [&](int64_t it, float* w) {
+  const int64_t Dvp = round_up16(g.Dv);
+  // Sequence b * H + h of the packed keys is head h of batch row b.
+  PackedKeys pk(g.B, g.T, g.H, g.Dqk, g.Dv, k, v);
+  run_items(g.B * g.H * g.nq_tiles, ForwardScratch::floats(g.Dv), [&](int64_t it, float* scratch) {
     const auto [b, h, qt] = item_index(it, g, g.nq_tiles, true);
-    float* s = w;
-    float* o = s + kTileQ * kTileK;
-    float* m = o + kTileQ * g.Dv;
-    float* l = m + kTileQ;
+    const ForwardScratch w(scratch, g.Dv);
+    float *o = w.o, *m = w.m, *l = w.l;
     const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, g.T - i0);
-    std::fill(o, o + nq * g.Dv, 0.0f);
+    std::fill(o, o + nq * Dvp, 0.0f);
     std::fill(m, m + nq, kNegInf);
     std::fill(l, l + nq, 0.0f);
     for (int64_t kt = 0; kt * kTileK < i0 + nq; ++kt) {
-      const Pair p = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
-      if (p.skip) continue;
-      scores(s, p, q, k, segment_ids, g, b, h);
-      fold_scores(s, nq, p.nk, m, l, o, g.Dv);
-      gemm(false, false, nq, g.Dv, p.nk, 1.0f, s, p.nk, v + g.row(b, p.j0, h, g.Dv), g.ld_v(), 1.0f, o, g.Dv);
+      const Pair t = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
+      if (t.skip) continue;
+      ForwardPair p{q + g.row(b, i0, h, g.Dqk),
+                    pk.keys(b * g.H + h, t.j0),
+                    pk.values(b * g.H + h) + t.j0 * Dvp,
+                    g.ld_qk(),
+                    nq,
+                    t.nk,
+                    i0 - t.j0};
+      if (t.segment) {
+        p.seg_q = segment_ids + b * g.T + i0;
+        p.seg_k = segment_ids + b * g.T + t.j0;
+      }
+      if (selected) {
+        p.sel = selected + (b * g.T + i0) * g.T + t.j0;
+        p.ld_sel = g.T;
+      }
+      forward_pair(w, p, g.Dqk, g.Dv, g.scale);
     }
     // Every query attends to a key (itself, or a selected one), so l is
     // about 1 or more here (NaN inputs give NaN, never a division by 0).
@@ -353,7 +683,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
         inv *= std::exp(lse0 - lse1);
       }
       float* dst = out + g.row(b, i0 + r, h, g.Dv);
-      for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * g.Dv + c] * inv;
+      for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * Dvp + c] * inv;
       lse[(b * g.H + h) * g.T + i0 + r] = lse1;
     }
   });
@@ -367,34 +697,28 @@ void attention_forward_past(float* out, const float* q, const float* k, const fl
            past);
   const int64_t n = d.seq, H = d.heads, Dqk = d.qk_dim, Dv = d.v_dim, nq_tiles = (n + kTileQ - 1) / kTileQ;
   const int64_t ldq = H * Dqk, ldv = H * Dv;
-  const int64_t per_thread = kTileQ * kTileK + kTileQ * Dv + 2 * kTileQ;
+  const int64_t Dvp = round_up16(Dv);
+  // Sequence h of the packed keys is head h.
+  PackedKeys pk(1, past + n, H, Dqk, Dv, k, v);
   // Items (head, query tile), the last query tiles (the most keys) first.
-  run_items(H * nq_tiles, per_thread, [&](int64_t it, float* w) {
+  run_items(H * nq_tiles, ForwardScratch::floats(Dv), [&](int64_t it, float* scratch) {
     const int64_t h = it % H, qt = nq_tiles - 1 - it / H;
-    float* s = w;
-    float* o = s + kTileQ * kTileK;
-    float* m = o + kTileQ * Dv;
-    float* l = m + kTileQ;
+    const ForwardScratch w(scratch, Dv);
     const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, n - i0);
     const int64_t last = past + i0 + nq - 1;  // the last key any query of the tile sees
-    std::fill(o, o + nq * Dv, 0.0f);
-    std::fill(m, m + nq, kNegInf);
-    std::fill(l, l + nq, 0.0f);
+    std::fill(w.o, w.o + nq * Dvp, 0.0f);
+    std::fill(w.m, w.m + nq, kNegInf);
+    std::fill(w.l, w.l + nq, 0.0f);
     for (int64_t j0 = 0; j0 <= last; j0 += kTileK) {
       const int64_t nk = std::min(kTileK, last + 1 - j0);
-      gemm(false, true, nq, nk, Dqk, d.scale, q + i0 * ldq + h * Dqk, ldq, k + j0 * ldq + h * Dqk, ldq, 0.0f, s, nk);
-      for (int64_t r = 0; r < nq; ++r) {
-        // Keys [j0, j0 + allowed) are at or left of query r's position.
-        const int64_t allowed = std::clamp<int64_t>(past + i0 + r - j0 + 1, 0, nk);
-        std::fill(s + r * nk + allowed, s + (r + 1) * nk, kNegInf);
-      }
-      fold_scores(s, nq, nk, m, l, o, Dv);
-      gemm(false, false, nq, Dv, nk, 1.0f, s, nk, v + j0 * ldv + h * Dv, ldv, 1.0f, o, Dv);
+      // Query r is at position past + i0 + r.
+      forward_pair(w, {q + i0 * ldq + h * Dqk, pk.keys(h, j0), pk.values(h) + j0 * Dvp, ldq, nq, nk, past + i0 - j0},
+                   Dqk, Dv, d.scale);
     }
     for (int64_t r = 0; r < nq; ++r) {
-      const float inv = 1.0f / l[r];  // every query sees at least its own key
+      const float inv = 1.0f / w.l[r];  // every query sees at least its own key
       float* dst = out + (i0 + r) * ldv + h * Dv;
-      for (int64_t c = 0; c < Dv; ++c) dst[c] = o[r * Dv + c] * inv;
+      for (int64_t c = 0; c < Dv; ++c) dst[c] = w.o[r * Dvp + c] * inv;
     }
   });
 }

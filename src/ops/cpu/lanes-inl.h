@@ -174,6 +174,27 @@ HWY_INLINE void TransposeRows4x4(const float* HWY_RESTRICT s0, const float* HWY_
 #endif
 }
 
+// Kt [D, ld] (columns [0, width)) = the n rows of D floats transposed,
+// columns n .. width - 1 zero: blocks of 4 rows x 4 columns through 128-bit
+// vectors, then the edges.
+HWY_INLINE void GatherTransposed(float* HWY_RESTRICT Kt, const float* const* rows, int64_t n, int64_t width, int64_t ld,
+                                 int64_t D) {
+  const int64_t n4 = HWY_TARGET != HWY_SCALAR ? n / 4 * 4 : 0, D4 = D / 4 * 4;
+  for (int64_t j = 0; j < n4; j += 4) {
+    const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
+    for (int64_t c = 0; c < D4; c += 4) TransposeRows4x4<false>(r0 + c, r1 + c, r2 + c, r3 + c, Kt + c * ld + j, ld);
+    for (int64_t c = D4; c < D; ++c) {
+      float* dst = Kt + c * ld + j;
+      dst[0] = r0[c], dst[1] = r1[c], dst[2] = r2[c], dst[3] = r3[c];
+    }
+  }
+  for (int64_t c = 0; c < D; ++c) {
+    float* dst = Kt + c * ld;
+    for (int64_t j = n4; j < n; ++j) dst[j] = rows[j][c];
+    for (int64_t j = n; j < width; ++j) dst[j] = 0.0f;
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace ds::ops
 HWY_AFTER_NAMESPACE();

@@ -150,25 +150,6 @@ void AddRowsInto(float* const* dst, const float* src, int64_t n, int64_t D) {
          [](hn::Vec<DF> a, hn::Vec<DF> b) HWY_ATTR { return hn::Add(a, b); });
 }
 
-// Kt [D, ld] = the n rows of D floats transposed, columns n .. ld - 1 zero:
-// blocks of 4 rows x 4 columns through 128-bit vectors, then the edges.
-void GatherTransposed(float* HWY_RESTRICT Kt, const float* const* rows, int64_t n, int64_t ld, int64_t D) {
-  const int64_t n4 = HWY_TARGET != HWY_SCALAR ? n / 4 * 4 : 0, D4 = D / 4 * 4;
-  for (int64_t j = 0; j < n4; j += 4) {
-    const float *r0 = rows[j], *r1 = rows[j + 1], *r2 = rows[j + 2], *r3 = rows[j + 3];
-    for (int64_t c = 0; c < D4; c += 4) TransposeRows4x4<false>(r0 + c, r1 + c, r2 + c, r3 + c, Kt + c * ld + j, ld);
-    for (int64_t c = D4; c < D; ++c) {
-      float* dst = Kt + c * ld + j;
-      dst[0] = r0[c], dst[1] = r1[c], dst[2] = r2[c], dst[3] = r3[c];
-    }
-  }
-  for (int64_t c = 0; c < D; ++c) {
-    float* dst = Kt + c * ld;
-    for (int64_t j = n4; j < n; ++j) dst[j] = rows[j][c];
-    for (int64_t j = n; j < ld; ++j) dst[j] = 0.0f;
-  }
-}
-
 // Row h of S [H, ld] (n > 0 entries used) becomes the softmax of scale x
 // S[h, :], the sink's logit sink[h] (sink may be null) in its denominator;
 // lse[h] is the log of that denominator. The elementwise steps run in
@@ -248,7 +229,7 @@ void check(const float* const* rows, const int64_t* offsets, const float* sink, 
 // The keys of one query transposed into Kt [dim, ld].
 void gather_transposed(std::vector<float>& Kt, const float* const* rows, int64_t n, int64_t ld, int64_t D) {
   Kt.resize(static_cast<size_t>(ld * D));
-  DS_DISPATCH(GatherTransposed)(Kt.data(), rows, n, ld, D);
+  DS_DISPATCH(GatherTransposed)(Kt.data(), rows, n, ld, ld, D);
 }
 
 // n rounded up to a whole number of vectors of `lanes`.
