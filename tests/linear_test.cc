@@ -497,3 +497,42 @@ TEST(Linear, MatmulPrecisionNames) {
   EXPECT_EQ(ds::ops::matmul_precision_name(ds::ops::MatmulPrecision::kBf16), "bf16");
   EXPECT_EQ(ds::ops::matmul_precision(), ds::ops::MatmulPrecision::kF32);  // the default
 }
+
+TEST(Linear, PairIsTwoProductsBitForBit) {
+  // linear_forward_pair packs x once for two weights; every element must be
+  // the bits of its own linear_forward, in both precisions, on every path,
+  // for weights of different heights (the pair's rows are split among the
+  // threads as one), and for any thread count. Mismatched dtypes, float32
+  // weights and decode-sized M fall back to two calls.
+  auto check = [](const WeightView& w0, const WeightView& w1, int64_t M, uint64_t seed) {
+    auto x = ds::test::randn(M * w0.cols, seed);
+    auto run = [&] {
+      std::vector<float> y(M * (w0.rows + w1.rows));
+      ds::ops::linear_forward_pair(y.data(), w0, y.data() + M * w0.rows, w1, x.data(), M);
+      return y;
+    };
+    std::vector<float> want(M * (w0.rows + w1.rows));
+    ds::ops::linear_forward(want.data(), x.data(), w0, M);
+    ds::ops::linear_forward(want.data() + M * w0.rows, x.data(), w1, M);
+    EXPECT_EQ(run(), want) << ds::dtype_name(w0.dtype) << "/" << ds::dtype_name(w1.dtype) << " M " << M;
+    ds::test::expect_same_for_any_thread_count(run);
+  };
+  for (auto precision : {ds::ops::MatmulPrecision::kF32, ds::ops::MatmulPrecision::kBf16}) {
+    PrecisionGuard guard(precision);
+    for_each_bf16_path([&](const char*, bool) {
+      for (int64_t M : {5, 9, 40, 300}) {
+        for (DType dt : {DType::BF16, DType::F8E4M3, DType::F32}) {
+          auto a = make_weight(dt, 70, 129, 128, 128, 91), b = make_weight(dt, 45, 129, 128, 128, 92);
+          check(a.view, b.view, M, 93);
+        }
+        auto a = make_fp4(37, 64, 94), b = make_fp4(50, 64, 95);
+        check(a.view, b.view, M, 96);
+        auto c = make_weight(DType::BF16, 30, 64, 16, 16, 97), d = make_weight(DType::F8E4M3, 20, 64, 16, 16, 98);
+        check(c.view, d.view, M, 99);
+      }
+    });
+  }
+  auto a = make_weight(DType::BF16, 8, 10, 16, 16, 1), b = make_weight(DType::BF16, 8, 11, 16, 16, 2);
+  std::vector<float> x(40 * 11), y(40 * 16);
+  EXPECT_THROW(ds::ops::linear_forward_pair(y.data(), a.view, y.data() + 8, b.view, x.data(), 40), ds::Error);
+}

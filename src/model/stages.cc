@@ -331,8 +331,7 @@ void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams
   const bool keep_g = g != nullptr;
   if (!g) g = (gs.resize(N * I), gs.data());
   if (!u) u = (us.resize(N * I), us.data());
-  ops::linear_forward(g, x, p.gate, N);
-  ops::linear_forward(u, x, p.up, N);
+  ops::linear_forward_pair(g, p.gate, u, p.up, x, N);
   float* a = keep_g ? (as.resize(N * I), as.data()) : g;
   ops::silu_mul_forward(a, g, u, N * I);
   ops::linear_forward(out, a, p.down, N);

@@ -74,6 +74,12 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
 inline void linear_forward(float* y, const float* x, const WeightView& w, int64_t M) {
   linear_forward(y, x, w, M, w.cols, w.rows);
 }
+// y0 = x W0^T and y1 = x W1^T (rows w0.rows and w1.rows apart) over the same
+// x [M, cols] (a gated MLP's gate and up): the same bits as two
+// linear_forward calls, with x packed once for both where the prefill kernels
+// run (M > 8, narrow weights of one dtype).
+void linear_forward_pair(float* y0, const WeightView& w0, float* y1, const WeightView& w1, const float* x,
+                         int64_t M);
 
 // Backward of linear_forward for float32 weights (training):
 //   dx = dy W   (`=`, or `+=` with accumulate_dx; dx may be null)

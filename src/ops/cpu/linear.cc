@@ -115,6 +115,15 @@ inline float bf16_bits_to_f32(uint16_t h) {
   return f;
 }
 
+// One product of a prefill: y (ldy apart) (+)= x W^T. Prefill runs one or
+// two over the same x (a gated MLP's gate and up), packing x once: the
+// weights' rows then count as one, w0's first (RunProducts).
+struct Product {
+  float* y;
+  int64_t ldy;
+  const WeightView* w;
+};
+
 }  // namespace
 }  // namespace ds::ops
 #endif  // DS_OPS_CPU_LINEAR_ONCE
@@ -692,6 +701,18 @@ int64_t ChunkRows(int64_t K) {
   return std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
 }
 
+// Calls run(i, r0, r1) for the rows [r0, r1) of product i that rows [r0, r1)
+// of the products' rows laid end to end cover.
+template <class Run>
+HWY_INLINE void RunProducts(const Product* products, int count, int64_t r0, int64_t r1, const Run& run) {
+  int64_t base = 0;
+  for (int i = 0; i < count; ++i) {
+    const int64_t n = products[i].w->rows, lo = std::max(r0, base), hi = std::min(r1, base + n);
+    if (lo < hi) run(i, lo - base, hi - base);
+    base += n;
+  }
+}
+
 // How a prefill product of M rows of x against N weight rows of K columns is
 // shared among the threads, for panels of x packed into `panel_floats`
 // floats each: pack(xt, p0, p1) packs panels [p0, p1) at xt, and
@@ -883,21 +904,28 @@ void WidenE4m3RowsToBf16(uint16_t* HWY_RESTRICT out, const Fp8Weight& f, int64_t
 // with their power-of-two scales, exactly, a chunk at a time): the prefill split and
 // tiles of the float32 kernel, with x packed as bf16 pairs and the weight's
 // pairs broadcast from memory.
-DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M,
-                                     const WeightView& w, bool accumulate) {
-  const int64_t N = w.rows, K = w.cols, P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
-  const bool fp8 = w.dtype == DType::F8E4M3, fp4 = w.dtype == DType::F4E2M1;
-  const Fp8Weight f = fp8 ? Fp8Weight{static_cast<const uint8_t*>(w.data), K, w.scale_inv, w.block_rows,
-                                      w.block_cols, (K + w.block_cols - 1) / w.block_cols}
-                          : Fp8Weight{};
-  const Fp4Weight f4 = fp4 ? Fp4Weight{static_cast<const uint8_t*>(w.data), K, w.scale_e8m0} : Fp4Weight{};
+DS_BF16_DOT_ATTR void PrefillBf16Dot(const Product* products, int count, const float* x, int64_t ldx, int64_t M,
+                                     bool accumulate) {
+  const int64_t K = products[0].w->cols, P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
+  int64_t N = 0;
+  for (int i = 0; i < count; ++i) N += products[i].w->rows;
   const int64_t chunk = ChunkRows(K);
   auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     Buffer<float> tmp(static_cast<size_t>(panel));
     for (int64_t p = p0; p < p1; ++p)
       PackPanelBf16(xt + (p - p0) * panel, x + p * P * ldx, ldx, std::min<int64_t>(P, M - p * P), K, tmp.data());
   };
-  auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
+  // Rows [r0, r1) of one product.
+  auto run_product = [&](const Product& product, const float* xt, int64_t r0, int64_t r1, int64_t p0,
+                         int64_t p1) DS_BF16_DOT_ATTR {
+    const WeightView& w = *product.w;
+    float* y = product.y;
+    const int64_t ldy = product.ldy;
+    const bool fp8 = w.dtype == DType::F8E4M3, fp4 = w.dtype == DType::F4E2M1;
+    const Fp8Weight f = fp8 ? Fp8Weight{static_cast<const uint8_t*>(w.data), K, w.scale_inv, w.block_rows,
+                                        w.block_cols, (K + w.block_cols - 1) / w.block_cols}
+                            : Fp8Weight{};
+    const Fp4Weight f4 = fp4 ? Fp4Weight{static_cast<const uint8_t*>(w.data), K, w.scale_e8m0} : Fp4Weight{};
     HWY_ALIGN float tile[kTileN * 32];
     const size_t chunk_elems = static_cast<size_t>(std::min(chunk, r1 - r0) * K);
     Buffer<uint16_t> wide(fp8 || fp4 ? chunk_elems : 0);
@@ -933,6 +961,11 @@ DS_BF16_DOT_ATTR void PrefillBf16Dot(float* y, int64_t ldy, const float* x, int6
       }
     }
   };
+  auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
+    RunProducts(products, count, r0, r1, [&](int i, int64_t a, int64_t b) DS_BF16_DOT_ATTR {
+      run_product(products[i], xt, a, b, p0, p1);
+    });
+  };
   SplitPrefill(M, N, K, panel, pack, run);
 }
 #undef DS_BF16_DOT_ATTR
@@ -951,31 +984,36 @@ bool HasBf16Dot() { return false; }
 // In bf16 precision x is rounded to bf16 as it is packed (round_x), and the
 // dot-product kernel above runs instead where the caller found it usable
 // (bf16_dot: bf16, fp4 or block-scaled e4m3 weights on a CPU that has it).
-void Prefill(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, bool accumulate,
+void Prefill(const Product* products, int count, const float* x, int64_t ldx, int64_t M, bool accumulate,
              bool round_x, bool bf16_dot) {
 #if HWY_TARGET == HWY_AVX3
   if (bf16_dot) {
-    PrefillBf16Dot(y, ldy, x, ldx, M, w, accumulate);
+    PrefillBf16Dot(products, count, x, ldx, M, accumulate);
     return;
   }
 #else
   (void)bf16_dot;
 #endif
-  const int64_t N = w.rows, K = w.cols, P = PanelRows();
+  const int64_t K = products[0].w->cols, P = PanelRows();
+  int64_t N = 0;
+  for (int i = 0; i < count; ++i) N += products[i].w->rows;
   const int64_t chunk = ChunkRows(K);
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
-  // [r0, r1), a chunk of weight rows at a time.
+  // [r0, r1) of the products, a chunk of weight rows at a time.
   auto run = [&](const float* xt, int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
     Buffer<float> wide(static_cast<size_t>(std::min(chunk, r1 - r0) * K));
-    for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
-      const int64_t c1 = std::min(r1, c0 + chunk);
-      widen_rows(wide.data(), w, c0, c1);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t rows = std::min<int64_t>(P, M - p * P);
-        PanelRowsRange(y + p * P * ldy, ldy, xt + (p - p0) * K * P, rows, F32Bcast{wide.data(), K}, K, c0, c1,
-                       accumulate);
+    RunProducts(products, count, r0, r1, [&](int i, int64_t a, int64_t b) HWY_ATTR {
+      const Product& product = products[i];
+      for (int64_t c0 = a; c0 < b; c0 += chunk) {
+        const int64_t c1 = std::min(b, c0 + chunk);
+        widen_rows(wide.data(), *product.w, c0, c1);
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t rows = std::min<int64_t>(P, M - p * P);
+          PanelRowsRange(product.y + p * P * product.ldy, product.ldy, xt + (p - p0) * K * P, rows,
+                         F32Bcast{wide.data(), K}, K, c0, c1, accumulate);
+        }
       }
-    }
+    });
   };
   auto pack = [&](float* xt, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
@@ -1132,6 +1170,18 @@ std::string_view matmul_precision_name(MatmulPrecision p) { return p == MatmulPr
 
 bool bf16_dot_products() { return simd_bf16_dot_allowed() && DS_DISPATCH(HasBf16Dot)(); }
 
+namespace {
+// Whether a prefill over w runs on bf16 dot products: in bf16 precision, for
+// bf16 and fp4 weights and e4m3 ones whose scale blocks are pairs of columns
+// wide (128 in DeepSeek-V3), on a CPU that has them.
+bool bf16_dot(const WeightView& w, bool bf16_precision) {
+  return bf16_precision &&
+         (w.dtype == DType::BF16 || w.dtype == DType::F4E2M1 ||
+          (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0)) &&
+         bf16_dot_products();
+}
+}  // namespace
+
 void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
                     bool accumulate) {
   check_weight(w);
@@ -1186,13 +1236,26 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     });
     return;
   }
-  // bf16 dot products take bf16 and fp4 weights, and e4m3 ones whose scale
-  // blocks are pairs of columns wide (128 in DeepSeek-V3).
-  const bool dot = bf16_precision &&
-                   (w.dtype == DType::BF16 || w.dtype == DType::F4E2M1 ||
-                    (w.dtype == DType::F8E4M3 && w.scale_inv && w.block_cols % 2 == 0)) &&
-                   bf16_dot_products();
-  DS_DISPATCH(Prefill)(y, ldy, x, ldx, M, w, accumulate, bf16_precision, dot);
+  const Product product{y, ldy, &w};
+  DS_DISPATCH(Prefill)(&product, 1, x, ldx, M, accumulate, bf16_precision, bf16_dot(w, bf16_precision));
+}
+
+void linear_forward_pair(float* y0, const WeightView& w0, float* y1, const WeightView& w1, const float* x,
+                         int64_t M) {
+  check_weight(w0);
+  check_weight(w1);
+  DS_CHECK(w0.cols == w1.cols, "linear pair: weights [{}, {}] and [{}, {}] differ in columns", w0.rows, w0.cols,
+           w1.rows, w1.cols);
+  const bool bf16_precision = matmul_precision() == MatmulPrecision::kBf16;
+  const bool dot = bf16_dot(w0, bf16_precision);
+  const bool f32 = w0.dtype == DType::F32 && !w0.scale_inv;
+  if (M <= 8 || f32 || w1.dtype != w0.dtype || bf16_dot(w1, bf16_precision) != dot) {
+    linear_forward(y0, x, w0, M);
+    linear_forward(y1, x, w1, M);
+    return;
+  }
+  const Product products[2] = {{y0, w0.rows, &w0}, {y1, w1.rows, &w1}};
+  DS_DISPATCH(Prefill)(products, 2, x, w0.cols, M, false, bf16_precision, dot);
 }
 
 void linear_backward(float* dx, float* dw, const float* dy, const float* x, const WeightView& w, int64_t M,
