@@ -360,7 +360,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
         co_await Pending{&back};
       }
       if (forward) {
-        std::memcpy(ffn_out.data(), shared_out.data(), N * D * sizeof(float));
+        ffn_out.swap(shared_out);  // the shared experts' output, plus the routed ones'
         combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
       }
     }
