@@ -182,7 +182,7 @@ HWY_INLINE void ValueBlock(float* HWY_RESTRICT o, int64_t ldo, const float* HWY_
     HWY_TARGET == HWY_EMU128
 constexpr int kScoreRows = 4;
 #else
-constexpr int kScoreRows = 4;
+constexpr int kScoreRows = 8;
 #endif
 
 // Keys of a tile pair that query rows [r0, r0 + rows) may see: those of the
