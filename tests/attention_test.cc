@@ -24,6 +24,7 @@ namespace ds::ops::detail {
 // The kernel's vectorized exp (ops/cpu/attention.cc): x[j] = exp(x[j] - shift),
 // returns the sum.
 float attention_exp_row(float* x, int64_t n, float shift);
+int64_t set_attention_pack_budget(int64_t bytes);
 }  // namespace ds::ops::detail
 
 namespace ds {
@@ -468,6 +469,36 @@ TEST(Attention, BitwiseReproducibleOverThreadCounts) {
     EXPECT_TRUE(same(r.dk, first.dk));
     EXPECT_TRUE(same(r.dv, first.dv));
   }
+}
+
+TEST(Attention, PackingAFewHeadsAtATimeChangesNoBit) {
+  // A long context with many heads packs its keys and values a group of
+  // heads at a time; a budget of one byte makes every group the smallest
+  // (two heads per thread), which must give the bits of one group, in the
+  // training forward and in continuing queries, for any thread count.
+  ThreadCountGuard guard;
+  const Problem p({2, 200, 5, 24, 16, default_scale(24)}, from_lengths({120, 80, 200}), 41);
+  const AttentionDims cont{1, 70, 5, 24, 16, default_scale(24)};
+  auto forward = [&] {
+    std::vector<float> out(p.q.size() / 24 * 16), lse(2 * 5 * 200);
+    ops::attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), p.seg.data(), p.d);
+    out.insert(out.end(), lse.begin(), lse.end());
+    return out;
+  };
+  auto past = [&] {  // row 0's last 70 queries against its 200 keys
+    std::vector<float> out(70 * 5 * 16);
+    ops::attention_forward_past(out.data(), p.q.data() + 130 * 5 * 24, p.k.data(), p.v.data(), 130, cont);
+    return out;
+  };
+  omp_set_num_threads(2);
+  const auto whole = forward(), whole_past = past();
+  const int64_t saved = ops::detail::set_attention_pack_budget(1);
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    EXPECT_EQ(forward(), whole) << threads << " threads";
+    EXPECT_EQ(past(), whole_past) << threads << " threads";
+  }
+  ops::detail::set_attention_pack_budget(saved);
 }
 
 }  // namespace

@@ -15,8 +15,8 @@
 // prompts of a few hundred tokens, where most tiles are diagonal. With MLA's
 // small heads a BLAS call per tile also spent as much on its fixed costs as
 // on the arithmetic: the small preset's prefill (T = 128, 6 heads, Dqk 48,
-// Dv 32) ran at 58-61 GFLOP/s on 2 threads through oneDNN's sgemm and at
-// 100-109 this way (bench/attention_bench).
+// Dv 32) ran at 68-70 GFLOP/s on 2 threads through oneDNN's sgemm and at
+// 102-111 this way (bench/attention_bench, docs/performance.md).
 //
 // Backward recomputes P = exp(S - lse) tile by tile, with D = dout . out per
 // row computed up front:
@@ -43,6 +43,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <exception>
@@ -327,6 +328,7 @@ namespace ds::ops {
 
 namespace detail {
 float attention_exp_row(float* x, int64_t n, float shift);
+int64_t set_attention_pack_budget(int64_t bytes);
 }  // namespace detail
 
 HWY_EXPORT(ExpRow);
@@ -520,21 +522,24 @@ struct ForwardScratch {
 // Rows of a transposed tile are kKeyLd = 144 floats apart, not 128 or the
 // sequence's length: at such power-of-two strides the rows the score kernel
 // walks down map to a few sets of the L1 cache and evict each other. So do
-// a head's rows in v (H * Dv floats apart), hence the copy.
+// a head's rows in v (H * Dv floats apart), hence the copy. A long context
+// with many heads packs a group of heads at a time (PackedGroup), so that
+// the copies stay small beside k and v.
 constexpr int64_t kKeyLd = kTileK + 16;
 
 struct PackedKeys {
-  int64_t T, Tp, tiles, Dqk, Dv, Dvp;
+  int64_t T, tiles, Dqk, Dv, Dvp, s0;
   Buffer<float> kt, v;
   // k and v as [B, T, H, D]; sequence b * H + h is head h of batch row b.
-  PackedKeys(int64_t B, int64_t T_, int64_t H, int64_t Dqk_, int64_t Dv_, const float* k, const float* v_)
-      : T(T_), Tp(round_up16(T_)), tiles((T_ + kTileK - 1) / kTileK), Dqk(Dqk_), Dv(Dv_), Dvp(round_up16(Dv_)) {
-    const int64_t n_seq = B * H, ld_k = H * Dqk, ld_v = H * Dv;
+  // Packs sequences [s0, s1).
+  PackedKeys(int64_t T_, int64_t H, int64_t Dqk_, int64_t Dv_, const float* k, const float* v_, int64_t s0_, int64_t s1)
+      : T(T_), tiles((T_ + kTileK - 1) / kTileK), Dqk(Dqk_), Dv(Dv_), Dvp(round_up16(Dv_)), s0(s0_) {
+    const int64_t n_seq = s1 - s0, ld_k = H * Dqk, ld_v = H * Dv;
     kt.resize(static_cast<size_t>(n_seq * tiles * Dqk * kKeyLd));
     v.resize(static_cast<size_t>(n_seq * T * Dvp));
     parallel_ranges(n_seq * tiles, n_seq * T * (Dqk + Dv) >= (int64_t{1} << 15), [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t sq = i / tiles, j0 = i % tiles * kTileK, nk = std::min(kTileK, T - j0);
+        const int64_t sq = s0 + i / tiles, j0 = i % tiles * kTileK, nk = std::min(kTileK, T - j0);
         const int64_t b = sq / H, h = sq % H;
         DS_DISPATCH(TransposeKeys)
         (keys(sq, j0), kKeyLd, round_up16(nk), k + (b * T + j0) * ld_k + h * Dqk, ld_k, nk, Dqk);
@@ -547,9 +552,20 @@ struct PackedKeys {
     });
   }
   // The transposed tile of sequence sq whose first key is j0 (a multiple of the tile).
-  float* keys(int64_t sq, int64_t j0) { return kt.data() + (sq * tiles + j0 / kTileK) * Dqk * kKeyLd; }
-  float* values(int64_t sq) { return v.data() + sq * T * Dvp; }
+  float* keys(int64_t sq, int64_t j0) { return kt.data() + ((sq - s0) * tiles + j0 / kTileK) * Dqk * kKeyLd; }
+  float* values(int64_t sq) { return v.data() + (sq - s0) * T * Dvp; }
 };
+
+// Sequences packed at a time: at most about 64 MiB of copies (the budget),
+// but at least two per thread (or all of them) so that the query tiles keep
+// every thread busy.
+std::atomic<int64_t> g_pack_budget{int64_t{64} << 20};
+
+int64_t packed_group(int64_t n_seq, int64_t T, int64_t Dqk, int64_t Dv) {
+  const int64_t per_seq = ((T + kTileK - 1) / kTileK * Dqk * kKeyLd + T * round_up16(Dv)) * 4;
+  const int64_t fit = g_pack_budget.load() / per_seq;
+  return std::clamp<int64_t>(fit, std::min<int64_t>(n_seq, 2 * omp_get_max_threads()), n_seq);
+}
 
 // One tile pair of the forward: query rows [0, nq) of a query tile against
 // keys [0, nk) of a key tile. Query row r may see the tile's keys [0, diag +
@@ -629,6 +645,8 @@ void pair_grads(float* s, float* dp, const Pair& p, const float* dout, const flo
 namespace detail {
 // Exposed for the accuracy test of the vectorized exp against std::exp.
 float attention_exp_row(float* x, int64_t n, float shift) { return exp_row(x, n, shift); }
+// Exposed for the test that packing a few heads at a time changes no bit.
+int64_t set_attention_pack_budget(int64_t bytes) { return g_pack_budget.exchange(bytes); }
 }  // namespace detail
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
@@ -640,53 +658,59 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);
   const int64_t Dvp = round_up16(g.Dv);
-  // Sequence b * H + h of the packed keys is head h of batch row b.
-  PackedKeys pk(g.B, g.T, g.H, g.Dqk, g.Dv, k, v);
-  run_items(g.B * g.H * g.nq_tiles, ForwardScratch::floats(g.Dv), [&](int64_t it, float* scratch) {
-    const auto [b, h, qt] = item_index(it, g, g.nq_tiles, true);
-    const ForwardScratch w(scratch, g.Dv);
-    float *o = w.o, *m = w.m, *l = w.l;
-    const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, g.T - i0);
-    std::fill(o, o + nq * Dvp, 0.0f);
-    std::fill(m, m + nq, kNegInf);
-    std::fill(l, l + nq, 0.0f);
-    for (int64_t kt = 0; kt * kTileK < i0 + nq; ++kt) {
-      const Pair t = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
-      if (t.skip) continue;
-      ForwardPair p{q + g.row(b, i0, h, g.Dqk),
-                    pk.keys(b * g.H + h, t.j0),
-                    pk.values(b * g.H + h) + t.j0 * Dvp,
-                    g.ld_qk(),
-                    nq,
-                    t.nk,
-                    i0 - t.j0};
-      if (t.segment) {
-        p.seg_q = segment_ids + b * g.T + i0;
-        p.seg_k = segment_ids + b * g.T + t.j0;
+  // Sequence b * H + h of the packed keys is head h of batch row b. Items
+  // (sequence, query tile) of a group, the last query tiles (the most keys)
+  // first.
+  const int64_t n_seq = g.B * g.H, group = packed_group(n_seq, g.T, g.Dqk, g.Dv);
+  for (int64_t s0 = 0; s0 < n_seq; s0 += group) {
+    const int64_t s1 = std::min(n_seq, s0 + group);
+    PackedKeys pk(g.T, g.H, g.Dqk, g.Dv, k, v, s0, s1);
+    run_items((s1 - s0) * g.nq_tiles, ForwardScratch::floats(g.Dv), [&](int64_t it, float* scratch) {
+      const int64_t sq = s0 + it % (s1 - s0), b = sq / g.H, h = sq % g.H, qt = g.nq_tiles - 1 - it / (s1 - s0);
+      const ForwardScratch w(scratch, g.Dv);
+      float *o = w.o, *m = w.m, *l = w.l;
+      const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, g.T - i0);
+      std::fill(o, o + nq * Dvp, 0.0f);
+      std::fill(m, m + nq, kNegInf);
+      std::fill(l, l + nq, 0.0f);
+      for (int64_t kt = 0; kt * kTileK < i0 + nq; ++kt) {
+        const Pair t = tile_pair(g, segment_ids, qr, kr, b, qt, kt);
+        if (t.skip) continue;
+        ForwardPair p{q + g.row(b, i0, h, g.Dqk),
+                      pk.keys(b * g.H + h, t.j0),
+                      pk.values(b * g.H + h) + t.j0 * Dvp,
+                      g.ld_qk(),
+                      nq,
+                      t.nk,
+                      i0 - t.j0};
+        if (t.segment) {
+          p.seg_q = segment_ids + b * g.T + i0;
+          p.seg_k = segment_ids + b * g.T + t.j0;
+        }
+        if (selected) {
+          p.sel = selected + (b * g.T + i0) * g.T + t.j0;
+          p.ld_sel = g.T;
+        }
+        forward_pair(w, p, g.Dqk, g.Dv, g.scale);
       }
-      if (selected) {
-        p.sel = selected + (b * g.T + i0) * g.T + t.j0;
-        p.ld_sel = g.T;
+      // Every query attends to a key (itself, or a selected one), so l is
+      // about 1 or more here (NaN inputs give NaN, never a division by 0).
+      // With a sink its exp joins the denominator: lse' = logaddexp(lse,
+      // sink), and out shrinks by exp(lse - lse').
+      for (int64_t r = 0; r < nq; ++r) {
+        const float lse0 = m[r] + std::log(l[r]);
+        float lse1 = lse0, inv = 1.0f / l[r];
+        if (sink) {
+          const float hi = std::max(lse0, sink[h]), lo = std::min(lse0, sink[h]);
+          lse1 = hi + std::log1p(std::exp(lo - hi));
+          inv *= std::exp(lse0 - lse1);
+        }
+        float* dst = out + g.row(b, i0 + r, h, g.Dv);
+        for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * Dvp + c] * inv;
+        lse[(b * g.H + h) * g.T + i0 + r] = lse1;
       }
-      forward_pair(w, p, g.Dqk, g.Dv, g.scale);
-    }
-    // Every query attends to a key (itself, or a selected one), so l is
-    // about 1 or more here (NaN inputs give NaN, never a division by 0).
-    // With a sink its exp joins the denominator: lse' = logaddexp(lse,
-    // sink), and out shrinks by exp(lse - lse').
-    for (int64_t r = 0; r < nq; ++r) {
-      const float lse0 = m[r] + std::log(l[r]);
-      float lse1 = lse0, inv = 1.0f / l[r];
-      if (sink) {
-        const float hi = std::max(lse0, sink[h]), lo = std::min(lse0, sink[h]);
-        lse1 = hi + std::log1p(std::exp(lo - hi));
-        inv *= std::exp(lse0 - lse1);
-      }
-      float* dst = out + g.row(b, i0 + r, h, g.Dv);
-      for (int64_t c = 0; c < g.Dv; ++c) dst[c] = o[r * Dvp + c] * inv;
-      lse[(b * g.H + h) * g.T + i0 + r] = lse1;
-    }
-  });
+    });
+  }
 }
 
 void attention_forward_past(float* out, const float* q, const float* k, const float* v, int64_t past,
@@ -698,29 +722,33 @@ void attention_forward_past(float* out, const float* q, const float* k, const fl
   const int64_t n = d.seq, H = d.heads, Dqk = d.qk_dim, Dv = d.v_dim, nq_tiles = (n + kTileQ - 1) / kTileQ;
   const int64_t ldq = H * Dqk, ldv = H * Dv;
   const int64_t Dvp = round_up16(Dv);
-  // Sequence h of the packed keys is head h.
-  PackedKeys pk(1, past + n, H, Dqk, Dv, k, v);
-  // Items (head, query tile), the last query tiles (the most keys) first.
-  run_items(H * nq_tiles, ForwardScratch::floats(Dv), [&](int64_t it, float* scratch) {
-    const int64_t h = it % H, qt = nq_tiles - 1 - it / H;
-    const ForwardScratch w(scratch, Dv);
-    const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, n - i0);
-    const int64_t last = past + i0 + nq - 1;  // the last key any query of the tile sees
-    std::fill(w.o, w.o + nq * Dvp, 0.0f);
-    std::fill(w.m, w.m + nq, kNegInf);
-    std::fill(w.l, w.l + nq, 0.0f);
-    for (int64_t j0 = 0; j0 <= last; j0 += kTileK) {
-      const int64_t nk = std::min(kTileK, last + 1 - j0);
-      // Query r is at position past + i0 + r.
-      forward_pair(w, {q + i0 * ldq + h * Dqk, pk.keys(h, j0), pk.values(h) + j0 * Dvp, ldq, nq, nk, past + i0 - j0},
-                   Dqk, Dv, d.scale);
-    }
-    for (int64_t r = 0; r < nq; ++r) {
-      const float inv = 1.0f / w.l[r];  // every query sees at least its own key
-      float* dst = out + (i0 + r) * ldv + h * Dv;
-      for (int64_t c = 0; c < Dv; ++c) dst[c] = w.o[r * Dvp + c] * inv;
-    }
-  });
+  // Sequence h of the packed keys is head h. Items (head, query tile) of a
+  // group of heads, the last query tiles (the most keys) first.
+  const int64_t group = packed_group(H, past + n, Dqk, Dv);
+  for (int64_t h0 = 0; h0 < H; h0 += group) {
+    const int64_t h1 = std::min(H, h0 + group);
+    PackedKeys pk(past + n, H, Dqk, Dv, k, v, h0, h1);
+    run_items((h1 - h0) * nq_tiles, ForwardScratch::floats(Dv), [&](int64_t it, float* scratch) {
+      const int64_t h = h0 + it % (h1 - h0), qt = nq_tiles - 1 - it / (h1 - h0);
+      const ForwardScratch w(scratch, Dv);
+      const int64_t i0 = qt * kTileQ, nq = std::min(kTileQ, n - i0);
+      const int64_t last = past + i0 + nq - 1;  // the last key any query of the tile sees
+      std::fill(w.o, w.o + nq * Dvp, 0.0f);
+      std::fill(w.m, w.m + nq, kNegInf);
+      std::fill(w.l, w.l + nq, 0.0f);
+      for (int64_t j0 = 0; j0 <= last; j0 += kTileK) {
+        const int64_t nk = std::min(kTileK, last + 1 - j0);
+        // Query r is at position past + i0 + r.
+        forward_pair(w, {q + i0 * ldq + h * Dqk, pk.keys(h, j0), pk.values(h) + j0 * Dvp, ldq, nq, nk, past + i0 - j0},
+                     Dqk, Dv, d.scale);
+      }
+      for (int64_t r = 0; r < nq; ++r) {
+        const float inv = 1.0f / w.l[r];  // every query sees at least its own key
+        float* dst = out + (i0 + r) * ldv + h * Dv;
+        for (int64_t c = 0; c < Dv; ++c) dst[c] = w.o[r * Dvp + c] * inv;
+      }
+    });
+  }
 }
 
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
