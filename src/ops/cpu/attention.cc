@@ -106,69 +106,41 @@ HWY_INLINE void WithRows(int64_t n, F&& f) {
 #define DS_ATT_ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
 #define DS_ATT_DECLARE(r) VT c##r##a = hn::Zero(d), c##r##b = hn::Zero(d);
 
-// s[r][c] = scale * sum_k q[r][k] kt[k][c] for r < R and the one or two
-// vectors of columns at kt and s. The sum runs over k in order, one fused
-// multiply-add per k.
-template <int R, bool Two>
-HWY_INLINE void ScoreBlock(float* HWY_RESTRICT s, int64_t lds, const float* HWY_RESTRICT q, int64_t ldq,
-                           const float* HWY_RESTRICT kt, int64_t ldk, int64_t K, float scale) {
+// c[r][:] = scale * sum_k a[r][k] b[k][:] (or, kAccumulate, c[r][:] +=
+// sum_k a[r][k] b[k][:]) for r < R and the one or two vectors of columns at
+// b and c: the scores (a = q, b = the keys transposed) and P V (a = P, b =
+// v). The sum runs over k in order, one fused multiply-add per k.
+template <int R, bool Two, bool kAccumulate>
+HWY_INLINE void RowBlock(float* HWY_RESTRICT c, int64_t ldc, const float* HWY_RESTRICT a, int64_t lda,
+                         const float* HWY_RESTRICT b, int64_t ldb, int64_t K, float scale) {
   static_assert(R <= 8, "eight named accumulator rows");
   const DT d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   DS_ATT_ROWS(DS_ATT_DECLARE)
+#define DS_LOAD(r)                                              \
+  if constexpr (kAccumulate && R > r) {                         \
+    c##r##a = hn::LoadU(d, c + r * ldc);                        \
+    if constexpr (Two) c##r##b = hn::LoadU(d, c + r * ldc + N); \
+  }
+  DS_ATT_ROWS(DS_LOAD)
+#undef DS_LOAD
   for (int64_t k = 0; k < K; ++k) {
-    const VT x0 = hn::LoadU(d, kt + k * ldk);
-    const VT x1 = Two ? hn::LoadU(d, kt + k * ldk + N) : x0;
+    const VT x0 = hn::LoadU(d, b + k * ldb);
+    const VT x1 = Two ? hn::LoadU(d, b + k * ldb + N) : x0;
 #define DS_STEP(r)                                           \
   if constexpr (R > r) {                                     \
-    const VT b = hn::Set(d, q[r * ldq + k]);                 \
-    c##r##a = hn::MulAdd(x0, b, c##r##a);                    \
-    if constexpr (Two) c##r##b = hn::MulAdd(x1, b, c##r##b); \
+    const VT w = hn::Set(d, a[r * lda + k]);                 \
+    c##r##a = hn::MulAdd(x0, w, c##r##a);                    \
+    if constexpr (Two) c##r##b = hn::MulAdd(x1, w, c##r##b); \
   }
     DS_ATT_ROWS(DS_STEP)
 #undef DS_STEP
   }
   const VT sc = hn::Set(d, scale);
-#define DS_STORE(r)                                                          \
-  if constexpr (R > r) {                                                     \
-    hn::StoreU(hn::Mul(c##r##a, sc), d, s + r * lds);                        \
-    if constexpr (Two) hn::StoreU(hn::Mul(c##r##b, sc), d, s + r * lds + N); \
-  }
-  DS_ATT_ROWS(DS_STORE)
-#undef DS_STORE
-}
-
-// o[r][c] += sum_j p[r][j] v[j][c] for r < R and the one or two vectors of
-// columns at o and v; the sum over j in order.
-template <int R, bool Two>
-HWY_INLINE void ValueBlock(float* HWY_RESTRICT o, int64_t ldo, const float* HWY_RESTRICT p, int64_t ldp,
-                           const float* HWY_RESTRICT v, int64_t ldv, int64_t n) {
-  const DT d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  DS_ATT_ROWS(DS_ATT_DECLARE)
-#define DS_LOAD(r)                                              \
-  if constexpr (R > r) {                                        \
-    c##r##a = hn::LoadU(d, o + r * ldo);                        \
-    if constexpr (Two) c##r##b = hn::LoadU(d, o + r * ldo + N); \
-  }
-  DS_ATT_ROWS(DS_LOAD)
-#undef DS_LOAD
-  for (int64_t j = 0; j < n; ++j) {
-    const VT x0 = hn::LoadU(d, v + j * ldv);
-    const VT x1 = Two ? hn::LoadU(d, v + j * ldv + N) : x0;
-#define DS_STEP(r)                                           \
-  if constexpr (R > r) {                                     \
-    const VT b = hn::Set(d, p[r * ldp + j]);                 \
-    c##r##a = hn::MulAdd(x0, b, c##r##a);                    \
-    if constexpr (Two) c##r##b = hn::MulAdd(x1, b, c##r##b); \
-  }
-    DS_ATT_ROWS(DS_STEP)
-#undef DS_STEP
-  }
-#define DS_STORE(r)                                             \
-  if constexpr (R > r) {                                        \
-    hn::StoreU(c##r##a, d, o + r * ldo);                        \
-    if constexpr (Two) hn::StoreU(c##r##b, d, o + r * ldo + N); \
+#define DS_STORE(r)                                                                                  \
+  if constexpr (R > r) {                                                                             \
+    hn::StoreU(kAccumulate ? c##r##a : hn::Mul(c##r##a, sc), d, c + r * ldc);                        \
+    if constexpr (Two) hn::StoreU(kAccumulate ? c##r##b : hn::Mul(c##r##b, sc), d, c + r * ldc + N); \
   }
   DS_ATT_ROWS(DS_STORE)
 #undef DS_STORE
@@ -209,11 +181,11 @@ void ScoreTile(float* s, int64_t lds, const float* q, int64_t ldq, const float* 
       float* sb = s + r0 * lds + c;
       const float* qb = q + r0 * ldq;
       if (c + 2 * N <= n) {
-        WithRows<kScoreRows>(rows,
-                             [&](auto r) HWY_ATTR { ScoreBlock<r(), true>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
+        WithRows<kScoreRows>(
+            rows, [&](auto r) HWY_ATTR { RowBlock<r(), true, false>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
       } else {
-        WithRows<kScoreRows>(rows,
-                             [&](auto r) HWY_ATTR { ScoreBlock<r(), false>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
+        WithRows<kScoreRows>(
+            rows, [&](auto r) HWY_ATTR { RowBlock<r(), false, false>(sb, lds, qb, ldq, kt + c, ldk, K, scale); });
       }
     }
   }
@@ -233,9 +205,11 @@ void ValueTile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* 
       float* ob = o + r0 * ldo + c;
       const float* pb = p + r0 * ldp;
       if (c + 2 * N <= cols) {
-        WithRows<kScoreRows>(rows, [&](auto r) HWY_ATTR { ValueBlock<r(), true>(ob, ldo, pb, ldp, v + c, ldv, n); });
+        WithRows<kScoreRows>(
+            rows, [&](auto r) HWY_ATTR { RowBlock<r(), true, true>(ob, ldo, pb, ldp, v + c, ldv, n, 1.0f); });
       } else {
-        WithRows<kScoreRows>(rows, [&](auto r) HWY_ATTR { ValueBlock<r(), false>(ob, ldo, pb, ldp, v + c, ldv, n); });
+        WithRows<kScoreRows>(
+            rows, [&](auto r) HWY_ATTR { RowBlock<r(), false, true>(ob, ldo, pb, ldp, v + c, ldv, n, 1.0f); });
       }
     }
   }
