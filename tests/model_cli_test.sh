@@ -48,6 +48,17 @@ json=$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 3)
 check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_tokens_per_s\""* ]]' "bench prints a JSON line: $json"
 check '[[ "$json" == *"\"prefill_model_flops_per_token\":"[1-9]* && "$json" == *"\"prefill_gflop_per_s\":"[0-9]* ]]' \
   "bench reports the prefill's model FLOPs per token and its FLOP rate: $json"
+# DEEPSEEK_STAGE_TIMES=1 prints each layer stage's time at exit (every
+# stage a MoE model's prefill meets, with a nonzero total); off, nothing.
+times=$(DEEPSEEK_STAGE_TIMES=1 "$bin" bench --model "$m" --batch 2 --prompt-len 20 --new-tokens 3 --repeat 1 2>&1 >/dev/null)
+for stage in norms "query projection" "key/value projection" attention "output projection" "routing and gather" \
+  experts combine "dense MLP"; do
+  check '[[ "$times" == *"  $stage "*" ms "*"%"* ]]' "stage times list '$stage': $times"
+done
+check '[[ "$times" =~ attention\ +([0-9]+\.[0-9])\ ms && "${BASH_REMATCH[1]}" != "0.0" ]]' \
+  "the attention stage took some time: $times"
+check '[[ "$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 1 --repeat 1 2>&1 >/dev/null)" != *"stage times"* ]]' \
+  "no stage times unless asked"
 
 # The bf16 matmul precision runs every path (bf16 weights, fp8 weights,
 # generation) and says so; an unknown precision is one error line.

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/stage_times.h"
 #include "model/staged.h"
 #include "ops/attention.h"
 #include "ops/indexer.h"
@@ -240,7 +241,10 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   const bool forward = h_out != nullptr;
   X.x.resize(N * D);
   X.rstd1.resize(N);
-  norm_rows(X.x.data(), X.rstd1.data(), h, p.input_norm, N, s);
+  {
+    StageTimer t(Stage::kNorm);
+    norm_rows(X.x.data(), X.rstd1.data(), h, p.input_norm, N, s);
+  }
 
   // MLA
   const auto& a = p.attn;
@@ -254,6 +258,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     const bool q = need(S.query_proj);
     if (q) S.query_proj.resize(N * H * qk);
     QueryOut o{S.query_proj.data(), S.query_wa_proj.data(), S.mla_q.data(), S.q_rstd.data(), q_latent, q};
+    StageTimer t(Stage::kQueryProj);
     query_projection_forward(o, X.x.data(), a, s, layout.positions, N);
   }
   if (need(S.kv_wa_proj) || need(S.mla_kv) || need(S.kv_rstd) || need(S.k_pe)) {
@@ -262,6 +267,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     S.mla_kv.resize(N * kvl);
     S.kv_rstd.resize(N);
     S.k_pe.resize(N * rope);
+    StageTimer t(Stage::kKvProj);
     kv_projection_forward({S.kv_wa_proj.data(), S.mla_kv.data(), S.kv_rstd.data(), S.k_pe.data(), project}, X.x.data(),
                           a, s, layout.positions, N);
   }
@@ -272,7 +278,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   if (!kv && trains_indexer(s, layer) && (s.indexer_sparse || !forward))
     run_indexer(X, S.mla_q.data(), p.attn.indexer, s, layout);
   const uint8_t* selected = X.selected.empty() ? nullptr : X.selected.data();
-  if (kv) {
+  if (StageTimer t(Stage::kAttention); kv) {
     if (attention_missing) {
       S.attention_out.resize(N * H * vd);
       const AttentionInputs in{S.query_proj.data(), S.mla_kv.data(), S.k_pe.data(), X.x.data(),
@@ -295,13 +301,17 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   }
   if (need(S.out_proj)) {
     S.out_proj.resize(N * D);
+    StageTimer t(Stage::kOutProj);
     out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
   }
   X.h1.resize(N * D);
   for (int64_t i = 0; i < N * D; ++i) X.h1[i] = h[i] + S.out_proj[i];
   X.m.resize(N * D);
   X.rstd2.resize(N);
-  norm_rows(X.m.data(), X.rstd2.data(), X.h1.data(), p.post_attention_norm, N, s);
+  {
+    StageTimer t(Stage::kNorm);
+    norm_rows(X.m.data(), X.rstd2.data(), X.h1.data(), p.post_attention_norm, N, s);
+  }
 
   // FFN
   Buffer<float> ffn_out;
@@ -316,6 +326,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     S.mlpwi_1.resize(N * I);
   }
   if (!moe) {
+    StageTimer t(Stage::kDenseMlp);
     if (forward) {
       mlp_forward(ffn_out.data(), residuals ? S.mlpwi_0.data() : nullptr, residuals ? S.mlpwi_1.data() : nullptr,
                   X.m.data(), p.mlp, N);
@@ -325,10 +336,12 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     }
   } else {
     Routing& r = X.routing;
+    StageTimer routing(Stage::kRouting);
     expert_selection_forward(r, X.m.data(), p.moe, s, N);
     const int64_t n = N * r.k, Ie = c.moe_intermediate_size;
     X.xs.resize(n * D);
     ops::route_forward(X.xs.data(), X.m.data(), r.order.data(), N, r.k, D);
+    routing.stop();
     // Expert parallelism: the rows travel to their experts' ranks (and, in a
     // backward, again, since the plan and these rows are scratch).
     TokenExchange* ex = s.exchange;
@@ -353,13 +366,17 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
       ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),         shared_out.data(),
                   residuals ? S.moe_mlpwi_0.data() : nullptr,       residuals ? S.moe_mlpwi_1.data() : nullptr,
                   shared && residuals ? S.mlpwi_0.data() : nullptr, shared && residuals ? S.mlpwi_1.data() : nullptr};
-      experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
-                      ex ? &X.plan.local_sizes : nullptr);
+      {
+        StageTimer t(Stage::kExperts);
+        experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
+                        ex ? &X.plan.local_sizes : nullptr);
+      }
       if (ex) {
         auto back = ex->start_undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
         co_await Pending{&back};
       }
       if (forward) {
+        StageTimer t(Stage::kCombine);
         ffn_out.swap(shared_out);  // the shared experts' output, plus the routed ones'
         combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
       }

@@ -1,0 +1,38 @@
+// Wall-clock time per stage of the model's layers, for finding where a
+// prefill or a step spends its time. Off unless the environment sets
+// DEEPSEEK_STAGE_TIMES=1; then each stage's total (every layer, every call,
+// on the calling thread) and its share are printed to stderr at exit. Off,
+// a stage costs one load and a branch.
+#pragma once
+
+#include <chrono>
+
+namespace ds {
+
+enum class Stage { kNorm, kQueryProj, kKvProj, kAttention, kOutProj, kRouting, kExperts, kCombine, kDenseMlp, kCount };
+
+bool stage_times_enabled();
+void add_stage_time(Stage s, double seconds);
+
+// Adds the time from construction to destruction to stage s, when enabled.
+class StageTimer {
+ public:
+  explicit StageTimer(Stage s) : s_(s), on_(stage_times_enabled()) {
+    if (on_) t0_ = std::chrono::steady_clock::now();
+  }
+  ~StageTimer() { stop(); }
+  // Ends the stage before the end of the scope (once).
+  void stop() {
+    if (on_) add_stage_time(s_, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count());
+    on_ = false;
+  }
+  StageTimer(const StageTimer&) = delete;
+  StageTimer& operator=(const StageTimer&) = delete;
+
+ private:
+  Stage s_;
+  bool on_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace ds
