@@ -55,6 +55,26 @@
 #include "core/parallel.h"
 #include "ops/matmul.h"
 
+// Target-independent definitions, seen once (this file is included again
+// for every target below).
+#ifndef DS_OPS_CPU_ATTENTION_ONCE
+#define DS_OPS_CPU_ATTENTION_ONCE
+namespace ds::ops {
+namespace {
+
+constexpr int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// Keys of a forward tile pair that query rows [r0, r0 + rows) may see: those
+// of the block's last row, diag + r0 + rows, clamped to [0, nk] (query row r
+// sees the tile's keys [0, diag + r + 1)).
+constexpr int64_t block_keys(int64_t r0, int64_t rows, int64_t nk, int64_t diag) {
+  return std::clamp<int64_t>(diag + r0 + rows, 0, nk);
+}
+
+}  // namespace
+}  // namespace ds::ops
+#endif  // DS_OPS_CPU_ATTENTION_ONCE
+
 // The row kernels below are Highway code, compiled once per SIMD target and
 // dispatched at run time (core/simd.h); the tiling after them is plain C++.
 #undef HWY_TARGET_INCLUDE
@@ -158,25 +178,19 @@ constexpr int kScoreRows = 4;
 constexpr int kScoreRows = 8;
 #endif
 
-// Keys of a tile pair that query rows [r0, r0 + rows) may see: those of the
-// block's last row, diag + r0 + rows, clamped to [0, nk].
-HWY_INLINE int64_t BlockKeys(int64_t r0, int64_t rows, int64_t nk, int64_t diag) {
-  return std::clamp<int64_t>(diag + r0 + rows, 0, nk);
-}
-
 // Scores of one tile pair: s[r][c] = scale * q[r] . k[c] for query rows r <
 // nq, in blocks of kScoreRows rows, each for the keys c its last row may see
-// (BlockKeys) rounded up to 16; kt = the keys transposed ([K][ldk], zero past
+// (block_keys) rounded up to 16; kt = the keys transposed ([K][ldk], zero past
 // the keys). Column blocks outside, row blocks inside, so that each column
 // block of kt (K x 2 vectors) stays in L1 while every row block reads it.
 void ScoreTile(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t nq, int64_t nk,
                int64_t diag, int64_t K, float scale) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(DT()));
-  const int64_t cols = (BlockKeys(0, nq, nk, diag) + 15) / 16 * 16;
+  const int64_t cols = round_up16(block_keys(0, nq, nk, diag));
   for (int64_t c = 0; c < cols; c += 2 * N) {
     for (int64_t r0 = 0; r0 < nq; r0 += kScoreRows) {
       const int64_t rows = std::min<int64_t>(kScoreRows, nq - r0);
-      const int64_t n = (BlockKeys(r0, rows, nk, diag) + 15) / 16 * 16;
+      const int64_t n = round_up16(block_keys(r0, rows, nk, diag));
       if (c >= n) continue;
       float* sb = s + r0 * lds + c;
       const float* qb = q + r0 * ldq;
@@ -192,7 +206,7 @@ void ScoreTile(float* s, int64_t lds, const float* q, int64_t ldq, const float* 
 }
 
 // o[r][c] += sum_j p[r][j] v[j][c] for query rows r < nq, c < cols (a
-// multiple of 16), j over the keys of the row's block (BlockKeys); column
+// multiple of 16), j over the keys of the row's block (block_keys); column
 // blocks outside, so that each column block of v stays in L1.
 void ValueTile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nq, int64_t nk,
                int64_t diag, int64_t cols) {
@@ -200,7 +214,7 @@ void ValueTile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* 
   for (int64_t c = 0; c < cols; c += 2 * N) {
     for (int64_t r0 = 0; r0 < nq; r0 += kScoreRows) {
       const int64_t rows = std::min<int64_t>(kScoreRows, nq - r0);
-      const int64_t n = BlockKeys(r0, rows, nk, diag);
+      const int64_t n = block_keys(r0, rows, nk, diag);
       if (n == 0) continue;
       float* ob = o + r0 * ldo + c;
       const float* pb = p + r0 * ldp;
@@ -474,8 +488,6 @@ void check_selection(const Geometry& g, const int32_t* seg) {
     }
 }
 
-constexpr int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
-
 // The forward's per-thread scratch: s/p [TileQ, TileK], O [TileQ, Dvp] (Dv
 // rounded up to 16 columns), m and l [TileQ].
 struct ForwardScratch {
@@ -497,7 +509,7 @@ struct ForwardScratch {
 // sequence's length: at such power-of-two strides the rows the score kernel
 // walks down map to a few sets of the L1 cache and evict each other. So do
 // a head's rows in v (H * Dv floats apart), hence the copy. A long context
-// with many heads packs a group of heads at a time (PackedGroup), so that
+// with many heads packs a group of heads at a time (packed_group), so that
 // the copies stay small beside k and v.
 constexpr int64_t kKeyLd = kTileK + 16;
 
@@ -568,7 +580,7 @@ void forward_pair(const ForwardScratch& w, const ForwardPair& p, int64_t Dqk, in
   DS_DISPATCH(ScoreTile)(w.s, kTileK, p.q, p.ldq, p.kt, kKeyLd, p.nq, p.nk, p.diag, Dqk, scale);
   for (int64_t r0 = 0; r0 < p.nq; r0 += R) {
     const int64_t rows = std::min(R, p.nq - r0);
-    const int64_t n = std::clamp<int64_t>(p.diag + r0 + rows, 0, p.nk);  // keys the block's last row may see
+    const int64_t n = block_keys(r0, rows, p.nk, p.diag);
     if (n == 0) continue;
     // The block's scores reach nr, past n in whole vectors: those p are 0.
     const int64_t nr = round_up16(n);

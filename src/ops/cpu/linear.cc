@@ -701,6 +701,13 @@ int64_t ChunkRows(int64_t K) {
   return std::clamp<int64_t>((int64_t{1} << 18) / (4 * K) / kTileN * kTileN, kTileN, kChunkN);
 }
 
+// The products' weight rows laid end to end.
+HWY_INLINE int64_t ProductRows(const Product* products, int count) {
+  int64_t n = 0;
+  for (int i = 0; i < count; ++i) n += products[i].w->rows;
+  return n;
+}
+
 // Calls run(i, r0, r1) for the rows [r0, r1) of product i that rows [r0, r1)
 // of the products' rows laid end to end cover.
 template <class Run>
@@ -906,9 +913,8 @@ void WidenE4m3RowsToBf16(uint16_t* HWY_RESTRICT out, const Fp8Weight& f, int64_t
 // pairs broadcast from memory.
 DS_BF16_DOT_ATTR void PrefillBf16Dot(const Product* products, int count, const float* x, int64_t ldx, int64_t M,
                                      bool accumulate) {
-  const int64_t K = products[0].w->cols, P = PanelRows(), K2 = (K + 1) / 2, panel = K2 * P;
-  int64_t N = 0;
-  for (int i = 0; i < count; ++i) N += products[i].w->rows;
+  const int64_t K = products[0].w->cols, N = ProductRows(products, count), P = PanelRows(), K2 = (K + 1) / 2,
+                panel = K2 * P;
   const int64_t chunk = ChunkRows(K);
   auto pack = [&](float* xt, int64_t p0, int64_t p1) DS_BF16_DOT_ATTR {
     Buffer<float> tmp(static_cast<size_t>(panel));
@@ -994,9 +1000,7 @@ void Prefill(const Product* products, int count, const float* x, int64_t ldx, in
 #else
   (void)bf16_dot;
 #endif
-  const int64_t K = products[0].w->cols, P = PanelRows();
-  int64_t N = 0;
-  for (int i = 0; i < count; ++i) N += products[i].w->rows;
+  const int64_t K = products[0].w->cols, N = ProductRows(products, count), P = PanelRows();
   const int64_t chunk = ChunkRows(K);
   // Panels [p0, p1) of x (packed at xt, panel p0 first) against weight rows
   // [r0, r1) of the products, a chunk of weight rows at a time.
