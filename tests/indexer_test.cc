@@ -277,8 +277,10 @@ TEST(Indexer, SparseLatentAttentionIsDenseAttentionOverTheSelectedKeys) {
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < k; ++i) idx[j * k + i] = static_cast<int32_t>((j * 11 + i * 7) % T);
   std::vector<float> ctx(n * H * d.v_dim, -1.0f);
-  ops::latent_attention_sparse_forward(ctx.data(), H * d.v_dim, q.data(), H * qk, ckv.data(), kpe.data(), w.data(), n,
-                                       idx.data(), k, d);
+  const auto absorbed =
+      ops::absorb_kv_b(ops::WeightView{w.data(), DType::F32, H * (d.nope + d.v_dim), d.kv_lora}, d);
+  ops::latent_attention_sparse_forward(ctx.data(), H * d.v_dim, q.data(), H * qk, ckv.data(), kpe.data(),
+                                       absorbed.data(), n, idx.data(), k, d);
   for (int64_t j = 0; j < n; ++j) {
     // A cache of only the selected keys, which the query sees in full.
     std::vector<double> c(k * d.kv_lora), p(k * d.rope), want;

@@ -1,11 +1,15 @@
-// MLA latent decode attention: the absorbed float32 kernel against the
-// double reference that expands every cached key and value, for one new
-// token, several new tokens over a long cache, a fresh sequence (past 0),
-// one head and MLA's real head sizes; bad sizes are errors.
+// MLA latent attention: the absorbed float32 kernel against the double
+// reference that expands every cached key and value, for one new token,
+// several new tokens over a long cache, a fresh sequence (past 0), one head,
+// MLA's real head sizes, caches longer than one chunk of keys and more query
+// rows than one score tile, on every SIMD target; a batch of sequences gives
+// each the bits it gets alone, for any thread count; the absorbed weights
+// come from any dtype; bad sizes are errors.
 #include "ops/latent_attention.h"
 
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "ops/reference/latent_attention.h"
 #include "test_util.h"
@@ -15,18 +19,33 @@ namespace {
 
 using ops::LatentAttentionDims;
 
+ops::WeightView f32_weight(const std::vector<float>& w, const LatentAttentionDims& d) {
+  return {w.data(), DType::F32, d.heads * (d.nope + d.v_dim), d.kv_lora};
+}
+
+// A random sequence: queries, cache and kv_b.
+struct Case {
+  std::vector<float> q, ckv, kpe, w, absorbed;
+  Case(const LatentAttentionDims& d, int64_t n, int64_t T, uint64_t seed)
+      : q(test::randn(n * d.heads * (d.nope + d.rope), seed)),
+        ckv(test::randn(T * d.kv_lora, seed + 1)),
+        kpe(test::randn(T * d.rope, seed + 2)),
+        w(test::randn(d.heads * (d.nope + d.v_dim) * d.kv_lora, seed + 3, 0.3f)),
+        absorbed(ops::absorb_kv_b(f32_weight(w, d), d)) {}
+};
+
 void check(const LatentAttentionDims& d, int64_t n, int64_t past, uint64_t seed) {
   const int64_t H = d.heads, qk = d.nope + d.rope, T = past + n;
-  const auto q = test::randn(n * H * qk, seed), ckv = test::randn(T * d.kv_lora, seed + 1),
-             kpe = test::randn(T * d.rope, seed + 2),
-             w = test::randn(H * (d.nope + d.v_dim) * d.kv_lora, seed + 3, 0.3f);
-  std::vector<float> ctx(n * H * d.v_dim, -1.0f);
-  ops::latent_attention_forward(ctx.data(), H * d.v_dim, q.data(), H * qk, ckv.data(), kpe.data(), w.data(), n, past,
-                                d);
+  const Case c(d, n, T, seed);
   std::vector<double> want;
-  ref::latent_attention_forward(want, test::to_double(q), test::to_double(ckv), test::to_double(kpe),
-                                test::to_double(w), n, past, d);
-  test::expect_close(ctx, want, 2e-5, 2e-5, "ctx");
+  ref::latent_attention_forward(want, test::to_double(c.q), test::to_double(c.ckv), test::to_double(c.kpe),
+                                test::to_double(c.w), n, past, d);
+  test::for_each_simd_target([&](const char*) {
+    std::vector<float> ctx(n * H * d.v_dim, -1.0f);
+    ops::latent_attention_forward(ctx.data(), H * d.v_dim, c.q.data(), H * qk, c.ckv.data(), c.kpe.data(),
+                                  c.absorbed.data(), n, past, d);
+    test::expect_close(ctx, want, 2e-5, 2e-5, "ctx");
+  });
 }
 
 TEST(LatentAttention, OneNewTokenOverTheCache) { check({4, 12, 8, 12, 16, 0.2f}, 1, 9, 1); }
@@ -34,6 +53,88 @@ TEST(LatentAttention, SeveralNewTokensSeeOnlyTheirPast) { check({4, 12, 8, 12, 1
 TEST(LatentAttention, AFreshSequence) { check({2, 6, 4, 5, 7, 0.3f}, 6, 0, 3); }
 TEST(LatentAttention, OneHeadNoRope) { check({1, 8, 0, 4, 8, 0.35f}, 3, 2, 4); }
 TEST(LatentAttention, MlaHeadSizes) { check({2, 128, 64, 128, 512, 1.0f / 13.86f}, 2, 70, 5); }
+// Keys in three chunks (the last partial), the new tokens' rows straddling
+// a chunk edge; then 5 x 40 = 200 query rows, more than one score tile.
+TEST(LatentAttention, ALongCacheInChunks) { check({3, 8, 4, 8, 24, 0.25f}, 4, 1100, 6); }
+// New tokens on both sides of a key tile's edge (128), then of a chunk's
+// (512): the first queries see none of the last tile or chunk.
+TEST(LatentAttention, NewTokensAcrossATileEdge) { check({3, 8, 4, 8, 24, 0.25f}, 5, 126, 8); }
+TEST(LatentAttention, NewTokensAcrossAChunkEdge) { check({3, 8, 4, 8, 24, 0.25f}, 4, 510, 9); }
+TEST(LatentAttention, ManyQueryRows) { check({40, 8, 4, 6, 16, 0.3f}, 5, 150, 7); }
+
+// Sequences of a batch: dense ones of different lengths (one over several
+// chunks) and sparse queries over chosen keys.
+struct Batch {
+  LatentAttentionDims d{5, 16, 8, 16, 32, 0.2f};
+  std::vector<Case> cases;
+  std::vector<int64_t> n{1, 3, 1, 1}, past{40, 700, 7, 9};
+  std::vector<std::vector<int32_t>> keys{{}, {}, {}, {0, 2, 3, 5, 6, 8, 9, 16, 31, 40}};
+  Batch() {
+    for (size_t i = 0; i < n.size(); ++i) cases.emplace_back(d, n[i], past[i] + n[i] + 32, 40 + 10 * i);
+    for (auto& c : cases) c.absorbed = cases[0].absorbed;  // one layer's weights
+  }
+  int64_t qk() const { return d.nope + d.rope; }
+  ops::LatentQueries seq(size_t i, float* ctx) const {
+    ops::LatentQueries s;
+    s.q = cases[i].q.data();
+    s.ctx = ctx;
+    s.c_kv = cases[i].ckv.data();
+    s.k_pe = cases[i].kpe.data();
+    s.n = n[i];
+    s.past = keys[i].empty() ? past[i] : static_cast<int64_t>(keys[i].size()) - 1;
+    s.keys = keys[i].empty() ? nullptr : keys[i].data();
+    return s;
+  }
+  // Every sequence's ctx, from one call or one call per sequence.
+  std::vector<std::vector<float>> run(bool together) const {
+    std::vector<std::vector<float>> ctx;
+    for (size_t i = 0; i < n.size(); ++i) ctx.emplace_back(n[i] * d.heads * d.v_dim, -1.0f);
+    std::vector<ops::LatentQueries> seqs;
+    for (size_t i = 0; i < n.size(); ++i) seqs.push_back(seq(i, ctx[i].data()));
+    if (together) {
+      ops::latent_attention_forward(seqs.data(), static_cast<int64_t>(seqs.size()), d.heads * qk(), d.heads * d.v_dim,
+                                    cases[0].absorbed.data(), d);
+    } else {
+      for (const auto& s : seqs)
+        ops::latent_attention_forward(&s, 1, d.heads * qk(), d.heads * d.v_dim, cases[0].absorbed.data(), d);
+    }
+    return ctx;
+  }
+};
+
+TEST(LatentAttention, ABatchGivesEachSequenceItsOwnBits) {
+  const Batch b;
+  test::for_each_simd_target([&](const char*) { EXPECT_EQ(b.run(true), b.run(false)); });
+  // And the sparse query is the reference over its chosen keys.
+  const auto ctx = b.run(true);
+  const auto& c = b.cases[3];
+  const auto& keys = b.keys[3];
+  const int64_t k = static_cast<int64_t>(keys.size());
+  std::vector<double> ck(k * b.d.kv_lora), pk(k * b.d.rope), want;
+  for (int64_t i = 0; i < k; ++i) {
+    std::copy_n(c.ckv.begin() + keys[i] * b.d.kv_lora, b.d.kv_lora, ck.begin() + i * b.d.kv_lora);
+    std::copy_n(c.kpe.begin() + keys[i] * b.d.rope, b.d.rope, pk.begin() + i * b.d.rope);
+  }
+  ref::latent_attention_forward(want, test::to_double(c.q), ck, pk, test::to_double(b.cases[0].w), 1, k - 1, b.d);
+  test::expect_close(ctx[3], want, 2e-5, 2e-5, "sparse ctx");
+}
+
+TEST(LatentAttention, SameBitsForAnyThreadCount) {
+  const Batch b;
+  test::for_each_simd_target([&](const char*) { test::expect_same_for_any_thread_count([&] { return b.run(true); }); });
+}
+
+TEST(LatentAttention, AbsorbedWeightsFromBf16AreTheWidenedOnes) {
+  const LatentAttentionDims d{3, 8, 4, 6, 16, 0.3f};
+  auto w = test::randn(d.heads * (d.nope + d.v_dim) * d.kv_lora, 9);
+  std::vector<uint16_t> bits(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    bits[i] = f32_to_bf16(w[i]);
+    w[i] = bf16_to_f32(bits[i]);
+  }
+  const ops::WeightView bf16{bits.data(), DType::BF16, d.heads * (d.nope + d.v_dim), d.kv_lora};
+  EXPECT_EQ(ops::absorb_kv_b(bf16, d), ops::absorb_kv_b(f32_weight(w, d), d));
+}
 
 TEST(LatentAttention, BadSizesAreErrors) {
   std::vector<float> buf(4096);
@@ -42,6 +143,20 @@ TEST(LatentAttention, BadSizesAreErrors) {
       ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), buf.data(), buf.data(), 0, 1, d), Error);
   EXPECT_THROW(
       ops::latent_attention_forward(buf.data(), 8, buf.data(), 11, buf.data(), buf.data(), buf.data(), 1, 1, d), Error);
+  EXPECT_THROW(ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), nullptr, buf.data(), 1, 1, d),
+               Error);
+  ops::LatentQueries sparse;
+  const int32_t keys[2] = {0, 1};
+  sparse.q = sparse.c_kv = sparse.k_pe = buf.data();
+  sparse.ctx = buf.data();
+  sparse.n = 2;  // sparse queries come one at a time
+  sparse.past = 1;
+  sparse.keys = keys;
+  EXPECT_THROW(ops::latent_attention_forward(&sparse, 1, 12, 8, buf.data(), d), Error);
+  EXPECT_THROW(ops::absorb_kv_b(ops::WeightView{buf.data(), DType::F32, 15, 8}, d), Error);
+  EXPECT_THROW(ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), buf.data(), buf.data(), 1, 1,
+                                             LatentAttentionDims{2, 4, 2, 4, 0, 1.0f}),
+               Error);
 }
 
 }  // namespace

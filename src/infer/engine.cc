@@ -139,21 +139,17 @@ class CacheAttention : public model::KvAttention {
         items.push_back({&sq, r0 + j, std::min(kSparseRows, n - j), sq.past + j, true});
     }
     if (items.empty()) return;
-    // kv_b widened to float32 for the absorbed path (per head, rows
-    // [nope | v] x kvl), made on a layer's first use and kept: it is a small
-    // share of a layer (DeepSeek-V3: 64 MiB as float32 next to about 11 GiB
-    // of fp8 expert weights per layer), and widening it again on every step
-    // cost more than the attention itself.
-    std::vector<float>& wkvb = e_.absorbed_kv_b_[layer];
-    if (latent && wkvb.empty()) {
-      wkvb.resize(static_cast<size_t>(a.kv_b.rows * kvl));
-      ops::widen_rows(wkvb.data(), a.kv_b, 0, a.kv_b.rows);
-    }
+    // The absorbed kv_b (ops::absorb_kv_b), made on a layer's first use and
+    // kept: it is a small share of a layer (DeepSeek-V3: 64 MiB as float32
+    // next to about 11 GiB of fp8 expert weights per layer), and widening it
+    // again on every step cost more than the attention itself.
+    std::vector<float>& absorbed = e_.absorbed_kv_b_[layer];
+    const ops::LatentAttentionDims ld{H, nope, rope, vd, kvl, s.softmax_scale};
+    if (latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;
     for (const auto& it : items)
       work += it.n * (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di
                                 : (it.past + it.n) * H * (kvl + rope));
-    const ops::LatentAttentionDims ld{H, nope, rope, vd, kvl, s.softmax_scale};
     // The indexer's scores of a sparse item [n, T]. With fewer items than
     // threads (decode), they are computed first, split over chunks of keys,
     // so a long context keeps every thread busy; else inside the item's task.
@@ -185,55 +181,77 @@ class CacheAttention : public model::KvAttention {
     }
     // Threads take contiguous ranges of tasks; a prefill's later rows see
     // more keys, so the tasks run in the order first, last, second, ...
-    // which gives every range a like share of the work.
+    // which gives every range a like share of the work. With the latent
+    // cache a task only selects a sparse item's keys; the attention of
+    // every item then runs in one call below.
     std::vector<int64_t> order;
     for (int64_t a = 0, b = static_cast<int64_t>(items.size()) - 1; a <= b; ++a, --b) {
       order.push_back(a);
       if (a < b) order.push_back(b);
     }
-    parallel_ranges(static_cast<int64_t>(items.size()), work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
-      for (int64_t task = i0; task < i1; ++task) {
-        const int64_t i = order[task];
-        const Item& it = items[i];
-        SequenceCache& sc = cache_.seqs[it.seq->index];
-        const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
-        Buffer<int32_t> sel;
-        if (it.sparse) {
-          // The indexer's choice for each row: the topk best of its keys.
-          if (!split_scores) {
-            scores[i].resize(n * T);
-            score_keys(i, 0, T);
+    std::vector<Buffer<int32_t>> selected(items.size());
+    const bool select = std::any_of(items.begin(), items.end(), [](const Item& it) { return it.sparse; });
+    if (!latent || select)
+      parallel_ranges(static_cast<int64_t>(items.size()), work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
+        for (int64_t task = i0; task < i1; ++task) {
+          const int64_t i = order[task];
+          const Item& it = items[i];
+          SequenceCache& sc = cache_.seqs[it.seq->index];
+          const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
+          Buffer<int32_t>& sel = selected[i];
+          if (it.sparse) {
+            // The indexer's choice for each row: the topk best of its keys.
+            if (!split_scores) {
+              scores[i].resize(n * T);
+              score_keys(i, 0, T);
+            }
+            const Buffer<float>& score = scores[i];
+            sel.resize(n * topk);
+            for (int64_t j = 0; j < n; ++j)  // a sparse row sees more than topk keys: exactly topk are chosen
+              ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
+            scores[i] = Buffer<float>();
           }
-          const Buffer<float>& score = scores[i];
-          sel.resize(n * topk);
-          for (int64_t j = 0; j < n; ++j)  // a sparse row sees more than topk keys: exactly topk are chosen
-            ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
-          scores[i] = Buffer<float>();
+          if (latent) continue;
+          // Naive: per head, scores against the expanded keys, the causal
+          // softmax (over the selected keys only when sparse), then the values.
+          float* out = ctx + it.r0 * H * vd;
+          const float* qi = q + it.r0 * H * qk;
+          Buffer<float> S(n * T);
+          for (int64_t h = 0; h < H; ++h) {
+            ops::gemm(false, true, n, T, qk, s.softmax_scale, qi + h * qk, H * qk, sc.k[layer].data() + h * qk, H * qk,
+                      0.0f, S.data(), T);
+            if (it.sparse) mask_unselected(S.data(), n, T, sel.data(), topk);
+            ops::causal_softmax_rows(S.data(), n, n, P, T);
+            ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
+                      out + h * vd, H * vd);
+          }
         }
-        float* out = ctx + it.r0 * H * vd;
-        const float* qi = q + it.r0 * H * qk;
-        if (latent) {
-          if (it.sparse)
-            ops::latent_attention_sparse_forward(out, H * vd, qi, H * qk, sc.c_kv[layer].data(),
-                                                 sc.k_pe[layer].data(), wkvb.data(), n, sel.data(), topk, ld);
-          else
-            ops::latent_attention_forward(out, H * vd, qi, H * qk, sc.c_kv[layer].data(), sc.k_pe[layer].data(),
-                                          wkvb.data(), n, P, ld);
-          continue;
+      });
+    if (!latent) return;
+    // Every latent item at once: a dense item is one sequence's rows, each
+    // row of a sparse item a query of its own over its topk keys.
+    std::vector<ops::LatentQueries> queries;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
+      const SequenceCache& sc = cache_.seqs[it.seq->index];
+      ops::LatentQueries lq;
+      lq.c_kv = sc.c_kv[layer].data();
+      lq.k_pe = sc.k_pe[layer].data();
+      for (int64_t j = 0; j < (it.sparse ? it.n : 1); ++j) {
+        lq.q = q + (it.r0 + j) * H * qk;
+        lq.ctx = ctx + (it.r0 + j) * H * vd;
+        if (it.sparse) {
+          lq.past = topk - 1;
+          lq.keys = selected[i].data() + j * topk;
+        } else {
+          lq.n = it.n;
+          lq.past = it.past;
         }
-        // Naive: per head, scores against the expanded keys, the causal
-        // softmax (over the selected keys only when sparse), then the values.
-        Buffer<float> S(n * T);
-        for (int64_t h = 0; h < H; ++h) {
-          ops::gemm(false, true, n, T, qk, s.softmax_scale, qi + h * qk, H * qk, sc.k[layer].data() + h * qk, H * qk,
-                    0.0f, S.data(), T);
-          if (it.sparse) mask_unselected(S.data(), n, T, sel.data(), topk);
-          ops::causal_softmax_rows(S.data(), n, n, P, T);
-          ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
-                    out + h * vd, H * vd);
-        }
+        queries.push_back(lq);
       }
-    });
+    }
+    ops::latent_attention_forward(queries.data(), static_cast<int64_t>(queries.size()), H * qk, H * vd, absorbed.data(),
+                                  ld);
   }
 
  private:

@@ -42,7 +42,7 @@ class Engine {
   const model::ModelConfig& cfg_;
   const model::ParamsView& w_;
   model::StageConfig stages_;
-  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, widened on first decode use
+  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, ops::absorb_kv_b on first decode use
   bool dense_attention_ = false;
   friend class CacheAttention;
 };

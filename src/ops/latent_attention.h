@@ -1,5 +1,6 @@
-// MLA decode attention over the latent cache (weight absorption), for the
-// queries of one sequence that continue a cache.
+// MLA attention over the latent cache (weight absorption), for queries that
+// continue a cache: decode steps, and prefill chunks too short to be worth
+// expanding the cache.
 //
 // The cache holds per token only the normalised latent c_kv [kvl] and the
 // rotated shared rope key k_pe [rope]. With kv_b_proj = [W_UK; W_UV] per head
@@ -13,11 +14,21 @@
 // Query j (0 <= j < n) sits at position past + j and sees the cached tokens
 // 0..past+j (the cache already holds the n new tokens: T = past + n).
 //
-// Single-threaded: callers run one sequence per task. Results do not depend
-// on how sequences are assigned to threads.
+// Every head of a sequence is one query row of a multi-query attention over
+// the cache's tokens (key [c_kv | k_pe], value c_kv), computed on the
+// attention's register tiles (ops/cpu/attention_tiles.h) with an online
+// softmax; a decode step's long cache is split into chunks of keys whose
+// partial results are merged in order. The absorptions are products over all
+// the call's rows at once, so a batch of sequences reads the absorbed
+// weights once per step. Threaded over heads, sequences, query rows and key
+// chunks; every result is the same bits for any thread count and whichever
+// other sequences share the call.
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "ops/linear.h"
 
 namespace ds::ops {
 
@@ -26,25 +37,46 @@ struct LatentAttentionDims {
   float scale = 1.0f;
 };
 
-// q [n, heads, nope + rope] with row stride ldq (elements between tokens);
-// c_kv [T, kv_lora]; k_pe [T, rope]; w_kvb [heads * (nope + v_dim), kv_lora]
-// float32; ctx [n, heads, v_dim] with row stride ldc.
-void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
-                              const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
+// The absorbed projections, float32, from kv_b_proj [heads * (nope + v_dim),
+// kv_lora] (any dtype): per head W_UK_h [nope, kvlp], then per head W_UV_h^T
+// [kv_lora, vp], where kvlp and vp round kv_lora and v_dim up to 16 (zero
+// columns). Made once per layer and kept.
+std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d);
+
+// One sequence's queries for latent_attention_forward.
+struct LatentQueries {
+  const float* q = nullptr;     // [n, heads, nope + rope], rows ldq apart
+  float* ctx = nullptr;         // [n, heads, v_dim], rows ldc apart
+  const float* c_kv = nullptr;  // the cache's latents, [tokens, kv_lora]
+  const float* k_pe = nullptr;  // the cache's rope keys, [tokens, rope]
+  int64_t n = 1;                // new queries
+  int64_t past = 0;             // query j sees tokens 0..past + j
+  // DeepSeek-V3.2 sparse attention (DSA): with n = 1, the query sees only
+  // the past + 1 tokens keys[0..past] (rows of c_kv and k_pe), in that
+  // order (the indexer hands them in ascending order). Null: dense.
+  const int32_t* keys = nullptr;
+};
+
+// ctx of every sequence in seqs[0, count); `absorbed` from absorb_kv_b.
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
                               const LatentAttentionDims& d);
 
-// DeepSeek-V3.2 sparse attention (DSA) over the latent cache: query j
-// attends only to the k cached tokens idx[j * k .. j * k + k) (each < T,
-// the rows of c_kv and k_pe), with the same absorbed formulation. Results do
-// not depend on the order of a query's indices beyond summation order; the
-// indexer hands them in ascending order.
+// One sequence: q [n, heads, nope + rope] (row stride ldq), c_kv [T,
+// kv_lora], k_pe [T, rope], ctx [n, heads, v_dim] (row stride ldc).
+void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                              const float* k_pe, const float* absorbed, int64_t n, int64_t past,
+                              const LatentAttentionDims& d);
+
+// DSA over the latent cache for n queries of one sequence: query j attends
+// only to the k cached tokens idx[j * k .. j * k + k) (each < T, the rows of
+// c_kv and k_pe).
 void latent_attention_sparse_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
-                                     const float* k_pe, const float* w_kvb, int64_t n, const int32_t* idx, int64_t k,
+                                     const float* k_pe, const float* absorbed, int64_t n, const int32_t* idx, int64_t k,
                                      const LatentAttentionDims& d);
 
 // Causal softmax in place of score rows S [rows, T] (row stride T): row r is
 // query r % n at position past + r % n and sees keys 0..past + r % n; the
-// rest of the row becomes 0. Shared by the latent and the naive cache paths.
+// rest of the row becomes 0. Used by the naive cache path.
 void causal_softmax_rows(float* S, int64_t rows, int64_t n, int64_t past, int64_t T);
 
 }  // namespace ds::ops

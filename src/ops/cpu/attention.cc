@@ -59,10 +59,12 @@
 // for every target below).
 #ifndef DS_OPS_CPU_ATTENTION_ONCE
 #define DS_OPS_CPU_ATTENTION_ONCE
+#include "ops/cpu/attention_tiles.h"
+
 namespace ds::ops {
 namespace {
 
-constexpr int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
+using tiles::round_up16;
 
 // Keys of a forward tile pair that query rows [r0, r0 + rows) may see: those
 // of the block's last row, diag + r0 + rows, clamped to [0, nk] (query row r
@@ -302,6 +304,12 @@ void TransposeKeys(float* kt, int64_t ld, int64_t width, const float* k, int64_t
   GatherTransposed(kt, rows, n, width, ld, K);
 }
 
+// The same from row pointers (n <= 128).
+void GatherKeys(float* kt, int64_t ld, int64_t width, const float* const* rows, int64_t n, int64_t K) {
+  HWY_DASSERT(n <= 128);
+  GatherTransposed(kt, rows, n, width, ld, K);
+}
+
 int64_t BlockRows() { return kScoreRows; }
 
 }  // namespace
@@ -325,7 +333,26 @@ HWY_EXPORT(ScoreTile);
 HWY_EXPORT(ValueTile);
 HWY_EXPORT(FoldRows);
 HWY_EXPORT(TransposeKeys);
+HWY_EXPORT(GatherKeys);
 HWY_EXPORT(BlockRows);
+
+namespace tiles {
+void score_tile(float* s, int64_t lds, const float* q, int64_t ldq, const float* kt, int64_t ldk, int64_t nq,
+                int64_t nk, int64_t diag, int64_t K, float scale) {
+  DS_DISPATCH(ScoreTile)(s, lds, q, ldq, kt, ldk, nq, nk, diag, K, scale);
+}
+void fold_rows(float* s, int64_t lds, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t ldo) {
+  DS_DISPATCH(FoldRows)(s, lds, rows, n, m, l, o, ldo);
+}
+void value_tile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nq,
+                int64_t nk, int64_t diag, int64_t cols) {
+  DS_DISPATCH(ValueTile)(o, ldo, p, ldp, v, ldv, nq, nk, diag, cols);
+}
+void gather_keys(float* kt, int64_t ld, int64_t width, const float* const* rows, int64_t n, int64_t K) {
+  DS_DISPATCH(GatherKeys)(kt, ld, width, rows, n, K);
+}
+int64_t block_rows() { return DS_DISPATCH(BlockRows)(); }
+}  // namespace tiles
 
 namespace {
 
@@ -337,7 +364,7 @@ namespace {
 // 128 x 128, and no better with 256-row or 256-key tiles, which also leave
 // fewer items to share out for short sequences.
 constexpr int64_t kTileQ = 128;
-constexpr int64_t kTileK = 128;
+constexpr int64_t kTileK = tiles::kTileK;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -511,7 +538,7 @@ struct ForwardScratch {
 // a head's rows in v (H * Dv floats apart), hence the copy. A long context
 // with many heads packs a group of heads at a time (packed_group), so that
 // the copies stay small beside k and v.
-constexpr int64_t kKeyLd = kTileK + 16;
+constexpr int64_t kKeyLd = tiles::kKeyLd;
 
 struct PackedKeys {
   int64_t T, tiles, Dqk, Dv, Dvp, s0;

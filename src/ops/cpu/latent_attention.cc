@@ -1,7 +1,21 @@
-// MLA decode attention over the latent cache; see ops/latent_attention.h.
-// All heads of the sequence attend together: rows h*n + j (head h, query j)
-// of one score matrix [H*n, T], computed by two gemms over c_kv and k_pe, so
-// the cache is read once per step rather than once per head.
+// MLA attention over the latent cache; see ops/latent_attention.h.
+//
+// A call runs in four passes over all of its sequences' rows:
+//   1. queries into the latent space: qc [R, H, Dq] with Dq = kvlp + rope,
+//      per head [q_nope W_UK_h | q_pe] (the padding columns of q_lat are 0);
+//   2. tasks of up to kTileQ query rows of one sequence (row j * H + h:
+//      query j, head h) over its keys, a tile at a time: the keys transposed
+//      ([c_kv | 0 | k_pe], the score kernel's layout), then scores, mask,
+//      online softmax and P V, the values read from a copy at a padded
+//      stride when several blocks of rows read them. They write lat [R, H,
+//      kvlp] = softmax(s) c_kv. A decode step has few rows per sequence, so
+//      there a long cache is split into chunks of keys instead, each task
+//      writing a partial max, sum and output;
+//   3. the chunks' partials merged in chunk order;
+//   4. out [R, H, vp] = lat W_UV_h^T per head, then copied to ctx.
+// Passes 1 and 4 are the score kernel's product of rows by a row-major
+// matrix, so each row's result is the same whatever rows share the call.
+// Task shapes depend on the sizes alone, never on the thread count.
 #include "ops/latent_attention.h"
 
 #include <algorithm>
@@ -11,9 +25,277 @@
 
 #include "core/buffer.h"
 #include "core/error.h"
-#include "ops/matmul.h"
+#include "core/parallel.h"
+#include "ops/cpu/attention_tiles.h"
 
 namespace ds::ops {
+
+namespace {
+
+using tiles::kKeyLd;
+using tiles::kTileK;
+using tiles::round_up16;
+
+constexpr int64_t kTileQ = 128;             // query rows per score tile
+constexpr int64_t kChunkKeys = 4 * kTileK;  // keys per chunk, at least
+constexpr int64_t kMaxChunks = 16;          // chunks per sequence, at most
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Multiply-adds below which a pass runs on the calling thread: waking the
+// others costs about as much.
+constexpr int64_t kParallelWork = int64_t{1} << 18;
+
+// Sizes derived from the dimensions.
+struct Shape {
+  int64_t H, nope, rope, vd, kvl, kvlp, vp, Dq, ldv;
+  explicit Shape(const LatentAttentionDims& d)
+      : H(d.heads),
+        nope(d.nope),
+        rope(d.rope),
+        vd(d.v_dim),
+        kvl(d.kv_lora),
+        kvlp(round_up16(d.kv_lora)),
+        vp(round_up16(d.v_dim)),
+        Dq(kvlp + d.rope),
+        // Value rows 16 floats longer than the row: at a power-of-two stride
+        // the rows the P V kernel walks down would share a few L1 sets.
+        ldv(kvlp + 16) {}
+  const float* w_uk(const float* absorbed, int64_t h) const { return absorbed + h * nope * kvlp; }
+  const float* w_uv_t(const float* absorbed, int64_t h) const { return absorbed + H * nope * kvlp + h * kvl * vp; }
+};
+
+void check_dims(const LatentAttentionDims& d, const char* what) {
+  DS_CHECK(d.heads >= 1 && d.nope >= 0 && d.rope >= 0 && d.v_dim >= 1 && d.kv_lora >= 1,
+           "{}: bad sizes heads={} nope={} rope={} v={} kv_lora={}", what, d.heads, d.nope, d.rope, d.v_dim, d.kv_lora);
+  DS_CHECK(std::isfinite(d.scale), "{}: softmax scale must be finite, got {}", what, d.scale);
+}
+
+// One task: rows [r0, r1) of sequence sq (its queries at qc, Dq apart)
+// against its keys [k0, k1), into m, l [r1 - r0] and o [r1 - r0, kvlp]
+// (fresh: max -inf, sum 0, output 0 at the start). r1 - r0 <= kTileQ.
+void attend(float* m, float* l, float* o, const float* qc, const LatentQueries& sq, int64_t r0, int64_t r1, int64_t k0,
+            int64_t k1, const Shape& g, float scale) {
+  const int64_t rows = r1 - r0;
+  std::fill(m, m + rows, kNegInf);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(o, o + rows * g.kvlp, 0.0f);
+  // A transposed key tile, its values and a tile of scores.
+  Buffer<float> scratch(static_cast<size_t>(g.Dq * kKeyLd + kTileK * g.ldv + kTileQ * kTileK));
+  float* kt = scratch.data();
+  float* vb = kt + g.Dq * kKeyLd;
+  float* s = vb + kTileK * g.ldv;
+  const float* ck[kTileK];
+  const float* pk[kTileK];
+  // One block of query rows reads each value once: it may read them where
+  // they are when they are a whole number of vectors. More rows read them
+  // again for each block, from a copy at the padded stride.
+  const bool direct = !sq.keys && g.kvl == g.kvlp && rows <= tiles::block_rows();
+  for (int64_t j0 = k0; j0 < k1; j0 += kTileK) {
+    const int64_t nk = std::min(kTileK, k1 - j0), width = round_up16(nk);
+    // Row j H + h sees tokens [0, past + j + 1): the rows before query
+    // j0 - past see none of this tile.
+    const int64_t first = sq.keys ? r0 : std::clamp<int64_t>((j0 - sq.past) * g.H, r0, r1);
+    if (first == r1) break;
+    for (int64_t t = 0; t < nk; ++t) {
+      const int64_t token = sq.keys ? sq.keys[j0 + t] : j0 + t;
+      ck[t] = sq.c_kv + token * g.kvl;
+      pk[t] = sq.k_pe + token * g.rope;
+      if (direct) continue;
+      float* v = vb + t * g.ldv;
+      std::memcpy(v, ck[t], static_cast<size_t>(g.kvl) * sizeof(float));
+      std::fill(v + g.kvl, v + g.kvlp, 0.0f);
+    }
+    const float* values = direct ? ck[0] : vb;
+    const int64_t ldv = direct ? g.kvl : g.ldv;
+    tiles::gather_keys(kt, kKeyLd, width, ck, nk, g.kvl);
+    for (int64_t c = g.kvl; c < g.kvlp; ++c) std::fill(kt + c * kKeyLd, kt + c * kKeyLd + width, 0.0f);
+    if (g.rope > 0) tiles::gather_keys(kt + g.kvlp * kKeyLd, kKeyLd, width, pk, nk, g.rope);
+    const int64_t n = r1 - first, i = first - r0;
+    tiles::score_tile(s, kTileK, qc + first * g.Dq, g.Dq, kt, kKeyLd, n, nk, nk, g.Dq, scale);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t allowed = sq.keys ? nk : std::clamp<int64_t>(sq.past + (first + r) / g.H + 1 - j0, 0, nk);
+      std::fill(s + r * kTileK + allowed, s + r * kTileK + width, kNegInf);
+    }
+    tiles::fold_rows(s, kTileK, n, width, m + i, l + i, o + i * g.kvlp, g.kvlp);
+    tiles::value_tile(o + i * g.kvlp, g.kvlp, s, kTileK, values, ldv, n, nk, nk, g.kvlp);
+  }
+}
+
+// A task of pass 2: rows [r0, r1) of sequence seq against keys [k0, k1);
+// part: where its partial results go, when the sequence has several.
+struct Task {
+  int64_t seq, r0, r1, k0, k1, part;
+};
+
+}  // namespace
+
+std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
+  check_dims(d, "absorb_kv_b");
+  const Shape g(d);
+  DS_CHECK(kv_b.rows == g.H * (g.nope + g.vd) && kv_b.cols == g.kvl, "absorb_kv_b: kv_b is [{}, {}], expected [{}, {}]",
+           kv_b.rows, kv_b.cols, g.H * (g.nope + g.vd), g.kvl);
+  std::vector<float> out(static_cast<size_t>(g.H * (g.nope * g.kvlp + g.kvl * g.vp)), 0.0f);
+  std::vector<float> rows(static_cast<size_t>((g.nope + g.vd) * g.kvl));
+  for (int64_t h = 0; h < g.H; ++h) {
+    widen_rows(rows.data(), kv_b, h * (g.nope + g.vd), (h + 1) * (g.nope + g.vd));
+    float* uk = out.data() + h * g.nope * g.kvlp;
+    for (int64_t i = 0; i < g.nope; ++i) std::copy_n(rows.data() + i * g.kvl, g.kvl, uk + i * g.kvlp);
+    float* uv = out.data() + g.H * g.nope * g.kvlp + h * g.kvl * g.vp;
+    for (int64_t i = 0; i < g.vd; ++i)
+      for (int64_t c = 0; c < g.kvl; ++c) uv[c * g.vp + i] = rows[(g.nope + i) * g.kvl + c];
+  }
+  return out;
+}
+
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+                              const LatentAttentionDims& d) {
+  check_dims(d, "latent_attention");
+  const Shape g(d);
+  const int64_t H = g.H, qk = g.nope + g.rope;
+  DS_CHECK(count >= 0 && ldq >= H * qk && ldc >= H * g.vd, "latent_attention: row strides ldq={} ldc={} too small", ldq,
+           ldc);
+  if (count == 0) return;
+  // Token rows before each sequence, and the tasks of pass 2. A sequence's
+  // rows go in tiles of kTileQ rows over all of its keys; a sequence of one
+  // tile (decode: H <= kTileQ) has its keys split instead, into chunks of at
+  // least kChunkKeys keys and at most kMaxChunks chunks, whose partial
+  // results are merged (their size depends on T, never on the threads).
+  std::vector<int64_t> base(static_cast<size_t>(count) + 1, 0);
+  std::vector<Task> tasks;
+  int64_t part_size = 0, work = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const LatentQueries& sq = seqs[i];
+    DS_CHECK(sq.n >= 1 && sq.past >= 0 && (!sq.keys || sq.n == 1),
+             "latent_attention: sequence {}: bad sizes n={} past={}{}", i, sq.n, sq.past,
+             sq.keys ? " (sparse queries come one at a time)" : "");
+    DS_CHECK(sq.q && sq.ctx && sq.c_kv && (sq.k_pe || g.rope == 0), "latent_attention: sequence {}: null pointer", i);
+    base[i + 1] = base[i] + sq.n;
+    const int64_t Rs = sq.n * H, T = sq.past + (sq.keys ? 1 : sq.n);
+    work += Rs * T * (g.Dq + g.kvlp);
+    if (Rs > kTileQ || T <= kChunkKeys) {
+      for (int64_t r0 = 0; r0 < Rs; r0 += kTileQ) tasks.push_back({i, r0, std::min(Rs, r0 + kTileQ), 0, T, -1});
+      continue;
+    }
+    const int64_t chunk = std::max(kChunkKeys, (T + kMaxChunks * kTileK - 1) / (kMaxChunks * kTileK) * kTileK);
+    for (int64_t k0 = 0; k0 < T; k0 += chunk) {
+      tasks.push_back({i, 0, Rs, k0, std::min(T, k0 + chunk), part_size});
+      part_size += Rs * (g.kvlp + 2);
+    }
+  }
+  const int64_t R = base[count], RH = R * H;
+  // qin [R, H qk], qc [RH, Dq], lat [RH, kvlp], out [RH, vp].
+  Buffer<float> qin(static_cast<size_t>(R * H * qk)), qc(static_cast<size_t>(RH * g.Dq)),
+      lat(static_cast<size_t>(RH * g.kvlp)), out(static_cast<size_t>(RH * g.vp)), part(static_cast<size_t>(part_size));
+
+  // 1. qc = [q_nope W_UK_h | q_pe] per head. (The score kernel is a plain
+  // product of rows by a row-major matrix: here q_nope and W_UK_h.)
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t j = 0; j < seqs[i].n; ++j)
+      std::memcpy(qin.data() + (base[i] + j) * H * qk, seqs[i].q + j * ldq,
+                  static_cast<size_t>(H * qk) * sizeof(float));
+  parallel_tasks(H, RH * g.nope * g.kvl >= kParallelWork, [&](int64_t h) {
+    tiles::score_tile(qc.data() + h * g.Dq, H * g.Dq, qin.data() + h * qk, H * qk, g.w_uk(absorbed, h), g.kvlp, R,
+                      g.kvlp, g.kvlp, g.nope, 1.0f);
+  });
+  if (g.rope > 0)
+    for (int64_t r = 0; r < RH; ++r)
+      std::memcpy(qc.data() + r * g.Dq + g.kvlp, qin.data() + r * qk + g.nope,
+                  static_cast<size_t>(g.rope) * sizeof(float));
+
+  // 2. The tasks: lat of the rows of a task over all of its sequence's
+  // keys, or a chunk's partial max, sum and output.
+  parallel_tasks(static_cast<int64_t>(tasks.size()), work >= kParallelWork, [&](int64_t t) {
+    const Task& k = tasks[static_cast<size_t>(t)];
+    const LatentQueries& sq = seqs[k.seq];
+    const int64_t rows = k.r1 - k.r0;
+    const float* q = qc.data() + base[k.seq] * H * g.Dq;
+    if (k.part >= 0) {
+      float* m = part.data() + k.part;
+      attend(m, m + rows, m + 2 * rows, q, sq, k.r0, k.r1, k.k0, k.k1, g, d.scale);
+      return;
+    }
+    float m[kTileQ], l[kTileQ];
+    float* o = lat.data() + (base[k.seq] * H + k.r0) * g.kvlp;
+    attend(m, l, o, q, sq, k.r0, k.r1, k.k0, k.k1, g, d.scale);
+    for (int64_t r = 0; r < rows; ++r) {  // every row sees a key: l >= 1
+      const float w = 1.0f / l[r];
+      for (int64_t c = 0; c < g.kvlp; ++c) o[r * g.kvlp + c] *= w;
+    }
+  });
+
+  // 3. The chunks of a sequence merged in order: lat = sum_c w_c o_c with
+  // w_c = exp(m_c - M) / sum_c l_c exp(m_c - M).
+  for (size_t t0 = 0; t0 < tasks.size();) {
+    size_t t1 = t0 + 1;
+    while (t1 < tasks.size() && tasks[t1].seq == tasks[t0].seq) ++t1;
+    if (tasks[t0].part < 0) {
+      t0 = t1;
+      continue;
+    }
+    const int64_t i = tasks[t0].seq, Rs = seqs[i].n * H;
+    parallel_ranges(Rs, Rs * g.kvlp * static_cast<int64_t>(t1 - t0) >= kParallelWork, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float M = kNegInf;
+        for (size_t t = t0; t < t1; ++t) M = std::max(M, part[static_cast<size_t>(tasks[t].part + r)]);
+        float L = 0.0f;
+        for (size_t t = t0; t < t1; ++t) {
+          const float* pm = part.data() + tasks[t].part;
+          if (pm[r] != kNegInf) L += pm[Rs + r] * std::exp(pm[r] - M);
+        }
+        float* dst = lat.data() + (base[i] * H + r) * g.kvlp;
+        std::fill(dst, dst + g.kvlp, 0.0f);
+        for (size_t t = t0; t < t1; ++t) {
+          const float* pm = part.data() + tasks[t].part;
+          if (pm[r] == kNegInf) continue;
+          const float w = std::exp(pm[r] - M) / L;
+          const float* o = pm + 2 * Rs + r * g.kvlp;
+          for (int64_t c = 0; c < g.kvlp; ++c) dst[c] += w * o[c];
+        }
+      }
+    });
+    t0 = t1;
+  }
+
+  // 4. out = lat W_UV_h^T per head, then ctx.
+  parallel_tasks(H, RH * g.kvl * g.vd >= kParallelWork, [&](int64_t h) {
+    tiles::score_tile(out.data() + h * g.vp, H * g.vp, lat.data() + h * g.kvlp, H * g.kvlp, g.w_uv_t(absorbed, h), g.vp,
+                      R, g.vp, g.vp, g.kvl, 1.0f);
+  });
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t j = 0; j < seqs[i].n; ++j)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(seqs[i].ctx + j * ldc + h * g.vd, out.data() + ((base[i] + j) * H + h) * g.vp,
+                    static_cast<size_t>(g.vd) * sizeof(float));
+}
+
+void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                              const float* k_pe, const float* absorbed, int64_t n, int64_t past,
+                              const LatentAttentionDims& d) {
+  LatentQueries sq;
+  sq.q = q;
+  sq.ctx = ctx;
+  sq.c_kv = c_kv;
+  sq.k_pe = k_pe;
+  sq.n = n;
+  sq.past = past;
+  latent_attention_forward(&sq, 1, ldq, ldc, absorbed, d);
+}
+
+void latent_attention_sparse_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
+                                     const float* k_pe, const float* absorbed, int64_t n, const int32_t* idx, int64_t k,
+                                     const LatentAttentionDims& d) {
+  DS_CHECK(n >= 1 && k >= 1, "latent_attention_sparse: bad sizes n={} k={}", n, k);
+  std::vector<LatentQueries> seqs(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    LatentQueries& sq = seqs[static_cast<size_t>(j)];
+    sq.q = q + j * ldq;
+    sq.ctx = ctx + j * ldc;
+    sq.c_kv = c_kv;
+    sq.k_pe = k_pe;
+    sq.past = k - 1;
+    sq.keys = idx + j * k;
+  }
+  latent_attention_forward(seqs.data(), n, ldq, ldc, absorbed, d);
+}
 
 void causal_softmax_rows(float* S, int64_t rows, int64_t n, int64_t past, int64_t T) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -30,68 +312,6 @@ void causal_softmax_rows(float* S, int64_t rows, int64_t n, int64_t past, int64_
     for (int64_t t = 0; t < visible; ++t) row[t] *= inv;
     for (int64_t t = visible; t < T; ++t) row[t] = 0.0f;
   }
-}
-
-void latent_attention_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
-                              const float* k_pe, const float* w_kvb, int64_t n, int64_t past,
-                              const LatentAttentionDims& d) {
-  const int64_t H = d.heads, nope = d.nope, rope = d.rope, vd = d.v_dim, kvl = d.kv_lora, T = past + n;
-  DS_CHECK(n >= 1 && past >= 0 && H >= 1 && nope >= 0 && rope >= 0 && vd >= 1 && kvl >= 1,
-           "latent_attention: bad sizes n={} past={} heads={} nope={} rope={} v={} kv_lora={}", n, past, H, nope, rope,
-           vd, kvl);
-  DS_CHECK(ldq >= H * (nope + rope) && ldc >= H * vd, "latent_attention: row strides ldq={} ldc={} too small", ldq,
-           ldc);
-  const int64_t R = H * n;
-  Buffer<float> lat(R * kvl), qpe(R * rope), S(R * T);
-  for (int64_t h = 0; h < H; ++h) {
-    const float* qh = q + h * (nope + rope);
-    // q_lat = q_nope W_UK: the key up-projection folded into the query.
-    gemm(false, false, n, kvl, nope, 1.0f, qh, ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f, &lat[h * n * kvl], kvl);
-    for (int64_t j = 0; j < n && rope > 0; ++j)
-      std::memcpy(qpe.data() + (h * n + j) * rope, qh + j * ldq + nope, rope * sizeof(float));
-  }
-  gemm(false, true, R, T, kvl, d.scale, lat.data(), kvl, c_kv, kvl, 0.0f, S.data(), T);
-  gemm(false, true, R, T, rope, d.scale, qpe.data(), rope, k_pe, rope, 1.0f, S.data(), T);
-  causal_softmax_rows(S.data(), R, n, past, T);
-  // Attend in the latent space, then apply each head's W_UV.
-  gemm(false, false, R, kvl, T, 1.0f, S.data(), T, c_kv, kvl, 0.0f, lat.data(), kvl);
-  for (int64_t h = 0; h < H; ++h)
-    gemm(false, true, n, vd, kvl, 1.0f, &lat[h * n * kvl], kvl, w_kvb + (h * (nope + vd) + nope) * kvl, kvl, 0.0f,
-         ctx + h * vd, ldc);
-}
-
-void latent_attention_sparse_forward(float* ctx, int64_t ldc, const float* q, int64_t ldq, const float* c_kv,
-                                     const float* k_pe, const float* w_kvb, int64_t n, const int32_t* idx, int64_t k,
-                                     const LatentAttentionDims& d) {
-  const int64_t H = d.heads, nope = d.nope, rope = d.rope, vd = d.v_dim, kvl = d.kv_lora;
-  DS_CHECK(n >= 1 && k >= 1 && H >= 1 && nope >= 0 && rope >= 0 && vd >= 1 && kvl >= 1,
-           "latent_attention_sparse: bad sizes n={} k={} heads={} nope={} rope={} v={} kv_lora={}", n, k, H, nope,
-           rope, vd, kvl);
-  DS_CHECK(ldq >= H * (nope + rope) && ldc >= H * vd, "latent_attention_sparse: row strides ldq={} ldc={} too small",
-           ldq, ldc);
-  // q_lat [H, n, kvl] for all queries at once; later the attended latents.
-  Buffer<float> lat(H * n * kvl), qpe(H * rope), ck(k * kvl), pk(k * rope), S(H * k), o(H * kvl);
-  for (int64_t h = 0; h < H; ++h)
-    gemm(false, false, n, kvl, nope, 1.0f, q + h * (nope + rope), ldq, w_kvb + h * (nope + vd) * kvl, kvl, 0.0f,
-         &lat[h * n * kvl], kvl);
-  for (int64_t j = 0; j < n; ++j) {
-    const int32_t* sel = idx + j * k;
-    for (int64_t i = 0; i < k; ++i) {
-      std::memcpy(&ck[i * kvl], c_kv + static_cast<int64_t>(sel[i]) * kvl, kvl * sizeof(float));
-      if (rope > 0) std::memcpy(&pk[i * rope], k_pe + static_cast<int64_t>(sel[i]) * rope, rope * sizeof(float));
-    }
-    for (int64_t h = 0; h < H && rope > 0; ++h)
-      std::memcpy(&qpe[h * rope], q + j * ldq + h * (nope + rope) + nope, rope * sizeof(float));
-    // Scores of every head over the selected tokens: rows h of S [H, k].
-    gemm(false, true, H, k, kvl, d.scale, &lat[j * kvl], n * kvl, ck.data(), kvl, 0.0f, S.data(), k);
-    if (rope > 0) gemm(false, true, H, k, rope, d.scale, qpe.data(), rope, pk.data(), rope, 1.0f, S.data(), k);
-    causal_softmax_rows(S.data(), H, 1, k - 1, k);  // every selected key is visible
-    gemm(false, false, H, kvl, k, 1.0f, S.data(), k, ck.data(), kvl, 0.0f, o.data(), kvl);
-    for (int64_t h = 0; h < H; ++h) std::memcpy(&lat[(h * n + j) * kvl], &o[h * kvl], kvl * sizeof(float));
-  }
-  for (int64_t h = 0; h < H; ++h)
-    gemm(false, true, n, vd, kvl, 1.0f, &lat[h * n * kvl], kvl, w_kvb + (h * (nope + vd) + nope) * kvl, kvl, 0.0f,
-         ctx + h * vd, ldc);
 }
 
 }  // namespace ds::ops
