@@ -24,8 +24,11 @@
 #include <vector>
 
 #include "bench_main.h"
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "ops/attention.h"
+#include "ops/latent_attention.h"
+#include "ops/matmul.h"
 
 namespace {
 
@@ -96,6 +99,86 @@ void BM_Backward(benchmark::State& state, Shape s) {
   set_rate(state, 2.5 * 2.0 * pairs(s) * (s.Dqk + s.Dv));
 }
 
+// MLA decode over the latent cache: B sequences of T cached tokens, one new
+// query each (n = 1), one call for the batch. FLOPs per sequence: the two
+// absorptions 2 H kvl (nope + v) and the attention 2 H T (2 kvl + rope).
+struct Latent {
+  int64_t B, T;
+  ds::ops::LatentAttentionDims d;
+};
+
+struct LatentBuffers {
+  Latent s;
+  std::vector<float> q, ckv, kpe, kvb, absorbed, ctx;
+  explicit LatentBuffers(const Latent& l)
+      : s(l),
+        q(l.B * l.d.heads * (l.d.nope + l.d.rope)),
+        ckv(l.B * l.T * l.d.kv_lora),
+        kpe(l.B * l.T * l.d.rope),
+        kvb(l.d.heads * (l.d.nope + l.d.v_dim) * l.d.kv_lora),
+        ctx(l.B * l.d.heads * l.d.v_dim) {
+    ds::fill_normal(q.data(), q.size(), 1.0f, 7);
+    ds::fill_normal(ckv.data(), ckv.size(), 1.0f, 8);
+    ds::fill_normal(kpe.data(), kpe.size(), 1.0f, 9);
+    ds::fill_normal(kvb.data(), kvb.size(), 0.05f, 10);
+    absorbed = ds::ops::absorb_kv_b({kvb.data(), ds::DType::F32, l.d.heads * (l.d.nope + l.d.v_dim), l.d.kv_lora},
+                                    l.d);
+  }
+  int64_t qk() const { return s.d.nope + s.d.rope; }
+  void run() {
+    std::vector<ds::ops::LatentQueries> seqs(static_cast<size_t>(s.B));
+    for (int64_t b = 0; b < s.B; ++b) {
+      auto& sq = seqs[static_cast<size_t>(b)];
+      sq.q = q.data() + b * s.d.heads * qk();
+      sq.ctx = ctx.data() + b * s.d.heads * s.d.v_dim;
+      sq.c_kv = ckv.data() + b * s.T * s.d.kv_lora;
+      sq.k_pe = kpe.data() + b * s.T * s.d.rope;
+      sq.past = s.T - 1;
+    }
+    ds::ops::latent_attention_forward(seqs.data(), s.B, s.d.heads * qk(), s.d.heads * s.d.v_dim, absorbed.data(), s.d);
+  }
+  // The same on sgemm calls, as the engine ran it before the register
+  // tiles: per sequence (one thread each), q_lat per head, the scores and
+  // P c_kv of all heads at once, then W_UV per head, from kv_b as it is.
+  void run_gemm() {
+    const auto& d = s.d;
+    const int64_t H = d.heads, kvl = d.kv_lora, T = s.T;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < s.B; ++b) {
+      std::vector<float> lat(H * kvl), qpe(H * d.rope), S(H * T);
+      const float* qb = q.data() + b * H * qk();
+      const float* cb = ckv.data() + b * T * kvl;
+      for (int64_t h = 0; h < H; ++h) {
+        ds::ops::gemm(false, false, 1, kvl, d.nope, 1.0f, qb + h * qk(), qk(), kvb.data() + h * (d.nope + d.v_dim) * kvl,
+                      kvl, 0.0f, &lat[h * kvl], kvl);
+        std::copy_n(qb + h * qk() + d.nope, d.rope, &qpe[h * d.rope]);
+      }
+      ds::ops::gemm(false, true, H, T, kvl, d.scale, lat.data(), kvl, cb, kvl, 0.0f, S.data(), T);
+      ds::ops::gemm(false, true, H, T, d.rope, d.scale, qpe.data(), d.rope, kpe.data() + b * T * d.rope, d.rope, 1.0f,
+                    S.data(), T);
+      ds::ops::causal_softmax_rows(S.data(), H, 1, T - 1, T);
+      ds::ops::gemm(false, false, H, kvl, T, 1.0f, S.data(), T, cb, kvl, 0.0f, lat.data(), kvl);
+      for (int64_t h = 0; h < H; ++h)
+        ds::ops::gemm(false, true, 1, d.v_dim, kvl, 1.0f, &lat[h * kvl], kvl,
+                      kvb.data() + (h * (d.nope + d.v_dim) + d.nope) * kvl, kvl, 0.0f,
+                      ctx.data() + (b * H + h) * d.v_dim, d.v_dim);
+    }
+  }
+  double flops() const {
+    const auto& d = s.d;
+    return 2.0 * s.B * d.heads * (d.kv_lora * (d.nope + d.v_dim) + s.T * (2 * d.kv_lora + d.rope));
+  }
+};
+
+void BM_Latent(benchmark::State& state, Latent l, bool tiles) {
+  LatentBuffers x(l);
+  for (auto _ : state) {
+    tiles ? x.run() : x.run_gemm();
+    benchmark::DoNotOptimize(x.ctx.data());
+  }
+  set_rate(state, x.flops());
+}
+
 struct Gemm {
   int64_t M, N, K;
 };
@@ -141,6 +224,16 @@ void register_all() {
   for (const Shape& s : shapes) {
     benchmark::RegisterBenchmark(("attention/fwd/" + name(s)).c_str(), BM_Forward, s)->UseRealTime();
     benchmark::RegisterBenchmark(("attention/bwd/" + name(s)).c_str(), BM_Backward, s)->UseRealTime();
+  }
+  // Decode over the latent cache: the small preset's heads (6 heads, kvl 128),
+  // then DeepSeek-V3's (128 heads, nope 128, rope 64, v 128, kvl 512).
+  const ds::ops::LatentAttentionDims small{6, 32, 16, 32, 128, 0.144f}, v3{128, 128, 64, 128, 512, 0.0722f};
+  const Latent latents[] = {{1, 128, small}, {8, 128, small}, {8, 1024, small}, {1, 1024, v3}, {8, 1024, v3},
+                            {1, 8192, v3}};
+  for (const Latent& l : latents) {
+    const std::string n = fmt::format("H{}_kvl{}_B{}_T{}", l.d.heads, l.d.kv_lora, l.B, l.T);
+    benchmark::RegisterBenchmark(("latent_decode/tiles/" + n).c_str(), BM_Latent, l, true)->UseRealTime();
+    benchmark::RegisterBenchmark(("latent_decode/sgemm/" + n).c_str(), BM_Latent, l, false)->UseRealTime();
   }
   // Square, and the skinny product of the score tiles' shape (K = Dqk).
   const Gemm gemms[] = {{1024, 1024, 1024}, {1024, 1024, 192}, {128, 128, 48}, {128, 32, 128}};
