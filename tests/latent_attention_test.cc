@@ -53,14 +53,15 @@ TEST(LatentAttention, SeveralNewTokensSeeOnlyTheirPast) { check({4, 12, 8, 12, 1
 TEST(LatentAttention, AFreshSequence) { check({2, 6, 4, 5, 7, 0.3f}, 6, 0, 3); }
 TEST(LatentAttention, OneHeadNoRope) { check({1, 8, 0, 4, 8, 0.35f}, 3, 2, 4); }
 TEST(LatentAttention, MlaHeadSizes) { check({2, 128, 64, 128, 512, 1.0f / 13.86f}, 2, 70, 5); }
-// Keys in three chunks (the last partial), the new tokens' rows straddling
-// a chunk edge; then 5 x 40 = 200 query rows, more than one score tile.
+// Keys in three chunks (the last partial).
 TEST(LatentAttention, ALongCacheInChunks) { check({3, 8, 4, 8, 24, 0.25f}, 4, 1100, 6); }
 // New tokens on both sides of a key tile's edge (128), then of a chunk's
 // (512): the first queries see none of the last tile or chunk.
 TEST(LatentAttention, NewTokensAcrossATileEdge) { check({3, 8, 4, 8, 24, 0.25f}, 5, 126, 8); }
 TEST(LatentAttention, NewTokensAcrossAChunkEdge) { check({3, 8, 4, 8, 24, 0.25f}, 4, 510, 9); }
-TEST(LatentAttention, ManyQueryRows) { check({40, 8, 4, 6, 16, 0.3f}, 5, 150, 7); }
+// 5 x 40 = 200 query rows in several tiles of rows, the key tile's edge
+// falling inside one of them.
+TEST(LatentAttention, ManyQueryRows) { check({40, 8, 4, 6, 16, 0.3f}, 5, 126, 7); }
 
 // Sequences of a batch: dense ones of different lengths (one over several
 // chunks) and sparse queries over chosen keys.
@@ -122,6 +123,22 @@ TEST(LatentAttention, ABatchGivesEachSequenceItsOwnBits) {
 TEST(LatentAttention, SameBitsForAnyThreadCount) {
   const Batch b;
   test::for_each_simd_target([&](const char*) { test::expect_same_for_any_thread_count([&] { return b.run(true); }); });
+}
+
+// Many rows go in smaller tiles when there are more threads to share them
+// among; the bits do not change.
+TEST(LatentAttention, RowTilesForMoreThreadsChangeNoBit) {
+  const LatentAttentionDims d{40, 8, 4, 6, 16, 0.3f};
+  const int64_t n = 5, past = 150, qk = d.nope + d.rope;
+  const Case c(d, n, past + n, 11);
+  test::for_each_simd_target([&](const char*) {
+    test::expect_same_for_any_thread_count([&] {
+      std::vector<float> ctx(n * d.heads * d.v_dim);
+      ops::latent_attention_forward(ctx.data(), d.heads * d.v_dim, c.q.data(), d.heads * qk, c.ckv.data(),
+                                    c.kpe.data(), c.absorbed.data(), n, past, d);
+      return ctx;
+    });
+  });
 }
 
 TEST(LatentAttention, AbsorbedWeightsFromBf16AreTheWidenedOnes) {

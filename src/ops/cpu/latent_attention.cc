@@ -8,14 +8,15 @@
 //      ([c_kv | 0 | k_pe], the score kernel's layout), then scores, mask,
 //      online softmax and P V, the values read from a copy at a padded
 //      stride when several blocks of rows read them. They write lat [R, H,
-//      kvlp] = softmax(s) c_kv. A decode step has few rows per sequence, so
-//      there a long cache is split into chunks of keys instead, each task
-//      writing a partial max, sum and output;
+//      kvlp] = softmax(s) c_kv. A decode step's long cache is split into
+//      chunks of keys instead, each task writing a partial max, sum and
+//      output;
 //   3. the chunks' partials merged in chunk order;
 //   4. out [R, H, vp] = lat W_UV_h^T per head, then copied to ctx.
 // Passes 1 and 4 are the score kernel's product of rows by a row-major
 // matrix, so each row's result is the same whatever rows share the call.
-// Task shapes depend on the sizes alone, never on the thread count.
+// Key chunks depend on the sizes alone, never on the thread count; tiles of
+// rows may (a row's result is the same bits in any tile).
 #include "ops/latent_attention.h"
 
 #include <algorithm>
@@ -39,6 +40,7 @@ using tiles::round_up16;
 constexpr int64_t kTileQ = 128;             // query rows per score tile
 constexpr int64_t kChunkKeys = 4 * kTileK;  // keys per chunk, at least
 constexpr int64_t kMaxChunks = 16;          // chunks per sequence, at most
+constexpr int64_t kMinTileRows = 16;        // query rows per task, at least (unless fewer)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Multiply-adds below which a pass runs on the calling thread: waking the
 // others costs about as much.
@@ -154,14 +156,16 @@ void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t 
   DS_CHECK(count >= 0 && ldq >= H * qk && ldc >= H * g.vd, "latent_attention: row strides ldq={} ldc={} too small", ldq,
            ldc);
   if (count == 0) return;
-  // Token rows before each sequence, and the tasks of pass 2. A sequence's
-  // rows go in tiles of kTileQ rows over all of its keys; a sequence of one
-  // tile (decode: H <= kTileQ) has its keys split instead, into chunks of at
-  // least kChunkKeys keys and at most kMaxChunks chunks, whose partial
-  // results are merged (their size depends on T, never on the threads).
+  // Token rows before each sequence, and the tasks of pass 2. A dense
+  // sequence of at most one tile of rows (a decode step) over a long cache
+  // has its keys split into chunks, at least kChunkKeys keys and at most
+  // kMaxChunks chunks, whose partial results are merged: their size depends
+  // on the sizes, never on the threads. Sparse queries (at most index_topk
+  // keys each, and a prefill's many) and sequences of more rows go in tiles
+  // of rows over all of their keys, smaller tiles when there are too few to
+  // share among the threads: a row's result is the same bits in any tile.
   std::vector<int64_t> base(static_cast<size_t>(count) + 1, 0);
-  std::vector<Task> tasks;
-  int64_t part_size = 0, work = 0;
+  int64_t work = 0, whole_rows = 0;
   for (int64_t i = 0; i < count; ++i) {
     const LatentQueries& sq = seqs[i];
     DS_CHECK(sq.n >= 1 && sq.past >= 0 && (!sq.keys || sq.n == 1),
@@ -169,10 +173,20 @@ void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t 
              sq.keys ? " (sparse queries come one at a time)" : "");
     DS_CHECK(sq.q && sq.ctx && sq.c_kv && (sq.k_pe || g.rope == 0), "latent_attention: sequence {}: null pointer", i);
     base[i + 1] = base[i] + sq.n;
+    work += sq.n * H * (sq.past + (sq.keys ? 1 : sq.n)) * (g.Dq + g.kvlp);
+  }
+  auto chunked = [&](const LatentQueries& sq) { return !sq.keys && sq.n * H <= kTileQ && sq.past + sq.n > kChunkKeys; };
+  for (int64_t i = 0; i < count; ++i)
+    if (!chunked(seqs[i])) whole_rows += seqs[i].n * H;
+  int64_t tile_rows = kTileQ;
+  while (tile_rows > kMinTileRows && whole_rows > 0 && whole_rows / tile_rows < 2 * num_threads()) tile_rows /= 2;
+  std::vector<Task> tasks;
+  int64_t part_size = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const LatentQueries& sq = seqs[i];
     const int64_t Rs = sq.n * H, T = sq.past + (sq.keys ? 1 : sq.n);
-    work += Rs * T * (g.Dq + g.kvlp);
-    if (Rs > kTileQ || T <= kChunkKeys) {
-      for (int64_t r0 = 0; r0 < Rs; r0 += kTileQ) tasks.push_back({i, r0, std::min(Rs, r0 + kTileQ), 0, T, -1});
+    if (!chunked(sq)) {
+      for (int64_t r0 = 0; r0 < Rs; r0 += tile_rows) tasks.push_back({i, r0, std::min(Rs, r0 + tile_rows), 0, T, -1});
       continue;
     }
     const int64_t chunk = std::max(kChunkKeys, (T + kMaxChunks * kTileK - 1) / (kMaxChunks * kTileK) * kTileK);
