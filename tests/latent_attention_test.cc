@@ -141,7 +141,7 @@ TEST(LatentAttention, RowTilesForMoreThreadsChangeNoBit) {
   });
 }
 
-TEST(LatentAttention, AbsorbedWeightsFromBf16AreTheWidenedOnes) {
+TEST(LatentAttention, AbsorbedWeightsFromNarrowDtypesAreTheWidenedOnes) {
   const LatentAttentionDims d{3, 8, 4, 6, 16, 0.3f};
   auto w = test::randn(d.heads * (d.nope + d.v_dim) * d.kv_lora, 9);
   std::vector<uint16_t> bits(w.size());
@@ -151,6 +151,16 @@ TEST(LatentAttention, AbsorbedWeightsFromBf16AreTheWidenedOnes) {
   }
   const ops::WeightView bf16{bits.data(), DType::BF16, d.heads * (d.nope + d.v_dim), d.kv_lora};
   EXPECT_EQ(ops::absorb_kv_b(bf16, d), ops::absorb_kv_b(f32_weight(w, d), d));
+  // Block-scaled e4m3 in blocks of 4 x 8, which a head's 14 rows do not
+  // line up with: the same as absorbing the whole weight widened first.
+  const int64_t rows = d.heads * (d.nope + d.v_dim);
+  std::vector<uint8_t> q(w.size());
+  std::vector<float> scale((rows + 3) / 4 * (d.kv_lora / 8));
+  ops::quantize_fp8_blocks(q.data(), scale.data(), w.data(), rows, d.kv_lora, 4, 8);
+  ops::WeightView fp8{q.data(), DType::F8E4M3, rows, d.kv_lora, scale.data(), 4, 8};
+  std::vector<float> widened(w.size());
+  ops::widen_rows(widened.data(), fp8, 0, rows);
+  EXPECT_EQ(ops::absorb_kv_b(fp8, d), ops::absorb_kv_b(f32_weight(widened, d), d));
 }
 
 TEST(LatentAttention, BadSizesAreErrors) {
