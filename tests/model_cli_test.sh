@@ -48,15 +48,23 @@ json=$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 3)
 check '[[ "$json" == *"\"decode_tokens_per_s\""* && "$json" == *"\"prefill_tokens_per_s\""* ]]' "bench prints a JSON line: $json"
 check '[[ "$json" == *"\"prefill_model_flops_per_token\":"[1-9]* && "$json" == *"\"prefill_gflop_per_s\":"[0-9]* ]]' \
   "bench reports the prefill's model FLOPs per token and its FLOP rate: $json"
-# DEEPSEEK_STAGE_TIMES=1 prints each layer stage's time at exit (every
-# stage a MoE model's prefill meets, with a nonzero total); off, nothing.
+# DEEPSEEK_STAGE_TIMES=1 prints each layer stage's time at exit, a table
+# for the prefill steps and one for the decode steps (every stage a MoE
+# model meets, with a nonzero total); off, nothing.
 times=$(DEEPSEEK_STAGE_TIMES=1 "$bin" bench --model "$m" --batch 2 --prompt-len 20 --new-tokens 3 --repeat 1 2>&1 >/dev/null)
-for stage in norms "query projection" "key/value projection" attention "output projection" "routing and gather" \
-  experts combine "dense MLP"; do
-  check '[[ "$times" == *"  $stage "*" ms "*"%"* ]]' "stage times list '$stage': $times"
+prefill_times=${times#*prefill steps:}
+prefill_times=${prefill_times%%stage times*}
+decode_times=${times#*decode steps:}
+check '[[ "$times" == *"prefill steps:"* && "$times" == *"decode steps:"* && "$times" != *"other calls"* ]]' \
+  "stage times has a prefill and a decode table, nothing else: $times"
+for part in "$prefill_times" "$decode_times"; do
+  for stage in norms "query projection" "key/value projection" attention "output projection" "routing and gather" \
+    experts combine "dense MLP"; do
+    check '[[ "$part" == *"  $stage "*" ms "*"%"* ]]' "stage times list '$stage': $part"
+  done
+  check '[[ "$part" =~ attention\ +([0-9]+\.[0-9])\ ms && "${BASH_REMATCH[1]}" != "0.0" ]]' \
+    "the attention stage took some time: $part"
 done
-check '[[ "$times" =~ attention\ +([0-9]+\.[0-9])\ ms && "${BASH_REMATCH[1]}" != "0.0" ]]' \
-  "the attention stage took some time: $times"
 check '[[ "$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 1 --repeat 1 2>&1 >/dev/null)" != *"stage times"* ]]' \
   "no stage times unless asked"
 

@@ -13,16 +13,23 @@ constexpr const char* kNames[] = {"norms",     "query projection",  "key/value p
                                   "experts",   "combine",           "dense MLP"};
 static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(Stage::kCount));
 
-std::atomic<int64_t> g_ns[static_cast<int>(Stage::kCount)];
+constexpr const char* kPhases[] = {"other calls (training, full forwards)", "prefill steps", "decode steps"};
+static_assert(sizeof(kPhases) / sizeof(kPhases[0]) == static_cast<size_t>(Phase::kCount));
+
+constexpr int kStages = static_cast<int>(Stage::kCount);
+std::atomic<int64_t> g_ns[static_cast<int>(Phase::kCount)][kStages];
+thread_local Phase t_phase = Phase::kOther;
 
 void print_stage_times() {
-  double total = 0;
-  for (const auto& t : g_ns) total += static_cast<double>(t.load());
-  if (total <= 0) return;
-  std::fprintf(stderr, "stage times (DEEPSEEK_STAGE_TIMES):\n");
-  for (int i = 0; i < static_cast<int>(Stage::kCount); ++i) {
-    const double ns = static_cast<double>(g_ns[i].load());
-    std::fprintf(stderr, "  %-22s %10.1f ms  %5.1f%%\n", kNames[i], ns * 1e-6, 100.0 * ns / total);
+  for (int p = 0; p < static_cast<int>(Phase::kCount); ++p) {
+    double total = 0;
+    for (const auto& t : g_ns[p]) total += static_cast<double>(t.load());
+    if (total <= 0) continue;
+    std::fprintf(stderr, "stage times (DEEPSEEK_STAGE_TIMES), %s:\n", kPhases[p]);
+    for (int i = 0; i < kStages; ++i) {
+      const double ns = static_cast<double>(g_ns[p][i].load());
+      std::fprintf(stderr, "  %-22s %10.1f ms  %5.1f%%\n", kNames[i], ns * 1e-6, 100.0 * ns / total);
+    }
   }
 }
 
@@ -41,7 +48,11 @@ bool stage_times_enabled() {
 }
 
 void add_stage_time(Stage s, double seconds) {
-  g_ns[static_cast<int>(s)].fetch_add(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+  g_ns[static_cast<int>(t_phase)][static_cast<int>(s)].fetch_add(static_cast<int64_t>(seconds * 1e9),
+                                                                 std::memory_order_relaxed);
 }
+
+StagePhase::StagePhase(Phase p) : saved_(t_phase) { t_phase = p; }
+StagePhase::~StagePhase() { t_phase = saved_; }
 
 }  // namespace ds

@@ -7,6 +7,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/stage_times.h"
 #include "model/layer.h"
 #include "model/load.h"
 #include "ops/attention.h"
@@ -324,6 +325,9 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
 
   CacheAttention attention(*this, cache, b);
   const model::TokenLayout layout{1, N, b.pos.data(), nullptr};
+  const bool decode =
+      std::all_of(b.seqs.begin(), b.seqs.end(), [](const Batch::Seq& q) { return q.count == 1 && q.past > 0; });
+  const StagePhase phase(decode ? Phase::kDecode : Phase::kPrefill);
   for (size_t l = 0; l < w_.layers.size(); ++l)
     model::layer_forward(h.data(), w_.layers[l], static_cast<int64_t>(l), stages_, layout, &attention, nullptr, {});
   for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;
