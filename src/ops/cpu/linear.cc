@@ -1175,6 +1175,13 @@ std::string_view matmul_precision_name(MatmulPrecision p) { return p == MatmulPr
 bool bf16_dot_products() { return simd_bf16_dot_allowed() && DS_DISPATCH(HasBf16Dot)(); }
 
 namespace {
+// Rows of x up to which a product streams the weight (the Gemv kernels);
+// more go to the prefill kernels.
+constexpr int64_t kGemvRows = 8;
+
+// Float32 weights without scales go to the BLAS.
+bool blas_weight(const WeightView& w) { return w.dtype == DType::F32 && !w.scale_inv; }
+
 // Whether a prefill over w runs on bf16 dot products: in bf16 precision, for
 // bf16 and fp4 weights and e4m3 ones whose scale blocks are pairs of columns
 // wide (128 in DeepSeek-V3), on a CPU that has them.
@@ -1192,14 +1199,14 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   DS_CHECK(M >= 0 && ldx >= w.cols && ldy >= w.rows, "linear: M={} ldx={} ldy={} for weight [{}, {}]", M, ldx, ldy,
            w.rows, w.cols);
   if (M == 0) return;
-  if (w.dtype == DType::F32 && !w.scale_inv) {
+  if (blas_weight(w)) {
     gemm(false, true, M, w.rows, w.cols, 1.0f, x, ldx, static_cast<const float*>(w.data), w.cols,
          accumulate ? 1.0f : 0.0f, y, ldy);
     return;
   }
   const bool bf16_precision = matmul_precision() == MatmulPrecision::kBf16;
   Buffer<float> rounded;
-  if (bf16_precision && M <= 8) {
+  if (bf16_precision && M <= kGemvRows) {
     // Decode-sized products stream the weight, whatever the precision: x is
     // rounded to bf16 into a copy and the float32 kernels multiply it.
     rounded = Buffer<float>(static_cast<size_t>(M * w.cols));
@@ -1208,7 +1215,7 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     x = rounded.data();
     ldx = w.cols;
   }
-  if (M <= 8) {
+  if (M <= kGemvRows) {
     // e4m3 widens in registers when its scale blocks are whole vectors (128
     // columns in DeepSeek-V3); other layouts and dtypes widen row by row.
     // One pass over the scales serves both checks.
@@ -1252,8 +1259,7 @@ void linear_forward_pair(float* y0, const WeightView& w0, float* y1, const Weigh
            w1.rows, w1.cols);
   const bool bf16_precision = matmul_precision() == MatmulPrecision::kBf16;
   const bool dot = bf16_dot(w0, bf16_precision);
-  const bool f32 = w0.dtype == DType::F32 && !w0.scale_inv;
-  if (M <= 8 || f32 || w1.dtype != w0.dtype || bf16_dot(w1, bf16_precision) != dot) {
+  if (M <= kGemvRows || blas_weight(w0) || w1.dtype != w0.dtype || bf16_dot(w1, bf16_precision) != dot) {
     linear_forward(y0, x, w0, M);
     linear_forward(y1, x, w1, M);
     return;
