@@ -12,9 +12,16 @@
 // those weights in the bf16 matmul precision (x rounded to bf16;
 // AVX512-BF16's dot products where the CPU has them, which
 // DEEPSEEK_MAX_CPU_ISA=avx512 turns off).
+// The cold_weights rows multiply a pool of weights far larger than the
+// caches, a different one each time (as a prefill meets its experts); the
+// widen rows time the prefill kernel's bf16 widening with its chunk in
+// cache and from memory.
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
+#include <omp.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -77,6 +84,66 @@ void BM_Linear(benchmark::State& state, Shape s, ds::DType dt, ds::ops::MatmulPr
   state.counters["weight_GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// A pool of expert-sized weights far larger than the caches (at least 128
+// MiB), taken in turn as a prefill's expert tasks take them: every thread
+// multiplies its own M rows by one weight after another, the next weight
+// never in cache. The engine's prefill at batch 1 meets its experts so
+// (about 32 tokens each, one task per expert and thread).
+void BM_LinearColdWeights(benchmark::State& state, Shape s, ds::DType dt, ds::ops::MatmulPrecision precision) {
+  Operands o(s);
+  ds::ops::set_matmul_precision(precision);
+  const bool fp8 = dt == ds::DType::F8E4M3;
+  const size_t bytes = static_cast<size_t>(s.N * s.K) * ds::dtype_size(dt);
+  const int64_t count = std::max<int64_t>(8, static_cast<int64_t>((size_t{128} << 20) / bytes));
+  std::vector<uint8_t> pool(bytes * static_cast<size_t>(count));
+  const void* one = fp8 ? static_cast<const void*>(o.w8.data()) : static_cast<const void*>(o.w16.data());
+  for (int64_t i = 0; i < count; ++i) std::memcpy(pool.data() + i * bytes, one, bytes);
+  const int threads = omp_get_max_threads();
+  std::vector<std::vector<float>> y(static_cast<size_t>(threads), std::vector<float>(o.y.size()));
+  int64_t next = 0;
+  for (auto _ : state) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num();
+      for (int j = 0; j < 4; ++j) {  // four weights per thread and iteration
+        const int64_t i = (next + 4 * t + j) % count;
+        const ds::ops::WeightView w{pool.data() + i * bytes, dt, s.N, s.K, fp8 ? o.w8_scale_inv.data() : nullptr,
+                                    128, 128, nullptr};
+        ds::ops::linear_forward(y[t].data(), o.x.data(), w, s.M);
+      }
+    }
+    next = (next + 4 * threads) % count;
+    benchmark::DoNotOptimize(y.data());
+  }
+  ds::ops::set_matmul_precision(ds::ops::MatmulPrecision::kF32);
+  const double per_iteration = 4.0 * threads;
+  state.counters["GFLOP/s"] = benchmark::Counter(per_iteration * 2.0 * s.M * s.N * s.K * 1e-9,
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["weight_GB/s"] = benchmark::Counter(per_iteration * static_cast<double>(bytes) * 1e-9,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// widen_rows (bf16 to float32) of a 96 x 384 chunk, one thread: the same
+// chunk again and again (in cache), or each time the next of a 128 MiB
+// pool (from memory), the prefill kernel's widening with and without the
+// weight in cache.
+void BM_WidenBf16(benchmark::State& state, bool from_memory) {
+  constexpr int64_t kRows = 96, kCols = 384;
+  const size_t chunk = static_cast<size_t>(kRows * kCols);
+  const size_t count = from_memory ? (size_t{64} << 20) / chunk : 1;  // bf16 elements: 128 MiB
+  std::vector<uint16_t> pool(chunk * count, 0x3f80);                  // 1.0
+  std::vector<float> out(chunk);
+  size_t i = 0;
+  for (auto _ : state) {
+    const ds::ops::WeightView w{pool.data() + i * chunk, ds::DType::BF16, kRows, kCols};
+    ds::ops::widen_rows(out.data(), w, 0, kRows);
+    benchmark::DoNotOptimize(out.data());
+    i = (i + 1) % count;
+  }
+  state.counters["bf16_GB/s"] =
+      benchmark::Counter(static_cast<double>(chunk * 2) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void BM_SgemmF32(benchmark::State& state, Shape s) {
   Operands o(s);
   for (auto _ : state) {
@@ -125,6 +192,25 @@ void register_all() {
         ->UseRealTime();
     benchmark::RegisterBenchmark(("dnnl_sgemm/f32/" + n).c_str(), BM_SgemmF32, s)->UseRealTime();
   }
+  // The `small` preset's expert gate (or up) at batch 1, and DeepSeek-V3's.
+  const Shape cold[] = {{32, 256, 384, "small_expert_gate_b1"}, {32, 2048, 7168, "v3_expert_gate_b1"}};
+  for (const Shape& s : cold) {
+    const std::string n = std::string(s.what) + "/" + std::to_string(s.M) + "x" + std::to_string(s.N) + "x" +
+                          std::to_string(s.K);
+    const auto f32 = ds::ops::MatmulPrecision::kF32, bf16x = ds::ops::MatmulPrecision::kBf16;
+    benchmark::RegisterBenchmark(("cold_weights/bf16/" + n).c_str(), BM_LinearColdWeights, s, ds::DType::BF16, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("cold_weights/bf16_bf16x/" + n).c_str(), BM_LinearColdWeights, s, ds::DType::BF16,
+                                 bf16x)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("cold_weights/fp8/" + n).c_str(), BM_LinearColdWeights, s, ds::DType::F8E4M3, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("cold_weights/fp8_bf16x/" + n).c_str(), BM_LinearColdWeights, s,
+                                 ds::DType::F8E4M3, bf16x)
+        ->UseRealTime();
+  }
+  benchmark::RegisterBenchmark("widen/bf16/cached", BM_WidenBf16, false)->UseRealTime();
+  benchmark::RegisterBenchmark("widen/bf16/memory", BM_WidenBf16, true)->UseRealTime();
 }
 
 }  // namespace
