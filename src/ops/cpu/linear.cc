@@ -594,8 +594,8 @@ void PackPanel(float* HWY_RESTRICT xt, const float* HWY_RESTRICT x, int64_t ldx,
 // The next chunk of weight rows, fetched into the cache while the current
 // one is multiplied. A model's weights do not stay in cache from one step to
 // the next, so each chunk comes from memory, and one core widens bf16 from
-// memory at under a third of its rate from cache (Zen 4: 9.6 against 34
-// GB/s), while the FMAs leave the memory idle. The lines are spread over the
+// memory at under a third of its rate from cache (linear_bench's widen rows
+// on a Zen 4: 9 against 28 GB/s), while the FMAs leave the memory idle. The lines are spread over the
 // tile kernel's steps of k (`every` apart): fetched in bursts, a tile's worth
 // at once, they fill the miss queues and hide much less of it.
 constexpr int kPrefetchLocality = 3;  // __builtin_prefetch's: all levels
