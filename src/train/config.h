@@ -27,7 +27,7 @@
 
 #include "dist/mesh.h"
 #include "model/config.h"
-#include "model/layer.h"
+#include "model/remat.h"
 #include "model/v4_config.h"
 #include "train/data.h"
 
