@@ -19,13 +19,16 @@
 #include "core/tensor.h"
 #include "infer/generate.h"
 #include "io/atomic_file.h"
+#include "io/text_input.h"
 #include "io/token_lists.h"
+#include "io/token_shards.h"
 #include "io/tokenizer.h"
 #include "model/config.h"
 #include "model/init.h"
 #include "model/load.h"
 #include "model_fixture.h"
 #include "test_util.h"
+#include "train/config.h"
 
 namespace ds {
 namespace {
@@ -253,8 +256,7 @@ TEST(Hardening, GenerateRequestsAreCheckedBeforeTheModel) {
   cfg.q_lora_rank = cfg.q_lora_rank > 0 ? cfg.q_lora_rank : 16;
   opt.max_new_tokens = 40;
   EXPECT_NO_THROW(infer::check_generate_request(cfg, {20}, opt));
-  EXPECT_EQ(infer::kv_cache_bytes_per_token(cfg, infer::CacheKind::Latent),
-            dense + cfg.num_hidden_layers * (16 + 4));
+  EXPECT_EQ(infer::kv_cache_bytes_per_token(cfg, infer::CacheKind::Latent), dense + cfg.num_hidden_layers * (16 + 4));
 }
 
 TEST(Hardening, TokenListsAreCheckedAgainstTheVocabulary) {
@@ -280,6 +282,56 @@ TEST(Hardening, TokenizerTypeFieldsMustBeStrings) {
       j[key]["type"] = bad;
       expect_error([&] { io::Tokenizer::from_json(j.dump()); }, "\"type\" must be a string");
     }
+}
+
+TEST(Hardening, RunConfigsEndInAnErrorNamingTheProblem) {
+  // Found by train_config_fuzz: each of these escaped as a YAML or JSON
+  // library exception, undefined behaviour or an endless read.
+  const std::string dir = std::string(DEEPSEEK_SOURCE_DIR) + "/configs/";
+  auto parse = [&](const std::string& text, std::vector<std::string> overrides = {}) {
+    train::parse_run_config(text, overrides, dir + "run.yml");  // presets are found next to it
+  };
+  // A non-scalar key, in the file or in a V4 value; a list as a remat setting.
+  expect_error([&] { parse("[1]: 2\n"); }, "every key must be a name");
+  expect_error([&] { parse("decoder_block: deepseek4\nbase_emb_dim: {[1]: 2}\n"); },
+               "key 'base_emb_dim': a mapping's keys must be names");
+  expect_error([&] { parse("model_name: tiny\nquery_proj: [1]\n"); },
+               "remat name 'query_proj' takes remat, device or offload");
+  // Numbers beyond int64 or double where DeepSeek-V4's keys take them.
+  expect_error([&] { parse("decoder_block: deepseek4\nbase_emb_dim: 99999999999999999999\n"); },
+               "key 'base_emb_dim': the number 99999999999999999999 is out of range");
+  expect_error([&] { parse("model_name: v4-tiny\nrope_factor: 1e400\n"); },
+               "key 'rope_factor': the number 1e400 is out of range");
+  // A batch size beyond int64 was converted before it was checked.
+  for (const char* v : {".inf", "1e19", "-.inf", ".nan", "2.5", "0"})
+    expect_error([&] { parse(std::string("model_name: tiny\nper_device_batch_size: ") + v + "\n"); },
+                 "must be a whole number >= 1");
+  EXPECT_EQ(train::parse_run_config("model_name: tiny\nmax_target_length: 64\nper_device_batch_size: 3\n", {},
+                                    dir + "run.yml")
+                .train.per_device_batch_size,
+            3);
+  // Invalid UTF-8, in the file or an override: the config is written out as JSON.
+  expect_error([&] { parse("model_name: tiny\ntokenizer_path: a\xff\n"); }, "is not valid UTF-8");
+  expect_error([&] { parse("model_name: v4-tiny\nmlp_activations: a\xff\n"); }, "is not valid UTF-8");
+  expect_error([&] { parse("model_name: tiny\n", {"tokenizer_path=a\xff"}); }, "is not valid UTF-8");
+  // A device as the Hugging Face config: read until memory ran out.
+  expect_error([&] { parse("hf_config: /dev/zero\n"); }, "'/dev/zero' is not a regular file");
+  expect_error([] { io::read_file("/dev/null", "input"); }, "'/dev/null' is not a regular file");
+}
+
+TEST(Hardening, TokenCorpusMetaFieldsMustBeStrings) {
+  // Found by token_meta_fuzz: a non-string "format" or "token_dtype" escaped
+  // as a JSON library exception.
+  for (const char* text : {R"({"format": 1})", R"({"format": {"type": "x"}})",
+                           R"({"format": "deepseek.cpp token shards", "version": 1, "token_dtype": 1})"}) {
+    const json j = json::parse(text);
+    try {
+      io::TokenCorpusMeta::from_json(j, "meta.json");
+      ADD_FAILURE() << "no error for " << text;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("meta.json"), std::string::npos) << e.what();
+    }
+  }
 }
 
 // ---- outputs ----

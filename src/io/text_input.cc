@@ -18,6 +18,8 @@ std::string read_file(const std::string& path, const char* what) {
   DS_CHECK(in.good(), "cannot open {} '{}'", what, path);
   std::error_code ec;
   DS_CHECK(!std::filesystem::is_directory(path, ec), "{} '{}' is a folder, not a file", what, path);
+  // A device or a pipe could be endless (/dev/zero): files only.
+  DS_CHECK(std::filesystem::is_regular_file(path, ec), "{} '{}' is not a regular file", what, path);
   std::ostringstream ss;
   ss << in.rdbuf();
   DS_CHECK(!in.bad(), "error reading {} '{}'", what, path);

@@ -9,7 +9,8 @@
 namespace ds::io {
 
 // The whole file as bytes. ds::Error "cannot open WHAT 'PATH'" for a file
-// that cannot be opened, and a clear error for a folder or a read failure.
+// that cannot be opened, and a clear error for a folder, anything else that
+// is not a regular file (a device, a pipe) or a read failure.
 std::string read_file(const std::string& path, const char* what);
 
 // The files named by glob(3) patterns: each pattern's matches in glob's

@@ -177,13 +177,16 @@ json TokenCorpusMeta::to_json() const {
 
 TokenCorpusMeta TokenCorpusMeta::from_json(const json& j, const std::string& origin) {
   DS_CHECK(j.is_object(), "{}: must be a JSON object, got {}", origin, j.type_name());
-  DS_CHECK(j.value("format", std::string()) == kTokenCorpusFormat, "{}: \"format\" is not \"{}\"", origin,
-           kTokenCorpusFormat);
+  // A string field's value, or "" when it is missing or not a string.
+  auto text = [&](const char* key) {
+    return j.contains(key) && j[key].is_string() ? j[key].get<std::string>() : std::string();
+  };
+  DS_CHECK(text("format") == kTokenCorpusFormat, "{}: \"format\" is not \"{}\"", origin, kTokenCorpusFormat);
   TokenCorpusMeta m;
   const uint64_t version = get_count(j, "version", origin, "meta.json");
   DS_CHECK(version == kTokenCorpusVersion, "{}: format version {}; this build reads version {}", origin, version,
            kTokenCorpusVersion);
-  DS_CHECK(j.value("token_dtype", std::string()) == "uint32", "{}: token_dtype must be \"uint32\"", origin);
+  DS_CHECK(text("token_dtype") == "uint32", "{}: token_dtype must be \"uint32\"", origin);
   const uint64_t vocab = get_count(j, "vocab_size", origin, "meta.json");
   DS_CHECK(vocab >= 1 && vocab <= (uint64_t{1} << 31), "{}: vocab_size {} is out of range", origin, vocab);
   m.vocab_size = static_cast<int64_t>(vocab);

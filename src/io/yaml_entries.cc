@@ -1,11 +1,14 @@
 #include "io/yaml_entries.h"
 
 #include "core/error.h"
+#include "io/tokenizer.h"
 
 namespace ds::io {
 
 std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<std::string>& overrides,
                                     const std::string& source, const std::string& override_source) {
+  // YAML is UTF-8, and the values end up in JSON (the run folder's config).
+  check_utf8(text, source.c_str());
   YAML::Node root;
   try {
     root = YAML::Load(text);
@@ -14,9 +17,12 @@ std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<s
   }
   DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", source);
   std::vector<YamlEntry> entries;
-  for (auto it = root.begin(); it != root.end(); ++it)
-    entries.push_back({it->first.as<std::string>(), it->second, source});
+  for (auto it = root.begin(); it != root.end(); ++it) {
+    DS_CHECK(it->first.IsScalar(), "{}: every key must be a name, not a list, a mapping or nothing", source);
+    entries.push_back({it->first.Scalar(), it->second, source});
+  }
   for (const auto& o : overrides) {
+    check_utf8(o, fmt::format("{} argument", override_source).c_str());
     const auto eq = o.find('=');
     DS_CHECK(eq != std::string::npos && eq > 0, "{}: '{}' is not key=value", override_source, o);
     YAML::Node v;

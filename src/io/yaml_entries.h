@@ -16,8 +16,9 @@ struct YamlEntry {
   std::string where;  // `source` or `override_source`
 };
 
-// One clear error for text that is not YAML or not a mapping, or an
-// override without '=' or with a value that is not YAML.
+// One clear error for text that is not UTF-8, not YAML or not a mapping of
+// names, or an override that is not UTF-8, has no '=' or a value that is not
+// YAML.
 std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<std::string>& overrides,
                                     const std::string& source, const std::string& override_source);
 

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -84,8 +85,8 @@ const std::map<std::string, Setter>& train_keys() {
     i64("max_consecutive_skipped_steps", &TrainConfig::max_consecutive_skipped_steps);
     k["per_device_batch_size"] = [](TrainConfig& c, const YAML::Node& n) {
       const double v = n.as<double>();
-      DS_CHECK(v >= 1 && v == static_cast<double>(static_cast<int64_t>(v)),
-               "per_device_batch_size {} must be a whole number >= 1", v);
+      // Range first: converting inf or 1e19 to int64 is undefined.
+      DS_CHECK(v >= 1 && v <= 0x1p53 && v == std::floor(v), "per_device_batch_size {} must be a whole number >= 1", v);
       c.per_device_batch_size = static_cast<int64_t>(v);
     };
     i64("max_target_length", &TrainConfig::max_target_length);
@@ -157,17 +158,33 @@ nlohmann::json yaml_to_json(const YAML::Node& n) {
   }
   if (n.IsMap()) {
     nlohmann::json o = nlohmann::json::object();
-    for (const auto& kv : n) o[kv.first.as<std::string>()] = yaml_to_json(kv.second);
+    for (const auto& kv : n) {
+      DS_CHECK(kv.first.IsScalar(), "a mapping's keys must be names, not lists, mappings or nothing");
+      o[kv.first.Scalar()] = yaml_to_json(kv.second);
+    }
     return o;
   }
   const std::string text = n.Scalar();
   if (n.Tag() != "!") {  // an unquoted scalar
     static const std::regex integer("[-+]?[0-9]+"), number("[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?");
-    if (std::regex_match(text, integer)) return n.as<int64_t>();
-    if (std::regex_match(text, number)) return n.as<double>();
+    try {
+      if (std::regex_match(text, integer)) return n.as<int64_t>();
+      if (std::regex_match(text, number)) return n.as<double>();
+    } catch (const YAML::Exception&) {
+      DS_FAIL("the number {} is out of range", text);
+    }
     if (text == "true" || text == "True" || text == "false" || text == "False") return n.as<bool>();
   }
   return text;
+}
+
+// yaml_to_json of an entry's value; errors name the entry.
+nlohmann::json entry_json(const io::YamlEntry& e) {
+  try {
+    return yaml_to_json(e.value);
+  } catch (const Error& ex) {
+    DS_FAIL("{}: key '{}': {}", e.where, e.key, ex.what());
+  }
 }
 
 std::string find_preset(const std::string& name, const std::string& source) {
@@ -302,7 +319,9 @@ void check_config(const RunConfig& rc) {
 
 }  // namespace
 
-RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+namespace {
+
+RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                            const std::string& source) {
   // Every key in order: the file's, then the overrides (a later one wins).
   const auto entries = io::yaml_entries(yaml_text, overrides, source, "command line");
@@ -370,11 +389,13 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
     } else if (v4 && model::V4Config::is_maxtext_key(key)) {
       DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
                where, key);
-      v4_keys.emplace_back(key, yaml_to_json(value));
+      v4_keys.emplace_back(key, entry_json({key, value, where}));
     } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
       model_overrides.push_back(key + "=" + scalar_text(value));
     } else if (is_remat_name(key)) {
-      custom_remat.emplace_back(key, value.as<std::string>());
+      DS_CHECK(value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", where,
+               key);
+      custom_remat.emplace_back(key, value.Scalar());
     } else {
       DS_FAIL("{}: unknown key '{}' (neither a training key nor a {} model key)", where, key,
               v4 ? "DeepSeek-V4" : "DeepSeek-V2/V3");
@@ -388,7 +409,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
       rc.v4 = model::V4Config::from_hf_json_file(hf_path);
     } else {
       std::vector<std::pair<std::string, nlohmann::json>> all;
-      for (const auto& e : preset_entries) all.emplace_back(e.key, yaml_to_json(e.value));
+      for (const auto& e : preset_entries) all.emplace_back(e.key, entry_json(e));
       all.insert(all.end(), v4_keys.begin(), v4_keys.end());
       rc.v4 = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
     }
@@ -428,6 +449,21 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
   t.data.vocab_size = rc.v4 ? rc.v4->vocab_size : rc.model.vocab_size;
   check_config(rc);
   return rc;
+}
+
+}  // namespace
+
+RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
+                           const std::string& source) {
+  // The keys' own checks name the key; a conversion none of them expected
+  // still ends as a ds::Error that names the file.
+  try {
+    return build_run_config(yaml_text, overrides, source);
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{}: a value of the wrong type or out of range: {}", source, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("{}: {}", source, e.what());
+  }
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
