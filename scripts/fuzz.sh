@@ -7,9 +7,12 @@
 #
 # Targets (fuzz/<target>.cc, seeds in fuzz/corpus/<name without _fuzz>/):
 # safetensors_header_fuzz, config_json_fuzz, tokenizer_json_fuzz,
-# token_lists_fuzz. Arguments name the targets to run (default: all). Every
-# target parses JSON, so all get fuzz/json.dict (JSON syntax, edge-case
-# numbers, the keys the parsers read) as libFuzzer dictionary.
+# token_lists_fuzz, token_shard_fuzz, token_meta_fuzz, train_config_fuzz,
+# json_dataset_fuzz. Arguments name the targets to run (default: all). Each
+# target gets a libFuzzer dictionary: fuzz/<name without _fuzz>.dict where
+# there is one (train_config: YAML and the run config's keys; token_shard:
+# the shard header's magic and edge-case integers), else fuzz/json.dict (JSON
+# syntax, edge-case numbers, the keys the JSON parsers read).
 #
 # The seed corpus is copied into a temporary folder so that the repository's
 # corpus is never grown; crash, timeout and out-of-memory inputs are written
@@ -38,7 +41,8 @@ KEEP_GOING=()
 [ "${FUZZ_KEEP_GOING:-0}" = 1 ] && KEEP_GOING=(-fork=1 -ignore_crashes=1 -ignore_ooms=1 -ignore_timeouts=1)
 JOBS="${DEEPSEEK_JOBS:-2}"
 BUILD=build-fuzz
-ALL_TARGETS=(safetensors_header_fuzz config_json_fuzz tokenizer_json_fuzz token_lists_fuzz)
+ALL_TARGETS=(safetensors_header_fuzz config_json_fuzz tokenizer_json_fuzz token_lists_fuzz token_shard_fuzz
+  token_meta_fuzz train_config_fuzz json_dataset_fuzz)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${ALL_TARGETS[@]}")
 
@@ -48,6 +52,12 @@ max_len() {
     tokenizer_json_fuzz | safetensors_header_fuzz) echo 16384 ;;
     *) echo 4096 ;;
   esac
+}
+
+# The libFuzzer dictionary of a target.
+dict() {
+  local own="fuzz/${1%_fuzz}.dict"
+  if [ -f "$own" ]; then echo "$own"; else echo fuzz/json.dict; fi
 }
 
 for t in "${TARGETS[@]}"; do
@@ -81,12 +91,12 @@ for t in "${TARGETS[@]}"; do
   log="$out/fuzz.log"
   mkdir -p "$corpus" "$out"
   [ -d "$seeds" ] && cp -r "$seeds/." "$corpus/"
-  echo "== $t: $RUNS runs, -max_len=$(max_len "$t"), log $log"
+  echo "== $t: $RUNS runs, -max_len=$(max_len "$t"), -dict=$(dict "$t"), log $log"
   rc=0
   start=$SECONDS
   # shellcheck disable=SC2086  # FUZZ_ARGS is a list of flags
   "$BUILD/fuzz/$t" -runs="$RUNS" -max_total_time="$MAX_TIME" -timeout="$TIMEOUT" -max_len="$(max_len "$t")" \
-    -dict=fuzz/json.dict \
+    -dict="$(dict "$t")" \
     -artifact_prefix="$out/" -print_final_stats=1 "${KEEP_GOING[@]}" ${FUZZ_ARGS:-} "$corpus" >"$log" 2>&1 || rc=$?
   secs=$((SECONDS - start))
   # Inputs run: the final stats, or the last progress line (fork mode, or a
