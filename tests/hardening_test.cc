@@ -317,6 +317,12 @@ TEST(Hardening, RunConfigsEndInAnErrorNamingTheProblem) {
   // A device as the Hugging Face config: read until memory ran out.
   expect_error([&] { parse("hf_config: /dev/zero\n"); }, "'/dev/zero' is not a regular file");
   expect_error([] { io::read_file("/dev/null", "input"); }, "'/dev/null' is not a regular file");
+  // A FIFO is refused before it is opened (opening one waits for a writer).
+  TempDir d;
+  ASSERT_EQ(mkfifo((d / "fifo").c_str(), 0600), 0);
+  expect_error([&] { io::read_file(d / "fifo", "input"); }, "is not a regular file");
+  expect_error([&] { io::read_file(d.path(), "input"); }, "is a folder, not a file");
+  expect_error([&] { io::read_file(d / "missing", "input"); }, "cannot open input");
 }
 
 TEST(Hardening, TokenCorpusMetaFieldsMustBeStrings) {

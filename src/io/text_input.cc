@@ -14,12 +14,16 @@
 namespace ds::io {
 
 std::string read_file(const std::string& path, const char* what) {
+  // Checked before opening: opening a FIFO waits for a writer, and a device
+  // or a pipe could be endless (/dev/zero). Files only.
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st)) {
+    DS_CHECK(!std::filesystem::is_directory(st), "{} '{}' is a folder, not a file", what, path);
+    DS_CHECK(std::filesystem::is_regular_file(st), "{} '{}' is not a regular file", what, path);
+  }
   std::ifstream in(path, std::ios::binary);
   DS_CHECK(in.good(), "cannot open {} '{}'", what, path);
-  std::error_code ec;
-  DS_CHECK(!std::filesystem::is_directory(path, ec), "{} '{}' is a folder, not a file", what, path);
-  // A device or a pipe could be endless (/dev/zero): files only.
-  DS_CHECK(std::filesystem::is_regular_file(path, ec), "{} '{}' is not a regular file", what, path);
   std::ostringstream ss;
   ss << in.rdbuf();
   DS_CHECK(!in.bad(), "error reading {} '{}'", what, path);
