@@ -274,6 +274,7 @@ void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64
 constexpr int64_t kStreamPrefetchBytes = 8192;
 
 HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
+HWY_INLINE void PrefetchL1(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // Weight sources for the decode kernel. Each has blocks of BlockCols()
 // columns sharing a scale (the whole row when there is none): Scales(r) is
@@ -595,10 +596,10 @@ void PackPanel(float* HWY_RESTRICT xt, const float* HWY_RESTRICT x, int64_t ldx,
 // one is multiplied. A model's weights do not stay in cache from one step to
 // the next, so each chunk comes from memory, and one core widens bf16 from
 // memory at under a third of its rate from cache (linear_bench's widen rows
-// on a Zen 4: 9 against 28 GB/s), while the FMAs leave the memory idle. The lines are spread over the
-// tile kernel's steps of k (`every` apart): fetched in bursts, a tile's worth
-// at once, they fill the miss queues and hide much less of it.
-constexpr int kPrefetchLocality = 3;  // __builtin_prefetch's: all levels
+// on a Zen 4: 9 against 28 GB/s), while the FMAs leave the memory idle. The
+// lines are spread over the tile kernel's steps of k (`every` apart):
+// fetched in bursts, a tile's worth at once, they fill the miss queues and
+// hide much less of it.
 constexpr int64_t kLineBytes = 64;
 constexpr int64_t kNoFetch = std::numeric_limits<int64_t>::max();  // a countdown that never ends
 
@@ -621,6 +622,22 @@ HWY_INLINE LinePrefetch ChunkPrefetch(const WeightView& w, int64_t r0, int64_t r
   pf.end = reinterpret_cast<const char*>(end);
   pf.every = std::max<int64_t>(1, steps * 4 / 5 / std::max<int64_t>(1, lines));
   return pf;
+}
+
+// Steps of k from `line` to its fetch (kNoFetch: none left).
+HWY_INLINE int64_t FetchCountdown(const LinePrefetch& pf, const char* line) {
+  return line < pf.end ? pf.every : kNoFetch;
+}
+
+// One step of k of a tile kernel: the next line when the countdown ends.
+// The kernel keeps `line` and `countdown` for the tile and stores `line`
+// back into pf.next at its end.
+HWY_INLINE void FetchStep(const LinePrefetch& pf, const char*& line, int64_t& countdown) {
+  if (--countdown == 0) {
+    PrefetchL1(line);
+    line += kLineBytes;
+    countdown = FetchCountdown(pf, line);
+  }
 }
 
 // Broadcast source for the tile kernel: B(n, k) is W[n0 + n][k] in every lane.
@@ -668,16 +685,12 @@ HWY_INLINE void Tile(float* HWY_RESTRICT tile, const float* HWY_RESTRICT xt, con
     DS_TILE_ROWS(DS_TILE_INIT)
   }
   const char* line = pf.next;
-  int64_t countdown = line < pf.end ? pf.every : kNoFetch;
+  int64_t countdown = FetchCountdown(pf, line);
   for (int64_t k = 1; k < K; ++k) {
     const VF x0 = hn::LoadU(d, xt + k * P);
     const VF x1 = Two ? hn::LoadU(d, xt + k * P + N) : x0;
     DS_TILE_ROWS(DS_TILE_STEP)
-    if (--countdown == 0) {
-      __builtin_prefetch(line, 0, kPrefetchLocality);
-      line += kLineBytes;
-      countdown = line < pf.end ? pf.every : kNoFetch;
-    }
+    FetchStep(pf, line, countdown);
   }
   pf.next = line;
   DS_TILE_ROWS(DS_TILE_STORE)
@@ -914,7 +927,7 @@ DS_BF16_DOT_ATTR void TileBf16Dot(float* HWY_RESTRICT tile, const float* HWY_RES
   __m512 c0a, c0b, c1a, c1b, c2a, c2b, c3a, c3b, c4a, c4b, c5a, c5b;
   __m512 c6a, c6b, c7a, c7b, c8a, c8b, c9a, c9b, c10a, c10b, c11a, c11b;
   const char* line = pf.next;
-  int64_t countdown = line < pf.end ? pf.every : kNoFetch;
+  int64_t countdown = FetchCountdown(pf, line);
   for (int64_t b0 = 0; b0 < K; b0 += block) {
     const int64_t b1 = std::min(K, b0 + block);
     DS_DOT_ROWS(DS_DOT_ZERO)
@@ -922,11 +935,7 @@ DS_BF16_DOT_ATTR void TileBf16Dot(float* HWY_RESTRICT tile, const float* HWY_RES
       const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + j * P);
       const __m512bh x1 = Two ? (__m512bh)_mm512_loadu_si512(xp + j * P + 16) : x0;
       DS_DOT_ROWS(DS_DOT_STEP)
-      if (--countdown == 0) {
-        __builtin_prefetch(line, 0, kPrefetchLocality);
-        line += kLineBytes;
-        countdown = line < pf.end ? pf.every : kNoFetch;
-      }
+      FetchStep(pf, line, countdown);
     }
     if (b1 % 2) {  // an odd K's last column: its pair's high half is zero in x and in b
       const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + b1 / 2 * P);
