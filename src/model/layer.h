@@ -11,7 +11,6 @@
 // dropped, so gradients are bitwise the same under every policy.
 #pragma once
 
-#include <bitset>
 #include <cstdint>
 #include <string>
 #include <vector>

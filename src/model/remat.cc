@@ -1,5 +1,7 @@
 #include "model/remat.h"
 
+#include <initializer_list>
+
 #include "core/error.h"
 
 namespace ds::model {
