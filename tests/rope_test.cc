@@ -303,6 +303,46 @@ TEST_P(RopeLayouts, RepeatedPositionsMatchOneTokenAtATime) {
   }
 }
 
+// Positions up to a few thousand take their cos and sin from a table kept
+// between calls, far ones are computed per call: both give the same bits,
+// forward and backward, and a table made for other frequencies is not reused.
+TEST_P(RopeLayouts, TabledAnglesEqualDirectOnes) {
+  const std::vector<int32_t> near = {0, 1, 5, 100, 4000, 7};
+  std::vector<int32_t> with_far = near;
+  with_far.push_back(163839);  // past the table: the whole call computes its angles directly
+  const Problem a(static_cast<int64_t>(near.size()), 2, 64, near, 21);
+  Problem far(static_cast<int64_t>(with_far.size()), 2, 64, with_far, 21);
+  Problem other = a;  // other frequencies, same size
+  for (float& f : other.freqs) f *= 0.75f;
+  Problem other_far = far;
+  other_far.freqs = other.freqs;
+  const int64_t n = a.x.size();
+  far.x.resize(far.x.size(), 0.5f);
+  std::copy(a.x.begin(), a.x.end(), far.x.begin());
+  other_far.x = far.x;
+  for (int round = 0; round < 2; ++round)  // the second round reuses the tables
+    for (bool fwd : {true, false}) {
+      auto run = [&](const Problem& p) { return fwd ? p.forward(p.x, GetParam()) : p.backward(p.x, GetParam()); };
+      const auto direct = run(far), direct_other = run(other_far);
+      const auto tabled = run(a), tabled_other = run(other);
+      ASSERT_EQ(tabled, std::vector<float>(direct.begin(), direct.begin() + n)) << "round " << round << " fwd " << fwd;
+      ASSERT_EQ(tabled_other, std::vector<float>(direct_other.begin(), direct_other.begin() + n))
+          << "round " << round << " fwd " << fwd;
+      ASSERT_NE(tabled, tabled_other);
+    }
+  // More sets of frequencies than a thread keeps tables for, met in turn
+  // (each set's table is evicted and rebuilt): still the direct bits.
+  for (int round = 0; round < 2; ++round)
+    for (int i = 0; i < 6; ++i) {
+      Problem p = a, q = far;
+      for (float& f : p.freqs) f *= 1.0f - 0.05f * static_cast<float>(i);
+      q.freqs = p.freqs;
+      const auto direct = q.forward(q.x, GetParam());
+      ASSERT_EQ(p.forward(p.x, GetParam()), std::vector<float>(direct.begin(), direct.begin() + n))
+          << "round " << round << " set " << i;
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, RopeLayouts, ::testing::Values(RopeLayout::Interleaved, RopeLayout::HalfSplit));
 
 TEST(Rope, ResultIndependentOfThreadCount) {

@@ -2,7 +2,8 @@
 //
 // Forward rotates each pair by +angle, backward by -angle (the transpose of a
 // rotation is its inverse), so both share one kernel that takes the sign of sin.
-// cos and sin are computed once per token and pair and reused by every head.
+// cos and sin of each position come from a per-thread table (AngleTable) and
+// are reused by every head and every call.
 #include "ops/rope.h"
 
 #include <algorithm>
@@ -16,22 +17,91 @@
 namespace ds::ops {
 namespace {
 
-// One head: y = R x over the dim/2 pairs, with c/s the per-pair cos and
-// (signed) sin. y may equal x: each pair is read before it is written.
-void rotate_head(float* y, const float* x, const float* c, const float* s, int64_t half, RopeLayout layout) {
+// One head: y = R x over the dim/2 pairs, with c/s the per-pair cos and sin
+// and sin_sign +1 or -1 (exact: the same bits as a negated table). y may
+// equal x: each pair is read before it is written.
+void rotate_head(float* y, const float* x, const float* c, const float* s, float sin_sign, int64_t half,
+                 RopeLayout layout) {
   if (layout == RopeLayout::Interleaved) {
     for (int64_t i = 0; i < half; ++i) {
-      const float a = x[2 * i], b = x[2 * i + 1];
-      y[2 * i] = a * c[i] - b * s[i];
-      y[2 * i + 1] = b * c[i] + a * s[i];
+      const float a = x[2 * i], b = x[2 * i + 1], si = sin_sign * s[i];
+      y[2 * i] = a * c[i] - b * si;
+      y[2 * i + 1] = b * c[i] + a * si;
     }
   } else {
     for (int64_t i = 0; i < half; ++i) {
-      const float a = x[i], b = x[i + half];
-      y[i] = a * c[i] - b * s[i];
-      y[i + half] = b * c[i] + a * s[i];
+      const float a = x[i], b = x[i + half], si = sin_sign * s[i];
+      y[i] = a * c[i] - b * si;
+      y[i + half] = b * c[i] + a * si;
     }
   }
+}
+
+// cos and sin of pair i's angle at position p: the angle is rounded to
+// float32 as the reference implementations do; cos and sin of that angle are
+// then taken in double and rounded once.
+void angles(float* c, float* s, const float* freqs, int64_t half, int32_t pos) {
+  const float p = static_cast<float>(pos);
+  for (int64_t i = 0; i < half; ++i) {
+    const double angle = static_cast<double>(p * freqs[i]);
+    c[i] = static_cast<float>(std::cos(angle));
+    s[i] = static_cast<float>(std::sin(angle));
+  }
+}
+
+// The angles of positions [0, positions) for one set of frequencies, kept by
+// each thread between calls: every layer of a step (and a step's backward)
+// rotates the same positions again, and cos and sin in double cost more than
+// the rotations themselves (at a 128-token prefill of the `small` preset,
+// about 3% of the time, on one thread while the others waited). The table
+// is filled by the same `angles` as a direct call, so the bits are the same.
+// It grows to the largest position met, up to kTableFloats floats per array;
+// positions past that are computed per call. A thread keeps a table for
+// each of the last kTables sets of frequencies it met: DeepSeek-V4 rotates
+// with two, alternating by layer, and rebuilding a table at every call
+// would cost a decode step far more than the angles it saves.
+struct AngleTable {
+  std::vector<float> freqs;
+  std::vector<float> cos, sin;  // [positions, half]
+  int64_t positions = 0;
+  uint64_t last_use = 0;
+};
+constexpr int64_t kTableFloats = int64_t{1} << 20;  // 4 MiB per array
+constexpr int kTables = 4;
+
+// The table covering positions [0, max_pos] for freqs [half], or null when
+// it would outgrow kTableFloats.
+const AngleTable* angle_table(const float* freqs, int64_t half, int32_t max_pos) {
+  thread_local AngleTable mine[kTables];
+  thread_local uint64_t clock = 0;
+  const int64_t need = static_cast<int64_t>(max_pos) + 1;
+  if (need * half > kTableFloats) return nullptr;
+  auto same = [&](const AngleTable& t) {
+    return static_cast<int64_t>(t.freqs.size()) == half && std::equal(freqs, freqs + half, t.freqs.begin());
+  };
+  AngleTable* found = std::find_if(mine, mine + kTables, same);
+  if (found == mine + kTables) {  // a new set of frequencies takes the least recently used table
+    found = std::min_element(mine, mine + kTables,
+                             [](const AngleTable& a, const AngleTable& b) { return a.last_use < b.last_use; });
+    found->freqs.assign(freqs, freqs + half);
+    found->positions = 0;
+  }
+  AngleTable& table = *found;  // the workers below fill this thread's table, not their own
+  table.last_use = ++clock;
+  if (need > table.positions) {
+    // Grow geometrically so that a decode adding one position a step fills
+    // the table in few, large steps.
+    const int64_t grown = std::min(std::max(need, 2 * table.positions), kTableFloats / half);
+    table.cos.resize(static_cast<size_t>(grown * half));
+    table.sin.resize(table.cos.size());
+    const int64_t from = table.positions;
+    parallel_ranges(grown - from, (grown - from) * half >= 512, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = from + p0; p < from + p1; ++p)
+        angles(table.cos.data() + p * half, table.sin.data() + p * half, freqs, half, static_cast<int32_t>(p));
+    });
+    table.positions = grown;
+  }
+  return &table;
 }
 
 void rope_apply(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
@@ -49,43 +119,29 @@ void rope_apply(float* y, const float* x, const int32_t* positions, const float*
   for (int64_t t = 0; t < tokens; ++t)
     DS_CHECK(positions[t] >= 0, "{}: position {} of token {} is negative", name, positions[t], t);
   const int64_t half = dim / 2;
-  // The angle is rounded to float32 as the reference implementations do;
-  // cos and sin of that angle are then taken in double and rounded once.
-  auto angles = [&](float* c, float* s, int32_t pos) {
-    const float p = static_cast<float>(pos);
-    for (int64_t i = 0; i < half; ++i) {
-      const double angle = static_cast<double>(p * freqs[i]);
-      c[i] = static_cast<float>(std::cos(angle));
-      s[i] = sin_sign * static_cast<float>(std::sin(angle));
-    }
-  };
   const bool parallel = tokens * heads * dim >= (int64_t{1} << 14);
-  // A batch of several sequences repeats its positions: when there are fewer
-  // positions than tokens, each position's cos and sin are taken once.
   int32_t max_pos = 0;
   for (int64_t t = 0; t < tokens; ++t) max_pos = std::max(max_pos, positions[t]);
-  if (tokens > 1 && static_cast<int64_t>(max_pos) + 1 < tokens) {
-    const int64_t P = static_cast<int64_t>(max_pos) + 1;
-    std::vector<float> c(static_cast<size_t>(P * half)), s(c.size());
-    parallel_ranges(P, parallel, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) angles(c.data() + p * half, s.data() + p * half, static_cast<int32_t>(p));
-    });
+  if (const AngleTable* table = angle_table(freqs, half, max_pos)) {
     parallel_ranges(tokens, parallel, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = table->cos.data() + positions[t] * half;
+        const float* s = table->sin.data() + positions[t] * half;
         for (int64_t h = 0; h < heads; ++h) {
           const int64_t off = t * token_stride + h * head_stride;
-          rotate_head(y + off, x + off, c.data() + positions[t] * half, s.data() + positions[t] * half, half, layout);
+          rotate_head(y + off, x + off, c, s, sin_sign, half, layout);
         }
+      }
     });
     return;
   }
   parallel_ranges(tokens, parallel, [&](int64_t t0, int64_t t1) {
     std::vector<float> c(half), s(half);
     for (int64_t t = t0; t < t1; ++t) {
-      angles(c.data(), s.data(), positions[t]);
+      angles(c.data(), s.data(), freqs, half, positions[t]);
       for (int64_t h = 0; h < heads; ++h) {
         const int64_t off = t * token_stride + h * head_stride;
-        rotate_head(y + off, x + off, c.data(), s.data(), half, layout);
+        rotate_head(y + off, x + off, c.data(), s.data(), sin_sign, half, layout);
       }
     }
   });
