@@ -43,6 +43,15 @@ void parallel_ranges(int64_t n, bool parallel, F&& f) {
   }
 }
 
+// y[i] = a[i] + b[i] for i < n (y may be a or b), split over the threads
+// from a few thousand elements: a layer's residual adds, which on one thread
+// leave the others waiting.
+inline void parallel_add(float* y, const float* a, const float* b, int64_t n) {
+  parallel_ranges(n, n >= (int64_t{1} << 14), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = a[i] + b[i];
+  });
+}
+
 // p[0, n) = 0, split over the threads when n is large: a memset of a few
 // MiB on one thread leaves the others waiting.
 inline void parallel_zero(float* p, int64_t n) {

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "core/stage_times.h"
 #include "model/staged.h"
 #include "ops/attention.h"
@@ -223,7 +224,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
   }
   X.h1.resize(N * D);
-  for (int64_t i = 0; i < N * D; ++i) X.h1[i] = h[i] + S.out_proj[i];
+  parallel_add(X.h1.data(), h, S.out_proj.data(), N * D);
   X.m.resize(N * D);
   X.rstd2.resize(N);
   {
@@ -303,8 +304,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     if (lb_loss && s.load_balance_loss_weight > 0)
       *lb_loss = balance_loss(r, vector_data(p.moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
   }
-  if (forward)
-    for (int64_t i = 0; i < N * D; ++i) h_out[i] = X.h1[i] + ffn_out[i];
+  if (forward) parallel_add(h_out, X.h1.data(), ffn_out.data(), N * D);
   co_return;
 }
 

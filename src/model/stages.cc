@@ -169,10 +169,12 @@ void kv_projection_forward(const KvOut& out, const float* x, const AttentionPara
   const ModelConfig& c = *s.cfg;
   const int64_t kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim, W = kvl + rope;
   if (out.project) ops::linear_forward(out.kv_wa_proj, x, p.kv_a, N);
-  for (int64_t t = 0; t < N; ++t) {
-    std::memcpy(out.mla_kv + t * kvl, out.kv_wa_proj + t * W, kvl * sizeof(float));
-    std::memcpy(out.k_pe + t * rope, out.kv_wa_proj + t * W + kvl, rope * sizeof(float));
-  }
+  parallel_ranges(N, N * W >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(out.mla_kv + t * kvl, out.kv_wa_proj + t * W, kvl * sizeof(float));
+      std::memcpy(out.k_pe + t * rope, out.kv_wa_proj + t * W + kvl, rope * sizeof(float));
+    }
+  });
   ops::rmsnorm_forward(out.mla_kv, out.kv_rstd, out.mla_kv, vector_data(p.kv_a_norm), N, kvl, eps_of(s));
   ops::rope_forward(out.k_pe, out.k_pe, positions, s.rope_freqs.data(), N, 1, rope, rope, rope,
                     ops::RopeLayout::Interleaved);
@@ -203,7 +205,7 @@ void get_key_value_forward(float* key, float* value, const float* mla_kv, const 
   const int64_t vd = c.v_head_dim;
   Buffer<float> kv(N * H * (nope + vd));
   ops::linear_forward(kv.data(), mla_kv, p.kv_b, N);
-  parallel_ranges(N, N * H * (qk + vd) >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
+  parallel_ranges(N, N * H * (qk + vd) >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < H; ++h) {
         const float* src = &kv[(t * H + h) * (nope + vd)];

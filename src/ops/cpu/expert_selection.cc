@@ -75,7 +75,9 @@ void expert_selection_forward(int32_t* experts, float* weights, float* scores, c
   if (fixed)
     for (int64_t i = 0; i < tokens * K; ++i)
       DS_CHECK(fixed[i] >= 0 && fixed[i] < E, "expert_selection: fixed expert id {} outside [0, {})", fixed[i], E);
-  parallel_ranges(tokens, tokens * E >= 4096, [&](int64_t t0, int64_t t1) {
+  // Parallel from a few dozen tokens: a token's scores and selection take
+  // about as long as starting a thread team.
+  parallel_ranges(tokens, tokens * E >= 512, [&](int64_t t0, int64_t t1) {
     std::vector<float> choice(E), gscore(cfg.n_group);
     std::vector<int32_t> idx, gsel(cfg.topk_group);
     for (int64_t t = t0; t < t1; ++t) {
