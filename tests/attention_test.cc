@@ -471,6 +471,22 @@ TEST(Attention, BitwiseReproducibleOverThreadCounts) {
   }
 }
 
+// A batch of rows [B, T] (the generation engine's equal-length prompts)
+// gives each row the bits of a call over that row alone.
+TEST(Attention, EachBatchRowHasTheBitsOfItsOwnCall) {
+  const int64_t B = 3, T = 150, H = 6, Dqk = 48, Dv = 32;
+  const Problem p({B, T, H, Dqk, Dv, default_scale(Dqk)}, {}, 43);
+  std::vector<float> out(B * T * H * Dv), lse(B * H * T);
+  ops::attention_forward(out.data(), lse.data(), p.q.data(), p.k.data(), p.v.data(), nullptr, p.d);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<float> o(T * H * Dv), l(H * T);
+    ops::attention_forward(o.data(), l.data(), p.q.data() + b * T * H * Dqk, p.k.data() + b * T * H * Dqk,
+                           p.v.data() + b * T * H * Dv, nullptr, {1, T, H, Dqk, Dv, default_scale(Dqk)});
+    EXPECT_EQ(o, std::vector<float>(out.begin() + b * T * H * Dv, out.begin() + (b + 1) * T * H * Dv)) << "row " << b;
+    EXPECT_EQ(l, std::vector<float>(lse.begin() + b * H * T, lse.begin() + (b + 1) * H * T)) << "row " << b;
+  }
+}
+
 TEST(Attention, PackingAFewHeadsAtATimeChangesNoBit) {
   // A long context with many heads packs its keys and values a group of
   // heads at a time; a budget of one byte makes every group the smallest
