@@ -26,6 +26,11 @@
 # in bfloat16 as Hugging Face runs one (torch_generate.py --dtype bfloat16).
 # "% peak" still divides by the float32 FMA ceiling; bf16 dot products
 # have twice that ceiling.
+# ROUNDS=N (default 1) runs the two sides N times each per batch size, in
+# alternation (ours, torch, ours, torch, ...), so that a slow spell of the
+# machine falls on both; the table then shows each side's median over the
+# rounds, and a last column the lowest and highest of the rounds' own
+# prefill ratios.
 # Needs Debian's python3-torch and python3-numpy (PYTHON, default
 # /usr/bin/python3); jq is used for the JSON when installed.
 set -euo pipefail
@@ -37,6 +42,8 @@ py="${PYTHON:-/usr/bin/python3}"
 batches="${BATCHES:-1 8}"
 prompt_len="${PROMPT_LEN:-128}"
 new_tokens="${NEW_TOKENS:-32}"
+rounds="${ROUNDS:-1}"
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "error: ROUNDS=$rounds: a positive integer" >&2; exit 1; }
 threads="$(nproc)"
 case "${ISA:-}" in
   "") ;;
@@ -78,25 +85,34 @@ echo "creating a random checkpoint of configs/small.yml ..." >&2
 
 args=(--model "$tmp/small" --prompt-len "$prompt_len" --new-tokens "$new_tokens")
 rows=()
+# median V...: the median of the values.
+median() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 for b in $batches; do
-  echo "batch $b: deepseek.cpp ..." >&2
-  ours="$("$bin" --threads "$threads" --matmul-precision "$ours_precision" bench "${args[@]}" --batch "$b" |
-    last_json)"
-  echo "batch $b: torch ..." >&2
-  theirs="$("$py" "$root/bench/torch_generate.py" "${args[@]}" --batch "$b" --threads "$threads" \
-    --dtype "$torch_dtype" | last_json)"
-  if [ -z "$ours" ] || [ -z "$theirs" ]; then
-    echo "error: a benchmark printed no JSON result" >&2
-    exit 1
-  fi
-  op="$(field "$ours" prefill_tokens_per_s)" tp="$(field "$theirs" prefill_tokens_per_s)"
-  od="$(field "$ours" decode_tokens_per_s)" td="$(field "$theirs" decode_tokens_per_s)"
+  ops=() tps=() ods=() tds=() prs=()
+  for ((r = 1; r <= rounds; r++)); do
+    echo "batch $b, round $r of $rounds: deepseek.cpp ..." >&2
+    ours="$("$bin" --threads "$threads" --matmul-precision "$ours_precision" bench "${args[@]}" --batch "$b" |
+      last_json)"
+    echo "batch $b, round $r of $rounds: torch ..." >&2
+    theirs="$("$py" "$root/bench/torch_generate.py" "${args[@]}" --batch "$b" --threads "$threads" \
+      --dtype "$torch_dtype" | last_json)"
+    if [ -z "$ours" ] || [ -z "$theirs" ]; then
+      echo "error: a benchmark printed no JSON result" >&2
+      exit 1
+    fi
+    ops+=("$(field "$ours" prefill_tokens_per_s)") tps+=("$(field "$theirs" prefill_tokens_per_s)")
+    ods+=("$(field "$ours" decode_tokens_per_s)") tds+=("$(field "$theirs" decode_tokens_per_s)")
+    prs+=("$(ratio "${ops[-1]}" "${tps[-1]}")")
+  done
+  op="$(median "${ops[@]}")" tp="$(median "${tps[@]}")" od="$(median "${ods[@]}")" td="$(median "${tds[@]}")"
+  spread=""
+  if [ "$rounds" -gt 1 ]; then spread="$(printf '%s\n' "${prs[@]}" | sort -g | sed -n '1p;$p' | paste -sd- -)"; fi
   flops="$(field "$ours" prefill_model_flops_per_token)"
   pct() { awk -v r="$1" -v f="$flops" -v p="$peak" 'BEGIN { printf "%.0f%%", 100 * r * f * 1e-9 / p }'; }
-  rows+=("$(printf '%5s | %10.1f %10.1f %6s | %6.1f %6s %6s %8s | %10.1f %10.1f %6s' \
+  rows+=("$(printf '%5s | %10.1f %10.1f %6s | %6.1f %6s %6s %8s | %10.1f %10.1f %6s%s' \
     "$b" "$op" "$tp" "$(ratio "$op" "$tp")" "$(awk -v r="$op" -v f="$flops" 'BEGIN { print r * f * 1e-9 }')" \
     "$(pct "$op")" "$(pct "$tp")" "$(pct "$(awk -v t="$tp" 'BEGIN { print 2 * t }')")" \
-    "$od" "$td" "$(ratio "$od" "$td")")")
+    "$od" "$td" "$(ratio "$od" "$td")" "${spread:+ | $spread}")")
 done
 
 echo
@@ -108,9 +124,16 @@ echo "ours:    SIMD kernels $("$bin" selfcheck | sed -n 's/^SIMD kernels: \([A-Z
   "matmul precision $ours_precision$([[ "$(field "$ours" bf16_dot_products)" =~ ^[Tt]rue$ ]] && echo ' (bf16 dot products)')"
 echo "model:   configs/small.yml (random weights), prompt $prompt_len tokens, $new_tokens decode steps, greedy"
 printf 'peak:    float32 FMA %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak"
+head1="" head2="" rule=""
+if [ "$rounds" -gt 1 ]; then
+  echo "rounds:  $rounds alternated runs of each side per batch size; tok/s are the medians"
+  head1=" | prefill ratio" head2=" | rounds' range" rule="+---------------"
+fi
 echo
-printf '%5s | %-28s | %-29s | %s\n' "" "prefill tok/s" "prefill GFLOP/s, % of peak" "decode tok/s"
-printf '%5s | %10s %10s %6s | %6s %6s %6s %8s | %10s %10s %6s\n' batch ours torch ratio ours ours torch "2x torch" \
-  ours torch ratio
-echo "------+------------------------------+-------------------------------+------------------------------"
+decode_head="decode tok/s"
+[ -z "$head1" ] || decode_head="$(printf '%-28s' "$decode_head")"
+printf '%5s | %-28s | %-29s | %s%s\n' "" "prefill tok/s" "prefill GFLOP/s, % of peak" "$decode_head" "$head1"
+printf '%5s | %10s %10s %6s | %6s %6s %6s %8s | %10s %10s %6s%s\n' batch ours torch ratio ours ours torch "2x torch" \
+  ours torch ratio "$head2"
+echo "------+------------------------------+-------------------------------+------------------------------$rule"
 for r in "${rows[@]}"; do echo "$r"; done
