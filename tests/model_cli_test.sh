@@ -29,6 +29,23 @@ check '! grep -q quantization_config "$tmp/fp8_to_bf16/config.json"' "a bf16 fol
 check '"$bin" init --config "$m/config.json" --out "$tmp/fromjson" >/dev/null' "init from config.json"
 check '"$bin" init --config "$src/configs/tiny.yml" --set base_num_decoder_layers=2 --out "$tmp/two" >/dev/null' "init --set"
 check 'grep -q "\"num_hidden_layers\": 2" "$tmp/two/config.json"' "--set reached config.json"
+# A DeepSeek-V4 preset (decoder_block deepseek4) or deepseek_v4 config.json
+# gives a deepseek_v4 folder that bench runs; from its own config.json the
+# same seed writes the same bytes; --set reaches it; fp8 and a key V4 has
+# not are one error line each.
+v4="$tmp/v4"
+check '"$bin" init --config "$src/configs/v4-tiny.yml" --out "$v4" --seed 3 | grep -q "deepseek_v4 model (4 layers"' \
+  "init a V4 preset"
+check 'grep -q "\"model_type\": \"deepseek_v4\"" "$v4/config.json" && [ -s "$v4/model.safetensors" ]' \
+  "init wrote a deepseek_v4 folder"
+check '"$bin" bench --model "$v4" --batch 2 --prompt-len 20 --new-tokens 3 --repeat 1 | grep -q "\"attention\":\"deepseek_v4\""' \
+  "a V4 folder from init runs"
+"$bin" init --config "$v4/config.json" --out "$tmp/v4again" --seed 3 >/dev/null
+check 'cmp -s "$v4/model.safetensors" "$tmp/v4again/model.safetensors"' "V4 init from its config.json is the same bytes"
+"$bin" init --config "$src/configs/v4-tiny.yml" --out "$tmp/v4two" --set base_num_decoder_layers=2 --set "compress_ratios=[0, 4]" >/dev/null
+check 'grep -q "\"num_hidden_layers\": 2" "$tmp/v4two/config.json"' "--set reaches a V4 preset"
+expect_error init --config "$src/configs/v4-tiny.yml" --out "$tmp/v4fp8" --dtype fp8
+expect_error init --config "$src/configs/v4-tiny.yml" --out "$tmp/v4bad" --set mystery_key=1
 
 cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$m/"
 out=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 2>"$tmp/stats")

@@ -22,7 +22,10 @@
 #include "io/tokenizer.h"
 #include "model/init.h"
 #include "model/load.h"
+#include "model/v4_train.h"
 #include "ops/linear.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
 #include "train/flops.h"
 
 namespace ds::cli {
@@ -115,6 +118,26 @@ struct InitArgs {
 int run_init(const InitArgs& a) {
   const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
   DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
+  // DeepSeek-V4: decoder_block deepseek4 in a preset, or a deepseek_v4
+  // config.json. Written as `deepseek export` writes a trained one, with
+  // the training run's random initialisation.
+  std::optional<model::V4Config> v4;
+  if (yaml)
+    v4 = train::v4_preset(a.config, a.overrides);
+  else if (model::config_model_type(a.config) == "deepseek_v4")
+    v4 = model::V4Config::from_hf_json_file(a.config);
+  if (v4) {
+    DS_CHECK(a.dtype != "fp8", "init: --dtype fp8 is DeepSeek-V3's block-scaled format; write a DeepSeek-V4 model "
+                               "in bf16, f16 or f32");
+    auto params = model::V4FlatParams::zeros(*v4);
+    train::init_v4_params(*v4, params, a.seed, model::InitOptions{}.init_std);
+    params.sync_tables(*v4);
+    const DType dt = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
+    train::export_v4_hf(a.out, *v4, params.data.data(), dt, "init");
+    fmt::print("wrote a randomly initialised deepseek_v4 model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
+               v4->num_hidden_layers, v4->hidden_size, v4->n_routed_experts, a.out, mib(weight_file_bytes(a.out)));
+    return 0;
+  }
   const model::ModelConfig cfg = yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides)
                                       : model::ModelConfig::from_hf_json_file(a.config);
   model::InitOptions opt;

@@ -311,10 +311,11 @@ void load_v4_hf_params(const std::string& dir, const model::V4Config& c, model::
   p.sync_tables(c);
 }
 
-void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype) {
+void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype,
+                  const char* who) {
   DS_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
-           "export: weights can be written as f32, bf16 or f16, not {}", dtype_name(dtype));
-  model::prepare_model_folder(out_dir, "export");
+           "{}: DeepSeek-V4 weights can be written as f32, bf16 or f16, not {}", who, dtype_name(dtype));
+  model::prepare_model_folder(out_dir, who);
   std::vector<std::pair<std::string, Tensor>> ts;
   int64_t off = 0;
   model::for_each_v4_param(c, [&](const model::V4ParamInfo& i) {

@@ -85,6 +85,8 @@ void init_v4_params(const model::V4Config& c, model::V4FlatParams& p, uint64_t s
 void load_v4_hf_params(const std::string& dir, const model::V4Config& c, model::V4FlatParams& p);
 // A V4 folder from float32 parameters: upstream tensor names in `dtype`
 // (vectors float32, tid2eid int32) and config.json; `deepseek generate` reads it.
-void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype);
+// `who` prefixes its errors.
+void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype,
+                  const char* who = "export");
 
 }  // namespace ds::train

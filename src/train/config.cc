@@ -470,4 +470,30 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   return parse_run_config(io::read_file(path, "config"), overrides, path);
 }
 
+std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides) {
+  const auto entries = io::yaml_entries(io::read_file(path, "preset"), overrides, path, "--set");
+  bool v4 = false;
+  for (const auto& e : entries)
+    if (e.key == "decoder_block" && e.value.IsScalar())
+      v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
+  if (!v4) return std::nullopt;
+  // As in parse_run_config: a conversion no check expected still ends as a
+  // ds::Error naming the file.
+  try {
+    std::vector<std::pair<std::string, nlohmann::json>> all;
+    for (const auto& e : entries) {
+      DS_CHECK(model::V4Config::is_maxtext_key(e.key),
+               "{}: '{}' is not a key of a DeepSeek-V4 model (decoder_block deepseek4)", e.where, e.key);
+      all.emplace_back(e.key, entry_json(e));
+    }
+    model::V4Config c = model::V4Config::from_maxtext(all, path);
+    c.validate();
+    return c;
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{}: a value of the wrong type or out of range: {}", path, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("{}: {}", path, e.what());
+  }
+}
+
 }  // namespace ds::train

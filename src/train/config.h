@@ -135,4 +135,9 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
                            const std::string& source);
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides);
 
+// A DeepSeek-V4 model from a YAML preset in MaxText's keys (decoder_block
+// deepseek4, as configs/v4-tiny.yml) and key=value overrides, checked as
+// `deepseek train` checks it; nullopt when the preset is of another family.
+std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides);
+
 }  // namespace ds::train
