@@ -187,6 +187,28 @@ nlohmann::json entry_json(const io::YamlEntry& e) {
   }
 }
 
+// Whether the entries' (last) decoder_block names DeepSeek-V4.
+bool says_v4(const std::vector<io::YamlEntry>& entries) {
+  bool v4 = false;
+  for (const auto& e : entries)
+    if (e.key == "decoder_block" && e.value.IsScalar())
+      v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
+  return v4;
+}
+
+// f(), with a YAML or JSON exception that no key's own check expected
+// turned into a ds::Error that names `source`.
+template <class F>
+auto naming_source(const std::string& source, F&& f) {
+  try {
+    return f();
+  } catch (const YAML::Exception& e) {
+    DS_FAIL("{}: a value of the wrong type or out of range: {}", source, e.what());
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("{}: {}", source, e.what());
+  }
+}
+
 std::string find_preset(const std::string& name, const std::string& source) {
   std::vector<fs::path> tries;
   if (name.ends_with(".yml") || name.ends_with(".yaml")) tries.push_back(name);
@@ -362,13 +384,6 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     preset = find_preset(t.model_name, source);
     preset_entries = io::yaml_entries(io::read_file(preset, "preset"), {}, preset, "");
   }
-  auto says_v4 = [](const std::vector<io::YamlEntry>& es) {
-    bool v4 = false;
-    for (const auto& e : es)
-      if (e.key == "decoder_block" && e.value.IsScalar())
-        v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
-    return v4;
-  };
   const bool v4 =
       !hf_path.empty() ? model::config_model_type(hf_path) == "deepseek_v4" : says_v4(preset_entries) || says_v4(rest);
 
@@ -457,13 +472,7 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
                            const std::string& source) {
   // The keys' own checks name the key; a conversion none of them expected
   // still ends as a ds::Error that names the file.
-  try {
-    return build_run_config(yaml_text, overrides, source);
-  } catch (const YAML::Exception& e) {
-    DS_FAIL("{}: a value of the wrong type or out of range: {}", source, e.what());
-  } catch (const nlohmann::json::exception& e) {
-    DS_FAIL("{}: {}", source, e.what());
-  }
+  return naming_source(source, [&] { return build_run_config(yaml_text, overrides, source); });
 }
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
@@ -472,14 +481,8 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 
 std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides) {
   const auto entries = io::yaml_entries(io::read_file(path, "preset"), overrides, path, "--set");
-  bool v4 = false;
-  for (const auto& e : entries)
-    if (e.key == "decoder_block" && e.value.IsScalar())
-      v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
-  if (!v4) return std::nullopt;
-  // As in parse_run_config: a conversion no check expected still ends as a
-  // ds::Error naming the file.
-  try {
+  if (!says_v4(entries)) return std::nullopt;
+  return naming_source(path, [&] {
     std::vector<std::pair<std::string, nlohmann::json>> all;
     for (const auto& e : entries) {
       DS_CHECK(model::V4Config::is_maxtext_key(e.key),
@@ -488,12 +491,8 @@ std::optional<model::V4Config> v4_preset(const std::string& path, const std::vec
     }
     model::V4Config c = model::V4Config::from_maxtext(all, path);
     c.validate();
-    return c;
-  } catch (const YAML::Exception& e) {
-    DS_FAIL("{}: a value of the wrong type or out of range: {}", path, e.what());
-  } catch (const nlohmann::json::exception& e) {
-    DS_FAIL("{}: {}", path, e.what());
-  }
+    return std::optional<model::V4Config>(std::move(c));
+  });
 }
 
 }  // namespace ds::train
