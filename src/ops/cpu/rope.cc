@@ -52,8 +52,9 @@ void angles(float* c, float* s, const float* freqs, int64_t half, int32_t pos) {
 // The angles of positions [0, positions) for one set of frequencies, kept by
 // each thread between calls: every layer of a step (and a step's backward)
 // rotates the same positions again, and cos and sin in double cost more than
-// the rotations themselves (at a 128-token prefill of the `small` preset,
-// about 3% of the time, on one thread while the others waited). The table
+// the rotations themselves (at a 128-token prefill of the `small` preset the
+// calls ran on the main thread alone while the others waited; see
+// docs/performance.md, "the main thread alone"). The table
 // is filled by the same `angles` as a direct call, so the bits are the same.
 // It grows to the largest position met, up to kTableFloats floats per array;
 // positions past that are computed per call. A thread keeps a table for
