@@ -70,6 +70,14 @@ class KvDecoder : public Decoder {
   void start(int64_t sequences) override {
     cache_ = std::make_unique<KvCache>(kind_, sequences, e_.config().num_hidden_layers);
   }
+  void reset(int64_t s) override {
+    DS_CHECK(cache_ && s >= 0 && s < static_cast<int64_t>(cache_->seqs.size()), "reset: no sequence {}", s);
+    const size_t layers = static_cast<size_t>(e_.config().num_hidden_layers);
+    auto& seq = cache_->seqs[static_cast<size_t>(s)];
+    seq = SequenceCache{};
+    for (auto* v : {&seq.c_kv, &seq.k_pe, &seq.k, &seq.v, &seq.index_scale}) v->resize(layers);
+    seq.index_k.resize(layers);
+  }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     return e_.step(*cache_, tokens, false);
   }
@@ -83,6 +91,10 @@ class KvDecoder : public Decoder {
 };
 
 }  // namespace
+
+std::unique_ptr<Decoder> kv_decoder(Engine& engine, CacheKind kind) {
+  return std::make_unique<KvDecoder>(engine, kind);
+}
 
 std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "infer/kv_cache.h"
@@ -65,12 +66,18 @@ class Decoder {
   virtual int64_t max_positions() const = 0;
   // Drops every sequence and starts `sequences` empty ones.
   virtual void start(int64_t sequences) = 0;
+  // Empties sequence s (its cache or state freed), leaving the others as
+  // they are: the next tokens it receives start a new sequence there.
+  virtual void reset(int64_t sequence) = 0;
   // Appends tokens[s] to sequence s (any may be empty); one row of logits
   // [vocab] per sequence that received tokens, in order.
   virtual std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) = 0;
   virtual int64_t length(int64_t sequence) const = 0;
   virtual size_t cache_bytes() const = 0;
 };
+
+// The V2/V3 engine over a KV cache of `kind`, as a Decoder.
+std::unique_ptr<Decoder> kv_decoder(Engine& engine, CacheKind kind);
 
 // The request checks of check_generate_request that need no model config
 // (options, prompt count, lengths against max_positions), then the loop.

@@ -45,6 +45,11 @@ void V4Decoder::start(int64_t sequences) {
   for (int64_t s = 0; s < sequences; ++s) states_.push_back(m_.new_state());
 }
 
+void V4Decoder::reset(int64_t s) {
+  DS_CHECK(s >= 0 && s < static_cast<int64_t>(states_.size()), "reset: no sequence {}", s);
+  states_[static_cast<size_t>(s)] = m_.new_state();
+}
+
 std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) {
   DS_CHECK(tokens.size() == states_.size(), "V4 step: {} token lists for {} sequences", tokens.size(), states_.size());
   std::vector<model::V4Request> batch;

@@ -38,6 +38,7 @@ class V4Decoder : public Decoder {
   int64_t vocab_size() const override { return m_.config().vocab_size; }
   int64_t max_positions() const override { return m_.config().max_position_embeddings; }
   void start(int64_t sequences) override;
+  void reset(int64_t sequence) override;
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override;
   int64_t length(int64_t s) const override { return states_[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override;
