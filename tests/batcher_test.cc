@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "core/error.h"
@@ -230,10 +232,41 @@ TEST_F(BatcherTest, AFailedStepEndsItsSequencesAndServingGoesOn) {
   EXPECT_EQ(after->finish(), Finish::Length);
 }
 
+// A decoder whose steps wait until open() is called.
+class GateDecoder : public ds::infer::Decoder {
+ public:
+  explicit GateDecoder(ds::infer::Decoder& d) : d_(d) {}
+  int64_t vocab_size() const override { return d_.vocab_size(); }
+  int64_t max_positions() const override { return d_.max_positions(); }
+  void start(int64_t s) override { d_.start(s); }
+  void reset(int64_t s) override { d_.reset(s); }
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return open_; });
+    return d_.step(tokens);
+  }
+  int64_t length(int64_t s) const override { return d_.length(s); }
+  size_t cache_bytes() const override { return d_.cache_bytes(); }
+  void open() {
+    {
+      std::lock_guard lk(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  ds::infer::Decoder& d_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
 TEST_F(BatcherTest, ImpossibleRequestsAreRefused) {
-  auto served = decoder();
-  Batcher b(*served, BatcherOptions{1, 0});
-  const int64_t V = served->vocab_size(), P = served->max_positions();
+  auto inner = decoder();
+  GateDecoder served(*inner);
+  Batcher b(served, BatcherOptions{1, 0});
+  const int64_t V = served.vocab_size(), P = served.max_positions();
   auto refused = [&](BatchRequest r, const std::string& says) {
     try {
       b.submit(std::move(r));
@@ -249,10 +282,16 @@ TEST_F(BatcherTest, ImpossibleRequestsAreRefused) {
   refused({{1}, -1, {}}, "max_new_tokens must be >= 0");
   refused({{1}, 4, {-1.0f, 0, 1.0f, 0}}, "temperature");
   refused({{1}, 4, {1.0f, 0, 0.0f, 0}}, "top-p");
-  // max_waiting 0: no request may wait for a slot.
-  refused({{1}, 4, {}}, "already waiting");
-  EXPECT_THROW(Batcher(*served, BatcherOptions{0}), ds::Error);
-  EXPECT_THROW(Batcher(*served, BatcherOptions{2, 1, -1}), ds::Error);
+  // One slot and max_waiting 0: the first request takes the slot (its
+  // steps wait at the gate), the second finds it busy.
+  auto first = b.submit({{1}, 4, {}});
+  EXPECT_THROW(b.submit({{1}, 4, {}}), ds::infer::Unavailable);
+  served.open();
+  EXPECT_EQ(drain(*first).size(), 4u);
+  b.close();
+  EXPECT_THROW(b.submit({{1}, 4, {}}), ds::infer::Unavailable);
+  EXPECT_THROW(Batcher(*inner, BatcherOptions{0}), ds::Error);
+  EXPECT_THROW(Batcher(*inner, BatcherOptions{2, 1, -1}), ds::Error);
 }
 
 TEST(BatcherV4, EachRequestMakesWhatItsPromptMakesAlone) {

@@ -25,5 +25,6 @@ void add_model_commands(CLI::App& app, CommandList& commands);  // init, generat
 void add_prepare_command(CLI::App& app, CommandList& commands);  // tokenize a corpus into token shards
 void add_tokenizer_train_command(CLI::App& app, CommandList& commands);  // tokenizer train
 void add_train_commands(CLI::App& app, CommandList& commands);           // train, export
+void add_serve_command(CLI::App& app, CommandList& commands);            // OpenAI-compatible HTTP server
 
 }  // namespace ds::cli

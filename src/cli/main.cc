@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -125,13 +126,20 @@ void add_selfcheck_command(CLI::App& app, CommandList& commands) {
 // program therefore spins its workers by default. libgomp reads its settings
 // when it loads, before main, so they are set here and the program re-runs
 // itself once. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is respected.
-static void default_to_spinning_threads(char** argv) {
+// A server waits for requests most of its life: its threads spin for a while
+// (about a tenth of a second) after each parallel region, enough to bridge
+// the steps of a generation, and then sleep.
+static void default_to_spinning_threads(int argc, char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT") || std::getenv("DEEPSEEK_REEXEC")) return;
-  setenv("OMP_WAIT_POLICY", "active", 1);
+  if (std::find_if(argv + 1, argv + argc, [](const char* a) { return std::strcmp(a, "serve") == 0; }) != argv + argc)
+    setenv("GOMP_SPINCOUNT", "30000000", 1);
+  else
+    setenv("OMP_WAIT_POLICY", "active", 1);
   setenv("DEEPSEEK_REEXEC", "1", 1);
   execv("/proc/self/exe", argv);
   // exec failed (no /proc): carry on with the library defaults.
   unsetenv("OMP_WAIT_POLICY");
+  unsetenv("GOMP_SPINCOUNT");
 }
 
 // A standard descriptor the caller closed (`>&-`) would be handed to the next
@@ -149,7 +157,7 @@ static void guard_standard_descriptors() {
 
 int main(int argc, char** argv) {
   guard_standard_descriptors();
-  default_to_spinning_threads(argv);
+  default_to_spinning_threads(argc, argv);
   ds::keep_freed_memory_in_heap();
   CLI::App app{"deepseek.cpp: train and serve DeepSeek-V3-family models", "deepseek"};
   app.require_subcommand(0, 1);
@@ -169,6 +177,7 @@ int main(int argc, char** argv) {
   ds::cli::add_prepare_command(app, commands);
   ds::cli::add_tokenizer_train_command(app, commands);
   ds::cli::add_train_commands(app, commands);
+  ds::cli::add_serve_command(app, commands);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

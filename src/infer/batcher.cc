@@ -68,14 +68,18 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
   thread_ = std::thread([this] { loop(); });
 }
 
-Batcher::~Batcher() {
+Batcher::~Batcher() { close(); }
+
+void Batcher::close() {
   {
     std::lock_guard lk(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
+  std::lock_guard lk(mu_);
   for (auto& w : waiting_) w.gen->end(Finish::Cancelled);
+  waiting_.clear();
   for (auto& s : slots_)
     if (s.live) s.gen->end(Finish::Cancelled);
 }
@@ -97,9 +101,13 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r) {
   }
   {
     std::lock_guard lk(mu_);
-    DS_CHECK(!stop_, "the batcher is shutting down");
-    DS_CHECK(static_cast<int64_t>(waiting_.size()) < opt_.max_waiting,
-             "{} requests are already waiting for a slot; try again later", waiting_.size());
+    if (stop_) throw Unavailable("the server is shutting down");
+    // Free slots take requests beyond max_waiting: they wait only until the
+    // next step.
+    const int64_t free_slots = std::max<int64_t>(0, opt_.max_sequences - running_.load());
+    if (static_cast<int64_t>(waiting_.size()) >= opt_.max_waiting + free_slots)
+      throw Unavailable(fmt::format("every slot is busy and {} requests are waiting; try again later",
+                                    waiting_.size()));
     waiting_.push_back({gen, std::move(r)});
   }
   cv_.notify_all();

@@ -22,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/error.h"
 #include "infer/generate.h"
 #include "infer/sampler.h"
 
@@ -29,7 +30,7 @@ namespace ds::infer {
 
 struct BatcherOptions {
   int64_t max_sequences = 8;    // slots: sequences in one step at most
-  int64_t max_waiting = 256;    // requests queued for a slot at most
+  int64_t max_waiting = 256;    // requests waiting for a busy slot at most
   int64_t prefill_chunk = 512;  // prompt tokens per step over all sequences (0: no limit)
   int64_t eos_token_id = -1;    // < 0: none
   int64_t sample_vocab = 0;     // sample only ids below this (0: every id)
@@ -39,6 +40,13 @@ struct BatchRequest {
   std::vector<int32_t> prompt;
   int64_t max_new_tokens = 16;
   SamplerConfig sampler;
+};
+
+// What submit() throws when it cannot take a request now: max_waiting
+// requests already wait for a slot, or the batcher is closed.
+class Unavailable : public Error {
+ public:
+  using Error::Error;
 };
 
 // Why a generation ended.
@@ -85,15 +93,20 @@ class Batcher {
   // Starts the thread that runs `decoder` (which it owns from now on:
   // nothing else may call it until the batcher is destroyed).
   Batcher(Decoder& decoder, BatcherOptions opt);
-  // Ends every generation still running or waiting as Cancelled.
+  // close().
   ~Batcher();
   Batcher(const Batcher&) = delete;
   Batcher& operator=(const Batcher&) = delete;
 
   // Queues a request. Checks it first (ds::Error with one line for an empty
   // or too long prompt, an id outside the vocabulary, impossible sampler
-  // settings, a negative max_new_tokens, or a full queue).
+  // settings or a negative max_new_tokens; Unavailable when max_waiting
+  // requests already wait, or after close()).
   std::shared_ptr<Generation> submit(BatchRequest r);
+
+  // Stops the steps and ends every generation still running or waiting as
+  // Cancelled; later submits are refused. Idempotent.
+  void close();
 
   const BatcherOptions& options() const { return opt_; }
   int64_t vocab_size() const { return vocab_; }

@@ -1,0 +1,127 @@
+// deepseek serve --model DIR [--host H] [--port P] [--max-sequences S] ...
+// OpenAI's completion API over HTTP (infer/server.h) for a model folder of
+// any family, with continuous batching (infer/batcher.h). Runs until
+// SIGINT or SIGTERM, which end the generations still running and stop it.
+#include <fmt/format.h>
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+#include <optional>
+#include <thread>
+
+#include "cli/commands.h"
+#include "cli/gen_model.h"
+#include "core/error.h"
+#include "infer/batcher.h"
+#include "infer/server.h"
+#include "io/tokenizer.h"
+
+namespace ds::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ServeArgs {
+  std::string model, tokenizer, host = "127.0.0.1", name, cache = "latent";
+  int port = 8080;
+  int64_t max_sequences = 8, max_waiting = 256;
+  int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
+  int http_threads = 32;
+};
+
+void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
+
+int run_serve(const ServeArgs& a) {
+  GenModel g = GenModel::config_of(a.model);
+  // The tokenizer is optional: without one, prompts are token ids.
+  std::optional<io::Tokenizer> tok;
+  const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
+  if (!a.tokenizer.empty() || fs::is_regular_file(tok_path)) {
+    DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}'", tok_path);
+    tok = io::Tokenizer::from_file(tok_path);
+    DS_CHECK(tok->vocab_size() <= g.vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+             tok->vocab_size(), g.vocab_size());
+  }
+  const infer::CacheKind kind = cache_kind(a.cache);
+  const std::string name = !a.name.empty() ? a.name : fs::path(a.model).lexically_normal().filename().string();
+
+  // SIGINT and SIGTERM are taken by one thread (sigwait) rather than a
+  // handler: every thread made from here on inherits the blocked mask.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+
+  g.load(a.model);
+  auto decoder = g.new_decoder(kind);
+  infer::Batcher batcher(*decoder, infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk,
+                                                         g.eos_token_id(), tok ? tok->vocab_size() : 0});
+  infer::ServedModel served;
+  served.batcher = &batcher;
+  served.tokenizer = tok ? &*tok : nullptr;
+  served.check = [&g, kind, &a](int64_t prompt, int64_t max_new) {
+    infer::GenerateOptions o;
+    o.cache = kind;
+    o.max_new_tokens = max_new;
+    o.prefill_chunk = a.prefill_chunk;
+    g.check({prompt}, o);
+  };
+  infer::Server server(served, infer::ServerOptions{a.host, a.port, name, a.http_threads});
+  const int port = server.bind();
+
+  std::atomic<bool> running{true};
+  std::thread signals([&] {
+    const timespec tick{0, 200'000'000};
+    while (running.load()) {
+      const int sig = sigtimedwait(&sigs, nullptr, &tick);
+      if (sig == SIGINT || sig == SIGTERM) {
+        say(fmt::format("deepseek serve: {}, stopping", sig == SIGINT ? "SIGINT" : "SIGTERM"));
+        batcher.close();  // ends the running generations, so their connections finish
+        server.stop();
+        return;
+      }
+    }
+  });
+  say(fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
+                  "/health); {} sequences at once, {}",
+                  name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only"));
+  server.run();
+  running = false;
+  signals.join();
+  return 0;
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app, CommandList& commands) {
+  auto args = std::make_shared<ServeArgs>();
+  auto* cmd = app.add_subcommand("serve", "serve a model over HTTP with OpenAI's completion API (continuous batching)");
+  cmd->add_option("--model", args->model, "Hugging Face model folder (config.json, safetensors, tokenizer.json)")
+      ->required();
+  cmd->add_option("--tokenizer", args->tokenizer, "tokenizer.json (default: the model folder's, when it has one)");
+  cmd->add_option("--host", args->host, "address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)");
+  cmd->add_option("--port", args->port, "port (default 8080; 0 picks a free one)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--name", args->name, "model name in responses and /v1/models (default: the folder's name)");
+  cmd->add_option("--max-sequences", args->max_sequences,
+                  "sequences decoded together; more requests wait for a slot (default 8)")
+      ->check(CLI::Range(int64_t{1}, infer::kMaxSequences));
+  cmd->add_option("--max-waiting", args->max_waiting,
+                  "requests that may wait for a slot; beyond them the server answers 503 (default 256)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  cmd->add_option("--prefill-chunk", args->prefill_chunk,
+                  "prompt tokens per step over all sequences; 0: no limit (default 512)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
+      ->check(CLI::IsMember({"latent", "naive"}));
+  cmd->add_option("--http-threads", args->http_threads, "connections served at once (default 32)")
+      ->check(CLI::Range(1, 4096));
+  commands.emplace_back(cmd, [args] { return run_serve(*args); });
+}
+
+}  // namespace ds::cli

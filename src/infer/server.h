@@ -1,0 +1,62 @@
+// An HTTP server with OpenAI's completion API over a continuous batcher
+// (infer/batcher.h), as llama.cpp's and vLLM's servers offer it:
+//
+//   POST /v1/completions       {"prompt": "text" | [ids], "max_tokens", "temperature", "top_p",
+//                               "top_k", "seed", "stop", "stream"}
+//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ...} in DeepSeek's chat format
+//   GET  /v1/models, GET /health
+//
+// Streams are server-sent events ("data: {...}" per token, then
+// "data: [DONE]"). Every request the server cannot run gets an HTTP error with
+// OpenAI's error object ({"error": {"message", "type", "param", "code"}})
+// and one line of message; nothing a client sends stops the server.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "infer/batcher.h"
+#include "io/tokenizer.h"
+
+namespace ds::infer {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;  // 0: any free port (bind() says which)
+  std::string model_name = "deepseek";
+  int threads = 32;                         // connections served at once
+  size_t max_body_bytes = size_t{8} << 20;  // larger requests get 413
+};
+
+// What the server serves: the batcher and what it needs beyond it.
+struct ServedModel {
+  Batcher* batcher = nullptr;
+  // Text in and out; without one only token-id prompts are taken and
+  // responses carry token ids and empty text.
+  const io::Tokenizer* tokenizer = nullptr;
+  // Checks a request of this prompt length and token budget against the
+  // machine (the KV cache's memory); throws ds::Error to refuse it.
+  std::function<void(int64_t prompt_tokens, int64_t max_new_tokens)> check;
+};
+
+class Server {
+ public:
+  Server(ServedModel model, ServerOptions opt);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the socket; returns the port (ds::Error when it cannot).
+  int bind();
+  // Serves until stop() (from any thread).
+  void run();
+  void stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ds::infer

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# `deepseek serve` as a user runs it: it says where it listens, answers a
+# completion with the tokens `deepseek generate` makes, stops cleanly on
+# SIGTERM (exit 0), and refuses a missing model, a bad option or a port in
+# use with one error line and exit 2. HTTP goes through bash's /dev/tcp, so
+# nothing beyond bash is needed.
+# Usage: serve_cli_test.sh DEEPSEEK SOURCE_DIR
+set -u
+bin="$1"
+src="$2"
+tmp=$(mktemp -d)
+pid=""
+trap '[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; rm -rf "$tmp"' EXIT
+fail=0
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
+
+m="$tmp/tiny"
+"$bin" init --config "$src/configs/tiny.yml" --out "$m" --seed 3 >/dev/null || { echo "FAIL: init"; exit 1; }
+cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$m/"
+
+expect_error serve --model "$tmp/missing" --port 0
+expect_error serve --model "$m" --port 70000
+expect_error serve --model "$m" --max-sequences 0
+expect_error serve --model "$m" --tokenizer "$tmp/none.json"
+
+# http METHOD PATH [BODY]: the response (status line, headers, body) of one
+# request to the server on $port.
+http() {
+  exec 3<>"/dev/tcp/127.0.0.1/$port" || return 1
+  printf '%s %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: %s\r\n\r\n%s' \
+    "$1" "$2" "${#3}" "$3" >&3
+  timeout 60 cat <&3
+  exec 3<&-
+}
+
+"$bin" serve --model "$m" --port 0 --max-sequences 2 2>"$tmp/log" &
+pid=$!
+port=""
+for _ in $(seq 200); do
+  port=$(grep -o '127.0.0.1:[0-9]*' "$tmp/log" | head -1 | cut -d: -f2)
+  [ -n "$port" ] && break
+  sleep 0.05
+done
+check '[ -n "$port" ]' "serve says the address it listens on: $(cat "$tmp/log")"
+if [ -n "$port" ]; then
+  check 'http GET /health "" | grep -q "\"status\":\"ok\""' "GET /health answers ok"
+  resp=$(http POST /v1/completions '{"prompt": "hello world", "max_tokens": 6, "temperature": 0}')
+  check '[[ "$resp" == "HTTP/1.1 200"* ]]' "a completion answers 200: $resp"
+  # The JSON string's escapes (\uXXXX, \t, ...) as bash's printf %b reads them.
+  text=$(printf '%b' "$(printf '%s' "$resp" | sed -n 's/.*"text":"\([^"]*\)".*/\1/p')")
+  want=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 6 --temperature 0 2>/dev/null)
+  check '[ "hello world$text" == "$want" ]' "the completion is what generate prints ('$text' against '$want')"
+  resp=$(http POST /v1/completions '{"prompt": [1, 2], "max_tokens": "six"}')
+  check '[[ "$resp" == "HTTP/1.1 400"* ]] && [[ "$resp" == *"max_tokens"* ]]' "a bad field answers 400: $resp"
+  # A second server on the same port is refused.
+  expect_error serve --model "$m" --port "$port"
+fi
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+pid=""
+check '[ "$rc" -eq 0 ]' "serve exits 0 on SIGTERM (got $rc)"
+check 'grep -q "SIGTERM, stopping" "$tmp/log"' "serve says why it stops"
+
+[ "$fail" -eq 0 ] && echo "serve_cli: all checks passed"
+exit "$fail"
