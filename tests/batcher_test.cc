@@ -146,6 +146,12 @@ TEST_F(BatcherTest, EosAndLengthEndAGeneration) {
     EXPECT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + (std::find(want.begin(), want.end(), want[2]) -
                                                                           want.begin() + 1)));
     EXPECT_EQ(g->finish(), Finish::Eos);
+    // ignore_eos: the same tokens as without an EOS id, to max_new_tokens.
+    BatchRequest past = r;
+    past.ignore_eos = true;
+    auto all = b.submit(past);
+    EXPECT_EQ(drain(*all), want);
+    EXPECT_EQ(all->finish(), Finish::Length);
   }
   Batcher b(*served, BatcherOptions{2});
   auto none = b.submit({{1, 2}, 0, {}});

@@ -412,6 +412,7 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   expect_refused(C, R"({"prompt": [1], "top_k": -2})", 400, "'top_k' must be in", "top_k");
   expect_refused(C, R"({"prompt": [1], "seed": 1.5})", 400, "'seed' must be an integer", "seed");
   expect_refused(C, R"({"prompt": [1], "stream": "yes"})", 400, "true or false", "stream");
+  expect_refused(C, R"({"prompt": [1], "ignore_eos": 1})", 400, "true or false", "ignore_eos");
   expect_refused(C, R"({"prompt": [1], "stop": 3})", 400, "'stop' must be", "stop");
   expect_refused(C, R"({"prompt": [1], "stop": [""]})", 400, "must not be empty", "stop");
   expect_refused(C, R"({"prompt": [1], "n": 2})", 400, "'n' is not supported", "n");

@@ -211,7 +211,7 @@ void Batcher::run_step() {
     s.gen->push(tok);
     s.last = tok;
     ++s.made;
-    if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id)
+    if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !s.req.ignore_eos)
       free_slot(i, Finish::Eos);
     else if (s.made >= s.req.max_new_tokens || decoder_.length(static_cast<int64_t>(i)) >= max_positions_)
       free_slot(i, Finish::Length);

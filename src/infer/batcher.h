@@ -40,6 +40,7 @@ struct BatchRequest {
   std::vector<int32_t> prompt;
   int64_t max_new_tokens = 16;
   SamplerConfig sampler;
+  bool ignore_eos = false;  // run to max_new_tokens even past EOS (benchmarks)
 };
 
 // What submit() throws when it cannot take a request now: max_waiting

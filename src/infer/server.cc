@@ -334,6 +334,8 @@ struct Server::Impl {
     if (r.sampler.top_p <= 0.0f) refuse("top_p", "'top_p' must be in (0, 1]");
     // top_k: vLLM's and llama.cpp's extension (-1 or 0: no cut).
     r.sampler.top_k = std::max<int64_t>(0, int_field(body, "top_k", 0, -1, std::numeric_limits<int32_t>::max()));
+    // vLLM's extension: generate max_tokens whatever the model says.
+    r.ignore_eos = bool_field(body, "ignore_eos", false);
     const json* seed = field(body, "seed");
     if (seed && !seed->is_number_integer()) refuse("seed", "'seed' must be an integer");
     r.sampler.seed = seed ? seed->get<uint64_t>() : random_seed();

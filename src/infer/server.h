@@ -2,7 +2,7 @@
 // (infer/batcher.h), as llama.cpp's and vLLM's servers offer it:
 //
 //   POST /v1/completions       {"prompt": "text" | [ids], "max_tokens", "temperature", "top_p",
-//                               "top_k", "seed", "stop", "stream"}
+//                               "top_k", "seed", "stop", "stream", "ignore_eos"}
 //   POST /v1/chat/completions  {"messages": [{"role", "content"}], ...} in DeepSeek's chat format
 //   GET  /v1/models, GET /health
 //
