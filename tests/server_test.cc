@@ -391,6 +391,7 @@ TEST_F(ServerTest, AClientThatGoesAwayFreesItsSlot) {
 TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   const std::string C = "/v1/completions", Chat = "/v1/chat/completions";
   expect_refused(C, "{bad", 400, "not valid JSON");
+  expect_refused(C, "{\"prompt\": \"\xff\xfe\"}", 400, "not valid JSON");  // not UTF-8, quoted in the message
   expect_refused(C, "[1, 2]", 400, "must be a JSON object");
   expect_refused(C, "{}", 400, "'prompt' is missing", "prompt");
   expect_refused(C, R"({"prompt": 5})", 400, "must be a string or an array", "prompt");

@@ -41,9 +41,13 @@ json error_body(const Refusal& r) {
             {"code", nullptr}}}};
 }
 
+// JSON text for the wire. Messages can quote a client's bytes (a JSON
+// parse error does); invalid UTF-8 becomes U+FFFD rather than an exception.
+std::string wire(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 void send_error(httplib::Response& res, const Refusal& r) {
   res.status = r.status;
-  res.set_content(error_body(r).dump(), "application/json");
+  res.set_content(wire(error_body(r)), "application/json");
 }
 
 // A library error's message without the source location it ends with.
@@ -174,8 +178,6 @@ class TextTracker {
   // The rest at the end of the generation.
   std::string finish() { return stopped_ || !tok_ ? std::string() : take(text_.size()); }
   bool stopped() const { return stopped_; }
-  // Everything sent.
-  std::string text() const { return text_.substr(0, sent_); }
 
  private:
   std::string take(size_t end) {
@@ -204,7 +206,6 @@ struct Server::Impl {
   std::random_device seeds;
   std::mutex seeds_mu;
   std::atomic<bool> in_run{false}, stop_requested{false}, run_done{false};
-  bool in_run_not_done() const { return !run_done; }
 
   // A request, checked and submitted.
   struct Job {
@@ -214,7 +215,6 @@ struct Server::Impl {
     std::shared_ptr<Generation> gen;
     std::unique_ptr<TextTracker> text;
     std::vector<int32_t> ids;  // made so far
-    int64_t eos = -1;
   };
 
   uint64_t random_seed() {
@@ -348,8 +348,7 @@ struct Server::Impl {
     }
     const auto stops = stop_field(body);
     if (!stops.empty() && !model.tokenizer) refuse("stop", "'stop' needs text: this model has no tokenizer.json");
-    job.eos = b.options().eos_token_id;
-    job.text = std::make_unique<TextTracker>(model.tokenizer, stops, job.eos);
+    job.text = std::make_unique<TextTracker>(model.tokenizer, stops, b.options().eos_token_id);
     if (const json* m = field(body, "model")) {
       if (!m->is_string()) refuse("model", "'model' must be a string");
     }
@@ -433,7 +432,7 @@ struct Server::Impl {
     json out = envelope(job, false);
     out["choices"] = json::array({choice});
     out["usage"] = usage(job);
-    res.set_content(out.dump(), "application/json");
+    res.set_content(wire(out), "application/json");
   }
 
   json chunk(const Job& job, const std::string& delta, const std::vector<int32_t>& ids, const json& finish,
@@ -467,7 +466,7 @@ struct Server::Impl {
           std::optional<Refusal> failed;
           try {
             while (advance(*job, delta, token)) {
-              if (!send_event(sink, chunk(*job, delta, {token}, nullptr, first).dump())) {
+              if (!send_event(sink, wire(chunk(*job, delta, {token}, nullptr, first)))) {
                 job->gen->cancel();  // the client went away
                 return false;
               }
@@ -479,15 +478,15 @@ struct Server::Impl {
             failed = Refusal{500, "internal error: " + plain(e.what()), ""};
           }
           if (failed) {
-            send_event(sink, error_body(*failed).dump());
+            send_event(sink, wire(error_body(*failed)));
           } else {
-            if (!delta.empty()) send_event(sink, chunk(*job, delta, {}, nullptr, first).dump());
-            send_event(sink, chunk(*job, "", {}, finish_reason(*job), false).dump());
+            if (!delta.empty()) send_event(sink, wire(chunk(*job, delta, {}, nullptr, first)));
+            send_event(sink, wire(chunk(*job, "", {}, finish_reason(*job), false)));
             if (job->include_usage) {
               json u = envelope(*job, true);
               u["choices"] = json::array();
               u["usage"] = usage(*job);
-              send_event(sink, u.dump());
+              send_event(sink, wire(u));
             }
           }
           send_event(sink, "[DONE]");
@@ -549,13 +548,12 @@ Server::Server(ServedModel model, ServerOptions opt) : impl_(std::make_unique<Im
   http.Get("/v1/models", [im](const httplib::Request&, httplib::Response& res) {
     json m = {{"id", im->opt.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "deepseek.cpp"},
               {"max_model_len", im->model.batcher->max_positions()}};
-    res.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(), "application/json");
+    res.set_content(wire(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
   http.Get("/health", [im](const httplib::Request&, httplib::Response& res) {
-    res.set_content(json{{"status", "ok"},
-                         {"running", im->model.batcher->running()},
-                         {"waiting", im->model.batcher->waiting()}}
-                        .dump(),
+    res.set_content(wire(json{{"status", "ok"},
+                              {"running", im->model.batcher->running()},
+                              {"waiting", im->model.batcher->waiting()}}),
                     "application/json");
   });
   http.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
@@ -598,7 +596,7 @@ void Server::run() {
 void Server::stop() {
   impl_->stop_requested = true;
   if (!impl_->in_run) return;  // run() will see stop_requested
-  while (!impl_->http.is_running() && impl_->in_run_not_done())
+  while (!impl_->http.is_running() && !impl_->run_done)
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   impl_->http.stop();
 }
