@@ -132,7 +132,7 @@ void add_selfcheck_command(CLI::App& app, CommandList& commands) {
 static void default_to_spinning_threads(int argc, char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") || std::getenv("GOMP_SPINCOUNT") || std::getenv("DEEPSEEK_REEXEC")) return;
   if (std::find_if(argv + 1, argv + argc, [](const char* a) { return std::strcmp(a, "serve") == 0; }) != argv + argc)
-    setenv("GOMP_SPINCOUNT", "30000000", 1);
+    setenv("GOMP_SPINCOUNT", "4000000", 1);
   else
     setenv("OMP_WAIT_POLICY", "active", 1);
   setenv("DEEPSEEK_REEXEC", "1", 1);
