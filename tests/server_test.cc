@@ -107,8 +107,9 @@ class ServerTest : public ::testing::Test {
     ds::infer::ServedModel sm;
     sm.batcher = batcher_.get();
     sm.tokenizer = tok_.get();
-    sm.check = [](int64_t, int64_t max_new) {
-      if (max_new > 100000) throw ds::Error("the KV cache of this request would not fit");
+    // As if the machine had memory for 120 tokens of KV cache per request.
+    sm.check = [](int64_t prompt, int64_t max_new) {
+      if (prompt + max_new > 120) throw ds::Error("the KV cache of this request would not fit");
     };
     ds::infer::ServerOptions so;
     so.port = 0;
@@ -406,7 +407,7 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   expect_refused(C, R"({"prompt": [1], "max_tokens": -1})", 400, "'max_tokens' must be in", "max_tokens");
   expect_refused(C, R"({"prompt": [1], "max_tokens": "8"})", 400, "'max_tokens' must be an integer", "max_tokens");
   expect_refused(C, R"({"prompt": [1], "max_tokens": 18446744073709551615})", 400, "'max_tokens' must be in");
-  expect_refused(C, R"({"prompt": [1], "max_tokens": 200000})", 400, "would not fit");
+  expect_refused(C, R"({"prompt": [1], "max_tokens": 200000})", 400, "would not fit", "max_tokens");
   expect_refused(C, R"({"prompt": [1], "temperature": 3})", 400, "'temperature' must be in", "temperature");
   expect_refused(C, R"({"prompt": [1], "temperature": "hot"})", 400, "must be a number", "temperature");
   expect_refused(C, R"({"prompt": [1], "top_p": 0})", 400, "'top_p'", "top_p");
@@ -422,6 +423,10 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   expect_refused(C, R"({"prompt": [1], "presence_penalty": 0.5})", 400, "not supported", "presence_penalty");
   expect_refused(C, R"({"prompt": [1], "model": 7})", 400, "'model' must be a string", "model");
   expect_refused(C, R"({"prompt": "\ud800"})", 400, "");  // a lone surrogate: not UTF-8 text
+  // A chat's default budget runs to the model's last position (128 here),
+  // beyond the 120 tokens the check allows: the message says what to set.
+  expect_refused(Chat, R"({"messages": [{"role": "user", "content": "hi"}]})", 400,
+                 "would not fit; set 'max_tokens' to ask for fewer tokens", "max_tokens");
   expect_refused(Chat, R"({"messages": []})", 400, "'messages' must be", "messages");
   expect_refused(Chat, R"({"messages": [{"content": "hi"}]})", 400, "string 'role'", "messages[0]");
   expect_refused(Chat, R"({"messages": [{"role": "robot", "content": "hi"}]})", 400, "system, user or assistant",

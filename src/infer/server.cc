@@ -257,7 +257,7 @@ struct Server::Impl {
     refuse("prompt", "'prompt' must be a string or an array of token ids");
   }
 
-  // /v1/chat/completions: DeepSeek's chat format. After the BOS, the system
+  // /v1/chat/completions: DeepSeek-V3's chat format. After the BOS, the system
   // messages' text (joined by blank lines), then "<｜User｜>" + text for a
   // user message and "<｜Assistant｜>" + text + "<｜end▁of▁sentence｜>" for an
   // assistant one, and "<｜Assistant｜>" to open the answer.
@@ -357,6 +357,13 @@ struct Server::Impl {
     job.created = static_cast<int64_t>(std::time(nullptr));
     try {
       if (model.check) model.check(n, r.max_new_tokens);
+    } catch (const Error& e) {
+      // A chat's default runs to the model's last position, which may not
+      // fit where a shorter answer would.
+      const bool defaulted = !field(body, max_key);
+      refuse(max_key, plain(e.what()) + (defaulted ? fmt::format("; set '{}' to ask for fewer tokens", max_key) : ""));
+    }
+    try {
       job.gen = b.submit(std::move(r));
     } catch (const Unavailable& e) {
       refuse("", plain(e.what()), 503);

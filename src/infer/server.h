@@ -3,7 +3,7 @@
 //
 //   POST /v1/completions       {"prompt": "text" | [ids], "max_tokens", "temperature", "top_p",
 //                               "top_k", "seed", "stop", "stream", "ignore_eos"}
-//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ...} in DeepSeek's chat format
+//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ...} in DeepSeek-V3's chat format
 //   GET  /v1/models, GET /health
 //
 // Streams are server-sent events ("data: {...}" per token, then
