@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "forwarding_decoder.h"
 #include "infer/v4_engine.h"
 #include "model/v4_train.h"
 #include "model_fixture.h"
@@ -205,22 +206,15 @@ TEST_F(BatcherTest, ShutdownCancelsWhatIsLeft) {
 }
 
 // A decoder whose step fails once, on the n-th call.
-class FailingDecoder : public ds::infer::Decoder {
+class FailingDecoder : public ds::test::ForwardingDecoder {
  public:
-  FailingDecoder(ds::infer::Decoder& d, int fail_at) : d_(d), fail_at_(fail_at) {}
-  int64_t vocab_size() const override { return d_.vocab_size(); }
-  int64_t max_positions() const override { return d_.max_positions(); }
-  void start(int64_t s) override { d_.start(s); }
-  void reset(int64_t s) override { d_.reset(s); }
+  FailingDecoder(ds::infer::Decoder& d, int fail_at) : ForwardingDecoder(d), fail_at_(fail_at) {}
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     if (++calls_ == fail_at_) throw ds::Error("out of memory for the cache");
-    return d_.step(tokens);
+    return ForwardingDecoder::step(tokens);
   }
-  int64_t length(int64_t s) const override { return d_.length(s); }
-  size_t cache_bytes() const override { return d_.cache_bytes(); }
 
  private:
-  ds::infer::Decoder& d_;
   int fail_at_, calls_ = 0;
 };
 
@@ -239,20 +233,16 @@ TEST_F(BatcherTest, AFailedStepEndsItsSequencesAndServingGoesOn) {
 }
 
 // A decoder whose steps wait until open() is called.
-class GateDecoder : public ds::infer::Decoder {
+class GateDecoder : public ds::test::ForwardingDecoder {
  public:
-  explicit GateDecoder(ds::infer::Decoder& d) : d_(d) {}
-  int64_t vocab_size() const override { return d_.vocab_size(); }
-  int64_t max_positions() const override { return d_.max_positions(); }
-  void start(int64_t s) override { d_.start(s); }
-  void reset(int64_t s) override { d_.reset(s); }
+  using ForwardingDecoder::ForwardingDecoder;
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
-    std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] { return open_; });
-    return d_.step(tokens);
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return open_; });
+    }
+    return ForwardingDecoder::step(tokens);
   }
-  int64_t length(int64_t s) const override { return d_.length(s); }
-  size_t cache_bytes() const override { return d_.cache_bytes(); }
   void open() {
     {
       std::lock_guard lk(mu_);
@@ -262,7 +252,6 @@ class GateDecoder : public ds::infer::Decoder {
   }
 
  private:
-  ds::infer::Decoder& d_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "forwarding_decoder.h"
 #include "model_fixture.h"
 
 namespace fs = std::filesystem;
@@ -62,22 +63,13 @@ Events parse_events(const std::string& body) {
 
 // A decoder that takes at least 5 ms a step, so that a generation is still
 // running when a test acts on it.
-class SlowDecoder : public ds::infer::Decoder {
+class SlowDecoder : public ds::test::ForwardingDecoder {
  public:
-  explicit SlowDecoder(ds::infer::Decoder& d) : d_(d) {}
-  int64_t vocab_size() const override { return d_.vocab_size(); }
-  int64_t max_positions() const override { return d_.max_positions(); }
-  void start(int64_t s) override { d_.start(s); }
-  void reset(int64_t s) override { d_.reset(s); }
+  using ForwardingDecoder::ForwardingDecoder;
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    return d_.step(tokens);
+    return ForwardingDecoder::step(tokens);
   }
-  int64_t length(int64_t s) const override { return d_.length(s); }
-  size_t cache_bytes() const override { return d_.cache_bytes(); }
-
- private:
-  ds::infer::Decoder& d_;
 };
 
 class ServerTest : public ::testing::Test {

@@ -1,0 +1,27 @@
+// A generation Decoder that passes every call on to another; tests derive
+// from it and override step() to make steps fail, wait or take time.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "infer/generate.h"
+
+namespace ds::test {
+
+class ForwardingDecoder : public infer::Decoder {
+ public:
+  explicit ForwardingDecoder(infer::Decoder& d) : d_(d) {}
+  int64_t vocab_size() const override { return d_.vocab_size(); }
+  int64_t max_positions() const override { return d_.max_positions(); }
+  void start(int64_t sequences) override { d_.start(sequences); }
+  void reset(int64_t sequence) override { d_.reset(sequence); }
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override { return d_.step(tokens); }
+  int64_t length(int64_t sequence) const override { return d_.length(sequence); }
+  size_t cache_bytes() const override { return d_.cache_bytes(); }
+
+ private:
+  infer::Decoder& d_;
+};
+
+}  // namespace ds::test
