@@ -114,6 +114,11 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r) {
   return gen;
 }
 
+bool Batcher::closed() const {
+  std::lock_guard lk(mu_);
+  return stop_;
+}
+
 int64_t Batcher::running() const { return running_.load(); }
 
 int64_t Batcher::waiting() const {

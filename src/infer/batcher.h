@@ -108,6 +108,8 @@ class Batcher {
   // Stops the steps and ends every generation still running or waiting as
   // Cancelled; later submits are refused. Idempotent.
   void close();
+  // Whether close() has begun.
+  bool closed() const;
 
   const BatcherOptions& options() const { return opt_; }
   int64_t vocab_size() const { return vocab_; }

@@ -558,7 +558,7 @@ Server::Server(ServedModel model, ServerOptions opt) : impl_(std::make_unique<Im
     res.set_content(wire(json{{"object", "list"}, {"data", json::array({m})}}), "application/json");
   });
   http.Get("/health", [im](const httplib::Request&, httplib::Response& res) {
-    res.set_content(wire(json{{"status", "ok"},
+    res.set_content(wire(json{{"status", im->model.batcher->closed() ? "stopping" : "ok"},
                               {"running", im->model.batcher->running()},
                               {"waiting", im->model.batcher->waiting()}}),
                     "application/json");
