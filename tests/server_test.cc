@@ -276,6 +276,13 @@ TEST_F(ServerTest, ChatInDeepSeeksFormat) {
   }
   EXPECT_EQ(content, r["choices"][0]["message"]["content"]);
   EXPECT_EQ(ev.chunks.back()["choices"][0]["finish_reason"], r["choices"][0]["finish_reason"]);
+  // No token at all: the role still comes first, then the end.
+  auto [s0, b0] = post("/v1/chat/completions", json{{"messages", messages}, {"max_tokens", 0}, {"stream", true}}.dump());
+  ASSERT_EQ(s0, 200);
+  const Events none = parse_events(b0);
+  ASSERT_EQ(none.chunks.size(), 2u) << b0;
+  EXPECT_EQ(none.chunks[0]["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_EQ(none.chunks[1]["choices"][0]["finish_reason"], "length");
 }
 
 TEST_F(ServerTest, StopStringsEndTheText) {

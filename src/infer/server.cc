@@ -487,7 +487,8 @@ struct Server::Impl {
           if (failed) {
             send_event(sink, wire(error_body(*failed)));
           } else {
-            if (!delta.empty()) send_event(sink, wire(chunk(*job, delta, {}, nullptr, first)));
+            // A chat stream's first chunk carries the role, even with no token.
+            if (!delta.empty() || (job->chat && first)) send_event(sink, wire(chunk(*job, delta, {}, nullptr, first)));
             send_event(sink, wire(chunk(*job, "", {}, finish_reason(*job), false)));
             if (job->include_usage) {
               json u = envelope(*job, true);
