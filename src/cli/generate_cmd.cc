@@ -19,6 +19,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "infer/generate.h"
+#include "infer/text_stream.h"
 #include "infer/v4_engine.h"
 #include "io/tokenizer.h"
 #include "model/init.h"
@@ -117,35 +118,6 @@ struct GenerateArgs {
   bool raw = false;
 };
 
-// Prints the text of the generated ids as it grows. A byte-level token can
-// end inside a UTF-8 character, so text ending in U+FFFD is held back until
-// a later token completes it (or the end, when it is printed as it is).
-class TextStream {
- public:
-  explicit TextStream(const io::Tokenizer& tok) : tok_(tok) {}
-  void push(int32_t id) {
-    ids_.push_back(id);
-    const std::string text = tok_.decode(ids_, /*skip_special_tokens=*/true);
-    if (text.ends_with("\xEF\xBF\xBD")) return;
-    emit(text);
-  }
-  void finish() { emit(tok_.decode(ids_, true)); }
-
- private:
-  void emit(const std::string& text) {
-    if (text.size() > printed_ && text.compare(0, printed_, printed_text_) == 0) {
-      std::fwrite(text.data() + printed_, 1, text.size() - printed_, stdout);
-      check_stdout();  // a closed or full output stops the generation
-      printed_ = text.size();
-      printed_text_ = text;
-    }
-  }
-  const io::Tokenizer& tok_;
-  std::vector<int32_t> ids_;
-  size_t printed_ = 0;
-  std::string printed_text_;
-};
-
 int run_generate(const GenerateArgs& a) {
   // Everything that can be wrong with the request is found before the
   // weights are read: options, tokenizer, prompt length.
@@ -167,15 +139,18 @@ int run_generate(const GenerateArgs& a) {
   g.check({static_cast<int64_t>(prompt.size())}, opt);
 
   g.load(a.model);
-  TextStream stream(tok);
-  opt.on_token = [&](int64_t, int32_t id) {
-    if (id != opt.eos_token_id) stream.push(id);
+  infer::TextStream stream(tok, {}, opt.eos_token_id);
+  // A closed or full output stops the generation.
+  auto print = [](const std::string& text) {
+    std::fwrite(text.data(), 1, text.size(), stdout);
+    check_stdout();
   };
+  opt.on_token = [&](int64_t, int32_t id) { print(stream.push(id)); };
   std::fputs(a.prompt.c_str(), stdout);
   check_stdout();
   infer::GenerateStats st;
   g.generate({prompt}, opt, &st);
-  stream.finish();
+  print(stream.finish());
   std::fputs("\n", stdout);
   check_stdout();
   std::fprintf(

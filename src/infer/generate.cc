@@ -72,11 +72,7 @@ class KvDecoder : public Decoder {
   }
   void reset(int64_t s) override {
     DS_CHECK(cache_ && s >= 0 && s < static_cast<int64_t>(cache_->seqs.size()), "reset: no sequence {}", s);
-    const size_t layers = static_cast<size_t>(e_.config().num_hidden_layers);
-    auto& seq = cache_->seqs[static_cast<size_t>(s)];
-    seq = SequenceCache{};
-    for (auto* v : {&seq.c_kv, &seq.k_pe, &seq.k, &seq.v, &seq.index_scale}) v->resize(layers);
-    seq.index_k.resize(layers);
+    cache_->seqs[static_cast<size_t>(s)] = SequenceCache(e_.config().num_hidden_layers);
   }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     return e_.step(*cache_, tokens, false);

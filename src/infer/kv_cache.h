@@ -17,6 +17,11 @@ namespace ds::infer {
 enum class CacheKind { Latent, Naive };
 
 struct SequenceCache {
+  // Empty, with a row list per layer.
+  explicit SequenceCache(int64_t num_layers)
+      : c_kv(num_layers), k_pe(num_layers), k(num_layers), v(num_layers), index_k(num_layers),
+        index_scale(num_layers) {}
+
   int64_t length = 0;  // tokens cached
   // Per layer, rows appended as tokens arrive.
   std::vector<std::vector<float>> c_kv, k_pe;  // latent: [T, kv_lora_rank], [T, qk_rope_head_dim]
@@ -31,16 +36,8 @@ struct KvCache {
   CacheKind kind = CacheKind::Latent;
   std::vector<SequenceCache> seqs;
 
-  KvCache(CacheKind k, int64_t num_sequences, int64_t num_layers) : kind(k), seqs(num_sequences) {
-    for (auto& s : seqs) {
-      s.c_kv.resize(num_layers);
-      s.k_pe.resize(num_layers);
-      s.k.resize(num_layers);
-      s.v.resize(num_layers);
-      s.index_k.resize(num_layers);
-      s.index_scale.resize(num_layers);
-    }
-  }
+  KvCache(CacheKind k, int64_t num_sequences, int64_t num_layers)
+      : kind(k), seqs(num_sequences, SequenceCache(num_layers)) {}
   // Bytes of cached activations.
   size_t bytes() const {
     size_t n = 0;

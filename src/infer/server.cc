@@ -10,10 +10,10 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <string_view>
 #include <thread>
 
 #include "core/error.h"
+#include "infer/text_stream.h"
 
 namespace ds::infer {
 
@@ -139,61 +139,6 @@ std::vector<std::string> stop_field(const json& body) {
   return out;
 }
 
-// ---- text out -----------------------------------------------------------------
-
-constexpr std::string_view kReplacement = "\xEF\xBF\xBD";  // U+FFFD
-
-// The text of a generation as it grows, and where a stop string ends it.
-// Text that may still turn into a stop string (the last longest-stop minus
-// one bytes), or that ends inside a character (U+FFFD), is held back until
-// a later token decides it.
-class TextTracker {
- public:
-  TextTracker(const io::Tokenizer* tok, std::vector<std::string> stops, int64_t eos)
-      : tok_(tok), stops_(std::move(stops)), eos_(eos) {
-    for (const auto& s : stops_) hold_ = std::max(hold_, s.size() - 1);
-  }
-  // Adds a token; returns the text that can be sent now. stopped() turns
-  // true when a stop string appeared (the text up to it is returned).
-  std::string push(int32_t id) {
-    if (!tok_ || stopped_) return {};
-    if (id != eos_) ids_.push_back(id);
-    const std::string text = tok_->decode(ids_, /*skip_special_tokens=*/true);
-    if (text.size() < sent_ || text.compare(0, sent_, text_.substr(0, sent_)) != 0) return {};  // wait for more
-    text_ = text;
-    if (!stops_.empty()) {
-      size_t first = std::string::npos;
-      const size_t from = sent_ > hold_ ? sent_ - hold_ : 0;
-      for (const auto& s : stops_) first = std::min(first, text_.find(s, from));
-      if (first != std::string::npos) {
-        stopped_ = true;
-        return take(std::max(first, sent_));
-      }
-    }
-    if (text_.ends_with(kReplacement)) return {};
-    size_t safe = text_.size() - std::min(hold_, text_.size());
-    while (safe > sent_ && safe < text_.size() && (static_cast<unsigned char>(text_[safe]) & 0xC0) == 0x80) --safe;
-    return take(std::max(safe, sent_));
-  }
-  // The rest at the end of the generation.
-  std::string finish() { return stopped_ || !tok_ ? std::string() : take(text_.size()); }
-  bool stopped() const { return stopped_; }
-
- private:
-  std::string take(size_t end) {
-    std::string out = text_.substr(sent_, end - sent_);
-    sent_ = end;
-    return out;
-  }
-  const io::Tokenizer* tok_;
-  std::vector<std::string> stops_;
-  int64_t eos_;
-  size_t hold_ = 0, sent_ = 0;
-  std::vector<int32_t> ids_;
-  std::string text_;
-  bool stopped_ = false;
-};
-
 }  // namespace
 
 // ---- the server ------------------------------------------------------------------
@@ -213,7 +158,8 @@ struct Server::Impl {
     std::string id, model;
     int64_t created = 0;
     std::shared_ptr<Generation> gen;
-    std::unique_ptr<TextTracker> text;
+    std::unique_ptr<TextStream> text;  // none without a tokenizer
+    bool stopped() const { return text && text->stopped(); }
     std::vector<int32_t> ids;  // made so far
   };
 
@@ -348,7 +294,8 @@ struct Server::Impl {
     }
     const auto stops = stop_field(body);
     if (!stops.empty() && !model.tokenizer) refuse("stop", "'stop' needs text: this model has no tokenizer.json");
-    job.text = std::make_unique<TextTracker>(model.tokenizer, stops, b.options().eos_token_id);
+    if (model.tokenizer)
+      job.text = std::make_unique<TextStream>(*model.tokenizer, stops, b.options().eos_token_id);
     if (const json* m = field(body, "model")) {
       if (!m->is_string()) refuse("model", "'model' must be a string");
     }
@@ -377,18 +324,19 @@ struct Server::Impl {
   // `delta` gets the text that can be sent.
   static bool advance(Job& job, std::string& delta, int32_t& token) {
     delta.clear();
-    if (job.text->stopped() || !job.gen->next(&token)) {
-      if (!job.text->stopped()) delta = job.text->finish();
+    if (job.stopped()) return false;
+    if (!job.gen->next(&token)) {
+      if (job.text) delta = job.text->finish();
       return false;
     }
     job.ids.push_back(token);
-    delta = job.text->push(token);
-    if (job.text->stopped()) job.gen->cancel();
+    if (job.text) delta = job.text->push(token);
+    if (job.stopped()) job.gen->cancel();
     return true;
   }
 
   static std::string finish_reason(const Job& job) {
-    if (job.text->stopped()) return "stop";
+    if (job.stopped()) return "stop";
     switch (job.gen->finish()) {
       case Finish::Eos:
         return "stop";
@@ -401,7 +349,7 @@ struct Server::Impl {
 
   // A generation that ended without finishing: the refusal to send.
   static std::optional<Refusal> failure(const Job& job) {
-    if (job.text->stopped()) return std::nullopt;
+    if (job.stopped()) return std::nullopt;
     switch (job.gen->finish()) {
       case Finish::Failed:
         return Refusal{500, "generation failed: " + plain(job.gen->error().c_str()), ""};
