@@ -21,12 +21,6 @@ bool Generation::next(int32_t* token) {
   return take(token);
 }
 
-bool Generation::next_for(int32_t* token, std::chrono::milliseconds wait, bool* timed_out) {
-  std::unique_lock lk(mu_);
-  *timed_out = !cv_.wait_for(lk, wait, [&] { return !tokens_.empty() || finish_ != Finish::Running; });
-  return !*timed_out && take(token);
-}
-
 Finish Generation::finish() const {
   std::lock_guard lk(mu_);
   return finish_;

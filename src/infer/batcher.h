@@ -12,7 +12,6 @@
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -65,8 +64,6 @@ class Generation {
   // Waits for the next token: true with *token set, false once the
   // generation has ended and every token was read (finish() says why).
   bool next(int32_t* token);
-  // The same, waiting at most `wait`: false with *timed_out set when none came.
-  bool next_for(int32_t* token, std::chrono::milliseconds wait, bool* timed_out);
   // Asks the batcher to stop this generation; it ends as Cancelled at the
   // next step (tokens already made can still be read).
   void cancel() { cancelled_ = true; }
