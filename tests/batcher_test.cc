@@ -67,8 +67,8 @@ std::vector<int32_t> alone(ds::infer::Decoder& d, const BatchRequest& r, int64_t
   return ds::infer::generate(d, {r.prompt}, opt)[0];
 }
 
-// Submits every request at once and checks each against generate() alone;
-// the reference runs on a second decoder over the same model.
+// Submits every request at once and checks each against generate() alone
+// on the reference decoder.
 void expect_each_as_alone(ds::infer::Decoder& served, ds::infer::Decoder& reference, BatcherOptions opt) {
   const auto rs = mixed_requests();
   std::vector<std::vector<int32_t>> want;
@@ -90,17 +90,24 @@ class BatcherTest : public ::testing::Test {
     dir_ = temp_dir("batcher");
     ds::test::write_random_model(dir_, ds::test::tiny_v3_config(), 21);
     m_ = ds::infer::load_model(dir_);
+    m_ref_ = ds::infer::load_model(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
+  // The decoder the batcher runs, and one for generate() alone on a model of
+  // its own: an engine serves one thread at a time, and the test thread
+  // runs the reference while the batcher's thread runs its steps.
   std::unique_ptr<ds::infer::Decoder> decoder() {
     return ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
   }
+  std::unique_ptr<ds::infer::Decoder> reference_decoder() {
+    return ds::infer::kv_decoder(*m_ref_->engine, ds::infer::CacheKind::Latent);
+  }
   std::string dir_;
-  std::unique_ptr<ds::infer::LoadedModel> m_;
+  std::unique_ptr<ds::infer::LoadedModel> m_, m_ref_;
 };
 
 TEST_F(BatcherTest, EachRequestMakesWhatItsPromptMakesAlone) {
-  auto served = decoder(), reference = decoder();
+  auto served = decoder(), reference = reference_decoder();
   // Two slots for five requests (slots are freed and reused), one slot, and
   // prompts cut into chunks of 2 and 5 tokens shared among the sequences.
   for (const auto& [slots, chunk] : std::vector<std::pair<int64_t, int64_t>>{{2, 512}, {8, 512}, {1, 0}, {3, 2}, {4, 5}})
@@ -108,12 +115,12 @@ TEST_F(BatcherTest, EachRequestMakesWhatItsPromptMakesAlone) {
 }
 
 TEST_F(BatcherTest, NaiveCacheToo) {
-  auto served = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Naive), reference = decoder();
+  auto served = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Naive), reference = reference_decoder();
   expect_each_as_alone(*served, *reference, BatcherOptions{2, 256, 4});
 }
 
 TEST_F(BatcherTest, RequestsArrivingWhileOthersRun) {
-  auto served = decoder(), reference = decoder();
+  auto served = decoder(), reference = reference_decoder();
   const auto rs = mixed_requests();
   Batcher b(*served, BatcherOptions{3, 256, 4});
   // Each request is submitted after the previous one has made a token, so
@@ -133,7 +140,7 @@ TEST_F(BatcherTest, RequestsArrivingWhileOthersRun) {
 }
 
 TEST_F(BatcherTest, EosAndLengthEndAGeneration) {
-  auto served = decoder(), reference = decoder();
+  auto served = decoder(), reference = reference_decoder();
   BatchRequest r;
   r.prompt = {3, 1, 4, 1, 5};
   r.max_new_tokens = 6;
@@ -199,7 +206,7 @@ class GateDecoder : public ds::test::ForwardingDecoder {
 };
 
 TEST_F(BatcherTest, CancelEndsOneGenerationAndFreesItsSlot) {
-  auto inner = decoder(), reference = decoder();
+  auto inner = decoder(), reference = reference_decoder();
   GateDecoder served(*inner, 1);  // the prefill runs; the next step waits
   Batcher b(served, BatcherOptions{1});
   BatchRequest longer{{1, 2, 3}, 100, {}};
@@ -260,7 +267,7 @@ class FailingDecoder : public ds::test::ForwardingDecoder {
 };
 
 TEST_F(BatcherTest, AFailedStepEndsItsSequencesAndServingGoesOn) {
-  auto inner = decoder(), reference = decoder();
+  auto inner = decoder(), reference = reference_decoder();
   FailingDecoder served(*inner, 3);
   Batcher b(served, BatcherOptions{2});
   auto g = b.submit({{1, 2, 3}, 10, {}});

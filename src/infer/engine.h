@@ -18,6 +18,9 @@
 
 namespace ds::infer {
 
+// One thread at a time: step() fills per-layer tables on first use
+// (absorbed_kv_b_), so two threads stepping one engine, even over different
+// caches, race. A server runs every step on one thread (infer/batcher.h).
 class Engine {
  public:
   Engine(const model::ModelConfig& cfg, const model::ParamsView& w);

@@ -57,7 +57,8 @@ std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vect
                                            const GenerateOptions& opt, GenerateStats* stats = nullptr);
 
 // What the generation loop drives: a set of sequences that take new tokens
-// and give the logits of each one's last token. The V2/V3 engine over a KV
+// and give the logits of each one's last token. Called from one thread at a
+// time; decoders over one engine or V4 model share it, and so that thread. The V2/V3 engine over a KV
 // cache is one (the overload above); DeepSeek-V4 (infer/v4_engine.h) another.
 class Decoder {
  public:
