@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/hf_params.h"
 #include "model/model.h"
 #include "model/v4_train.h"
 
@@ -59,34 +60,13 @@ CheckpointState load_checkpoint(const std::string& dir, const std::vector<model:
 // Only its state.json (to find the model of a checkpoint before loading it).
 CheckpointState read_checkpoint_state(const std::string& dir);
 
-// Parameters from a Hugging Face folder (any float dtype, fp8 with block
-// scales), converted to float32; MTP layers from model.layers.{L + k}.
-void load_hf_params(const std::string& dir, const model::ModelConfig& cfg, int64_t mtp_layers,
-                    model::FlatParams& params);
-// A Hugging Face folder from float32 parameters: config.json, model.safetensors
-// in `dtype` (F32, BF16 or F16; norms and the routing bias stay float32), and
-// for each MTP layer the embed_tokens / shared_head.head copies Hugging Face's
-// layout carries.
-void export_hf(const std::string& out_dir, const model::ModelConfig& cfg, int64_t mtp_layers,
-               const model::FlatParams& params, DType dtype);
-
-// Random initialisation: matrices normal(0, std) (one Philox stream per
-// tensor, in tree order, as `deepseek init` does), norms 1, routing bias 0.
-void init_params(const model::ModelConfig& cfg, int64_t mtp_layers, model::FlatParams& params, uint64_t seed,
-                 float std);
-
-// DeepSeek-V4, in the layout of model::V4FlatParams (tables synced after
-// each). Random initialisation: matrices normal(0, std) (one Philox stream
-// per tensor in tree order), norm and mHC scales 1, the sinks and the mHC
-// and routing biases 0, and each token's hash-routed experts distinct draws.
-void init_v4_params(const model::V4Config& c, model::V4FlatParams& p, uint64_t seed, float std);
-// Parameters of a V4 folder (any stored dtype: fp8, packed fp4, bf16),
-// checked as generation checks them and widened to float32.
-void load_v4_hf_params(const std::string& dir, const model::V4Config& c, model::V4FlatParams& p);
-// A V4 folder from float32 parameters: upstream tensor names in `dtype`
-// (vectors float32, tid2eid int32) and config.json; `deepseek generate` reads it.
-// `who` prefixes its errors.
-void export_v4_hf(const std::string& out_dir, const model::V4Config& c, const float* params, DType dtype,
-                  const char* who = "export");
+// Hugging Face import and export and random initialisation live with the
+// model (model/hf_params.h); the training code keeps these names.
+using model::export_hf;
+using model::export_v4_hf;
+using model::init_params;
+using model::init_v4_params;
+using model::load_hf_params;
+using model::load_v4_hf_params;
 
 }  // namespace ds::train

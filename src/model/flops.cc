@@ -1,10 +1,10 @@
-#include "train/flops.h"
+#include "model/flops.h"
 
 #include <algorithm>
 
-namespace ds::train {
+namespace ds::model {
 
-double forward_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t head_rows, int64_t mtp_layers) {
+double forward_flops(const ModelConfig& c, int64_t batch, int64_t seq, int64_t head_rows, int64_t mtp_layers) {
   const double D = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
   const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
   const double nope = static_cast<double>(c.qk_nope_head_dim), rope = static_cast<double>(c.qk_rope_head_dim);
@@ -31,11 +31,11 @@ double forward_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, in
   return 2 * tok * per_token + 2 * static_cast<double>(head_rows) * head + attn;
 }
 
-double step_flops(const model::ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
+double step_flops(const ModelConfig& c, int64_t batch, int64_t seq, int64_t mtp_layers, int64_t grad_accum) {
   return 3 * forward_flops(c, batch, seq, batch * seq, mtp_layers) * static_cast<double>(grad_accum);
 }
 
-double v4_forward_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t head_rows) {
+double v4_forward_flops(const V4Config& c, int64_t batch, int64_t seq, int64_t head_rows) {
   const double d = static_cast<double>(c.hidden_size), H = static_cast<double>(c.num_attention_heads);
   const double Dh = static_cast<double>(c.head_dim), ql = static_cast<double>(c.q_lora_rank);
   const double tok = static_cast<double>(batch) * static_cast<double>(seq), T = static_cast<double>(seq);
@@ -59,8 +59,8 @@ double v4_forward_flops(const model::V4Config& c, int64_t batch, int64_t seq, in
   return 2 * tok * per_token + 2 * static_cast<double>(head_rows) * head + attn;
 }
 
-double v4_step_flops(const model::V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum) {
+double v4_step_flops(const V4Config& c, int64_t batch, int64_t seq, int64_t grad_accum) {
   return 3 * v4_forward_flops(c, batch, seq, batch * seq) * static_cast<double>(grad_accum);
 }
 
-}  // namespace ds::train
+}  // namespace ds::model
