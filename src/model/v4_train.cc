@@ -380,8 +380,13 @@ V4FlatParams V4FlatParams::wrap(const V4Config& c, float* base) {
 
 V4FlatParams V4FlatParams::zeros(const V4Config& c) {
   std::vector<float> data(static_cast<size_t>(numel(c)), 0.0f);
-  V4FlatParams f = wrap(c, data.data());
-  f.data = std::move(data);  // the heap block moves with it: the pointers stay valid
+  V4FlatParams f = over(c, data.data());
+  f.data = std::move(data);  // the heap block moves with it: the pointers and views stay valid
+  return f;
+}
+
+V4FlatParams V4FlatParams::over(const V4Config& c, float* base) {
+  V4FlatParams f = wrap(c, base);
   f.tables.resize(static_cast<size_t>(c.num_hidden_layers));
   f.view = make_v4_params<ops::WeightView>(c);
   for_each_v4_param(

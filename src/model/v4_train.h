@@ -57,6 +57,9 @@ struct V4FlatParams {
   static V4FlatParams zeros(const V4Config& c);
   // Pointers over `base` (numel floats, outliving the result), no views.
   static V4FlatParams wrap(const V4Config& c, float* base);
+  // Pointers, views and tables over `base` (numel floats, outliving the
+  // result; the tables are zero until sync_tables).
+  static V4FlatParams over(const V4Config& c, float* base);
   // The int32 tables from the floats (after the buffer is filled); ds::Error
   // for an entry that is not an expert id.
   void sync_tables(const V4Config& c);

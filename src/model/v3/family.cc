@@ -1,0 +1,123 @@
+// DeepSeek-V2/V3/V3.2 behind the family seam: the stage functions' loss
+// (model/model.h), its parameter tree (model/params.h), Hugging Face import
+// and export (model/hf_params.h) and FLOP accounting (model/flops.h).
+#include "model/family.h"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "core/error.h"
+#include "model/flops.h"
+#include "model/hf_params.h"
+#include "model/init.h"
+
+namespace ds::model {
+
+namespace {
+
+class V3Bound final : public BoundModel {
+ public:
+  V3Bound(const ModelConfig& cfg, int64_t mtp, float* params, float* grads)
+      : cfg_(cfg), params_(FlatParams::wrap(cfg, mtp, params)) {
+    if (grads) grads_ = FlatParams::wrap(cfg, mtp, grads);
+    view_ = &params_.view;
+    tree_ = grads ? &grads_.ptr : nullptr;
+  }
+  V3Bound(const ModelConfig& cfg, const ParamsView& view, ModelParams<float*>* grads)
+      : cfg_(cfg), view_(&view), tree_(grads) {}
+
+  LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy& remat,
+                          bool grads) override {
+    DS_CHECK(!grads || tree_, "internal: a gradient asked of a model bound without a gradient buffer");
+    return model::loss_and_grad(cfg_, *view_, grads ? tree_ : nullptr, batch, opt, remat);
+  }
+
+ private:
+  const ModelConfig& cfg_;
+  FlatParams params_, grads_;
+  const ParamsView* view_ = nullptr;
+  ModelParams<float*>* tree_ = nullptr;
+};
+
+class V3Family final : public Family {
+ public:
+  V3Family(const ModelConfig& cfg, int64_t mtp) : cfg_(cfg), mtp_(mtp) {}
+
+  std::string name() const override { return "DeepSeek-V3"; }
+  nlohmann::json hf_config() const override { return to_hf_json(cfg_, mtp_); }
+  int64_t vocab_size() const override { return cfg_.vocab_size; }
+  int64_t max_positions() const override { return cfg_.max_position_embeddings; }
+  int64_t mtp_layers() const override { return mtp_; }
+
+  std::vector<ParamInfo> layout() const override { return param_infos(cfg_, mtp_); }
+  int64_t numel() const override { return FlatParams::numel(cfg_, mtp_); }
+  std::vector<int64_t> moe_layers() const override {
+    std::vector<int64_t> v;
+    for (int64_t l = 0; l < cfg_.num_hidden_layers + mtp_; ++l)
+      if (cfg_.is_moe_layer(l)) v.push_back(l);
+    return v;
+  }
+  double routed_bias_update_rate() const override { return cfg_.routed_bias_update_rate; }
+
+  void init(float* params, uint64_t seed, float std) const override {
+    auto p = FlatParams::wrap(cfg_, mtp_, params);
+    init_params(cfg_, mtp_, p, seed, std);
+  }
+  void load_hf(const std::string& dir, float* params) const override {
+    auto p = FlatParams::wrap(cfg_, mtp_, params);
+    load_hf_params(dir, cfg_, mtp_, p);
+  }
+  void export_hf(const std::string& out_dir, const float* params, DType dtype, const char*) const override {
+    const auto p = FlatParams::wrap(cfg_, mtp_, const_cast<float*>(params));
+    model::export_hf(out_dir, cfg_, mtp_, p, dtype);
+  }
+
+  double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
+    return model::step_flops(cfg_, batch, seq, mtp_, grad_accum);
+  }
+  double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const override {
+    return model::forward_flops(cfg_, batch, seq, head_rows, mtp_);
+  }
+
+  std::string training_note(const LossOptions& o) const override {
+    if (cfg_.index_n_heads == 0) return "";
+    return fmt::format("DSA: {}; the indexer {}",
+                       o.indexer_sparse_training
+                           ? fmt::format("the sparse stage, attention over the indexer's top {} keys", cfg_.index_topk)
+                           : std::string("the dense warm-up, attention dense"),
+                       o.indexer_loss_scaling_factor > 0
+                           ? fmt::format("learns from its KL loss (x {})", o.indexer_loss_scaling_factor)
+                           : std::string("is not trained (indexer_loss_scaling_factor is 0)"));
+  }
+  void check_loss_options(const LossOptions& o) const override {
+    DS_CHECK(cfg_.index_n_heads > 0 || (!o.indexer_sparse_training && o.indexer_loss_scaling_factor == 0),
+             "indexer_sparse_training and indexer_loss_scaling_factor need a model with the DSA indexer "
+             "(use_indexer: true)");
+  }
+  bool reports_indexer_loss() const override { return cfg_.index_n_heads > 0; }
+
+  LossOptions::Whole loss_weights(const TrainBatch& whole, bool mtp) const override {
+    return model::loss_weights(whole, mtp ? mtp_ : 0);
+  }
+
+  std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
+    return std::make_unique<V3Bound>(cfg_, mtp_, params, grads);
+  }
+  const ModelConfig* stage_config() const override { return &cfg_; }
+  std::unique_ptr<BoundModel> bind_trees(const ParamsView& view, ModelParams<float*>* grads) const override {
+    return std::make_unique<V3Bound>(cfg_, view, grads);
+  }
+
+ private:
+  const ModelConfig cfg_;
+  const int64_t mtp_;
+};
+
+}  // namespace
+
+std::unique_ptr<Family> v3_family(const ModelConfig& cfg, int64_t mtp_layers) {
+  return std::make_unique<V3Family>(cfg, mtp_layers);
+}
+
+}  // namespace ds::model

@@ -1,0 +1,135 @@
+// DeepSeek-V4 behind the family seam: its loss (model/v4_train.h), its
+// parameter tree (model/v4_params.h), Hugging Face import and export
+// (model/hf_params.h) and FLOP accounting (model/flops.h).
+//
+// Its layers do not run on the shared stage functions yet, so it binds to
+// whole flat buffers only (no FSDP, no expert parallelism, no batch split)
+// and keeps every activation for the backward.
+#include "model/family.h"
+
+#include <utility>
+
+#include "core/error.h"
+#include "model/flops.h"
+#include "model/hf_params.h"
+#include "model/v4_train.h"
+
+namespace ds::model {
+
+namespace {
+
+class V4Bound final : public BoundModel {
+ public:
+  V4Bound(const V4Config& cfg, float* params, float* grads) : cfg_(cfg), params_(V4FlatParams::over(cfg, params)) {
+    if (grads) grads_ = V4FlatParams::wrap(cfg, grads);
+    has_grads_ = grads != nullptr;
+  }
+
+  LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy&, bool grads) override {
+    DS_CHECK(!grads || has_grads_, "internal: a gradient asked of a model bound without a gradient buffer");
+    V4LossOptions o;
+    o.z_loss_multiplier = opt.z_loss_multiplier;
+    o.grad_scale = opt.grad_scale;
+    o.expert_load = grads;
+    o.mtp = opt.mtp_num_layers > 0;
+    o.mtp_loss_scaling_factor = opt.mtp_loss_scaling_factor;
+    if (opt.whole.rows > 0) {
+      o.whole_targets = opt.whole.targets;
+      o.whole_mtp_targets = opt.whole.mtp_targets;
+    }
+    auto t4 = v4_loss_and_grad(cfg_, params_.view, grads ? &grads_.ptr : nullptr, V4TrainBatch::from_packed(batch), o);
+    LossTerms t;
+    t.loss = t4.loss;
+    t.lm_loss = t4.lm_loss;
+    t.z_loss = t4.z_loss;
+    t.mtp_loss = t4.mtp_loss;
+    t.tokens = static_cast<double>(t4.tokens);
+    t.expert_load = std::move(t4.expert_load);
+    return t;
+  }
+
+  void params_changed() override { params_.sync_tables(cfg_); }
+
+ private:
+  const V4Config& cfg_;
+  V4FlatParams params_, grads_;
+  bool has_grads_ = false;
+};
+
+class V4Family final : public Family {
+ public:
+  V4Family(const V4Config& cfg, double rate) : cfg_(cfg), rate_(rate) {}
+
+  std::string name() const override { return "DeepSeek-V4"; }
+  nlohmann::json hf_config() const override { return cfg_.to_hf_json(); }
+  int64_t vocab_size() const override { return cfg_.vocab_size; }
+  int64_t max_positions() const override { return cfg_.max_position_embeddings; }
+  int64_t mtp_layers() const override { return cfg_.num_nextn_predict_layers; }
+
+  std::vector<ParamInfo> layout() const override { return v4_param_infos(cfg_); }
+  int64_t numel() const override { return V4FlatParams::numel(cfg_); }
+  std::vector<int64_t> moe_layers() const override {
+    std::vector<int64_t> v;  // every layer, the MTP blocks last
+    for (int64_t l = 0; l < cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers; ++l) v.push_back(l);
+    return v;
+  }
+  double routed_bias_update_rate() const override { return rate_; }
+
+  void init(float* params, uint64_t seed, float std) const override {
+    auto p = V4FlatParams::over(cfg_, params);
+    init_v4_params(cfg_, p, seed, std);
+  }
+  void load_hf(const std::string& dir, float* params) const override {
+    auto p = V4FlatParams::over(cfg_, params);
+    load_v4_hf_params(dir, cfg_, p);
+  }
+  void export_hf(const std::string& out_dir, const float* params, DType dtype, const char* who) const override {
+    export_v4_hf(out_dir, cfg_, params, dtype, who);
+  }
+
+  double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
+    return v4_step_flops(cfg_, batch, seq, grad_accum);
+  }
+  double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const override {
+    return v4_forward_flops(cfg_, batch, seq, head_rows);
+  }
+
+  LossOptions::Whole loss_weights(const TrainBatch& whole, bool mtp) const override {
+    const auto w = v4_loss_weights(V4TrainBatch::from_packed(whole));
+    return {w.targets, mtp ? w.mtp_targets : 0.0, whole.batch};
+  }
+  void check_loss_options(const LossOptions& o) const override {
+    DS_CHECK(o.load_balance_loss_weight == 0,
+             "load_balance_loss_weight: DeepSeek-V4 training balances its experts by the routing-bias update "
+             "(routed_bias_update_rate); the balance loss is not implemented for it");
+    DS_CHECK(o.indexer_loss_scaling_factor == 0 && !o.indexer_sparse_training,
+             "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
+             "(its CSA layers always attend through it)");
+    DS_CHECK(o.batch_split_factor == 1,
+             "use_batch_split_schedule overlaps the expert exchange, and DeepSeek-V4 training has no expert "
+             "parallelism");
+    DS_CHECK(!o.exchange && !o.stream,
+             "DeepSeek-V4 training runs as data parallelism only: FSDP and expert parallelism are not implemented "
+             "for it");
+  }
+  std::string training_note(const LossOptions&) const override {
+    return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; every "
+           "activation is kept (remat_policy does not apply)";
+  }
+
+  std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
+    return std::make_unique<V4Bound>(cfg_, params, grads);
+  }
+
+ private:
+  const V4Config cfg_;
+  const double rate_;
+};
+
+}  // namespace
+
+std::unique_ptr<Family> v4_family(const V4Config& cfg, double routed_bias_update_rate) {
+  return std::make_unique<V4Family>(cfg, routed_bias_update_rate);
+}
+
+}  // namespace ds::model
