@@ -46,17 +46,6 @@ int run_train(const TrainArgs& a) {
   return s.interrupted ? 130 : 0;
 }
 
-// The model config a checkpoint's state.json records; one error line when
-// it is not a valid one.
-template <class Config>
-Config recorded_model(const train::CheckpointState& st, const std::string& dir) {
-  try {
-    return Config::from_hf_json_text(st.model_config.dump(), dir + "/state.json");
-  } catch (const Error& e) {
-    DS_FAIL("checkpoint '{}' is corrupt: {}", dir, e.what());
-  }
-}
-
 int run_export(const ExportArgs& a) {
   DType dt;
   if (a.dtype == "bf16")
@@ -68,21 +57,17 @@ int run_export(const ExportArgs& a) {
   else
     DS_FAIL("export: --dtype {} is not bf16, f16 or f32", a.dtype);
   const auto st = train::read_checkpoint_state(a.checkpoint);
-  int64_t mtp = 0;
-  if (st.model_config.is_object() && st.model_config.value("model_type", "") == "deepseek_v4") {
-    const auto c = recorded_model<model::V4Config>(st, a.checkpoint);
-    mtp = c.num_nextn_predict_layers;
-    auto params = model::V4FlatParams::zeros(c);
-    train::load_checkpoint(a.checkpoint, model::v4_param_infos(c), params.data.data(), nullptr, nullptr);
-    params.sync_tables(c);
-    train::export_v4_hf(a.out, c, params.data.data(), dt);
-  } else {
-    const auto cfg = recorded_model<model::ModelConfig>(st, a.checkpoint);
-    mtp = cfg.num_nextn_predict_layers;
-    auto params = model::FlatParams::zeros(cfg, mtp);
-    train::load_checkpoint(a.checkpoint, cfg, mtp, params, nullptr, nullptr);
-    train::export_hf(a.out, cfg, mtp, params, dt);
+  std::unique_ptr<model::Family> family;
+  try {
+    family = model::family_from_hf_config(st.model_config, a.checkpoint + "/state.json");
+  } catch (const Error& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
   }
+  const int64_t mtp = family->mtp_layers();
+  std::vector<float> params(static_cast<size_t>(family->numel()));
+  train::load_checkpoint(a.checkpoint, family->layout(), params.data(), nullptr, nullptr);
+  family->bind(params.data(), nullptr)->params_changed();  // checks what the family derives (hash tables)
+  family->export_hf(a.out, params.data(), dt, "export");
   std::string tok_note = "no tokenizer recorded";
   if (!st.tokenizer.empty()) {
     std::error_code ec;

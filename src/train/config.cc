@@ -225,8 +225,9 @@ std::string find_preset(const std::string& name, const std::string& source) {
 
 void check_config(const RunConfig& rc) {
   const TrainConfig& t = rc.train;
-  const model::ModelConfig& m = rc.model;
-  const int64_t max_positions = rc.v4 ? rc.v4->max_position_embeddings : m.max_position_embeddings;
+  const auto family_box = model_family(rc);
+  const model::Family& family = *family_box;
+  const int64_t max_positions = family.max_positions();
   DS_CHECK(!t.run_name.empty() && t.run_name.find('/') == std::string::npos && t.run_name != "." && t.run_name != "..",
            "run_name '{}' must be a non-empty folder name", t.run_name);
   DS_CHECK(!t.base_output_directory.empty(), "base_output_directory must not be empty");
@@ -301,41 +302,28 @@ void check_config(const RunConfig& rc) {
       } catch (const std::regex_error& e) {
         DS_FAIL("'{}' is not a valid regular expression: {}", re, e.what());
       }
-  if (rc.v4) {
-    // What the V4 trainer does not offer yet: one clear line each.
-    DS_CHECK(t.load_balance_loss_weight == 0,
-             "load_balance_loss_weight: DeepSeek-V4 training balances its experts by the routing-bias update "
-             "(routed_bias_update_rate); the balance loss is not implemented for it");
-    DS_CHECK(!t.indexer_sparse_training && t.indexer_loss_scaling_factor == 0,
-             "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
-             "(its CSA layers always attend through it)");
-    DS_CHECK(!t.use_batch_split_schedule,
-             "use_batch_split_schedule overlaps the expert exchange, and DeepSeek-V4 training has no expert "
-             "parallelism");
-    return;
-  }
-  // DeepSeek-V3.2's indexer.
+  // What the model's family does not offer: one clear line each.
   DS_CHECK(t.indexer_loss_scaling_factor >= 0, "indexer_loss_scaling_factor {} must be >= 0",
            t.indexer_loss_scaling_factor);
-  if (m.index_n_heads == 0) {
-    DS_CHECK(!t.indexer_sparse_training && t.indexer_loss_scaling_factor == 0,
-             "indexer_sparse_training and indexer_loss_scaling_factor need a model with the DSA indexer "
-             "(use_indexer: true)");
-  } else {
-    // The indexer learns from its loss alone: with it off, a mask that
-    // leaves only indexer tensors trainable trains nothing.
-    if (t.indexer_loss_scaling_factor == 0 && !t.trainable_parameters_mask.empty()) {
-      std::vector<std::regex> res;
-      for (const auto& re : t.trainable_parameters_mask) res.emplace_back(re);
-      bool other = false;
-      for (const auto& i : model::param_infos(m, m.num_nextn_predict_layers)) {
-        if (!i.trainable() || i.name.find(".indexer.") != std::string::npos) continue;
-        for (const auto& r : res) other |= std::regex_search(i.name, r);
-      }
-      DS_CHECK(other,
-               "trainable_parameters_mask leaves only the indexer trainable but indexer_loss_scaling_factor is 0: "
-               "nothing would learn (the indexer learns from its KL loss alone; the dense warm-up uses e.g. 0.01)");
+  model::LossOptions lo;
+  lo.load_balance_loss_weight = t.load_balance_loss_weight;
+  lo.indexer_loss_scaling_factor = t.indexer_loss_scaling_factor;
+  lo.indexer_sparse_training = t.indexer_sparse_training;
+  lo.batch_split_factor = t.use_batch_split_schedule ? t.batch_split_factor : 1;
+  family.check_loss_options(lo);
+  // A DSA model's indexer learns from its loss alone: with it off, a mask
+  // that leaves only indexer tensors trainable trains nothing.
+  if (family.reports_indexer_loss() && t.indexer_loss_scaling_factor == 0 && !t.trainable_parameters_mask.empty()) {
+    std::vector<std::regex> res;
+    for (const auto& re : t.trainable_parameters_mask) res.emplace_back(re);
+    bool other = false;
+    for (const auto& i : family.layout()) {
+      if (!i.trainable() || i.name.find(".indexer.") != std::string::npos) continue;
+      for (const auto& r : res) other |= std::regex_search(i.name, r);
     }
+    DS_CHECK(other,
+             "trainable_parameters_mask leaves only the indexer trainable but indexer_loss_scaling_factor is 0: "
+             "nothing would learn (the indexer learns from its KL loss alone; the dense warm-up uses e.g. 0.01)");
   }
 }
 
@@ -461,7 +449,7 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
   t.remat = model::RematPolicy::from_name(t.remat_policy, custom_remat);
   t.data.batch = t.per_device_batch_size;
   t.data.seq = t.max_target_length;
-  t.data.vocab_size = rc.v4 ? rc.v4->vocab_size : rc.model.vocab_size;
+  t.data.vocab_size = model_family(rc)->vocab_size();
   check_config(rc);
   return rc;
 }
@@ -477,6 +465,11 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
 
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides) {
   return parse_run_config(io::read_file(path, "config"), overrides, path);
+}
+
+std::unique_ptr<model::Family> model_family(const RunConfig& rc) {
+  if (rc.v4) return model::v4_family(*rc.v4, rc.v4_routed_bias_update_rate);
+  return model::v3_family(rc.model, rc.model.num_nextn_predict_layers);
 }
 
 std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides) {

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -27,6 +28,7 @@
 
 #include "dist/mesh.h"
 #include "model/config.h"
+#include "model/family.h"
 #include "model/remat.h"
 #include "model/v4_config.h"
 #include "train/data.h"
@@ -127,6 +129,9 @@ struct RunConfig {
   std::optional<model::V4Config> v4;
   double v4_routed_bias_update_rate = 0.0;
 };
+
+// The run's model behind the family seam (model/family.h).
+std::unique_ptr<model::Family> model_family(const RunConfig& rc);
 
 // Parses the YAML text plus overrides; `source` names the file in errors and
 // is where relative preset lookups start. ds::Error (one line) for unknown

@@ -1,3 +1,7 @@
+// The training loop: one Trainer per run, whose named steps train() calls in
+// order (set-up, then per step the micro-batches, the reduction, the update,
+// the metrics, eval and checkpoints). It talks to the model through the
+// family seam (model/family.h) alone.
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -20,13 +24,11 @@
 #include "dist/link_model.h"
 #include "dist/mesh.h"
 #include "io/atomic_file.h"
-#include "model/init.h"
-#include "model/model.h"
+#include "model/family.h"
 #include "ops/adamw.h"
 #include "ops/expert_selection.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
-#include "train/flops.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
 
@@ -119,750 +121,705 @@ double sum_squares(const std::vector<ops::GradSpan>& spans) {
   return n * n;
 }
 
-}  // namespace
+// One step's loss terms (weighted sums over its micro-batches) and, per MoE
+// layer, the expert loads and the routing-bias change they ask for.
+struct StepTerms {
+  model::LossTerms terms;
+  std::vector<std::vector<int64_t>> load;
+  std::vector<std::vector<float>> bias_delta;
+};
 
-void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train_loss,
-                    const std::vector<std::pair<int64_t, double>>& eval_loss, const std::string& title) {
-  const double W = 720, H = 420, L = 64, R = 20, T = 40, B = 48;
-  double x0 = 0, x1 = 1, y0 = 1e300, y1 = -1e300;
-  for (const auto* v : {&train_loss, &eval_loss})
-    for (const auto& [s, l] : *v) {
-      if (!std::isfinite(l)) continue;
-      x1 = std::max(x1, static_cast<double>(s));
-      y0 = std::min(y0, l);
-      y1 = std::max(y1, l);
-    }
-  if (y0 > y1) y0 = 0, y1 = 1;
-  if (y1 - y0 < 1e-9) y0 -= 0.5, y1 += 0.5;
-  const double pad = 0.05 * (y1 - y0);
-  y0 -= pad;
-  y1 += pad;
-  auto px = [&](double s) { return L + (s - x0) / (x1 - x0) * (W - L - R); };
-  auto py = [&](double l) { return T + (y1 - l) / (y1 - y0) * (H - T - B); };
-  std::string svg = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      "<text x=\"{2}\" y=\"22\" font-size=\"15\">{3}</text>\n",
-      W, H, L, title);
-  // Axes, ticks and grid.
-  svg += fmt::format("<path d=\"M{0} {1} V{2} H{3}\" stroke=\"black\" fill=\"none\"/>\n", L, T, H - B, W - R);
-  for (int i = 0; i <= 5; ++i) {
-    const double l = y0 + (y1 - y0) * i / 5, y = py(l);
-    svg += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#ddd\"/>\n", L, y, W - R, y);
-    svg += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:.3g}</text>\n", L - 6, y + 4, l);
-    const double s = x0 + (x1 - x0) * i / 5;
-    svg += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{:.0f}</text>\n", px(s), H - B + 18, s);
-  }
-  svg += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\n", (L + W - R) / 2, H - 10);
-  std::string d;
-  for (const auto& [s, l] : train_loss)
-    if (std::isfinite(l)) d += fmt::format("{}{:.1f} {:.1f}", d.empty() ? "M" : " L", px(double(s)), py(l));
-  if (!d.empty()) svg += "<path d=\"" + d + "\" stroke=\"#1f77b4\" stroke-width=\"1.5\" fill=\"none\"/>\n";
-  for (const auto& [s, l] : eval_loss)
-    if (std::isfinite(l))
-      svg += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"3.5\" fill=\"#d62728\"/>\n", px(double(s)), py(l));
-  svg += fmt::format(
-      "<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"#1f77b4\" stroke-width=\"2\"/>"
-      "<text x=\"{3}\" y=\"{4}\">train loss</text>\n",
-      W - 200, T + 6, W - 180, W - 174, T + 10);
-  if (!eval_loss.empty())
-    svg += fmt::format(
-        "<circle cx=\"{}\" cy=\"{}\" r=\"3.5\" fill=\"#d62728\"/><text x=\"{}\" y=\"{}\">eval loss</text>\n", W - 110,
-        T + 6, W - 100, T + 10);
-  svg += "</svg>\n";
-  io::write_file_atomic(path, svg);
-}
+struct StepUpdate {
+  double raw_norm = 0, grad_norm = 0;
+  bool finite = true;
+};
 
-void write_timeline_svg(const std::string& path, const std::vector<model::TimelineSpan>& spans, int64_t layer,
-                        const std::string& title) {
-  int parts = 0;
-  double t_begin[2] = {1e300, 1e300}, t_end[2] = {0, 0};
-  for (const auto& x : spans) {
-    if (x.layer != layer) continue;
-    parts = std::max(parts, x.part + 1);
-    t_begin[x.backward] = std::min(t_begin[x.backward], x.t0);
-    t_end[x.backward] = std::max(t_end[x.backward], x.t1);
+class Trainer {
+ public:
+  explicit Trainer(const RunConfig& rc) : tc_(rc.train), family_(model_family(rc)), world_(dist::world()) {
+    sum_.run_dir = tc_.run_dir();
+    run_ = sum_.run_dir;
+    ckdir_ = run_ / "checkpoints";
   }
-  const double W = 900, L = 150, R = 20, row = 34, panel_gap = 50, T = 50;
-  const double span_ms = std::max({1e-6, (t_end[0] - t_begin[0]) * 1e3, (t_end[1] - t_begin[1]) * 1e3});
-  const double H = T + 2 * (parts * row + panel_gap) + 30;
-  auto px = [&](double ms) { return L + ms / span_ms * (W - L - R); };
-  std::string svg = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      "<text x=\"10\" y=\"22\" font-size=\"15\">{2}</text>\n"
-      "<rect x=\"{3}\" y=\"30\" width=\"14\" height=\"10\" fill=\"#1f77b4\"/><text x=\"{4}\" y=\"39\">compute</text>"
-      "<rect x=\"{5}\" y=\"33\" width=\"14\" height=\"5\" fill=\"#ff7f0e\"/>"
-      "<text x=\"{6}\" y=\"39\">expert exchange in flight</text>\n",
-      W, H, title, W - 330, W - 312, W - 240, W - 222);
-  for (int b = 0; b < 2; ++b) {
-    const double y0 = T + b * (parts * row + panel_gap) + 20;
-    svg +=
-        fmt::format("<text x=\"10\" y=\"{:.0f}\" font-weight=\"bold\">{}</text>\n", y0 - 6, b ? "backward" : "forward");
-    for (int p = 0; p < parts; ++p)
-      svg += fmt::format("<text x=\"10\" y=\"{:.0f}\">micro-batch {}</text>\n", y0 + p * row + 18, p);
-    for (int i = 0; i <= 4; ++i) {
-      const double ms = span_ms * i / 4, x = px(ms);
-      svg += fmt::format(
-          "<line x1=\"{0:.1f}\" y1=\"{1:.0f}\" x2=\"{0:.1f}\" y2=\"{2:.0f}\" stroke=\"#ddd\"/>"
-          "<text x=\"{0:.1f}\" y=\"{3:.0f}\" text-anchor=\"middle\">{4:.2f} ms</text>\n",
-          x, y0, y0 + parts * row, y0 + parts * row + 14, ms);
-    }
-    for (const auto& x : spans) {
-      if (x.layer != layer || x.backward != (b == 1)) continue;
-      const double a = px((x.t0 - t_begin[b]) * 1e3), e = px((x.t1 - t_begin[b]) * 1e3);
-      const double y = y0 + x.part * row + (x.computing ? 4 : 24);
-      svg += fmt::format("<rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" fill=\"{}\"/>\n", a, y,
-                         std::max(0.5, e - a), x.computing ? 18 : 6, x.computing ? "#1f77b4" : "#ff7f0e");
-    }
-  }
-  svg += "</svg>\n";
-  io::write_file_atomic(path, svg);
-}
 
-TrainSummary train(const RunConfig& rc) {
-  const model::ModelConfig& cfg = rc.model;
-  const TrainConfig& tc = rc.train;
-  // DeepSeek-V4 shares the loop: its own parameter layout, loss and
-  // checkpoint tensors; data parallelism only.
-  const model::V4Config* v4 = rc.v4 ? &*rc.v4 : nullptr;
-  const int64_t mtp = v4 ? 0 : cfg.num_nextn_predict_layers;
-  TrainSummary sum;
-  sum.run_dir = tc.run_dir();
-  const fs::path run(sum.run_dir), ckdir = run / "checkpoints";
-
-  // The mesh. Every rank holds per_device_batch_size rows of each global
-  // batch; rank 0 alone touches the run folder (metrics, checkpoints), reads
-  // the initial parameters or the checkpoint, and broadcasts them.
-  dist::Communicator& world = dist::world();
-  dist::set_collective_timeout(tc.collective_timeout_seconds);
-  dist::Mesh mesh(world, tc.mesh, dist::ranks_per_node_from_env(world.size()));
-  const bool lead = world.rank() == 0, multi = world.size() > 1;
-  // A modeled link under the per-layer collectives: the expert exchange, the
-  // dense weights' gathers (shard group) and the experts' (fsdp axis).
-  const int64_t F = mesh.size(dist::kFsdp), X = mesh.size(dist::kExpert), G = mesh.shard_group_size();
-  // DeepSeek-V4: data parallelism only. Every rank holds the whole model; the
-  // batch is split over the data and fsdp axes alike (fsdp then shards the
-  // batch, not the parameters).
-  DS_CHECK(!v4 || X == 1,
-           "{}: expert parallelism is not implemented for DeepSeek-V4 models (ici_/dcn_data_parallelism and "
-           "fsdp split the batch)",
-           mesh.describe());
-  if (v4 && multi && lead)
-    fmt::print(stderr, "DeepSeek-V4 on {}: every rank holds the whole model; the batch is split over {} ranks\n",
-               mesh.describe(), world.size());
-  std::unique_ptr<dist::LinkModel> link_expert, link_group, link_fsdp;
-  if (tc.link_model_gbps > 0) {
-    const double lat = tc.link_model_latency_us * 1e-6, bw = tc.link_model_gbps * 1e9;
-    if (X > 1) link_expert = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
-    if (G > 1) link_group = std::make_unique<dist::LinkModel>(mesh.shard_group(), lat, bw);
-    if (X > 1 && F > 1) link_fsdp = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
+  TrainSummary run() {
+    set_up_mesh();
+    open_run_folder();
+    set_up_parameters();
+    open_data();
+    restore();
+    open_metrics();
+    set_up_loss();
+    StopSignals signals;
+    run_start_ = std::chrono::steady_clock::now();
+    int64_t s = start_;
+    for (; s < tc_.steps; ++s)
+      if (!step(s)) {
+        ++s;
+        break;
+      }
+    finish(std::min<int64_t>(s, tc_.steps));
+    return sum_;
   }
-  dist::Communicator& expert_comm = link_expert ? *link_expert : mesh.axis(dist::kExpert);
-  dist::Communicator& group_comm = link_group ? *link_group : mesh.shard_group();
-  dist::Communicator& fsdp_comm = link_fsdp ? *link_fsdp : mesh.axis(dist::kFsdp);
+
+ private:
+  void set_up_mesh();
+  void open_run_folder();
+  void set_up_parameters();
+  void open_data();
+  void restore();
+  void restore_moments(bool have, std::vector<float>& m_full, std::vector<float>& v_full);
+  void open_metrics();
+  void set_up_loss();
+  bool step(int64_t s);
+  StepTerms micro_batches(int64_t s);
+  void add_micro_batch(StepTerms& st, model::LossTerms& t, double wi);
+  void reduce(model::LossTerms& terms);
+  StepUpdate update(const StepTerms& st, double lr);
+  nlohmann::json metrics_line(int64_t s, const StepTerms& st, const StepUpdate& u, double lr, double dt,
+                              const std::array<double, 3>& busy0) const;
+  void progress(int64_t s, const nlohmann::json& m, bool finite, double dt);
+  double evaluate();
+  void save(int64_t step);
+  void finish(int64_t done);
+
   // Seconds each modeled link has been busy so far: expert exchange, shard
   // group, fsdp axis.
-  auto link_busy = [&] {
+  std::array<double, 3> link_busy() const {
     std::array<double, 3> t{};
-    const dist::LinkModel* links[3] = {link_expert.get(), link_group.get(), link_fsdp.get()};
+    const dist::LinkModel* links[3] = {link_expert_.get(), link_group_.get(), link_fsdp_.get()};
     for (int i = 0; i < 3; ++i) t[i] = links[i] ? links[i]->busy_seconds() : 0.0;
     return t;
-  };
-
-  // Expert parallelism: each rank of the expert axis computes its share of
-  // the routed experts for the tokens of every rank on that axis.
-  std::unique_ptr<dist::ExpertExchange> exchange;
-  DS_CHECK(!tc.expert_grad_comm_fp8 || mesh.size(dist::kExpert) > 1,
-           "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
-  if (X > 1) {
-    DS_CHECK(cfg.n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts", mesh.describe());
-    exchange =
-        std::make_unique<dist::ExpertExchange>(expert_comm, cfg.n_routed_experts,
-                                               tc.expert_dispatch == "allgather" ? dist::ExpertExchange::Mode::AllGather
-                                                                                 : dist::ExpertExchange::Mode::AllToAll,
-                                               tc.expert_grad_comm_fp8);
   }
-  const int64_t shards = mesh.batch_shards(), shard = mesh.batch_index();
-  const int64_t rows = tc.per_device_batch_size;
-  DataConfig data_cfg = tc.data;
-  data_cfg.batch = rows * shards;  // the global batch: the same for any world size
-
-  // The run folder: refuse to mix with another run's checkpoints.
-  std::vector<int64_t> existing;
-  if (lead) {
-    io::check_output_folder(tc.base_output_directory);
-    std::error_code ec;
-    fs::create_directories(run, ec);
-    DS_CHECK(!ec && fs::is_directory(run), "cannot create the run folder '{}': {}", run.string(), ec.message());
-    existing = list_checkpoints(ckdir.string());
-    DS_CHECK(tc.resume || existing.empty(),
-             "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or "
-             "choose another run_name",
-             run.string(), existing.empty() ? 0 : existing.back());
-  }
-
-  // Parameters, gradients and optimizer. A shard group of one rank (no fsdp,
-  // no expert axis): whole flat buffers. More: dist::FsdpParams keeps this
-  // rank's shards (dense weights over fsdp x expert, routed experts on their
-  // expert rank over fsdp) and streams the layers in (all-gather) and their
-  // gradients out (reduce-scatter); the whole buffer exists only for a moment
-  // at the start, at a resume and at a checkpoint.
-  const std::vector<model::ParamInfo> layout = v4 ? model::v4_param_infos(*v4) : model::param_infos(cfg, mtp);
-  const int64_t P = v4 ? model::V4FlatParams::numel(*v4) : model::FlatParams::numel(cfg, mtp);
-  model::FlatParams params, grads;
-  model::V4FlatParams v4_params;
-  std::vector<float> v4_grad_data;
-  model::V4Params<float*> v4_grads;
-  std::unique_ptr<dist::FsdpParams> fsdp;
-  std::unique_ptr<AdamW> opt_box;
-  if (v4) {
-    v4_params = model::V4FlatParams::zeros(*v4);
-    v4_grad_data.assign(static_cast<size_t>(P), 0.0f);
-    v4_grads = model::V4FlatParams::wrap(*v4, v4_grad_data.data()).ptr;
-    opt_box = std::make_unique<AdamW>(layout, tc,
-                                      std::vector<OwnedRange>{{0, P, v4_params.data.data(), v4_grad_data.data()}});
-  } else if (G == 1) {
-    params = model::FlatParams::zeros(cfg, mtp);
-    grads = model::FlatParams::zeros(cfg, mtp);
-    opt_box = std::make_unique<AdamW>(cfg, mtp, tc, params, grads);
-  } else {
-    fsdp = std::make_unique<dist::FsdpParams>(cfg, mtp, group_comm, fsdp_comm,
-                                              X > 1 ? &mesh.axis(dist::kExpert) : nullptr);
-    std::vector<OwnedRange> owned;
-    for (const auto& pc : fsdp->owned())
-      owned.push_back({pc.lo, pc.hi, fsdp->shard.data() + pc.at, fsdp->grad_shard.data() + pc.at});
-    opt_box = std::make_unique<AdamW>(cfg, mtp, tc, std::move(owned));
-  }
-  AdamW& opt = *opt_box;
-  const model::ParamsView& pview = fsdp ? fsdp->view : params.view;
-  model::ModelParams<float*>& gtree = fsdp ? fsdp->grads : grads.ptr;
-  if (multi) {
-    const int64_t held = fsdp ? fsdp->floats_held()
-                         : v4 ? 2 * P
-                              : static_cast<int64_t>(params.data.size() + grads.data.size());
-    fmt::print(stderr, "rank {}: {}; shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
-               world.rank(), mesh.describe(), mesh.shard_group().rank(), G,
-               static_cast<double>(held + static_cast<int64_t>(opt.m.size() + opt.v.size())) * 4 / (1 << 20));
-  }
-  // Rank 0's whole parameters (FSDP: a temporary buffer until the shards are taken).
-  model::FlatParams full_box;
-  if (fsdp) full_box = model::FlatParams::zeros(cfg, mtp);
-  model::FlatParams& full = fsdp ? full_box : params;
-  if (lead && v4) {
-    if (!tc.load_parameters_path.empty())
-      load_v4_hf_params(tc.load_parameters_path, *v4, v4_params);
-    else
-      init_v4_params(*v4, v4_params, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
-  } else if (lead) {
-    if (!tc.load_parameters_path.empty())
-      load_hf_params(tc.load_parameters_path, cfg, mtp, full);
-    else
-      init_params(cfg, mtp, full, tc.init_weights_seed, static_cast<float>(tc.init_weights_std));
-  }
-
-  // Data.
-  auto data = open_dataset(data_cfg, Split::Train);
-  std::unique_ptr<Dataset> eval_data;
-  if (tc.eval_interval > 0) {
-    DataConfig ec_cfg = data_cfg;
-    if (tc.eval_per_device_batch_size > 0) ec_cfg.batch = tc.eval_per_device_batch_size * shards;
-    eval_data = open_dataset(ec_cfg, Split::Eval);
-  }
-
-  // Resume: rank 0 reads the checkpoint (whole tensors, so any world size
-  // resumes any other's); every rank takes the parameters and its shard of
-  // the moments.
-  const nlohmann::json model_json = v4 ? v4->to_hf_json() : model::to_hf_json(cfg, mtp);
-  int64_t start = 0, consecutive_skipped = 0;
-  nlohmann::json resumed = {{"start", 0}, {"consecutive_skipped", 0}, {"newest", -1}};
-  {
-    std::vector<float> m_full, v_full;
-    bool have_moments = false;
-    if (lead && tc.resume && !existing.empty()) {
-      const std::string dir = (ckdir / ("step_" + std::to_string(existing.back()))).string();
-      m_full.assign(static_cast<size_t>(P), 0.0f);
-      v_full.assign(static_cast<size_t>(P), 0.0f);
-      CheckpointState st;
-      if (v4) {
-        st = load_checkpoint(dir, layout, v4_params.data.data(), m_full.data(), v_full.data());
-        v4_params.sync_tables(*v4);
-      } else {
-        auto mf = model::FlatParams::wrap(cfg, mtp, m_full.data()),
-             vf = model::FlatParams::wrap(cfg, mtp, v_full.data());
-        st = load_checkpoint(dir, cfg, mtp, full, &mf, &vf);
-      }
-      DS_CHECK(st.model_config == model_json,
-               "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
-               dir);
-      resumed = {{"start", st.step},
-                 {"data", st.data_state},
-                 {"consecutive_skipped", st.consecutive_skipped},
-                 {"newest", existing.back()},
-                 {"dir", dir}};
-      have_moments = true;
-      fmt::print(stderr, "resuming {} from {} ({} updates applied)\n", run.string(), dir, st.step);
-    } else if (lead && tc.resume) {
-      fmt::print(stderr, "resume=true but '{}' has no checkpoint yet: starting from step 0\n", ckdir.string());
-    }
-    if (multi) {
-      resumed = nlohmann::json::parse(broadcast_string(world, resumed.dump()));
-      if (v4) {
-        world.broadcast(v4_params.data.data(), P, 0).wait();
-        v4_params.sync_tables(*v4);
-      } else {
-        world.broadcast(full.data.data(), P, 0).wait();
-      }
-      have_moments = resumed["newest"].get<int64_t>() >= 0;
-      if (have_moments) {
-        m_full.resize(static_cast<size_t>(P));
-        v_full.resize(static_cast<size_t>(P));
-        world.broadcast(m_full.data(), P, 0).wait();
-        world.broadcast(v_full.data(), P, 0).wait();
-      }
-    }
-    if (fsdp) {
-      fsdp->take_shard(full.data.data(), fsdp->shard.data());
-      full_box = model::FlatParams();  // freed
-    }
-    if (have_moments && fsdp) {
-      std::vector<float> sl(fsdp->shard.size());
-      fsdp->take_shard(m_full.data(), sl.data());
-      fsdp->pack(sl, opt.m);
-      fsdp->take_shard(v_full.data(), sl.data());
-      fsdp->pack(sl, opt.v);
-    } else if (have_moments) {
-      std::copy_n(m_full.begin(), P, opt.m.begin());
-      std::copy_n(v_full.begin(), P, opt.v.begin());
-    }
-    start = resumed["start"].get<int64_t>();
-    consecutive_skipped = resumed["consecutive_skipped"].get<int64_t>();
-    if (resumed.contains("data")) {
-      opt.set_count(start);
-      try {
-        data->restore(resumed["data"]);
-      } catch (const Error& e) {
-        DS_FAIL("checkpoint '{}': cannot restore the data position: {}", resumed["dir"].get<std::string>(), e.what());
-      }
-    }
-  }
-  DS_CHECK(start <= tc.steps, "the newest checkpoint has {} updates, more than steps={}", start, tc.steps);
-  sum.start_step = sum.end_step = start;
-
-  // Metrics: earlier steps kept (resume), the rest rewritten.
-  const fs::path metrics_path = run / "metrics.jsonl";
-  std::vector<std::pair<int64_t, double>> train_curve, eval_curve;
-  std::ofstream metrics;
-  if (lead) {
-    std::string kept;
-    for (const auto& j : read_metrics_before(metrics_path, start)) {
-      kept += j.dump() + "\n";
-      if (j.contains("loss") && j["loss"].is_number()) train_curve.emplace_back(j["step"].get<int64_t>(), j["loss"]);
-      if (j.contains("eval_loss")) eval_curve.emplace_back(j["step"].get<int64_t>(), j["eval_loss"]);
-    }
-    io::write_file_atomic(metrics_path.string(), kept);
-    io::write_file_atomic((run / "config.json").string(),
-                          nlohmann::json{{"run", tc.as_json}, {"model", model_json}}.dump(2) + "\n");
-    metrics.open(metrics_path, std::ios::app);
-    DS_CHECK(metrics.good(), "cannot append to '{}'", metrics_path.string());
-  }
-
-  // MoE layers in the order the loss reports their loads (V4: every layer),
-  // with the place of their routing bias in the flat order ({-1, 0}: none,
-  // e.g. V4's hash-routed layers); this rank updates the elements it owns.
-  std::vector<int64_t> moe_layers;
-  for (int64_t l = 0; l < (v4 ? v4->num_hidden_layers + v4->num_nextn_predict_layers : cfg.num_hidden_layers + mtp);
-       ++l)
-    if (v4 || cfg.is_moe_layer(l)) moe_layers.push_back(l);
-  std::vector<std::pair<int64_t, int64_t>> biases(moe_layers.size(), {-1, 0});
-  {
-    int64_t off = 0;
-    for (const auto& i : layout) {
-      if (i.role == model::ParamRole::RoutingBias) {
-        const auto it = std::find(moe_layers.begin(), moe_layers.end(), i.layer);
-        DS_CHECK(it != moe_layers.end(), "internal: routing bias '{}' of a layer without experts", i.name);
-        biases[static_cast<size_t>(it - moe_layers.begin())] = {off, i.numel()};
-      }
-      off += i.numel();
-    }
-  }
-  const double bias_rate = v4 ? rc.v4_routed_bias_update_rate : cfg.routed_bias_update_rate;
-  const bool bias_update = bias_rate > 0;
-  if (lead && v4)
-    fmt::print(stderr,
-               "DeepSeek-V4 model ({:.2f}M parameters): each document piece its own sequence; the lightning indexer "
-               "and the hash table stay as they are; every activation is kept (remat_policy does not apply)\n",
-               static_cast<double>(P) / 1e6);
-
-  model::LossOptions lo;
-  lo.stream = fsdp.get();
-  lo.exchange = exchange.get();
-  lo.batch_split_factor = tc.use_batch_split_schedule ? tc.batch_split_factor : 1;
-  lo.z_loss_multiplier = tc.z_loss_multiplier;
-  lo.load_balance_loss_weight = tc.load_balance_loss_weight;
-  lo.mtp_num_layers = mtp;
-  lo.mtp_loss_scaling_factor = tc.mtp_loss_scaling_factor;
-  lo.indexer_loss_scaling_factor = tc.indexer_loss_scaling_factor;
-  lo.indexer_sparse_training = tc.indexer_sparse_training;
-  if (lead && cfg.index_n_heads > 0)
-    fmt::print(stderr, "DSA model: {}; the indexer {}\n",
-               tc.indexer_sparse_training
-                   ? fmt::format("the sparse stage, attention over the indexer's top {} keys", cfg.index_topk)
-                   : std::string("the dense warm-up, attention dense"),
-               tc.indexer_loss_scaling_factor > 0
-                   ? fmt::format("learns from its KL loss (x {})", tc.indexer_loss_scaling_factor)
-                   : std::string("is not trained (indexer_loss_scaling_factor is 0)"));
-  const int64_t GA = tc.gradient_accumulation_steps;
-  const double flops = v4 ? v4_step_flops(*v4, tc.per_device_batch_size, tc.max_target_length, GA)
-                          : step_flops(cfg, tc.per_device_batch_size, tc.max_target_length, mtp, GA);
-  const double step_tokens = static_cast<double>(tc.per_device_batch_size * tc.max_target_length * GA);
-  const bool tty = lead && ::isatty(STDERR_FILENO) == 1;
-  const auto grad_spans = opt.grad_spans();
-  const auto param_spans = opt.param_spans();
   // A norm over the whole tree from this rank's shard (sums of squares added
   // over the shard group; one shard: the plain norm).
-  auto tree_norm = [&](const std::vector<ops::GradSpan>& spans) {
-    if (!fsdp) return ops::global_grad_norm(spans);
+  double tree_norm(const std::vector<ops::GradSpan>& spans) const {
+    if (!fsdp_) return ops::global_grad_norm(spans);
     double ss = sum_squares(spans);
-    mesh.shard_group().all_reduce(&ss, 1).wait();
+    mesh_->shard_group().all_reduce(&ss, 1).wait();
     return std::sqrt(ss);
-  };
+  }
 
-  // Collective: every rank calls it; rank 0 writes.
-  auto save = [&](int64_t step) {
-    std::vector<float> m_full, v_full;
-    float *m_src = opt.m.data(), *v_src = opt.v.data();
-    if (fsdp) {
-      full_box = model::FlatParams::zeros(cfg, mtp);
-      fsdp->gather_full(fsdp->shard.data(), full_box.data.data());
-      m_full.resize(static_cast<size_t>(P));
-      v_full.resize(static_cast<size_t>(P));
-      fsdp->gather_full(fsdp->expand(opt.m).data(), m_full.data());
-      fsdp->gather_full(fsdp->expand(opt.v).data(), v_full.data());
-      m_src = m_full.data();
-      v_src = v_full.data();
-    }
-    if (!lead) {
-      full_box = model::FlatParams();
-      return;
-    }
-    CheckpointState st;
-    st.step = step;
-    st.data_state = data->state();
-    st.consecutive_skipped = consecutive_skipped;
-    st.model_config = model_json;
-    st.run_config = tc.as_json;
-    if (!tc.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc.tokenizer_path).string();
-    std::string where;
-    if (v4) {
-      where = save_checkpoint(ckdir.string(), layout, v4_params.data.data(), m_src, v_src, st, 0);
-    } else {
-      auto mf = model::FlatParams::wrap(cfg, mtp, m_src);
-      auto vf = model::FlatParams::wrap(cfg, mtp, v_src);
-      where = save_checkpoint(ckdir.string(), cfg, mtp, fsdp ? full_box : params, &mf, &vf, st);
-    }
-    full_box = model::FlatParams();
-    prune_checkpoints(ckdir.string(), tc.max_num_checkpoints_to_keep);
-    if (tty) fmt::print(stderr, "\n");
-    fmt::print(stderr, "saved checkpoint {}\n", where);
-  };
+  const TrainConfig& tc_;
+  const std::unique_ptr<model::Family> family_;
+  dist::Communicator& world_;
+  TrainSummary sum_;
+  fs::path run_, ckdir_;
 
-  auto evaluate = [&]() {
-    eval_data->rewind();
-    int64_t n = tc.eval_steps;
-    if (n < 0) n = eval_data->batches_per_pass();
-    DS_CHECK(n >= 1, "eval_steps=-1 needs an eval split of known length; set eval_steps");
-    model::LossOptions el = lo;
-    el.mtp_num_layers = 0;      // MaxText's eval loss excludes MTP
-    el.batch_split_factor = 1;  // forward only: nothing to overlap with a backward
-    if (fsdp) fsdp->gather_resident();
-    double xent = 0, weight = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      const model::TrainBatch b = eval_data->next();
-      const int64_t r = b.batch / shards;
-      if (v4) {
-        // This rank's rows' share of the whole batch's mean.
-        model::V4LossOptions o{tc.z_loss_multiplier, 1.0, false, false};
-        o.whole_targets = counted_targets(b);
-        const auto t = model::v4_loss_and_grad(
-            *v4, v4_params.view, nullptr, model::V4TrainBatch::from_packed(multi ? slice_rows(b, shard * r, r) : b), o);
-        xent += t.lm_loss * o.whole_targets;
-        weight += o.whole_targets;
-        continue;
-      }
-      if (multi) el.whole = model::loss_weights(b, 0);
-      model::TrainBatch part;
-      const auto t =
-          model::loss_and_grad(cfg, pview, nullptr, multi ? (part = slice_rows(b, shard * r, r)) : b, el, tc.remat);
-      const double w = multi ? el.whole.targets : t.tokens;
-      xent += t.lm_loss * w;
-      weight += w;
-    }
-    if (multi) world.all_reduce(&xent, 1).wait();
-    return xent / (weight + 1e-8);
-  };
+  // The mesh and its communicators, a modeled link under each when asked.
+  std::unique_ptr<dist::Mesh> mesh_;
+  bool lead_ = true, multi_ = false;
+  int64_t F_ = 1, X_ = 1, G_ = 1, shards_ = 1, shard_ = 0, rows_ = 0;
+  std::unique_ptr<dist::LinkModel> link_expert_, link_group_, link_fsdp_;
+  std::unique_ptr<dist::ExpertExchange> exchange_;
+  std::vector<int64_t> existing_;  // checkpoints in the run folder (rank 0)
 
-  StopSignals signals;
-  const auto run_start = std::chrono::steady_clock::now();
-  int64_t last_saved = resumed["newest"].get<int64_t>();
-  int64_t s = start;
-  for (; s < tc.steps; ++s) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const auto busy0 = link_busy();
-    const bool draw = s == tc.timeline_step && lead;
-    const double lr = learning_rate_at(tc, s);
-    std::vector<model::TrainBatch> micro;
-    std::vector<double> counted;
-    double total_w = 0;
-    for (int64_t i = 0; i < GA; ++i) {
-      micro.push_back(data->next());
-      counted.push_back(counted_targets(micro.back()));
-      total_w += counted.back();
-    }
-    if (fsdp)
-      fsdp->start_step();
-    else if (v4)
-      std::fill(v4_grad_data.begin(), v4_grad_data.end(), 0.0f);
+  // Parameters: whole flat buffers, or (FSDP, expert parallelism) this
+  // rank's shards, streamed in per layer. full_: rank 0's whole buffer while
+  // the shards are made or gathered.
+  std::vector<model::ParamInfo> layout_;
+  int64_t P_ = 0;
+  std::vector<float> params_, grads_, full_;
+  std::unique_ptr<dist::FsdpParams> fsdp_;
+  std::unique_ptr<model::BoundModel> bound_;
+  std::unique_ptr<AdamW> opt_;
+
+  std::unique_ptr<Dataset> data_, eval_data_;
+  nlohmann::json model_json_, resumed_;
+  int64_t start_ = 0, consecutive_skipped_ = 0, last_saved_ = -1;
+
+  fs::path metrics_path_;
+  std::ofstream metrics_;
+  std::vector<std::pair<int64_t, double>> train_curve_, eval_curve_;
+
+  // MoE layers in the order the loss reports their loads, with the place of
+  // their routing bias in the flat order ({-1, 0}: none, e.g. hash-routed
+  // layers).
+  std::vector<int64_t> moe_layers_;
+  std::vector<std::pair<int64_t, int64_t>> biases_;
+  double bias_rate_ = 0;
+  model::LossOptions lo_;
+  double flops_ = 0, step_tokens_ = 0;
+  bool tty_ = false;
+  std::vector<ops::GradSpan> grad_spans_, param_spans_;
+  std::chrono::steady_clock::time_point run_start_;
+};
+
+// The mesh. Every rank holds per_device_batch_size rows of each global
+// batch; rank 0 alone touches the run folder (metrics, checkpoints), reads
+// the initial parameters or the checkpoint, and broadcasts them.
+void Trainer::set_up_mesh() {
+  dist::set_collective_timeout(tc_.collective_timeout_seconds);
+  mesh_ = std::make_unique<dist::Mesh>(world_, tc_.mesh, dist::ranks_per_node_from_env(world_.size()));
+  dist::Mesh& mesh = *mesh_;
+  lead_ = world_.rank() == 0;
+  multi_ = world_.size() > 1;
+  F_ = mesh.size(dist::kFsdp), X_ = mesh.size(dist::kExpert), G_ = mesh.shard_group_size();
+  // Without the stage functions' plans, every rank holds the whole model and
+  // the batch is split over the data and fsdp axes alike.
+  const model::ModelConfig* staged = family_->stage_config();
+  DS_CHECK(staged || X_ == 1,
+           "{}: expert parallelism is not implemented for {} models (ici_/dcn_data_parallelism and fsdp split the "
+           "batch)",
+           mesh.describe(), family_->name());
+  if (!staged && multi_ && lead_)
+    fmt::print(stderr, "{} on {}: every rank holds the whole model; the batch is split over {} ranks\n",
+               family_->name(), mesh.describe(), world_.size());
+  // A modeled link under the per-layer collectives: the expert exchange, the
+  // dense weights' gathers (shard group) and the experts' (fsdp axis).
+  if (tc_.link_model_gbps > 0) {
+    const double lat = tc_.link_model_latency_us * 1e-6, bw = tc_.link_model_gbps * 1e9;
+    if (X_ > 1) link_expert_ = std::make_unique<dist::LinkModel>(mesh.axis(dist::kExpert), lat, bw);
+    if (G_ > 1) link_group_ = std::make_unique<dist::LinkModel>(mesh.shard_group(), lat, bw);
+    if (X_ > 1 && F_ > 1) link_fsdp_ = std::make_unique<dist::LinkModel>(mesh.axis(dist::kFsdp), lat, bw);
+  }
+  // Expert parallelism: each rank of the expert axis computes its share of
+  // the routed experts for the tokens of every rank on that axis.
+  DS_CHECK(!tc_.expert_grad_comm_fp8 || X_ > 1,
+           "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
+  if (X_ > 1) {
+    DS_CHECK(staged->n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts",
+             mesh.describe());
+    dist::Communicator& expert_comm = link_expert_ ? *link_expert_ : mesh.axis(dist::kExpert);
+    exchange_ = std::make_unique<dist::ExpertExchange>(expert_comm, staged->n_routed_experts,
+                                                       tc_.expert_dispatch == "allgather"
+                                                           ? dist::ExpertExchange::Mode::AllGather
+                                                           : dist::ExpertExchange::Mode::AllToAll,
+                                                       tc_.expert_grad_comm_fp8);
+  }
+  shards_ = mesh.batch_shards(), shard_ = mesh.batch_index();
+  rows_ = tc_.per_device_batch_size;
+}
+
+// The run folder: refuse to mix with another run's checkpoints.
+void Trainer::open_run_folder() {
+  if (!lead_) return;
+  io::check_output_folder(tc_.base_output_directory);
+  std::error_code ec;
+  fs::create_directories(run_, ec);
+  DS_CHECK(!ec && fs::is_directory(run_), "cannot create the run folder '{}': {}", run_.string(), ec.message());
+  existing_ = list_checkpoints(ckdir_.string());
+  DS_CHECK(tc_.resume || existing_.empty(),
+           "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or "
+           "choose another run_name",
+           run_.string(), existing_.empty() ? 0 : existing_.back());
+}
+
+// Parameters, gradients and optimizer. A shard group of one rank (no fsdp,
+// no expert axis), or a family without the stage functions: whole flat
+// buffers. More: dist::FsdpParams keeps this rank's shards (dense weights
+// over fsdp x expert, routed experts on their expert rank over fsdp) and
+// streams the layers in (all-gather) and their gradients out
+// (reduce-scatter); the whole buffer exists only for a moment at the start,
+// at a resume and at a checkpoint.
+void Trainer::set_up_parameters() {
+  layout_ = family_->layout();
+  P_ = family_->numel();
+  const model::ModelConfig* staged = family_->stage_config();
+  if (G_ > 1 && staged) {
+    dist::Mesh& mesh = *mesh_;
+    fsdp_ = std::make_unique<dist::FsdpParams>(
+        *staged, family_->mtp_layers(), link_group_ ? *link_group_ : mesh.shard_group(),
+        link_fsdp_ ? *link_fsdp_ : mesh.axis(dist::kFsdp), X_ > 1 ? &mesh.axis(dist::kExpert) : nullptr);
+    std::vector<OwnedRange> owned;
+    for (const auto& pc : fsdp_->owned())
+      owned.push_back({pc.lo, pc.hi, fsdp_->shard.data() + pc.at, fsdp_->grad_shard.data() + pc.at});
+    opt_ = std::make_unique<AdamW>(layout_, tc_, std::move(owned));
+    bound_ = family_->bind_trees(fsdp_->view, &fsdp_->grads);
+    full_.assign(static_cast<size_t>(P_), 0.0f);
+  } else {
+    params_.assign(static_cast<size_t>(P_), 0.0f);
+    grads_.assign(static_cast<size_t>(P_), 0.0f);
+    opt_ = std::make_unique<AdamW>(layout_, tc_, std::vector<OwnedRange>{{0, P_, params_.data(), grads_.data()}});
+    bound_ = family_->bind(params_.data(), grads_.data());
+  }
+  if (multi_) {
+    const int64_t held = fsdp_ ? fsdp_->floats_held() : 2 * P_;
+    fmt::print(stderr, "rank {}: {}; shard {} of {}: {:.1f} MiB of parameters, gradients and AdamW moments\n",
+               world_.rank(), mesh_->describe(), mesh_->shard_group().rank(), G_,
+               static_cast<double>(held + static_cast<int64_t>(opt_->m.size() + opt_->v.size())) * 4 / (1 << 20));
+  }
+  // Rank 0's whole parameters.
+  if (lead_) {
+    float* full = fsdp_ ? full_.data() : params_.data();
+    if (!tc_.load_parameters_path.empty())
+      family_->load_hf(tc_.load_parameters_path, full);
     else
-      std::fill(grads.data.begin(), grads.data.end(), 0.0f);
-    model::LossTerms terms;
-    std::vector<std::vector<float>> bias_delta(moe_layers.size());
-    std::vector<std::vector<int64_t>> load(moe_layers.size());
-    for (int64_t i = 0; i < GA; ++i) {
-      model::LossOptions mo = lo;
-      const double wi = total_w > 0 ? counted[i] / total_w : 1.0 / static_cast<double>(GA);
-      mo.grad_scale = wi;
-      // This rank's rows, weighed as a share of the global micro-batch.
-      if (multi) mo.whole = model::loss_weights(micro[i], mtp);
-      if (draw && i == 0) model::timeline_record(true);
-      model::TrainBatch part;  // one process: the whole micro-batch, not a copy
-      model::LossTerms t;
-      if (v4) {
-        model::V4LossOptions o{tc.z_loss_multiplier, wi, true, true, tc.mtp_loss_scaling_factor};
-        if (multi) {
-          const auto whole = model::v4_loss_weights(model::V4TrainBatch::from_packed(micro[i]));
-          o.whole_targets = whole.targets;
-          o.whole_mtp_targets = whole.mtp_targets;
-        }
-        auto t4 = model::v4_loss_and_grad(
-            *v4, v4_params.view, &v4_grads,
-            model::V4TrainBatch::from_packed(multi ? slice_rows(micro[i], shard * rows, rows) : micro[i]), o);
-        t.loss = t4.loss;
-        t.lm_loss = t4.lm_loss;
-        t.z_loss = t4.z_loss;
-        t.mtp_loss = t4.mtp_loss;
-        t.tokens = static_cast<double>(t4.tokens);
-        t.expert_load = std::move(t4.expert_load);
-      } else {
-        t = model::loss_and_grad(cfg, pview, &gtree,
-                                 multi ? (part = slice_rows(micro[i], shard * rows, rows)) : micro[i], mo, tc.remat);
-      }
-      if (draw && i == 0) {
-        model::timeline_record(false);
-        const int64_t first_moe = moe_layers.empty() ? 0 : moe_layers.front();
-        write_timeline_svg((run / "timeline.svg").string(), model::timeline_spans(), first_moe,
-                           fmt::format("{}: layer {} at step {}, {} micro-batches, {}", tc.run_name, first_moe, s,
-                                       lo.batch_split_factor, mesh.describe()));
-      }
-      terms.loss += wi * t.loss;
-      terms.lm_loss += wi * t.lm_loss;
-      terms.z_loss += wi * t.z_loss;
-      terms.mtp_loss += wi * t.mtp_loss;
-      terms.moe_lb_loss += wi * t.moe_lb_loss;
-      terms.indexer_loss += wi * t.indexer_loss;
-      terms.tokens += t.tokens;
-      if (multi && !t.expert_load.empty()) {
-        // The global micro-batch's expert loads: every rank updates the biases alike.
-        std::vector<int64_t> flat;
-        for (const auto& c : t.expert_load) flat.insert(flat.end(), c.begin(), c.end());
-        world.all_reduce(flat.data(), static_cast<int64_t>(flat.size())).wait();
-        size_t at = 0;
-        for (auto& c : t.expert_load)
-          for (auto& x : c) x = flat[at++];
-      }
-      for (size_t l = 0; l < moe_layers.size() && l < t.expert_load.size(); ++l) {
-        const auto& c = t.expert_load[l];
-        if (load[l].empty()) load[l].assign(c.size(), 0);
-        for (size_t e = 0; e < c.size(); ++e) load[l][e] += c[e];
-        if (bias_update && biases[l].first >= 0) {
-          if (bias_delta[l].empty()) bias_delta[l].assign(c.size(), 0.0f);
-          ops::update_routing_bias(bias_delta[l].data(), c.data(), static_cast<int64_t>(c.size()),
-                                   static_cast<float>(bias_rate));
-        }
-      }
-    }
-    if (multi) {
-      // The global batch's loss terms and gradient: summed over the batch
-      // shards; with FSDP each rank keeps the sum of its own shard only.
-      double t6[7] = {terms.loss,        terms.lm_loss, terms.z_loss,      terms.mtp_loss,
-                      terms.moe_lb_loss, terms.tokens,  terms.indexer_loss};
-      auto ht = world.all_reduce(t6, 7);
-      if (v4) {
-        world.all_reduce(v4_grad_data.data(), P).wait();
-      } else if (!fsdp) {
-        world.all_reduce(grads.data.data(), P).wait();
-      } else {
-        fsdp->finish_grads();
-        // The replicas of this shard: the data axis.
-        if (mesh.size(dist::kData) > 1)
-          mesh.axis(dist::kData)
-              .all_reduce(fsdp->grad_shard.data(), static_cast<int64_t>(fsdp->grad_shard.size()))
-              .wait();
-      }
-      ht.wait();
-      terms.loss = t6[0], terms.lm_loss = t6[1], terms.z_loss = t6[2], terms.mtp_loss = t6[3];
-      terms.moe_lb_loss = t6[4], terms.tokens = t6[5], terms.indexer_loss = t6[6];
-    }
-    const double raw_norm = tree_norm(grad_spans);
-    const bool finite = std::isfinite(terms.loss) && std::isfinite(raw_norm);
-    double grad_norm = raw_norm;
-    if (finite) {
-      consecutive_skipped = 0;
-      if (tc.gradient_clipping_threshold > 0) {
-        // optax's clip_by_global_norm with the norm just taken (what ops::clip_grad_norm would compute again).
-        if (raw_norm > tc.gradient_clipping_threshold)
-          ops::scale_grads(grad_spans, static_cast<float>(tc.gradient_clipping_threshold / raw_norm));
-        grad_norm = std::min(raw_norm, tc.gradient_clipping_threshold);
-      }
-      opt.update(lr);
-      if (bias_update)
-        for (size_t l = 0; l < biases.size(); ++l)
-          if (biases[l].first >= 0)
-            opt.for_owned(biases[l].first, biases[l].first + biases[l].second, [&](float* p, int64_t first, int64_t n) {
-              const float* d = bias_delta[l].data() + (first - biases[l].first);
-              for (int64_t e = 0; e < n; ++e) p[e] += d[e];
-            });
-    } else {
-      ++sum.skipped_steps;
-      ++consecutive_skipped;
-    }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      family_->init(full, tc_.init_weights_seed, static_cast<float>(tc_.init_weights_std));
+  }
+}
 
-    nlohmann::json m = {{"step", s},
-                        {"loss", terms.loss},
-                        {"lm_loss", terms.lm_loss},
-                        {"perplexity", std::exp(std::min(terms.lm_loss, 700.0))},
-                        {"z_loss", terms.z_loss},
-                        {"mtp_loss", terms.mtp_loss},
-                        {"moe_lb_loss", terms.moe_lb_loss},
-                        {"total_weights", terms.tokens},
-                        {"lr", lr},
-                        {"grad_norm", grad_norm},
-                        {"raw_grad_norm", raw_norm},
-                        {"param_norm", tree_norm(param_spans)},
-                        {"step_time_seconds", dt},
-                        {"tokens_per_sec", step_tokens / dt},
-                        {"tflops_per_sec", flops / dt / 1e12},
-                        {"step_skipped", !finite}};
-    if (cfg.index_n_heads > 0) m["indexer_loss"] = terms.indexer_loss;
-    if (link_expert || link_group || link_fsdp) {
-      // What this step's communication would have cost had nothing
-      // overlapped, in all and per link.
-      const auto busy = link_busy();
-      const double by[3] = {busy[0] - busy0[0], busy[1] - busy0[1], busy[2] - busy0[2]};
-      m["link_model_seconds"] = by[0] + by[1] + by[2];
-      m["link_model_seconds_by_link"] = {
-          {"expert_exchange", by[0]}, {"weights_shard_group", by[1]}, {"experts_fsdp", by[2]}};
-    }
-    if (!finite) {
-      // JSON has no NaN: the raw values as text.
-      m["loss"] = fmt::format("{}", terms.loss);
-      m["raw_grad_norm"] = fmt::format("{}", raw_norm);
-      m["grad_norm"] = fmt::format("{}", grad_norm);
-    }
-    if (!load.empty()) {
-      nlohmann::json el = nlohmann::json::array();
-      for (size_t l = 0; l < load.size(); ++l) {
-        if (load[l].empty()) continue;
-        double mean = 0, var = 0;
-        for (int64_t c : load[l]) mean += static_cast<double>(c);
-        mean /= static_cast<double>(load[l].size());
-        for (int64_t c : load[l]) var += (static_cast<double>(c) - mean) * (static_cast<double>(c) - mean);
-        var /= static_cast<double>(load[l].size());
-        el.push_back({{"layer", moe_layers[l]},
-                      {"min", *std::min_element(load[l].begin(), load[l].end())},
-                      {"max", *std::max_element(load[l].begin(), load[l].end())},
-                      {"cv", mean > 0 ? std::sqrt(var) / mean : 0.0}});
-      }
-      m["expert_load"] = el;
-      if (exchange) {
-        // Rows each rank of the expert axis computed this step (all MoE
-        // layers, averaged over the expert groups of the mesh).
-        const int64_t per = exchange->experts_per_rank();
-        std::vector<double> rows_at(static_cast<size_t>(X), 0.0);
-        for (const auto& ld : load)
-          for (size_t e = 0; e < ld.size(); ++e) rows_at[e / per] += static_cast<double>(ld[e]);
-        for (auto& r : rows_at) r /= static_cast<double>(world.size() / X);
-        m["expert_rows_per_rank"] = rows_at;
-      }
-    }
-    const bool last = s + 1 == tc.steps;
-    if (eval_data && (s % tc.eval_interval == 0 || last)) {
-      const double ev = evaluate();
-      m["eval_loss"] = ev;
-      m["eval_perplexity"] = std::exp(std::min(ev, 700.0));
-      eval_curve.emplace_back(s, ev);
-      sum.last_eval_loss = ev;
-    }
-    if (lead) {
-      metrics << m.dump() << "\n";
-      metrics.flush();
-      DS_CHECK(metrics.good(), "writing '{}' failed", metrics_path.string());
-    }
-    if (finite) train_curve.emplace_back(s, terms.loss);
-    if (s == start) sum.first_loss = terms.loss;
-    sum.last_loss = terms.loss;
-    sum.end_step = s + 1;
+void Trainer::open_data() {
+  DataConfig data_cfg = tc_.data;
+  data_cfg.batch = rows_ * shards_;  // the global batch: the same for any world size
+  data_ = open_dataset(data_cfg, Split::Train);
+  if (tc_.eval_interval > 0) {
+    DataConfig ec_cfg = data_cfg;
+    if (tc_.eval_per_device_batch_size > 0) ec_cfg.batch = tc_.eval_per_device_batch_size * shards_;
+    eval_data_ = open_dataset(ec_cfg, Split::Eval);
+  }
+}
 
-    // Progress.
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-    const double eta = elapsed / static_cast<double>(s + 1 - start) * static_cast<double>(tc.steps - s - 1);
-    std::string line = fmt::format("step {}/{} loss {:.4f} lr {:.2e} | {} tok/s | ETA {}", s + 1, tc.steps, terms.loss,
-                                   lr, fmt_rate(step_tokens / dt), fmt_duration(eta));
-    if (m.contains("eval_loss")) line += fmt::format(" | eval {:.4f}", m["eval_loss"].get<double>());
-    if (!finite) line += " | non-finite: step skipped";
-    if (tty) {
-      const int width = 24;
-      const int done = static_cast<int>(width * (s + 1) / tc.steps);
-      fmt::print(stderr, "\r[{}{}] {}\033[K", std::string(done, '#'), std::string(width - done, '.'), line);
-      if (!finite || m.contains("eval_loss")) fmt::print(stderr, "\n");
-    } else if (lead && (s == start || last || (s + 1) % tc.log_period == 0 || !finite || m.contains("eval_loss"))) {
-      fmt::print(stderr, "{}\n", line);
-    }
-    DS_CHECK(consecutive_skipped < tc.max_consecutive_skipped_steps,
-             "stopping: {} steps in a row had a non-finite loss or gradient (max_consecutive_skipped_steps); "
-             "the newest checkpoint is unchanged",
-             consecutive_skipped);
-
-    if (tc.enable_checkpointing && (s + 1) % tc.checkpoint_period == 0) {
-      save(s + 1);
-      last_saved = s + 1;
-    }
-    if (tc.target_eval_loss > 0 && m.contains("eval_loss") && m["eval_loss"].get<double>() < tc.target_eval_loss) {
-      if (lead)
-        fmt::print(stderr, "{}eval loss {:.4f} is below target_eval_loss {}: stopping\n", tty ? "\n" : "",
-                   m["eval_loss"].get<double>(), tc.target_eval_loss);
-      ++s;
-      break;
-    }
-    // A signal seen by any rank stops every rank after the same step.
-    int64_t stop = g_stop_signal.load();
-    if (multi) world.all_reduce(&stop, 1, dist::ReduceOp::Max).wait();
-    if (stop != 0) {
-      if (lead) fmt::print(stderr, "{}stopping on signal {} after step {}\n", tty ? "\n" : "", stop, s + 1);
-      sum.interrupted = true;
-      ++s;
-      break;
+// Resume: rank 0 reads the checkpoint (whole tensors, so any world size
+// resumes any other's); every rank takes the parameters and its shard of
+// the moments.
+void Trainer::restore() {
+  model_json_ = family_->hf_config();
+  resumed_ = {{"start", 0}, {"consecutive_skipped", 0}, {"newest", -1}};
+  float* full = fsdp_ ? full_.data() : params_.data();
+  std::vector<float> m_full, v_full;
+  bool have_moments = false;
+  if (lead_ && tc_.resume && !existing_.empty()) {
+    const std::string dir = (ckdir_ / ("step_" + std::to_string(existing_.back()))).string();
+    m_full.assign(static_cast<size_t>(P_), 0.0f);
+    v_full.assign(static_cast<size_t>(P_), 0.0f);
+    const CheckpointState st = load_checkpoint(dir, layout_, full, m_full.data(), v_full.data());
+    if (!fsdp_) bound_->params_changed();
+    DS_CHECK(st.model_config == model_json_,
+             "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
+             dir);
+    resumed_ = {{"start", st.step},
+                {"data", st.data_state},
+                {"consecutive_skipped", st.consecutive_skipped},
+                {"newest", existing_.back()},
+                {"dir", dir}};
+    have_moments = true;
+    fmt::print(stderr, "resuming {} from {} ({} updates applied)\n", run_.string(), dir, st.step);
+  } else if (lead_ && tc_.resume) {
+    fmt::print(stderr, "resume=true but '{}' has no checkpoint yet: starting from step 0\n", ckdir_.string());
+  }
+  if (multi_) {
+    resumed_ = nlohmann::json::parse(broadcast_string(world_, resumed_.dump()));
+    world_.broadcast(full, P_, 0).wait();
+    have_moments = resumed_["newest"].get<int64_t>() >= 0;
+    if (have_moments) {
+      m_full.resize(static_cast<size_t>(P_));
+      v_full.resize(static_cast<size_t>(P_));
+      world_.broadcast(m_full.data(), P_, 0).wait();
+      world_.broadcast(v_full.data(), P_, 0).wait();
     }
   }
-  if (tty) fmt::print(stderr, "\n");
-  const int64_t done = std::min<int64_t>(s, tc.steps);
-  if (tc.enable_checkpointing && (tc.save_checkpoint_on_completion || sum.interrupted) && last_saved != done &&
-      done > start)
-    save(done);
-  if (lead)
-    write_loss_svg((run / "loss.svg").string(), train_curve, eval_curve, fmt::format("{}: loss per step", tc.run_name));
-  return sum;
+  if (fsdp_) {
+    fsdp_->take_shard(full_.data(), fsdp_->shard.data());
+    std::vector<float>().swap(full_);  // freed
+  }
+  bound_->params_changed();
+  restore_moments(have_moments, m_full, v_full);
+  start_ = resumed_["start"].get<int64_t>();
+  consecutive_skipped_ = resumed_["consecutive_skipped"].get<int64_t>();
+  last_saved_ = resumed_["newest"].get<int64_t>();
+  if (resumed_.contains("data")) {
+    opt_->set_count(start_);
+    try {
+      data_->restore(resumed_["data"]);
+    } catch (const Error& e) {
+      DS_FAIL("checkpoint '{}': cannot restore the data position: {}", resumed_["dir"].get<std::string>(), e.what());
+    }
+  }
+  DS_CHECK(start_ <= tc_.steps, "the newest checkpoint has {} updates, more than steps={}", start_, tc_.steps);
+  sum_.start_step = sum_.end_step = start_;
 }
+
+void Trainer::restore_moments(bool have, std::vector<float>& m_full, std::vector<float>& v_full) {
+  if (!have) return;
+  if (fsdp_) {
+    std::vector<float> sl(fsdp_->shard.size());
+    fsdp_->take_shard(m_full.data(), sl.data());
+    fsdp_->pack(sl, opt_->m);
+    fsdp_->take_shard(v_full.data(), sl.data());
+    fsdp_->pack(sl, opt_->v);
+  } else {
+    std::copy_n(m_full.begin(), P_, opt_->m.begin());
+    std::copy_n(v_full.begin(), P_, opt_->v.begin());
+  }
+}
+
+// Metrics: earlier steps kept (resume), the rest rewritten.
+void Trainer::open_metrics() {
+  metrics_path_ = run_ / "metrics.jsonl";
+  if (!lead_) return;
+  std::string kept;
+  for (const auto& j : read_metrics_before(metrics_path_, start_)) {
+    kept += j.dump() + "\n";
+    if (j.contains("lm_loss") && j["lm_loss"].is_number())
+      train_curve_.emplace_back(j["step"].get<int64_t>(), j["lm_loss"]);
+    if (j.contains("eval_loss")) eval_curve_.emplace_back(j["step"].get<int64_t>(), j["eval_loss"]);
+  }
+  io::write_file_atomic(metrics_path_.string(), kept);
+  io::write_file_atomic((run_ / "config.json").string(),
+                        nlohmann::json{{"run", tc_.as_json}, {"model", model_json_}}.dump(2) + "\n");
+  metrics_.open(metrics_path_, std::ios::app);
+  DS_CHECK(metrics_.good(), "cannot append to '{}'", metrics_path_.string());
+}
+
+void Trainer::set_up_loss() {
+  moe_layers_ = family_->moe_layers();
+  biases_.assign(moe_layers_.size(), {-1, 0});
+  int64_t off = 0;
+  for (const auto& i : layout_) {
+    if (i.role == model::ParamRole::RoutingBias) {
+      const auto it = std::find(moe_layers_.begin(), moe_layers_.end(), i.layer);
+      DS_CHECK(it != moe_layers_.end(), "internal: routing bias '{}' of a layer without experts", i.name);
+      biases_[static_cast<size_t>(it - moe_layers_.begin())] = {off, i.numel()};
+    }
+    off += i.numel();
+  }
+  bias_rate_ = family_->routed_bias_update_rate();
+
+  lo_.stream = fsdp_.get();
+  lo_.exchange = exchange_.get();
+  lo_.batch_split_factor = tc_.use_batch_split_schedule ? tc_.batch_split_factor : 1;
+  lo_.z_loss_multiplier = tc_.z_loss_multiplier;
+  lo_.load_balance_loss_weight = tc_.load_balance_loss_weight;
+  lo_.mtp_num_layers = family_->mtp_layers();
+  lo_.mtp_loss_scaling_factor = tc_.mtp_loss_scaling_factor;
+  lo_.indexer_loss_scaling_factor = tc_.indexer_loss_scaling_factor;
+  lo_.indexer_sparse_training = tc_.indexer_sparse_training;
+  family_->check_loss_options(lo_);
+  const std::string note = family_->training_note(lo_);
+  if (lead_ && !note.empty())
+    fmt::print(stderr, "{} model ({:.2f}M parameters): {}\n", family_->name(), static_cast<double>(P_) / 1e6, note);
+
+  const int64_t GA = tc_.gradient_accumulation_steps;
+  flops_ = family_->step_flops(tc_.per_device_batch_size, tc_.max_target_length, GA);
+  step_tokens_ = static_cast<double>(tc_.per_device_batch_size * tc_.max_target_length * GA);
+  tty_ = lead_ && ::isatty(STDERR_FILENO) == 1;
+  grad_spans_ = opt_->grad_spans();
+  param_spans_ = opt_->param_spans();
+}
+
+// One step; false when the run stops after it (target eval loss, a signal).
+bool Trainer::step(int64_t s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto busy0 = link_busy();
+  const double lr = learning_rate_at(tc_, s);
+  StepTerms st = micro_batches(s);
+  reduce(st.terms);
+  const StepUpdate u = update(st, lr);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  nlohmann::json m = metrics_line(s, st, u, lr, dt, busy0);
+  const bool last = s + 1 == tc_.steps;
+  if (eval_data_ && (s % tc_.eval_interval == 0 || last)) {
+    const double ev = evaluate();
+    m["eval_loss"] = ev;
+    m["eval_perplexity"] = std::exp(std::min(ev, 700.0));
+    eval_curve_.emplace_back(s, ev);
+    sum_.last_eval_loss = ev;
+  }
+  if (lead_) {
+    metrics_ << m.dump() << "\n";
+    metrics_.flush();
+    DS_CHECK(metrics_.good(), "writing '{}' failed", metrics_path_.string());
+  }
+  if (u.finite) train_curve_.emplace_back(s, st.terms.lm_loss);
+  if (s == start_) sum_.first_loss = st.terms.loss;
+  sum_.last_loss = st.terms.loss;
+  sum_.end_step = s + 1;
+  progress(s, m, u.finite, dt);
+  DS_CHECK(consecutive_skipped_ < tc_.max_consecutive_skipped_steps,
+           "stopping: {} steps in a row had a non-finite loss or gradient (max_consecutive_skipped_steps); "
+           "the newest checkpoint is unchanged",
+           consecutive_skipped_);
+
+  if (tc_.enable_checkpointing && (s + 1) % tc_.checkpoint_period == 0) {
+    save(s + 1);
+    last_saved_ = s + 1;
+  }
+  if (tc_.target_eval_loss > 0 && m.contains("eval_loss") && m["eval_loss"].get<double>() < tc_.target_eval_loss) {
+    if (lead_)
+      fmt::print(stderr, "{}eval loss {:.4f} is below target_eval_loss {}: stopping\n", tty_ ? "\n" : "",
+                 m["eval_loss"].get<double>(), tc_.target_eval_loss);
+    return false;
+  }
+  // A signal seen by any rank stops every rank after the same step.
+  int64_t stop = g_stop_signal.load();
+  if (multi_) world_.all_reduce(&stop, 1, dist::ReduceOp::Max).wait();
+  if (stop != 0) {
+    if (lead_) fmt::print(stderr, "{}stopping on signal {} after step {}\n", tty_ ? "\n" : "", stop, s + 1);
+    sum_.interrupted = true;
+    return false;
+  }
+  return true;
+}
+
+// The step's gradient_accumulation_steps micro-batches, each weighed by its
+// share of the step's counted targets.
+StepTerms Trainer::micro_batches(int64_t s) {
+  const int64_t GA = tc_.gradient_accumulation_steps;
+  const bool draw = s == tc_.timeline_step && lead_;
+  std::vector<model::TrainBatch> micro;
+  std::vector<double> counted;
+  double total_w = 0;
+  for (int64_t i = 0; i < GA; ++i) {
+    micro.push_back(data_->next());
+    counted.push_back(counted_targets(micro.back()));
+    total_w += counted.back();
+  }
+  if (fsdp_)
+    fsdp_->start_step();
+  else
+    std::fill(grads_.begin(), grads_.end(), 0.0f);
+  StepTerms st;
+  st.load.resize(moe_layers_.size());
+  st.bias_delta.resize(moe_layers_.size());
+  for (int64_t i = 0; i < GA; ++i) {
+    model::LossOptions mo = lo_;
+    const double wi = total_w > 0 ? counted[i] / total_w : 1.0 / static_cast<double>(GA);
+    mo.grad_scale = wi;
+    // This rank's rows, weighed as a share of the global micro-batch.
+    if (multi_) mo.whole = family_->loss_weights(micro[i], true);
+    if (draw && i == 0) model::timeline_record(true);
+    model::TrainBatch part;  // one process: the whole micro-batch, not a copy
+    auto t = bound_->loss_and_grad(multi_ ? (part = slice_rows(micro[i], shard_ * rows_, rows_)) : micro[i], mo,
+                                   tc_.remat, true);
+    if (draw && i == 0) {
+      model::timeline_record(false);
+      const int64_t first_moe = moe_layers_.empty() ? 0 : moe_layers_.front();
+      write_timeline_svg((run_ / "timeline.svg").string(), model::timeline_spans(), first_moe,
+                         fmt::format("{}: layer {} at step {}, {} micro-batches, {}", tc_.run_name, first_moe, s,
+                                     lo_.batch_split_factor, mesh_->describe()));
+    }
+    add_micro_batch(st, t, wi);
+  }
+  return st;
+}
+
+void Trainer::add_micro_batch(StepTerms& st, model::LossTerms& t, double wi) {
+  model::LossTerms& terms = st.terms;
+  terms.loss += wi * t.loss;
+  terms.lm_loss += wi * t.lm_loss;
+  terms.z_loss += wi * t.z_loss;
+  terms.mtp_loss += wi * t.mtp_loss;
+  terms.moe_lb_loss += wi * t.moe_lb_loss;
+  terms.indexer_loss += wi * t.indexer_loss;
+  terms.tokens += t.tokens;
+  if (multi_ && !t.expert_load.empty()) {
+    // The global micro-batch's expert loads: every rank updates the biases alike.
+    std::vector<int64_t> flat;
+    for (const auto& c : t.expert_load) flat.insert(flat.end(), c.begin(), c.end());
+    world_.all_reduce(flat.data(), static_cast<int64_t>(flat.size())).wait();
+    size_t at = 0;
+    for (auto& c : t.expert_load)
+      for (auto& x : c) x = flat[at++];
+  }
+  for (size_t l = 0; l < moe_layers_.size() && l < t.expert_load.size(); ++l) {
+    const auto& c = t.expert_load[l];
+    if (st.load[l].empty()) st.load[l].assign(c.size(), 0);
+    for (size_t e = 0; e < c.size(); ++e) st.load[l][e] += c[e];
+    if (bias_rate_ > 0 && biases_[l].first >= 0) {
+      if (st.bias_delta[l].empty()) st.bias_delta[l].assign(c.size(), 0.0f);
+      ops::update_routing_bias(st.bias_delta[l].data(), c.data(), static_cast<int64_t>(c.size()),
+                               static_cast<float>(bias_rate_));
+    }
+  }
+}
+
+// The global batch's loss terms and gradient: summed over the batch shards;
+// with FSDP each rank keeps the sum of its own shard only.
+void Trainer::reduce(model::LossTerms& terms) {
+  if (!multi_) return;
+  double t7[7] = {terms.loss,        terms.lm_loss, terms.z_loss,      terms.mtp_loss,
+                  terms.moe_lb_loss, terms.tokens,  terms.indexer_loss};
+  auto ht = world_.all_reduce(t7, 7);
+  if (!fsdp_) {
+    world_.all_reduce(grads_.data(), P_).wait();
+  } else {
+    fsdp_->finish_grads();
+    // The replicas of this shard: the data axis.
+    if (mesh_->size(dist::kData) > 1)
+      mesh_->axis(dist::kData)
+          .all_reduce(fsdp_->grad_shard.data(), static_cast<int64_t>(fsdp_->grad_shard.size()))
+          .wait();
+  }
+  ht.wait();
+  terms.loss = t7[0], terms.lm_loss = t7[1], terms.z_loss = t7[2], terms.mtp_loss = t7[3];
+  terms.moe_lb_loss = t7[4], terms.tokens = t7[5], terms.indexer_loss = t7[6];
+}
+
+// Clipping, AdamW and the routing-bias rule; a non-finite loss or gradient
+// norm skips the step.
+StepUpdate Trainer::update(const StepTerms& st, double lr) {
+  StepUpdate u;
+  u.raw_norm = tree_norm(grad_spans_);
+  u.finite = std::isfinite(st.terms.loss) && std::isfinite(u.raw_norm);
+  u.grad_norm = u.raw_norm;
+  if (!u.finite) {
+    ++sum_.skipped_steps;
+    ++consecutive_skipped_;
+    return u;
+  }
+  consecutive_skipped_ = 0;
+  if (tc_.gradient_clipping_threshold > 0) {
+    // optax's clip_by_global_norm with the norm just taken (what ops::clip_grad_norm would compute again).
+    if (u.raw_norm > tc_.gradient_clipping_threshold)
+      ops::scale_grads(grad_spans_, static_cast<float>(tc_.gradient_clipping_threshold / u.raw_norm));
+    u.grad_norm = std::min(u.raw_norm, tc_.gradient_clipping_threshold);
+  }
+  opt_->update(lr);
+  if (bias_rate_ > 0)
+    for (size_t l = 0; l < biases_.size(); ++l)
+      if (biases_[l].first >= 0)
+        opt_->for_owned(biases_[l].first, biases_[l].first + biases_[l].second,
+                        [&](float* p, int64_t first, int64_t n) {
+                          const float* d = st.bias_delta[l].data() + (first - biases_[l].first);
+                          for (int64_t e = 0; e < n; ++e) p[e] += d[e];
+                        });
+  return u;
+}
+
+nlohmann::json Trainer::metrics_line(int64_t s, const StepTerms& st, const StepUpdate& u, double lr, double dt,
+                                     const std::array<double, 3>& busy0) const {
+  const model::LossTerms& terms = st.terms;
+  nlohmann::json m = {{"step", s},
+                      {"loss", terms.loss},
+                      {"lm_loss", terms.lm_loss},
+                      {"perplexity", std::exp(std::min(terms.lm_loss, 700.0))},
+                      {"z_loss", terms.z_loss},
+                      {"mtp_loss", terms.mtp_loss},
+                      {"moe_lb_loss", terms.moe_lb_loss},
+                      {"total_weights", terms.tokens},
+                      {"lr", lr},
+                      {"grad_norm", u.grad_norm},
+                      {"raw_grad_norm", u.raw_norm},
+                      {"param_norm", tree_norm(param_spans_)},
+                      {"step_time_seconds", dt},
+                      {"tokens_per_sec", step_tokens_ / dt},
+                      {"tflops_per_sec", flops_ / dt / 1e12},
+                      {"step_skipped", !u.finite}};
+  if (family_->reports_indexer_loss()) m["indexer_loss"] = terms.indexer_loss;
+  if (link_expert_ || link_group_ || link_fsdp_) {
+    // What this step's communication would have cost had nothing
+    // overlapped, in all and per link.
+    const auto busy = link_busy();
+    const double by[3] = {busy[0] - busy0[0], busy[1] - busy0[1], busy[2] - busy0[2]};
+    m["link_model_seconds"] = by[0] + by[1] + by[2];
+    m["link_model_seconds_by_link"] = {
+        {"expert_exchange", by[0]}, {"weights_shard_group", by[1]}, {"experts_fsdp", by[2]}};
+  }
+  if (!u.finite) {
+    // JSON has no NaN: the raw values as text.
+    m["loss"] = fmt::format("{}", terms.loss);
+    m["raw_grad_norm"] = fmt::format("{}", u.raw_norm);
+    m["grad_norm"] = fmt::format("{}", u.grad_norm);
+  }
+  const auto& load = st.load;
+  bool any = false;
+  for (const auto& l : load) any |= !l.empty();
+  if (!any) return m;
+  nlohmann::json el = nlohmann::json::array();
+  for (size_t l = 0; l < load.size(); ++l) {
+    if (load[l].empty()) continue;
+    double mean = 0, var = 0;
+    for (int64_t c : load[l]) mean += static_cast<double>(c);
+    mean /= static_cast<double>(load[l].size());
+    for (int64_t c : load[l]) var += (static_cast<double>(c) - mean) * (static_cast<double>(c) - mean);
+    var /= static_cast<double>(load[l].size());
+    el.push_back({{"layer", moe_layers_[l]},
+                  {"min", *std::min_element(load[l].begin(), load[l].end())},
+                  {"max", *std::max_element(load[l].begin(), load[l].end())},
+                  {"cv", mean > 0 ? std::sqrt(var) / mean : 0.0}});
+  }
+  m["expert_load"] = el;
+  if (exchange_) {
+    // Rows each rank of the expert axis computed this step (all MoE
+    // layers, averaged over the expert groups of the mesh).
+    const int64_t per = exchange_->experts_per_rank();
+    std::vector<double> rows_at(static_cast<size_t>(X_), 0.0);
+    for (const auto& ld : load)
+      for (size_t e = 0; e < ld.size(); ++e) rows_at[e / per] += static_cast<double>(ld[e]);
+    for (auto& r : rows_at) r /= static_cast<double>(world_.size() / X_);
+    m["expert_rows_per_rank"] = rows_at;
+  }
+  return m;
+}
+
+void Trainer::progress(int64_t s, const nlohmann::json& m, bool finite, double dt) {
+  const bool last = s + 1 == tc_.steps;
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start_).count();
+  const double eta = elapsed / static_cast<double>(s + 1 - start_) * static_cast<double>(tc_.steps - s - 1);
+  const double loss = sum_.last_loss;
+  std::string line = fmt::format("step {}/{} loss {:.4f} lr {:.2e} | {} tok/s | ETA {}", s + 1, tc_.steps, loss,
+                                 m["lr"].get<double>(), fmt_rate(step_tokens_ / dt), fmt_duration(eta));
+  if (m.contains("eval_loss")) line += fmt::format(" | eval {:.4f}", m["eval_loss"].get<double>());
+  if (!finite) line += " | non-finite: step skipped";
+  if (tty_) {
+    const int width = 24;
+    const int done = static_cast<int>(width * (s + 1) / tc_.steps);
+    fmt::print(stderr, "\r[{}{}] {}\033[K", std::string(done, '#'), std::string(width - done, '.'), line);
+    if (!finite || m.contains("eval_loss")) fmt::print(stderr, "\n");
+  } else if (lead_ && (s == start_ || last || (s + 1) % tc_.log_period == 0 || !finite || m.contains("eval_loss"))) {
+    fmt::print(stderr, "{}\n", line);
+  }
+}
+
+// The eval split's loss, MaxText's way: lm_loss alone (no MTP), forward only.
+double Trainer::evaluate() {
+  eval_data_->rewind();
+  int64_t n = tc_.eval_steps;
+  if (n < 0) n = eval_data_->batches_per_pass();
+  DS_CHECK(n >= 1, "eval_steps=-1 needs an eval split of known length; set eval_steps");
+  model::LossOptions el = lo_;
+  el.mtp_num_layers = 0;      // MaxText's eval loss excludes MTP
+  el.batch_split_factor = 1;  // forward only: nothing to overlap with a backward
+  if (fsdp_) fsdp_->gather_resident();
+  double xent = 0, weight = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const model::TrainBatch b = eval_data_->next();
+    const int64_t r = b.batch / shards_;
+    if (multi_) el.whole = family_->loss_weights(b, false);
+    model::TrainBatch part;
+    const auto t = bound_->loss_and_grad(multi_ ? (part = slice_rows(b, shard_ * r, r)) : b, el, tc_.remat, false);
+    const double w = multi_ ? el.whole.targets : t.tokens;
+    xent += t.lm_loss * w;
+    weight += w;
+  }
+  if (multi_) world_.all_reduce(&xent, 1).wait();
+  return xent / (weight + 1e-8);
+}
+
+// Collective: every rank calls it; rank 0 writes.
+void Trainer::save(int64_t step) {
+  std::vector<float> m_full, v_full;
+  const float *p_src = params_.data(), *m_src = opt_->m.data(), *v_src = opt_->v.data();
+  if (fsdp_) {
+    full_.assign(static_cast<size_t>(P_), 0.0f);
+    fsdp_->gather_full(fsdp_->shard.data(), full_.data());
+    m_full.resize(static_cast<size_t>(P_));
+    v_full.resize(static_cast<size_t>(P_));
+    fsdp_->gather_full(fsdp_->expand(opt_->m).data(), m_full.data());
+    fsdp_->gather_full(fsdp_->expand(opt_->v).data(), v_full.data());
+    p_src = full_.data();
+    m_src = m_full.data();
+    v_src = v_full.data();
+  }
+  if (lead_) {
+    CheckpointState st;
+    st.step = step;
+    st.data_state = data_->state();
+    st.consecutive_skipped = consecutive_skipped_;
+    st.model_config = model_json_;
+    st.run_config = tc_.as_json;
+    if (!tc_.tokenizer_path.empty()) st.tokenizer = fs::absolute(tc_.tokenizer_path).string();
+    const std::string where = save_checkpoint(ckdir_.string(), layout_, p_src, m_src, v_src, st, family_->mtp_layers());
+    prune_checkpoints(ckdir_.string(), tc_.max_num_checkpoints_to_keep);
+    if (tty_) fmt::print(stderr, "\n");
+    fmt::print(stderr, "saved checkpoint {}\n", where);
+  }
+  std::vector<float>().swap(full_);
+}
+
+void Trainer::finish(int64_t done) {
+  if (tty_) fmt::print(stderr, "\n");
+  if (tc_.enable_checkpointing && (tc_.save_checkpoint_on_completion || sum_.interrupted) && last_saved_ != done &&
+      done > start_)
+    save(done);
+  if (lead_)
+    write_loss_svg((run_ / "loss.svg").string(), train_curve_, eval_curve_,
+                   fmt::format("{}: loss per step", tc_.run_name));
+}
+
+}  // namespace
+
+TrainSummary train(const RunConfig& rc) { return Trainer(rc).run(); }
 
 }  // namespace ds::train

@@ -40,8 +40,10 @@ struct TrainSummary {
 
 TrainSummary train(const RunConfig& rc);
 
-// The loss curve as an SVG picture: training loss per step (and eval loss
-// points), written atomically to `path`.
+// The loss curve as an SVG picture, written atomically to `path`: the
+// training lm_loss per step (without the MTP, balance and indexer terms, so
+// that it compares with the eval points, which leave them out too) and the
+// eval loss points.
 void write_loss_svg(const std::string& path, const std::vector<std::pair<int64_t, double>>& train_loss,
                     const std::vector<std::pair<int64_t, double>>& eval_loss, const std::string& title);
 
