@@ -14,21 +14,17 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "cli/gen_model.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "infer/generate.h"
+#include "infer/model.h"
 #include "infer/text_stream.h"
-#include "infer/v4_engine.h"
 #include "io/tokenizer.h"
+#include "model/family.h"
 #include "model/init.h"
-#include "model/load.h"
-#include "model/v4_train.h"
 #include "ops/linear.h"
-#include "train/checkpoint.h"
 #include "train/config.h"
-#include "train/flops.h"
 
 namespace ds::cli {
 
@@ -80,13 +76,14 @@ int run_init(const InitArgs& a) {
   else if (model::config_model_type(a.config) == "deepseek_v4")
     v4 = model::V4Config::from_hf_json_file(a.config);
   if (v4) {
-    DS_CHECK(a.dtype != "fp8", "init: --dtype fp8 is DeepSeek-V3's block-scaled format; write a DeepSeek-V4 model "
-                               "in bf16, f16 or f32");
-    auto params = model::V4FlatParams::zeros(*v4);
-    train::init_v4_params(*v4, params, a.seed, model::InitOptions{}.init_std);
-    params.sync_tables(*v4);
+    DS_CHECK(a.dtype != "fp8",
+             "init: --dtype fp8 is DeepSeek-V3's block-scaled format; write a DeepSeek-V4 model "
+             "in bf16, f16 or f32");
+    const auto family = model::v4_family(*v4, 0.0);
+    std::vector<float> params(static_cast<size_t>(family->numel()));
+    family->init(params.data(), a.seed, model::InitOptions{}.init_std);
     const DType dt = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
-    train::export_v4_hf(a.out, *v4, params.data.data(), dt, "init");
+    family->export_hf(a.out, params.data(), dt, "init");
     fmt::print("wrote a randomly initialised deepseek_v4 model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
                v4->num_hidden_layers, v4->hidden_size, v4->n_routed_experts, a.out, mib(weight_file_bytes(a.out)));
     return 0;
@@ -125,20 +122,20 @@ int run_generate(const GenerateArgs& a) {
   opt.max_new_tokens = a.max_new_tokens;
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
-  opt.cache = cache_kind(a.cache);
-  GenModel g = GenModel::config_of(a.model);
+  opt.cache = infer::cache_kind(a.cache);
+  const auto g = infer::open_model(a.model);
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
   DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
   const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
-  DS_CHECK(tok.vocab_size() <= g.vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
-           tok.vocab_size(), g.vocab_size());
+  DS_CHECK(tok.vocab_size() <= g->vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+           tok.vocab_size(), g->vocab_size());
   const std::vector<int32_t> prompt = tok.encode(a.prompt, /*add_special_tokens=*/!a.raw);
   DS_CHECK(!prompt.empty(), "the prompt encodes to no tokens");
-  opt.eos_token_id = g.eos_token_id();
+  opt.eos_token_id = g->eos_token_id();
   opt.sample_vocab = tok.vocab_size();
-  g.check({static_cast<int64_t>(prompt.size())}, opt);
+  g->check({static_cast<int64_t>(prompt.size())}, opt);
 
-  g.load(a.model);
+  g->load();
   infer::TextStream stream(tok, {}, opt.eos_token_id);
   // A closed or full output stops the generation.
   auto print = [](const std::string& text) {
@@ -149,7 +146,7 @@ int run_generate(const GenerateArgs& a) {
   std::fputs(a.prompt.c_str(), stdout);
   check_stdout();
   infer::GenerateStats st;
-  g.generate({prompt}, opt, &st);
+  g->generate({prompt}, opt, &st);
   print(stream.finish());
   std::fputs("\n", stdout);
   check_stdout();
@@ -158,8 +155,7 @@ int run_generate(const GenerateArgs& a) {
       fmt::format("prefill: {} tokens in {:.3f} s ({:.1f} tok/s); decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n"
                   "KV cache ({}): {} for {} tokens; weights {}; peak RSS {}; {} threads\n",
                   st.prompt_tokens, st.prefill_seconds, st.prefill_tokens_per_second(), st.decode_steps_tokens,
-                  st.decode_seconds, st.decode_tokens_per_second(), g.v4 ? "deepseek_v4 state" : a.cache,
-                  mib(st.cache_bytes),
+                  st.decode_seconds, st.decode_tokens_per_second(), g->cache_name(opt.cache), mib(st.cache_bytes),
                   st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)), mib(peak_rss_bytes()),
                   num_threads())
           .c_str());
@@ -178,41 +174,39 @@ struct BenchArgs {
 
 int run_bench(const BenchArgs& a) {
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
-  GenModel g = GenModel::config_of(a.model);
-  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= g.max_positions(),
+  const auto g = infer::open_model(a.model);
+  DS_CHECK(a.prompt_len + a.new_tokens + 1 <= g->max_positions(),
            "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
-           g.max_positions());
+           g->max_positions());
   {
     infer::GenerateOptions check;
-    check.cache = cache_kind(a.cache);
+    check.cache = infer::cache_kind(a.cache);
     check.prefill_chunk = a.prefill_chunk;
     check.max_new_tokens = a.new_tokens + 1;
-    g.check(std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
+    g->check(std::vector<int64_t>(static_cast<size_t>(a.batch), a.prompt_len), check);
   }
-  DS_CHECK(!a.dense_attention || (!g.v4 && g.cfg.index_n_heads > 0),
-           "--dense-attention compares DeepSeek-V3.2 sparse attention with dense attention; this model has no indexer");
-  g.load(a.model);
-  if (!g.v4) g.m->engine->set_dense_attention(a.dense_attention);
-  const int64_t V = g.vocab_size();
+  g->set_dense_attention(a.dense_attention);
+  g->load();
+  const int64_t V = g->vocab_size();
   Philox rng(a.seed);
   std::vector<std::vector<int32_t>> prompts(a.batch);
   for (int64_t s = 0; s < a.batch; ++s)
     for (int64_t i = 0; i < a.prompt_len; ++i)
       prompts[s].push_back(static_cast<int32_t>(rng.u32(static_cast<uint64_t>(s * a.prompt_len + i)) % V));
   infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
-  opt.cache = cache_kind(a.cache);
+  opt.cache = infer::cache_kind(a.cache);
   opt.prefill_chunk = a.prefill_chunk;
   // Warm-up, not timed: the same prompts touch every weight page and grow
   // the allocator's arenas.
   opt.max_new_tokens = 2;
-  g.generate(prompts, opt);
+  g->generate(prompts, opt);
   // One token comes from the prefill, then new_tokens decode steps. The
   // median of the repeats is reported for each phase.
   opt.max_new_tokens = a.new_tokens + 1;
   std::vector<double> prefill, decode;
   infer::GenerateStats st;
   for (int64_t r = 0; r < a.repeat; ++r) {
-    g.generate(prompts, opt, &st);
+    g->generate(prompts, opt, &st);
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
   }
@@ -224,32 +218,28 @@ int run_bench(const BenchArgs& a) {
   // (every weight a token meets, causal attention; the unembedding only for
   // the last token of each prompt, the logits a prefill computes), the same
   // figure for any implementation of the model.
-  const double prefill_flops = (g.v4 ? train::v4_forward_flops(g.v4cfg, a.batch, a.prompt_len, a.batch)
-                                     : train::forward_flops(g.cfg, a.batch, a.prompt_len, a.batch)) /
-                               static_cast<double>(a.batch * a.prompt_len);
-  nlohmann::json j = {{"impl", "deepseek.cpp"},
-                      {"batch", a.batch},
-                      {"prompt_len", a.prompt_len},
-                      {"new_tokens", a.new_tokens},
-                      {"threads", num_threads()},
-                      {"kv_cache", g.v4 ? "deepseek_v4" : a.cache},
-                      {"attention", g.v4                       ? "deepseek_v4"
-                                    : g.cfg.index_n_heads == 0 ? "mla"
-                                    : a.dense_attention        ? "dense"
-                                                               : "sparse"},
-                      {"prefill_chunk", a.prefill_chunk},
-                      {"matmul_precision", ops::matmul_precision_name(ops::matmul_precision())},
-                      {"bf16_dot_products", ops::matmul_precision() == ops::MatmulPrecision::kBf16 &&
-                                                ops::bf16_dot_products()},
-                      {"repeat", a.repeat},
-                      {"prefill_tokens_per_s", median(prefill)},
-                      {"prefill_model_flops_per_token", prefill_flops},
-                      {"prefill_gflop_per_s", prefill_flops * median(prefill) * 1e-9},
-                      {"decode_tokens_per_s", median(decode)},
-                      {"cache_bytes", st.cache_bytes},
-                      {"weight_file_bytes", weight_file_bytes(a.model)},
-                      {"base_rss_bytes", base_rss},
-                      {"peak_rss_bytes", peak_rss_bytes()}};
+  const double prefill_flops =
+      g->forward_flops(a.batch, a.prompt_len, a.batch) / static_cast<double>(a.batch * a.prompt_len);
+  nlohmann::json j = {
+      {"impl", "deepseek.cpp"},
+      {"batch", a.batch},
+      {"prompt_len", a.prompt_len},
+      {"new_tokens", a.new_tokens},
+      {"threads", num_threads()},
+      {"kv_cache", g->cache_name(opt.cache)},
+      {"attention", g->attention_name()},
+      {"prefill_chunk", a.prefill_chunk},
+      {"matmul_precision", ops::matmul_precision_name(ops::matmul_precision())},
+      {"bf16_dot_products", ops::matmul_precision() == ops::MatmulPrecision::kBf16 && ops::bf16_dot_products()},
+      {"repeat", a.repeat},
+      {"prefill_tokens_per_s", median(prefill)},
+      {"prefill_model_flops_per_token", prefill_flops},
+      {"prefill_gflop_per_s", prefill_flops * median(prefill) * 1e-9},
+      {"decode_tokens_per_s", median(decode)},
+      {"cache_bytes", st.cache_bytes},
+      {"weight_file_bytes", weight_file_bytes(a.model)},
+      {"base_rss_bytes", base_rss},
+      {"peak_rss_bytes", peak_rss_bytes()}};
   fmt::print("{}\n", j.dump());
   return 0;
 }

@@ -18,7 +18,7 @@
 #include "core/error.h"
 #include "core/system.h"
 #include "infer/generate.h"
-#include "infer/v4_engine.h"
+#include "infer/model.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
 #include "io/text_input.h"
@@ -52,79 +52,32 @@ int64_t check_logits_request(const LogitsArgs& a, const std::vector<int64_t>& le
   return incremental ? a.incremental : 0;
 }
 
-int run_logits_v4(const LogitsArgs& a, const std::string& out) {
-  const model::V4Config cfg = infer::load_v4_config(a.model);
-  const auto seqs = io::parse_token_lists(io::read_file(a.tokens, "token file"), cfg.vocab_size, a.tokens);
-  std::vector<int64_t> lengths;
-  for (const auto& ids : seqs) lengths.push_back(static_cast<int64_t>(ids.size()));
-  infer::GenerateOptions request;
-  request.max_new_tokens = 1;
-  infer::check_v4_request(cfg, lengths, request, /*codes=*/!a.no_quant_sim);
-  const int64_t prefix = check_logits_request(a, lengths, cfg.vocab_size);
-  auto m = infer::load_v4_model(a.model, model::V4Options{!a.no_quant_sim});
-  std::vector<std::pair<std::string, Tensor>> outs;
-  for (size_t s = 0; s < seqs.size(); ++s) {
-    const auto& ids = seqs[s];
-    const int64_t T = lengths[s];
-    model::V4State st = m->model->new_state();
-    std::vector<float> logits;
-    if (prefix == 0 && m->config.num_nextn_predict_layers == 1 && T >= 2) {
-      // A whole sequence of a model with its MTP layer: its logits too.
-      std::vector<float> mtp;
-      logits = m->model->forward({{&st, ids.data(), T}}, true, nullptr, &mtp);
-      outs.emplace_back(fmt::format("mtp_logits.{}", s), Tensor::from_vector(mtp, {T - 1, cfg.vocab_size}));
-    } else {
-      logits = m->model->forward(st, ids.data(), prefix > 0 ? prefix : T, true);
-    }
-    for (int64_t t = prefix > 0 ? prefix : T; t < T; ++t) {
-      auto one = m->model->forward(st, ids.data() + t, 1, true);
-      logits.insert(logits.end(), one.begin(), one.end());
-    }
-    outs.emplace_back(fmt::format("logits.{}", s), Tensor::from_vector(logits, {T, cfg.vocab_size}));
-  }
-  io::save_safetensors(out, outs, {{"model", a.model}});
-  fmt::print("wrote {} sequences of logits to {}\n", seqs.size(), a.out);
-  return 0;
-}
-
 int run_logits(const LogitsArgs& a) {
   // The request is checked whole before any weight is read: the output
   // path, the token file against the config, the --incremental prefix.
   const std::string out = io::resolve_output_path(a.out);
-  if (infer::is_v4_folder(a.model)) return run_logits_v4(a, out);
-  DS_CHECK(!a.no_quant_sim, "--no-quant-sim applies to DeepSeek-V4 models only");
-  const model::ModelConfig cfg = model::load_config(a.model);
-  const auto seqs = io::parse_token_lists(io::read_file(a.tokens, "token file"), cfg.vocab_size, a.tokens);
-  const int64_t V = cfg.vocab_size, L = cfg.num_hidden_layers;
-  const auto kind = a.cache == "naive" ? infer::CacheKind::Naive : infer::CacheKind::Latent;
+  const auto m = infer::open_model(a.model, infer::ModelOptions{!a.no_quant_sim});
+  const int64_t V = m->vocab_size();
+  const auto seqs = io::parse_token_lists(io::read_file(a.tokens, "token file"), V, a.tokens);
+  const auto kind = infer::cache_kind(a.cache);
   // The sequences as a request of one new token each: the same length and
-  // KV-cache checks as generation.
+  // cache checks as generation.
   std::vector<int64_t> lengths;
   for (const auto& ids : seqs) lengths.push_back(static_cast<int64_t>(ids.size()));
   infer::GenerateOptions request;
   request.max_new_tokens = 1;
   request.cache = kind;
-  infer::check_generate_request(cfg, lengths, request);
-  const bool incremental = check_logits_request(a, lengths, V) > 0;
+  m->check(lengths, request);
+  const int64_t prefix = check_logits_request(a, lengths, V);
 
-  auto m = infer::load_model(a.model);
+  m->load();
   std::vector<std::pair<std::string, Tensor>> outs;
   for (size_t s = 0; s < seqs.size(); ++s) {
-    const auto& ids = seqs[s];
-    const int64_t T = static_cast<int64_t>(ids.size());
-    infer::KvCache cache(kind, 1, L);
-    std::vector<float> logits;
-    if (!incremental) {
-      logits = m->engine->step(cache, {ids}, /*all_logits=*/true);
-    } else {
-      logits = m->engine->step(cache, {{ids.begin(), ids.begin() + a.incremental}}, true);
-      for (int64_t t = a.incremental; t < T; ++t) {
-        auto one = m->engine->step(cache, {{ids[t]}}, true);
-        logits.insert(logits.end(), one.begin(), one.end());
-      }
-    }
-    Tensor t = Tensor::from_vector(logits, {T, V});
-    outs.emplace_back(fmt::format("logits.{}", s), t);
+    const int64_t T = lengths[s];
+    std::vector<float> mtp;
+    auto logits = m->logits(seqs[s], prefix, kind, &mtp);
+    if (!mtp.empty()) outs.emplace_back(fmt::format("mtp_logits.{}", s), Tensor::from_vector(mtp, {T - 1, V}));
+    outs.emplace_back(fmt::format("logits.{}", s), Tensor::from_vector(logits, {T, V}));
   }
   io::save_safetensors(out, outs, {{"model", a.model}});
   fmt::print("wrote {} sequences of logits to {}\n", seqs.size(), a.out);

@@ -14,9 +14,9 @@
 #include <thread>
 
 #include "cli/commands.h"
-#include "cli/gen_model.h"
 #include "core/error.h"
 #include "infer/batcher.h"
+#include "infer/model.h"
 #include "infer/server.h"
 #include "io/tokenizer.h"
 
@@ -37,17 +37,17 @@ struct ServeArgs {
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
 int run_serve(const ServeArgs& a) {
-  GenModel g = GenModel::config_of(a.model);
+  const auto g = infer::open_model(a.model);
   // The tokenizer is optional: without one, prompts are token ids.
   std::optional<io::Tokenizer> tok;
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
   if (!a.tokenizer.empty() || fs::is_regular_file(tok_path)) {
     DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}'", tok_path);
     tok = io::Tokenizer::from_file(tok_path);
-    DS_CHECK(tok->vocab_size() <= g.vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
-             tok->vocab_size(), g.vocab_size());
+    DS_CHECK(tok->vocab_size() <= g->vocab_size(), "the tokenizer's {} ids do not fit the model's vocabulary of {}",
+             tok->vocab_size(), g->vocab_size());
   }
-  const infer::CacheKind kind = cache_kind(a.cache);
+  const infer::CacheKind kind = infer::cache_kind(a.cache);
   const std::string name = !a.name.empty() ? a.name : fs::path(a.model).lexically_normal().filename().string();
 
   // SIGINT and SIGTERM are taken by one thread (sigwait) rather than a
@@ -58,10 +58,10 @@ int run_serve(const ServeArgs& a) {
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
-  g.load(a.model);
-  auto decoder = g.new_decoder(kind);
+  g->load();
+  auto decoder = g->new_decoder(kind);
   infer::Batcher batcher(*decoder, infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk,
-                                                         g.eos_token_id(), tok ? tok->vocab_size() : 0});
+                                                         g->eos_token_id(), tok ? tok->vocab_size() : 0});
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
@@ -70,7 +70,7 @@ int run_serve(const ServeArgs& a) {
     o.cache = kind;
     o.max_new_tokens = max_new;
     o.prefill_chunk = a.prefill_chunk;
-    g.check({prompt}, o);
+    g->check({prompt}, o);
   };
   infer::Server server(served, infer::ServerOptions{a.host, a.port, name, a.http_threads});
   const int port = server.bind();
@@ -88,7 +88,8 @@ int run_serve(const ServeArgs& a) {
       }
     }
   });
-  say(fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
+  say(
+      fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
                   "/health); {} sequences at once, {}",
                   name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only"));
   server.run();
