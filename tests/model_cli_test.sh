@@ -79,7 +79,9 @@ for part in "$prefill_times" "$decode_times"; do
     experts combine "dense MLP"; do
     check '[[ "$part" == *"  $stage "*" ms "*"%"* ]]' "stage times list '$stage': $part"
   done
-  check '[[ "$part" =~ attention\ +([0-9]+\.[0-9])\ ms && "${BASH_REMATCH[1]}" != "0.0" ]]' \
+  # A decode step of this model takes microseconds on a fast CPU, below the
+  # table's 0.1 ms resolution: the share of the total says it was timed.
+  check '[[ "$part" =~ attention\ +[0-9]+\.[0-9]\ ms\ +([0-9]+\.[0-9])% && "${BASH_REMATCH[1]}" != "0.0" ]]' \
     "the attention stage took some time: $part"
 done
 check '[[ "$("$bin" bench --model "$m" --batch 2 --prompt-len 5 --new-tokens 1 --repeat 1 2>&1 >/dev/null)" != *"stage times"* ]]' \
