@@ -361,4 +361,65 @@ TEST_F(HardenedServerTest, MalformedRequestsAreAnsweredAtOnce) {
   EXPECT_TRUE(health_within(2));
 }
 
+TEST_F(HardenedServerTest, HostileLoadLeavesServiceAndMemory) {
+  // A few seconds of slow clients, chunked bodies over the limit and deep
+  // JSON at once, while valid requests and /health keep being answered.
+  restart([](ds::infer::ServerOptions& o) {
+    o.threads = 8;
+    o.request_timeout_s = 1.5;
+  });
+  EXPECT_EQ(post("/v1/completions", completion({285, 1}, 2)).first, 200);
+  EXPECT_TRUE(health_within(2));
+  const double before = rss_mib();
+  std::atomic<int> slow_408{0}, over_413{0}, deep_400{0};
+  std::vector<std::thread> hostile;
+  for (int i = 0; i < 8; ++i)
+    hostile.emplace_back([&] {
+      Raw c(port_);
+      c.send_all("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n");
+      for (int k = 0; k < 20 && !c.readable(); ++k) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        c.send_all("X-Slow: 1\r\n");
+      }
+      const auto r = c.replies(1, 2);
+      if (r.size() == 1 && r[0].status == 408) ++slow_408;
+    });
+  for (int i = 0; i < 2; ++i)
+    hostile.emplace_back([&] {
+      for (int k = 0; k < 3; ++k) {
+        Raw c(port_);
+        send_chunked(c, size_t{20} << 20);
+        const auto r = c.replies(1, 5);
+        if (r.size() == 1 && r[0].status == 413) ++over_413;
+      }
+    });
+  const std::string deep = nested(size_t{450} << 10);  // 900 KiB, under the 1 MiB limit
+  for (int i = 0; i < 2; ++i)
+    hostile.emplace_back([&] {
+      for (int k = 0; k < 8; ++k) {
+        Raw c(port_);
+        c.send_all(post_request("/v1/completions", deep));
+        const auto r = c.replies(1, 5);
+        if (r.size() == 1 && r[0].status == 400) ++deep_400;
+      }
+    });
+  int valid = 0, answered = 0, healthy = 0;
+  for (const auto t0 = Clock::now(); seconds_since(t0) < 2.5; ++valid) {
+    const auto r = post("/v1/completions", completion({285, 1 + valid % 50}, 2));
+    answered += r.first == 200;
+    healthy += health_within(1);
+  }
+  for (auto& t : hostile) t.join();
+  const double after = rss_mib();
+  std::printf("hostile load: %d valid requests answered of %d, RSS %.1f MiB -> %.1f MiB\n", answered, valid, before,
+              after);
+  EXPECT_GE(valid, 10);
+  EXPECT_EQ(answered, valid);
+  EXPECT_EQ(healthy, valid);
+  EXPECT_EQ(slow_408, 8);
+  EXPECT_EQ(over_413, 6);
+  EXPECT_EQ(deep_400, 16);
+  EXPECT_LT(after - before, 64) << "memory held after the load";
+}
+
 }  // namespace
