@@ -215,6 +215,13 @@ TEST_F(HardenedServerTest, DeeplyNestedJsonIsRefused) {
   EXPECT_EQ(r["usage"]["completion_tokens"], 1);
 }
 
+TEST_F(HardenedServerTest, NumbersBeyondDoubleAreNotJson) {
+  // nlohmann throws out_of_range, not parse_error, for these (found by
+  // server_request_fuzz).
+  expect_refused("/v1/completions", R"({"prompt": [1], "temperature": 1e400})", 400, "not valid JSON");
+  expect_refused("/v1/completions", R"({"prompt": [1], "max_tokens": -21474836491e400})", 400, "not valid JSON");
+}
+
 TEST_F(HardenedServerTest, MemoryReturnsAfterABurstOfDeepBodies) {
   restart([](ds::infer::ServerOptions& o) { o.max_body_bytes = size_t{8} << 20; });
   const std::string deep = nested(size_t{3} << 19);  // 3 MiB

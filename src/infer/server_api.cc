@@ -66,7 +66,8 @@ json parse_body(std::string_view body, int max_depth) {
   json j;
   try {
     j = json::parse(body);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double (1e400).
     refuse("", fmt::format("the body is not valid JSON: {}", e.what()));
   }
   if (!j.is_object()) refuse("", "the body must be a JSON object");
