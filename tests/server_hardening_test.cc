@@ -36,6 +36,22 @@ double rss_mib() {
   return kib / 1024;
 }
 
+// Under AddressSanitizer freed memory waits in its quarantine (256 MiB by
+// default) and glibc's malloc_trim does not reach its allocator: resident
+// memory says nothing about the server there, so its bounds are checked in
+// the plain build only.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAsan = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAsan = true;
+#else
+constexpr bool kAsan = false;
+#endif
+#else
+constexpr bool kAsan = false;
+#endif
+
 struct Reply {
   int status = 0;
   std::string body;
@@ -245,7 +261,7 @@ TEST_F(HardenedServerTest, MemoryReturnsAfterABurstOfDeepBodies) {
   EXPECT_EQ(burst(deep, 400), 32);
   const double after = rss_mib();
   std::printf("deep burst: %.2f s, RSS %.1f MiB -> %.1f MiB\n", seconds_since(t0), before, after);
-  EXPECT_LT(after - before, 48) << "memory held after 32 deep bodies of 3 MiB";
+  if (!kAsan) EXPECT_LT(after - before, 48) << "memory held after 32 deep bodies of 3 MiB";
   EXPECT_TRUE(health_within(2));
 }
 
@@ -426,7 +442,7 @@ TEST_F(HardenedServerTest, HostileLoadLeavesServiceAndMemory) {
   EXPECT_EQ(slow_408, 8);
   EXPECT_EQ(over_413, 6);
   EXPECT_EQ(deep_400, 16);
-  EXPECT_LT(after - before, 64) << "memory held after the load";
+  if (!kAsan) EXPECT_LT(after - before, 64) << "memory held after the load";
 }
 
 }  // namespace
