@@ -86,7 +86,9 @@ http::Transport& transport() {
           out.send(404, api::error_text({404, "no route", ""}));
         }
       },
-      [](int status, const std::string& message) { return api::error_text({status, message, ""}); });
+      [](int status, const std::string& message) {
+        return api::error_text({status, message, ""});
+      });
   return t;
 }
 

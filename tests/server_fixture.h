@@ -5,8 +5,6 @@
 // server_hardening_test.cc.
 #pragma once
 
-#include "infer/server.h"
-
 #include <gtest/gtest.h>
 #include <httplib.h>
 
@@ -17,6 +15,7 @@
 #include <thread>
 
 #include "forwarding_decoder.h"
+#include "infer/server.h"
 #include "model_fixture.h"
 
 namespace fs = std::filesystem;
@@ -25,15 +24,15 @@ using ds::infer::GenerateOptions;
 
 namespace {
 
-constexpr int32_t kEos = 286;                   // the tiny tokenizer's <｜end▁of▁sentence｜>
+constexpr int32_t kEos = 286;                     // the tiny tokenizer's <｜end▁of▁sentence｜>
 constexpr int32_t kUser = 292, kAssistant = 293;  // added below
 
 // The tiny test tokenizer with DeepSeek's two chat tokens added.
 std::string chat_tokenizer_json() {
   std::ifstream in(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json");
   json t = json::parse(in);
-  for (const auto& [id, content] : std::vector<std::pair<int, std::string>>{{kUser, "<｜User｜>"},
-                                                                            {kAssistant, "<｜Assistant｜>"}})
+  for (const auto& [id, content] :
+       std::vector<std::pair<int, std::string>>{{kUser, "<｜User｜>"}, {kAssistant, "<｜Assistant｜>"}})
     t["added_tokens"].push_back({{"id", id},
                                  {"content", content},
                                  {"single_word", false},

@@ -23,8 +23,8 @@
 #include <boost/beast/http/serializer.hpp>
 #include <boost/beast/http/write.hpp>
 #include <cerrno>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <thread>
 
@@ -133,7 +133,8 @@ class SocketStream {
         return false;
       }
       pollfd p[2] = {{fd_, events, 0}, {stop_fd_, POLLIN, 0}};
-      const int n = ::poll(p, events == POLLIN && stop_fd_ >= 0 ? 2 : 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+      const int n =
+          ::poll(p, events == POLLIN && stop_fd_ >= 0 ? 2 : 1, static_cast<int>(std::min<int64_t>(left, 1000)));
       if (n < 0 && errno != EINTR) {
         ec = error_code(errno, boost::system::system_category());
         return false;
@@ -253,7 +254,8 @@ int Transport::bind() {
 void Transport::stop() {
   stopping_ = true;
   const uint64_t one = 1;
-  if (stop_fd_ >= 0) [[maybe_unused]] auto n = ::write(stop_fd_, &one, sizeof one);
+  if (stop_fd_ >= 0) [[maybe_unused]]
+    auto n = ::write(stop_fd_, &one, sizeof one);
 }
 
 void Transport::run() {
@@ -372,11 +374,12 @@ bool Transport::serve_one(SocketStream& s, bool& large) {
       ec == net::error::broken_pipe)
     return false;  // nothing to answer, or nobody to answer
   if (ec == bhttp::error::body_limit)
-    return refuse(s, 413, "the request body is too large (the limit is " + std::to_string(opt_.max_body_bytes) +
-                              " bytes, chunked or not)");
+    return refuse(s, 413,
+                  "the request body is too large (the limit is " + std::to_string(opt_.max_body_bytes) +
+                      " bytes, chunked or not)");
   if (ec == bhttp::error::header_limit)
-    return refuse(s, 431, "the request header is too large (the limit is " +
-                              std::to_string(opt_.max_header_bytes) + " bytes)");
+    return refuse(s, 431,
+                  "the request header is too large (the limit is " + std::to_string(opt_.max_header_bytes) + " bytes)");
   if (ec == boost::beast::error::timeout) {
     char secs[32];
     std::snprintf(secs, sizeof secs, "%g", opt_.request_timeout_s);

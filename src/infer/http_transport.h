@@ -13,9 +13,9 @@
 // the connection.
 #pragma once
 
+#include <atomic>
 #include <boost/beast/http/message.hpp>
 #include <boost/beast/http/string_body.hpp>
-#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <functional>

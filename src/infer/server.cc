@@ -23,8 +23,8 @@ namespace {
 
 using api::json;
 using api::plain;
-using api::refuse;
 using api::Refusal;
+using api::refuse;
 using api::wire;
 
 void send_error(http::Responder& out, const Refusal& r) { out.send(r.status, api::error_text(r)); }
@@ -150,8 +150,7 @@ struct Server::Impl {
     job.chat = chat;
     job.stream = q.stream;
     job.include_usage = q.include_usage;
-    if (model.tokenizer)
-      job.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
+    if (model.tokenizer) job.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
     job.model = opt.model_name;
     job.id = fmt::format("{}-{:x}", chat ? "chatcmpl" : "cmpl", next_id++);
     job.created = static_cast<int64_t>(std::time(nullptr));
@@ -160,9 +159,8 @@ struct Server::Impl {
     } catch (const Error& e) {
       // A chat's default runs to the model's last position, which may not
       // fit where a shorter answer would.
-      refuse(q.max_key, plain(e.what()) + (q.max_defaulted
-                                               ? fmt::format("; set '{}' to ask for fewer tokens", q.max_key)
-                                               : ""));
+      refuse(q.max_key,
+             plain(e.what()) + (q.max_defaulted ? fmt::format("; set '{}' to ask for fewer tokens", q.max_key) : ""));
     }
     try {
       job.gen = b.submit(std::move(r));
@@ -322,7 +320,10 @@ struct Server::Impl {
       if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
         return handle(req.body(), out, path == "/v1/chat/completions");
       if (get && path == "/v1/models") {
-        json m = {{"id", opt.model_name}, {"object", "model"}, {"created", 0}, {"owned_by", "deepseek.cpp"},
+        json m = {{"id", opt.model_name},
+                  {"object", "model"},
+                  {"created", 0},
+                  {"owned_by", "deepseek.cpp"},
                   {"max_model_len", model.batcher->max_positions()}};
         return out.send(200, wire(json{{"object", "list"}, {"data", json::array({m})}}));
       }
@@ -360,7 +361,9 @@ Server::Server(ServedModel model, ServerOptions opt) : impl_(std::make_unique<Im
   t.write_timeout_s = o.write_timeout_s;
   im->transport = std::make_unique<http::Transport>(
       t, [im](const http::Request& req, http::Responder& out) { im->dispatch(req, out); },
-      [](int status, const std::string& message) { return api::error_text(Refusal{status, message, ""}); });
+      [](int status, const std::string& message) {
+        return api::error_text(Refusal{status, message, ""});
+      });
 }
 
 Server::~Server() = default;
