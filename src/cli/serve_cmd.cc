@@ -32,6 +32,8 @@ struct ServeArgs {
   int64_t max_sequences = 8, max_waiting = 256;
   int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
   int http_threads = 32;
+  int max_connections = infer::ServerOptions{}.max_connections;
+  double request_timeout = infer::ServerOptions{}.request_timeout_s;
 };
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
@@ -72,7 +74,10 @@ int run_serve(const ServeArgs& a) {
     o.prefill_chunk = a.prefill_chunk;
     g->check({prompt}, o);
   };
-  infer::Server server(served, infer::ServerOptions{a.host, a.port, name, a.http_threads});
+  infer::ServerOptions so{a.host, a.port, name, a.http_threads};
+  so.max_connections = a.max_connections;
+  so.request_timeout_s = a.request_timeout;
+  infer::Server server(served, so);
   const int port = server.bind();
 
   std::atomic<bool> running{true};
@@ -120,8 +125,15 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
       ->check(CLI::IsMember({"latent", "naive"}));
-  cmd->add_option("--http-threads", args->http_threads, "connections served at once (default 32)")
+  cmd->add_option("--http-threads", args->http_threads,
+                  "requests with a body handled at once; more are refused with 503 (default 32)")
       ->check(CLI::Range(1, 4096));
+  cmd->add_option("--max-connections", args->max_connections,
+                  "connections open at once; more are refused with 503 (default 256)")
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--request-timeout", args->request_timeout,
+                  "seconds a client has to send one request's header and body, in all; then 408 (default 10)")
+      ->check(CLI::Range(0.001, 3600.0));
   commands.emplace_back(cmd, [args] { return run_serve(*args); });
 }
 

@@ -7,9 +7,10 @@
 //   GET  /v1/models, GET /health
 //
 // Streams are server-sent events ("data: {...}" per token, then
-// "data: [DONE]"). Every request the server cannot run gets an HTTP error with
-// OpenAI's error object ({"error": {"message", "type", "param", "code"}})
-// and one line of message; nothing a client sends stops the server.
+// "data: [DONE]"). A client that closes its connection before its answer is
+// complete, streamed or not, has its generation cancelled at the next step. Every request the server cannot run gets an
+// HTTP error with OpenAI's error object ({"error": {"message", "type", "param", "code"}}) and one line of message;
+// nothing a client sends stops the server.
 #pragma once
 
 #include <cstdint>
@@ -22,12 +23,20 @@
 
 namespace ds::infer {
 
+// What a client may hold of the server, each bounded (see
+// infer/http_transport.h); every refusal is OpenAI's error object.
 struct ServerOptions {
   std::string host = "127.0.0.1";
   int port = 8080;  // 0: any free port (bind() says which)
   std::string model_name = "deepseek";
-  int threads = 32;                         // connections served at once
-  size_t max_body_bytes = size_t{8} << 20;  // larger requests get 413
+  int threads = 32;                            // requests with a body handled at once; more get 503
+  size_t max_body_bytes = size_t{8} << 20;     // larger bodies, chunked or not, get 413
+  int max_connections = 256;                   // open connections; more get 503
+  size_t max_header_bytes = size_t{16} << 10;  // a larger request header gets 431
+  int max_json_depth = 64;                     // deeper nested bodies get 400
+  double request_timeout_s = 10;               // to send one request's header and body, in all; then 408
+  double idle_timeout_s = 5;                   // a connection idle between requests is closed
+  double write_timeout_s = 30;                 // a client that reads nothing for this long is dropped
 };
 
 // What the server serves: the batcher and what it needs beyond it.

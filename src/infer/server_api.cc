@@ -1,0 +1,295 @@
+#include "infer/server_api.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+
+#include "core/error.h"
+
+namespace ds::infer::api {
+
+[[noreturn]] void refuse(std::string param, std::string message, int status) {
+  throw Refusal{status, std::move(message), std::move(param)};
+}
+
+json error_body(const Refusal& r) {
+  const char* type = r.status == 503 ? "unavailable_error" : r.status >= 500 ? "server_error" : "invalid_request_error";
+  return {{"error",
+           {{"message", r.message},
+            {"type", type},
+            {"param", r.param.empty() ? json(nullptr) : json(r.param)},
+            {"code", nullptr}}}};
+}
+
+// JSON text for the wire. Messages can quote a client's bytes (a JSON
+// parse error does); invalid UTF-8 becomes U+FFFD rather than an exception.
+std::string wire(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// A library error's message without the source location it ends with.
+std::string plain(const char* what) {
+  std::string s = what;
+  const size_t p = s.rfind(" [src/");
+  if (p != std::string::npos && s.back() == ']') s.resize(p);
+  return s;
+}
+
+std::string error_text(const Refusal& r) { return wire(error_body(r)); }
+
+// Nesting deeper than max_depth somewhere in the text, counted over arrays
+// and objects outside strings (an O(n) scan that allocates nothing). Text
+// that is not JSON is left to the parser to name.
+static bool nests_deeper(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char c : text) {
+    if (in_string) {
+      if (escaped)
+        escaped = false;
+      else if (c == '\\')
+        escaped = true;
+      else if (c == '"')
+        in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > max_depth) return true;
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return false;
+}
+
+json parse_body(std::string_view body, int max_depth) {
+  if (nests_deeper(body, max_depth))
+    refuse("", fmt::format("the body is nested deeper than {} arrays or objects", max_depth));
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double (1e400).
+    refuse("", fmt::format("the body is not valid JSON: {}", e.what()));
+  }
+  if (!j.is_object()) refuse("", "the body must be a JSON object");
+  return j;
+}
+
+namespace {
+
+// ---- request fields ---------------------------------------------------------
+
+const json* field(const json& body, const char* key) {
+  auto it = body.find(key);
+  return it == body.end() || it->is_null() ? nullptr : &*it;
+}
+
+int64_t int_field(const json& body, const char* key, int64_t def, int64_t lo, int64_t hi) {
+  const json* v = field(body, key);
+  if (!v) return def;
+  if (!v->is_number_integer()) refuse(key, fmt::format("'{}' must be an integer", key));
+  const bool above = v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi);
+  if (above || v->get<int64_t>() < lo || v->get<int64_t>() > hi)
+    refuse(key, fmt::format("'{}' must be in [{}, {}], got {}", key, lo, hi, v->dump()));
+  return v->get<int64_t>();
+}
+
+double number_field(const json& body, const char* key, double def, double lo, double hi) {
+  const json* v = field(body, key);
+  if (!v) return def;
+  if (!v->is_number()) refuse(key, fmt::format("'{}' must be a number", key));
+  const double x = v->get<double>();
+  if (!(x >= lo && x <= hi)) refuse(key, fmt::format("'{}' must be in [{}, {}], got {}", key, lo, hi, v->dump()));
+  return x;
+}
+
+bool bool_field(const json& body, const char* key, bool def) {
+  const json* v = field(body, key);
+  if (!v) return def;
+  if (!v->is_boolean()) refuse(key, fmt::format("'{}' must be true or false", key));
+  return v->get<bool>();
+}
+
+// Fields of OpenAI's API this server does not implement: each may be absent
+// or hold its default (the value that changes nothing).
+void refuse_unsupported(const json& body, bool chat) {
+  auto must_be = [&](const char* key, const json& neutral) {
+    const json* v = field(body, key);
+    if (v && *v != neutral) refuse(key, fmt::format("'{}' is not supported (only {})", key, neutral.dump()));
+  };
+  must_be("n", 1);
+  must_be("presence_penalty", 0);
+  must_be("frequency_penalty", 0);
+  for (const char* key : {"logit_bias", "tools", "functions"}) {
+    const json* v = field(body, key);
+    if (v && !v->empty()) refuse(key, fmt::format("'{}' is not supported", key));
+  }
+  if (chat) {
+    must_be("logprobs", false);
+    const json* rf = field(body, "response_format");
+    if (rf && !(rf->is_object() && rf->value("type", "") == "text"))
+      refuse("response_format", "'response_format' is not supported (only {\"type\": \"text\"})");
+  } else {
+    must_be("best_of", 1);
+    must_be("echo", false);
+    must_be("suffix", "");
+    const json* lp = field(body, "logprobs");
+    if (lp && *lp != 0 && *lp != false) refuse("logprobs", "'logprobs' is not supported");
+  }
+}
+
+// Stop strings: one string or an array of up to 16 non-empty ones.
+std::vector<std::string> stop_field(const json& body) {
+  const json* v = field(body, "stop");
+  if (!v) return {};
+  std::vector<std::string> out;
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+  } else if (v->is_array() && v->size() <= 16) {
+    for (const auto& s : *v) {
+      if (!s.is_string()) refuse("stop", "'stop' must be a string or an array of strings");
+      out.push_back(s.get<std::string>());
+    }
+  } else {
+    refuse("stop", "'stop' must be a string or an array of at most 16 strings");
+  }
+  for (const auto& s : out)
+    if (s.empty()) refuse("stop", "'stop' strings must not be empty");
+  return out;
+}
+
+const io::Tokenizer& tokenizer(const Limits& lim, const char* param) {
+  if (!lim.tokenizer) refuse(param, "this model has no tokenizer.json: send the prompt as an array of token ids");
+  return *lim.tokenizer;
+}
+
+std::vector<int32_t> encode(const Limits& lim, const std::string& text, const char* param) {
+  try {
+    return tokenizer(lim, param).encode(text, /*add_special_tokens=*/true);
+  } catch (const Error& e) {
+    refuse(param, plain(e.what()));
+  }
+}
+
+std::vector<int32_t> ids_of(const json& a) {
+  std::vector<int32_t> ids;
+  for (const auto& t : a) {
+    if (!t.is_number_integer() || t.get<int64_t>() < 0 || t.get<int64_t>() > INT32_MAX)
+      refuse("prompt", "'prompt' as an array holds token ids: non-negative integers");
+    ids.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return ids;
+}
+
+// /v1/completions: "prompt" is text, token ids, or a one-element array of
+// either.
+std::vector<int32_t> completion_prompt(const Limits& lim, const json& body) {
+  const json* p = field(body, "prompt");
+  if (!p) refuse("prompt", "'prompt' is missing");
+  if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) p = &(*p)[0];
+  if (p->is_string()) return encode(lim, p->get<std::string>(), "prompt");
+  if (p->is_array() && (p->empty() || (!(*p)[0].is_array() && !(*p)[0].is_string()))) return ids_of(*p);
+  if (p->is_array()) refuse("prompt", "one prompt per request");
+  refuse("prompt", "'prompt' must be a string or an array of token ids");
+}
+
+// /v1/chat/completions: DeepSeek-V3's chat format. After the BOS, the system
+// messages' text (joined by blank lines), then "<｜User｜>" + text for a
+// user message and "<｜Assistant｜>" + text + "<｜end▁of▁sentence｜>" for an
+// assistant one, and "<｜Assistant｜>" to open the answer.
+std::vector<int32_t> chat_prompt(const Limits& lim, const json& body) {
+  const json* msgs = field(body, "messages");
+  if (!msgs || !msgs->is_array() || msgs->empty())
+    refuse("messages", "'messages' must be a non-empty array of {\"role\", \"content\"} objects");
+  const io::Tokenizer& tok = tokenizer(lim, "messages");
+  const std::string user = "<｜User｜>", assistant = "<｜Assistant｜>", eos = "<｜end▁of▁sentence｜>";
+  for (const auto& t : {user, assistant, eos})
+    if (!tok.token_to_id(t))
+      refuse("messages", fmt::format("this model's tokenizer has no '{}' token, so it has no DeepSeek chat format: "
+                                     "use /v1/completions",
+                                     t));
+  std::string system, turns;
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string where = fmt::format("messages[{}]", i);
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      refuse(where, fmt::format("'{}' must be an object with a string 'role'", where));
+    const std::string role = m["role"].get<std::string>();
+    // content: a string, or an array of {"type": "text", "text": ...} parts.
+    std::string content;
+    const json* c = field(m, "content");
+    if (c && c->is_string()) {
+      content = c->get<std::string>();
+    } else if (c && c->is_array()) {
+      for (const auto& part : *c) {
+        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+            !part["text"].is_string())
+          refuse(where, fmt::format("'{}.content' parts must be {{\"type\": \"text\", \"text\": ...}}", where));
+        content += part["text"].get<std::string>();
+      }
+    } else if (c || role != "assistant") {
+      refuse(where, fmt::format("'{}.content' must be a string or an array of text parts", where));
+    }
+    if (role == "system" || role == "developer") {
+      system += (system.empty() ? "" : "\n\n") + content;
+    } else if (role == "user") {
+      turns += user + content;
+    } else if (role == "assistant") {
+      turns += assistant + content + eos;
+    } else {
+      refuse(where, fmt::format("'{}.role' must be system, user or assistant, got '{}'", where, role));
+    }
+  }
+  try {
+    std::vector<int32_t> ids;
+    if (auto bos = tok.bos_id()) ids.push_back(*bos);
+    for (int32_t t : tok.encode(system + turns + assistant, /*add_special_tokens=*/false)) ids.push_back(t);
+    return ids;
+  } catch (const Error& e) {
+    refuse("messages", plain(e.what()));
+  }
+}
+
+}  // namespace
+
+Request read_request(const json& body, bool chat, const Limits& lim) {
+  refuse_unsupported(body, chat);
+  Request out;
+  out.chat = chat;
+  BatchRequest& r = out.batch;
+  r.prompt = chat ? chat_prompt(lim, body) : completion_prompt(lim, body);
+  const int64_t n = static_cast<int64_t>(r.prompt.size());
+  if (n == 0) refuse(chat ? "messages" : "prompt", "the prompt is empty");
+  if (n > lim.max_positions)
+    refuse(chat ? "messages" : "prompt",
+           fmt::format("the prompt has {} tokens, beyond the model's {} positions", n, lim.max_positions));
+  // Chat answers run to EOS or the model's last position by default, as
+  // OpenAI's do; completions stop after 16 tokens.
+  const int64_t room = lim.max_positions - n + 1;
+  out.max_key = chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";
+  out.max_defaulted = !field(body, out.max_key);
+  r.max_new_tokens = int_field(body, out.max_key, chat ? room : 16, 0, std::numeric_limits<int32_t>::max());
+  r.sampler.temperature = static_cast<float>(number_field(body, "temperature", 1.0, 0.0, 2.0));
+  r.sampler.top_p = static_cast<float>(number_field(body, "top_p", 1.0, 0.0, 1.0));
+  if (r.sampler.top_p <= 0.0f) refuse("top_p", "'top_p' must be in (0, 1]");
+  // top_k: vLLM's and llama.cpp's extension (-1 or 0: no cut).
+  r.sampler.top_k = std::max<int64_t>(0, int_field(body, "top_k", 0, -1, std::numeric_limits<int32_t>::max()));
+  // vLLM's extension: generate max_tokens whatever the model says.
+  r.ignore_eos = bool_field(body, "ignore_eos", false);
+  const json* seed = field(body, "seed");
+  if (seed && !seed->is_number_integer()) refuse("seed", "'seed' must be an integer");
+  out.has_seed = seed != nullptr;
+  if (seed) r.sampler.seed = seed->get<uint64_t>();
+  out.stream = bool_field(body, "stream", false);
+  if (const json* so = field(body, "stream_options")) {
+    if (!so->is_object()) refuse("stream_options", "'stream_options' must be an object");
+    out.include_usage = bool_field(*so, "include_usage", false);
+  }
+  out.stops = stop_field(body);
+  if (!out.stops.empty() && !lim.tokenizer) refuse("stop", "'stop' needs text: this model has no tokenizer.json");
+  if (const json* m = field(body, "model")) {
+    if (!m->is_string()) refuse("model", "'model' must be a string");
+  }
+  return out;
+}
+
+}  // namespace ds::infer::api
