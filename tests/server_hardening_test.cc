@@ -261,7 +261,9 @@ TEST_F(HardenedServerTest, MemoryReturnsAfterABurstOfDeepBodies) {
   EXPECT_EQ(burst(deep, 400), 32);
   const double after = rss_mib();
   std::printf("deep burst: %.2f s, RSS %.1f MiB -> %.1f MiB\n", seconds_since(t0), before, after);
-  if (!kAsan) EXPECT_LT(after - before, 48) << "memory held after 32 deep bodies of 3 MiB";
+  if (!kAsan) {
+    EXPECT_LT(after - before, 48) << "memory held after 32 deep bodies of 3 MiB";
+  }
   EXPECT_TRUE(health_within(2));
 }
 
@@ -442,7 +444,9 @@ TEST_F(HardenedServerTest, HostileLoadLeavesServiceAndMemory) {
   EXPECT_EQ(slow_408, 8);
   EXPECT_EQ(over_413, 6);
   EXPECT_EQ(deep_400, 16);
-  if (!kAsan) EXPECT_LT(after - before, 64) << "memory held after the load";
+  if (!kAsan) {
+    EXPECT_LT(after - before, 64) << "memory held after the load";
+  }
 }
 
 }  // namespace
