@@ -17,11 +17,23 @@
 // stores the results as bf16; here they stay float32).
 //
 // Each forward has its backward (the Sinkhorn unrolled), for training.
+//
+// MhcKind::MaxTextV1 is MaxText's seed-era mHC (the layer wrapper any
+// DeepSeek layer can have): pre_j = sigmoid(...) without eps, and its
+// Sinkhorn takes each column's softmax, then iters times divides every row
+// by max(its sum, 1e-12) and every column likewise (a clipped normaliser
+// passes its gradient through unscaled by the sum's own derivative). Its
+// learned RMSNorm scale is the caller's: fn's column i times gamma_i.
 #pragma once
 
 #include <cstdint>
 
 namespace ds::ops {
+
+enum class MhcKind {
+  DeepSeekV4,  // DeepSeek's inference code (and MaxText's head): eps in pre and in every Sinkhorn step
+  MaxTextV1,   // MaxText's seed-era mHC: no eps in pre, clipped Sinkhorn sums
+};
 
 struct MhcDims {
   int64_t tokens = 0;
@@ -30,7 +42,12 @@ struct MhcDims {
   int64_t sinkhorn_iters = 20;
   float eps = 1e-6f;       // hc_eps
   float norm_eps = 1e-6f;  // rms_norm_eps
+  MhcKind kind = MhcKind::DeepSeekV4;
   int64_t mixes() const { return (2 + streams) * streams; }
+  // The eps added to pre_j.
+  float pre_eps() const { return kind == MhcKind::DeepSeekV4 ? eps : 0.0f; }
+  // Row and column normalizations after the softmax.
+  int64_t sinkhorn_steps() const { return kind == MhcKind::DeepSeekV4 ? 2 * sinkhorn_iters - 1 : 2 * sinkhorn_iters; }
 };
 
 // mhc_pre: a [T, d], post [T, n], comb [T, n, n] from x [T, n, d] and the

@@ -32,13 +32,15 @@ namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
-// M [cnt, n n] (each token's row softmax plus eps already taken) through the
-// 2 iters - 1 normalizations (columns first, then rows and columns
-// alternating), in place; with states [cnt, 2 iters, n n], states[t][0] is
+// M [cnt, n n] (each token's softmax already taken) through `steps`
+// normalizations, alternating columns and rows (columns first when
+// first_cols), each dividing by (its sum + eps), or with `clip` by max(its
+// sum, eps), in place; with states [cnt, steps + 1, n n], states[t][0] is
 // the input and states[t][i + 1] the matrix after normalization i.
-void SinkhornNormalize(float* M, int64_t cnt, int64_t n, int64_t iters, float eps, float* states) {
+void SinkhornNormalize(float* M, int64_t cnt, int64_t n, int64_t steps, bool first_cols, bool clip, float eps,
+                       float* states) {
   const DF d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n, steps = 2 * iters - 1;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n;
   std::vector<float> buf(static_cast<size_t>(nn * N));  // [nn][lanes]
   const VF veps = hn::Set(d, eps);
   for (int64_t t0 = 0; t0 < cnt; t0 += N) {
@@ -50,12 +52,12 @@ void SinkhornNormalize(float* M, int64_t cnt, int64_t n, int64_t iters, float ep
       for (int64_t k = 0; k < lanes; ++k)
         std::copy(M + (t0 + k) * nn, M + (t0 + k + 1) * nn, states + (t0 + k) * (steps + 1) * nn);
     for (int64_t step = 0; step < steps; ++step) {
-      const bool cols = step % 2 == 0;
+      const bool cols = (step % 2 == 0) == first_cols;
       for (int64_t a = 0; a < n; ++a) {
         VF sum = hn::Zero(d);
         for (int64_t b = 0; b < n; ++b)
           sum = hn::Add(sum, hn::LoadU(d, buf.data() + (cols ? b * n + a : a * n + b) * N));
-        const VF den = hn::Add(sum, veps);
+        const VF den = clip ? hn::Max(sum, veps) : hn::Add(sum, veps);
         for (int64_t b = 0; b < n; ++b) {
           float* v = buf.data() + (cols ? b * n + a : a * n + b) * N;
           hn::StoreU(hn::Div(hn::LoadU(d, v), den), d, v);
@@ -73,10 +75,11 @@ void SinkhornNormalize(float* M, int64_t cnt, int64_t n, int64_t iters, float ep
 
 // The normalizations' backward, in reverse: g [cnt, n n] holds dcomb on entry
 // and the gradient of the normalizations' input on return; states as
-// SinkhornNormalize leaves them.
-void SinkhornNormalizeBackward(float* g, const float* states, int64_t cnt, int64_t n, int64_t iters, float eps) {
+// SinkhornNormalize leaves them. A clipped sum (below eps) is a constant.
+void SinkhornNormalizeBackward(float* g, const float* states, int64_t cnt, int64_t n, int64_t steps, bool first_cols,
+                               bool clip, float eps) {
   const DF d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n, steps = 2 * iters - 1;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), nn = n * n;
   std::vector<float> gb(static_cast<size_t>(nn * N)), in(gb.size());
   const VF veps = hn::Set(d, eps);
   for (int64_t t0 = 0; t0 < cnt; t0 += N) {
@@ -85,7 +88,7 @@ void SinkhornNormalizeBackward(float* g, const float* states, int64_t cnt, int64
     for (int64_t i = 0; i < nn; ++i)
       for (int64_t k = 0; k < N; ++k) gb[static_cast<size_t>(i * N + k)] = g[lane(k) * nn + i];
     for (int64_t step = steps - 1; step >= 0; --step) {
-      const bool cols = step % 2 == 0;
+      const bool cols = (step % 2 == 0) == first_cols;
       for (int64_t i = 0; i < nn; ++i)  // the matrix this normalization divided
         for (int64_t k = 0; k < N; ++k)
           in[static_cast<size_t>(i * N + k)] = states[(lane(k) * (steps + 1) + step) * nn + i];
@@ -96,6 +99,17 @@ void SinkhornNormalizeBackward(float* g, const float* states, int64_t cnt, int64
           const VF x = hn::LoadU(d, in.data() + i);
           sum = hn::Add(sum, x);
           dot = hn::Add(dot, hn::Mul(hn::LoadU(d, gb.data() + i), x));
+        }
+        if (clip) {
+          const auto kept = hn::Lt(sum, veps);
+          const VF den = hn::Max(sum, veps);
+          const VF den2 = hn::Mul(den, den);
+          for (int64_t b = 0; b < n; ++b) {
+            float* gi = gb.data() + (cols ? b * n + a : a * n + b) * N;
+            const VF gv = hn::LoadU(d, gi);
+            hn::StoreU(hn::IfThenElse(kept, hn::Div(gv, den), hn::Sub(hn::Div(gv, den), hn::Div(dot, den2))), d, gi);
+          }
+          continue;
         }
         const VF den = hn::Add(sum, veps);
         const VF den2 = hn::Mul(den, den);
@@ -166,38 +180,47 @@ void mixes_backward(float* dx, float* dfn, const float* draw, const float* ds, c
 }
 
 // The Sinkhorn projection of cnt n x n matrices M [cnt, n n] in place (the
-// logits in, comb out): each row's softmax plus eps, then the normalizations.
-// With states [cnt, 2 iters, n n]: the softmax plus eps, then the matrix
-// after each normalization.
-void sinkhorn(float* M, int64_t cnt, int64_t n, int64_t iters, float eps, float* states) {
+// logits in, comb out): DeepSeek-V4's each row's softmax plus eps, MaxText
+// v1's each column's softmax; then the normalizations. With states [cnt,
+// steps + 1, n n]: the softmax, then the matrix after each normalization.
+void sinkhorn(float* M, int64_t cnt, const MhcDims& d, float* states) {
+  const int64_t n = d.streams;
+  const bool v4 = d.kind == MhcKind::DeepSeekV4;
+  const int64_t stride = v4 ? 1 : n;  // along a row, or down a column
+  const float add = v4 ? d.eps : 0.0f;
   for (int64_t t = 0; t < cnt; ++t)
     for (int64_t j = 0; j < n; ++j) {
-      float* r = M + (t * n + j) * n;
-      const float mx = *std::max_element(r, r + n);
+      float* r = M + t * n * n + (v4 ? j * n : j);
+      float mx = r[0];
+      for (int64_t k = 1; k < n; ++k) mx = std::max(mx, r[k * stride]);
       float sum = 0;
-      for (int64_t k = 0; k < n; ++k) sum += (r[k] = std::exp(r[k] - mx));
-      for (int64_t k = 0; k < n; ++k) r[k] = r[k] / sum + eps;
+      for (int64_t k = 0; k < n; ++k) sum += (r[k * stride] = std::exp(r[k * stride] - mx));
+      for (int64_t k = 0; k < n; ++k) r[k * stride] = r[k * stride] / sum + add;
     }
-  DS_DISPATCH(SinkhornNormalize)(M, cnt, n, iters, eps, states);
+  DS_DISPATCH(SinkhornNormalize)(M, cnt, n, d.sinkhorn_steps(), v4, !v4, v4 ? d.eps : 1e-12f, states);
 }
 
 // dL [cnt, n n] (the logits' gradient, overwritten) from dcomb, through the
 // normalizations in reverse and the softmax.
-void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t cnt, int64_t n, int64_t iters,
-                       float eps) {
-  const int64_t nn = n * n, per = 2 * iters * nn;
+void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t cnt, const MhcDims& d) {
+  const int64_t n = d.streams, nn = n * n, per = (d.sinkhorn_steps() + 1) * nn;
+  const bool v4 = d.kind == MhcKind::DeepSeekV4;
+  const int64_t stride = v4 ? 1 : n;
+  const float add = v4 ? d.eps : 0.0f;
   std::copy(dcomb, dcomb + cnt * nn, dL);
-  DS_DISPATCH(SinkhornNormalizeBackward)(dL, states, cnt, n, iters, eps);
-  // states[t][0] = softmax + eps: the softmax's own gradient.
+  DS_DISPATCH(SinkhornNormalizeBackward)(dL, states, cnt, n, d.sinkhorn_steps(), v4, !v4, v4 ? d.eps : 1e-12f);
+  // states[t][0] = the softmax (plus eps): the softmax's own gradient.
   std::vector<float> g(static_cast<size_t>(nn));
   for (int64_t t = 0; t < cnt; ++t) {
     const float* s0 = states + t * per;
     float* dl = dL + t * nn;
     std::copy(dl, dl + nn, g.begin());
     for (int64_t j = 0; j < n; ++j) {
+      const int64_t at = v4 ? j * n : j;
       float dot = 0;
-      for (int64_t k = 0; k < n; ++k) dot += (s0[j * n + k] - eps) * g[static_cast<size_t>(j * n + k)];
-      for (int64_t k = 0; k < n; ++k) dl[j * n + k] = (s0[j * n + k] - eps) * (g[static_cast<size_t>(j * n + k)] - dot);
+      for (int64_t k = 0; k < n; ++k) dot += (s0[at + k * stride] - add) * g[static_cast<size_t>(at + k * stride)];
+      for (int64_t k = 0; k < n; ++k)
+        dl[at + k * stride] = (s0[at + k * stride] - add) * (g[static_cast<size_t>(at + k * stride)] - dot);
     }
   }
 }
@@ -218,11 +241,11 @@ void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const f
       float* c = comb + t * n * n;
       for (int64_t i = 0; i < n * n; ++i) c[i] = z[2 * n + i] * scale[2] + base[2 * n + i];
     }
-    sinkhorn(comb + t0 * n * n, t1 - t0, n, d.sinkhorn_iters, d.eps, nullptr);
+    sinkhorn(comb + t0 * n * n, t1 - t0, d, nullptr);
     for (int64_t t = t0; t < t1; ++t) {
       const float* z = mix.data() + t * m;
       for (int64_t j = 0; j < n; ++j) {
-        pre[j] = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
+        pre[j] = sigmoid(z[j] * scale[0] + base[j]) + d.pre_eps();
         post[t * n + j] = 2.0f * sigmoid(z[n + j] * scale[1] + base[n + j]);
       }
       float* at = a + t * D;
@@ -251,13 +274,13 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
   parallel_ranges(T, T * nd >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
     // The comb logits' gradients of this range's tokens first, all at once.
     const int64_t nn = n * n, cnt = t1 - t0;
-    std::vector<float> states(static_cast<size_t>(cnt * 2 * d.sinkhorn_iters * nn)), dL(static_cast<size_t>(cnt * nn)),
-        logits(static_cast<size_t>(cnt * nn));
+    std::vector<float> states(static_cast<size_t>(cnt * (d.sinkhorn_steps() + 1) * nn)),
+        dL(static_cast<size_t>(cnt * nn)), logits(static_cast<size_t>(cnt * nn));
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i = 0; i < nn; ++i)
         logits[static_cast<size_t>((t - t0) * nn + i)] = mix[t * m + 2 * n + i] * scale[2] + base[2 * n + i];
-    sinkhorn(logits.data(), cnt, n, d.sinkhorn_iters, d.eps, states.data());
-    sinkhorn_backward(dL.data(), dcomb + t0 * nn, states.data(), cnt, n, d.sinkhorn_iters, d.eps);
+    sinkhorn(logits.data(), cnt, d, states.data());
+    sinkhorn_backward(dL.data(), dcomb + t0 * nn, states.data(), cnt, d);
     for (int64_t t = t0; t < t1; ++t) {
       const float* z = mix.data() + t * m;
       const float* xt = x + t * nd;
@@ -283,7 +306,7 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
       // a = sum_j pre_j x_j.
       float* dxt = dx + t * nd;
       for (int64_t j = 0; j < n; ++j) {
-        const float pre = sigmoid(z[j] * scale[0] + base[j]) + d.eps;
+        const float pre = sigmoid(z[j] * scale[0] + base[j]) + d.pre_eps();
         for (int64_t i = 0; i < D; ++i) dxt[j * D + i] += pre * dat[i];
       }
     }

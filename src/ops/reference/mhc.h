@@ -32,31 +32,43 @@ std::vector<T> mhc_mixes(const std::vector<T>& x, const std::vector<T>& fn, int6
   return mix;
 }
 
-// Row softmax + eps, then columns, then iters - 1 times rows and columns,
-// each divided by (sum + eps).
+// DeepSeek-V4: row softmax + eps, then columns, then iters - 1 times rows
+// and columns, each divided by (sum + eps). MaxText v1 (`v1`): column
+// softmax, then iters times rows and columns, each divided by max(sum, 1e-12).
 template <typename T>
-void mhc_sinkhorn(T* M, int64_t n, int64_t iters, double eps) {
+void mhc_sinkhorn(T* M, int64_t n, int64_t iters, double eps, bool v1 = false) {
   for (int64_t j = 0; j < n; ++j) {
-    T mx = M[j * n];
-    for (int64_t k = 1; k < n; ++k) mx = std::max(mx, M[j * n + k]);
+    auto at = [&](int64_t k) -> T& { return v1 ? M[k * n + j] : M[j * n + k]; };
+    T mx = at(0);
+    for (int64_t k = 1; k < n; ++k) mx = std::max(mx, at(k));
     T sum = 0;
-    for (int64_t k = 0; k < n; ++k) sum += std::exp(M[j * n + k] - mx);
-    for (int64_t k = 0; k < n; ++k) M[j * n + k] = std::exp(M[j * n + k] - mx) / sum + T(eps);
+    for (int64_t k = 0; k < n; ++k) sum += std::exp(at(k) - mx);
+    for (int64_t k = 0; k < n; ++k) at(k) = std::exp(at(k) - mx) / sum + T(v1 ? 0.0 : eps);
   }
+  auto den = [&](T sum) { return v1 ? std::max(sum, T(1e-12)) : sum + T(eps); };
   auto cols = [&] {
     for (int64_t k = 0; k < n; ++k) {
       T sum = 0;
       for (int64_t j = 0; j < n; ++j) sum += M[j * n + k];
-      for (int64_t j = 0; j < n; ++j) M[j * n + k] /= sum + T(eps);
+      const T q = den(sum);
+      for (int64_t j = 0; j < n; ++j) M[j * n + k] /= q;
     }
   };
   auto rows = [&] {
     for (int64_t j = 0; j < n; ++j) {
       T sum = 0;
       for (int64_t k = 0; k < n; ++k) sum += M[j * n + k];
-      for (int64_t k = 0; k < n; ++k) M[j * n + k] /= sum + T(eps);
+      const T q = den(sum);
+      for (int64_t k = 0; k < n; ++k) M[j * n + k] /= q;
     }
   };
+  if (v1) {
+    for (int64_t i = 0; i < iters; ++i) {
+      rows();
+      cols();
+    }
+    return;
+  }
   cols();
   for (int64_t i = 1; i < iters; ++i) {
     rows();
@@ -68,7 +80,7 @@ void mhc_sinkhorn(T* M, int64_t n, int64_t iters, double eps) {
 template <typename T>
 void mhc_pre(std::vector<T>& a, std::vector<T>& post, std::vector<T>& comb, const std::vector<T>& x,
              const std::vector<T>& fn, const std::vector<T>& base, const std::vector<T>& scale, int64_t tokens,
-             int64_t n, int64_t d, int64_t iters, double eps, double norm_eps) {
+             int64_t n, int64_t d, int64_t iters, double eps, double norm_eps, bool v1 = false) {
   const int64_t m = (2 + n) * n;
   const auto mix = mhc_mixes(x, fn, tokens, n * d, m, norm_eps);
   a.assign(tokens * d, T(0));
@@ -77,12 +89,12 @@ void mhc_pre(std::vector<T>& a, std::vector<T>& post, std::vector<T>& comb, cons
   for (int64_t t = 0; t < tokens; ++t) {
     const T* z = mix.data() + t * m;
     for (int64_t j = 0; j < n; ++j) {
-      const T pre = mhc_sigmoid(z[j] * scale[0] + base[j]) + T(eps);
+      const T pre = mhc_sigmoid(z[j] * scale[0] + base[j]) + T(v1 ? 0.0 : eps);
       post[t * n + j] = T(2) * mhc_sigmoid(z[n + j] * scale[1] + base[n + j]);
       for (int64_t i = 0; i < d; ++i) a[t * d + i] += pre * x[(t * n + j) * d + i];
     }
     for (int64_t i = 0; i < n * n; ++i) comb[t * n * n + i] = z[2 * n + i] * scale[2] + base[2 * n + i];
-    mhc_sinkhorn(comb.data() + t * n * n, n, iters, eps);
+    mhc_sinkhorn(comb.data() + t * n * n, n, iters, eps, v1);
   }
 }
 
