@@ -228,3 +228,28 @@ TEST(Family, InitIsTheFamilysOwnInitialisation) {
 
 }  // namespace
 }  // namespace ds
+
+namespace ds {
+namespace {
+
+TEST(Family, MaxTextsMhcKeysOnAV3ModelSayWhatRuns) {
+  // One stream is MaxText's default, the plain residual; more is refused
+  // with one line until the wrapper exists for V2/V3 layers.
+  EXPECT_NO_THROW(run_config(kTiny, {"mhc_expansion_rate=1", "sinkhorn_iterations=20"}));
+  try {
+    run_config(kTiny, {"mhc_expansion_rate=4"});
+    ADD_FAILURE() << "mhc_expansion_rate=4 on a V3 model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(run_config(kTiny, {"sinkhorn_iterations=0"}), Error);
+  try {
+    run_config(kV4Tiny, {"mtp_num_layers=2"});
+    ADD_FAILURE() << "mtp_num_layers=2 on a V4 model was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at most one MTP layer"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ds

@@ -385,7 +385,9 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
         if (key == "routed_bias_update_rate") rc.v4_routed_bias_update_rate = value.as<double>();
         if (key == "mtp_num_layers") v4_mtp = value.as<int64_t>();
         DS_CHECK(!v4_mtp || (*v4_mtp >= 0 && *v4_mtp <= 1),
-                 "{}: mtp_num_layers {}: DeepSeek-V4 has at most one MTP layer", where, scalar_text(value));
+                 "{}: mtp_num_layers {}: DeepSeek-V4 training has at most one MTP layer (DeepSeek's checkpoints "
+                 "carry one, mtp.0, and the V4 loss chains no second depth after it)",
+                 where, scalar_text(value));
       } catch (const YAML::Exception& ex) {
         DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
       }
@@ -395,6 +397,19 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       v4_keys.emplace_back(key, entry_json({key, value, where}));
     } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
       model_overrides.push_back(key + "=" + scalar_text(value));
+    } else if (!v4 && (key == "mhc_expansion_rate" || key == "sinkhorn_iterations")) {
+      // MaxText's mHC keys: 1 stream (its default) is the plain residual.
+      int64_t v = 0;
+      try {
+        v = value.as<int64_t>();
+      } catch (const YAML::Exception& ex) {
+        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
+      }
+      DS_CHECK(v >= 1, "{}: {} {} must be >= 1", where, key, v);
+      DS_CHECK(key != "mhc_expansion_rate" || v == 1,
+               "{}: mhc_expansion_rate {}: mHC around DeepSeek-V2/V3 layers is not implemented yet (only 1, the "
+               "plain residual; decoder_block: deepseek4 models have DeepSeek-V4's mHC)",
+               where, v);
     } else if (is_remat_name(key)) {
       DS_CHECK(value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", where,
                key);
