@@ -179,26 +179,31 @@ TEST(Mhc, HeadBackwardMatchesCentralDifferences) {
 }
 
 TEST(Mhc, ResultsDoNotDependOnTheThreadCount) {
-  // Enough tokens and width for the threaded paths.
-  MhcDims d = dims();
-  d.tokens = 40;
-  d.dim = 256;
-  const int64_t nd = d.streams * d.dim, m = d.mixes();
-  const auto x = ds::test::randn(d.tokens * nd, 41), fn = ds::test::randn(m * nd, 42, 0.05f),
-             base = ds::test::randn(m, 43), da = ds::test::randn(d.tokens * d.dim, 44),
-             dp = ds::test::randn(d.tokens * d.streams, 45), dc = ds::test::randn(d.tokens * d.streams * d.streams, 46);
-  const std::vector<float> scale = {1.0f, 1.0f, 1.0f};
-  ds::test::expect_same_for_any_thread_count([&] {
-    std::vector<float> a(d.tokens * d.dim), post(d.tokens * d.streams), comb(d.tokens * d.streams * d.streams);
-    ds::ops::mhc_pre_forward(a.data(), post.data(), comb.data(), x.data(), fn.data(), base.data(), scale.data(), d);
-    std::vector<float> dx(d.tokens * nd, 0.0f), dfn(m * nd, 0.0f), dbase(m, 0.0f), dscale(3, 0.0f);
-    ds::ops::mhc_pre_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), da.data(), dp.data(), dc.data(),
-                              x.data(), fn.data(), base.data(), scale.data(), d);
-    a.insert(a.end(), comb.begin(), comb.end());
-    a.insert(a.end(), dx.begin(), dx.end());
-    a.insert(a.end(), dfn.begin(), dfn.end());
-    return a;
-  });
+  // Enough tokens and width for the threaded paths; DeepSeek-V4's mHC and
+  // MaxText's seed-era one.
+  for (const auto kind : {ds::ops::MhcKind::DeepSeekV4, ds::ops::MhcKind::MaxTextV1}) {
+    MhcDims d = dims();
+    d.tokens = 40;
+    d.dim = 256;
+    d.kind = kind;
+    const int64_t nd = d.streams * d.dim, m = d.mixes();
+    const auto x = ds::test::randn(d.tokens * nd, 41), fn = ds::test::randn(m * nd, 42, 0.05f),
+               base = ds::test::randn(m, 43), da = ds::test::randn(d.tokens * d.dim, 44),
+               dp = ds::test::randn(d.tokens * d.streams, 45),
+               dc = ds::test::randn(d.tokens * d.streams * d.streams, 46);
+    const std::vector<float> scale = {1.0f, 1.0f, 1.0f};
+    ds::test::expect_same_for_any_thread_count([&] {
+      std::vector<float> a(d.tokens * d.dim), post(d.tokens * d.streams), comb(d.tokens * d.streams * d.streams);
+      ds::ops::mhc_pre_forward(a.data(), post.data(), comb.data(), x.data(), fn.data(), base.data(), scale.data(), d);
+      std::vector<float> dx(d.tokens * nd, 0.0f), dfn(m * nd, 0.0f), dbase(m, 0.0f), dscale(3, 0.0f);
+      ds::ops::mhc_pre_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), da.data(), dp.data(), dc.data(),
+                                x.data(), fn.data(), base.data(), scale.data(), d);
+      a.insert(a.end(), comb.begin(), comb.end());
+      a.insert(a.end(), dx.begin(), dx.end());
+      a.insert(a.end(), dfn.begin(), dfn.end());
+      return a;
+    });
+  }
 }
 
 TEST(Mhc, BadDimsAreErrors) {
