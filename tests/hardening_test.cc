@@ -4,6 +4,7 @@
 // replace what is not a plain file, and a request is checked whole before
 // any weight is read. Each case must end in a ds::Error naming the problem.
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -31,6 +32,7 @@
 #include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/run_lock.h"
 #include "train/trainer.h"
 
 namespace ds {
@@ -508,6 +510,40 @@ TEST(Hardening, PruningNeverLeavesAPartialCheckpoint) {
   EXPECT_EQ(train::list_checkpoints(cks.string()), (std::vector<int64_t>{3, 4}));
   EXPECT_FALSE(fs::exists(cks / "step_1.pruned.tmp"));
   EXPECT_FALSE(fs::exists(cks / "step_2"));
+}
+
+TEST(Hardening, OneTrainerPerRunFolder) {
+  TempDir d;
+  train::train(tiny_run(d.path(), {"steps=1"}));
+  {
+    // Another trainer holds the folder: refused at once, naming it.
+    train::RunLock held((fs::path(d.path()) / "r").string());
+    expect_error(
+        [&] {
+          train::train(tiny_run(d.path(), {"steps=2", "resume=true"}));
+        },
+        fmt::format("is in use by another trainer (pid {} on host", ::getpid()));
+  }
+  // Free again once it is gone; the metrics hold each step once.
+  EXPECT_EQ(train::train(tiny_run(d.path(), {"steps=2", "resume=true"})).end_step, 2);
+  std::ifstream in(fs::path(d.path()) / "r/metrics.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 2);
+}
+
+TEST(Hardening, RunFolderOutputsMustBeRegularFiles) {
+  TempDir d;
+  fs::create_directories(fs::path(d.path()) / "r");
+  // A FIFO as metrics.jsonl hung the run reading it.
+  ASSERT_EQ(mkfifo((fs::path(d.path()) / "r/metrics.jsonl").c_str(), 0600), 0);
+  expect_error([&] { train::train(tiny_run(d.path(), {"steps=1"})); },
+               "metrics.jsonl' exists and is not a regular file");
+  fs::remove(fs::path(d.path()) / "r/metrics.jsonl");
+  fs::create_directories(fs::path(d.path()) / "r/loss.svg");
+  expect_error([&] { train::train(tiny_run(d.path(), {"steps=1"})); }, "loss.svg' exists and is not a regular file");
+  EXPECT_FALSE(fs::exists(fs::path(d.path()) / "r/checkpoints/step_1"));
 }
 
 }  // namespace

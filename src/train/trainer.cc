@@ -30,6 +30,7 @@
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/optimizer.h"
+#include "train/run_lock.h"
 #include "train/schedule.h"
 
 namespace ds::train {
@@ -205,6 +206,7 @@ class Trainer {
   dist::Communicator& world_;
   TrainSummary sum_;
   fs::path run_, ckdir_;
+  std::unique_ptr<RunLock> lock_;  // rank 0, for the whole run
 
   // The mesh and its communicators, a modeled link under each when asked.
   std::unique_ptr<dist::Mesh> mesh_;
@@ -291,13 +293,19 @@ void Trainer::set_up_mesh() {
   rows_ = tc_.per_device_batch_size;
 }
 
-// The run folder: refuse to mix with another run's checkpoints.
+// The run folder: one trainer at a time (RunLock), every output a plain file
+// or folder (a FIFO would hang the run), and no mixing with another run's
+// checkpoints.
 void Trainer::open_run_folder() {
   if (!lead_) return;
   io::check_output_folder(tc_.base_output_directory);
   std::error_code ec;
   fs::create_directories(run_, ec);
   DS_CHECK(!ec && fs::is_directory(run_), "cannot create the run folder '{}': {}", run_.string(), ec.message());
+  lock_ = std::make_unique<RunLock>(run_.string());
+  for (const char* out : {"metrics.jsonl", "config.json", "loss.svg"}) io::resolve_output_path((run_ / out).string());
+  if (tc_.timeline_step >= 0) io::resolve_output_path((run_ / "timeline.svg").string());
+  io::check_output_folder(ckdir_.string());
   existing_ = list_checkpoints(ckdir_.string());
   DS_CHECK(tc_.resume || existing_.empty(),
            "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or "
