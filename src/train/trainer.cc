@@ -30,6 +30,7 @@
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/optimizer.h"
+#include "train/run_identity.h"
 #include "train/run_lock.h"
 #include "train/schedule.h"
 
@@ -252,6 +253,7 @@ class Trainer {
 // the initial parameters or the checkpoint, and broadcasts them.
 void Trainer::set_up_mesh() {
   dist::set_collective_timeout(tc_.collective_timeout_seconds);
+  check_same_run(world_, run_identity(tc_, *family_));
   mesh_ = std::make_unique<dist::Mesh>(world_, tc_.mesh, dist::ranks_per_node_from_env(world_.size()));
   dist::Mesh& mesh = *mesh_;
   lead_ = world_.rank() == 0;
