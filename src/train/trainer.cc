@@ -830,6 +830,9 @@ void Trainer::finish(int64_t done) {
 
 }  // namespace
 
-TrainSummary train(const RunConfig& rc) { return Trainer(rc).run(); }
+TrainSummary train(const RunConfig& rc) {
+  check_training_memory(rc);  // before anything is allocated
+  return Trainer(rc).run();
+}
 
 }  // namespace ds::train
