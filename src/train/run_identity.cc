@@ -7,6 +7,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "train/loop_util.h"
 
 namespace ds::train {
 
@@ -31,15 +32,6 @@ nlohmann::json data_files(const std::string& path) {
 std::string shown(const nlohmann::json& j) {
   std::string s = j.is_null() ? "(not set)" : j.dump();
   if (s.size() > 80) s = s.substr(0, 77) + "...";
-  return s;
-}
-
-// `s` from rank `root` to every rank.
-std::string broadcast_from(dist::Communicator& c, std::string s, int root) {
-  int64_t n = static_cast<int64_t>(s.size());
-  c.broadcast(&n, 1, root).wait();
-  s.resize(static_cast<size_t>(n));
-  c.broadcast(s.data(), n, root).wait();
   return s;
 }
 
@@ -73,7 +65,7 @@ void check_same_run(dist::Communicator& world, const nlohmann::json& identity) {
   const std::string text = identity.dump();
   nlohmann::json lead;
   try {
-    lead = nlohmann::json::parse(broadcast_from(world, text, 0));
+    lead = nlohmann::json::parse(broadcast_string(world, text, 0));
   } catch (const nlohmann::json::exception& e) {
     DS_FAIL("internal error: rank 0's run configuration did not arrive whole: {}", e.what());
   }
@@ -82,7 +74,7 @@ void check_same_run(dist::Communicator& world, const nlohmann::json& identity) {
   int64_t bad = diff.empty() ? -1 : world.rank();
   world.all_reduce(&bad, 1, dist::ReduceOp::Max).wait();
   if (bad < 0) return;
-  const std::string what = broadcast_from(world, diff, static_cast<int>(bad));
+  const std::string what = broadcast_string(world, diff, static_cast<int>(bad));
   DS_FAIL(
       "rank {} was started with another run configuration than rank 0 (every rank must run the same keys, model "
       "and data): {}",
