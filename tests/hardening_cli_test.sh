@@ -178,7 +178,8 @@ err=$("$bin" train "$tmp/run.yml" run_name=twice 2>&1 >/dev/null)
 check '[[ "$err" == *"run.yml: key '"'"'steps'"'"' is given twice (lines 6 and 8)"* ]]' "a key given twice in one file: $err"
 expect_error train "$tmp/run.yml" run_name=twice
 # num_experts=0 on a MoE preset; errors about the user's keys name where they were given, not the preset.
-printf 'model_name: %s\nbase_output_directory: %s\nnum_experts: 0\n' "$src/configs/tiny.yml" "$tmp/runs" > "$tmp/moe.yml"
+printf 'model_name: %s\nbase_output_directory: %s\ndataset_type: synthetic\nper_device_batch_size: 1\nmax_target_length: 8\nsteps: 1\nnum_experts: 0\n' \
+  "$src/configs/tiny.yml" "$tmp/runs" > "$tmp/moe.yml"
 err=$("$bin" train "$tmp/moe.yml" 2>&1 >/dev/null)
 check '[[ "$err" == "deepseek: error: $tmp/moe.yml: num_experts=0 on a mixture-of-experts model"* ]]' "num_experts=0: $err"
 expect_error train "$tmp/moe.yml"
