@@ -186,6 +186,9 @@ expect_error train "$tmp/moe.yml"
 err=$("$bin" train "$tmp/moe.yml" num_experts=8 base_emb_dim=0 2>&1 >/dev/null)
 check '[[ "$err" == "deepseek: error: $tmp/moe.yml and command line: model keys num_experts=8, base_emb_dim=0 on top of preset"*"hidden_size must be positive"* ]]' \
   "a model key that breaks the preset names the user's file and the command line: $err"
+err=$("$bin" train "$tmp/moe.yml" model_name="$src/configs/v4-tiny.yml" 2>&1 >/dev/null)
+check '[[ "$err" == "deepseek: error: $tmp/moe.yml: model keys num_experts=0 on top of preset '"'"'$src/configs/v4-tiny.yml'"'"': "* ]]' \
+  "the same for a DeepSeek-V4 preset: $err"
 # Command-line bounds name the real range, not DBL_MAX; -1 does not wrap around.
 err=$("$bin" --threads 0 selfcheck 2>&1 >/dev/null)
 check '[[ "$err" == *"Value 0 not in range 1 to 65536"* ]]' "--threads 0: $err"

@@ -224,17 +224,19 @@ std::string find_preset(const std::string& name, const std::string& source) {
   DS_FAIL("model_name '{}': no preset {}.yml found (looked next to {} and in configs/)", name, name, source);
 }
 
-// The preset with the user's model keys on top. When the preset alone is
-// valid, an error is the keys' doing: it names where they were given (the
-// user's file, the command line) and the keys, not the preset.
-model::ModelConfig preset_with_keys(const std::string& preset, const std::vector<std::string>& keys,
-                                    const std::vector<std::string>& sources) {
+// The model from a preset with the user's keys on top (build), and from the
+// preset alone (preset_alone). When only the first fails, the error is the
+// keys' doing: it names where they were given (the user's file, the command
+// line) and the keys (each with its last value), not the preset.
+template <class Build, class PresetAlone>
+auto blaming_user_keys(const std::string& preset, const std::vector<std::string>& keys,
+                       const std::vector<std::string>& sources, Build&& build, PresetAlone&& preset_alone) {
   try {
-    return model::ModelConfig::from_yaml_file(preset, keys);
+    return build();
   } catch (const Error& e) {
-    if (keys.empty()) throw;
+    if (keys.empty() || preset.empty()) throw;
     try {
-      (void)model::ModelConfig::from_yaml_file(preset);
+      preset_alone();
     } catch (const Error&) {
       throw e;
     }
@@ -242,7 +244,7 @@ model::ModelConfig preset_with_keys(const std::string& preset, const std::vector
     for (const std::string& prefix : {preset + ": ", std::string("override: ")})
       if (msg.starts_with(prefix)) msg = msg.substr(prefix.size());
     std::string given, where;
-    std::vector<std::string> last;  // a key given twice (file and command line): its last value
+    std::vector<std::string> last;
     for (auto k = keys.rbegin(); k != keys.rend(); ++k) {
       const std::string name = k->substr(0, k->find('='));
       if (std::none_of(last.begin(), last.end(), [&](const std::string& x) { return x.starts_with(name + "="); }))
@@ -426,6 +428,8 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
                where, key);
       v4_keys.emplace_back(key, entry_json({key, value, where}));
+      if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
+        model_sources.push_back(where);
     } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
       model_overrides.push_back(key + "=" + scalar_text(value));
       if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
@@ -447,10 +451,20 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     if (!hf_path.empty()) {
       rc.v4 = model::V4Config::from_hf_json_file(hf_path);
     } else {
-      std::vector<std::pair<std::string, nlohmann::json>> all;
-      for (const auto& e : preset_entries) all.emplace_back(e.key, entry_json(e));
+      std::vector<std::pair<std::string, nlohmann::json>> alone, all;
+      for (const auto& e : preset_entries) alone.emplace_back(e.key, entry_json(e));
+      all = alone;
       all.insert(all.end(), v4_keys.begin(), v4_keys.end());
-      rc.v4 = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
+      std::vector<std::string> given;
+      for (const auto& [k, v] : v4_keys) given.push_back(k + "=" + v.dump());
+      rc.v4 = blaming_user_keys(
+          preset, given, model_sources,
+          [&] {
+            auto c = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
+            c.validate();
+            return c;
+          },
+          [&] { model::V4Config::from_maxtext(alone, preset).validate(); });
     }
     if (v4_mtp) rc.v4->num_nextn_predict_layers = *v4_mtp;
     DS_CHECK(rc.v4->num_nextn_predict_layers <= 1,
@@ -472,7 +486,10 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     }
     rc.model.validate();
   } else if (!t.model_name.empty()) {
-    rc.model = preset_with_keys(preset, model_overrides, model_sources);
+    rc.model = blaming_user_keys(
+        preset, model_overrides, model_sources,
+        [&] { return model::ModelConfig::from_yaml_file(preset, model_overrides); },
+        [&] { (void)model::ModelConfig::from_yaml_file(preset); });
   } else {
     DS_CHECK(!model_overrides.empty(),
              "{}: no model: give model_name=PRESET, hf_config=PATH, load_parameters_path=DIR or the model keys",
