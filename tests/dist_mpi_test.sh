@@ -17,7 +17,9 @@
 #    process (synthetic and packed documents, eval, resume at another size);
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
 #    resumes from its newest checkpoint;
-#  - impossible meshes are one error line per rank and a non-zero exit.
+#  - impossible meshes are one error line per rank and a non-zero exit;
+#  - ranks started with different keys (MPMD: another learning_rate on rank
+#    1) stop at once, naming the key and both values.
 # Usage: dist_mpi_test.sh DEEPSEEK SOURCE_DIR DIST_MPI_CHECK
 set -u
 bin="$1"
@@ -268,5 +270,13 @@ for bad in "ici_data_parallelism=3" "ici_data_parallelism=-1 ici_fsdp_parallelis
   check '[ "$rc" -ne 0 ] && [ "$(grep -c "^deepseek: error (rank [01]): " "$tmp/err")" -ge 1 ]' \
     "mesh $bad: rc $rc, $(grep -m1 "^deepseek: error" "$tmp/err")"
 done
+
+# Ranks that disagree on the configuration stop before training, every rank
+# with the same line naming the first differing key.
+lr_args=("$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=mixed)
+timeout 120 mpirun -np 1 "${lr_args[@]}" : -np 1 "${lr_args[@]}" learning_rate=1e-3 >/dev/null 2>"$tmp/err"
+rc=$?
+check '[ "$rc" -ne 0 ] && grep -q "^deepseek: error (rank 0): rank 1 was started with another run configuration than rank 0 .*'"'"'run/learning_rate'"'"': rank 0 has \"3.0e-3\", rank 1 has \"1e-3\"" "$tmp/err" && [ ! -e "$tmp/runs/mixed/metrics.jsonl" ]' \
+  "a learning_rate differing on one rank: rc $rc, $(grep -m1 "^deepseek: error" "$tmp/err")"
 
 exit $fail

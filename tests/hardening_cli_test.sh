@@ -127,4 +127,74 @@ echo '[[1, 2, 512]]' > "$tmp/oov.json"
 err=$("$bin" logits --model "$tmp/broken" --tokens "$tmp/oov.json" --out "$tmp/x.safetensors" 2>&1 >/dev/null)
 check '[[ "$err" == *"not a token id in [0, 512)"* ]]' "an out-of-vocabulary id is refused before the weights: $err"
 
+# ---- 7. training and export ----
+cat > "$tmp/run.yml" <<YML
+model_name: $src/configs/tiny.yml
+base_output_directory: $tmp/runs
+dataset_type: synthetic
+per_device_batch_size: 1
+max_target_length: 8
+steps: 2
+log_period: 1000
+YML
+check '"$bin" train "$tmp/run.yml" run_name=t >/dev/null 2>&1' "a tiny run trains"
+ck="$tmp/runs/t/checkpoints/step_2"
+# Export checks every output path before writing: a FIFO as tokenizer.json.
+mkdir "$tmp/hf_fifo"
+mkfifo "$tmp/hf_fifo/tokenizer.json"
+err=$("$bin" export --checkpoint "$ck" --out "$tmp/hf_fifo" 2>&1 >/dev/null)
+check '[[ "$err" == *"hf_fifo/tokenizer.json'"'"' exists and is not a regular file"* ]] && [ ! -e "$tmp/hf_fifo/model.safetensors" ]' \
+  "export into a folder whose tokenizer.json is a FIFO fails before writing, naming it: $err"
+# Another model's tokenizer files go when the run recorded none.
+mkdir "$tmp/hf_old"
+cp "$m/tokenizer.json" "$tmp/hf_old/"
+echo '{}' > "$tmp/hf_old/tokenizer_config.json"
+out=$("$bin" export --checkpoint "$ck" --out "$tmp/hf_old")
+check '[ $? -eq 0 ] && [ -f "$tmp/hf_old/model.safetensors" ] && [ ! -e "$tmp/hf_old/tokenizer.json" ] && [ ! -e "$tmp/hf_old/tokenizer_config.json" ]' \
+  "export removes another model's tokenizer files when the run has none: $out"
+# A flipped byte in the checkpoint: refused, nothing exported.
+cp -r "$ck" "$tmp/step_2"
+printf '\x55' | dd of="$tmp/step_2/params.safetensors" bs=1 seek=$(( $(stat -c %s "$tmp/step_2/params.safetensors") - 5 )) conv=notrunc 2>/dev/null
+expect_error export --checkpoint "$tmp/step_2" --out "$tmp/hf_bad"
+check '[ ! -e "$tmp/hf_bad/model.safetensors" ]' "a corrupt checkpoint exports nothing"
+# A second trainer in a running run's folder is refused at once, naming the holder.
+"$bin" train "$tmp/run.yml" run_name=busy steps=100000 checkpoint_period=1000000 >/dev/null 2>&1 &
+first=$!
+for _ in $(seq 100); do grep -q "^pid $first " "$tmp/runs/busy/run.lock" 2>/dev/null && break; sleep 0.1; done
+err=$("$bin" train "$tmp/run.yml" run_name=busy resume=true 2>&1 >/dev/null)
+check '[[ "$err" == "deepseek: error: run folder '"'"'$tmp/runs/busy'"'"' is in use by another trainer (pid $first on host "* ]]' \
+  "a second trainer in one run folder is refused: $err"
+kill -TERM "$first"
+wait "$first"
+# Impossible runs are refused in milliseconds, naming the keys.
+start=$(date +%s%N)
+err=$("$bin" train "$tmp/run.yml" run_name=big per_device_batch_size=1000000 max_target_length=1024 2>&1 >/dev/null)
+ms=$(( ($(date +%s%N) - start) / 1000000 ))
+check '[[ "$err" == *"per_device_batch_size 1000000 x max_target_length 1024"*"more than this machine"* ]] && [ "$ms" -lt 3000 ]' \
+  "a batch beyond memory is refused at once (${ms} ms): $err"
+expect_error train "$tmp/run.yml" run_name=big per_device_batch_size=1000000 max_target_length=1024
+printf 'steps: 3\nlearning_rate: 1e-3\nsteps: 4\n' >> "$tmp/run.yml"
+err=$("$bin" train "$tmp/run.yml" run_name=twice 2>&1 >/dev/null)
+check '[[ "$err" == *"run.yml: key '"'"'steps'"'"' is given twice (lines 6 and 8)"* ]]' "a key given twice in one file: $err"
+expect_error train "$tmp/run.yml" run_name=twice
+# num_experts=0 on a MoE preset; errors about the user's keys name where they were given, not the preset.
+printf 'model_name: %s\nbase_output_directory: %s\ndataset_type: synthetic\nper_device_batch_size: 1\nmax_target_length: 8\nsteps: 1\nnum_experts: 0\n' \
+  "$src/configs/tiny.yml" "$tmp/runs" > "$tmp/moe.yml"
+err=$("$bin" train "$tmp/moe.yml" 2>&1 >/dev/null)
+check '[[ "$err" == "deepseek: error: $tmp/moe.yml: num_experts=0 on a mixture-of-experts model"* ]]' "num_experts=0: $err"
+expect_error train "$tmp/moe.yml"
+err=$("$bin" train "$tmp/moe.yml" num_experts=8 base_emb_dim=0 2>&1 >/dev/null)
+check '[[ "$err" == "deepseek: error: $tmp/moe.yml and command line: model keys num_experts=8, base_emb_dim=0 on top of preset"*"hidden_size must be positive"* ]]' \
+  "a model key that breaks the preset names the user's file and the command line: $err"
+err=$("$bin" train "$tmp/moe.yml" model_name="$src/configs/v4-tiny.yml" 2>&1 >/dev/null)
+check '[[ "$err" == "deepseek: error: $tmp/moe.yml: model keys num_experts=0 on top of preset '"'"'$src/configs/v4-tiny.yml'"'"': "* ]]' \
+  "the same for a DeepSeek-V4 preset: $err"
+# Command-line bounds name the real range, not DBL_MAX; -1 does not wrap around.
+err=$("$bin" --threads 0 selfcheck 2>&1 >/dev/null)
+check '[[ "$err" == *"Value 0 not in range 1 to 65536"* ]]' "--threads 0: $err"
+expect_error --threads 0 selfcheck
+err=$("$bin" prepare --tokenizer "$m/tokenizer.json" --input "$tmp/run.yml" --out "$tmp/p" --seed -1 2>&1 >/dev/null)
+check '[[ "$err" == *"Value -1 not in range 0 to 18446744073709551615"* ]] && [ ! -e "$tmp/p" ]' "prepare --seed -1: $err"
+expect_error prepare --tokenizer "$m/tokenizer.json" --input "$tmp/run.yml" --out "$tmp/p" --seed -1
+
 exit $fail

@@ -4,6 +4,7 @@
 // replace what is not a plain file, and a request is checked whole before
 // any weight is read. Each case must end in a ds::Error naming the problem.
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "core/tensor.h"
 #include "infer/generate.h"
 #include "io/atomic_file.h"
+#include "io/safetensors.h"
 #include "io/text_input.h"
 #include "io/token_lists.h"
 #include "io/token_shards.h"
@@ -28,7 +30,10 @@
 #include "model/load.h"
 #include "model_fixture.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
 #include "train/config.h"
+#include "train/run_lock.h"
+#include "train/trainer.h"
 
 namespace ds {
 namespace {
@@ -377,6 +382,168 @@ TEST(Hardening, OutputPathsNeverReplaceSpecialFiles) {
   EXPECT_NO_THROW(io::check_output_folder(d / "a/b/c"));
   expect_error([&] { io::check_output_folder(d / "target"); }, "is not a folder");
   expect_error([&] { io::check_output_folder(d / "target/x"); }, "is not a folder");
+}
+
+// ---- training: checkpoints and run folders ----
+
+// A tiny synthetic run into `out` (its checkpoints after every step).
+train::RunConfig tiny_run(const std::string& out, std::vector<std::string> extra) {
+  std::vector<std::string> o = {"model_name=" + std::string(DEEPSEEK_SOURCE_DIR) + "/configs/tiny.yml",
+                                "base_output_directory=" + out,
+                                "run_name=r",
+                                "per_device_batch_size=1",
+                                "max_target_length=8",
+                                "dataset_type=synthetic",
+                                "checkpoint_period=1",
+                                "log_period=1000"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return train::parse_run_config("", o, "test");
+}
+
+// Rewrites one safetensors file of a checkpoint with f applied to its first
+// tensor (its metadata kept); with `fix`, state.json's checksum follows, so
+// only the value checks can see the change.
+template <typename F>
+void tamper(const fs::path& ck, const std::string& file, F&& f, bool fix = true) {
+  const auto st = io::SafetensorsFile::open((ck / file).string());
+  std::vector<std::pair<std::string, Tensor>> ts;
+  for (const auto& i : st.tensors()) ts.emplace_back(i.name, st.tensor(i.name).to(DType::F32));
+  f(ts.front().second.data<float>());
+  const auto meta = st.metadata();
+  io::save_safetensors((ck / file).string(), ts, meta);
+  if (!fix) return;
+  json j = json::parse(io::read_file((ck / "state.json").string(), "state"));
+  j["files"][file] = {{"bytes", static_cast<int64_t>(fs::file_size(ck / file))},
+                      {"crc32", train::file_crc32((ck / file).string())}};
+  std::ofstream(ck / "state.json") << j.dump();
+}
+
+TEST(Hardening, CorruptCheckpointsAreRefused) {
+  TempDir d;
+  const auto rc = tiny_run(d.path(), {"steps=2"});
+  train::train(rc);
+  const fs::path good = fs::path(d.path()) / "r/checkpoints/step_2", ck = fs::path(d.path()) / "x/step_2";
+  auto p = model::FlatParams::zeros(rc.model, 0), m = model::FlatParams::zeros(rc.model, 0),
+       v = model::FlatParams::zeros(rc.model, 0);
+  auto load = [&] { train::load_checkpoint(ck.string(), rc.model, 0, p, &m, &v); };
+  auto fresh = [&] {
+    fs::remove_all(ck.parent_path());
+    fs::create_directories(ck.parent_path());
+    fs::copy(good, ck);
+  };
+  fresh();
+  EXPECT_NO_THROW(load());
+  // One flipped data byte: the checksum.
+  {
+    std::fstream f(ck / "adam_m.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x55');
+  }
+  expect_error(load, "adam_m.safetensors has CRC-32");
+  // Values training never writes, checksums recomputed.
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const auto& [file, value, needle] : std::vector<std::tuple<std::string, float, std::string>>{
+           {"params.safetensors", nan, "is nan"},
+           {"params.safetensors", 8.5e37f, "overflows"},
+           {"adam_m.safetensors", -INFINITY, "is -inf"},
+           {"adam_v.safetensors", -1.0f, "must be finite and >= 0"},
+           {"adam_v.safetensors", nan, "must be finite"}}) {
+    fresh();
+    tamper(ck, file, [&](float* x) { x[1] = value; });
+    expect_error(load, needle);
+  }
+  // params and adam_m swapped (their checksums too): the roles.
+  fresh();
+  fs::rename(ck / "params.safetensors", ck / "t");
+  fs::rename(ck / "adam_m.safetensors", ck / "params.safetensors");
+  fs::rename(ck / "t", ck / "adam_m.safetensors");
+  {
+    json j = json::parse(io::read_file((ck / "state.json").string(), "state"));
+    std::swap(j["files"]["params.safetensors"], j["files"]["adam_m.safetensors"]);
+    std::ofstream(ck / "state.json") << j.dump();
+  }
+  expect_error(load, "holds adam_m, not params: files swapped?");
+  // state.json's step against the folder's name.
+  fresh();
+  {
+    json j = json::parse(io::read_file((ck / "state.json").string(), "state"));
+    j["step"] = 3;
+    std::ofstream(ck / "state.json") << j.dump();
+  }
+  expect_error(load, "state.json says step 3, the folder step_2");
+  // A resume from such a checkpoint stops with the error; export (params
+  // alone) refuses NaN weights.
+  fresh();
+  tamper(good, "params.safetensors", [&](float* x) { x[0] = nan; });
+  expect_error([&] { train::train(tiny_run(d.path(), {"steps=3", "resume=true"})); }, "is nan");
+  expect_error([&] { train::load_checkpoint(good.string(), rc.model, 0, p, nullptr, nullptr); }, "is nan");
+  // A checkpoint from before checksums (format 1, no roles recorded) still
+  // loads, with a warning; its values are still checked.
+  {
+    json j = json::parse(io::read_file((ck / "state.json").string(), "state"));
+    j["format"] = 1;
+    j.erase("files");
+    std::ofstream(ck / "state.json") << j.dump();
+  }
+  EXPECT_NO_THROW(load());
+  tamper(
+      ck, "adam_v.safetensors", [&](float* x) { x[0] = -2.0f; }, false);
+  expect_error(load, "must be finite and >= 0");
+}
+
+TEST(Hardening, PruningNeverLeavesAPartialCheckpoint) {
+  TempDir d;
+  train::train(tiny_run(d.path(), {"steps=3", "max_num_checkpoints_to_keep=2"}));
+  const fs::path cks = fs::path(d.path()) / "r/checkpoints";
+  EXPECT_EQ(train::list_checkpoints(cks.string()), (std::vector<int64_t>{2, 3}));
+  // What a kill during an older build's prune left: a step_N without its
+  // state.json. It is not a checkpoint; a resume starts from step_3.
+  fs::create_directories(cks / "step_4");
+  std::ofstream(cks / "step_4" / "params.safetensors") << "x";
+  EXPECT_EQ(train::list_checkpoints(cks.string()), (std::vector<int64_t>{2, 3}));
+  // A prune killed after its rename leaves a .tmp folder, ignored and removed next time.
+  fs::create_directories(cks / "step_1.pruned.tmp");
+  std::ofstream(cks / "step_1.pruned.tmp" / "state.json") << "{}";
+  EXPECT_EQ(train::list_checkpoints(cks.string()), (std::vector<int64_t>{2, 3}));
+  const auto s = train::train(tiny_run(d.path(), {"steps=4", "resume=true", "max_num_checkpoints_to_keep=2"}));
+  EXPECT_EQ(s.start_step, 3);
+  EXPECT_EQ(train::list_checkpoints(cks.string()), (std::vector<int64_t>{3, 4}));
+  EXPECT_FALSE(fs::exists(cks / "step_1.pruned.tmp"));
+  EXPECT_FALSE(fs::exists(cks / "step_2"));
+}
+
+TEST(Hardening, OneTrainerPerRunFolder) {
+  TempDir d;
+  train::train(tiny_run(d.path(), {"steps=1"}));
+  {
+    // Another trainer holds the folder: refused at once, naming it.
+    train::RunLock held((fs::path(d.path()) / "r").string());
+    expect_error(
+        [&] {
+          train::train(tiny_run(d.path(), {"steps=2", "resume=true"}));
+        },
+        fmt::format("is in use by another trainer (pid {} on host", ::getpid()));
+  }
+  // Free again once it is gone; the metrics hold each step once.
+  EXPECT_EQ(train::train(tiny_run(d.path(), {"steps=2", "resume=true"})).end_step, 2);
+  std::ifstream in(fs::path(d.path()) / "r/metrics.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 2);
+}
+
+TEST(Hardening, RunFolderOutputsMustBeRegularFiles) {
+  TempDir d;
+  fs::create_directories(fs::path(d.path()) / "r");
+  // A FIFO as metrics.jsonl hung the run reading it.
+  ASSERT_EQ(mkfifo((fs::path(d.path()) / "r/metrics.jsonl").c_str(), 0600), 0);
+  expect_error([&] { train::train(tiny_run(d.path(), {"steps=1"})); },
+               "metrics.jsonl' exists and is not a regular file");
+  fs::remove(fs::path(d.path()) / "r/metrics.jsonl");
+  fs::create_directories(fs::path(d.path()) / "r/loss.svg");
+  expect_error([&] { train::train(tiny_run(d.path(), {"steps=1"})); }, "loss.svg' exists and is not a regular file");
+  EXPECT_FALSE(fs::exists(fs::path(d.path()) / "r/checkpoints/step_1"));
 }
 
 }  // namespace

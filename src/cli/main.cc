@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
   CLI::App app{"deepseek.cpp: train and serve DeepSeek-V3-family models", "deepseek"};
   app.require_subcommand(0, 1);
   int threads = 0;
-  app.add_option("--threads", threads, "worker threads (default: all cores)")->check(CLI::PositiveNumber);
+  // CLI::PositiveNumber would name DBL_MAX as the bound: the real bounds instead.
+  app.add_option("--threads", threads, "worker threads (default: all cores)")->check(CLI::Range(1, 65536));
   std::string precision = "f32";
   app.add_option("--matmul-precision", precision,
                  "linear layers over bf16/fp8/fp4 weights: f32 (default) or bf16 (x rounded to bf16 first; "

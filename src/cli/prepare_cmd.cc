@@ -20,6 +20,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -224,7 +225,15 @@ void add_prepare_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--eval-fraction", args->eval_fraction, "fraction of documents held out for eval, in (0, 1)")
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "seed of the eval selection")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            // Not CLI::NonNegativeNumber, whose message names DBL_MAX as the bound; and
+            // "-1" must not wrap around to 2^64 - 1.
+            uint64_t x = 0;
+            if (!v.empty() && v[0] != '-' && CLI::detail::lexical_cast(v, x)) return "";
+            return fmt::format("Value {} not in range 0 to {}", v, std::numeric_limits<uint64_t>::max());
+          },
+          "UINT64"))
       ->capture_default_str();
   cmd->add_option("--shard-tokens", args->shard_tokens, "tokens per shard file (a longer document gets its own)")
       ->capture_default_str();

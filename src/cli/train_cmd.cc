@@ -3,8 +3,9 @@
 // written to base_output_directory/run_name.
 // `deepseek export --checkpoint DIR --out HF_DIR [--dtype bf16|f16|f32]`: a
 // training checkpoint as a Hugging Face folder (config.json, model.safetensors,
-// and the run's tokenizer files when it had one) that `deepseek generate`
-// and Hugging Face's loaders read.
+// and the run's tokenizer files when it had one; a tokenizer.json and
+// tokenizer_config.json already in the folder are removed when it had none)
+// that `deepseek generate` and Hugging Face's loaders read.
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -15,6 +16,8 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "io/atomic_file.h"
+#include "io/text_input.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -63,24 +66,39 @@ int run_export(const ExportArgs& a) {
   } catch (const Error& e) {
     DS_FAIL("checkpoint '{}' is corrupt: {}", a.checkpoint, e.what());
   }
+  // Every output path is checked, and the tokenizer read, before anything is written.
+  io::check_output_folder(a.out);
+  const fs::path out(a.out);
+  const char* outputs[] = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"};
+  std::error_code ec;
+  if (fs::is_directory(out, ec))
+    for (const char* o : outputs) io::resolve_output_path((out / o).string());
+  std::string tok_note = "no tokenizer recorded", tok_text, tok_config;
+  if (!st.tokenizer.empty()) {
+    const fs::path t(st.tokenizer);
+    if (fs::is_regular_file(t, ec)) {
+      tok_text = io::read_file(t.string(), "tokenizer");
+      const fs::path tc = t.parent_path() / "tokenizer_config.json";
+      if (fs::is_regular_file(tc, ec)) tok_config = io::read_file(tc.string(), "tokenizer config");
+      tok_note = "tokenizer from " + t.string();
+    } else {
+      tok_note = "tokenizer " + t.string() + " no longer exists";
+    }
+  }
   const int64_t mtp = family->mtp_layers();
   std::vector<float> params(static_cast<size_t>(family->numel()));
   train::load_checkpoint(a.checkpoint, family->layout(), params.data(), nullptr, nullptr);
   family->bind(params.data(), nullptr)->params_changed();  // checks what the family derives (hash tables)
   family->export_hf(a.out, params.data(), dt, "export");
-  std::string tok_note = "no tokenizer recorded";
-  if (!st.tokenizer.empty()) {
-    std::error_code ec;
-    const fs::path t(st.tokenizer);
-    if (fs::is_regular_file(t, ec)) {
-      fs::copy_file(t, fs::path(a.out) / "tokenizer.json", fs::copy_options::overwrite_existing, ec);
-      DS_CHECK(!ec, "export: cannot copy '{}': {}", t.string(), ec.message());
-      const fs::path tc = t.parent_path() / "tokenizer_config.json";
-      if (fs::is_regular_file(tc, ec))
-        fs::copy_file(tc, fs::path(a.out) / "tokenizer_config.json", fs::copy_options::overwrite_existing, ec);
-      tok_note = "tokenizer from " + t.string();
-    } else {
-      tok_note = "tokenizer " + t.string() + " no longer exists";
+  // The folder's tokenizer files are this run's or none: another model's
+  // would silently mistranslate its ids.
+  for (const auto& [name, text] : {std::pair{"tokenizer.json", &tok_text}, {"tokenizer_config.json", &tok_config}}) {
+    if (!text->empty()) {
+      io::write_file_atomic((out / name).string(), *text);
+    } else if (fs::exists(fs::symlink_status(out / name, ec))) {
+      fs::remove(out / name, ec);
+      DS_CHECK(!ec, "export: cannot remove the stale '{}': {}", (out / name).string(), ec.message());
+      tok_note += fmt::format("; removed the folder's old {}", name);
     }
   }
   fmt::print("exported {} (step {}, {} MTP layers, {}) to {}; {}\n", a.checkpoint, st.step, mtp, a.dtype, a.out,

@@ -1,5 +1,7 @@
 #include "io/yaml_entries.h"
 
+#include <map>
+
 #include "core/error.h"
 #include "io/tokenizer.h"
 
@@ -17,8 +19,12 @@ std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<s
   }
   DS_CHECK(root.IsMap() || root.IsNull(), "{} must be a mapping of keys to values", source);
   std::vector<YamlEntry> entries;
+  std::map<std::string, int> line_of;  // a key given twice in one file would silently take the last value
   for (auto it = root.begin(); it != root.end(); ++it) {
     DS_CHECK(it->first.IsScalar(), "{}: every key must be a name, not a list, a mapping or nothing", source);
+    const int line = it->first.Mark().line + 1;
+    const auto [at, fresh] = line_of.emplace(it->first.Scalar(), line);
+    DS_CHECK(fresh, "{}: key '{}' is given twice (lines {} and {})", source, it->first.Scalar(), at->second, line);
     entries.push_back({it->first.Scalar(), it->second, source});
   }
   for (const auto& o : overrides) {

@@ -17,8 +17,8 @@ struct YamlEntry {
 };
 
 // One clear error for text that is not UTF-8, not YAML or not a mapping of
-// names, or an override that is not UTF-8, has no '=' or a value that is not
-// YAML.
+// names, a key given twice in the text (naming both lines), or an override
+// that is not UTF-8, has no '=' or a value that is not YAML.
 std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<std::string>& overrides,
                                     const std::string& source, const std::string& override_source);
 

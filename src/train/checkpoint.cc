@@ -1,9 +1,13 @@
 #include "train/checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/format.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -24,7 +28,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int kFormat = 1;
+// 2: each file's checksum in state.json and its role in its metadata; 1:
+// neither (still read, with a warning).
+constexpr int kFormat = 2;
+
+// Parameters and first moments beyond this magnitude cannot come from
+// training: their squares (norms, second moments) overflow float32.
+constexpr float kMaxMagnitude = 0x1p64f;
+
+const char* const kRoles[3][2] = {
+    {"params.safetensors", "params"}, {"adam_m.safetensors", "adam_m"}, {"adam_v.safetensors", "adam_v"}};
 
 void fsync_dir(const fs::path& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
@@ -46,10 +59,31 @@ std::vector<std::pair<std::string, Tensor>> named(const std::vector<model::Param
   return v;
 }
 
-// Copies the float32 tensors of `file` into the layout at base, checking names and shapes.
-void read_tree(const fs::path& file, const std::vector<model::ParamInfo>& layout, float* base) {
+// Every value of a tensor read from a checkpoint file: finite, parameters
+// and first moments below kMaxMagnitude, second moments >= 0.
+void check_values(const fs::path& file, const std::string& role, const std::string& name, const float* x, int64_t n) {
+  const bool second = role == "adam_v";
+  for (int64_t e = 0; e < n; ++e) {
+    const float v = x[e];
+    if (second ? (v >= 0 && std::isfinite(v)) : std::fabs(v) < kMaxMagnitude) continue;
+    DS_FAIL("'{}': tensor '{}' element {} is {}: {}", file.string(), name, e, v,
+            second ? "a second moment must be finite and >= 0"
+                   : "not a value training produces (non-finite, or its square overflows float32)");
+  }
+}
+
+// Copies the float32 tensors of `file` into the layout at base, checking
+// names, shapes, the file's role (when it records one; `need_role`: it must)
+// and the values.
+void read_tree(const fs::path& file, const std::string& role, bool need_role,
+               const std::vector<model::ParamInfo>& layout, float* base) {
   DS_CHECK(fs::is_regular_file(file), "checkpoint file '{}' is missing", file.string());
-  const auto st = io::SafetensorsSet::open_files({file.string()});
+  const auto st = io::SafetensorsFile::open(file.string());
+  const auto& meta = st.metadata();
+  const auto r = meta.find("role");
+  DS_CHECK(r != meta.end() || !need_role, "'{}' does not record its role (params, adam_m or adam_v)", file.string());
+  DS_CHECK(r == meta.end() || r->second == role, "'{}' holds {}, not {}: files swapped?", file.string(), r->second,
+           role);
   int64_t off = 0;
   for (const auto& i : layout) {
     DS_CHECK(st.contains(i.name), "'{}' lacks tensor '{}'", file.string(), i.name);
@@ -57,11 +91,32 @@ void read_tree(const fs::path& file, const std::vector<model::ParamInfo>& layout
     DS_CHECK(t.shape() == i.shape && t.dtype() == DType::F32, "'{}': tensor '{}' is {} {}, expected F32 {}",
              file.string(), i.name, dtype_name(t.dtype()), shape_str(t.shape()), shape_str(i.shape));
     const Tensor c = t.contiguous();
+    check_values(file, role, i.name, c.data<float>(), i.numel());
     std::copy_n(c.data<float>(), i.numel(), base + off);
     off += i.numel();
   }
-  DS_CHECK(layout.size() == st.names().size(), "'{}' holds {} tensors, the model has {}: another model's checkpoint?",
-           file.string(), st.names().size(), layout.size());
+  DS_CHECK(layout.size() == st.tensors().size(), "'{}' holds {} tensors, the model has {}: another model's checkpoint?",
+           file.string(), st.tensors().size(), layout.size());
+}
+
+// The file's size and checksum against those state.json recorded.
+void verify_file(const fs::path& dir, const std::string& name, const nlohmann::json& files) {
+  const fs::path file = dir / name;
+  DS_CHECK(files.contains(name), "checkpoint '{}' is corrupt: state.json records no checksum for {}", dir.string(),
+           name);
+  std::error_code ec;
+  DS_CHECK(fs::is_regular_file(file, ec), "checkpoint file '{}' is missing", file.string());
+  const auto size = static_cast<int64_t>(fs::file_size(file, ec));
+  try {
+    const auto want = files.at(name).at("bytes").get<int64_t>();
+    DS_CHECK(size == want, "checkpoint '{}' is corrupt: {} has {} bytes, state.json recorded {}", dir.string(), name,
+             size, want);
+    const std::string sum = file_crc32(file.string()), rec = files.at(name).at("crc32").get<std::string>();
+    DS_CHECK(sum == rec, "checkpoint '{}' is corrupt: {} has CRC-32 {}, state.json recorded {}", dir.string(), name,
+             sum, rec);
+  } catch (const nlohmann::json::exception& e) {
+    DS_FAIL("checkpoint '{}' is corrupt: state.json's entry for {}: {}", dir.string(), name, e.what());
+  }
 }
 
 // The first float of a V2/V3 tree laid out by FlatParams (zeros or wrap).
@@ -73,6 +128,24 @@ float* tree_base(const model::ModelConfig& cfg, int64_t mtp, const model::FlatPa
 }
 
 }  // namespace
+
+std::string file_crc32(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  DS_CHECK(fd >= 0, "cannot open '{}'", path);
+  std::vector<unsigned char> buf(size_t{4} << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  for (;;) {
+    const ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      DS_CHECK(n == 0, "reading '{}' failed", path);
+      break;
+    }
+    crc = crc32(crc, buf.data(), static_cast<uInt>(n));
+  }
+  return fmt::format("{:08x}", static_cast<uint32_t>(crc));
+}
 
 std::string save_checkpoint(const std::string& checkpoints_dir, const model::ModelConfig& cfg, int64_t mtp,
                             const model::FlatParams& params, const model::FlatParams* adam_m,
@@ -94,10 +167,15 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
   fs::remove_all(tmp, ec);
   fs::create_directory(tmp, ec);
   DS_CHECK(!ec, "cannot create '{}': {}", tmp.string(), ec.message());
-  const std::map<std::string, std::string> meta = {{"format", "pt"}};
-  io::save_safetensors((tmp / "params.safetensors").string(), named(layout, params), meta);
-  if (adam_m) io::save_safetensors((tmp / "adam_m.safetensors").string(), named(layout, adam_m), meta);
-  if (adam_v) io::save_safetensors((tmp / "adam_v.safetensors").string(), named(layout, adam_v), meta);
+  // Each file records its role; state.json (written last) its size and checksum.
+  nlohmann::json files = nlohmann::json::object();
+  const float* trees[3] = {params, adam_m, adam_v};
+  for (int k = 0; k < 3; ++k) {
+    if (!trees[k]) continue;
+    const fs::path file = tmp / kRoles[k][0];
+    io::save_safetensors(file.string(), named(layout, trees[k]), {{"format", "pt"}, {"role", kRoles[k][1]}});
+    files[kRoles[k][0]] = {{"bytes", static_cast<int64_t>(fs::file_size(file))}, {"crc32", file_crc32(file.string())}};
+  }
   nlohmann::json j = {{"format", kFormat},
                       {"step", state.step},
                       {"data_state", state.data_state},
@@ -106,7 +184,8 @@ std::string save_checkpoint(const std::string& checkpoints_dir, const std::vecto
                       {"has_optimizer", adam_m != nullptr},
                       {"model_config", state.model_config},
                       {"run_config", state.run_config},
-                      {"tokenizer", state.tokenizer}};
+                      {"tokenizer", state.tokenizer},
+                      {"files", files}};
   io::write_file_atomic((tmp / "state.json").string(), j.dump(2) + "\n");
   fsync_dir(tmp);
   // A checkpoint of the same step (a rerun) is replaced whole.
@@ -136,6 +215,9 @@ std::vector<int64_t> list_checkpoints(const std::string& checkpoints_dir) {
     const std::string digits = n.substr(5);
     if (digits.empty() || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
       continue;
+    // A step_N without state.json is not complete (an older build's prune
+    // killed midway).
+    if (!fs::is_regular_file(e.path() / "state.json", ec)) continue;
     steps.push_back(std::stoll(digits));
   }
   std::sort(steps.begin(), steps.end());
@@ -149,8 +231,14 @@ void prune_checkpoints(const std::string& checkpoints_dir, int64_t keep) {
     if (e.path().filename().string().ends_with(".tmp")) fs::remove_all(e.path(), ec);
   if (keep < 1) return;
   const auto steps = list_checkpoints(checkpoints_dir);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i)
-    fs::remove_all(fs::path(checkpoints_dir) / ("step_" + std::to_string(steps[i])), ec);
+  // Renamed first (atomic), so a kill leaves a .tmp folder, never a partial step_N.
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
+    const fs::path step = fs::path(checkpoints_dir) / ("step_" + std::to_string(steps[i]));
+    const fs::path gone = step.string() + ".pruned.tmp";
+    fs::remove_all(gone, ec);
+    fs::rename(step, gone, ec);
+    if (!ec) fs::remove_all(gone, ec);
+  }
 }
 
 CheckpointState read_checkpoint_state(const std::string& dir) {
@@ -163,8 +251,10 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
     DS_FAIL("checkpoint '{}' is corrupt: state.json: {}", dir, e.what());
   }
   try {
-    DS_CHECK(j.at("format").get<int>() == kFormat, "checkpoint '{}' has format {}, this build reads {}", dir,
-             j.at("format").get<int>(), kFormat);
+    const int format = j.at("format").get<int>();
+    DS_CHECK(format == 1 || format == kFormat, "checkpoint '{}' has format {}, this build reads 1 and {}", dir, format,
+             kFormat);
+    DS_CHECK(format == 1 || j.contains("files"), "checkpoint '{}' is corrupt: state.json records no checksums", dir);
     CheckpointState s;
     s.step = j.at("step").get<int64_t>();
     s.data_state = j.at("data_state");
@@ -172,7 +262,19 @@ CheckpointState read_checkpoint_state(const std::string& dir) {
     s.model_config = j.at("model_config");
     s.run_config = j.value("run_config", nlohmann::json::object());
     s.tokenizer = j.value("tokenizer", std::string());
+    if (j.contains("files")) {
+      s.files = j.at("files");
+      DS_CHECK(s.files.is_object(), "checkpoint '{}' is corrupt: state.json's files is not an object", dir);
+    }
     DS_CHECK(s.step >= 0, "checkpoint '{}': negative step", dir);
+    // The folder's step_N (as the trainer names it) must agree with state.json.
+    fs::path folder = fs::path(dir).lexically_normal();
+    if (folder.filename().empty()) folder = folder.parent_path();
+    const std::string n = folder.filename().string();
+    if (n.starts_with("step_") && n.size() > 5 && n.size() <= 5 + 18 &&
+        std::all_of(n.begin() + 5, n.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      DS_CHECK(std::stoll(n.substr(5)) == s.step, "checkpoint '{}' is corrupt: state.json says step {}, the folder {}",
+               dir, s.step, n);
     return s;
   } catch (const nlohmann::json::exception& e) {
     DS_FAIL("checkpoint '{}' is corrupt: state.json: {}", dir, e.what());
@@ -190,10 +292,15 @@ CheckpointState load_checkpoint(const std::string& dir, const std::vector<model:
                                 float* adam_m, float* adam_v) {
   CheckpointState s = read_checkpoint_state(dir);
   const fs::path d(dir);
+  const bool checked = !s.files.is_null();
+  if (!checked)
+    fmt::print(stderr, "warning: checkpoint '{}' was written before checksums: its files cannot be verified\n", dir);
+  float* trees[3] = {params, adam_m, adam_v};
+  for (int k = 0; k < 3; ++k)
+    if (trees[k] && checked) verify_file(d, kRoles[k][0], s.files);
   try {
-    read_tree(d / "params.safetensors", layout, params);
-    if (adam_m) read_tree(d / "adam_m.safetensors", layout, adam_m);
-    if (adam_v) read_tree(d / "adam_v.safetensors", layout, adam_v);
+    for (int k = 0; k < 3; ++k)
+      if (trees[k]) read_tree(d / kRoles[k][0], kRoles[k][1], checked, layout, trees[k]);
   } catch (const Error& e) {
     DS_FAIL("checkpoint '{}' is corrupt or from another model: {}", dir, e.what());
   }

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/system.h"
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
 #include "model/v4_config.h"
@@ -223,6 +224,38 @@ std::string find_preset(const std::string& name, const std::string& source) {
   DS_FAIL("model_name '{}': no preset {}.yml found (looked next to {} and in configs/)", name, name, source);
 }
 
+// The model from a preset with the user's keys on top (build), and from the
+// preset alone (preset_alone). When only the first fails, the error is the
+// keys' doing: it names where they were given (the user's file, the command
+// line) and the keys (each with its last value), not the preset.
+template <class Build, class PresetAlone>
+auto blaming_user_keys(const std::string& preset, const std::vector<std::string>& keys,
+                       const std::vector<std::string>& sources, Build&& build, PresetAlone&& preset_alone) {
+  try {
+    return build();
+  } catch (const Error& e) {
+    if (keys.empty() || preset.empty()) throw;
+    try {
+      preset_alone();
+    } catch (const Error&) {
+      throw e;
+    }
+    std::string msg = e.what();
+    for (const std::string& prefix : {preset + ": ", std::string("override: ")})
+      if (msg.starts_with(prefix)) msg = msg.substr(prefix.size());
+    std::string given, where;
+    std::vector<std::string> last;
+    for (auto k = keys.rbegin(); k != keys.rend(); ++k) {
+      const std::string name = k->substr(0, k->find('='));
+      if (std::none_of(last.begin(), last.end(), [&](const std::string& x) { return x.starts_with(name + "="); }))
+        last.insert(last.begin(), *k);
+    }
+    for (const auto& k : last) given += (given.empty() ? "" : ", ") + k;
+    for (const auto& w : sources) where += (where.empty() ? "" : " and ") + w;
+    DS_FAIL("{}: model keys {} on top of preset '{}': {}", where, given, preset, msg);
+  }
+}
+
 void check_config(const RunConfig& rc) {
   const TrainConfig& t = rc.train;
   const auto family_box = model_family(rc);
@@ -376,6 +409,8 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       !hf_path.empty() ? model::config_model_type(hf_path) == "deepseek_v4" : says_v4(preset_entries) || says_v4(rest);
 
   std::vector<std::string> model_overrides;
+  std::vector<std::string> model_sources;  // where the model keys were given (the user's file, the command line)
+  std::string zero_experts;                // where num_experts=0 was given, if it was
   std::vector<std::pair<std::string, nlohmann::json>> v4_keys;
   std::optional<int64_t> v4_mtp;
   std::vector<std::pair<std::string, std::string>> custom_remat;
@@ -395,8 +430,13 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
                where, key);
       v4_keys.emplace_back(key, entry_json({key, value, where}));
+      if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
+        model_sources.push_back(where);
     } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
       model_overrides.push_back(key + "=" + scalar_text(value));
+      if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
+        model_sources.push_back(where);
+      if (key == "num_experts") zero_experts = value.IsScalar() && value.Scalar() == "0" ? where : "";
     } else if (!v4 && (key == "mhc_expansion_rate" || key == "sinkhorn_iterations")) {
       // MaxText's mHC keys: 1 stream (its default) is the plain residual.
       int64_t v = 0;
@@ -426,10 +466,20 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     if (!hf_path.empty()) {
       rc.v4 = model::V4Config::from_hf_json_file(hf_path);
     } else {
-      std::vector<std::pair<std::string, nlohmann::json>> all;
-      for (const auto& e : preset_entries) all.emplace_back(e.key, entry_json(e));
+      std::vector<std::pair<std::string, nlohmann::json>> alone, all;
+      for (const auto& e : preset_entries) alone.emplace_back(e.key, entry_json(e));
+      all = alone;
       all.insert(all.end(), v4_keys.begin(), v4_keys.end());
-      rc.v4 = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
+      std::vector<std::string> given;
+      for (const auto& [k, v] : v4_keys) given.push_back(k + "=" + v.dump());
+      rc.v4 = blaming_user_keys(
+          preset, given, model_sources,
+          [&] {
+            auto c = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
+            c.validate();
+            return c;
+          },
+          [&] { model::V4Config::from_maxtext(alone, preset).validate(); });
     }
     if (v4_mtp) rc.v4->num_nextn_predict_layers = *v4_mtp;
     DS_CHECK(rc.v4->num_nextn_predict_layers <= 1,
@@ -451,13 +501,21 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     }
     rc.model.validate();
   } else if (!t.model_name.empty()) {
-    rc.model = model::ModelConfig::from_yaml_file(preset, model_overrides);
+    rc.model = blaming_user_keys(
+        preset, model_overrides, model_sources,
+        [&] { return model::ModelConfig::from_yaml_file(preset, model_overrides); },
+        [&] { (void)model::ModelConfig::from_yaml_file(preset); });
   } else {
     DS_CHECK(!model_overrides.empty(),
              "{}: no model: give model_name=PRESET, hf_config=PATH, load_parameters_path=DIR or the model keys",
              source);
     rc.model = model::ModelConfig::from_yaml_text("", model_overrides, source);
   }
+  // num_experts=0 on a mixture-of-experts model leaves its MoE layers without routed experts.
+  DS_CHECK(zero_experts.empty() || rc.v4 || rc.model.num_experts_per_tok == 0,
+           "{}: num_experts=0 on a mixture-of-experts model (num_experts_per_tok {}): its MoE layers would have no "
+           "experts; give a dense model (num_experts_per_tok 0) or at least num_experts_per_tok experts",
+           zero_experts, rc.model.num_experts_per_tok);
   DS_CHECK(t.remat_policy == "custom" || custom_remat.empty(),
            "per-name remat settings ('{}') need remat_policy=custom",
            custom_remat.empty() ? "" : custom_remat.front().first);
@@ -485,6 +543,48 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 std::unique_ptr<model::Family> model_family(const RunConfig& rc) {
   if (rc.v4) return model::v4_family(*rc.v4, rc.v4_routed_bias_update_rate);
   return model::v3_family(rc.model, rc.model.num_nextn_predict_layers);
+}
+
+namespace {
+
+// A non-negative integer of a Hugging Face config (0 when absent or null).
+int64_t hf_int(const nlohmann::json& j, const char* key) {
+  return j.contains(key) && j[key].is_number_integer() ? std::max<int64_t>(0, j[key].get<int64_t>()) : 0;
+}
+
+}  // namespace
+
+int64_t training_memory_bytes(const RunConfig& rc) {
+  const auto family = model_family(rc);
+  const nlohmann::json hf = family->hf_config();
+  const TrainConfig& t = rc.train;
+  // In double: the sizes are each bounded, their product need not fit int64.
+  const double hidden = static_cast<double>(hf_int(hf, "hidden_size"));
+  const double mlp = static_cast<double>(std::max(
+      hf_int(hf, "intermediate_size"),
+      (hf_int(hf, "num_experts_per_tok") + hf_int(hf, "n_shared_experts")) * hf_int(hf, "moe_intermediate_size")));
+  const double layers = static_cast<double>(hf_int(hf, "num_hidden_layers") + family->mtp_layers());
+  const bool full = t.remat_policy == "full" && !rc.v4;
+  const double per_layer = full ? hidden : 8 * hidden + 2 * mlp;
+  const double tokens = static_cast<double>(t.per_device_batch_size) * static_cast<double>(t.max_target_length);
+  const double bytes = 16.0 * static_cast<double>(family->numel()) +
+                       4.0 * tokens * (2.0 * static_cast<double>(family->vocab_size()) + layers * per_layer);
+  return bytes >= 0x1p62 ? int64_t{1} << 62 : static_cast<int64_t>(bytes);
+}
+
+void check_training_memory(const RunConfig& rc) {
+  const int64_t have = physical_memory_bytes();
+  const int64_t need = training_memory_bytes(rc);
+  if (have <= 0 || need <= have) return;
+  const auto family = model_family(rc);
+  const double state = 16.0 * static_cast<double>(family->numel()) / 1073741824.0;
+  DS_FAIL(
+      "per_device_batch_size {} x max_target_length {} with remat_policy {}: training needs about {:.1f} GiB "
+      "(parameters, gradients and AdamW moments {:.1f} GiB, activations {:.1f} GiB), more than this machine's "
+      "{:.1f} GiB of memory",
+      rc.train.per_device_batch_size, rc.train.max_target_length, rc.train.remat_policy,
+      static_cast<double>(need) / 1073741824.0, state, static_cast<double>(need) / 1073741824.0 - state,
+      static_cast<double>(have) / 1073741824.0);
 }
 
 std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides) {

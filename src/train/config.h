@@ -140,6 +140,17 @@ RunConfig parse_run_config(const std::string& yaml_text, const std::vector<std::
                            const std::string& source);
 RunConfig load_run_config(const std::string& path, const std::vector<std::string>& overrides);
 
+// Refuses, before anything is allocated, a run whose memory cannot fit this
+// machine (physical memory, as `generate` checks its KV cache). The estimate
+// is coarse and errs high: float32 parameters, gradients and both AdamW
+// moments (16 bytes a parameter, whole on every rank), plus one
+// micro-batch's activations: per token the logits and their gradient
+// (2 x vocab floats) and, per layer (MTP included), the layer input
+// (remat_policy full) or ~8 x hidden + 2 x the MLP's width (any other
+// policy, and DeepSeek-V4, which keeps every activation) floats.
+int64_t training_memory_bytes(const RunConfig& rc);
+void check_training_memory(const RunConfig& rc);
+
 // A DeepSeek-V4 model from a YAML preset in MaxText's keys (decoder_block
 // deepseek4, as configs/v4-tiny.yml) and key=value overrides, checked as
 // `deepseek train` checks it; nullopt when the preset is of another family.

@@ -29,7 +29,10 @@
 #include "ops/expert_selection.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
+#include "train/loop_util.h"
 #include "train/optimizer.h"
+#include "train/run_identity.h"
+#include "train/run_lock.h"
 #include "train/schedule.h"
 
 namespace ds::train {
@@ -58,63 +61,6 @@ class StopSignals {
   void (*old_int_)(int);
   void (*old_term_)(int);
 };
-
-double counted_targets(const model::TrainBatch& b) {
-  double n = 0;
-  for (int32_t s : b.target_segment_ids) n += s != 0;
-  return n;
-}
-
-std::string fmt_duration(double seconds) {
-  if (!std::isfinite(seconds) || seconds < 0) return "?";
-  const auto s = static_cast<int64_t>(seconds + 0.5);
-  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
-  return fmt::format("{}:{:02}", s / 60, s % 60);
-}
-
-std::string fmt_rate(double x) { return x >= 1e4 ? fmt::format("{:.1f}k", x / 1e3) : fmt::format("{:.0f}", x); }
-
-// The metrics of steps before `step` from an earlier run's metrics.jsonl
-// (a resumed run rewrites the file without the steps it repeats).
-std::vector<nlohmann::json> read_metrics_before(const fs::path& file, int64_t step) {
-  std::vector<nlohmann::json> kept;
-  std::ifstream in(file);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    try {
-      auto j = nlohmann::json::parse(line);
-      if (j.contains("step") && j["step"].get<int64_t>() < step) kept.push_back(std::move(j));
-    } catch (const nlohmann::json::exception&) {
-      // A line cut short by a crash: dropped.
-    }
-  }
-  return kept;
-}
-
-// Rows [first, first + rows) of a batch.
-model::TrainBatch slice_rows(const model::TrainBatch& b, int64_t first, int64_t rows) {
-  model::TrainBatch out;
-  out.batch = rows;
-  out.seq = b.seq;
-  const auto a = static_cast<std::ptrdiff_t>(first * b.seq), e = static_cast<std::ptrdiff_t>((first + rows) * b.seq);
-  for (auto [dst, src] : {std::pair{&out.inputs, &b.inputs},
-                          {&out.targets, &b.targets},
-                          {&out.positions, &b.positions},
-                          {&out.segment_ids, &b.segment_ids},
-                          {&out.target_segment_ids, &b.target_segment_ids}})
-    dst->assign(src->begin() + a, src->begin() + e);
-  return out;
-}
-
-// A string from rank 0 to every rank of `c`.
-std::string broadcast_string(dist::Communicator& c, std::string s) {
-  int64_t n = static_cast<int64_t>(s.size());
-  c.broadcast(&n, 1, 0).wait();
-  s.resize(static_cast<size_t>(n));
-  c.broadcast(s.data(), n, 0).wait();
-  return s;
-}
 
 double sum_squares(const std::vector<ops::GradSpan>& spans) {
   const double n = ops::global_grad_norm(spans);
@@ -205,6 +151,7 @@ class Trainer {
   dist::Communicator& world_;
   TrainSummary sum_;
   fs::path run_, ckdir_;
+  std::unique_ptr<RunLock> lock_;  // rank 0, for the whole run
 
   // The mesh and its communicators, a modeled link under each when asked.
   std::unique_ptr<dist::Mesh> mesh_;
@@ -250,6 +197,7 @@ class Trainer {
 // the initial parameters or the checkpoint, and broadcasts them.
 void Trainer::set_up_mesh() {
   dist::set_collective_timeout(tc_.collective_timeout_seconds);
+  check_same_run(world_, run_identity(tc_, *family_));
   mesh_ = std::make_unique<dist::Mesh>(world_, tc_.mesh, dist::ranks_per_node_from_env(world_.size()));
   dist::Mesh& mesh = *mesh_;
   lead_ = world_.rank() == 0;
@@ -291,13 +239,19 @@ void Trainer::set_up_mesh() {
   rows_ = tc_.per_device_batch_size;
 }
 
-// The run folder: refuse to mix with another run's checkpoints.
+// The run folder: one trainer at a time (RunLock), every output a plain file
+// or folder (a FIFO would hang the run), and no mixing with another run's
+// checkpoints.
 void Trainer::open_run_folder() {
   if (!lead_) return;
   io::check_output_folder(tc_.base_output_directory);
   std::error_code ec;
   fs::create_directories(run_, ec);
   DS_CHECK(!ec && fs::is_directory(run_), "cannot create the run folder '{}': {}", run_.string(), ec.message());
+  lock_ = std::make_unique<RunLock>(run_.string());
+  for (const char* out : {"metrics.jsonl", "config.json", "loss.svg"}) io::resolve_output_path((run_ / out).string());
+  if (tc_.timeline_step >= 0) io::resolve_output_path((run_ / "timeline.svg").string());
+  io::check_output_folder(ckdir_.string());
   existing_ = list_checkpoints(ckdir_.string());
   DS_CHECK(tc_.resume || existing_.empty(),
            "run folder '{}' already holds checkpoints (newest step_{}): pass resume=true to continue it, or "
@@ -820,6 +774,9 @@ void Trainer::finish(int64_t done) {
 
 }  // namespace
 
-TrainSummary train(const RunConfig& rc) { return Trainer(rc).run(); }
+TrainSummary train(const RunConfig& rc) {
+  check_training_memory(rc);  // before anything is allocated
+  return Trainer(rc).run();
+}
 
 }  // namespace ds::train
