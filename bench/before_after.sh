@@ -4,7 +4,8 @@
 # tokens/s) and training (`deepseek train`, tokens/s of the steps after the
 # first) for a DeepSeek-V3 model (configs/small.yml) and a DeepSeek-V4 one
 # (configs/v4-tiny.yml). Prints each figure's median per build and the
-# ratio new / old. Use it to show that a change costs no speed:
+# ratio new / old (STEPS=N training steps a run, default 30). Use it to
+# show that a change costs no speed:
 #
 #   bench/before_after.sh OLD/deepseek NEW/deepseek [ROUNDS]
 #
@@ -24,7 +25,8 @@ gen() {  # BIN MODEL -> "prefill decode"
 }
 train() {  # BIN PRESET -> tokens/s (median of the steps after the first)
   local run="$tmp/run.$RANDOM"
-  "$1" train "$root/configs/train-tiny.yml" "model_name=$2" dataset_type=synthetic steps=12 per_device_batch_size=8 \
+  "$1" train "$root/configs/train-tiny.yml" "model_name=$2" dataset_type=synthetic "steps=${STEPS:-30}" \
+    per_device_batch_size=8 \
     max_target_length=128 enable_checkpointing=false eval_interval=-1 "base_output_directory=$run" run_name=r \
     log_period=1000 2>/dev/null >/dev/null
   python3 -c 'import json,sys,statistics
