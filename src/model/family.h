@@ -69,10 +69,8 @@ class Family {
   virtual void init(float* params, uint64_t seed, float std) const = 0;
   virtual void load_hf(const std::string& dir, float* params) const = 0;
   virtual void export_hf(const std::string& out_dir, const float* params, DType dtype, const char* who) const = 0;
-  // Model FLOPs of one step (MaxText's accounting) and of one forward pass
-  // whose head runs on head_rows rows.
+  // Model FLOPs of one training step (MaxText's accounting, model/flops.h).
   virtual double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const = 0;
-  virtual double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const = 0;
 
   // The normalizers of a whole batch (counted targets, counted MTP targets
   // with `mtp`, rows), for data parallelism's shares.

@@ -328,7 +328,6 @@ void Trainer::restore() {
     m_full.assign(static_cast<size_t>(P_), 0.0f);
     v_full.assign(static_cast<size_t>(P_), 0.0f);
     const CheckpointState st = load_checkpoint(dir, layout_, full, m_full.data(), v_full.data());
-    if (!fsdp_) bound_->params_changed();
     DS_CHECK(st.model_config == model_json_,
              "checkpoint '{}' holds a different model than this config describes; resume with the same model keys",
              dir);
@@ -357,7 +356,7 @@ void Trainer::restore() {
     fsdp_->take_shard(full_.data(), fsdp_->shard.data());
     std::vector<float>().swap(full_);  // freed
   }
-  bound_->params_changed();
+  bound_->params_changed();  // every rank, after the broadcast: a bad table stops all ranks alike
   restore_moments(have_moments, m_full, v_full);
   start_ = resumed_["start"].get<int64_t>();
   consecutive_skipped_ = resumed_["consecutive_skipped"].get<int64_t>();

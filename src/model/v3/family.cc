@@ -76,9 +76,6 @@ class V3Family final : public Family {
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
     return model::step_flops(cfg_, batch, seq, mtp_, grad_accum);
   }
-  double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const override {
-    return model::forward_flops(cfg_, batch, seq, head_rows, mtp_);
-  }
 
   std::string training_note(const LossOptions& o) const override {
     if (cfg_.index_n_heads == 0) return "";

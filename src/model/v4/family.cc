@@ -90,9 +90,6 @@ class V4Family final : public Family {
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
     return v4_step_flops(cfg_, batch, seq, grad_accum);
   }
-  double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const override {
-    return v4_forward_flops(cfg_, batch, seq, head_rows);
-  }
 
   LossOptions::Whole loss_weights(const TrainBatch& whole, bool mtp) const override {
     const auto w = v4_loss_weights(V4TrainBatch::from_packed(whole));
