@@ -2,6 +2,9 @@
 // `tiny` and `small` presets per remat policy: tokens/s, the residual bytes
 // the forward keeps (counter saved_MiB), and model TFLOP/s by MaxText's
 // accounting (6 x parameters touched per token, plus causal attention).
+// TrainStepV4: the same for `v4-tiny` (model::v4_loss_and_grad), whose
+// layers keep or recompute whole sub-layers: everything, the attention's
+// residuals alone, the MoE's alone, or only each layer's input (full).
 //
 //   ./build/bench/train_step_bench --benchmark_min_time=2
 #include <string>
@@ -11,6 +14,9 @@
 #include "core/rng.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "model/v4_train.h"
+#include "train/checkpoint.h"
+#include "train/config.h"
 #include "train/flops.h"
 
 namespace {
@@ -55,7 +61,49 @@ void TrainStep(benchmark::State& state, const char* name, const char* policy) {
   state.counters["saved_MiB"] = double(t.saved_bytes) / (1 << 20);
 }
 
+model::RematPolicy v4_policy(const std::string& name) {
+  std::vector<std::pair<std::string, std::string>> kv;
+  const std::vector<const char*> attention = {"query_wa_proj", "mla_q",         "kv_wa_proj", "mla_kv",
+                                              "query_proj",    "attention_out", "context",    "out_proj"};
+  const std::vector<const char*> moe = {"mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"};
+  if (name == "keep_all") return model::RematPolicy::keep_all();
+  if (name == "full") return model::RematPolicy::from_name("full");
+  for (const char* n : name == "attention" ? attention : moe) kv.emplace_back(n, "device");
+  return model::RematPolicy::from_name("custom", kv);
+}
+
+void TrainStepV4(benchmark::State& state, const std::string& policy) {
+  const auto rc = train::parse_run_config("", {"model_name=" + preset("v4-tiny")}, "bench");
+  const auto& c = *rc.v4;
+  const int64_t B = state.range(0), T = state.range(1);
+  auto p = model::V4FlatParams::zeros(c);
+  train::init_v4_params(c, p, 1, 0.02f);
+  auto g = model::V4FlatParams::zeros(c);
+  const Philox rng(7);
+  std::vector<int32_t> in, tg;
+  for (int64_t i = 0; i < B * T; ++i) {
+    in.push_back(static_cast<int32_t>(rng.u32(2 * i) % c.vocab_size));
+    tg.push_back(static_cast<int32_t>(rng.u32(2 * i + 1) % c.vocab_size));
+  }
+  const auto b = model::V4TrainBatch::rows(B, T, in, tg);
+  model::V4LossOptions o;
+  o.remat = v4_policy(policy);
+  model::V4LossTerms t;
+  for (auto _ : state) {
+    t = model::v4_loss_and_grad(c, p.view, &g.ptr, b, o);
+    benchmark::DoNotOptimize(g.data.data());
+  }
+  state.counters["tokens_per_s"] = benchmark::Counter(double(B * T), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["saved_MiB"] = double(t.saved_bytes) / (1 << 20);
+}
+
 void register_all() {
+  for (const char* policy : {"keep_all", "attention", "moe", "full"})
+    benchmark::RegisterBenchmark((std::string("TrainStepV4/v4-tiny/") + policy).c_str(), TrainStepV4,
+                                 std::string(policy))
+        ->Args({8, 128})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   for (const char* name : {"tiny", "small"})
     for (const char* policy : {"full", "minimal", "save_dot_except_mlp", "save_qkv_proj"}) {
       auto* b = benchmark::RegisterBenchmark((std::string("TrainStep/") + name + "/" + policy).c_str(), TrainStep, name,

@@ -496,6 +496,40 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   }
 }
 
+namespace {
+
+template <class T>
+size_t vec_bytes(const T& v) {
+  return v.size() * sizeof(v[0]);
+}
+
+}  // namespace
+
+size_t V4LayerSaved::bytes() const {
+  size_t b = 0;
+  for (const Buffer<float>* v : {&X, &a0, &rstd_a, &a, &post, &comb, &o, &X1, &f0, &rstd_f, &f, &fpost, &fcomb, &fo,
+                                 &attn.qr_lin, &attn.qr, &attn.rstd_qr, &attn.q_lin, &attn.rstd_q, &attn.q,
+                                 &attn.kv_lin, &attn.rstd_kv, &attn.kv, &attn.o, &attn.lse, &attn.o2, &attn.z, &moe.g,
+                                 &moe.u, &moe.h, &moe.y, &moe.sg, &moe.su, &moe.sh})
+    b += vec_bytes(*v);
+  for (const V4CompressorSaved& c : attn.comp)
+    b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);
+  b += vec_bytes(attn.key_seg) + vec_bytes(attn.key_idx) + vec_bytes(attn.offsets);
+  b += vec_bytes(moe.experts) + vec_bytes(moe.weights) + vec_bytes(moe.scores);
+  b += vec_bytes(moe.rows.first) + vec_bytes(moe.rows.row) + vec_bytes(moe.rows.assignment);
+  return b;
+}
+
+size_t V4Saved::bytes() const {
+  size_t b = vec_bytes(ids) + vec_bytes(pos) + vec_bytes(head.X) + vec_bytes(head.y) + vec_bytes(head.rstd_y);
+  for (const V4LayerSaved& l : layers) b += l.bytes();
+  for (const V4MtpSaved& m : mtp)
+    for (const std::vector<float>* v : {&m.e0, &m.rstd_e, &m.e, &m.h0, &m.rstd_h, &m.h, &m.head.X, &m.head.y,
+                                        &m.head.rstd_y})
+      b += vec_bytes(*v);
+  return b;
+}
+
 V4ExpertRows::V4ExpertRows(const int32_t* experts, int64_t n, int64_t K, int64_t E, bool shared)
     : first(static_cast<size_t>(E + 1), 0), row(static_cast<size_t>(n * K)), assignment(row.size()) {
   for (int64_t a = 0; a < n * K; ++a) ++first[static_cast<size_t>(experts[a] + 1)];
@@ -631,55 +665,109 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
 
 void V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
                             const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
+  sublayer(X, X2, l, false, segs, ids, pos, n, ls);
+  sublayer(X, X2, l, true, segs, ids, pos, n, ls);
+}
+
+void V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
+                       const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& L = w_.layers[static_cast<size_t>(l)];
   const ops::MhcDims md = v4_mhc_dims(cfg_, n);
-  const size_t nd = static_cast<size_t>(n * d), nh = static_cast<size_t>(n * hc), ns = static_cast<size_t>(n * hc * d);
-  // Each sub-layer: x0 = mhc_pre(X), x = rmsnorm(x0), y = f(x), X = mhc_post(y, X).
-  // Training moves every buffer it keeps into ls (x0 and x apart, the input
-  // streams once mhc_post has read them) and the next sub-layer starts with
-  // fresh ones; inference normalises in place and reuses the buffers.
+  const size_t nd = static_cast<size_t>(n * d), nh = static_cast<size_t>(n * hc);
+  // x0 = mhc_pre(X), x = rmsnorm(x0), y = f(x), X = mhc_post(y, X). Training
+  // keeps x0 and x apart and moves every buffer into ls (the input streams
+  // once mhc_post has read them); inference normalises in place.
   Buffer<float> x0(nd), x, y(nd), rstd(static_cast<size_t>(n)), post(nh), comb(nh * static_cast<size_t>(hc));
-  auto sublayer = [&](const ops::WeightView& fn, const ops::WeightView& base, const ops::WeightView& scale,
-                      const ops::WeightView& norm, auto&& f) {
-    ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
-                         vector_data(scale), md);
-    if (ls) {
-      x.resize(nd);
-      ops::rmsnorm_forward(x.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
-    } else {
-      ops::rmsnorm_forward(x0.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
-    }
-    f(y.data(), ls ? x.data() : x0.data());
-    ops::mhc_post_forward(X2.data(), y.data(), X.data(), post.data(), comb.data(), md);
-    std::swap(X, X2);
-  };
-  // Moves the attention's or the MoE's buffers into ls; fresh ones follow.
-  auto keep = [&](Buffer<float>& in, Buffer<float>& a0, Buffer<float>& rs, Buffer<float>& a, Buffer<float>& p,
-                  Buffer<float>& c, Buffer<float>& o) {
-    in = std::move(X2);
-    a0 = std::move(x0);
-    rs = std::move(rstd);
-    a = std::move(x);
-    p = std::move(post);
-    c = std::move(comb);
-    o = std::move(y);
-    X2 = Buffer<float>(ns);
-    x0 = Buffer<float>(nd);
-    x = Buffer<float>();
-    rstd = Buffer<float>(static_cast<size_t>(n));
-    post = Buffer<float>(nh);
-    comb = Buffer<float>(nh * static_cast<size_t>(hc));
-    y = Buffer<float>(nd);
-  };
-  sublayer(L.hc_attn_fn, L.hc_attn_base, L.hc_attn_scale, L.attn_norm, [&](float* out, const float* a) {
-    attention(out, a, l, segs, pos, n, ls ? &ls->attn : nullptr);
-  });
-  if (ls) keep(ls->X, ls->a0, ls->rstd_a, ls->a, ls->post, ls->comb, ls->o);
-  sublayer(L.hc_ffn_fn, L.hc_ffn_base, L.hc_ffn_scale, L.ffn_norm,
-           [&](float* out, const float* a) { moe(out, a, ids, l, n, ls ? &ls->moe : nullptr); });
-  if (ls) keep(ls->X1, ls->f0, ls->rstd_f, ls->f, ls->fpost, ls->fcomb, ls->fo);
+  const auto& fn = ffn ? L.hc_ffn_fn : L.hc_attn_fn;
+  const auto& base = ffn ? L.hc_ffn_base : L.hc_attn_base;
+  const auto& scale = ffn ? L.hc_ffn_scale : L.hc_attn_scale;
+  const auto& norm = ffn ? L.ffn_norm : L.attn_norm;
+  ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
+                       vector_data(scale), md);
+  if (ls) {
+    x.resize(nd);
+    ops::rmsnorm_forward(x.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
+  } else {
+    ops::rmsnorm_forward(x0.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
+  }
+  const float* a = ls ? x.data() : x0.data();
+  if (ffn)
+    moe(y.data(), a, ids, l, n, ls ? &ls->moe : nullptr);
+  else
+    attention(y.data(), a, l, segs, pos, n, ls ? &ls->attn : nullptr);
+  X2.resize(X.size());
+  ops::mhc_post_forward(X2.data(), y.data(), X.data(), post.data(), comb.data(), md);
+  std::swap(X, X2);
+  if (!ls) return;
+  if (ffn) {
+    ls->X1 = std::move(X2), ls->f0 = std::move(x0), ls->rstd_f = std::move(rstd), ls->f = std::move(x);
+    ls->fpost = std::move(post), ls->fcomb = std::move(comb), ls->fo = std::move(y);
+  } else {
+    ls->X = std::move(X2), ls->a0 = std::move(x0), ls->rstd_a = std::move(rstd), ls->a = std::move(x);
+    ls->post = std::move(post), ls->comb = std::move(comb), ls->o = std::move(y);
+  }
+  X2 = Buffer<float>(X.size());
+}
+
+void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
+  // Each sub-layer's input streams stay: X (the layer's input, MaxText's
+  // decoder_layer_input) always, X1 while the MoE's backward reads it kept
+  // or the attention's rerun cannot rebuild it. The routing stays too (the
+  // expert loads are reported from it).
+  if (!saved.keep_attention) {
+    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &ls.o}) *b = Buffer<float>();
+    ls.attn = V4AttentionSaved();
+  }
+  if (!saved.keep_moe) {
+    for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
+    std::vector<int32_t> experts = std::move(ls.moe.experts);
+    ls.moe = V4MoeSaved();
+    ls.moe.experts = std::move(experts);
+    if (!saved.keep_attention) ls.X1 = Buffer<float>();
+  }
+}
+
+void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
+  const int64_t L = cfg_.num_hidden_layers;
+  DS_CHECK(l >= 0 && l < static_cast<int64_t>(saved.layers.size()), "internal: rerun of layer {} of {}", l,
+           saved.layers.size());
+  V4LayerSaved& ls = saved.layers[static_cast<size_t>(l)];
+  if (ls.has_attention() && ls.has_moe()) return;
+  DS_CHECK(!ls.X.empty() && (ls.has_attention() || ls.has_moe() || ls.X1.empty()),
+           "internal: layer {} kept no input streams to recompute from", l);
+  const bool mtp = l == L;
+  DS_CHECK(!mtp || !saved.mtp.empty(), "internal: the MTP block's rerun without its rows");
+  const std::vector<Segment>& segs = mtp ? saved.mtp[0].segs : saved.segs;
+  const int32_t* ids = mtp ? saved.mtp[0].ids.data() : saved.ids.data();
+  const int32_t* pos = mtp ? saved.mtp[0].pos.data() : saved.pos.data();
+  const int64_t n = static_cast<int64_t>(mtp ? saved.mtp[0].ids.size() : saved.ids.size());
+  Buffer<float> X, X2(ls.X.size());
+  if (!ls.has_attention()) {
+    // The attention again from the layer's input: its compressed entries
+    // too, so each sequence's state of this layer starts afresh.
+    for (const Segment& g : segs) g.state->layers[static_cast<size_t>(l)] = V4LayerState();
+    X = Buffer<float>(ls.X.size());
+    std::copy(ls.X.begin(), ls.X.end(), X.begin());
+    V4LayerSaved fresh;
+    sublayer(X, X2, l, false, segs, ids, pos, n, &fresh);
+    ls.a0 = std::move(fresh.a0), ls.rstd_a = std::move(fresh.rstd_a), ls.a = std::move(fresh.a);
+    ls.post = std::move(fresh.post), ls.comb = std::move(fresh.comb), ls.o = std::move(fresh.o);
+    ls.attn = std::move(fresh.attn);
+  } else {
+    X = Buffer<float>(ls.X1.size());
+    std::copy(ls.X1.begin(), ls.X1.end(), X.begin());
+  }
+  if (!ls.has_moe()) {
+    V4LayerSaved fresh;
+    sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
+    ls.X1 = std::move(fresh.X1), ls.f0 = std::move(fresh.f0), ls.rstd_f = std::move(fresh.rstd_f);
+    ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
+    ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);
+  } else if (ls.X1.empty()) {
+    ls.X1 = std::move(X);
+  }
 }
 
 std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,
@@ -753,8 +841,12 @@ std::vector<float> V4Model::run(const std::vector<V4Request>& batch, bool all_lo
     ops::widen_rows(row, w_.embed, ids[i], ids[i] + 1);
     for (int64_t j = 1; j < hc; ++j) std::copy(row, row + d, row + j * d);
   }
-  for (int64_t l = 0; l < L; ++l)
-    layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
+  if (saved) saved->segs = segs;
+  for (int64_t l = 0; l < L; ++l) {
+    V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
+    layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, ls);
+    if (ls) drop(*ls, *saved);
+  }
   for (const Segment& g : segs) g.state->length += g.n;
 
   if (mtp_logits) *mtp_logits = mtp_forward(X.data(), segs, ids, saved, logits);
@@ -796,6 +888,7 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
   if (saved) {
     saved->mtp.emplace_back();
     ms = &saved->mtp.back();
+    ms->segs = msegs;
     ms->rows = rows;
     ms->ids = next;
     ms->pos = pos;
@@ -827,8 +920,9 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < hc; ++j)
       for (int64_t i = 0; i < d; ++i) Xm[(r * hc + j) * d + i] += pe[r * d + i];
-  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R,
-                saved ? &saved->layers[static_cast<size_t>(l)] : nullptr);
+  V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
+  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, ls);
+  if (ls) drop(*ls, *saved);
   return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
                       logits);
 }

@@ -98,6 +98,14 @@ ops::SparseMqaDims v4_attention_dims(const V4Config& c, int64_t queries);
 // default, with the roundings) or float32, as V4State::bytes counts them.
 size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes = true);
 
+// The new tokens of one sequence in a batch forward: rows [row, row + n) of
+// the batch, at positions start, start + 1, ...
+struct V4Segment {
+  V4State* state;
+  const int32_t* ids;
+  int64_t start, n, row;
+};
+
 // What a training forward keeps for the backward (model/v4_train.h), per
 // layer. Rows are the batch's new tokens; compressor buffers are per
 // sequence (each a fresh state: its whole prompt in one forward).
@@ -147,6 +155,10 @@ struct V4MoeSaved {
   Buffer<float> sg, su, sh;  // shared expert [N, I]
 };
 struct V4LayerSaved {
+  bool has_attention() const { return !a0.empty(); }
+  bool has_moe() const { return !f0.empty(); }
+  // Bytes held (the residual memory of a remat policy).
+  size_t bytes() const;
   Buffer<float> X;                             // the layer's input streams [N, hc, d]
   Buffer<float> a0, rstd_a, a, post, comb, o;  // around the attention
   V4AttentionSaved attn;
@@ -161,6 +173,7 @@ struct V4HeadSaved {
 // The MTP layer (depth 1): row r is token rows[r] of the batch with the
 // next token ids[r] at position pos[r] of its sequence.
 struct V4MtpSaved {
+  std::vector<V4Segment> segs;  // the MTP rows as sequences (the MTP block's layer states)
   std::vector<int64_t> rows;
   std::vector<int32_t> ids, pos;
   std::vector<float> e0, rstd_e, e;  // the next token's embedding, before and after enorm [R, d]
@@ -168,7 +181,14 @@ struct V4MtpSaved {
   V4HeadSaved head;                  // its own mhc_head and norm; the block's in V4Saved::layers[L]
 };
 struct V4Saved {
+  size_t bytes() const;
+  // Set before the forward: which of each layer's sub-layers keep their
+  // residuals (v4_remat_keeps). A dropped sub-layer keeps only its input
+  // streams (X, or X1 for the MoE) and its routing; rerun_layer() rebuilds
+  // the rest with the same code, so the backward's result does not change.
+  bool keep_attention = true, keep_moe = true;
   std::vector<int32_t> ids, pos;
+  std::vector<V4Segment> segs;       // the batch's sequences (their states hold the compressed entries)
   std::vector<V4LayerSaved> layers;  // the main layers (then the MTP block)
   V4HeadSaved head;                  // the last layer's output streams of logit_rows
   std::vector<int64_t> logit_rows;   // rows whose logits were computed
@@ -209,6 +229,12 @@ class V4Model {
   // MTP layer's rows likewise.
   std::vector<float> forward_normed(const std::vector<V4Request>& batch, V4Saved* saved,
                                     std::vector<float>* mtp_normed = nullptr);
+  // Training under a remat policy: rebuilds the residuals of layer l (the
+  // MTP block when l = num_hidden_layers) that the forward dropped, from its
+  // kept input streams, with the forward's own code (the layer's state in
+  // every sequence is rebuilt with them). Nothing to do when all are there.
+  void rerun_layer(int64_t l, V4Saved& saved);
+
   // The LM head [vocab, hidden] (the embedding when tied).
   const ops::WeightView& head_weight() const { return cfg_.tie_word_embeddings ? w_.embed : w_.head; }
 
@@ -221,17 +247,17 @@ class V4Model {
   }
 
  private:
-  // The new tokens of one sequence: rows [row, row + n) of the batch, at
-  // positions start, start + 1, ...
-  struct Segment {
-    V4State* state;
-    const int32_t* ids;
-    int64_t start, n, row;
-  };
+  using Segment = V4Segment;
   // One layer (or the MTP block, l = num_hidden_layers) on the streams X
   // [n, hc, d], X2 scratch of the same size.
   void layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
                      const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+  // One of its sub-layers: X = mhc_post(f(rmsnorm(mhc_pre(X))), X), f the
+  // attention or (ffn) the MoE; with ls, its residuals move there.
+  void sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
+                const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+  // After a training forward's layer: what saved's keep flags drop.
+  void drop(V4LayerSaved& ls, const V4Saved& saved) const;
   // Both public batch forwards: with logits the head's product, else the
   // normed rows it would multiply.
   std::vector<float> run(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,

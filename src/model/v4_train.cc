@@ -4,6 +4,8 @@
 #include <cmath>
 #include <map>
 #include <numeric>
+#include <tuple>
+#include <utility>
 
 #include "core/buffer.h"
 #include "core/error.h"
@@ -57,7 +59,7 @@ HeadLoss head_loss_rows(const float* hn, const View& head, const V4TrainBatch& b
 class Backward {
  public:
   // Sequence k holds rows [first[k], first[k] + lengths[k]) of the batch.
-  Backward(const V4Config& c, const V4View& w, V4Params<float*>& g, const V4Model& model, const V4Saved& sv,
+  Backward(const V4Config& c, const V4View& w, V4Params<float*>& g, V4Model& model, V4Saved& sv,
            std::vector<V4State>& states, const std::vector<int64_t>& lengths)
       : c_(c),
         w_(w),
@@ -160,7 +162,15 @@ class Backward {
   }
 
   // dX holds dL/d(layer output) on entry, dL/d(layer input) on return.
+  // What the remat policy dropped is recomputed first, and the layer's
+  // residuals are freed after.
   void layer(int64_t l, Buffer<float>& dX) {
+    model_.rerun_layer(l, sv_);
+    layer_backward(l, dX);
+    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
+  }
+
+  void layer_backward(int64_t l, Buffer<float>& dX) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     const auto& s = sv_.layers[static_cast<size_t>(l)];
     const auto& L = w_.layers[static_cast<size_t>(l)];
@@ -346,8 +356,8 @@ class Backward {
   const V4Config& c_;
   const V4View& w_;
   V4Params<float*>& g_;
-  const V4Model& model_;
-  const V4Saved& sv_;
+  V4Model& model_;
+  V4Saved& sv_;
   std::vector<V4State>& states_;
   const std::vector<int64_t>& len_;
   std::vector<int64_t> first_;
@@ -357,6 +367,18 @@ class Backward {
 };
 
 }  // namespace
+
+std::pair<bool, bool> v4_remat_keeps(const RematPolicy& p) {
+  using R = Residual;
+  auto all = [&](std::initializer_list<Residual> names) {
+    for (Residual r : names)
+      if (!p.kept(r)) return false;
+    return true;
+  };
+  return {all({R::query_wa_proj, R::mla_q, R::kv_wa_proj, R::mla_kv, R::query_proj, R::context, R::attention_out,
+               R::out_proj}),
+          all({R::mlpwi_0, R::mlpwi_1, R::mlpwo, R::moe_mlpwi_0, R::moe_mlpwi_1, R::moe_mlpwo})};
+}
 
 int64_t V4FlatParams::numel(const V4Config& c) {
   int64_t n = 0;
@@ -528,6 +550,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     at += b.lengths[k];
   }
   V4Saved saved;
+  std::tie(saved.keep_attention, saved.keep_moe) = v4_remat_keeps(opt.remat);
   const bool want_saved = grads || opt.expert_load;
   std::vector<float> mtp_hn;
   const std::vector<float> hn = model.forward_normed(reqs, want_saved ? &saved : nullptr, with_mtp ? &mtp_hn : nullptr);
@@ -560,6 +583,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     out.mtp_loss = opt.mtp_loss_scaling_factor * mtp.ce_sum / (mnorm + 1e-8);
     out.loss += out.mtp_loss;
   }
+  out.saved_bytes = saved.bytes();
   if (opt.expert_load)
     for (const auto& L : saved.layers) {
       std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);

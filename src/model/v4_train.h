@@ -28,9 +28,11 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "model/model.h"
+#include "model/remat.h"
 #include "model/v4_config.h"
 #include "model/v4_params.h"
 #include "model/v4_weights.h"
@@ -85,6 +87,16 @@ struct V4TrainBatch {
   static V4TrainBatch from_packed(const TrainBatch& packed);
 };
 
+// The residuals a remat policy lets V4 keep: a sub-layer keeps its own
+// (attention: the q-LoRA, the query, the K=V latent, the attention's output
+// and log-sum-exp, the grouped projection; MoE: the experts' and the shared
+// expert's products) only when the policy keeps every name MaxText gives
+// them (query_wa_proj, mla_q, kv_wa_proj, mla_kv, query_proj, context,
+// attention_out, out_proj; mlpwi_0/1, mlpwo, moe_mlpwi_0/1, moe_mlpwo), else
+// it keeps its input streams alone and the backward reruns it.
+// {attention, moe}.
+std::pair<bool, bool> v4_remat_keeps(const RematPolicy& p);
+
 struct V4LossOptions {
   double z_loss_multiplier = 0.0;
   double grad_scale = 1.0;   // the gradient added is grad_scale x dloss/dparam
@@ -97,6 +109,8 @@ struct V4LossOptions {
   // so the gradient, is this shard's share of the whole batch's (0: this
   // batch is the whole).
   double whole_targets = 0, whole_mtp_targets = 0;
+  // Which residuals the forward keeps (the gradients do not depend on it).
+  RematPolicy remat = RematPolicy::keep_all();
 };
 
 // Counted targets of a batch, and those of its MTP rows (target t + 1 of
@@ -110,6 +124,7 @@ struct V4LossTerms {
   double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss
   int64_t tokens = 0, mtp_tokens = 0;                      // counted targets
   std::vector<std::vector<int64_t>> expert_load;           // per layer, the MTP block last (opt.expert_load)
+  size_t saved_bytes = 0;                                  // residuals held at the end of the forward
 };
 
 // w: float32 views of every float parameter (tid2eid as I32). With grads,

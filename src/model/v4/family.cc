@@ -3,8 +3,8 @@
 // (model/hf_params.h) and FLOP accounting (model/flops.h).
 //
 // Its layers do not run on the shared stage functions yet, so it binds to
-// whole flat buffers only (no FSDP, no expert parallelism, no batch split)
-// and keeps every activation for the backward.
+// whole flat buffers only (no FSDP, no expert parallelism, no batch split);
+// remat works at the granularity of a sub-layer (v4_remat_keeps).
 #include "model/family.h"
 
 #include <utility>
@@ -25,9 +25,11 @@ class V4Bound final : public BoundModel {
     has_grads_ = grads != nullptr;
   }
 
-  LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy&, bool grads) override {
+  LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy& remat,
+                          bool grads) override {
     DS_CHECK(!grads || has_grads_, "internal: a gradient asked of a model bound without a gradient buffer");
     V4LossOptions o;
+    o.remat = remat;
     o.z_loss_multiplier = opt.z_loss_multiplier;
     o.grad_scale = opt.grad_scale;
     o.expert_load = grads;
@@ -45,6 +47,7 @@ class V4Bound final : public BoundModel {
     t.mtp_loss = t4.mtp_loss;
     t.tokens = static_cast<double>(t4.tokens);
     t.expert_load = std::move(t4.expert_load);
+    t.saved_bytes = t4.saved_bytes;
     return t;
   }
 
@@ -110,8 +113,8 @@ class V4Family final : public Family {
              "for it");
   }
   std::string training_note(const LossOptions&) const override {
-    return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; every "
-           "activation is kept (remat_policy does not apply)";
+    return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; a "
+           "sub-layer whose residuals remat_policy does not all keep is recomputed whole in the backward";
   }
 
   std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
