@@ -61,6 +61,8 @@ class Family {
   virtual int64_t numel() const = 0;
   // The layers whose expert loads LossTerms::expert_load reports, in its order.
   virtual std::vector<int64_t> moe_layers() const = 0;
+  // Routed experts per MoE layer (0: none), which expert parallelism shares out.
+  virtual int64_t routed_experts() const = 0;
   // The aux-loss-free balancing rate (routed_bias_update_rate; 0: off).
   virtual double routed_bias_update_rate() const = 0;
 

@@ -579,11 +579,25 @@ void v4_add_by_expert(float* out, const float* rows, const float* w, const V4Exp
   });
 }
 
+V4ExpertRows V4ExpertRows::grouped(const std::vector<int32_t>& sizes, bool shared, int64_t n) {
+  V4ExpertRows er;
+  const int64_t E = static_cast<int64_t>(sizes.size());
+  er.first.assign(static_cast<size_t>(E + 1), 0);
+  for (int64_t e = 0; e < E; ++e) er.first[static_cast<size_t>(e + 1)] = er.first[static_cast<size_t>(e)] + sizes[e];
+  er.row.resize(static_cast<size_t>(er.total()));  // as_tasks counts them
+  if (shared) er.tasks.push_back(-1);
+  for (int64_t e = 0; e < E; ++e)
+    if (sizes[static_cast<size_t>(e)] > 0) er.tasks.push_back(e);
+  std::stable_sort(er.tasks.begin(), er.tasks.end(), [&](int64_t x, int64_t y) {
+    auto size = [&](int64_t e) { return e < 0 ? n : er.rows(e); };
+    return size(x) > size(y);
+  });
+  return er;
+}
+
 void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
   const auto& L = w_.layers[static_cast<size_t>(layer)];
   const int64_t d = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
-  const int64_t I = cfg_.moe_intermediate_size;
-  const float limit = static_cast<float>(cfg_.swiglu_limit);
   Buffer<float> logits(static_cast<size_t>(n * E)), scores(static_cast<size_t>(n * E));
   ops::linear_forward(logits.data(), x, L.gate, n);
   const ops::ExpertSelectionConfig sc = v4_selection_config(cfg_);
@@ -600,29 +614,53 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
 
   // Every routed expert's rows in expert-major buffers: its outputs ys and
   // g = w1 x, u = w3 x, h = silu(g) * u (training keeps them all).
-  const bool shared = cfg_.n_shared_experts > 0;
-  V4ExpertRows er(experts.data(), n, K, E, shared);
-  const size_t A = static_cast<size_t>(n * K);
+  V4ExpertRows er(experts.data(), n, K, E, cfg_.n_shared_experts > 0);
   Buffer<float> own[7];
   Buffer<float>& ys = sv ? sv->y : own[0];
-  Buffer<float>& g = sv ? sv->g : own[1];
-  Buffer<float>& u = sv ? sv->u : own[2];
-  Buffer<float>& h = sv ? sv->h : own[3];
-  Buffer<float>& sg = sv ? sv->sg : own[4];
-  Buffer<float>& su = sv ? sv->su : own[5];
-  Buffer<float>& sh = sv ? sv->sh : own[6];
+  Buffer<float>* inner = sv ? nullptr : own + 1;  // g, u, h, sg, su, sh when not kept
+  if (opt_.exchange)
+    experts_exchanged(out, ys, x, layer, n, er, inner, sv);
+  else
+    experts_local(out, ys, x, layer, n, er, inner, sv);
+  if (cfg_.n_shared_experts == 0) std::fill(out, out + n * d, 0.0f);
+  v4_add_by_expert(out, ys.data(), weights.data(), er, n, K, d);
+  if (sv) {
+    sv->experts = std::move(experts);
+    sv->weights = std::move(weights);
+    sv->scores.assign(scores.begin(), scores.end());
+    sv->rows = std::move(er);
+  }
+}
+
+namespace {
+
+// w2(silu(w1 x) * w3 x) with the clamp, for `rows` rows.
+void swiglu_rows(float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp, float* gr, float* ur,
+                 float* hr, int64_t I, float limit) {
+  ops::linear_forward(gr, xs, mp.w1, rows);
+  ops::linear_forward(ur, xs, mp.w3, rows);
+  ops::silu_mul_forward(hr, gr, ur, rows * I, limit);
+  ops::linear_forward(y, hr, mp.w2, rows);
+}
+
+}  // namespace
+
+void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
+                            const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv) {
+  const auto& L = w_.layers[static_cast<size_t>(layer)];
+  const int64_t d = cfg_.hidden_size, K = cfg_.num_experts_per_tok, I = cfg_.moe_intermediate_size;
+  const float limit = static_cast<float>(cfg_.swiglu_limit);
+  const size_t A = static_cast<size_t>(n * K);
+  Buffer<float>& g = sv ? sv->g : inner[0];
+  Buffer<float>& u = sv ? sv->u : inner[1];
+  Buffer<float>& h = sv ? sv->h : inner[2];
+  Buffer<float>& sg = sv ? sv->sg : inner[3];
+  Buffer<float>& su = sv ? sv->su : inner[4];
+  Buffer<float>& sh = sv ? sv->sh : inner[5];
   ys.resize(A * static_cast<size_t>(d));
   for (Buffer<float>* b : {&g, &u, &h}) b->resize(A * static_cast<size_t>(I));
-  if (shared)
+  if (cfg_.n_shared_experts > 0)
     for (Buffer<float>* b : {&sg, &su, &sh}) b->resize(static_cast<size_t>(n * I));
-  // w2(silu(w1 x) * w3 x) with the clamp.
-  auto swiglu = [&](float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp, float* gr,
-                    float* ur, float* hr) {
-    ops::linear_forward(gr, xs, mp.w1, rows);
-    ops::linear_forward(ur, xs, mp.w3, rows);
-    ops::silu_mul_forward(hr, gr, ur, rows * I, limit);
-    ops::linear_forward(y, hr, mp.w2, rows);
-  };
   // One task per expert; the shared expert's writes out. Many small experts
   // run on a thread each (a threaded product that small costs more in
   // overhead than in arithmetic); a few experts (decode), or large ones, run
@@ -632,7 +670,7 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
   parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t t) {
     const int64_t e = er.tasks[static_cast<size_t>(t)];
     if (e < 0) {
-      swiglu(out, x, n, L.shared, sg.data(), su.data(), sh.data());
+      swiglu_rows(out, x, n, L.shared, sg.data(), su.data(), sh.data(), I, limit);
       return;
     }
     const int64_t r0 = er.first[static_cast<size_t>(e)], cnt = er.rows(e);
@@ -641,17 +679,63 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
       const int64_t tok = er.assignment[static_cast<size_t>(r0 + j)] / K;
       std::copy(x + tok * d, x + (tok + 1) * d, xs.begin() + j * d);
     }
-    swiglu(ys.data() + r0 * d, xs.data(), cnt, L.experts[static_cast<size_t>(e)], g.data() + r0 * I, u.data() + r0 * I,
-           h.data() + r0 * I);
+    swiglu_rows(ys.data() + r0 * d, xs.data(), cnt, L.experts[static_cast<size_t>(e)], g.data() + r0 * I,
+                u.data() + r0 * I, h.data() + r0 * I, I, limit);
   });
-  if (!shared) std::fill(out, out + n * d, 0.0f);
-  v4_add_by_expert(out, ys.data(), weights.data(), er, n, K, d);
-  if (sv) {
-    sv->experts = std::move(experts);
-    sv->weights = std::move(weights);
-    sv->scores.assign(scores.begin(), scores.end());
-    sv->rows = std::move(er);
-  }
+}
+
+void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
+                                const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv) {
+  const auto& L = w_.layers[static_cast<size_t>(layer)];
+  const int64_t d = cfg_.hidden_size, K = cfg_.num_experts_per_tok, I = cfg_.moe_intermediate_size;
+  const int64_t E = cfg_.n_routed_experts;
+  const float limit = static_cast<float>(cfg_.swiglu_limit);
+  const size_t A = static_cast<size_t>(n * K);
+  // This rank's rows in expert order, planned and sent to their experts' ranks.
+  Buffer<float> xs(A * static_cast<size_t>(d));
+  parallel_ranges(static_cast<int64_t>(A), true, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t tok = er.assignment[static_cast<size_t>(r)] / K;
+      std::copy(x + tok * d, x + (tok + 1) * d, xs.begin() + r * d);
+    }
+  });
+  std::vector<int32_t> sizes(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) sizes[static_cast<size_t>(e)] = static_cast<int32_t>(er.rows(e));
+  ExchangePlan own_plan;
+  ExchangePlan& plan = sv ? sv->plan : own_plan;
+  opt_.exchange->plan(plan, sizes);
+  Buffer<float> own_xl;
+  Buffer<float>& xl = sv ? sv->xl : own_xl;
+  xl.resize(static_cast<size_t>(plan.local_rows * d));
+  opt_.exchange->dispatch(xl.data(), xs.data(), plan, d);
+  // The local rows, grouped by expert, and the shared expert on this rank's tokens.
+  V4ExpertRows own_local = V4ExpertRows::grouped(plan.local_sizes, cfg_.n_shared_experts > 0, n);
+  V4ExpertRows& local = sv ? sv->local : own_local;
+  if (sv) local = std::move(own_local);
+  const size_t R = static_cast<size_t>(plan.local_rows);
+  Buffer<float>& g = sv ? sv->g : inner[0];
+  Buffer<float>& u = sv ? sv->u : inner[1];
+  Buffer<float>& h = sv ? sv->h : inner[2];
+  Buffer<float>& sg = sv ? sv->sg : inner[3];
+  Buffer<float>& su = sv ? sv->su : inner[4];
+  Buffer<float>& sh = sv ? sv->sh : inner[5];
+  for (Buffer<float>* b : {&g, &u, &h}) b->resize(R * static_cast<size_t>(I));
+  if (cfg_.n_shared_experts > 0)
+    for (Buffer<float>* b : {&sg, &su, &sh}) b->resize(static_cast<size_t>(n * I));
+  Buffer<float> yl(R * static_cast<size_t>(d));
+  parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t t) {
+    const int64_t e = local.tasks[static_cast<size_t>(t)];
+    if (e < 0) {
+      swiglu_rows(out, x, n, L.shared, sg.data(), su.data(), sh.data(), I, limit);
+      return;
+    }
+    const int64_t r0 = local.first[static_cast<size_t>(e)];
+    swiglu_rows(yl.data() + r0 * d, xl.data() + r0 * d, local.rows(e), L.experts[static_cast<size_t>(e)],
+                g.data() + r0 * I, u.data() + r0 * I, h.data() + r0 * I, I, limit);
+  });
+  // The results back to the ranks of their tokens, in this rank's order.
+  ys.resize(A * static_cast<size_t>(d));
+  opt_.exchange->undispatch(ys.data(), yl.data(), plan, d);
 }
 
 std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits) {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "model/stages.h"
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
@@ -51,6 +52,10 @@ struct V4Options {
   // widened once per forward while there are at most this many, and scored
   // by sgemm; beyond, every query scores them from the codes directly.
   int64_t widen_index_keys_up_to = 4096;
+  // Training with expert parallelism: each routed row is computed on the
+  // rank of its expert (model/stages.h's TokenExchange, collective over the
+  // expert axis: every rank must run the same layers in the same order).
+  TokenExchange* exchange = nullptr;
 };
 
 // A compressor's pending rows: the projections (P, Z with the position
@@ -136,10 +141,14 @@ struct V4ExpertRows {
   V4ExpertRows() = default;
   V4ExpertRows(const int32_t* experts, int64_t n, int64_t K, int64_t E, bool shared);
   int64_t rows(int64_t e) const { return first[static_cast<size_t>(e + 1)] - first[static_cast<size_t>(e)]; }
+  // Rows already grouped by expert, sizes[e] of expert e (only first and
+  // tasks are set; the shared expert's task, with `shared`, counts n rows).
+  static V4ExpertRows grouped(const std::vector<int32_t>& sizes, bool shared, int64_t n);
   // Whether the tasks run on a thread each rather than one after another
   // with every thread inside each product: many experts whose products
   // (width hidden -> intermediate) are small.
   bool as_tasks(int64_t hidden, int64_t intermediate) const;
+  int64_t total() const { return first.empty() ? 0 : first.back(); }
 };
 // out[t] (+)= the rows of token t's assignments, each times w[a] when w is
 // given, in the order of their experts (the order of a loop over experts,
@@ -153,6 +162,12 @@ struct V4MoeSaved {
   V4ExpertRows rows;
   Buffer<float> g, u, h, y;  // routed rows, expert-major: [N K, I] x3, [N K, d]
   Buffer<float> sg, su, sh;  // shared expert [N, I]
+  // With expert parallelism: the exchange's plan, the rows this rank
+  // computes (every rank's rows of its experts, grouped by expert: `local`)
+  // and their inputs xl; g, u, h are then those rows' ([local rows, I]).
+  ExchangePlan plan;
+  V4ExpertRows local;
+  Buffer<float> xl;
 };
 struct V4LayerSaved {
   bool has_attention() const { return !a0.empty(); }
@@ -278,6 +293,13 @@ class V4Model {
                 int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
                 const std::pair<const float*, const float*>& proj = {nullptr, nullptr});
   void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
+  // The routed experts' rows ys [n K, d] (expert-major, er's order) and the
+  // shared expert's output into out, computed here, or with the exchange
+  // on the ranks of their experts; g, u, h as V4MoeSaved holds them.
+  void experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n, const V4ExpertRows& er,
+                     Buffer<float>* inner, V4MoeSaved* sv);
+  void experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
+                         const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv);
 
   const V4Config& cfg_;
   const V4View& w_;

@@ -315,6 +315,9 @@ class Backward {
     // added to dx afterwards in expert order.
     const V4ExpertRows& er = s.rows;
     Buffer<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
+    if (model_.options().exchange) {
+      moe_exchanged(dx, dweights, dxs, dout, s, x, l, swiglu);
+    } else {
     parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
       const int64_t e = er.tasks[static_cast<size_t>(task)];
       const size_t ei = static_cast<size_t>(e);
@@ -340,6 +343,7 @@ class Backward {
       swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
              s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
     });
+    }
     v4_add_by_expert(dx, dxs.data(), nullptr, er, n_, K, d);
     // The router, through the combine weights (its choices are constants).
     Buffer<float> dlogits(static_cast<size_t>(n_ * E));
@@ -347,6 +351,52 @@ class Backward {
                                    v4_selection_config(c_));
     need_vector_data(L.gate, "ffn.gate");
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
+  }
+
+  // The routed experts' backward under expert parallelism: the output
+  // rows' gradients travel to their experts' ranks (the transpose of the
+  // forward's undispatch), the experts' input gradients come back; dxs
+  // [n K, d] (expert-major, this rank's order) and dweights `=`, the shared
+  // expert's input gradient into dx.
+  template <class Swiglu>
+  void moe_exchanged(float* dx, Buffer<float>& dweights, Buffer<float>& dxs, const float* dout, const V4MoeSaved& s,
+                     const float* x, int64_t l, Swiglu&& swiglu) {
+    const auto& L = w_.layers[static_cast<size_t>(l)];
+    auto& G = g_.layers[static_cast<size_t>(l)];
+    const int64_t d = c_.hidden_size, K = c_.num_experts_per_tok, I = c_.moe_intermediate_size;
+    TokenExchange& ex = *model_.options().exchange;
+    const V4ExpertRows& er = s.rows;
+    const int64_t A = n_ * K, R = s.plan.local_rows;
+    Buffer<float> dy(static_cast<size_t>(A * d));
+    parallel_ranges(A, true, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t asg = er.assignment[static_cast<size_t>(r)], t = asg / K;
+        const float wgt = s.weights[static_cast<size_t>(asg)];
+        const float* y = s.y.data() + r * d;
+        double dot = 0;
+        for (int64_t i = 0; i < d; ++i) {
+          dot += static_cast<double>(dout[t * d + i]) * y[i];
+          dy[static_cast<size_t>(r * d + i)] = wgt * dout[t * d + i];
+        }
+        dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
+      }
+    });
+    Buffer<float> dyl(static_cast<size_t>(R * d));
+    ex.dispatch_gradient(dyl.data(), dy.data(), s.plan, d);
+    Buffer<float> dxl = zeros(R * d);
+    const V4ExpertRows& local = s.local;
+    parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t task) {
+      const int64_t e = local.tasks[static_cast<size_t>(task)];
+      if (e < 0) {
+        swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
+        return;
+      }
+      const int64_t r0 = local.first[static_cast<size_t>(e)];
+      swiglu(dxl.data() + r0 * d, dyl.data() + r0 * d, s.xl.data() + r0 * d, local.rows(e), s.g.data() + r0 * I,
+             s.u.data() + r0 * I, s.h.data() + r0 * I, L.experts[static_cast<size_t>(e)],
+             G.experts[static_cast<size_t>(e)]);
+    });
+    ex.undispatch(dxs.data(), dxl.data(), s.plan, d);
   }
 
   const std::vector<float>& entries(int64_t seq, int64_t l) const {
@@ -534,13 +584,19 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   for (int32_t t : b.targets) DS_CHECK(t >= 0 && t < V, "target {} is outside the vocabulary of {}", t, V);
   const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
   V4LossTerms out;
+  DS_CHECK(!opt.exchange || n > 0,
+           "expert parallelism: this rank's share of the batch holds no token (only padding), and its expert-axis "
+           "peers wait on its exchange; use fewer ranks or longer documents");
   if (n == 0) {  // only padding: no term, no gradient, loads of zero
     if (opt.expert_load)
       out.expert_load.assign(static_cast<size_t>(cfg.num_hidden_layers + (with_mtp ? 1 : 0)),
                              std::vector<int64_t>(static_cast<size_t>(cfg.n_routed_experts), 0));
     return out;
   }
-  V4Model model(cfg, w, V4Options{false});
+  V4Options mo;
+  mo.qat = false;
+  mo.exchange = opt.exchange;
+  V4Model model(cfg, w, mo);
   std::vector<V4State> states;
   std::vector<V4Request> reqs;
   for (size_t k = 0; k < b.lengths.size(); ++k) states.push_back(model.new_state());

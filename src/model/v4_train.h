@@ -111,6 +111,9 @@ struct V4LossOptions {
   double whole_targets = 0, whole_mtp_targets = 0;
   // Which residuals the forward keeps (the gradients do not depend on it).
   RematPolicy remat = RematPolicy::keep_all();
+  // Expert parallelism (V4Options::exchange; null: none). Every rank of the
+  // expert axis must call with a batch of at least one token.
+  TokenExchange* exchange = nullptr;
 };
 
 // Counted targets of a batch, and those of its MTP rows (target t + 1 of

@@ -206,13 +206,10 @@ void Trainer::set_up_mesh() {
   // Without the stage functions' plans, every rank holds the whole model and
   // the batch is split over the data and fsdp axes alike.
   const model::ModelConfig* staged = family_->stage_config();
-  DS_CHECK(staged || X_ == 1,
-           "{}: expert parallelism is not implemented for {} models (ici_/dcn_data_parallelism and fsdp split the "
-           "batch)",
-           mesh.describe(), family_->name());
   if (!staged && multi_ && lead_)
-    fmt::print(stderr, "{} on {}: every rank holds the whole model; the batch is split over {} ranks\n",
-               family_->name(), mesh.describe(), world_.size());
+    fmt::print(stderr, "{} on {}: every rank holds the whole model; the batch is split over {} ranks{}\n",
+               family_->name(), mesh.describe(), world_.size(),
+               X_ > 1 ? ", each routed row computed on its expert's rank" : "");
   // A modeled link under the per-layer collectives: the expert exchange, the
   // dense weights' gathers (shard group) and the experts' (fsdp axis).
   if (tc_.link_model_gbps > 0) {
@@ -226,10 +223,10 @@ void Trainer::set_up_mesh() {
   DS_CHECK(!tc_.expert_grad_comm_fp8 || X_ > 1,
            "expert_grad_comm_fp8 needs expert parallelism (ici_ or dcn_expert_parallelism > 1)");
   if (X_ > 1) {
-    DS_CHECK(staged->n_routed_experts > 0, "expert parallelism ({}) needs a model with routed experts",
+    DS_CHECK(family_->routed_experts() > 0, "expert parallelism ({}) needs a model with routed experts",
              mesh.describe());
     dist::Communicator& expert_comm = link_expert_ ? *link_expert_ : mesh.axis(dist::kExpert);
-    exchange_ = std::make_unique<dist::ExpertExchange>(expert_comm, staged->n_routed_experts,
+    exchange_ = std::make_unique<dist::ExpertExchange>(expert_comm, family_->routed_experts(),
                                                        tc_.expert_dispatch == "allgather"
                                                            ? dist::ExpertExchange::Mode::AllGather
                                                            : dist::ExpertExchange::Mode::AllToAll,

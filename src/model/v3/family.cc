@@ -52,6 +52,7 @@ class V3Family final : public Family {
 
   std::vector<ParamInfo> layout() const override { return param_infos(cfg_, mtp_); }
   int64_t numel() const override { return FlatParams::numel(cfg_, mtp_); }
+  int64_t routed_experts() const override { return cfg_.n_routed_experts; }
   std::vector<int64_t> moe_layers() const override {
     std::vector<int64_t> v;
     for (int64_t l = 0; l < cfg_.num_hidden_layers + mtp_; ++l)

@@ -3,8 +3,10 @@
 // (model/hf_params.h) and FLOP accounting (model/flops.h).
 //
 // Its layers do not run on the shared stage functions yet, so it binds to
-// whole flat buffers only (no FSDP, no expert parallelism, no batch split);
-// remat works at the granularity of a sub-layer (v4_remat_keeps).
+// whole flat buffers only: expert parallelism computes each routed row on
+// its expert's rank but every rank holds every weight (no FSDP, no batch
+// split yet); remat works at the granularity of a sub-layer
+// (v4_remat_keeps).
 #include "model/family.h"
 
 #include <utility>
@@ -30,6 +32,7 @@ class V4Bound final : public BoundModel {
     DS_CHECK(!grads || has_grads_, "internal: a gradient asked of a model bound without a gradient buffer");
     V4LossOptions o;
     o.remat = remat;
+    o.exchange = opt.exchange;
     o.z_loss_multiplier = opt.z_loss_multiplier;
     o.grad_scale = opt.grad_scale;
     o.expert_load = grads;
@@ -71,6 +74,7 @@ class V4Family final : public Family {
 
   std::vector<ParamInfo> layout() const override { return v4_param_infos(cfg_); }
   int64_t numel() const override { return V4FlatParams::numel(cfg_); }
+  int64_t routed_experts() const override { return cfg_.n_routed_experts; }
   std::vector<int64_t> moe_layers() const override {
     std::vector<int64_t> v;  // every layer, the MTP blocks last
     for (int64_t l = 0; l < cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers; ++l) v.push_back(l);
@@ -106,11 +110,10 @@ class V4Family final : public Family {
              "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
              "(its CSA layers always attend through it)");
     DS_CHECK(o.batch_split_factor == 1,
-             "use_batch_split_schedule overlaps the expert exchange, and DeepSeek-V4 training has no expert "
-             "parallelism");
-    DS_CHECK(!o.exchange && !o.stream,
-             "DeepSeek-V4 training runs as data parallelism only: FSDP and expert parallelism are not implemented "
-             "for it");
+             "use_batch_split_schedule: the batch-split schedule is not implemented for DeepSeek-V4 training yet");
+    DS_CHECK(!o.stream,
+             "ici_/dcn_fsdp_parallelism with expert parallelism: sharding DeepSeek-V4's weights (FSDP) is not "
+             "implemented yet; every rank holds the whole model (data and expert parallelism)");
   }
   std::string training_note(const LossOptions&) const override {
     return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; a "
