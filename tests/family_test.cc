@@ -173,8 +173,11 @@ TEST(Family, WhatAFamilyLacksIsOneError) {
   o.batch_split_factor = 2;
   EXPECT_THROW(v4->check_loss_options(o), Error);
   o = {};
+  o.indexer_loss_scaling_factor = 1;
+  EXPECT_THROW(v4->check_loss_options(o), Error);  // its indexer is not trained
+  o = {};
   o.load_balance_loss_weight = 0.1;
-  EXPECT_THROW(v4->check_loss_options(o), Error);
+  EXPECT_NO_THROW(v4->check_loss_options(o));
   EXPECT_EQ(v4->stage_config(), nullptr);
   EXPECT_EQ(v4->bind_trees(model::ParamsView{}, nullptr), nullptr);
   const auto v3 = train::model_family(run_config(kTiny));

@@ -91,7 +91,6 @@ TEST(V4TrainConfig, WhatTheV4TrainerLacksIsOneClearError) {
   const std::string m = "model_name=" + kV4Tiny;
   for (const auto& o : std::vector<std::vector<std::string>>{
            {m, "mtp_num_layers=2"},                // V4 has one MTP layer
-           {m, "load_balance_loss_weight=0.01"},   // only the bias update balances
            {m, "indexer_loss_scaling_factor=1"},   // the indexer is not trained
            {m, "base_num_kv_heads=2"},             // one shared K=V head
            {m, "first_num_dense_layers=1"},        // a V3 key on a V4 model

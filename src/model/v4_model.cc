@@ -798,8 +798,8 @@ void V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn,
 void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   // Each sub-layer's input streams stay: X (the layer's input, MaxText's
   // decoder_layer_input) always, X1 while the MoE's backward reads it kept
-  // or the attention's rerun cannot rebuild it. The routing stays too (the
-  // expert loads are reported from it).
+  // or the attention's rerun cannot rebuild it. The routing's choices and
+  // scores stay too (the expert loads and the balance loss read them).
   if (!saved.keep_attention) {
     for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &ls.o}) *b = Buffer<float>();
     ls.attn = V4AttentionSaved();
@@ -807,8 +807,10 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   if (!saved.keep_moe) {
     for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
     std::vector<int32_t> experts = std::move(ls.moe.experts);
+    std::vector<float> scores = std::move(ls.moe.scores);
     ls.moe = V4MoeSaved();
     ls.moe.experts = std::move(experts);
+    ls.moe.scores = std::move(scores);
     if (!saved.keep_attention) ls.X1 = Buffer<float>();
   }
 }

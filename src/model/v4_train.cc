@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/stages.h"
+#include "model/v4_balance.h"
 #include "model/v4_model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
@@ -56,6 +57,29 @@ HeadLoss head_loss_rows(const float* hn, const View& head, const V4TrainBatch& b
   return hl;
 }
 
+// The balance loss of a step: its weight, the rows of the main pass's and
+// the MTP pass's tokens, and dloss/dlayer (the loss is the mean over the
+// score-routed layers).
+struct Balance {
+  double weight = 0, dloss = 0;
+  V4BalanceRows main, mtp;
+};
+
+// The packed rows of a pass's tokens: every token of sequence k (the main
+// pass), or all but its last (the MTP pass), in row b.row_of[k] (its own
+// row when the batch has none).
+V4BalanceRows balance_rows(const V4TrainBatch& b, bool mtp, int64_t whole_rows) {
+  V4BalanceRows r;
+  int64_t rows = 0;
+  for (size_t k = 0; k < b.lengths.size(); ++k) {
+    const int64_t row = b.row_of.empty() ? static_cast<int64_t>(k) : b.row_of[k];
+    rows = std::max(rows, row + 1);
+    for (int64_t t = 0; t < b.lengths[k] - (mtp ? 1 : 0); ++t) r.row_of.push_back(row);
+  }
+  r.whole_rows = whole_rows > 0 ? whole_rows : std::max(rows, b.packed_rows);
+  return r;
+}
+
 class Backward {
  public:
   // Sequence k holds rows [first[k], first[k] + lengths[k]) of the batch.
@@ -76,6 +100,12 @@ class Backward {
       first_.push_back(at);
       at += L;
     }
+  }
+
+  // The balance loss's gradient too (its rows and dloss per layer).
+  void set_balance(const Balance* b) {
+    balance_ = b;
+    balance_rows_ = &b->main;
   }
 
   // dyn, the gradient of the main head's normed rows [n, d] (and the MTP
@@ -131,10 +161,12 @@ class Backward {
     const ops::MhcDims md0 = md_;
     const int32_t* pos0 = pos_;
     n_ = R;
+    balance_rows_ = balance_ ? &balance_->mtp : nullptr;
     md_ = v4_mhc_dims(c_, R);
     pos_ = ms.pos.data();
     layer(l, dXm);
     n_ = n0;
+    balance_rows_ = balance_ ? &balance_->main : nullptr;
     md_ = md0;
     pos_ = pos0;
     // Xm = h_proj(h) + e_proj(e) copied into every stream.
@@ -349,6 +381,9 @@ class Backward {
     Buffer<float> dlogits(static_cast<size_t>(n_ * E));
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
                                    v4_selection_config(c_));
+    if (balance_ && !c_.hash_routed(l))
+      v4_balance_loss_backward(dlogits.data(), s.scores.data(), s.experts.data(), vector_data(L.gate_bias),
+                               *balance_rows_, E, K, balance_->weight, balance_->dloss);
     need_vector_data(L.gate, "ffn.gate");
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
   }
@@ -406,6 +441,8 @@ class Backward {
   const V4Config& c_;
   const V4View& w_;
   V4Params<float*>& g_;
+  const Balance* balance_ = nullptr;
+  const V4BalanceRows* balance_rows_ = nullptr;  // the pass's (main or MTP)
   V4Model& model_;
   V4Saved& sv_;
   std::vector<V4State>& states_;
@@ -532,6 +569,7 @@ V4TrainBatch V4TrainBatch::from_packed(const TrainBatch& p) {
                static_cast<int64_t>(p.target_segment_ids.size()) == n,
            "training batch of {} x {} tokens has fields of the wrong length", p.batch, p.seq);
   V4TrainBatch b;
+  b.packed_rows = p.batch;
   b.counted.reserve(static_cast<size_t>(n));
   for (int64_t r = 0; r < p.batch; ++r)
     for (int64_t t = r * p.seq; t < (r + 1) * p.seq;) {
@@ -549,6 +587,7 @@ V4TrainBatch V4TrainBatch::from_packed(const TrainBatch& p) {
         b.targets.insert(b.targets.end(), p.targets.begin() + t, p.targets.begin() + e);
         for (int64_t k = t; k < e; ++k) b.counted.push_back(p.target_segment_ids[static_cast<size_t>(k)] != 0);
         b.lengths.push_back(e - t);
+        b.row_of.push_back(r);
       }
       t = e;
     }
@@ -607,7 +646,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   }
   V4Saved saved;
   std::tie(saved.keep_attention, saved.keep_moe) = v4_remat_keeps(opt.remat);
-  const bool want_saved = grads || opt.expert_load;
+  const bool want_saved = grads || opt.expert_load || opt.load_balance_loss_weight > 0;
   std::vector<float> mtp_hn;
   const std::vector<float> hn = model.forward_normed(reqs, want_saved ? &saved : nullptr, with_mtp ? &mtp_hn : nullptr);
   // The LM head and its loss fused, a vocabulary chunk at a time: no
@@ -640,6 +679,28 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     out.loss += out.mtp_loss;
   }
   out.saved_bytes = saved.bytes();
+  // MaxText's balance loss: the mean over the score-routed layers (the MTP
+  // block's included) of each one's.
+  Balance bal;
+  std::vector<int64_t> balance_layers;
+  if (opt.load_balance_loss_weight > 0) {
+    bal.weight = opt.load_balance_loss_weight;
+    bal.main = balance_rows(b, false, opt.whole_rows);
+    bal.mtp = balance_rows(b, true, opt.whole_rows);
+    double sum = 0;
+    for (size_t l = 0; l < saved.layers.size(); ++l) {
+      const int64_t li = static_cast<int64_t>(l);
+      if (cfg.hash_routed(li)) continue;
+      const V4MoeSaved& m = saved.layers[l].moe;
+      if (m.experts.empty()) continue;  // an MTP block without rows
+      sum += v4_balance_loss(m.scores.data(), m.experts.data(), vector_data(w.layers[l].gate_bias),
+                             li < cfg.num_hidden_layers ? bal.main : bal.mtp, cfg.n_routed_experts,
+                             cfg.num_experts_per_tok, bal.weight);
+      balance_layers.push_back(li);
+    }
+    if (!balance_layers.empty()) out.moe_lb_loss = sum / static_cast<double>(balance_layers.size());
+    out.loss += out.moe_lb_loss;
+  }
   if (opt.expert_load)
     for (const auto& L : saved.layers) {
       std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);
@@ -654,7 +715,12 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     if (!mrows.empty())
       head_loss_backward(dmtp.data(), dhead, mtp, mtp_hn.data(), head, static_cast<int64_t>(mrows.size()), d, 0.0,
                          opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
-    Backward(cfg, w, *grads, model, saved, states, b.lengths).run(dyn, with_mtp ? &dmtp : nullptr);
+    Backward bw(cfg, w, *grads, model, saved, states, b.lengths);
+    if (!balance_layers.empty()) {
+      bal.dloss = opt.grad_scale / static_cast<double>(balance_layers.size());
+      bw.set_balance(&bal);
+    }
+    bw.run(dyn, with_mtp ? &dmtp : nullptr);
   }
   return out;
 }

@@ -77,6 +77,8 @@ struct V4TrainBatch {
   std::vector<int32_t> inputs, targets;  // every sequence's tokens, one sequence after another
   std::vector<int64_t> lengths;          // tokens of each sequence
   std::vector<uint8_t> counted;          // per target: 1 when it counts in the loss (empty: all count)
+  std::vector<int64_t> row_of;           // per sequence: the packed row it came from (empty: its own)
+  int64_t packed_rows = 0;               // rows of the packed batch, padding rows too (0: the sequences)
 
   // `batch` sequences of `seq` tokens, every target counted.
   static V4TrainBatch rows(int64_t batch, int64_t seq, std::vector<int32_t> inputs, std::vector<int32_t> targets);
@@ -114,6 +116,10 @@ struct V4LossOptions {
   // Expert parallelism (V4Options::exchange; null: none). Every rank of the
   // expert axis must call with a batch of at least one token.
   TokenExchange* exchange = nullptr;
+  // MaxText's load-balance loss on the score-routed layers (model/v4_balance.h;
+  // 0: none), with the whole batch's packed rows (0: this batch's).
+  double load_balance_loss_weight = 0;
+  int64_t whole_rows = 0;
 };
 
 // Counted targets of a batch, and those of its MTP rows (target t + 1 of
@@ -124,7 +130,8 @@ struct V4LossWeights {
 V4LossWeights v4_loss_weights(const V4TrainBatch& b);
 
 struct V4LossTerms {
-  double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss
+  double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss + moe_lb_loss
+  double moe_lb_loss = 0;
   int64_t tokens = 0, mtp_tokens = 0;                      // counted targets
   std::vector<std::vector<int64_t>> expert_load;           // per layer, the MTP block last (opt.expert_load)
   size_t saved_bytes = 0;                                  // residuals held at the end of the forward

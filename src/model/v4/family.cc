@@ -33,6 +33,7 @@ class V4Bound final : public BoundModel {
     V4LossOptions o;
     o.remat = remat;
     o.exchange = opt.exchange;
+    o.load_balance_loss_weight = opt.load_balance_loss_weight;
     o.z_loss_multiplier = opt.z_loss_multiplier;
     o.grad_scale = opt.grad_scale;
     o.expert_load = grads;
@@ -41,6 +42,7 @@ class V4Bound final : public BoundModel {
     if (opt.whole.rows > 0) {
       o.whole_targets = opt.whole.targets;
       o.whole_mtp_targets = opt.whole.mtp_targets;
+      o.whole_rows = opt.whole.rows;
     }
     auto t4 = v4_loss_and_grad(cfg_, params_.view, grads ? &grads_.ptr : nullptr, V4TrainBatch::from_packed(batch), o);
     LossTerms t;
@@ -48,6 +50,7 @@ class V4Bound final : public BoundModel {
     t.lm_loss = t4.lm_loss;
     t.z_loss = t4.z_loss;
     t.mtp_loss = t4.mtp_loss;
+    t.moe_lb_loss = t4.moe_lb_loss;
     t.tokens = static_cast<double>(t4.tokens);
     t.expert_load = std::move(t4.expert_load);
     t.saved_bytes = t4.saved_bytes;
@@ -103,9 +106,6 @@ class V4Family final : public Family {
     return {w.targets, mtp ? w.mtp_targets : 0.0, whole.batch};
   }
   void check_loss_options(const LossOptions& o) const override {
-    DS_CHECK(o.load_balance_loss_weight == 0,
-             "load_balance_loss_weight: DeepSeek-V4 training balances its experts by the routing-bias update "
-             "(routed_bias_update_rate); the balance loss is not implemented for it");
     DS_CHECK(o.indexer_loss_scaling_factor == 0 && !o.indexer_sparse_training,
              "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
              "(its CSA layers always attend through it)");
