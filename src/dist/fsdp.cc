@@ -7,10 +7,9 @@
 
 namespace ds::dist {
 
-FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& group, Communicator& fsdp,
+FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, Communicator& group, Communicator& fsdp,
                        Communicator* expert)
-    : cfg_(cfg),
-      mtp_(mtp_layers),
+    : layout_(std::move(layout)),
       single_(expert ? nullptr : make_single()),
       group_(group),
       fsdp_(fsdp),
@@ -20,17 +19,55 @@ FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Commun
       X_(expert_.size()),
       g_(group.rank()),
       f_(fsdp.rank()),
-      x_(expert_.rank()),
-      L_(cfg.num_hidden_layers) {
+      x_(expert_.rank()) {}
+
+FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, int64_t routed_experts, Leaves leaves,
+                       Communicator& group, Communicator& fsdp, Communicator* expert)
+    : FsdpParams(std::move(layout), group, fsdp, expert) {
+  leaves_ = std::move(leaves);
+  DS_CHECK(leaves_.views.size() == layout_.size() && leaves_.grads.size() == layout_.size(),
+           "internal: FSDP leaves for {} and {} of {} tensors", leaves_.views.size(), leaves_.grads.size(),
+           layout_.size());
+  cut_units(routed_experts);
+}
+
+FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& group, Communicator& fsdp,
+                       Communicator* expert)
+    : FsdpParams(model::param_infos(cfg, mtp_layers), group, fsdp, expert) {
+  leaves_ = tree_leaves(cfg, mtp_layers);
+  cut_units(cfg.n_routed_experts);
+}
+
+FsdpParams::Leaves FsdpParams::tree_leaves(const model::ModelConfig& cfg, int64_t mtp_layers) {
+  view = model::make_params<ops::WeightView>(cfg, mtp_layers);
+  grads = model::make_params<float*>(cfg, mtp_layers);
+  Leaves l;
+  model::for_each_param(
+      cfg, mtp_layers,
+      [&](const model::ParamInfo&, ops::WeightView& wv, float*& g) {
+        l.views.push_back(&wv);
+        l.grads.push_back(&g);
+      },
+      view, grads);
+  if (cfg.tie_word_embeddings)
+    l.after_point = [this](int64_t u) {
+      if (u != 0) return;
+      view.lm_head = view.embed;
+      grads.lm_head = grads.embed;
+    };
+  return l;
+}
+
+void FsdpParams::cut_units(int64_t E) {
   DS_CHECK(G_ == F_ * X_ && g_ == f_ * X_ + x_, "internal: shard group of {} ranks (rank {}) for fsdp={} x expert={}",
            G_, g_, F_, X_);
-  const int64_t E = cfg.n_routed_experts;
   DS_CHECK(X_ == 1 || (E > 0 && E % X_ == 0), "{} routed experts do not split over {} expert ranks", E, X_);
-  const int64_t U = L_ + mtp_;
+  for (const model::ParamInfo& i : layout_) layer_units_ = std::max(layer_units_, i.layer + 1);
+  const int64_t U = layer_units_;
   units_.assign(static_cast<size_t>(U + 2), Unit{});
   std::vector<bool> seen(units_.size(), false), has_experts(units_.size(), false);
   int64_t off = 0, last_unit = 0;
-  model::for_each_param(cfg_, mtp_, [&](const model::ParamInfo& i) {
+  for (const model::ParamInfo& i : layout_) {
     const int64_t u = i.layer >= 0 ? 1 + i.layer : (i.role == model::ParamRole::Embedding ? 0 : U + 1);
     DS_CHECK(u >= last_unit && (u == last_unit || !seen[u]), "internal: FSDP unit {} is not contiguous ({})", u,
              i.name);
@@ -40,7 +77,7 @@ FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Commun
     last_unit = u;
     unit_of_.push_back(u);
     offset_of_.push_back(off);
-    if (X_ > 1 && i.name.find(".mlp.experts.") != std::string::npos) {
+    if (X_ > 1 && i.name.find(".experts.") != std::string::npos) {
       if (!has_experts[u]) x.elo = off;
       DS_CHECK(!has_experts[u] || x.ehi == off, "internal: the experts of unit {} are not contiguous ({})", u, i.name);
       has_experts[u] = true;
@@ -48,7 +85,7 @@ FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Commun
     }
     off += i.numel();
     x.hi = off;
-  });
+  }
   int64_t at = 0, cd_max = 0, ce_max = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& x = units_[u];
@@ -85,8 +122,6 @@ FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Commun
     gbuf_[r].assign(static_cast<size_t>(eoff_ + F_ * ce_max), 0.0f);
     grecv_[r].assign(static_cast<size_t>(roff_ + ce_max), 0.0f);
   }
-  view = model::make_params<ops::WeightView>(cfg_, mtp_);
-  grads = model::make_params<float*>(cfg_, mtp_);
   point_unit(0, resident_[0].data(), nullptr, resident_grad_[0].data(), nullptr);
   point_unit(U + 1, resident_[1].data(), nullptr, resident_grad_[1].data(), nullptr);
 }
@@ -101,32 +136,26 @@ void FsdpParams::dense_runs(const Unit& x, int64_t a, int64_t b, Fn&& f) {
 
 void FsdpParams::point_unit(int64_t u, float* dense, float* experts, float* dense_grad, float* expert_grad) {
   const Unit& x = units_[u];
-  size_t idx = 0;
-  model::for_each_param(
-      cfg_, mtp_,
-      [&](const model::ParamInfo& i, ops::WeightView& wv, float*& g) {
-        const size_t k = idx++;
-        if (unit_of_[k] != u) return;
-        const int64_t off = offset_of_[k];
-        float *p = nullptr, *pg = nullptr;
-        if (off >= x.elo && off < x.ehi) {
-          if (off >= x.mine && off < x.mine + x.mine_n) {  // this rank's expert
-            p = experts + (off - x.mine);
-            pg = expert_grad ? expert_grad + (off - x.mine) : nullptr;
-          }
-        } else {
-          const int64_t v = off < x.elo ? off - x.lo : off - x.lo - (x.ehi - x.elo);
-          p = dense + v;
-          pg = dense_grad ? dense_grad + v : nullptr;
-        }
-        wv = p ? model::f32_view(p, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1) : ops::WeightView{};
-        g = pg;
-      },
-      view, grads);
-  if (cfg_.tie_word_embeddings && u == 0) {
-    view.lm_head = view.embed;
-    grads.lm_head = grads.embed;
+  for (size_t k = 0; k < layout_.size(); ++k) {
+    if (unit_of_[k] != u) continue;
+    const model::ParamInfo& i = layout_[k];
+    const int64_t off = offset_of_[k];
+    float *p = nullptr, *pg = nullptr;
+    if (off >= x.elo && off < x.ehi) {
+      if (off >= x.mine && off < x.mine + x.mine_n) {  // this rank's expert
+        p = experts + (off - x.mine);
+        pg = expert_grad ? expert_grad + (off - x.mine) : nullptr;
+      }
+    } else {
+      const int64_t v = off < x.elo ? off - x.lo : off - x.lo - (x.ehi - x.elo);
+      p = dense + v;
+      pg = dense_grad ? dense_grad + v : nullptr;
+    }
+    if (ops::WeightView* wv = leaves_.views[k])
+      *wv = p ? model::f32_view(p, i.shape[0], i.shape.size() > 1 ? i.shape[1] : 1) : ops::WeightView{};
+    if (float** g = leaves_.grads[k]) *g = pg;
   }
+  if (leaves_.after_point) leaves_.after_point(u);
 }
 
 void FsdpParams::take_shard(const float* full, float* out) const {
@@ -234,7 +263,7 @@ void FsdpParams::start_gather(int s, int64_t u) {
 }
 
 void FsdpParams::begin(int64_t units, bool backward) {
-  DS_CHECK(units >= 0 && units <= L_ + mtp_, "internal: FSDP pass over {} units of {}", units, L_ + mtp_);
+  DS_CHECK(units >= 0 && units <= layer_units_, "internal: FSDP pass over {} units of {}", units, layer_units_);
   for (int s = 0; s < 2; ++s) {
     pbuf_h_[s][0].wait();
     pbuf_h_[s][1].wait();

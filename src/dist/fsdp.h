@@ -4,9 +4,11 @@
 // MTP depth) all-gathered just before use and its gradient reduce-scattered
 // just after.
 //
-// The flat parameter order (model::for_each_param) is cut into units: the
-// embedding, each decoder layer, each MTP depth, and the tail (final norm and
-// LM head). A unit holds dense elements (everything but routed experts) and,
+// A family's flat parameter order (its layout: model::ParamInfo in order)
+// is cut into units by the tensors' layers: the embedding, each decoder
+// layer, each MTP depth, and the tail (final norm and LM head). A unit holds
+// dense elements (everything but routed experts, the tensors named
+// `.experts.`) and,
 // in an MoE layer under expert parallelism (X = expert.size() > 1), the
 // routed experts' block, which is contiguous in the flat order:
 //   dense    the unit's dense elements in order (the part before the
@@ -36,6 +38,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -48,15 +51,32 @@ namespace ds::dist {
 
 class FsdpParams final : public model::LayerStream {
  public:
-  // group: the shard group (rank f X + x); fsdp, expert: this rank's axes
-  // (no expert: one expert rank, and group and fsdp are the same ranks).
+  // Where the tensors of a unit go once it is gathered: per tensor of the
+  // layout, a view leaf and a gradient leaf (either may be null), which
+  // pointing sets to the gathered memory, or to nothing for another expert
+  // rank's expert. after_point(u), when given, runs after unit u is pointed.
+  struct Leaves {
+    std::vector<ops::WeightView*> views;
+    std::vector<float**> grads;
+    std::function<void(int64_t)> after_point;
+  };
+  // layout: a family's tensors in flat order; routed_experts per MoE layer
+  // (0: none); group: the shard group (rank f X + x); fsdp, expert: this
+  // rank's axes (no expert: one expert rank, and group and fsdp are the
+  // same ranks).
+  FsdpParams(std::vector<model::ParamInfo> layout, int64_t routed_experts, Leaves leaves, Communicator& group,
+             Communicator& fsdp, Communicator* expert);
+  // A V2/V3 model: its layout, with `view` and `grads` as the trees.
   FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& group, Communicator& fsdp,
              Communicator* expert);
   // FSDP alone: comm is the group and the fsdp axis.
   FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& comm)
       : FsdpParams(cfg, mtp_layers, comm, comm, nullptr) {}
+  FsdpParams(const FsdpParams&) = delete;
+  FsdpParams& operator=(const FsdpParams&) = delete;
 
-  // The trees to give loss_and_grad (with this object as its stream).
+  // The V2/V3 constructor's trees to give loss_and_grad (with this object
+  // as its stream).
   model::ParamsView view;
   model::ModelParams<float*> grads;
 
@@ -110,11 +130,18 @@ class FsdpParams final : public model::LayerStream {
   void start_gather(int slot, int64_t u);
   void drain_grad_slot(int slot);
 
-  const model::ModelConfig cfg_;
-  const int64_t mtp_;
+  // The communicators (the constructors' common part).
+  FsdpParams(std::vector<model::ParamInfo> layout, Communicator& group, Communicator& fsdp, Communicator* expert);
+  // The V2/V3 constructor's leaves: those of view and grads.
+  Leaves tree_leaves(const model::ModelConfig& cfg, int64_t mtp_layers);
+  void cut_units(int64_t routed_experts);
+
+  std::vector<model::ParamInfo> layout_;
+  Leaves leaves_;
   std::unique_ptr<Communicator> single_;  // the expert axis of a one-axis FsdpParams
   Communicator &group_, &fsdp_, &expert_;
-  int64_t G_, F_, X_, g_, f_, x_, L_;
+  int64_t G_, F_, X_, g_, f_, x_;
+  int64_t layer_units_ = 0;  // decoder layers and MTP depths
   std::vector<Unit> units_;       // 0: embedding, 1..L+K: layers and MTP depths, last: tail
   std::vector<Piece> owned_;      // in flat order
   std::vector<int64_t> unit_of_;  // per tensor in walk order
