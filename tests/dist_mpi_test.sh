@@ -13,8 +13,8 @@
 #    4 ranks (data=2 x fsdp=2, and fsdp=2 x expert=2 with the experts stored
 #    on their ranks), resumed at 1 and at 2, the continued losses match the
 #    uninterrupted run;
-#  - DeepSeek-V4 models train data-parallel and expert-parallel (both
-#    dispatch modes, full remat, fsdp x expert) with the same losses as one
+#  - DeepSeek-V4 models train data-parallel, with FSDP and expert-parallel
+#    (both dispatch modes, full remat, fsdp x expert) with the same losses as one
 #    process (synthetic and packed documents, eval, resume at another size);
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
 #    resumes from its newest checkpoint;
@@ -226,9 +226,9 @@ mpi 2 "$bin" --threads 1 train "${base[@]}" per_device_batch_size=2 run_name=kil
   steps=$((newest + 3)) learning_rate_schedule_steps=40 resume=true >/dev/null 2>"$tmp/err"
 check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err"' "the killed run resumes at step $newest"
 
-# DeepSeek-V4 (configs/v4-tiny.yml with its MTP layer and the balance loss): data parallelism,
-# every rank holding the model and the batch split over the data or fsdp
-# axis; the same losses as one process on synthetic rows and on packed
+# DeepSeek-V4 (configs/v4-tiny.yml with its MTP layer and the balance loss): data parallelism
+# (every rank holding the model) and FSDP (the default mesh, fsdp=2: each
+# layer gathered before use); the same losses as one process on synthetic rows and on packed
 # documents (each piece its own sequence), eval included; a checkpoint saved
 # at 2 ranks resumes at 1. V4 makes more
 # discrete choices per token than V3 (the indexer's top-k, hash routing, the
@@ -266,8 +266,8 @@ one run_name=v4x2 "${v4[@]}" "${sched[@]}" resume=true
 check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4x2' "V4: 2 ranks then 1 matches the uninterrupted run"
 # Expert parallelism: each routed row computed on its expert's rank, both
 # dispatch modes, under full remat (the backward's reruns exchange again),
-# with fsdp=2 x expert=2 at 4 ranks; a checkpoint saved with expert=2
-# resumes at 1 rank.
+# with fsdp=2 x expert=2 at 4 ranks (weights sharded, experts on their
+# ranks); a checkpoint saved by those 4 ranks resumes at 1.
 for mode in alltoall allgather; do
   ranks 2 run_name=v4-ep2-$mode ici_expert_parallelism=2 ici_fsdp_parallelism=1 expert_dispatch=$mode "${v4[@]}" \
     dataset_type=synthetic
@@ -278,9 +278,10 @@ ranks 2 run_name=v4-ep2-full ici_expert_parallelism=2 ici_fsdp_parallelism=1 rem
 check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-ep2-full' "V4: expert=2 under full remat matches one process"
 ranks 4 run_name=v4-f2e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" dataset_type=synthetic
 check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-f2e2' "V4: fsdp=2 x expert=2 matches one process"
-ranks 2 run_name=v4e2 ici_expert_parallelism=2 ici_fsdp_parallelism=1 "${v4[@]}" "${sched[@]}" steps=10
+ranks 4 run_name=v4e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" "${sched[@]}" steps=10
+check '[ $? -eq 0 ] && grep -q "shard [0-3] of 4" "$tmp/err"' "V4: fsdp=2 x expert=2 shards the weights over 4 ranks"
 one run_name=v4e2 "${v4[@]}" "${sched[@]}" resume=true
-check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4e2' "V4: expert=2 then 1 rank matches the uninterrupted run"
+check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4e2' "V4: fsdp=2 x expert=2 then 1 rank matches the uninterrupted run"
 
 # Impossible meshes: one error line from each rank, non-zero exit.
 for bad in "ici_data_parallelism=3" "ici_data_parallelism=-1 ici_fsdp_parallelism=-1" "expert_dispatch=ring"; do

@@ -69,7 +69,7 @@ void FsdpParams::cut_units(int64_t E) {
   int64_t off = 0, last_unit = 0;
   for (const model::ParamInfo& i : layout_) {
     const int64_t u = i.layer >= 0 ? 1 + i.layer : (i.role == model::ParamRole::Embedding ? 0 : U + 1);
-    DS_CHECK(u >= last_unit && (u == last_unit || !seen[u]), "internal: FSDP unit {} is not contiguous ({})", u,
+    DS_CHECK(u == last_unit || !seen[u], "internal: FSDP unit {} is not contiguous ({})", u,
              i.name);
     Unit& x = units_[u];
     if (!seen[u]) x.lo = off;

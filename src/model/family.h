@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -40,6 +41,16 @@ class BoundModel {
   // when it holds what the family cannot run (e.g. a hash table entry that
   // is not an expert id).
   virtual void params_changed() {}
+};
+
+// A family's parameter trees that a LayerStream (FSDP) fills unit by unit,
+// and its loss over them. Units: 0 the embedding, 1 + l decoder layer (or
+// MTP depth) l, the last the tail (final norm, head).
+struct StreamedModel {
+  std::vector<ops::WeightView*> views;       // per tensor of layout(), its view leaf (null: none)
+  std::vector<float**> grads;                // and its gradient leaf
+  std::function<void(int64_t)> after_point;  // after unit u's leaves are set (may be empty)
+  std::unique_ptr<BoundModel> bound;         // owns the trees; its loss acquires units from opt.stream
 };
 
 class Family {
@@ -95,6 +106,9 @@ class Family {
   // expert parallelism cut into units, and the loss over the trees a
   // LayerStream fills (opt.stream). Null: those plans are not available.
   virtual const ModelConfig* stage_config() const { return nullptr; }
+  // The trees FSDP streams the layers into (null: the family holds whole
+  // buffers only).
+  virtual std::unique_ptr<StreamedModel> bind_streamed() const { return nullptr; }
   virtual std::unique_ptr<BoundModel> bind_trees(const ParamsView& view, ModelParams<float*>* grads) const {
     (void)view;
     (void)grads;

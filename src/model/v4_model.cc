@@ -10,6 +10,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/compressor.h"
@@ -628,6 +629,7 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
     sv->experts = std::move(experts);
     sv->weights = std::move(weights);
     sv->scores.assign(scores.begin(), scores.end());
+    if (!hashed && L.gate_bias.data) sv->bias.assign(vector_data(L.gate_bias), vector_data(L.gate_bias) + E);
     sv->rows = std::move(er);
   }
 }
@@ -807,10 +809,11 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   if (!saved.keep_moe) {
     for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
     std::vector<int32_t> experts = std::move(ls.moe.experts);
-    std::vector<float> scores = std::move(ls.moe.scores);
+    std::vector<float> scores = std::move(ls.moe.scores), bias = std::move(ls.moe.bias);
     ls.moe = V4MoeSaved();
     ls.moe.experts = std::move(experts);
     ls.moe.scores = std::move(scores);
+    ls.moe.bias = std::move(bias);
     if (!saved.keep_attention) ls.X1 = Buffer<float>();
   }
 }
@@ -930,12 +933,18 @@ std::vector<float> V4Model::run(const std::vector<V4Request>& batch, bool all_lo
   if (saved) saved->segs = segs;
   for (int64_t l = 0; l < L; ++l) {
     V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
+    if (opt_.stream) opt_.stream->acquire(l, false);
     layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, ls);
+    if (opt_.stream) opt_.stream->release(l, false);
     if (ls) drop(*ls, *saved);
   }
   for (const Segment& g : segs) g.state->length += g.n;
 
-  if (mtp_logits) *mtp_logits = mtp_forward(X.data(), segs, ids, saved, logits);
+  if (mtp_logits) {
+    if (opt_.stream) opt_.stream->acquire(L, false);
+    *mtp_logits = mtp_forward(X.data(), segs, ids, saved, logits);
+    if (opt_.stream) opt_.stream->release(L, false);
+  }
 
   // Logits: every row, or each sequence's last.
   std::vector<int64_t> rows;

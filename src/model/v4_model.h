@@ -46,6 +46,8 @@
 
 namespace ds::model {
 
+class LayerStream;
+
 struct V4Options {
   bool qat = true;  // the fp8 / fp4 roundings of DeepSeek's inference code
   // With the roundings, a sequence's indexer keys (kept as fp4 codes) are
@@ -56,6 +58,10 @@ struct V4Options {
   // rank of its expert (model/stages.h's TokenExchange, collective over the
   // expert axis: every rank must run the same layers in the same order).
   TokenExchange* exchange = nullptr;
+  // Training under FSDP: each layer's (and the MTP block's) weights are
+  // acquired from this stream just before use and released after (units
+  // 0 .. L - 1, then L for the MTP block; model/model.h's LayerStream).
+  LayerStream* stream = nullptr;
 };
 
 // A compressor's pending rows: the projections (P, Z with the position
@@ -159,6 +165,7 @@ struct V4MoeSaved {
   std::vector<int32_t> experts;  // [N, K]
   std::vector<float> weights;    // [N, K]
   std::vector<float> scores;     // [N, E]
+  std::vector<float> bias;       // the selection bias [E] (empty: none), as the forward read it
   V4ExpertRows rows;
   Buffer<float> g, u, h, y;  // routed rows, expert-major: [N K, I] x3, [N K, d]
   Buffer<float> sg, su, sh;  // shared expert [N, I]

@@ -120,8 +120,18 @@ class Backward {
     Buffer<float> dX = zeros(n_ * hc * d);
     head(dX.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
          g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
-    if (dmtp && !sv_.mtp.empty() && !sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
-    for (int64_t l = c_.num_hidden_layers - 1; l >= 0; --l) layer(l, dX);
+    LayerStream* stream = model_.options().stream;
+    const int64_t L = c_.num_hidden_layers;
+    if (dmtp && !sv_.mtp.empty()) {
+      if (stream) stream->acquire(L, true);
+      if (!sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
+      if (stream) stream->release(L, true);
+    }
+    for (int64_t l = L - 1; l >= 0; --l) {
+      if (stream) stream->acquire(l, true);
+      layer(l, dX);
+      if (stream) stream->release(l, true);
+    }
     // The embedding fed every stream.
     if (g_.embed)
       for (int64_t t = 0; t < n_; ++t) {
@@ -382,7 +392,8 @@ class Backward {
     ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
                                    v4_selection_config(c_));
     if (balance_ && !c_.hash_routed(l))
-      v4_balance_loss_backward(dlogits.data(), s.scores.data(), s.experts.data(), vector_data(L.gate_bias),
+      v4_balance_loss_backward(dlogits.data(), s.scores.data(), s.experts.data(),
+                               s.bias.empty() ? nullptr : s.bias.data(),
                                *balance_rows_, E, K, balance_->weight, balance_->dloss);
     need_vector_data(L.gate, "ffn.gate");
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
@@ -623,9 +634,9 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   for (int32_t t : b.targets) DS_CHECK(t >= 0 && t < V, "target {} is outside the vocabulary of {}", t, V);
   const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
   V4LossTerms out;
-  DS_CHECK(!opt.exchange || n > 0,
-           "expert parallelism: this rank's share of the batch holds no token (only padding), and its expert-axis "
-           "peers wait on its exchange; use fewer ranks or longer documents");
+  DS_CHECK((!opt.exchange && !opt.stream) || n > 0,
+           "expert parallelism or FSDP: this rank's share of the batch holds no token (only padding), and its peers "
+           "wait on its collectives; use fewer ranks or longer documents");
   if (n == 0) {  // only padding: no term, no gradient, loads of zero
     if (opt.expert_load)
       out.expert_load.assign(static_cast<size_t>(cfg.num_hidden_layers + (with_mtp ? 1 : 0)),
@@ -635,7 +646,11 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   V4Options mo;
   mo.qat = false;
   mo.exchange = opt.exchange;
+  mo.stream = opt.stream;
   V4Model model(cfg, w, mo);
+  // FSDP: the layers in order, the MTP block last, then (with a gradient)
+  // back again.
+  if (opt.stream) opt.stream->begin(cfg.num_hidden_layers + (with_mtp ? 1 : 0), grads != nullptr);
   std::vector<V4State> states;
   std::vector<V4Request> reqs;
   for (size_t k = 0; k < b.lengths.size(); ++k) states.push_back(model.new_state());
@@ -693,7 +708,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
       if (cfg.hash_routed(li)) continue;
       const V4MoeSaved& m = saved.layers[l].moe;
       if (m.experts.empty()) continue;  // an MTP block without rows
-      sum += v4_balance_loss(m.scores.data(), m.experts.data(), vector_data(w.layers[l].gate_bias),
+      sum += v4_balance_loss(m.scores.data(), m.experts.data(), m.bias.empty() ? nullptr : m.bias.data(),
                              li < cfg.num_hidden_layers ? bal.main : bal.mtp, cfg.n_routed_experts,
                              cfg.num_experts_per_tok, bal.weight);
       balance_layers.push_back(li);

@@ -120,6 +120,8 @@ struct V4LossOptions {
   // 0: none), with the whole batch's packed rows (0: this batch's).
   double load_balance_loss_weight = 0;
   int64_t whole_rows = 0;
+  // FSDP (V4Options::stream; null: the weights are all in w).
+  LayerStream* stream = nullptr;
 };
 
 // Counted targets of a batch, and those of its MTP rows (target t + 1 of

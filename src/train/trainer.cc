@@ -203,10 +203,9 @@ void Trainer::set_up_mesh() {
   lead_ = world_.rank() == 0;
   multi_ = world_.size() > 1;
   F_ = mesh.size(dist::kFsdp), X_ = mesh.size(dist::kExpert), G_ = mesh.shard_group_size();
-  // Without the stage functions' plans, every rank holds the whole model and
+  // A family without streamed trees: every rank holds the whole model and
   // the batch is split over the data and fsdp axes alike.
-  const model::ModelConfig* staged = family_->stage_config();
-  if (!staged && multi_ && lead_)
+  if (!family_->bind_streamed() && multi_ && lead_)
     fmt::print(stderr, "{} on {}: every rank holds the whole model; the batch is split over {} ranks{}\n",
                family_->name(), mesh.describe(), world_.size(),
                X_ > 1 ? ", each routed row computed on its expert's rank" : "");
@@ -266,17 +265,19 @@ void Trainer::open_run_folder() {
 void Trainer::set_up_parameters() {
   layout_ = family_->layout();
   P_ = family_->numel();
-  const model::ModelConfig* staged = family_->stage_config();
-  if (G_ > 1 && staged) {
+  std::unique_ptr<model::StreamedModel> streamed = G_ > 1 ? family_->bind_streamed() : nullptr;
+  if (streamed) {
     dist::Mesh& mesh = *mesh_;
     fsdp_ = std::make_unique<dist::FsdpParams>(
-        *staged, family_->mtp_layers(), link_group_ ? *link_group_ : mesh.shard_group(),
-        link_fsdp_ ? *link_fsdp_ : mesh.axis(dist::kFsdp), X_ > 1 ? &mesh.axis(dist::kExpert) : nullptr);
+        layout_, family_->routed_experts(),
+        dist::FsdpParams::Leaves{streamed->views, streamed->grads, streamed->after_point},
+        link_group_ ? *link_group_ : mesh.shard_group(), link_fsdp_ ? *link_fsdp_ : mesh.axis(dist::kFsdp),
+        X_ > 1 ? &mesh.axis(dist::kExpert) : nullptr);
     std::vector<OwnedRange> owned;
     for (const auto& pc : fsdp_->owned())
       owned.push_back({pc.lo, pc.hi, fsdp_->shard.data() + pc.at, fsdp_->grad_shard.data() + pc.at});
     opt_ = std::make_unique<AdamW>(layout_, tc_, std::move(owned));
-    bound_ = family_->bind_trees(fsdp_->view, &fsdp_->grads);
+    bound_ = std::move(streamed->bound);
     full_.assign(static_cast<size_t>(P_), 0.0f);
   } else {
     params_.assign(static_cast<size_t>(P_), 0.0f);

@@ -103,6 +103,36 @@ class V3Family final : public Family {
     return std::make_unique<V3Bound>(cfg_, mtp_, params, grads);
   }
   const ModelConfig* stage_config() const override { return &cfg_; }
+  std::unique_ptr<StreamedModel> bind_streamed() const override {
+    // The bound model owns the trees the leaves point into.
+    struct Owner final : BoundModel {
+      Owner(const ModelConfig& c, int64_t mtp)
+          : view(make_params<ops::WeightView>(c, mtp)), grads(make_params<float*>(c, mtp)), inner(c, view, &grads) {}
+      LossTerms loss_and_grad(const TrainBatch& b, const LossOptions& o, const RematPolicy& r, bool g) override {
+        return inner.loss_and_grad(b, o, r, g);
+      }
+      ParamsView view;
+      ModelParams<float*> grads;
+      V3Bound inner;
+    };
+    auto owner = std::make_unique<Owner>(cfg_, mtp_);
+    auto sm = std::make_unique<StreamedModel>();
+    for_each_param(
+        cfg_, mtp_,
+        [&](const ParamInfo&, ops::WeightView& v, float*& g) {
+          sm->views.push_back(&v);
+          sm->grads.push_back(&g);
+        },
+        owner->view, owner->grads);
+    if (cfg_.tie_word_embeddings)
+      sm->after_point = [o = owner.get()](int64_t u) {
+        if (u != 0) return;
+        o->view.lm_head = o->view.embed;
+        o->grads.lm_head = o->grads.embed;
+      };
+    sm->bound = std::move(owner);
+    return sm;
+  }
   std::unique_ptr<BoundModel> bind_trees(const ParamsView& view, ModelParams<float*>* grads) const override {
     return std::make_unique<V3Bound>(cfg_, view, grads);
   }

@@ -9,6 +9,7 @@
 // (v4_remat_keeps).
 #include "model/family.h"
 
+#include <cmath>
 #include <utility>
 
 #include "core/error.h"
@@ -26,6 +27,42 @@ class V4Bound final : public BoundModel {
     if (grads) grads_ = V4FlatParams::wrap(cfg, grads);
     has_grads_ = grads != nullptr;
   }
+  // Over trees that FSDP points, unit by unit (bind_streamed).
+  explicit V4Bound(const V4Config& cfg) : cfg_(cfg) {
+    params_.ptr = make_v4_params<float*>(cfg);
+    params_.view = make_v4_params<ops::WeightView>(cfg);
+    params_.tables.resize(static_cast<size_t>(cfg.num_hidden_layers + cfg.num_nextn_predict_layers));
+    grads_.ptr = make_v4_params<float*>(cfg);
+    has_grads_ = true;
+  }
+  // The streamed trees' leaves, and what follows the pointing of a unit:
+  // a hash-routed layer's table as int32 ids, a tied head.
+  void leaves(StreamedModel& sm) {
+    for_each_v4_param(
+        cfg_,
+        [&](const V4ParamInfo&, ops::WeightView& v, float*& g) {
+          sm.views.push_back(&v);
+          sm.grads.push_back(&g);
+        },
+        params_.view, grads_.ptr);
+    sm.after_point = [this](int64_t u) {
+      if (u == 0 && cfg_.tie_word_embeddings) params_.view.head = params_.view.embed;
+      const int64_t l = u - 1;
+      if (l < 0 || l >= static_cast<int64_t>(params_.tables.size()) || !cfg_.hash_routed(l)) return;
+      ops::WeightView& v = params_.view.layers[static_cast<size_t>(l)].tid2eid;
+      if (!v.data) return;
+      auto& t = params_.tables[static_cast<size_t>(l)];
+      const float* f = static_cast<const float*>(v.data);
+      t.resize(static_cast<size_t>(v.rows * v.cols));
+      for (size_t k = 0; k < t.size(); ++k) {
+        DS_CHECK(f[k] >= 0 && f[k] < static_cast<float>(cfg_.n_routed_experts) && f[k] == std::floor(f[k]),
+                 "'layers.{}.ffn.gate.tid2eid' routes token {} to {}, not an expert id in [0, {})", l,
+                 k / static_cast<size_t>(v.cols), f[k], cfg_.n_routed_experts);
+        t[k] = static_cast<int32_t>(f[k]);
+      }
+      v = {t.data(), DType::I32, v.rows, v.cols, nullptr, 128, 128};
+    };
+  }
 
   LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy& remat,
                           bool grads) override {
@@ -33,6 +70,7 @@ class V4Bound final : public BoundModel {
     V4LossOptions o;
     o.remat = remat;
     o.exchange = opt.exchange;
+    o.stream = opt.stream;
     o.load_balance_loss_weight = opt.load_balance_loss_weight;
     o.z_loss_multiplier = opt.z_loss_multiplier;
     o.grad_scale = opt.grad_scale;
@@ -57,7 +95,9 @@ class V4Bound final : public BoundModel {
     return t;
   }
 
-  void params_changed() override { params_.sync_tables(cfg_); }
+  void params_changed() override {
+    if (!params_.data.empty() || params_.ptr.embed) params_.sync_tables(cfg_);
+  }
 
  private:
   const V4Config& cfg_;
@@ -111,9 +151,6 @@ class V4Family final : public Family {
              "(its CSA layers always attend through it)");
     DS_CHECK(o.batch_split_factor == 1,
              "use_batch_split_schedule: the batch-split schedule is not implemented for DeepSeek-V4 training yet");
-    DS_CHECK(!o.stream,
-             "ici_/dcn_fsdp_parallelism with expert parallelism: sharding DeepSeek-V4's weights (FSDP) is not "
-             "implemented yet; every rank holds the whole model (data and expert parallelism)");
   }
   std::string training_note(const LossOptions&) const override {
     return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; a "
@@ -122,6 +159,13 @@ class V4Family final : public Family {
 
   std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
     return std::make_unique<V4Bound>(cfg_, params, grads);
+  }
+  std::unique_ptr<StreamedModel> bind_streamed() const override {
+    auto bound = std::make_unique<V4Bound>(cfg_);
+    auto sm = std::make_unique<StreamedModel>();
+    bound->leaves(*sm);
+    sm->bound = std::move(bound);
+    return sm;
   }
 
  private:
