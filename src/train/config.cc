@@ -437,19 +437,6 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
         model_sources.push_back(where);
       if (key == "num_experts") zero_experts = value.IsScalar() && value.Scalar() == "0" ? where : "";
-    } else if (!v4 && (key == "mhc_expansion_rate" || key == "sinkhorn_iterations")) {
-      // MaxText's mHC keys: 1 stream (its default) is the plain residual.
-      int64_t v = 0;
-      try {
-        v = value.as<int64_t>();
-      } catch (const YAML::Exception& ex) {
-        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
-      }
-      DS_CHECK(v >= 1, "{}: {} {} must be >= 1", where, key, v);
-      DS_CHECK(key != "mhc_expansion_rate" || v == 1,
-               "{}: mhc_expansion_rate {}: mHC around DeepSeek-V2/V3 layers is not implemented yet (only 1, the "
-               "plain residual; decoder_block: deepseek4 models have DeepSeek-V4's mHC)",
-               where, v);
     } else if (is_remat_name(key)) {
       DS_CHECK(value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", where,
                key);
