@@ -150,6 +150,40 @@ void run_indexer(Scratch& X, const float* mla_q, const IndexerParams<ops::Weight
 
 bool need(const Buffer<float>& b) { return b.empty(); }
 
+// The residual around the sub-layers: h itself, or with mHC (model/mhc_block.h)
+// its k streams, which the sub-layers read through each module's pre mix.
+// The attention's input (before its norm): h, or the pre mix of h.
+const float* attention_input(Scratch& X, const float* h, const LayerView& p, const ModelConfig& c, int64_t N) {
+  if (!c.has_mhc()) return h;
+  StageTimer t(Stage::kNorm);
+  mhc_block_pre(X.mhc_attn, h, p.mhc_attn, c, N);
+  return X.mhc_attn.a.data();
+}
+// X.h1 = h + out_proj (with mHC: the post mix of h and out_proj); returns the
+// FFN's input (before its norm): h1, or the pre mix of h1.
+const float* after_attention(Scratch& X, const float* h, const float* out_proj, const LayerView& p,
+                             const ModelConfig& c, int64_t N) {
+  X.h1.resize(N * c.residual_width());
+  if (!c.has_mhc()) {
+    parallel_add(X.h1.data(), h, out_proj, N * c.hidden_size);
+    return X.h1.data();
+  }
+  StageTimer t(Stage::kNorm);
+  mhc_block_post(X.h1.data(), out_proj, h, X.mhc_attn, c, N);
+  mhc_block_pre(X.mhc_mlp, X.h1.data(), p.mhc_mlp, c, N);
+  return X.mhc_mlp.a.data();
+}
+// The layer's output h2 = h1 + the FFN's output (with mHC: their post mix).
+// h_out may be the layer's input, never X.h1.
+void after_ffn(float* h_out, const Scratch& X, const ModelConfig& c, int64_t N) {
+  if (!c.has_mhc()) {
+    parallel_add(h_out, X.h1.data(), X.ffn_out.data(), N * c.hidden_size);
+    return;
+  }
+  StageTimer t(Stage::kNorm);
+  mhc_block_post(h_out, X.ffn_out.data(), X.h1.data(), X.mhc_mlp, c, N);
+}
+
 // Computes every residual of `S` that is empty (all of them on a forward)
 // plus the scratch. With h_out, also the layer output h2 (forward); h_out
 // may be h, which is last read when h1 is formed. The
@@ -165,14 +199,8 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   const bool forward = h_out != nullptr;
   // With mHC the sub-layers read the pre mix of the k streams, and the
   // backward needs the FFN's output too (its post's gradient reads it).
-  const bool mhc = c.has_mhc();
-  const bool ffn_output = forward || mhc;
-  const float* attn_in = h;
-  if (mhc) {
-    StageTimer t(Stage::kNorm);
-    mhc_block_pre(X.mhc_attn, h, p.mhc_attn, c, N);
-    attn_in = X.mhc_attn.a.data();
-  }
+  const bool ffn_output = forward || c.has_mhc();
+  const float* attn_in = attention_input(X, h, p, c, N);
   X.x.resize(N * D);
   X.rstd1.resize(N);
   {
@@ -238,16 +266,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     StageTimer t(Stage::kOutProj);
     out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
   }
-  X.h1.resize(N * c.residual_width());
-  const float* ffn_in = X.h1.data();
-  if (mhc) {
-    StageTimer t(Stage::kNorm);
-    mhc_block_post(X.h1.data(), S.out_proj.data(), h, X.mhc_attn, c, N);
-    mhc_block_pre(X.mhc_mlp, X.h1.data(), p.mhc_mlp, c, N);
-    ffn_in = X.mhc_mlp.a.data();
-  } else {
-    parallel_add(X.h1.data(), h, S.out_proj.data(), N * D);
-  }
+  const float* ffn_in = after_attention(X, h, S.out_proj.data(), p, c, N);
   X.m.resize(N * D);
   X.rstd2.resize(N);
   {
@@ -327,12 +346,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     if (lb_loss && s.load_balance_loss_weight > 0)
       *lb_loss = balance_loss(r, vector_data(p.moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
   }
-  if (forward && mhc) {
-    StageTimer t(Stage::kNorm);
-    mhc_block_post(h_out, ffn_out.data(), X.h1.data(), X.mhc_mlp, c, N);  // X.h1 never aliases h_out
-  } else if (forward) {
-    parallel_add(h_out, X.h1.data(), ffn_out.data(), N * D);
-  }
+  if (forward) after_ffn(h_out, X, c, N);
   co_return;
 }
 
