@@ -244,6 +244,10 @@ TEST(Family, MaxTextsMhcKeysOnAV3ModelSayWhatRuns) {
   // Per layer two modules: norm [4 D], fn [24, 4 D], base [24], scale [3].
   const int64_t D = rc.model.hidden_size, L = rc.model.num_hidden_layers;
   EXPECT_EQ(train::model_family(rc)->numel() - train::model_family(plain)->numel(), L * 2 * (4 * D + 24 * 4 * D + 24 + 3));
+  // The memory estimate counts the k streams each layer keeps, beyond the
+  // parameters' and optimizer's 16 bytes per float.
+  EXPECT_GT(train::training_memory_bytes(rc) - train::training_memory_bytes(plain),
+            16 * (train::model_family(rc)->numel() - train::model_family(plain)->numel()));
   for (const char* bad : {"mhc_expansion_rate=0", "sinkhorn_iterations=0", "mhc_expansion_rate=-2"}) {
     try {
       run_config(kTiny, {bad});

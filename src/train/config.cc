@@ -552,7 +552,9 @@ int64_t training_memory_bytes(const RunConfig& rc) {
       (hf_int(hf, "num_experts_per_tok") + hf_int(hf, "n_shared_experts")) * hf_int(hf, "moe_intermediate_size")));
   const double layers = static_cast<double>(hf_int(hf, "num_hidden_layers") + family->mtp_layers());
   const bool full = t.remat_policy == "full" && !rc.v4;
-  const double per_layer = full ? hidden : 8 * hidden + 2 * mlp;
+  // mHC keeps each layer's input as k streams (hf_int: 0 when absent, i.e. 1 stream).
+  const double extra_streams = static_cast<double>(std::max<int64_t>(0, hf_int(hf, "mhc_expansion_rate") - 1));
+  const double per_layer = (full ? hidden : 8 * hidden + 2 * mlp) + extra_streams * hidden;
   const double tokens = static_cast<double>(t.per_device_batch_size) * static_cast<double>(t.max_target_length);
   const double bytes = 16.0 * static_cast<double>(family->numel()) +
                        4.0 * tokens * (2.0 * static_cast<double>(family->vocab_size()) + layers * per_layer);
