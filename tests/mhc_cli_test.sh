@@ -3,8 +3,8 @@
 # mhc_expansion_rate 4 on a small corpus (the loss goes down), `deepseek
 # export` to a Hugging Face folder carrying the mHC keys and tensors,
 # `deepseek generate` from it; the export loaded back into training and
-# exported again gives the same logits byte for byte; impossible mHC keys are
-# one error line.
+# exported again gives the same logits byte for byte; `deepseek init` writes
+# an mHC model that runs; impossible mHC keys are one error line.
 # Usage: mhc_cli_test.sh DEEPSEEK SOURCE_DIR
 set -u
 bin="$1"
@@ -83,6 +83,13 @@ check '[ -s "$tmp/a.safetensors" ] && cmp -s "$tmp/a.safetensors" "$tmp/b.safete
   "export, load, export: identical logits"
 logits_of "$tmp/hf2" "$tmp/c.safetensors" --incremental 2
 check '[ $? -eq 0 ] && [ -s "$tmp/c.safetensors" ]' "logits through the KV cache"
+
+# `deepseek init` writes an mHC model (MaxText's initialisation) that loads and runs.
+"$bin" init --config "$src/configs/tiny.yml" --set mhc_expansion_rate=4 --set sinkhorn_iterations=3 --out "$tmp/init" \
+  --seed 1 >/dev/null
+check '[ $? -eq 0 ] && grep -q "\"mhc_sinkhorn_iterations\": 3" "$tmp/init/config.json"' "init an mHC model"
+"$bin" logits --model "$tmp/init" --tokens "$toks" --out "$tmp/i.safetensors" >/dev/null 2>&1
+check '[ $? -eq 0 ] && [ -s "$tmp/i.safetensors" ]' "logits of the initialised mHC model"
 
 # Impossible mHC settings: one line, exit 2.
 expect_error train "$tmp/run.yml" run_name=bad mhc_expansion_rate=0
