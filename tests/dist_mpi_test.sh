@@ -13,6 +13,8 @@
 #    4 ranks (data=2 x fsdp=2, and fsdp=2 x expert=2 with the experts stored
 #    on their ranks), resumed at 1 and at 2, the continued losses match the
 #    uninterrupted run;
+#  - mHC (k = 4 streams) at fsdp=2 x expert=2 with the batch split gives the
+#    same losses as one process;
 #  - DeepSeek-V4 models train data-parallel, with FSDP and expert-parallel
 #    (both dispatch modes, full remat, fsdp x expert) with the same losses as one
 #    process (synthetic and packed documents, eval, resume at another size);
@@ -169,6 +171,15 @@ for mode in alltoall allgather; do
     use_batch_split_schedule=true batch_split_factor=2 per_device_batch_size=2
   check '[ $? -eq 0 ] && same_losses bs-one8 bs-f2e2-$mode' "batch-split, fsdp=2 x expert=2 ($mode) matches one process"
 done
+# MaxText's mHC (k = 4 streams): its modules are layer tensors that FSDP
+# streams, the branches' rows cross the expert exchange like any others, and
+# the batch split cuts k-stream rows: the same losses as one process.
+mhc=(dataset_type=synthetic mtp_num_layers=0 mhc_expansion_rate=4 sinkhorn_iterations=5)
+one run_name=mhc-one8 "${mhc[@]}" per_device_batch_size=8
+check '[ $? -eq 0 ] && falls mhc-one8' "mHC: one process, the loss falls ($(tail -1 "$tmp/err"))"
+ranks 4 run_name=mhc-f2e2 "${mhc[@]}" ici_expert_parallelism=2 use_batch_split_schedule=true batch_split_factor=2 \
+  per_device_batch_size=2
+check '[ $? -eq 0 ] && same_losses mhc-one8 mhc-f2e2' "mHC: batch-split, fsdp=2 x expert=2 matches one process"
 
 # fp8 expert gradients: close to, but not the same as, float32 (the loss of
 # step 0 is exact; later ones move by the quantization).

@@ -187,10 +187,12 @@ TEST(ShardedAdamW, RunsUpdateAsTheWhole) {
 // The FSDP stream on one rank: every layer goes through the gather buffers
 // and every gradient through the reduce-scatter path, and the loss and
 // gradients are bitwise those of the plain buffers; the shard helpers round-trip.
+// Also for a model with mHC (k = 4 streams), whose modules are layer tensors.
 TEST(Fsdp, OneRankStreamEqualsThePlainBuffers) {
-  for (const char* extra : {"mtp_num_layers=1", "mtp_num_layers=0"}) {
-    SCOPED_TRACE(extra);
-    const auto rc = train::parse_run_config(kTiny, {extra}, "test");
+  for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
+           {"mtp_num_layers=1"}, {"mtp_num_layers=0"}, {"mtp_num_layers=0", "mhc_expansion_rate=4"}}) {
+    SCOPED_TRACE(extra.back());
+    const auto rc = train::parse_run_config(kTiny, extra, "test");
     const auto& cfg = rc.model;
     const int64_t mtp = cfg.num_nextn_predict_layers;
     auto full = model::FlatParams::zeros(cfg, mtp), g = model::FlatParams::zeros(cfg, mtp);
@@ -286,11 +288,19 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
 // interleaved micro-batches per layer, with and without an expert exchange,
 // under several remat policies, give the same loss and gradients as the
 // whole batch (up to the order of the weight gradients' sums), and the same
-// expert loads.
+// expert loads; with MTP, and with mHC (k = 4 streams per token).
+void batch_split_matches_the_whole_batch(const train::RunConfig& rc);
 TEST(BatchSplit, PartsGiveTheWholeBatchsLossAndGradient) {
-  const auto rc = train::parse_run_config(kTiny, {"mtp_num_layers=1"}, "test");
+  for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
+           {"mtp_num_layers=1"}, {"mtp_num_layers=0", "mhc_expansion_rate=4"}}) {
+    SCOPED_TRACE(extra.back());
+    batch_split_matches_the_whole_batch(train::parse_run_config(kTiny, extra, "test"));
+  }
+}
+
+void batch_split_matches_the_whole_batch(const train::RunConfig& rc) {
   const auto& cfg = rc.model;
-  const int64_t mtp = 1;
+  const int64_t mtp = cfg.num_nextn_predict_layers;
   auto p = model::FlatParams::zeros(cfg, mtp);
   train::init_params(cfg, mtp, p, 9, 0.05f);
   const model::TrainBatch b = make_batch(cfg, 4, 8, 13, 1, 5);

@@ -236,16 +236,36 @@ namespace ds {
 namespace {
 
 TEST(Family, MaxTextsMhcKeysOnAV3ModelSayWhatRuns) {
-  // One stream is MaxText's default, the plain residual; more is refused
-  // with one line until the wrapper exists for V2/V3 layers.
-  EXPECT_NO_THROW(run_config(kTiny, {"mhc_expansion_rate=1", "sinkhorn_iterations=20"}));
-  try {
-    run_config(kTiny, {"mhc_expansion_rate=4"});
-    ADD_FAILURE() << "mhc_expansion_rate=4 on a V3 model was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not implemented yet"), std::string::npos) << e.what();
+  // One stream is MaxText's default, the plain residual (no mHC tensors);
+  // more wraps every layer's attention and FFN in an mHC module each.
+  const auto plain = run_config(kTiny, {"mhc_expansion_rate=1", "sinkhorn_iterations=20"});
+  EXPECT_EQ(plain.model.mhc_expansion_rate, 1);
+  EXPECT_EQ(train::model_family(plain)->numel(), train::model_family(run_config(kTiny))->numel());
+  const auto rc = run_config(kTiny, {"mhc_expansion_rate=4", "sinkhorn_iterations=7"});
+  EXPECT_EQ(rc.model.mhc_expansion_rate, 4);
+  EXPECT_EQ(rc.model.mhc_sinkhorn_iterations, 7);
+  // Per layer two modules: norm [4 D], fn [24, 4 D], base [24], scale [3].
+  const int64_t D = rc.model.hidden_size, L = rc.model.num_hidden_layers;
+  EXPECT_EQ(train::model_family(rc)->numel() - train::model_family(plain)->numel(), L * 2 * (4 * D + 24 * 4 * D + 24 + 3));
+  // The memory estimate counts the k streams each layer keeps, beyond the
+  // parameters' and optimizer's 16 bytes per float.
+  EXPECT_GT(train::training_memory_bytes(rc) - train::training_memory_bytes(plain),
+            16 * (train::model_family(rc)->numel() - train::model_family(plain)->numel()));
+  for (const char* bad : {"mhc_expansion_rate=0", "sinkhorn_iterations=0", "mhc_expansion_rate=-2"}) {
+    try {
+      run_config(kTiny, {bad});
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(">= 1"), std::string::npos) << e.what();
+    }
   }
-  EXPECT_THROW(run_config(kTiny, {"sinkhorn_iterations=0"}), Error);
+  // MTP reads a single hidden state, which k streams do not define.
+  try {
+    run_config(kTiny, {"mhc_expansion_rate=4", "mtp_num_layers=1"});
+    ADD_FAILURE() << "mHC with MTP was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MTP is not defined for mHC"), std::string::npos) << e.what();
+  }
   try {
     run_config(kV4Tiny, {"mtp_num_layers=2"});
     ADD_FAILURE() << "mtp_num_layers=2 on a V4 model was accepted";

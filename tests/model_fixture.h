@@ -72,6 +72,17 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
       }
       case model::ParamRole::Untrained:  // DeepSeek-V4 only
         break;
+      // mHC (mhc_expansion_rate > 1): away from its initialisation, so that
+      // every stream mixes differently.
+      case model::ParamRole::MhcMatrix:
+        add(info.name, info.shape, 0.3f);
+        break;
+      case model::ParamRole::MhcBias:
+        add(info.name, info.shape, 0.5f);
+        break;
+      case model::ParamRole::MhcScale:
+        add(info.name, info.shape, 0.3f, 0.8f);
+        break;
     }
   });
   for (const auto& e : extra) ts.push_back(e);

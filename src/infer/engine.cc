@@ -10,6 +10,7 @@
 #include "core/stage_times.h"
 #include "model/layer.h"
 #include "model/load.h"
+#include "model/mhc_block.h"
 #include "ops/attention.h"
 #include "ops/indexer.h"
 #include "ops/latent_attention.h"
@@ -317,11 +318,19 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   }
   if (b.n == 0) return {};
   const int64_t N = b.n;
+  // With mHC (k > 1) the layers carry k streams per token, each starting as
+  // the embedding; their sum goes to the final norm.
+  const int64_t k = cfg_.mhc_expansion_rate;
   Buffer<float> h(N * D);
   const ops::WeightView& emb = w_.embed;
   const size_t es = dtype_size(emb.dtype);
   for (int64_t t = 0; t < N; ++t)
     convert(&h[t * D], DType::F32, static_cast<const char*>(emb.data) + b.token[t] * D * es, emb.dtype, D);
+  Buffer<float> streams;
+  if (k > 1) {
+    streams.resize(N * k * D);
+    model::mhc_expand(streams.data(), h.data(), N, k, D);
+  }
 
   CacheAttention attention(*this, cache, b);
   const model::TokenLayout layout{1, N, b.pos.data(), nullptr};
@@ -329,7 +338,9 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
       std::all_of(b.seqs.begin(), b.seqs.end(), [](const Batch::Seq& q) { return q.count == 1 && q.past > 0; });
   const StagePhase phase(decode ? Phase::kDecode : Phase::kPrefill);
   for (size_t l = 0; l < w_.layers.size(); ++l)
-    model::layer_forward(h.data(), w_.layers[l], static_cast<int64_t>(l), stages_, layout, &attention, nullptr, {});
+    model::layer_forward(k > 1 ? streams.data() : h.data(), w_.layers[l], static_cast<int64_t>(l), stages_, layout,
+                         &attention, nullptr, {});
+  if (k > 1) model::mhc_reduce(h.data(), streams.data(), N, k, D);
   for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;
 
   // Final norm and head on the rows that need logits.

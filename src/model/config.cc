@@ -50,6 +50,7 @@ namespace limits {
 constexpr int64_t kVocab = int64_t{1} << 24, kHidden = int64_t{1} << 17, kMlp = int64_t{1} << 20;
 constexpr int64_t kLayers = 1 << 12, kHeads = 1 << 12, kRank = int64_t{1} << 17, kHeadDim = 1 << 12;
 constexpr int64_t kPositions = int64_t{1} << 24, kExperts = 1 << 16, kMtp = 64;
+constexpr int64_t kMhcStreams = 64, kSinkhornIterations = 1 << 12;
 constexpr int64_t kParameters = int64_t{1} << 43;  // 8.8e12
 constexpr double kMaxFloat = 1e12;
 }  // namespace limits
@@ -77,6 +78,12 @@ int64_t ModelConfig::parameter_count() const {
       add({3 * moe_intermediate_size, D}, n_routed_experts + n_shared_experts);
     else
       add({3 * intermediate_size, D});
+    if (has_mhc()) {
+      // Two mHC modules: norm scale [k D], fn [(2 + k) k, k D], base [(2 + k) k], scale [3].
+      const int64_t k = mhc_expansion_rate, mixes = (2 + k) * k;
+      add({mixes + 1, k, D}, 2);
+      add({mixes + 3}, 2);
+    }
     // Past the limit the exact total no longer matters: thousands of layers
     // need not all be counted.
     if (total > limits::kParameters) break;
@@ -119,6 +126,8 @@ void ModelConfig::validate() const {
   at_most(index_head_dim, limits::kHeadDim, "index_head_dim");
   at_most(fp8_block_rows, limits::kHidden, "fp8 weight_block_size rows");
   at_most(fp8_block_cols, limits::kHidden, "fp8 weight_block_size cols");
+  at_most(mhc_expansion_rate, limits::kMhcStreams, "mhc_expansion_rate");
+  at_most(mhc_sinkhorn_iterations, limits::kSinkhornIterations, "sinkhorn_iterations");
   finite(rope_theta, "rope_theta");
   finite(rms_norm_eps, "rms_norm_eps");
   finite(routed_scaling_factor, "routed_scaling_factor");
@@ -192,6 +201,17 @@ void ModelConfig::validate() const {
              routed_scaling_factor);
   }
   DS_CHECK(num_nextn_predict_layers >= 0, "config: num_nextn_predict_layers must be non-negative");
+  DS_CHECK(mhc_expansion_rate >= 1, "config: mhc_expansion_rate must be >= 1 (1: the plain residual), got {}",
+           mhc_expansion_rate);
+  DS_CHECK(mhc_sinkhorn_iterations >= 1, "config: sinkhorn_iterations must be >= 1, got {}",
+           mhc_sinkhorn_iterations);
+  // An MTP depth reads the main model's last hidden state and runs a layer
+  // of its own; with k streams neither the state it should read (the streams
+  // or their sum) nor its own residual is defined by MaxText's mHC.
+  DS_CHECK(!has_mhc() || num_nextn_predict_layers == 0,
+           "config: mhc_expansion_rate {} with {} multi-token prediction layers: MTP is not defined for mHC "
+           "models; set mtp_num_layers: 0",
+           mhc_expansion_rate, num_nextn_predict_layers);
   if (index_n_heads > 0) {
     positive(index_head_dim, "index_head_dim");
     positive(index_topk, "index_topk");
@@ -295,6 +315,8 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
     DS_CHECK(*fmt == "ue8m0", "{}: scale_fmt '{}' is not supported (ue8m0, or none for amax/448 scales)", src, *fmt);
     c.index_scale_ue8m0 = true;
   }
+  c.mhc_expansion_rate = get_or<int64_t>(j, "mhc_expansion_rate", 1, src);
+  c.mhc_sinkhorn_iterations = get_or<int64_t>(j, "mhc_sinkhorn_iterations", 20, src);
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
     std::tie(c.fp8_block_rows, c.fp8_block_cols) =
@@ -359,6 +381,8 @@ const std::map<std::string, Setter>& yaml_keys() {
       DS_INT("indexer_n_heads", index_n_heads),
       DS_INT("indexer_head_dim", index_head_dim),
       DS_INT("indexer_topk", index_topk),
+      DS_INT("mhc_expansion_rate", mhc_expansion_rate),
+      DS_INT("sinkhorn_iterations", mhc_sinkhorn_iterations),
 #undef DS_INT
 #undef DS_DBL
 #undef DS_BOOL

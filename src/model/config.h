@@ -70,8 +70,17 @@ struct ModelConfig {
   int64_t eos_token_id = 1;
   // fp8 checkpoints: weight_block_size of the quantization_config ({0, 0}: none)
   int64_t fp8_block_rows = 0, fp8_block_cols = 0;
+  // MaxText's manifold-constrained hyper-connections (mHC, its seed-era
+  // Sinkhorn) around every layer's attention and FFN: the residual is
+  // mhc_expansion_rate streams (k); 1 is the plain residual. config.json:
+  // mhc_expansion_rate, mhc_sinkhorn_iterations (written only when k > 1).
+  int64_t mhc_expansion_rate = 1;
+  int64_t mhc_sinkhorn_iterations = 20;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool has_mhc() const { return mhc_expansion_rate > 1; }
+  // Floats of one token's residual between layers: k streams of hidden_size.
+  int64_t residual_width() const { return mhc_expansion_rate * hidden_size; }
   bool is_moe_layer(int64_t layer) const;
   // (qk_nope + qk_rope)^-0.5, times mscale^2 when YaRN is active.
   double softmax_scale() const;

@@ -37,7 +37,8 @@ void export_hf(const std::string& out_dir, const ModelConfig& cfg, int64_t mtp, 
   for_each_param(
       cfg, mtp,
       [&](const ParamInfo& i, float* const& x) {
-        put(i.name, Tensor::borrow(x, i.shape, DType::F32), i.shape.size() == 1);
+        // mHC's fn stays float32 too: it is small, and the Sinkhorn's logits are its products.
+        put(i.name, Tensor::borrow(x, i.shape, DType::F32), i.shape.size() == 1 || i.role == ParamRole::MhcMatrix);
       },
       params.ptr);
   // Hugging Face's MTP layers carry their own copies of the embedding and head.
@@ -66,7 +67,14 @@ void init_params(const ModelConfig& cfg, int64_t mtp, FlatParams& params, uint64
             break;
           case ParamRole::RoutingBias:
           case ParamRole::NormBias:
+          case ParamRole::MhcBias:
             std::fill(x, x + i.numel(), 0.0f);
+            break;
+          case ParamRole::MhcScale:
+            std::fill(x, x + i.numel(), kMhcScaleInit);
+            break;
+          case ParamRole::MhcMatrix:  // MaxText's fan-in normal, N(0, 1 / (k d)), whatever `std` is
+            fill_normal(x, i.numel(), mhc_fn_std(i), seed, stream++);
             break;
           default:
             fill_normal(x, i.numel(), std, seed, stream++);

@@ -1,5 +1,6 @@
 #include "model/init.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
@@ -71,6 +72,10 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
     j["index_topk"] = c.index_topk;
     if (c.index_scale_ue8m0) j["scale_fmt"] = "ue8m0";
   }
+  if (c.has_mhc()) {
+    j["mhc_expansion_rate"] = c.mhc_expansion_rate;
+    j["mhc_sinkhorn_iterations"] = c.mhc_sinkhorn_iterations;
+  }
   if (c.fp8_block_rows > 0)
     j["quantization_config"] = {{"quant_method", "fp8"},
                                 {"fmt", "e4m3"},
@@ -79,6 +84,8 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
   j["torch_dtype"] = "bfloat16";
   return j;
 }
+
+float mhc_fn_std(const ParamInfo& fn) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(fn.shape[1]))); }
 
 void prepare_model_folder(const std::string& dir, const char* who) {
   namespace fs = std::filesystem;
@@ -147,6 +154,22 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
       case ParamRole::NormBias: {
         Tensor z = Tensor::zeros(info.shape, DType::F32);
         ts.emplace_back(info.name, plain == DType::F32 ? z : z.to(plain));
+        break;
+      }
+      // mHC: float32 whatever the matrices' dtype (small; the Sinkhorn's logits).
+      case ParamRole::MhcBias:
+        ts.emplace_back(info.name, Tensor::zeros(info.shape, DType::F32));
+        break;
+      case ParamRole::MhcScale: {
+        Tensor t = Tensor::empty(info.shape, DType::F32);
+        std::fill(t.data<float>(), t.data<float>() + t.numel(), kMhcScaleInit);
+        ts.emplace_back(info.name, t);
+        break;
+      }
+      case ParamRole::MhcMatrix: {
+        Tensor t = Tensor::empty(info.shape, DType::F32);
+        fill_normal(t.data<float>(), t.numel(), mhc_fn_std(info), opt.seed, stream++);
+        ts.emplace_back(info.name, t);
         break;
       }
       default:

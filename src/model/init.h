@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "model/config.h"
+#include "model/params.h"
 
 namespace ds::model {
 
@@ -25,6 +26,11 @@ struct InitOptions {
   DType dtype = DType::BF16;
   float init_std = 0.006f;  // normal std of every matrix (DeepSeek-V3's initialisation)
 };
+
+// MaxText's mHC initialisation: every scale 0.01, fn N(0, 1 / fan_in) with
+// fan_in = k d (its columns), the biases 0, the norm scale 1.
+inline constexpr float kMhcScaleInit = 0.01f;
+float mhc_fn_std(const ParamInfo& fn);
 
 // Makes DIR (if missing) ready to receive config.json and model.safetensors:
 // ds::Error, prefixed with `who`, if it cannot be created or already holds

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/stage_times.h"
+#include "model/mhc_block.h"
 #include "model/staged.h"
 #include "ops/attention.h"
 #include "ops/indexer.h"
@@ -107,6 +108,10 @@ void norm_rows(float* y, float* rstd, const float* x, const ops::WeightView& w, 
 // The unnamed intermediates of a layer, always recomputed.
 struct Scratch {
   Buffer<float> x, rstd1, h1, m, rstd2;  // attention input (normed h), h + out_proj, FFN input, norms' rstd
+  // mHC (k > 1 streams): h1 is the streams after the attention [N, k, D];
+  // each sub-layer's mixing, and the FFN's output (its post reads it).
+  MhcState mhc_attn, mhc_mlp;
+  Buffer<float> ffn_out;
   Routing routing;
   Buffer<float> xs;  // MoE: routed rows of m, sorted by expert
   // Expert parallelism: the exchange plan and the rows this rank's experts
@@ -145,6 +150,40 @@ void run_indexer(Scratch& X, const float* mla_q, const IndexerParams<ops::Weight
 
 bool need(const Buffer<float>& b) { return b.empty(); }
 
+// The residual around the sub-layers: h itself, or with mHC (model/mhc_block.h)
+// its k streams, which the sub-layers read through each module's pre mix.
+// The attention's input (before its norm): h, or the pre mix of h.
+const float* attention_input(Scratch& X, const float* h, const LayerView& p, const ModelConfig& c, int64_t N) {
+  if (!c.has_mhc()) return h;
+  StageTimer t(Stage::kNorm);
+  mhc_block_pre(X.mhc_attn, h, p.mhc_attn, c, N);
+  return X.mhc_attn.a.data();
+}
+// X.h1 = h + out_proj (with mHC: the post mix of h and out_proj); returns the
+// FFN's input (before its norm): h1, or the pre mix of h1.
+const float* after_attention(Scratch& X, const float* h, const float* out_proj, const LayerView& p,
+                             const ModelConfig& c, int64_t N) {
+  X.h1.resize(N * c.residual_width());
+  if (!c.has_mhc()) {
+    parallel_add(X.h1.data(), h, out_proj, N * c.hidden_size);
+    return X.h1.data();
+  }
+  StageTimer t(Stage::kNorm);
+  mhc_block_post(X.h1.data(), out_proj, h, X.mhc_attn, c, N);
+  mhc_block_pre(X.mhc_mlp, X.h1.data(), p.mhc_mlp, c, N);
+  return X.mhc_mlp.a.data();
+}
+// The layer's output h2 = h1 + the FFN's output (with mHC: their post mix).
+// h_out may be the layer's input, never X.h1.
+void after_ffn(float* h_out, const Scratch& X, const ModelConfig& c, int64_t N) {
+  if (!c.has_mhc()) {
+    parallel_add(h_out, X.h1.data(), X.ffn_out.data(), N * c.hidden_size);
+    return;
+  }
+  StageTimer t(Stage::kNorm);
+  mhc_block_post(h_out, X.ffn_out.data(), X.h1.data(), X.mhc_mlp, c, N);
+}
+
 // Computes every residual of `S` that is empty (all of them on a forward)
 // plus the scratch. With h_out, also the layer output h2 (forward); h_out
 // may be h, which is last read when h1 is formed. The
@@ -158,11 +197,15 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
   const bool forward = h_out != nullptr;
+  // With mHC the sub-layers read the pre mix of the k streams, and the
+  // backward needs the FFN's output too (its post's gradient reads it).
+  const bool ffn_output = forward || c.has_mhc();
+  const float* attn_in = attention_input(X, h, p, c, N);
   X.x.resize(N * D);
   X.rstd1.resize(N);
   {
     StageTimer t(Stage::kNorm);
-    norm_rows(X.x.data(), X.rstd1.data(), h, p.input_norm, N, s);
+    norm_rows(X.x.data(), X.rstd1.data(), attn_in, p.input_norm, N, s);
   }
 
   // MLA
@@ -223,18 +266,17 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     StageTimer t(Stage::kOutProj);
     out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
   }
-  X.h1.resize(N * D);
-  parallel_add(X.h1.data(), h, S.out_proj.data(), N * D);
+  const float* ffn_in = after_attention(X, h, S.out_proj.data(), p, c, N);
   X.m.resize(N * D);
   X.rstd2.resize(N);
   {
     StageTimer t(Stage::kNorm);
-    norm_rows(X.m.data(), X.rstd2.data(), X.h1.data(), p.post_attention_norm, N, s);
+    norm_rows(X.m.data(), X.rstd2.data(), ffn_in, p.post_attention_norm, N, s);
   }
 
   // FFN
-  Buffer<float> ffn_out;
-  if (forward) ffn_out.resize(N * D);
+  Buffer<float>& ffn_out = X.ffn_out;
+  if (ffn_output) ffn_out.resize(N * D);
   const bool moe = c.is_moe_layer(layer);
   const bool shared = !moe || c.n_shared_experts > 0;
   const int64_t I = !moe ? c.intermediate_size : c.moe_intermediate_size * c.n_shared_experts;
@@ -246,7 +288,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   }
   if (!moe) {
     StageTimer t(Stage::kDenseMlp);
-    if (forward) {
+    if (ffn_output) {
       mlp_forward(ffn_out.data(), residuals ? S.mlpwi_0.data() : nullptr, residuals ? S.mlpwi_1.data() : nullptr,
                   X.m.data(), p.mlp, N);
     } else if (dense_missing) {
@@ -273,7 +315,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
       co_await Pending{&moved};
     }
     const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
-    if (forward || experts_missing || dense_missing) {
+    if (ffn_output || experts_missing || dense_missing) {
       // Generation keeps no residuals: the experts' intermediates stay in per-task scratch.
       if (residuals) {
         S.moe_mlpwi_0.resize(n_here * Ie);
@@ -294,7 +336,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
         auto back = ex->start_undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
         co_await Pending{&back};
       }
-      if (forward) {
+      if (ffn_output) {
         StageTimer t(Stage::kCombine);
         ffn_out.swap(shared_out);  // the shared experts' output, plus the routed ones'
         combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
@@ -304,7 +346,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     if (lb_loss && s.load_balance_loss_weight > 0)
       *lb_loss = balance_loss(r, vector_data(p.moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
   }
-  if (forward) parallel_add(h_out, X.h1.data(), ffn_out.data(), N * D);
+  if (forward) after_ffn(h_out, X, c, N);
   co_return;
 }
 
@@ -339,11 +381,11 @@ void drop(LayerSaved& S, const RematPolicy& keep) {
 
 void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                    KvAttention* kv, LayerSaved* saved, const RematPolicy& keep, LayerStats* stats) {
-  const int64_t N = layout.tokens(), D = s.cfg->hidden_size;
+  const int64_t N = layout.tokens(), W = s.cfg->residual_width();
   LayerSaved local;
   LayerSaved& S = saved ? *saved : local;
   S = LayerSaved{};
-  if (saved) S.decoder_layer_input.assign(h, h + N * D);
+  if (saved) S.decoder_layer_input.assign(h, h + N * W);
   Scratch X;
   // In place: run_layer reads h only before it writes the output.
   run_staged(run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
@@ -369,16 +411,16 @@ std::vector<TokenLayout> split_layout(const TokenLayout& layout, int64_t M) {
 
 void layer_forward_split(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                          std::vector<LayerSaved>& saved, const RematPolicy& keep, LayerStats* stats) {
-  const int64_t M = static_cast<int64_t>(saved.size()), D = s.cfg->hidden_size;
+  const int64_t M = static_cast<int64_t>(saved.size()), W = s.cfg->residual_width();
   const auto parts = split_layout(layout, M);
   const int64_t n = parts[0].tokens();
   std::vector<Scratch> X(static_cast<size_t>(M));
   std::vector<LayerStats> st(static_cast<size_t>(M));
   std::vector<Staged> tasks;
   for (int64_t i = 0; i < M; ++i) {
-    float* hi = h + i * n * D;
+    float* hi = h + i * n * W;
     saved[i] = LayerSaved{};
-    saved[i].decoder_layer_input.assign(hi, hi + n * D);
+    saved[i].decoder_layer_input.assign(hi, hi + n * W);
     tasks.push_back(
         run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss, true));
   }
@@ -426,7 +468,7 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   const ModelConfig& c = *s.cfg;
   const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
-  DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * D,
+  DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * c.residual_width(),
            "internal: layer {} backward without its decoder_layer_input", layer);
   const float* h = S.decoder_layer_input.data();
   Scratch X;
@@ -437,15 +479,27 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   }
 
   // FFN: dh holds dL/dh2 = dL/d(ffn_out) = the residual's share of dL/dh1.
+  // With mHC, dh is dL/d(streams out) [N, k, D]: the post's backward gives
+  // dL/d(ffn_out) and the direct share of dL/dh1 (dh1, finished by the pre's).
+  const bool mhc = c.has_mhc();
+  Buffer<float> dffn_mhc, dh1;
+  MhcGrad mix_attn, mix_mlp;
+  if (mhc) {
+    dffn_mhc.resize(N * D);
+    dh1.resize(N * c.residual_width());
+    std::fill(dh1.begin(), dh1.end(), 0.0f);
+    mhc_block_post_backward(dffn_mhc.data(), dh1.data(), mix_mlp, dh, X.ffn_out.data(), X.h1.data(), X.mhc_mlp, c, N);
+  }
+  const float* dffn = mhc ? dffn_mhc.data() : dh;
   Buffer<float> dm(N * D);
   const bool moe = c.is_moe_layer(layer);
   if (!moe) {
-    mlp_backward(dm.data(), g.mlp, dh, S.mlpwi_0.data(), S.mlpwi_1.data(), X.m.data(), p.mlp, N, false);
+    mlp_backward(dm.data(), g.mlp, dffn, S.mlpwi_0.data(), S.mlpwi_1.data(), X.m.data(), p.mlp, N, false);
   } else {
     const Routing& r = X.routing;
     const int64_t n = N * r.k, E = c.n_routed_experts;
     Buffer<float> dweights(n), dys(n * D), dxs(n * D);
-    combine_backward(dweights.data(), dys.data(), dh, S.moe_mlpwo.data(), r, D);
+    combine_backward(dweights.data(), dys.data(), dffn, S.moe_mlpwo.data(), r, D);
     std::fill(dm.begin(), dm.end(), 0.0f);
     const bool shared = c.n_shared_experts > 0;
     if (TokenExchange* ex = s.exchange) {
@@ -455,13 +509,13 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
       Buffer<float> dys_here(nl * D), dxs_here(nl * D);
       auto moved = ex->start_dispatch(dys_here.data(), dys.data(), X.plan, D, true);
       co_await Pending{&moved};
-      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
+      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dffn : nullptr, S.moe_mlpwi_0.data(),
                        S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
                        X.xs_local.data(), X.m.data(), r, p.moe, s, &X.plan.local_sizes);
       auto back = ex->start_undispatch(dxs.data(), dxs_here.data(), X.plan, D);
       co_await Pending{&back};
     } else {
-      experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dh : nullptr, S.moe_mlpwi_0.data(),
+      experts_backward(dxs.data(), dm.data(), g.moe, dys.data(), shared ? dffn : nullptr, S.moe_mlpwi_0.data(),
                        S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
                        X.xs.data(), X.m.data(), r, p.moe, s);
     }
@@ -477,12 +531,26 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
     expert_selection_backward(dm.data(), g.moe, dweights.data(), dscores.empty() ? nullptr : dscores.data(), r,
                               X.m.data(), p.moe, s);
   }
-  // Post-attention norm: dh1 = dh2 + norm'(dm).
-  norm_backward(dh, g.post_attention_norm, dm.data(), X.h1.data(), p.post_attention_norm, X.rstd2.data(), N, true);
-  // MLA: dh1 is dL/d(out_proj).
+  Buffer<float> dattn_mhc;
+  if (mhc) {
+    // dh1 += mhc_pre'(norm'(dm)); then the attention's post: dL/d(out_proj),
+    // and dh = its direct share of dL/dh.
+    Buffer<float> da(N * D);
+    norm_backward(da.data(), g.post_attention_norm, dm.data(), X.mhc_mlp.a.data(), p.post_attention_norm,
+                  X.rstd2.data(), N);
+    mhc_block_pre_backward(dh1.data(), g.mhc_mlp, da.data(), mix_mlp, X.h1.data(), X.mhc_mlp, p.mhc_mlp, c, N);
+    dattn_mhc.resize(N * D);
+    std::fill(dh, dh + N * c.residual_width(), 0.0f);
+    mhc_block_post_backward(dattn_mhc.data(), dh, mix_attn, dh1.data(), S.out_proj.data(), h, X.mhc_attn, c, N);
+  } else {
+    // Post-attention norm: dh1 = dh2 + norm'(dm).
+    norm_backward(dh, g.post_attention_norm, dm.data(), X.h1.data(), p.post_attention_norm, X.rstd2.data(), N, true);
+  }
+  // MLA: dh1 (with mHC, the post's gradient) is dL/d(out_proj).
+  const float* dattn = mhc ? dattn_mhc.data() : dh;
   const auto& a = p.attn;
   Buffer<float> dctx(N * H * vd), dq(N * H * qk), dk(N * H * qk), dv(N * H * vd);
-  out_projection_backward(dctx.data(), g.attn, dh, S.attention_out.data(), a, N);
+  out_projection_backward(dctx.data(), g.attn, dattn, S.attention_out.data(), a, N);
   ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
   ops::attention_backward(dq.data(), dk.data(), dv.data(), dctx.data(), S.attention_out.data(), S.lse.data(),
                           S.query_proj.data(), S.key_proj.data(), S.value_proj.data(), layout.segment_ids, d,
@@ -494,8 +562,15 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
                          X.x.data(), a, s, layout.positions, N);
   query_projection_backward(dx.data(), g.attn, dq.data(), S.query_wa_proj.data(), S.mla_q.data(), S.q_rstd.data(),
                             X.x.data(), a, s, layout.positions, N);
-  // Input norm: dh = dh1 + norm'(dx).
-  norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
+  if (mhc) {
+    // dh += mhc_pre'(norm'(dx)).
+    Buffer<float> da(N * D);
+    norm_backward(da.data(), g.input_norm, dx.data(), X.mhc_attn.a.data(), p.input_norm, X.rstd1.data(), N);
+    mhc_block_pre_backward(dh, g.mhc_attn, da.data(), mix_attn, h, X.mhc_attn, p.mhc_attn, c, N);
+  } else {
+    // Input norm: dh = dh1 + norm'(dx).
+    norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
+  }
   S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
   co_return;
 }
@@ -509,12 +584,12 @@ void layer_backward(float* dh, LayerGrads& g, LayerSaved& S, const LayerView& p,
 
 void layer_backward_split(float* dh, LayerGrads& g, std::vector<LayerSaved>& saved, const LayerView& p, int64_t layer,
                           const StageConfig& s, const TokenLayout& layout, double dloss_lb, double* indexer_loss) {
-  const int64_t M = static_cast<int64_t>(saved.size()), D = s.cfg->hidden_size;
+  const int64_t M = static_cast<int64_t>(saved.size()), W = s.cfg->residual_width();
   const auto parts = split_layout(layout, M);
   const int64_t n = parts[0].tokens();
   std::vector<Staged> tasks;
   for (int64_t i = 0; i < M; ++i)
-    tasks.push_back(layer_backward_task(dh + i * n * D, g, saved[i], p, layer, s, parts[i],
+    tasks.push_back(layer_backward_task(dh + i * n * W, g, saved[i], p, layer, s, parts[i],
                                         dloss_lb / static_cast<double>(M), indexer_loss));
   run_interleaved(tasks, layer, true);
 }

@@ -4,6 +4,10 @@
 //   h1 = h + out_proj(MLA(rmsnorm(h)))
 //   h2 = h1 + FFN(rmsnorm(h1))        FFN: dense MLP or DeepSeekMoE
 //
+// With mHC (mhc_expansion_rate k > 1, model/mhc_block.h) h is k streams
+// [N, k, D] and each sub-layer is wrapped: h1 = mhc_post(out_proj(MLA(
+// rmsnorm(mhc_pre(h))))), h2 likewise with the FFN, each with its own module.
+//
 // layer_forward is the one forward: generation calls it with a KV store
 // (attention over cached tokens) and keeps nothing; training calls it with
 // the packed batch's layout and keeps what the policy names. layer_backward
@@ -52,7 +56,7 @@ class KvAttention {
 // Everything a layer's forward produced. Named buffers are empty when not
 // kept; the rest (norm outputs, routing, routed rows) is always recomputed.
 struct LayerSaved {
-  Buffer<float> decoder_layer_input;  // h [N, D]
+  Buffer<float> decoder_layer_input;  // h [N, D] ([N, k, D] with mHC)
   Buffer<float> query_wa_proj, mla_q, q_rstd, query_proj;
   Buffer<float> kv_wa_proj, mla_kv, kv_rstd, k_pe, key_proj, value_proj;
   Buffer<float> attention_out, lse;  // lse: with `context`
@@ -62,7 +66,7 @@ struct LayerSaved {
   size_t bytes() const;
 };
 
-// One layer forward. h [N, D] is updated in place (h -> h2). With kv, the
+// One layer forward. h [N, D] ([N, k, D] with mHC) is updated in place (h -> h2). With kv, the
 // attention is the engine's; else causal attention over `layout` (training,
 // or a fresh prompt). With saved, the layer input and the residuals `keep`
 // names are left in *saved; stats, when not null, receive the expert load
@@ -82,7 +86,7 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
 void layer_forward_split(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                          std::vector<LayerSaved>& saved, const RematPolicy& keep, LayerStats* stats);
 
-// Backward of layer_forward: dh [N, D] holds dL/dh2 on entry and dL/dh on
+// Backward of layer_forward: dh [N, D] ([N, k, D] with mHC) holds dL/dh2 on entry and dL/dh on
 // return. Weight gradients are added into g. `saved` must hold
 // decoder_layer_input; missing residuals are recomputed (and then freed).
 // With s.load_balance_loss_weight > 0, the layer's balance loss (MaxText's:

@@ -5,6 +5,7 @@
 
 #include "core/buffer.h"
 #include "core/error.h"
+#include "model/mhc_block.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -134,9 +135,20 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   };
   if (stream) stream->begin(L + K, grads != nullptr);
 
-  // Forward.
-  Buffer<float> h(N * D);
-  ops::embedding_forward(h.data(), b.inputs.data(), static_cast<const float*>(w.embed.data), N, V, D);
+  // Forward. With mHC the layers carry k streams [N, k, D], each starting
+  // as the embedding and summed before the final norm.
+  const bool mhc = cfg.has_mhc();
+  const int64_t k_streams = cfg.mhc_expansion_rate;
+  DS_CHECK(!mhc || K == 0, "mhc_expansion_rate {} with mtp_num_layers {}: MTP is not defined for mHC models",
+           k_streams, K);
+  Buffer<float> h(N * cfg.residual_width()), hsum;
+  if (mhc) {
+    hsum.resize(N * D);
+    ops::embedding_forward(hsum.data(), b.inputs.data(), static_cast<const float*>(w.embed.data), N, V, D);
+    mhc_expand(h.data(), hsum.data(), N, k_streams, D);
+  } else {
+    ops::embedding_forward(h.data(), b.inputs.data(), static_cast<const float*>(w.embed.data), N, V, D);
+  }
   // Residuals per layer and micro-batch (the batch-split schedule's parts).
   const int64_t M = opt.batch_split_factor;
   DS_CHECK(M >= 1 && B % M == 0, "batch_split_factor {} does not divide the {} rows of the batch", M, B);
@@ -166,8 +178,10 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
       lb.push_back(st.lb_loss);
     }
   }
+  if (mhc) mhc_reduce(hsum.data(), h.data(), N, k_streams, D);
+  const float* h_last = mhc ? hsum.data() : h.data();  // the final norm's input [N, D]
   Buffer<float> hn(N * D), rstd(N);
-  ops::rmsnorm_forward(hn.data(), rstd.data(), h.data(), vector_data(w.final_norm), N, D, eps(cfg));
+  ops::rmsnorm_forward(hn.data(), rstd.data(), h_last, vector_data(w.final_norm), N, D, eps(cfg));
   HeadLoss main;
   head_loss_forward(main, hn.data(), w.lm_head, b.targets, b.target_segment_ids, N, D, opt.z_loss_multiplier);
   out.tokens = main.weight;
@@ -277,13 +291,21 @@ LossTerms loss_and_grad(const ModelConfig& cfg, const ParamsView& w, ModelParams
   {
     Buffer<float> dhn(N * D);
     head_loss_backward(dhn.data(), g.lm_head, main, hn.data(), w.lm_head, N, D, opt.z_loss_multiplier, gs / denom);
-    norm_backward(dh.data(), g.final_norm, dhn.data(), h.data(), w.final_norm, rstd.data(), N, true);
+    norm_backward(dh.data(), g.final_norm, dhn.data(), h_last, w.final_norm, rstd.data(), N, true);
   }
+  // mHC: the sum's gradient reaches every stream; the expansion's sums them back.
+  Buffer<float> dstreams;
+  if (mhc) {
+    dstreams.resize(N * cfg.residual_width());
+    mhc_expand(dstreams.data(), dh.data(), N, k_streams, D);
+  }
+  float* dlayers = mhc ? dstreams.data() : dh.data();
   for (int64_t l = L - 1; l >= 0; --l) {
     acquire(l, true);
-    backward_layer(dh.data(), g.layers[l], saved[l], w.layers[l], l, dlb);
+    backward_layer(dlayers, g.layers[l], saved[l], w.layers[l], l, dlb);
     release(l, true);
   }
+  if (mhc) mhc_reduce(dh.data(), dstreams.data(), N, k_streams, D);
   if (g.embed) ops::embedding_backward(g.embed, dh.data(), b.inputs.data(), N, V, D);
   out.indexer_loss = indexer_per_kl * indexer_kl;
   out.loss += out.indexer_loss;

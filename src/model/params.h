@@ -29,6 +29,9 @@ enum class ParamRole {
   NormBias,     // LayerNorm bias (the DeepSeek-V3.2 indexer's k_norm)
   IndexerHeadWeights,  // the V3.2 indexer's weights_proj: per-head weights, never fp8
   LmHead,       // lm_head
+  MhcMatrix,    // mHC fn: the pre / post / res projections of the normed streams
+  MhcBias,      // mHC base: the mixes' biases (start at 0)
+  MhcScale,     // mHC scale: one factor per mix kind (start at 0.01)
   Untrained,    // held fixed by the trainer: DeepSeek-V4's token -> experts table (hash routing), and its
                 // lightning indexer, which no loss of this trainer trains
 };
@@ -73,12 +76,22 @@ struct MoeParams {
   MlpParams<T> shared;  // n_shared_experts > 0 (one MLP of n_shared * moe_intermediate_size)
 };
 
+// MaxText's mHC module around one sub-layer (mhc_expansion_rate k > 1), for
+// d = hidden_size: the RMSNorm scale of the flattened streams [k d], fn
+// [(2 + k) k, k d] (rows: k pre, k post, k x k res mixes, row-major), base
+// [(2 + k) k] and scale [3] (pre, post, res).
+template <class T>
+struct MhcParams {
+  T norm{}, fn{}, base{}, scale{};
+};
+
 template <class T>
 struct LayerParams {
   T input_norm{}, post_attention_norm{};
   AttentionParams<T> attn;
   MlpParams<T> mlp;  // dense layers
   MoeParams<T> moe;  // MoE layers
+  MhcParams<T> mhc_attn, mhc_mlp;  // mhc_expansion_rate > 1
 };
 
 // A multi-token prediction depth, as Hugging Face checkpoints store it under
@@ -120,6 +133,15 @@ void visit_mlp(const std::string& p, int64_t layer, int64_t D, int64_t width, F&
   f(ParamInfo{p + ".gate_proj.weight", {width, D}, ParamRole::Projection, layer}, m.gate...);
   f(ParamInfo{p + ".up_proj.weight", {width, D}, ParamRole::Projection, layer}, m.up...);
   f(ParamInfo{p + ".down_proj.weight", {D, width}, ParamRole::Projection, layer}, m.down...);
+}
+
+template <class F, class... Mhc>
+void visit_mhc(const std::string& p, int64_t layer, const ModelConfig& c, F& f, Mhc&... m) {
+  const int64_t k = c.mhc_expansion_rate, kd = c.residual_width(), mixes = (2 + k) * k;
+  f(ParamInfo{p + ".norm.weight", {kd}, ParamRole::Norm, layer}, m.norm...);
+  f(ParamInfo{p + ".fn", {mixes, kd}, ParamRole::MhcMatrix, layer}, m.fn...);
+  f(ParamInfo{p + ".base", {mixes}, ParamRole::MhcBias, layer}, m.base...);
+  f(ParamInfo{p + ".scale", {3}, ParamRole::MhcScale, layer}, m.scale...);
 }
 
 template <class F, class... Layer>
@@ -167,6 +189,10 @@ void visit_layer(const ModelConfig& c, int64_t l, F& f, Layer&... L) {
       visit_mlp(p + ".mlp.shared_experts", l, D, c.moe_intermediate_size * c.n_shared_experts, f, L.moe.shared...);
   } else {
     visit_mlp(p + ".mlp", l, D, c.intermediate_size, f, L.mlp...);
+  }
+  if (c.has_mhc()) {
+    visit_mhc(p + ".mhc_attention", l, c, f, L.mhc_attn...);
+    visit_mhc(p + ".mhc_mlp", l, c, f, L.mhc_mlp...);
   }
 }
 

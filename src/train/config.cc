@@ -437,19 +437,6 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
         model_sources.push_back(where);
       if (key == "num_experts") zero_experts = value.IsScalar() && value.Scalar() == "0" ? where : "";
-    } else if (!v4 && (key == "mhc_expansion_rate" || key == "sinkhorn_iterations")) {
-      // MaxText's mHC keys: 1 stream (its default) is the plain residual.
-      int64_t v = 0;
-      try {
-        v = value.as<int64_t>();
-      } catch (const YAML::Exception& ex) {
-        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
-      }
-      DS_CHECK(v >= 1, "{}: {} {} must be >= 1", where, key, v);
-      DS_CHECK(key != "mhc_expansion_rate" || v == 1,
-               "{}: mhc_expansion_rate {}: mHC around DeepSeek-V2/V3 layers is not implemented yet (only 1, the "
-               "plain residual; decoder_block: deepseek4 models have DeepSeek-V4's mHC)",
-               where, v);
     } else if (is_remat_name(key)) {
       DS_CHECK(value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", where,
                key);
@@ -565,7 +552,9 @@ int64_t training_memory_bytes(const RunConfig& rc) {
       (hf_int(hf, "num_experts_per_tok") + hf_int(hf, "n_shared_experts")) * hf_int(hf, "moe_intermediate_size")));
   const double layers = static_cast<double>(hf_int(hf, "num_hidden_layers") + family->mtp_layers());
   const bool full = t.remat_policy == "full" && !rc.v4;
-  const double per_layer = full ? hidden : 8 * hidden + 2 * mlp;
+  // mHC keeps each layer's input as k streams (hf_int: 0 when absent, i.e. 1 stream).
+  const double extra_streams = static_cast<double>(std::max<int64_t>(0, hf_int(hf, "mhc_expansion_rate") - 1));
+  const double per_layer = (full ? hidden : 8 * hidden + 2 * mlp) + extra_streams * hidden;
   const double tokens = static_cast<double>(t.per_device_batch_size) * static_cast<double>(t.max_target_length);
   const double bytes = 16.0 * static_cast<double>(family->numel()) +
                        4.0 * tokens * (2.0 * static_cast<double>(family->vocab_size()) + layers * per_layer);

@@ -15,7 +15,8 @@ seed is skipped (the next one tried) if any routing decision of the main or the
 MTP layers is within MARGIN of a tie, so that a float32 engine makes the same
 choices. Before writing, the generator
 - checks the main logits of every document against deepseek_ref.DeepSeekRef (a
-  separate, unbatched forward) to 1e-10;
+  separate, unbatched forward) to 1e-10; for mHC fixtures, which deepseek_ref
+  does not model, train_ref's mHC against published test vectors instead;
 - checks that the masked LM and MTP loss sums of the packed batch equal the
   sums over its documents run one at a time;
 - checks the autograd gradient of each loss term against fourth-order central
@@ -96,7 +97,20 @@ def fixture_specs():
         "num_nextn_predict_layers": 0,
         "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "float32",
     }
+    # mHC (k = 4 streams) around a dense and a MoE layer, with 3 Sinkhorn
+    # iterations and with MaxText's default 20.
+    mhc = dict(v3, vocab_size=64, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+               q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+               rope_scaling=None, n_routed_experts=4, n_group=2, topk_group=1, num_nextn_predict_layers=0,
+               mhc_expansion_rate=4, mhc_sinkhorn_iterations=3)
     return [
+        {"name": "v3_mhc", "config": mhc, "seed": 9000, "T": 8, "docs": [[8], [3, 4]],
+         "z_loss_multiplier": 1e-3, "load_balance_loss_weight": 0.01,
+         "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0},
+        {"name": "v3_mhc_iters20", "config": dict(mhc, mhc_sinkhorn_iterations=20), "seed": 9100, "T": 8,
+         "docs": [[5, 3], [8]], "z_loss_multiplier": 0.0, "load_balance_loss_weight": 0.01,
+         "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0},
         {"name": "v3_packed", "config": v3, "seed": 7000, "T": 12, "docs": [[12], [5, 4, 3]],
          "z_loss_multiplier": 1e-3, "load_balance_loss_weight": 0.01,
          "mtp_num_layers": 1, "mtp_loss_scaling_factor": 0.3},
@@ -111,6 +125,9 @@ def fixture_specs():
 # ---------------------------------------------------------------------------
 
 STD_EMBED, STD_LINEAR, STD_GATE, STD_HEAD, STD_NORM, STD_BIAS = 1.0, 0.2, 0.3, 0.3, 0.1, 0.1
+# mHC: far from MaxText's initialisation (scales 0.01, biases 0), so that the
+# pre/post weights and the Sinkhorn's matrix differ from token to token.
+STD_MHC_FN, STD_MHC_BASE, MEAN_MHC_SCALE, STD_MHC_SCALE = 0.3, 0.5, 0.8, 0.3
 
 
 def random_tensors(cj, rng, mtp_layers):
@@ -157,6 +174,13 @@ def random_tensors(cj, rng, mtp_layers):
                 mlp(p + ".mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
         else:
             mlp(p + ".mlp", c.intermediate_size)
+        k = train_ref.mhc_streams(c)
+        if k > 1:
+            for m in ("mhc_attention", "mhc_mlp"):
+                norm(f"{p}.{m}.norm.weight", k * D)
+                add(f"{p}.{m}.fn", ((2 + k) * k, k * D), STD_MHC_FN)
+                add(f"{p}.{m}.base", ((2 + k) * k,), STD_MHC_BASE)
+                add(f"{p}.{m}.scale", (3,), STD_MHC_SCALE, MEAN_MHC_SCALE)
 
     add("model.embed_tokens.weight", (c.vocab_size, D), STD_EMBED)
     for l in range(c.num_hidden_layers):
@@ -234,6 +258,46 @@ def check_logits_against_inference_ref(d, model, batch):
             lg = inf.forward(batch["inputs"][bi, idx].tolist())
             worst = max(worst, (lg - model.last_logits[bi, idx]).abs().max().item())
     assert worst < 1e-10, f"packed logits differ from deepseek_ref by {worst:.3e}"
+    return worst
+
+
+def check_mhc_vectors():
+    """train_ref's mHC pieces against the published test vectors of MaxText's seed-era
+    mHC: its Sinkhorn (20 and 1 iterations) and a toy module (k = 3, d = 4, S = 2, the
+    branch tanh, no norm on the branch input, eps 1e-6). Returns the largest difference."""
+    A = torch.tensor([[0.5, -1, 2, 0], [1, 0, -0.5, 0.3], [-2, 1.5, 0, 0.7], [0.2, 0.1, -0.3, 1]], dtype=ref.F64)
+    want20 = [[.196148, .037219, .672114, .094519], [.532491, .166584, .090842, .210082],
+              [.021444, .603897, .121149, .253509], [.249916, .192301, .115895, .441889]]
+    worst = (train_ref.sinkhorn_v1(A, 20) - torch.tensor(want20, dtype=ref.F64)).abs().max().item()
+    worst = max(worst, (train_ref.sinkhorn_v1(A, 1)[0] -
+                        torch.tensor([.219834, .04223, .70147, .107017], dtype=ref.F64)).abs().max().item())
+    k, D, S = 3, 4, 2
+    x = torch.tensor([[[np.sin(0.3 * (s + 1) * (i + 1) + 0.7 * j) for j in range(D)] for i in range(k)]
+                      for s in range(S)], dtype=ref.F64)[None]  # [1, S, k, D]
+    kd = k * D
+    fn = torch.zeros((2 + k) * k, kd, dtype=ref.F64)
+    for m in range(kd):
+        for i in range(k):
+            fn[i, m] = 0.05 * np.sin(m + 2 * i + 1)
+            fn[k + i, m] = 0.05 * np.cos(m - i)
+        for n in range(k * k):
+            fn[2 * k + n, m] = 0.05 * np.sin(0.5 * m + n)
+    base = torch.tensor([0.1 * i for i in range(k)] + [-0.1 * i for i in range(k)] +
+                        [0.2 if i == m else -0.1 for i in range(k) for m in range(k)], dtype=ref.F64)
+    w = {"t.norm.weight": torch.tensor([1 + 0.1 * np.cos(m) for m in range(kd)], dtype=ref.F64), "t.fn": fn,
+         "t.base": base, "t.scale": torch.tensor([0.7, 0.9, 1.1], dtype=ref.F64)}
+    toy = train_ref._Forward.__new__(train_ref._Forward)
+    toy.p, toy.m = w, None
+    toy.cfg = ref.Config({"model_type": "deepseek_v3", "vocab_size": 1, "hidden_size": D, "intermediate_size": 1,
+                          "num_hidden_layers": 1, "num_attention_heads": 1, "kv_lora_rank": 1,
+                          "qk_nope_head_dim": 1, "qk_rope_head_dim": 2, "v_head_dim": 1, "rms_norm_eps": 1e-6,
+                          "mhc_sinkhorn_iterations": 20})
+    y = toy.mhc("t", x, torch.tanh)[0]
+    worst = max(worst, (y[0, 0] - torch.tensor([1.214618, 1.811332, 1.760824, .996041], dtype=ref.F64)).abs().max()
+                .item())
+    worst = max(worst, (y[1, 2] - torch.tensor([1.669223, 1.642321, .97788, -.425249], dtype=ref.F64)).abs().max()
+                .item())
+    assert worst < 2e-6, f"train_ref's mHC differs from the published test vectors by {worst:.2e}"
     return worst
 
 
@@ -362,7 +426,11 @@ def build(spec, root):
     else:
         raise RuntimeError(f"{spec['name']}: no seed with clear routing margins")
 
-    ldiff = check_logits_against_inference_ref(d, model, batch)
+    if train_ref.mhc_streams(model.cfg) > 1:
+        # deepseek_ref has no mHC: its published test vectors instead.
+        ldiff, lwhat = check_mhc_vectors(), "mHC test vectors (6 digits)"
+    else:
+        ldiff, lwhat = check_logits_against_inference_ref(d, model, batch), "logits vs deepseek_ref per document"
     sums, pdiff = check_packing(model, batch)
     t0 = time.time()
     st = fd_check(model, batch, spec["name"])
@@ -385,7 +453,7 @@ def build(spec, root):
           f"group limit changed {changed}/{len(trace)} selections")
     for l, u in sorted(usage.items()):
         print(f"  layer {l} expert usage {u.tolist()}")
-    print(f"  logits vs deepseek_ref per document: max diff {ldiff:.2e}; packed vs one document at a time: "
+    print(f"  {lwhat}: max diff {ldiff:.2e}; packed vs one document at a time: "
           f"max diff {pdiff:.2e} over the loss sums and counts {sums}")
     print(f"  {fd_summary(st)} ({fd_s:.1f} s)")
     return d

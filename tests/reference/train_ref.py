@@ -21,6 +21,12 @@ softmax-scale rules with deepseek_ref.py. What it adds for training:
   segments, and its logits are lm_head(shared_head.norm(h_k));
       mtp_loss = lambda * sum_k sum(mask_k * CE_k) / (sum_k sum(mask_k) + 1e-8)
 - loss = lm_loss + mtp_loss + moe_lb_loss.
+- MaxText's seed-era mHC when config.json sets mhc_expansion_rate k > 1: the
+  embedding becomes k equal streams [B, T, k, D]; around each layer's attention
+  and its FFN a module with its own tensors (prefix mhc_attention / mhc_mlp)
+  mixes them (see `mhc` below); after the last layer the streams are summed.
+  Its Sinkhorn (mhc_sinkhorn_iterations, default 20) is differentiated through
+  every iteration by autograd, like MaxText's.
 
 Routing choices (group-limited top-k over scores + e_score_correction_bias) are
 made without gradient, as integer decisions; the combine weights, computed from
@@ -98,6 +104,23 @@ def attention_mask(seg):
 # ---------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------
+
+
+def sinkhorn_v1(logits, iters):
+    """MaxText's seed-era Sinkhorn over the last two axes [..., k, k]: a softmax down
+    each column, then `iters` rounds of dividing each row by its sum and then each
+    column by its sum, every sum floored at 1e-12 (a floored sum is a constant, so
+    clamp's zero gradient below the floor is the intended one)."""
+    t = torch.softmax(logits, dim=-2)
+    for _ in range(iters):
+        t = t / torch.clamp(t.sum(dim=-1, keepdim=True), min=1e-12)
+        t = t / torch.clamp(t.sum(dim=-2, keepdim=True), min=1e-12)
+    return t
+
+
+def mhc_streams(cfg):
+    """k, the residual streams of a config.json (1: the plain residual)."""
+    return int(cfg.raw.get("mhc_expansion_rate") or 1)
 
 
 def rope(x, pos, freqs):
@@ -266,9 +289,32 @@ class _Forward:
 
     def layer(self, l, h, pos, mask):
         pre = f"model.layers.{l}."
+        ffn = (lambda x: self.moe(l, x)) if self.cfg.is_moe_layer(l) else (lambda x: self.mlp(pre + "mlp", x))
+        if mhc_streams(self.cfg) > 1:
+            h = self.mhc(pre + "mhc_attention", h,
+                         lambda u: self.mla(l, self.norm(u, pre + "input_layernorm.weight"), pos, mask))
+            return self.mhc(pre + "mhc_mlp", h, lambda u: ffn(self.norm(u, pre + "post_attention_layernorm.weight")))
         h = h + self.mla(l, self.norm(h, pre + "input_layernorm.weight"), pos, mask)
-        x = self.norm(h, pre + "post_attention_layernorm.weight")
-        return h + (self.moe(l, x) if self.cfg.is_moe_layer(l) else self.mlp(pre + "mlp", x))
+        return h + ffn(self.norm(h, pre + "post_attention_layernorm.weight"))
+
+    def mhc(self, p, x, branch):
+        """One mHC module (tensors p.norm.weight [kD], p.fn [(2+k)k, kD], p.base [(2+k)k],
+        p.scale [3]) around `branch` ([B, T, D] -> [B, T, D]); x [B, T, k, D] -> same.
+        Per token: n = RMSNorm(x flattened stream-major); logits n fn^T split into k pre,
+        k post and k*k res (row-major) entries; pre weights sigmoid(s0 h + b), post
+        weights 2 sigmoid(s1 h + b), mixing matrix Sinkhorn(s2 H + B); the branch sees
+        the pre-weighted sum of the streams; output stream m is sum_i M[i, m] x_i plus
+        its post weight times the branch output."""
+        B, T, k, D = x.shape
+        n = self.norm(x.reshape(B, T, k * D), p + ".norm.weight")
+        logits = n @ self.W(p + ".fn").t()  # [B, T, (2 + k) k]
+        s, b = self.W(p + ".scale"), self.W(p + ".base")
+        pre_w = torch.sigmoid(s[0] * logits[..., :k] + b[:k])  # [B, T, k]
+        post_w = 2.0 * torch.sigmoid(s[1] * logits[..., k:2 * k] + b[k:2 * k])  # [B, T, k]
+        res = (s[2] * logits[..., 2 * k:] + b[2 * k:]).reshape(B, T, k, k)  # [i, m]
+        mix = sinkhorn_v1(res, int(self.cfg.raw.get("mhc_sinkhorn_iterations") or 20))
+        f = branch(torch.einsum("bti,btid->btd", pre_w, x))
+        return torch.einsum("btim,btid->btmd", mix, x) + post_w[..., None] * f[:, :, None, :]
 
     def head_weight(self):
         return self.W("model.embed_tokens.weight" if self.cfg.tie_word_embeddings else "lm_head.weight")
@@ -280,8 +326,15 @@ class _Forward:
         pos = torch.from_numpy(b["positions"]).to(F64)
         mask = attention_mask(b["segment_ids"])
         h = emb[torch.from_numpy(b["inputs"])]  # [B, T, D]
+        k = mhc_streams(c)
+        if k > 1:
+            if b["mtp_num_layers"] > 0:
+                raise ValueError("MTP is not defined for mHC models")
+            h = torch.stack([h] * k, dim=2)  # [B, T, k, D]: k copies, not divided by k
         for l in range(c.num_hidden_layers):
             h = self.layer(l, h, pos, mask)
+        if k > 1:
+            h = h.sum(dim=2)  # a plain sum over the streams
 
         z = linear(self.norm(h, "model.norm.weight"), self.head_weight())  # [B, T, V]
         self.logits = z.detach()
