@@ -636,6 +636,20 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
 
 namespace {
 
+// The routed experts' g, u, h ([rows, I]) and the shared expert's ([n, I]),
+// kept in sv or in the caller's six scratch buffers.
+struct ExpertBuffers {
+  Buffer<float>&g, &u, &h, &sg, &su, &sh;
+};
+ExpertBuffers expert_buffers(V4MoeSaved* sv, Buffer<float>* inner, int64_t rows, int64_t n, int64_t I, bool shared) {
+  ExpertBuffers b = sv ? ExpertBuffers{sv->g, sv->u, sv->h, sv->sg, sv->su, sv->sh}
+                       : ExpertBuffers{inner[0], inner[1], inner[2], inner[3], inner[4], inner[5]};
+  for (Buffer<float>* x : {&b.g, &b.u, &b.h}) x->resize(static_cast<size_t>(rows * I));
+  if (shared)
+    for (Buffer<float>* x : {&b.sg, &b.su, &b.sh}) x->resize(static_cast<size_t>(n * I));
+  return b;
+}
+
 // w2(silu(w1 x) * w3 x) with the clamp, for `rows` rows.
 void swiglu_rows(float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp, float* gr, float* ur,
                  float* hr, int64_t I, float limit) {
@@ -653,16 +667,8 @@ void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64
   const int64_t d = cfg_.hidden_size, K = cfg_.num_experts_per_tok, I = cfg_.moe_intermediate_size;
   const float limit = static_cast<float>(cfg_.swiglu_limit);
   const size_t A = static_cast<size_t>(n * K);
-  Buffer<float>& g = sv ? sv->g : inner[0];
-  Buffer<float>& u = sv ? sv->u : inner[1];
-  Buffer<float>& h = sv ? sv->h : inner[2];
-  Buffer<float>& sg = sv ? sv->sg : inner[3];
-  Buffer<float>& su = sv ? sv->su : inner[4];
-  Buffer<float>& sh = sv ? sv->sh : inner[5];
+  auto [g, u, h, sg, su, sh] = expert_buffers(sv, inner, static_cast<int64_t>(A), n, I, cfg_.n_shared_experts > 0);
   ys.resize(A * static_cast<size_t>(d));
-  for (Buffer<float>* b : {&g, &u, &h}) b->resize(A * static_cast<size_t>(I));
-  if (cfg_.n_shared_experts > 0)
-    for (Buffer<float>* b : {&sg, &su, &sh}) b->resize(static_cast<size_t>(n * I));
   // One task per expert; the shared expert's writes out. Many small experts
   // run on a thread each (a threaded product that small costs more in
   // overhead than in arithmetic); a few experts (decode), or large ones, run
@@ -715,15 +721,8 @@ void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, i
   V4ExpertRows& local = sv ? sv->local : own_local;
   if (sv) local = std::move(own_local);
   const size_t R = static_cast<size_t>(plan.local_rows);
-  Buffer<float>& g = sv ? sv->g : inner[0];
-  Buffer<float>& u = sv ? sv->u : inner[1];
-  Buffer<float>& h = sv ? sv->h : inner[2];
-  Buffer<float>& sg = sv ? sv->sg : inner[3];
-  Buffer<float>& su = sv ? sv->su : inner[4];
-  Buffer<float>& sh = sv ? sv->sh : inner[5];
-  for (Buffer<float>* b : {&g, &u, &h}) b->resize(R * static_cast<size_t>(I));
-  if (cfg_.n_shared_experts > 0)
-    for (Buffer<float>* b : {&sg, &su, &sh}) b->resize(static_cast<size_t>(n * I));
+  auto [g, u, h, sg, su, sh] =
+      expert_buffers(sv, inner, static_cast<int64_t>(R), n, I, cfg_.n_shared_experts > 0);
   Buffer<float> yl(R * static_cast<size_t>(d));
   parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t t) {
     const int64_t e = local.tasks[static_cast<size_t>(t)];
