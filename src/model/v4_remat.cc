@@ -1,0 +1,112 @@
+// What a V4 training forward keeps (model/v4_model.h's V4Saved): its bytes,
+// what a remat policy drops after each layer, and the rerun that rebuilds it
+// in the backward.
+#include "model/v4_model.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/error.h"
+
+namespace ds::model {
+
+namespace {
+
+template <class T>
+size_t vec_bytes(const T& v) {
+  return v.size() * sizeof(v[0]);
+}
+
+}  // namespace
+
+size_t V4LayerSaved::bytes() const {
+  size_t b = 0;
+  for (const Buffer<float>* v : {&X, &a0, &rstd_a, &a, &post, &comb, &o, &X1, &f0, &rstd_f, &f, &fpost, &fcomb, &fo,
+                                 &attn.qr_lin, &attn.qr, &attn.rstd_qr, &attn.q_lin, &attn.rstd_q, &attn.q,
+                                 &attn.kv_lin, &attn.rstd_kv, &attn.kv, &attn.o, &attn.lse, &attn.o2, &attn.z, &moe.g,
+                                 &moe.u, &moe.h, &moe.y, &moe.sg, &moe.su, &moe.sh})
+    b += vec_bytes(*v);
+  for (const V4CompressorSaved& c : attn.comp)
+    b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);
+  b += vec_bytes(attn.key_seg) + vec_bytes(attn.key_idx) + vec_bytes(attn.offsets);
+  b += vec_bytes(moe.experts) + vec_bytes(moe.weights) + vec_bytes(moe.scores);
+  b += vec_bytes(moe.rows.first) + vec_bytes(moe.rows.row) + vec_bytes(moe.rows.assignment);
+  return b;
+}
+
+size_t V4Saved::bytes() const {
+  size_t b = vec_bytes(ids) + vec_bytes(pos) + vec_bytes(head.X) + vec_bytes(head.y) + vec_bytes(head.rstd_y);
+  for (const V4LayerSaved& l : layers) b += l.bytes();
+  for (const V4MtpSaved& m : mtp)
+    for (const std::vector<float>* v : {&m.e0, &m.rstd_e, &m.e, &m.h0, &m.rstd_h, &m.h, &m.head.X, &m.head.y,
+                                        &m.head.rstd_y})
+      b += vec_bytes(*v);
+  return b;
+}
+
+void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
+  // Each sub-layer's input streams stay: X (the layer's input, MaxText's
+  // decoder_layer_input) always, X1 while the MoE's backward reads it kept
+  // or the attention's rerun cannot rebuild it. The routing's choices and
+  // scores stay too (the expert loads and the balance loss read them).
+  if (!saved.keep_attention) {
+    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &ls.o}) *b = Buffer<float>();
+    ls.attn = V4AttentionSaved();
+  }
+  if (!saved.keep_moe) {
+    for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
+    std::vector<int32_t> experts = std::move(ls.moe.experts);
+    std::vector<float> scores = std::move(ls.moe.scores), bias = std::move(ls.moe.bias);
+    ls.moe = V4MoeSaved();
+    ls.moe.experts = std::move(experts);
+    ls.moe.scores = std::move(scores);
+    ls.moe.bias = std::move(bias);
+    if (!saved.keep_attention) ls.X1 = Buffer<float>();
+  }
+}
+
+void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
+  const int64_t L = cfg_.num_hidden_layers;
+  DS_CHECK(l >= 0 && l < static_cast<int64_t>(saved.layers.size()), "internal: rerun of layer {} of {}", l,
+           saved.layers.size());
+  V4LayerSaved& ls = saved.layers[static_cast<size_t>(l)];
+  if (ls.has_attention() && ls.has_moe()) return;
+  DS_CHECK(!ls.X.empty() && (ls.has_attention() || ls.has_moe() || ls.X1.empty()),
+           "internal: layer {} kept no input streams to recompute from", l);
+  const bool mtp = l == L;
+  DS_CHECK(!mtp || !saved.mtp.empty(), "internal: the MTP block's rerun without its rows");
+  const std::vector<Segment>& segs = mtp ? saved.mtp[0].segs : saved.segs;
+  const int32_t* ids = mtp ? saved.mtp[0].ids.data() : saved.ids.data();
+  const int32_t* pos = mtp ? saved.mtp[0].pos.data() : saved.pos.data();
+  const int64_t n = static_cast<int64_t>(mtp ? saved.mtp[0].ids.size() : saved.ids.size());
+  Buffer<float> X, X2(ls.X.size());
+  if (!ls.has_attention()) {
+    // The attention again from the layer's input: its compressed entries
+    // too, so each sequence's state of this layer starts afresh.
+    for (const Segment& g : segs) g.state->layers[static_cast<size_t>(l)] = V4LayerState();
+    X = Buffer<float>(ls.X.size());
+    std::copy(ls.X.begin(), ls.X.end(), X.begin());
+    V4LayerSaved fresh;
+    sublayer(X, X2, l, false, segs, ids, pos, n, &fresh);
+    ls.a0 = std::move(fresh.a0), ls.rstd_a = std::move(fresh.rstd_a), ls.a = std::move(fresh.a);
+    ls.post = std::move(fresh.post), ls.comb = std::move(fresh.comb), ls.o = std::move(fresh.o);
+    ls.attn = std::move(fresh.attn);
+  } else {
+    X = Buffer<float>(ls.X1.size());
+    std::copy(ls.X1.begin(), ls.X1.end(), X.begin());
+  }
+  if (!ls.has_moe()) {
+    V4LayerSaved fresh;
+    sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
+    ls.X1 = std::move(fresh.X1), ls.f0 = std::move(fresh.f0), ls.rstd_f = std::move(fresh.rstd_f);
+    ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
+    ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);
+  } else if (ls.X1.empty()) {
+    ls.X1 = std::move(X);
+  }
+}
+
+}  // namespace ds::model
