@@ -39,7 +39,8 @@ Case make_case() {
   int64_t off = 0;
   for (const auto& i : model::v4_param_infos(c)) {
     if (i.role == model::ParamRole::RoutingBias)
-      for (int64_t k = 0; k < i.numel(); ++k) s.p.data[static_cast<size_t>(off + k)] = 0.05f * static_cast<float>(k % 3);
+      for (int64_t k = 0; k < i.numel(); ++k)
+        s.p.data[static_cast<size_t>(off + k)] = 0.05f * static_cast<float>(k % 3);
     off += i.numel();
   }
   uint64_t x = 3;
@@ -91,9 +92,9 @@ TEST(V4Balance, ValueIsMaxTextsFormulaOnTheScoreRoutedLayers) {
   std::vector<model::V4State> st = {m.new_state(), m.new_state(), m.new_state()};
   model::V4Saved saved;
   std::vector<float> mtp;
-  m.forward({{&st[0], s.b.inputs.data(), 12}, {&st[1], s.b.inputs.data() + 12, 17},
-             {&st[2], s.b.inputs.data() + 29, 25}},
-            true, &saved, &mtp);
+  m.forward(
+      {{&st[0], s.b.inputs.data(), 12}, {&st[1], s.b.inputs.data() + 12, 17}, {&st[2], s.b.inputs.data() + 29, 25}},
+      true, &saved, &mtp);
   std::vector<int64_t> main_rows, mtp_rows;
   for (size_t k = 0; k < 3; ++k)
     for (int64_t i = 0; i < s.b.lengths[k]; ++i) {
@@ -137,8 +138,8 @@ TEST(V4Balance, GradientMatchesCentralDifferences) {
     off += i.numel();
   }
   int checked = 0, moved = 0;
-  for (const char* name : {"layers.1.ffn.gate.weight", "layers.3.ffn.gate.weight", "mtp.0.ffn.gate.weight",
-                           "layers.0.ffn.gate.weight"}) {
+  for (const char* name :
+       {"layers.1.ffn.gate.weight", "layers.3.ffn.gate.weight", "mtp.0.ffn.gate.weight", "layers.0.ffn.gate.weight"}) {
     ASSERT_TRUE(at.count(name)) << name;
     const auto [base, size] = at[name];
     for (int64_t k : {int64_t{1}, size / 3, size / 2 + 5, size - 2}) {

@@ -107,12 +107,11 @@ TEST(V4Fsdp, OneRankStreamIsThePlainPath) {
     // Forward only (an eval).
     fp.gather_resident();
     o.mtp_num_layers = 0;
-    EXPECT_EQ(sm->bound->loss_and_grad(b, o, model::RematPolicy::keep_all(), false).loss,
-              [&] {
-                model::LossOptions e = o;
-                e.stream = nullptr;
-                return plain->loss_and_grad(b, e, model::RematPolicy::keep_all(), false).loss;
-              }());
+    EXPECT_EQ(sm->bound->loss_and_grad(b, o, model::RematPolicy::keep_all(), false).loss, [&] {
+      model::LossOptions e = o;
+      e.stream = nullptr;
+      return plain->loss_and_grad(b, e, model::RematPolicy::keep_all(), false).loss;
+    }());
   }
 }
 

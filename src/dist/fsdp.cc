@@ -21,8 +21,8 @@ FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, Communicator& group
       f_(fsdp.rank()),
       x_(expert_.rank()) {}
 
-FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, int64_t routed_experts, Leaves leaves,
-                       Communicator& group, Communicator& fsdp, Communicator* expert)
+FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, int64_t routed_experts, Leaves leaves, Communicator& group,
+                       Communicator& fsdp, Communicator* expert)
     : FsdpParams(std::move(layout), group, fsdp, expert) {
   leaves_ = std::move(leaves);
   DS_CHECK(leaves_.views.size() == layout_.size() && leaves_.grads.size() == layout_.size(),
@@ -69,8 +69,7 @@ void FsdpParams::cut_units(int64_t E) {
   int64_t off = 0, last_unit = 0;
   for (const model::ParamInfo& i : layout_) {
     const int64_t u = i.layer >= 0 ? 1 + i.layer : (i.role == model::ParamRole::Embedding ? 0 : U + 1);
-    DS_CHECK(u == last_unit || !seen[u], "internal: FSDP unit {} is not contiguous ({})", u,
-             i.name);
+    DS_CHECK(u == last_unit || !seen[u], "internal: FSDP unit {} is not contiguous ({})", u, i.name);
     Unit& x = units_[u];
     if (!seen[u]) x.lo = off;
     seen[u] = true;

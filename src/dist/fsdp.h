@@ -141,7 +141,7 @@ class FsdpParams final : public model::LayerStream {
   std::unique_ptr<Communicator> single_;  // the expert axis of a one-axis FsdpParams
   Communicator &group_, &fsdp_, &expert_;
   int64_t G_, F_, X_, g_, f_, x_;
-  int64_t layer_units_ = 0;  // decoder layers and MTP depths
+  int64_t layer_units_ = 0;       // decoder layers and MTP depths
   std::vector<Unit> units_;       // 0: embedding, 1..L+K: layers and MTP depths, last: tail
   std::vector<Piece> owned_;      // in flat order
   std::vector<int64_t> unit_of_;  // per tensor in walk order

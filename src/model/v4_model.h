@@ -126,12 +126,12 @@ struct V4CompressorSaved {
   std::vector<float> rstd;    // [entries]
 };
 struct V4AttentionSaved {
-  Buffer<float> qr_lin, qr, rstd_qr;     // q-LoRA before and after its norm
-  Buffer<float> q_lin, rstd_q, q;        // [N, H, D] before the head norm; after it and RoPE
-  Buffer<float> kv_lin, rstd_kv, kv;     // the K=V latent before its norm; after it and RoPE
-  std::vector<V4CompressorSaved> comp;   // per sequence (m > 0)
-  Buffer<float> o, lse;                  // attention output (rotated) and log-sum-exp
-  Buffer<float> o2, z;                   // output rotated back; grouped projection [N, G r]
+  Buffer<float> qr_lin, qr, rstd_qr;    // q-LoRA before and after its norm
+  Buffer<float> q_lin, rstd_q, q;       // [N, H, D] before the head norm; after it and RoPE
+  Buffer<float> kv_lin, rstd_kv, kv;    // the K=V latent before its norm; after it and RoPE
+  std::vector<V4CompressorSaved> comp;  // per sequence (m > 0)
+  Buffer<float> o, lse;                 // attention output (rotated) and log-sum-exp
+  Buffer<float> o2, z;                  // output rotated back; grouped projection [N, G r]
   // Every query's keys (offsets into these lists): key_seg -1 for row key_idx
   // of kv, else entry key_idx of that sequence's compressed entries.
   std::vector<int32_t> key_seg;

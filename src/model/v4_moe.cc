@@ -1,8 +1,6 @@
 // DeepSeek-V4's MoE (model/v4_model.h): hash or sqrt-softplus routing, the
 // routed experts (on this rank, or through the token exchange on their
 // experts' ranks) and the shared expert, and the combine.
-#include "model/v4_model.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <utility>
@@ -11,6 +9,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/v4_model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/expert_selection.h"
@@ -208,8 +207,7 @@ void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, i
   V4ExpertRows& local = sv ? sv->local : own_local;
   if (sv) local = std::move(own_local);
   const size_t R = static_cast<size_t>(plan.local_rows);
-  auto [g, u, h, sg, su, sh] =
-      expert_buffers(sv, inner, static_cast<int64_t>(R), n, I, cfg_.n_shared_experts > 0);
+  auto [g, u, h, sg, su, sh] = expert_buffers(sv, inner, static_cast<int64_t>(R), n, I, cfg_.n_shared_experts > 0);
   Buffer<float> yl(R * static_cast<size_t>(d));
   parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t t) {
     const int64_t e = local.tasks[static_cast<size_t>(t)];

@@ -1,8 +1,6 @@
 // What a V4 training forward keeps (model/v4_model.h's V4Saved): its bytes,
 // what a remat policy drops after each layer, and the rerun that rebuilds it
 // in the backward.
-#include "model/v4_model.h"
-
 #include <algorithm>
 #include <cstddef>
 #include <utility>
@@ -10,6 +8,7 @@
 
 #include "core/buffer.h"
 #include "core/error.h"
+#include "model/v4_model.h"
 
 namespace ds::model {
 
@@ -24,10 +23,40 @@ size_t vec_bytes(const T& v) {
 
 size_t V4LayerSaved::bytes() const {
   size_t b = 0;
-  for (const Buffer<float>* v : {&X, &a0, &rstd_a, &a, &post, &comb, &o, &X1, &f0, &rstd_f, &f, &fpost, &fcomb, &fo,
-                                 &attn.qr_lin, &attn.qr, &attn.rstd_qr, &attn.q_lin, &attn.rstd_q, &attn.q,
-                                 &attn.kv_lin, &attn.rstd_kv, &attn.kv, &attn.o, &attn.lse, &attn.o2, &attn.z, &moe.g,
-                                 &moe.u, &moe.h, &moe.y, &moe.sg, &moe.su, &moe.sh})
+  for (const Buffer<float>* v : {&X,
+                                 &a0,
+                                 &rstd_a,
+                                 &a,
+                                 &post,
+                                 &comb,
+                                 &o,
+                                 &X1,
+                                 &f0,
+                                 &rstd_f,
+                                 &f,
+                                 &fpost,
+                                 &fcomb,
+                                 &fo,
+                                 &attn.qr_lin,
+                                 &attn.qr,
+                                 &attn.rstd_qr,
+                                 &attn.q_lin,
+                                 &attn.rstd_q,
+                                 &attn.q,
+                                 &attn.kv_lin,
+                                 &attn.rstd_kv,
+                                 &attn.kv,
+                                 &attn.o,
+                                 &attn.lse,
+                                 &attn.o2,
+                                 &attn.z,
+                                 &moe.g,
+                                 &moe.u,
+                                 &moe.h,
+                                 &moe.y,
+                                 &moe.sg,
+                                 &moe.su,
+                                 &moe.sh})
     b += vec_bytes(*v);
   for (const V4CompressorSaved& c : attn.comp)
     b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);
@@ -41,8 +70,8 @@ size_t V4Saved::bytes() const {
   size_t b = vec_bytes(ids) + vec_bytes(pos) + vec_bytes(head.X) + vec_bytes(head.y) + vec_bytes(head.rstd_y);
   for (const V4LayerSaved& l : layers) b += l.bytes();
   for (const V4MtpSaved& m : mtp)
-    for (const std::vector<float>* v : {&m.e0, &m.rstd_e, &m.e, &m.h0, &m.rstd_h, &m.h, &m.head.X, &m.head.y,
-                                        &m.head.rstd_y})
+    for (const std::vector<float>* v :
+         {&m.e0, &m.rstd_e, &m.e, &m.h0, &m.rstd_h, &m.h, &m.head.X, &m.head.y, &m.head.rstd_y})
       b += vec_bytes(*v);
   return b;
 }

@@ -360,31 +360,31 @@ class Backward {
     if (model_.options().exchange) {
       moe_exchanged(dx, dweights, dxs, dout, s, x, l, swiglu);
     } else {
-    parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
-      const int64_t e = er.tasks[static_cast<size_t>(task)];
-      const size_t ei = static_cast<size_t>(e);
-      if (e < 0) {
-        swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
-        return;
-      }
-      // The combine weights' and the rows' gradients.
-      const int64_t r0 = er.first[ei], cnt = er.rows(e);
-      Buffer<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
-      for (int64_t j = 0; j < cnt; ++j) {
-        const int64_t asg = er.assignment[static_cast<size_t>(r0 + j)], t = asg / K;
-        const float wgt = s.weights[static_cast<size_t>(asg)];
-        const float* y = s.y.data() + (r0 + j) * d;
-        double dot = 0;
-        for (int64_t i = 0; i < d; ++i) {
-          dot += static_cast<double>(dout[t * d + i]) * y[i];
-          dy[static_cast<size_t>(j * d + i)] = wgt * dout[t * d + i];
-          xs[static_cast<size_t>(j * d + i)] = x[t * d + i];
+      parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
+        const int64_t e = er.tasks[static_cast<size_t>(task)];
+        const size_t ei = static_cast<size_t>(e);
+        if (e < 0) {
+          swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
+          return;
         }
-        dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
-      }
-      swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
-             s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
-    });
+        // The combine weights' and the rows' gradients.
+        const int64_t r0 = er.first[ei], cnt = er.rows(e);
+        Buffer<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
+        for (int64_t j = 0; j < cnt; ++j) {
+          const int64_t asg = er.assignment[static_cast<size_t>(r0 + j)], t = asg / K;
+          const float wgt = s.weights[static_cast<size_t>(asg)];
+          const float* y = s.y.data() + (r0 + j) * d;
+          double dot = 0;
+          for (int64_t i = 0; i < d; ++i) {
+            dot += static_cast<double>(dout[t * d + i]) * y[i];
+            dy[static_cast<size_t>(j * d + i)] = wgt * dout[t * d + i];
+            xs[static_cast<size_t>(j * d + i)] = x[t * d + i];
+          }
+          dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
+        }
+        swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
+               s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
+      });
     }
     v4_add_by_expert(dx, dxs.data(), nullptr, er, n_, K, d);
     // The router, through the combine weights (its choices are constants).
@@ -393,8 +393,8 @@ class Backward {
                                    v4_selection_config(c_));
     if (balance_ && !c_.hash_routed(l))
       v4_balance_loss_backward(dlogits.data(), s.scores.data(), s.experts.data(),
-                               s.bias.empty() ? nullptr : s.bias.data(),
-                               *balance_rows_, E, K, balance_->weight, balance_->dloss);
+                               s.bias.empty() ? nullptr : s.bias.data(), *balance_rows_, E, K, balance_->weight,
+                               balance_->dloss);
     need_vector_data(L.gate, "ffn.gate");
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
   }

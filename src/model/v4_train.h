@@ -134,9 +134,9 @@ V4LossWeights v4_loss_weights(const V4TrainBatch& b);
 struct V4LossTerms {
   double loss = 0, lm_loss = 0, z_loss = 0, mtp_loss = 0;  // loss = lm_loss + mtp_loss + moe_lb_loss
   double moe_lb_loss = 0;
-  int64_t tokens = 0, mtp_tokens = 0;                      // counted targets
-  std::vector<std::vector<int64_t>> expert_load;           // per layer, the MTP block last (opt.expert_load)
-  size_t saved_bytes = 0;                                  // residuals held at the end of the forward
+  int64_t tokens = 0, mtp_tokens = 0;             // counted targets
+  std::vector<std::vector<int64_t>> expert_load;  // per layer, the MTP block last (opt.expert_load)
+  size_t saved_bytes = 0;                         // residuals held at the end of the forward
 };
 
 // w: float32 views of every float parameter (tid2eid as I32). With grads,

@@ -84,7 +84,8 @@ class V3Family final : public Family {
       mhc = fmt::format("mHC: {} residual streams, {} Sinkhorn iterations", cfg_.mhc_expansion_rate,
                         cfg_.mhc_sinkhorn_iterations);
     if (cfg_.index_n_heads == 0) return mhc;
-    return (mhc.empty() ? "" : mhc + "; ") + fmt::format("DSA: {}; the indexer {}",
+    return (mhc.empty() ? "" : mhc + "; ") +
+           fmt::format("DSA: {}; the indexer {}",
                        o.indexer_sparse_training
                            ? fmt::format("the sparse stage, attention over the indexer's top {} keys", cfg_.index_topk)
                            : std::string("the dense warm-up, attention dense"),

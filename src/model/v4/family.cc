@@ -2,11 +2,11 @@
 // parameter tree (model/v4_params.h), Hugging Face import and export
 // (model/hf_params.h) and FLOP accounting (model/flops.h).
 //
-// Its layers do not run on the shared stage functions yet, so it binds to
-// whole flat buffers only: expert parallelism computes each routed row on
-// its expert's rank but every rank holds every weight (no FSDP, no batch
-// split yet); remat works at the granularity of a sub-layer
-// (v4_remat_keeps).
+// Its layers do not run on the shared stage functions yet: it binds to
+// whole flat buffers, or (bind_streamed) to trees that FSDP fills a layer
+// at a time; expert parallelism computes each routed row on its expert's
+// rank through the shared token exchange; remat works a sub-layer at a time
+// (v4_remat_keeps); no batch split yet.
 #include "model/family.h"
 
 #include <cmath>
