@@ -9,6 +9,9 @@
 #
 #   bench/before_after.sh OLD/deepseek NEW/deepseek [ROUNDS]
 #
+# TRAIN_ARGS (space-separated run keys) go to both builds' training runs,
+# e.g. a remat policy.
+#
 # Both builds read the same model folders (written by NEW's `init`), so the
 # weights are the same.
 set -euo pipefail
@@ -25,10 +28,11 @@ gen() {  # BIN MODEL -> "prefill decode"
 }
 train() {  # BIN PRESET -> tokens/s (median of the steps after the first)
   local run="$tmp/run.$RANDOM"
+  # shellcheck disable=SC2086  # TRAIN_ARGS splits into keys
   "$1" train "$root/configs/train-tiny.yml" "model_name=$2" dataset_type=synthetic "steps=${STEPS:-30}" \
     per_device_batch_size=8 \
     max_target_length=128 enable_checkpointing=false eval_interval=-1 "base_output_directory=$run" run_name=r \
-    log_period=1000 2>/dev/null >/dev/null
+    log_period=1000 ${TRAIN_ARGS:-} 2>/dev/null >/dev/null
   python3 -c 'import json,sys,statistics
 v=[json.loads(l)["tokens_per_sec"] for l in open(sys.argv[1])][1:]
 print(statistics.median(v))' "$run/r/metrics.jsonl"
