@@ -89,8 +89,7 @@ TEST(V4Fsdp, OneRankStreamIsThePlainPath) {
     auto comm = dist::make_single();
     auto sm = family->bind_streamed();
     ASSERT_NE(sm, nullptr);
-    dist::FsdpParams fp(family->layout(), family->routed_experts(),
-                        dist::FsdpParams::Leaves{sm->views, sm->grads, sm->after_point}, *comm, *comm, nullptr);
+    dist::FsdpParams fp(family->layout(), family->routed_experts(), sm->leaves, *comm, *comm, nullptr);
     fp.take_shard(full.data(), fp.shard.data());
     o.stream = &fp;
     for (int micro = 0; micro < 2; ++micro) {  // the second pass reuses the buffers

@@ -34,28 +34,10 @@ FsdpParams::FsdpParams(std::vector<model::ParamInfo> layout, int64_t routed_expe
 FsdpParams::FsdpParams(const model::ModelConfig& cfg, int64_t mtp_layers, Communicator& group, Communicator& fsdp,
                        Communicator* expert)
     : FsdpParams(model::param_infos(cfg, mtp_layers), group, fsdp, expert) {
-  leaves_ = tree_leaves(cfg, mtp_layers);
-  cut_units(cfg.n_routed_experts);
-}
-
-FsdpParams::Leaves FsdpParams::tree_leaves(const model::ModelConfig& cfg, int64_t mtp_layers) {
   view = model::make_params<ops::WeightView>(cfg, mtp_layers);
   grads = model::make_params<float*>(cfg, mtp_layers);
-  Leaves l;
-  model::for_each_param(
-      cfg, mtp_layers,
-      [&](const model::ParamInfo&, ops::WeightView& wv, float*& g) {
-        l.views.push_back(&wv);
-        l.grads.push_back(&g);
-      },
-      view, grads);
-  if (cfg.tie_word_embeddings)
-    l.after_point = [this](int64_t u) {
-      if (u != 0) return;
-      view.lm_head = view.embed;
-      grads.lm_head = grads.embed;
-    };
-  return l;
+  leaves_ = model::tree_leaves(cfg, mtp_layers, view, grads);
+  cut_units(cfg.n_routed_experts);
 }
 
 void FsdpParams::cut_units(int64_t E) {

@@ -44,6 +44,7 @@
 
 #include "dist/communicator.h"
 #include "model/config.h"
+#include "model/family.h"
 #include "model/model.h"
 #include "model/weights.h"
 
@@ -54,12 +55,8 @@ class FsdpParams final : public model::LayerStream {
   // Where the tensors of a unit go once it is gathered: per tensor of the
   // layout, a view leaf and a gradient leaf (either may be null), which
   // pointing sets to the gathered memory, or to nothing for another expert
-  // rank's expert. after_point(u), when given, runs after unit u is pointed.
-  struct Leaves {
-    std::vector<ops::WeightView*> views;
-    std::vector<float**> grads;
-    std::function<void(int64_t)> after_point;
-  };
+  // rank's expert; then after_point(u) when given.
+  using Leaves = model::TreeLeaves;
   // layout: a family's tensors in flat order; routed_experts per MoE layer
   // (0: none); group: the shard group (rank f X + x); fsdp, expert: this
   // rank's axes (no expert: one expert rank, and group and fsdp are the
@@ -132,8 +129,6 @@ class FsdpParams final : public model::LayerStream {
 
   // The communicators (the constructors' common part).
   FsdpParams(std::vector<model::ParamInfo> layout, Communicator& group, Communicator& fsdp, Communicator* expert);
-  // The V2/V3 constructor's leaves: those of view and grads.
-  Leaves tree_leaves(const model::ModelConfig& cfg, int64_t mtp_layers);
   void cut_units(int64_t routed_experts);
 
   std::vector<model::ParamInfo> layout_;

@@ -6,9 +6,8 @@
 // A family describes its parameters as one flat float32 order (`layout()`,
 // the order of its parameter walker): master weights, gradients, AdamW's
 // moments, checkpoints and data-parallel reductions are all buffers in that
-// order. `bind` gives the training loss over such buffers; families whose
-// layers run on the shared stage functions (model/stages.h) also bind to the
-// per-layer trees that FSDP streams in (`stage_config()` not null).
+// order. `bind` gives the training loss over such buffers; `bind_streamed`
+// the loss over per-layer trees that FSDP streams in.
 #pragma once
 
 #include <cstdint>
@@ -43,14 +42,21 @@ class BoundModel {
   virtual void params_changed() {}
 };
 
-// A family's parameter trees that a LayerStream (FSDP) fills unit by unit,
-// and its loss over them. Units: 0 the embedding, 1 + l decoder layer (or
-// MTP depth) l, the last the tail (final norm, head).
-struct StreamedModel {
+// The leaves of a family's parameter trees that a LayerStream (FSDP)
+// points unit by unit. Units: 0 the embedding, 1 + l decoder layer (or MTP
+// depth) l, the last the tail (final norm, head).
+struct TreeLeaves {
   std::vector<ops::WeightView*> views;       // per tensor of layout(), its view leaf (null: none)
   std::vector<float**> grads;                // and its gradient leaf
   std::function<void(int64_t)> after_point;  // after unit u's leaves are set (may be empty)
-  std::unique_ptr<BoundModel> bound;         // owns the trees; its loss acquires units from opt.stream
+};
+// A V2/V3 model's trees' leaves (the tied head follows the embedding).
+TreeLeaves tree_leaves(const ModelConfig& cfg, int64_t mtp_layers, ParamsView& view, ModelParams<float*>& grads);
+
+// Those trees and the family's loss over them.
+struct StreamedModel {
+  TreeLeaves leaves;
+  std::unique_ptr<BoundModel> bound;  // owns the trees; its loss acquires units from opt.stream
 };
 
 class Family {
@@ -102,18 +108,9 @@ class Family {
   // The loss over whole flat buffers (grads may be null: forward only).
   // The buffers must outlive the result.
   virtual std::unique_ptr<BoundModel> bind(float* params, float* grads) const = 0;
-  // Families on the stage functions: their V2/V3 config, which FSDP and
-  // expert parallelism cut into units, and the loss over the trees a
-  // LayerStream fills (opt.stream). Null: those plans are not available.
-  virtual const ModelConfig* stage_config() const { return nullptr; }
-  // The trees FSDP streams the layers into (null: the family holds whole
-  // buffers only).
+  // The trees FSDP streams the layers into, and the loss over them (null:
+  // the family holds whole buffers only).
   virtual std::unique_ptr<StreamedModel> bind_streamed() const { return nullptr; }
-  virtual std::unique_ptr<BoundModel> bind_trees(const ParamsView& view, ModelParams<float*>* grads) const {
-    (void)view;
-    (void)grads;
-    return nullptr;
-  }
 };
 
 // The family of a recorded Hugging Face config.json (a checkpoint's

@@ -103,7 +103,7 @@ void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
            saved.layers.size());
   V4LayerSaved& ls = saved.layers[static_cast<size_t>(l)];
   if (ls.has_attention() && ls.has_moe()) return;
-  DS_CHECK(!ls.X.empty() && (ls.has_attention() || ls.has_moe() || ls.X1.empty()),
+  DS_CHECK(!ls.X.empty() && (!ls.has_attention() || !ls.X1.empty()),
            "internal: layer {} kept no input streams to recompute from", l);
   const bool mtp = l == L;
   DS_CHECK(!mtp || !saved.mtp.empty(), "internal: the MTP block's rerun without its rows");

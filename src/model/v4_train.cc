@@ -526,19 +526,22 @@ V4FlatParams V4FlatParams::over(const V4Config& c, float* base) {
   return f;
 }
 
+void v4_hash_table(const V4Config& c, const std::string& name, const float* f, int64_t cols,
+                   std::vector<int32_t>& table) {
+  for (size_t k = 0; k < table.size(); ++k) {
+    const float e = f[k];
+    DS_CHECK(e >= 0 && e < static_cast<float>(c.n_routed_experts) && e == std::floor(e),
+             "'{}' routes token {} to {}, not an expert id in [0, {})", name, k / static_cast<size_t>(cols), e,
+             c.n_routed_experts);
+    table[k] = static_cast<int32_t>(e);
+  }
+}
+
 void V4FlatParams::sync_tables(const V4Config& c) {
   for_each_v4_param(
       c,
       [&](const V4ParamInfo& i, float* const& p) {
-        if (i.role != V4Role::HashTable) return;
-        auto& t = tables[static_cast<size_t>(i.layer)];
-        for (size_t k = 0; k < t.size(); ++k) {
-          const float e = p[k];
-          DS_CHECK(e >= 0 && e < static_cast<float>(c.n_routed_experts) && e == std::floor(e),
-                   "'{}' routes token {} to {}, not an expert id in [0, {})", i.name,
-                   k / static_cast<size_t>(i.shape[1]), e, c.n_routed_experts);
-          t[k] = static_cast<int32_t>(e);
-        }
+        if (i.role == V4Role::HashTable) v4_hash_table(c, i.name, p, i.shape[1], tables[static_cast<size_t>(i.layer)]);
       },
       ptr);
 }

@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -66,6 +67,12 @@ struct V4FlatParams {
   // for an entry that is not an expert id.
   void sync_tables(const V4Config& c);
 };
+
+// A hash-routed layer's token -> experts table (tensor `name`, `cols`
+// experts per token) from its floats f into table (sized by the caller);
+// ds::Error for an entry that is not an expert id.
+void v4_hash_table(const V4Config& c, const std::string& name, const float* f, int64_t cols,
+                   std::vector<int32_t>& table);
 
 // The tensors of the layout above as the trainer's ParamInfo list. Roles:
 // the routing bias moves only by the balancing rule; tid2eid and the

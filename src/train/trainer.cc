@@ -167,6 +167,7 @@ class Trainer {
   std::vector<model::ParamInfo> layout_;
   int64_t P_ = 0;
   std::vector<float> params_, grads_, full_;
+  std::unique_ptr<model::StreamedModel> streamed_;  // the family's trees for FSDP (null: it has none)
   std::unique_ptr<dist::FsdpParams> fsdp_;
   std::unique_ptr<model::BoundModel> bound_;
   std::unique_ptr<AdamW> opt_;
@@ -205,7 +206,8 @@ void Trainer::set_up_mesh() {
   F_ = mesh.size(dist::kFsdp), X_ = mesh.size(dist::kExpert), G_ = mesh.shard_group_size();
   // A family without streamed trees: every rank holds the whole model and
   // the batch is split over the data and fsdp axes alike.
-  if (!family_->bind_streamed() && multi_ && lead_)
+  streamed_ = family_->bind_streamed();
+  if (!streamed_ && multi_ && lead_)
     fmt::print(stderr, "{} on {}: every rank holds the whole model; the batch is split over {} ranks{}\n",
                family_->name(), mesh.describe(), world_.size(),
                X_ > 1 ? ", each routed row computed on its expert's rank" : "");
@@ -265,19 +267,16 @@ void Trainer::open_run_folder() {
 void Trainer::set_up_parameters() {
   layout_ = family_->layout();
   P_ = family_->numel();
-  std::unique_ptr<model::StreamedModel> streamed = G_ > 1 ? family_->bind_streamed() : nullptr;
-  if (streamed) {
+  if (G_ > 1 && streamed_) {
     dist::Mesh& mesh = *mesh_;
     fsdp_ = std::make_unique<dist::FsdpParams>(
-        layout_, family_->routed_experts(),
-        dist::FsdpParams::Leaves{streamed->views, streamed->grads, streamed->after_point},
-        link_group_ ? *link_group_ : mesh.shard_group(), link_fsdp_ ? *link_fsdp_ : mesh.axis(dist::kFsdp),
-        X_ > 1 ? &mesh.axis(dist::kExpert) : nullptr);
+        layout_, family_->routed_experts(), streamed_->leaves, link_group_ ? *link_group_ : mesh.shard_group(),
+        link_fsdp_ ? *link_fsdp_ : mesh.axis(dist::kFsdp), X_ > 1 ? &mesh.axis(dist::kExpert) : nullptr);
     std::vector<OwnedRange> owned;
     for (const auto& pc : fsdp_->owned())
       owned.push_back({pc.lo, pc.hi, fsdp_->shard.data() + pc.at, fsdp_->grad_shard.data() + pc.at});
     opt_ = std::make_unique<AdamW>(layout_, tc_, std::move(owned));
-    bound_ = std::move(streamed->bound);
+    bound_ = std::move(streamed_->bound);
     full_.assign(static_cast<size_t>(P_), 0.0f);
   } else {
     params_.assign(static_cast<size_t>(P_), 0.0f);

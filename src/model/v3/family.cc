@@ -107,7 +107,6 @@ class V3Family final : public Family {
   std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
     return std::make_unique<V3Bound>(cfg_, mtp_, params, grads);
   }
-  const ModelConfig* stage_config() const override { return &cfg_; }
   std::unique_ptr<StreamedModel> bind_streamed() const override {
     // The bound model owns the trees the leaves point into.
     struct Owner final : BoundModel {
@@ -122,24 +121,9 @@ class V3Family final : public Family {
     };
     auto owner = std::make_unique<Owner>(cfg_, mtp_);
     auto sm = std::make_unique<StreamedModel>();
-    for_each_param(
-        cfg_, mtp_,
-        [&](const ParamInfo&, ops::WeightView& v, float*& g) {
-          sm->views.push_back(&v);
-          sm->grads.push_back(&g);
-        },
-        owner->view, owner->grads);
-    if (cfg_.tie_word_embeddings)
-      sm->after_point = [o = owner.get()](int64_t u) {
-        if (u != 0) return;
-        o->view.lm_head = o->view.embed;
-        o->grads.lm_head = o->grads.embed;
-      };
+    sm->leaves = tree_leaves(cfg_, mtp_, owner->view, owner->grads);
     sm->bound = std::move(owner);
     return sm;
-  }
-  std::unique_ptr<BoundModel> bind_trees(const ParamsView& view, ModelParams<float*>* grads) const override {
-    return std::make_unique<V3Bound>(cfg_, view, grads);
   }
 
  private:
@@ -148,6 +132,24 @@ class V3Family final : public Family {
 };
 
 }  // namespace
+
+TreeLeaves tree_leaves(const ModelConfig& cfg, int64_t mtp_layers, ParamsView& view, ModelParams<float*>& grads) {
+  TreeLeaves l;
+  for_each_param(
+      cfg, mtp_layers,
+      [&](const ParamInfo&, ops::WeightView& v, float*& g) {
+        l.views.push_back(&v);
+        l.grads.push_back(&g);
+      },
+      view, grads);
+  if (cfg.tie_word_embeddings)
+    l.after_point = [&view, &grads](int64_t u) {
+      if (u != 0) return;
+      view.lm_head = view.embed;
+      grads.lm_head = grads.embed;
+    };
+  return l;
+}
 
 std::unique_ptr<Family> v3_family(const ModelConfig& cfg, int64_t mtp_layers) {
   return std::make_unique<V3Family>(cfg, mtp_layers);

@@ -9,7 +9,7 @@
 // (v4_remat_keeps); no batch split yet.
 #include "model/family.h"
 
-#include <cmath>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
@@ -34,32 +34,28 @@ class V4Bound final : public BoundModel {
     params_.tables.resize(static_cast<size_t>(cfg.num_hidden_layers + cfg.num_nextn_predict_layers));
     grads_.ptr = make_v4_params<float*>(cfg);
     has_grads_ = true;
+    streamed_ = true;
   }
   // The streamed trees' leaves, and what follows the pointing of a unit:
   // a hash-routed layer's table as int32 ids, a tied head.
-  void leaves(StreamedModel& sm) {
+  void leaves(TreeLeaves& l) {
     for_each_v4_param(
         cfg_,
         [&](const V4ParamInfo&, ops::WeightView& v, float*& g) {
-          sm.views.push_back(&v);
-          sm.grads.push_back(&g);
+          l.views.push_back(&v);
+          l.grads.push_back(&g);
         },
         params_.view, grads_.ptr);
-    sm.after_point = [this](int64_t u) {
+    l.after_point = [this](int64_t u) {
       if (u == 0 && cfg_.tie_word_embeddings) params_.view.head = params_.view.embed;
       const int64_t l = u - 1;
       if (l < 0 || l >= static_cast<int64_t>(params_.tables.size()) || !cfg_.hash_routed(l)) return;
       ops::WeightView& v = params_.view.layers[static_cast<size_t>(l)].tid2eid;
       if (!v.data) return;
       auto& t = params_.tables[static_cast<size_t>(l)];
-      const float* f = static_cast<const float*>(v.data);
       t.resize(static_cast<size_t>(v.rows * v.cols));
-      for (size_t k = 0; k < t.size(); ++k) {
-        DS_CHECK(f[k] >= 0 && f[k] < static_cast<float>(cfg_.n_routed_experts) && f[k] == std::floor(f[k]),
-                 "'layers.{}.ffn.gate.tid2eid' routes token {} to {}, not an expert id in [0, {})", l,
-                 k / static_cast<size_t>(v.cols), f[k], cfg_.n_routed_experts);
-        t[k] = static_cast<int32_t>(f[k]);
-      }
+      v4_hash_table(cfg_, "layers." + std::to_string(l) + ".ffn.gate.tid2eid", static_cast<const float*>(v.data),
+                    v.cols, t);
       v = {t.data(), DType::I32, v.rows, v.cols, nullptr, 128, 128};
     };
   }
@@ -95,14 +91,15 @@ class V4Bound final : public BoundModel {
     return t;
   }
 
+  // Streamed trees derive their tables as each unit is pointed.
   void params_changed() override {
-    if (!params_.data.empty() || params_.ptr.embed) params_.sync_tables(cfg_);
+    if (!streamed_) params_.sync_tables(cfg_);
   }
 
  private:
   const V4Config& cfg_;
   V4FlatParams params_, grads_;
-  bool has_grads_ = false;
+  bool has_grads_ = false, streamed_ = false;
 };
 
 class V4Family final : public Family {
@@ -163,7 +160,7 @@ class V4Family final : public Family {
   std::unique_ptr<StreamedModel> bind_streamed() const override {
     auto bound = std::make_unique<V4Bound>(cfg_);
     auto sm = std::make_unique<StreamedModel>();
-    bound->leaves(*sm);
+    bound->leaves(sm->leaves);
     sm->bound = std::move(bound);
     return sm;
   }
