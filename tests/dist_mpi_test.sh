@@ -16,7 +16,7 @@
 #  - mHC (k = 4 streams) at fsdp=2 x expert=2 with the batch split gives the
 #    same losses as one process;
 #  - DeepSeek-V4 models train data-parallel, with FSDP and expert-parallel
-#    (both dispatch modes, full remat, fsdp x expert) with the same losses as one
+#    (both dispatch modes, full remat, fsdp x expert, the batch split) with the same losses as one
 #    process (synthetic and packed documents, eval, resume at another size);
 #  - a rank killed with SIGKILL stops the others within seconds, and the run
 #    resumes from its newest checkpoint;
@@ -293,6 +293,20 @@ ranks 4 run_name=v4e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}"
 check '[ $? -eq 0 ] && grep -q "shard [0-3] of 4" "$tmp/err"' "V4: fsdp=2 x expert=2 shards the weights over 4 ranks"
 one run_name=v4e2 "${v4[@]}" "${sched[@]}" resume=true
 check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4e2' "V4: fsdp=2 x expert=2 then 1 rank matches the uninterrupted run"
+# The batch-split schedule: each rank's rows cut into two parts whose layers
+# run in turn, one part's expert exchange in flight while the other computes
+# (forward, the remat reruns and the backward), in both dispatch modes; and
+# with fsdp=2 x expert=2 at 4 ranks, each layer gathered once for both parts.
+for mode in alltoall allgather; do
+  ranks 2 run_name=v4-bs-ep2-$mode ici_expert_parallelism=2 ici_fsdp_parallelism=1 expert_dispatch=$mode \
+    use_batch_split_schedule=true batch_split_factor=2 timeline_step=3 "${v4[@]}" dataset_type=synthetic
+  check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-bs-ep2-$mode' "V4: batch-split, expert=2 ($mode) matches one process"
+  check 'grep -q "micro-batch 1" "$tmp/runs/v4-bs-ep2-$mode/timeline.svg"' "V4: batch-split timeline.svg drawn ($mode)"
+done
+one run_name=v4-bs-one8 "${v4[@]}" dataset_type=synthetic per_device_batch_size=8
+ranks 4 run_name=v4-bs-f2e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 use_batch_split_schedule=true \
+  batch_split_factor=2 "${v4[@]}" dataset_type=synthetic per_device_batch_size=2
+check '[ $? -eq 0 ] && same_losses v4-bs-one8 v4-bs-f2e2' "V4: batch-split, fsdp=2 x expert=2 matches one process"
 
 # Impossible meshes: one error line from each rank, non-zero exit.
 for bad in "ici_data_parallelism=3" "ici_data_parallelism=-1 ici_fsdp_parallelism=-1" "expert_dispatch=ring"; do

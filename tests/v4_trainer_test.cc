@@ -97,7 +97,6 @@ TEST(V4TrainConfig, WhatTheV4TrainerLacksIsOneClearError) {
            {m, "mlp_activations=[gelu, linear]"},  // only SwiGLU
            {m, "base_mlp_dim=64"},                 // no dense MLP to size
            {m, "rope_type=llama3"},
-           {m, "use_batch_split_schedule=true", "batch_split_factor=2"},
            {"decoder_block=deepseek4", "base_emb_dim=64"},  // the rest of the model missing
        })
     EXPECT_THROW(train::parse_run_config("", o, "test"), Error) << o.back();

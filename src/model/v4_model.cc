@@ -506,14 +506,14 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
   return forward(batch, all_logits, nullptr);
 }
 
-void V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
-                            const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
-  sublayer(X, X2, l, false, segs, ids, pos, n, ls);
-  sublayer(X, X2, l, true, segs, ids, pos, n, ls);
+Staged V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
+                              const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
+  co_await sublayer(X, X2, l, false, segs, ids, pos, n, ls);
+  co_await sublayer(X, X2, l, true, segs, ids, pos, n, ls);
 }
 
-void V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
-                       const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
+Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
+                         const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& L = w_.layers[static_cast<size_t>(l)];
@@ -537,13 +537,13 @@ void V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn,
   }
   const float* a = ls ? x.data() : x0.data();
   if (ffn)
-    moe(y.data(), a, ids, l, n, ls ? &ls->moe : nullptr);
+    co_await moe(y.data(), a, ids, l, n, ls ? &ls->moe : nullptr);
   else
     attention(y.data(), a, l, segs, pos, n, ls ? &ls->attn : nullptr);
   X2.resize(X.size());
   ops::mhc_post_forward(X2.data(), y.data(), X.data(), post.data(), comb.data(), md);
   std::swap(X, X2);
-  if (!ls) return;
+  if (!ls) co_return;
   if (ffn) {
     ls->X1 = std::move(X2), ls->f0 = std::move(x0), ls->rstd_f = std::move(rstd), ls->f = std::move(x);
     ls->fpost = std::move(post), ls->fcomb = std::move(comb), ls->fo = std::move(y);
@@ -583,10 +583,29 @@ std::vector<float> V4Model::forward_normed(const std::vector<V4Request>& batch, 
 }
 
 std::vector<float> V4Model::run(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
-                                std::vector<float>* mtp_logits, bool logits) {
+                                std::vector<float>* mtp_out, bool logits) {
+  std::vector<Pass> passes;
+  passes.push_back(begin_pass(batch, saved, mtp_out != nullptr));
+  std::vector<std::vector<float>> mtp;
+  auto out = run_passes(passes, all_logits, {saved}, mtp_out ? &mtp : nullptr, logits);
+  if (mtp_out) *mtp_out = std::move(mtp[0]);
+  return std::move(out[0]);
+}
+
+std::vector<std::vector<float>> V4Model::forward_normed_parts(const std::vector<std::vector<V4Request>>& parts,
+                                                              const std::vector<V4Saved*>& saved,
+                                                              std::vector<std::vector<float>>* mtp_normed) {
+  DS_CHECK(!parts.empty() && saved.size() == parts.size(), "V4 forward: {} parts with {} saved records", parts.size(),
+           saved.size());
+  std::vector<Pass> passes;
+  for (size_t i = 0; i < parts.size(); ++i) passes.push_back(begin_pass(parts[i], saved[i], mtp_normed != nullptr));
+  return run_passes(passes, true, saved, mtp_normed, false);
+}
+
+V4Model::Pass V4Model::begin_pass(const std::vector<V4Request>& batch, V4Saved* saved, bool mtp) const {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
-  std::vector<Segment> segs;
-  int64_t n = 0;
+  Pass p;
+  int64_t& n = p.n;
   for (const V4Request& r : batch) {
     if (r.n == 0) continue;
     DS_CHECK(r.state != nullptr && r.n > 0, "V4 forward: a request without a state or with a negative count");
@@ -595,68 +614,92 @@ std::vector<float> V4Model::run(const std::vector<V4Request>& batch, bool all_lo
     DS_CHECK(r.state->length + r.n <= cfg_.max_position_embeddings,
              "V4 forward: {} tokens exceed max_position_embeddings {}", r.state->length + r.n,
              cfg_.max_position_embeddings);
-    DS_CHECK(!mtp_logits || r.state->length == 0, "V4 forward: the MTP logits need whole sequences (fresh states)");
-    for (const Segment& g : segs) DS_CHECK(g.state != r.state, "V4 forward: one sequence twice in a batch");
+    DS_CHECK(!mtp || r.state->length == 0, "V4 forward: the MTP logits need whole sequences (fresh states)");
+    for (const Segment& g : p.segs) DS_CHECK(g.state != r.state, "V4 forward: one sequence twice in a batch");
     for (int64_t i = 0; i < r.n; ++i)
       DS_CHECK(r.ids[i] >= 0 && r.ids[i] < V, "token id {} is outside the vocabulary of {}", r.ids[i], V);
-    segs.push_back({r.state, r.ids, r.state->length, r.n, n});
+    p.segs.push_back({r.state, r.ids, r.state->length, r.n, n});
     n += r.n;
   }
   DS_CHECK(n >= 1, "V4 forward: no tokens");
-  DS_CHECK(!mtp_logits || cfg_.num_nextn_predict_layers == 1, "V4 forward: the MTP logits need one MTP layer ({})",
+  DS_CHECK(!mtp || cfg_.num_nextn_predict_layers == 1, "V4 forward: the MTP logits need one MTP layer ({})",
            cfg_.num_nextn_predict_layers);
-  std::vector<int32_t> ids(static_cast<size_t>(n)), pos(static_cast<size_t>(n));
-  for (size_t k = 0; k < segs.size(); ++k) {
-    std::copy(segs[k].ids, segs[k].ids + segs[k].n, ids.begin() + segs[k].row);
-    for (int64_t i = 0; i < segs[k].n; ++i)
-      pos[static_cast<size_t>(segs[k].row + i)] = static_cast<int32_t>(segs[k].start + i);
+  p.ids.resize(static_cast<size_t>(n));
+  p.pos.resize(static_cast<size_t>(n));
+  for (const Segment& g : p.segs) {
+    std::copy(g.ids, g.ids + g.n, p.ids.begin() + g.row);
+    for (int64_t i = 0; i < g.n; ++i) p.pos[static_cast<size_t>(g.row + i)] = static_cast<int32_t>(g.start + i);
   }
   if (saved) {
-    saved->ids = ids;
-    saved->pos = pos;
-    saved->layers.assign(static_cast<size_t>(L + (mtp_logits ? 1 : 0)), {});
+    saved->ids = p.ids;
+    saved->pos = p.pos;
+    saved->layers.assign(static_cast<size_t>(L + (mtp ? 1 : 0)), {});
     saved->mtp.clear();
+    saved->segs = p.segs;
   }
-
   // Embedding, copied into every stream.
-  Buffer<float> X(static_cast<size_t>(n * hc * d)), X2(static_cast<size_t>(n * hc * d));
+  p.X = Buffer<float>(static_cast<size_t>(n * hc * d));
+  p.X2 = Buffer<float>(static_cast<size_t>(n * hc * d));
   for (int64_t i = 0; i < n; ++i) {
-    float* row = X.data() + i * hc * d;
-    ops::widen_rows(row, w_.embed, ids[i], ids[i] + 1);
+    float* row = p.X.data() + i * hc * d;
+    ops::widen_rows(row, w_.embed, p.ids[static_cast<size_t>(i)], p.ids[static_cast<size_t>(i)] + 1);
     for (int64_t j = 1; j < hc; ++j) std::copy(row, row + d, row + j * d);
   }
-  if (saved) saved->segs = segs;
-  for (int64_t l = 0; l < L; ++l) {
-    V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
-    if (opt_.stream) opt_.stream->acquire(l, false);
-    layer_forward(X, X2, l, segs, ids.data(), pos.data(), n, ls);
-    if (opt_.stream) opt_.stream->release(l, false);
-    if (ls) drop(*ls, *saved);
-  }
-  for (const Segment& g : segs) g.state->length += g.n;
+  return p;
+}
 
-  if (mtp_logits) {
+std::vector<std::vector<float>> V4Model::run_passes(std::vector<Pass>& passes, bool all_logits,
+                                                    const std::vector<V4Saved*>& saved,
+                                                    std::vector<std::vector<float>>* mtp_out, bool logits) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, L = cfg_.num_hidden_layers;
+  const size_t P = passes.size();
+  for (int64_t l = 0; l < L; ++l) {
+    if (opt_.stream) opt_.stream->acquire(l, false);
+    std::vector<Staged> tasks;
+    for (size_t i = 0; i < P; ++i) {
+      Pass& p = passes[i];
+      V4LayerSaved* ls = saved[i] ? &saved[i]->layers[static_cast<size_t>(l)] : nullptr;
+      tasks.push_back(layer_forward(p.X, p.X2, l, p.segs, p.ids.data(), p.pos.data(), p.n, ls));
+    }
+    run_interleaved(tasks, l, false);
+    if (opt_.stream) opt_.stream->release(l, false);
+    for (size_t i = 0; i < P; ++i)
+      if (saved[i]) drop(saved[i]->layers[static_cast<size_t>(l)], *saved[i]);
+  }
+  for (Pass& p : passes)
+    for (const Segment& g : p.segs) g.state->length += g.n;
+
+  if (mtp_out) {
+    mtp_out->assign(P, {});
     if (opt_.stream) opt_.stream->acquire(L, false);
-    *mtp_logits = mtp_forward(X.data(), segs, ids, saved, logits);
+    std::vector<Staged> tasks;
+    for (size_t i = 0; i < P; ++i)
+      tasks.push_back(mtp_forward((*mtp_out)[i], passes[i].X.data(), passes[i].segs, passes[i].ids, saved[i], logits));
+    run_interleaved(tasks, L, false);
     if (opt_.stream) opt_.stream->release(L, false);
   }
 
   // Logits: every row, or each sequence's last.
-  std::vector<int64_t> rows;
-  for (const Segment& g : segs)
-    for (int64_t i = all_logits ? 0 : g.n - 1; i < g.n; ++i) rows.push_back(g.row + i);
-  const int64_t R = static_cast<int64_t>(rows.size());
-  Buffer<float> Xr(static_cast<size_t>(R * hc * d));
-  for (int64_t r = 0; r < R; ++r)
-    std::copy(X.begin() + rows[static_cast<size_t>(r)] * hc * d,
-              X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
-  if (saved) saved->logit_rows = rows;
-  return head_forward(Xr.data(), R, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
-                      saved ? &saved->head : nullptr, logits);
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < P; ++i) {
+    const Pass& p = passes[i];
+    std::vector<int64_t> rows;
+    for (const Segment& g : p.segs)
+      for (int64_t t = all_logits ? 0 : g.n - 1; t < g.n; ++t) rows.push_back(g.row + t);
+    const int64_t R = static_cast<int64_t>(rows.size());
+    Buffer<float> Xr(static_cast<size_t>(R * hc * d));
+    for (int64_t r = 0; r < R; ++r)
+      std::copy(p.X.begin() + rows[static_cast<size_t>(r)] * hc * d,
+                p.X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
+    if (saved[i]) saved[i]->logit_rows = rows;
+    out.push_back(head_forward(Xr.data(), R, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
+                               saved[i] ? &saved[i]->head : nullptr, logits));
+  }
+  return out;
 }
 
-std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segment>& segs,
-                                        const std::vector<int32_t>& ids, V4Saved* saved, bool logits) {
+Staged V4Model::mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
+                            const std::vector<int32_t>& ids, V4Saved* saved, bool logits) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, l = cfg_.num_hidden_layers;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& M = w_.mtp[0];
@@ -683,7 +726,10 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
     ms->ids = next;
     ms->pos = pos;
   }
-  if (R == 0) return {};
+  if (R == 0) {
+    out.clear();
+    co_return;
+  }
   Buffer<float> e(static_cast<size_t>(R * d)), re(static_cast<size_t>(R));
   Buffer<float> h(static_cast<size_t>(R * hc * d)), rh(static_cast<size_t>(R * hc));
   for (int64_t r = 0; r < R; ++r) {
@@ -711,10 +757,10 @@ std::vector<float> V4Model::mtp_forward(const float* X, const std::vector<Segmen
     for (int64_t j = 0; j < hc; ++j)
       for (int64_t i = 0; i < d; ++i) Xm[(r * hc + j) * d + i] += pe[r * d + i];
   V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
-  layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, ls);
+  co_await layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, ls);
   if (ls) drop(*ls, *saved);
-  return head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
-                      logits);
+  out = head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
+                     logits);
 }
 
 }  // namespace ds::model

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "model/staged.h"
 #include "model/stages.h"
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
@@ -251,11 +252,21 @@ class V4Model {
   // MTP layer's rows likewise.
   std::vector<float> forward_normed(const std::vector<V4Request>& batch, V4Saved* saved,
                                     std::vector<float>* mtp_normed = nullptr);
+  // The batch-split schedule's training forward: forward_normed of several
+  // batches (parts[i], keeping saved[i], its MTP rows into (*mtp_normed)[i]),
+  // run a layer at a time over all of them (model/staged.h's
+  // run_interleaved): while one part's expert exchange is in flight the
+  // next part computes. Each part's result is what forward_normed gives it
+  // alone; under FSDP each layer is acquired once for all parts.
+  std::vector<std::vector<float>> forward_normed_parts(const std::vector<std::vector<V4Request>>& parts,
+                                                       const std::vector<V4Saved*>& saved,
+                                                       std::vector<std::vector<float>>* mtp_normed = nullptr);
   // Training under a remat policy: rebuilds the residuals of layer l (the
   // MTP block when l = num_hidden_layers) that the forward dropped, from its
   // kept input streams, with the forward's own code (the layer's state in
   // every sequence is rebuilt with them). Nothing to do when all are there.
-  void rerun_layer(int64_t l, V4Saved& saved);
+  // A Staged task: with expert parallelism it pauses at each exchange.
+  Staged rerun_layer(int64_t l, V4Saved& saved);
 
   // The LM head [vocab, hidden] (the embedding when tied).
   const ops::WeightView& head_weight() const { return cfg_.tie_word_embeddings ? w_.embed : w_.head; }
@@ -270,14 +281,31 @@ class V4Model {
 
  private:
   using Segment = V4Segment;
+  // One batch's pass through the model: its sequences, ids, positions and
+  // streams X [n, hc, d] (X2 scratch of the same size).
+  struct Pass {
+    std::vector<Segment> segs;
+    std::vector<int32_t> ids, pos;
+    int64_t n = 0;
+    Buffer<float> X, X2;
+  };
+  // The checks, the rows and the embedding of a batch (saved set up).
+  Pass begin_pass(const std::vector<V4Request>& batch, V4Saved* saved, bool mtp) const;
+  // Every layer over every pass, a layer at a time (each layer's passes
+  // interleaved at their expert exchanges), then the MTP block and the
+  // heads: each pass's logits (or normed rows), its MTP layer's in mtp_out.
+  std::vector<std::vector<float>> run_passes(std::vector<Pass>& passes, bool all_logits,
+                                             const std::vector<V4Saved*>& saved,
+                                             std::vector<std::vector<float>>* mtp_out, bool logits);
   // One layer (or the MTP block, l = num_hidden_layers) on the streams X
-  // [n, hc, d], X2 scratch of the same size.
-  void layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
-                     const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+  // [n, hc, d], X2 scratch of the same size; a Staged task that pauses at
+  // the expert exchange (model/staged.h).
+  Staged layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
+                       const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
   // One of its sub-layers: X = mhc_post(f(rmsnorm(mhc_pre(X))), X), f the
   // attention or (ffn) the MoE; with ls, its residuals move there.
-  void sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
-                const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+  Staged sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
+                  const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
   // After a training forward's layer: what saved's keep flags drop.
   void drop(V4LayerSaved& ls, const V4Saved& saved) const;
   // Both public batch forwards: with logits the head's product, else the
@@ -288,8 +316,9 @@ class V4Model {
   std::vector<float> head_forward(const float* Xr, int64_t R, const ops::WeightView& fn, const ops::WeightView& base,
                                   const ops::WeightView& scale, const ops::WeightView& norm, V4HeadSaved* sv,
                                   bool logits);
-  std::vector<float> mtp_forward(const float* X, const std::vector<Segment>& segs, const std::vector<int32_t>& ids,
-                                 V4Saved* saved, bool logits);
+  // The MTP layer over the main streams X of a pass: out its logits (or normed rows).
+  Staged mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
+                     const std::vector<int32_t>& ids, V4Saved* saved, bool logits);
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
   // The entries (or with index_keys the indexer's keys) whose windows the
@@ -299,14 +328,14 @@ class V4Model {
   void compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
                 int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
                 const std::pair<const float*, const float*>& proj = {nullptr, nullptr});
-  void moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
+  Staged moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
   // The routed experts' rows ys [n K, d] (expert-major, er's order) and the
   // shared expert's output into out, computed here, or with the exchange
   // on the ranks of their experts; g, u, h as V4MoeSaved holds them.
   void experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n, const V4ExpertRows& er,
                      Buffer<float>* inner, V4MoeSaved* sv);
-  void experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
-                         const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv);
+  Staged experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
+                           const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv);
 
   const V4Config& cfg_;
   const V4View& w_;

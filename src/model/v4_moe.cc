@@ -82,7 +82,7 @@ V4ExpertRows V4ExpertRows::grouped(const std::vector<int32_t>& sizes, bool share
   return er;
 }
 
-void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
+Staged V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv) {
   const auto& L = w_.layers[static_cast<size_t>(layer)];
   const int64_t d = cfg_.hidden_size, E = cfg_.n_routed_experts, K = cfg_.num_experts_per_tok;
   Buffer<float> logits(static_cast<size_t>(n * E)), scores(static_cast<size_t>(n * E));
@@ -106,7 +106,7 @@ void V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t layer,
   Buffer<float>& ys = sv ? sv->y : own[0];
   Buffer<float>* inner = sv ? nullptr : own + 1;  // g, u, h, sg, su, sh when not kept
   if (opt_.exchange)
-    experts_exchanged(out, ys, x, layer, n, er, inner, sv);
+    co_await experts_exchanged(out, ys, x, layer, n, er, inner, sv);
   else
     experts_local(out, ys, x, layer, n, er, inner, sv);
   if (cfg_.n_shared_experts == 0) std::fill(out, out + n * d, 0.0f);
@@ -178,8 +178,8 @@ void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64
   });
 }
 
-void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
-                                const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv) {
+Staged V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
+                                  const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv) {
   const auto& L = w_.layers[static_cast<size_t>(layer)];
   const int64_t d = cfg_.hidden_size, K = cfg_.num_experts_per_tok, I = cfg_.moe_intermediate_size;
   const int64_t E = cfg_.n_routed_experts;
@@ -201,7 +201,10 @@ void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, i
   Buffer<float> own_xl;
   Buffer<float>& xl = sv ? sv->xl : own_xl;
   xl.resize(static_cast<size_t>(plan.local_rows * d));
-  opt_.exchange->dispatch(xl.data(), xs.data(), plan, d);
+  {
+    auto moved = opt_.exchange->start_dispatch(xl.data(), xs.data(), plan, d, false);
+    co_await Pending{&moved};
+  }
   // The local rows, grouped by expert, and the shared expert on this rank's tokens.
   V4ExpertRows own_local = V4ExpertRows::grouped(plan.local_sizes, cfg_.n_shared_experts > 0, n);
   V4ExpertRows& local = sv ? sv->local : own_local;
@@ -221,7 +224,8 @@ void V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x, i
   });
   // The results back to the ranks of their tokens, in this rank's order.
   ys.resize(A * static_cast<size_t>(d));
-  opt_.exchange->undispatch(ys.data(), yl.data(), plan, d);
+  auto back = opt_.exchange->start_undispatch(ys.data(), yl.data(), plan, d);
+  co_await Pending{&back};
 }
 
 }  // namespace ds::model

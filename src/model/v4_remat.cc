@@ -97,12 +97,12 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   }
 }
 
-void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
+Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   const int64_t L = cfg_.num_hidden_layers;
   DS_CHECK(l >= 0 && l < static_cast<int64_t>(saved.layers.size()), "internal: rerun of layer {} of {}", l,
            saved.layers.size());
   V4LayerSaved& ls = saved.layers[static_cast<size_t>(l)];
-  if (ls.has_attention() && ls.has_moe()) return;
+  if (ls.has_attention() && ls.has_moe()) co_return;
   DS_CHECK(!ls.X.empty() && (!ls.has_attention() || !ls.X1.empty()),
            "internal: layer {} kept no input streams to recompute from", l);
   const bool mtp = l == L;
@@ -119,7 +119,7 @@ void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
     X = Buffer<float>(ls.X.size());
     std::copy(ls.X.begin(), ls.X.end(), X.begin());
     V4LayerSaved fresh;
-    sublayer(X, X2, l, false, segs, ids, pos, n, &fresh);
+    co_await sublayer(X, X2, l, false, segs, ids, pos, n, &fresh);
     ls.a0 = std::move(fresh.a0), ls.rstd_a = std::move(fresh.rstd_a), ls.a = std::move(fresh.a);
     ls.post = std::move(fresh.post), ls.comb = std::move(fresh.comb), ls.o = std::move(fresh.o);
     ls.attn = std::move(fresh.attn);
@@ -129,7 +129,7 @@ void V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   }
   if (!ls.has_moe()) {
     V4LayerSaved fresh;
-    sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
+    co_await sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
     ls.X1 = std::move(fresh.X1), ls.f0 = std::move(fresh.f0), ls.rstd_f = std::move(fresh.rstd_f);
     ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
     ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);

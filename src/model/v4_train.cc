@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -108,36 +107,41 @@ class Backward {
     balance_rows_ = &b->main;
   }
 
-  // dyn, the gradient of the main head's normed rows [n, d] (and the MTP
-  // layer's, when it ran), the LM head's own gradient already taken -> every
-  // other parameter's gradient.
-  void run(const Buffer<float>& dyn, const Buffer<float>* dmtp) {
+  // The backward of a pass, in the steps backward_passes (below) runs: the
+  // gradient dyn of the main head's normed rows [n, d] (the LM head's own
+  // gradient already taken) into the last layer's streams; the MTP layer's
+  // from the gradient of its normed rows (when it ran); each layer, last to
+  // first; the embedding.
+  void head_grad(const Buffer<float>& dyn) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     // The head's saved streams are row t's for every token t, in order.
     bool every_row = static_cast<int64_t>(sv_.logit_rows.size()) == n_;
     for (int64_t t = 0; every_row && t < n_; ++t) every_row = sv_.logit_rows[static_cast<size_t>(t)] == t;
     DS_CHECK(every_row, "internal: the V4 backward needs the head's saved streams of all {} tokens in order", n_);
-    Buffer<float> dX = zeros(n_ * hc * d);
-    head(dX.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
+    dX_ = zeros(n_ * hc * d);
+    head(dX_.data(), dyn.data(), sv_.head, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm, g_.hc_head_fn,
          g_.hc_head_base, g_.hc_head_scale, g_.norm, n_);
-    LayerStream* stream = model_.options().stream;
-    const int64_t L = c_.num_hidden_layers;
-    if (dmtp && !sv_.mtp.empty()) {
-      if (stream) stream->acquire(L, true);
-      if (!sv_.mtp[0].rows.empty()) mtp(dX, *dmtp);
-      if (stream) stream->release(L, true);
-    }
-    for (int64_t l = L - 1; l >= 0; --l) {
-      if (stream) stream->acquire(l, true);
-      layer(l, dX);
-      if (stream) stream->release(l, true);
-    }
-    // The embedding fed every stream.
+  }
+  bool runs_mtp() const { return !sv_.mtp.empty(); }
+  Staged mtp_grad(const Buffer<float>& dmtp) {
+    if (!sv_.mtp[0].rows.empty()) co_await mtp(dX_, dmtp);
+  }
+  // dX_ holds dL/d(layer output) on entry, dL/d(layer input) on return.
+  // What the remat policy dropped is recomputed first, and the layer's
+  // residuals are freed after.
+  Staged layer(int64_t l) {
+    co_await model_.rerun_layer(l, sv_);
+    co_await layer_backward(l, dX_);
+    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
+  }
+  // The embedding fed every stream.
+  void embed_grad() {
+    const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     if (g_.embed)
       for (int64_t t = 0; t < n_; ++t) {
         float* row = g_.embed + static_cast<int64_t>(sv_.ids[static_cast<size_t>(t)]) * d;
         for (int64_t j = 0; j < hc; ++j) {
-          const float* src = dX.data() + (t * hc + j) * d;
+          const float* src = dX_.data() + (t * hc + j) * d;
           for (int64_t i = 0; i < d; ++i) row[i] += src[i];
         }
       }
@@ -158,7 +162,7 @@ class Backward {
   // The MTP layer: its head, its block (layer num_hidden_layers over the MTP
   // rows), the two projections and norms; dX (the main streams) and the
   // embedding (the next tokens) +=.
-  void mtp(Buffer<float>& dX, const Buffer<float>& dyn) {
+  Staged mtp(Buffer<float>& dX, const Buffer<float>& dyn) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult, l = c_.num_hidden_layers;
     const V4MtpSaved& ms = sv_.mtp[0];
     const auto& M = w_.mtp[0];
@@ -174,7 +178,9 @@ class Backward {
     balance_rows_ = balance_ ? &balance_->mtp : nullptr;
     md_ = v4_mhc_dims(c_, R);
     pos_ = ms.pos.data();
-    layer(l, dXm);
+    co_await model_.rerun_layer(l, sv_);
+    co_await layer_backward(l, dXm);
+    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
     n_ = n0;
     balance_rows_ = balance_ ? &balance_->main : nullptr;
     md_ = md0;
@@ -204,15 +210,7 @@ class Backward {
   }
 
   // dX holds dL/d(layer output) on entry, dL/d(layer input) on return.
-  // What the remat policy dropped is recomputed first, and the layer's
-  // residuals are freed after.
-  void layer(int64_t l, Buffer<float>& dX) {
-    model_.rerun_layer(l, sv_);
-    layer_backward(l, dX);
-    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
-  }
-
-  void layer_backward(int64_t l, Buffer<float>& dX) {
+  Staged layer_backward(int64_t l, Buffer<float>& dX) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     const auto& s = sv_.layers[static_cast<size_t>(l)];
     const auto& L = w_.layers[static_cast<size_t>(l)];
@@ -222,7 +220,7 @@ class Backward {
     // The MoE sub-layer.
     ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), s.X1.data(),
                            s.fpost.data(), s.fcomb.data(), md_);
-    moe(da.data(), dsub.data(), s.moe, s.f.data(), l);
+    co_await moe(da.data(), dsub.data(), s.moe, s.f.data(), l);
     ops::rmsnorm_backward(da.data(), G.ffn_norm, da.data(), s.f0.data(), vector_data(L.ffn_norm), s.rstd_f.data(), n_,
                           d);
     ops::mhc_pre_backward(dX1.data(), G.hc_ffn_fn, G.hc_ffn_base, G.hc_ffn_scale, da.data(), dpost.data(), dcomb.data(),
@@ -334,23 +332,25 @@ class Backward {
   }
 
   // dx [n, d] `=` from the MoE's output gradient dout.
-  void moe(float* dx, const float* dout, const V4MoeSaved& s, const float* x, int64_t l) {
+  // w2(silu(w1 x) * w3 x) backward: dxs (+=) from dy.
+  void swiglu(float* dxs, const float* dy, const float* xs, int64_t rows, const float* gv, const float* uv,
+              const float* hv, const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) const {
+    const int64_t I = c_.moe_intermediate_size;
+    const float limit = static_cast<float>(c_.swiglu_limit);
+    for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
+    Buffer<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
+    ops::linear_backward(dh.data(), mg.w2, dy, hv, mp.w2, rows);
+    ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv, uv, rows * I, limit);
+    ops::linear_backward(dxs, mg.w1, dg.data(), xs, mp.w1, rows, true);
+    ops::linear_backward(dxs, mg.w3, du.data(), xs, mp.w3, rows, true);
+  }
+
+  Staged moe(float* dx, const float* dout, const V4MoeSaved& s, const float* x, int64_t l) {
     const auto& L = w_.layers[static_cast<size_t>(l)];
     auto& G = g_.layers[static_cast<size_t>(l)];
     const int64_t d = c_.hidden_size, E = c_.n_routed_experts, K = c_.num_experts_per_tok;
     const int64_t I = c_.moe_intermediate_size;
-    const float limit = static_cast<float>(c_.swiglu_limit);
     parallel_zero(dx, n_ * d);
-    // w2(silu(w1 x) * w3 x) backward: dxs (+=) from dy.
-    auto swiglu = [&](float* dxs, const float* dy, const float* xs, int64_t rows, const float* gv, const float* uv,
-                      const float* hv, const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) {
-      for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
-      Buffer<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
-      ops::linear_backward(dh.data(), mg.w2, dy, hv, mp.w2, rows);
-      ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv, uv, rows * I, limit);
-      ops::linear_backward(dxs, mg.w1, dg.data(), xs, mp.w1, rows, true);
-      ops::linear_backward(dxs, mg.w3, du.data(), xs, mp.w3, rows, true);
-    };
     // The forward's tasks: one per expert (its weight gradients are sums over
     // its rows, so one task owns them all), the shared expert's into dx. The
     // routed experts' input gradients land in dxs, expert-major, and are
@@ -358,7 +358,7 @@ class Backward {
     const V4ExpertRows& er = s.rows;
     Buffer<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
     if (model_.options().exchange) {
-      moe_exchanged(dx, dweights, dxs, dout, s, x, l, swiglu);
+      co_await moe_exchanged(dx, dweights, dxs, dout, s, x, l);
     } else {
       parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
         const int64_t e = er.tasks[static_cast<size_t>(task)];
@@ -404,9 +404,8 @@ class Backward {
   // forward's undispatch), the experts' input gradients come back; dxs
   // [n K, d] (expert-major, this rank's order) and dweights `=`, the shared
   // expert's input gradient into dx.
-  template <class Swiglu>
-  void moe_exchanged(float* dx, Buffer<float>& dweights, Buffer<float>& dxs, const float* dout, const V4MoeSaved& s,
-                     const float* x, int64_t l, Swiglu&& swiglu) {
+  Staged moe_exchanged(float* dx, Buffer<float>& dweights, Buffer<float>& dxs, const float* dout, const V4MoeSaved& s,
+                       const float* x, int64_t l) {
     const auto& L = w_.layers[static_cast<size_t>(l)];
     auto& G = g_.layers[static_cast<size_t>(l)];
     const int64_t d = c_.hidden_size, K = c_.num_experts_per_tok, I = c_.moe_intermediate_size;
@@ -428,7 +427,10 @@ class Backward {
       }
     });
     Buffer<float> dyl(static_cast<size_t>(R * d));
-    ex.dispatch_gradient(dyl.data(), dy.data(), s.plan, d);
+    {
+      auto moved = ex.start_dispatch(dyl.data(), dy.data(), s.plan, d, true);
+      co_await Pending{&moved};
+    }
     Buffer<float> dxl = zeros(R * d);
     const V4ExpertRows& local = s.local;
     parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t task) {
@@ -442,7 +444,8 @@ class Backward {
              s.u.data() + r0 * I, s.h.data() + r0 * I, L.experts[static_cast<size_t>(e)],
              G.experts[static_cast<size_t>(e)]);
     });
-    ex.undispatch(dxs.data(), dxl.data(), s.plan, d);
+    auto back = ex.start_undispatch(dxs.data(), dxl.data(), s.plan, d);
+    co_await Pending{&back};
   }
 
   const std::vector<float>& entries(int64_t seq, int64_t l) const {
@@ -459,7 +462,8 @@ class Backward {
   std::vector<V4State>& states_;
   const std::vector<int64_t>& len_;
   std::vector<int64_t> first_;
-  int64_t n_;  // rows of the pass (the batch's tokens, or the MTP layer's rows)
+  Buffer<float> dX_;  // the main streams' gradient, from the head down
+  int64_t n_;         // rows of the pass (the batch's tokens, or the MTP layer's rows)
   ops::MhcDims md_;
   const int32_t* pos_;  // their positions
 };
@@ -478,152 +482,106 @@ std::pair<bool, bool> v4_remat_keeps(const RematPolicy& p) {
           all({R::mlpwi_0, R::mlpwi_1, R::mlpwo, R::moe_mlpwi_0, R::moe_mlpwi_1, R::moe_mlpwo})};
 }
 
-int64_t V4FlatParams::numel(const V4Config& c) {
+namespace {
+
+// The batch-split schedule's parts of a batch: its packed rows (each
+// sequence its own row when it has none) cut into M runs of equal count,
+// each part's rows numbered from 0.
+std::vector<V4TrainBatch> split_rows(const V4TrainBatch& b, int64_t M) {
+  const size_t S = b.lengths.size();
+  auto row = [&](size_t k) { return b.row_of.empty() ? static_cast<int64_t>(k) : b.row_of[k]; };
+  int64_t P = b.packed_rows;
+  for (size_t k = 0; k < S; ++k) P = std::max(P, row(k) + 1);
+  DS_CHECK(M >= 1 && P % M == 0, "batch_split_factor {} does not divide the {} rows of this rank's batch", M, P);
+  const int64_t per = P / M;
+  std::vector<V4TrainBatch> parts(static_cast<size_t>(M));
+  for (auto& p : parts) p.packed_rows = b.packed_rows > 0 || !b.row_of.empty() ? per : 0;
+  int64_t at = 0;
+  for (size_t k = 0; k < S; at += b.lengths[k], ++k) {
+    V4TrainBatch& p = parts[static_cast<size_t>(row(k) / per)];
+    const auto from = static_cast<std::ptrdiff_t>(at), to = static_cast<std::ptrdiff_t>(at + b.lengths[k]);
+    p.inputs.insert(p.inputs.end(), b.inputs.begin() + from, b.inputs.begin() + to);
+    p.targets.insert(p.targets.end(), b.targets.begin() + from, b.targets.begin() + to);
+    if (!b.counted.empty()) p.counted.insert(p.counted.end(), b.counted.begin() + from, b.counted.begin() + to);
+    p.lengths.push_back(b.lengths[k]);
+    if (!b.row_of.empty()) p.row_of.push_back(row(k) % per);
+  }
+  return parts;
+}
+
+// One part's pass: its sequences' states, what its forward kept, its
+// heads' normed rows and losses.
+struct V4Pass {
+  const V4TrainBatch* b;
   int64_t n = 0;
-  for_each_v4_param(c, [&](const V4ParamInfo& i) { n += shape_numel(i.shape); });
-  return n;
+  std::vector<V4State> states;
+  std::vector<V4Request> reqs;
+  V4Saved saved;
+  std::vector<float> hn, mtp_hn;
+  std::vector<int64_t> mrows;  // the MTP rows' targets
+  HeadLoss main, mtp;
+  Balance bal;
+};
+
+// The MTP rows of each sequence are its tokens but the last, in order,
+// predicting target t + 1.
+std::vector<int64_t> mtp_rows(const V4TrainBatch& b) {
+  std::vector<int64_t> mrows;
+  for (size_t k = 0, at = 0; k < b.lengths.size(); at += static_cast<size_t>(b.lengths[k]), ++k)
+    for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
+  return mrows;
 }
 
-V4FlatParams V4FlatParams::wrap(const V4Config& c, float* base) {
-  V4FlatParams f;
-  f.ptr = make_v4_params<float*>(c);
-  int64_t off = 0;
-  for_each_v4_param(
-      c,
-      [&](const V4ParamInfo& i, float*& p) {
-        p = base + off;
-        off += shape_numel(i.shape);
-      },
-      f.ptr);
-  return f;
-}
-
-V4FlatParams V4FlatParams::zeros(const V4Config& c) {
-  std::vector<float> data(static_cast<size_t>(numel(c)), 0.0f);
-  V4FlatParams f = over(c, data.data());
-  f.data = std::move(data);  // the heap block moves with it: the pointers and views stay valid
-  return f;
-}
-
-V4FlatParams V4FlatParams::over(const V4Config& c, float* base) {
-  V4FlatParams f = wrap(c, base);
-  f.tables.resize(static_cast<size_t>(c.num_hidden_layers));
-  f.view = make_v4_params<ops::WeightView>(c);
-  for_each_v4_param(
-      c,
-      [&](const V4ParamInfo& i, float* const& p, ops::WeightView& v) {
-        const int64_t rows = i.shape[0], cols = i.shape.size() > 1 ? i.shape[1] : 1;
-        if (i.role == V4Role::HashTable) {
-          auto& t = f.tables[static_cast<size_t>(i.layer)];
-          t.assign(static_cast<size_t>(rows * cols), 0);
-          v = {t.data(), DType::I32, rows, cols, nullptr, 128, 128};
-        } else {
-          v = {p, DType::F32, rows, cols, nullptr, 128, 128};
-        }
-      },
-      f.ptr, f.view);
-  if (c.tie_word_embeddings) f.view.head = f.view.embed;
-  return f;
-}
-
-void v4_hash_table(const V4Config& c, const std::string& name, const float* f, int64_t cols,
-                   std::vector<int32_t>& table) {
-  for (size_t k = 0; k < table.size(); ++k) {
-    const float e = f[k];
-    DS_CHECK(e >= 0 && e < static_cast<float>(c.n_routed_experts) && e == std::floor(e),
-             "'{}' routes token {} to {}, not an expert id in [0, {})", name, k / static_cast<size_t>(cols), e,
-             c.n_routed_experts);
-    table[k] = static_cast<int32_t>(e);
+// The backward of every pass, a layer at a time, each layer's passes
+// interleaved at their expert exchanges (the MTP block first, then the
+// layers last to first); dyn and dmtp are each pass's head-input gradients.
+void backward_passes(std::vector<Backward>& bws, const std::vector<Buffer<float>>& dyn,
+                     const std::vector<Buffer<float>>& dmtp, bool with_mtp, LayerStream* stream, int64_t L) {
+  const size_t P = bws.size();
+  for (size_t i = 0; i < P; ++i) bws[i].head_grad(dyn[i]);
+  if (with_mtp && bws[0].runs_mtp()) {
+    if (stream) stream->acquire(L, true);
+    std::vector<Staged> tasks;
+    for (size_t i = 0; i < P; ++i) tasks.push_back(bws[i].mtp_grad(dmtp[i]));
+    run_interleaved(tasks, L, true);
+    if (stream) stream->release(L, true);
   }
-}
-
-void V4FlatParams::sync_tables(const V4Config& c) {
-  for_each_v4_param(
-      c,
-      [&](const V4ParamInfo& i, float* const& p) {
-        if (i.role == V4Role::HashTable) v4_hash_table(c, i.name, p, i.shape[1], tables[static_cast<size_t>(i.layer)]);
-      },
-      ptr);
-}
-
-std::vector<ParamInfo> v4_param_infos(const V4Config& c) {
-  std::vector<ParamInfo> out;
-  for_each_v4_param(c, [&](const V4ParamInfo& i) {
-    // Vectors (norms, the sink, mHC mixes, position embeddings) are Norm:
-    // no weight decay when 1-D.
-    static const std::map<V4Role, ParamRole> role_of = {
-        {V4Role::Embedding, ParamRole::Embedding}, {V4Role::Projection, ParamRole::Projection},
-        {V4Role::Router, ParamRole::Router},       {V4Role::LmHead, ParamRole::LmHead},
-        {V4Role::HashTable, ParamRole::Untrained}, {V4Role::Vector, ParamRole::Norm}};
-    ParamRole role = role_of.at(i.role);
-    if (i.name.ends_with(".ffn.gate.bias")) role = ParamRole::RoutingBias;
-    if (i.name.find(".attn.indexer.") != std::string::npos) role = ParamRole::Untrained;
-    out.push_back(ParamInfo{i.name, i.shape, role, i.layer});
-  });
-  return out;
-}
-
-V4TrainBatch V4TrainBatch::rows(int64_t batch, int64_t seq, std::vector<int32_t> inputs, std::vector<int32_t> targets) {
-  DS_CHECK(batch > 0 && seq > 0 && static_cast<int64_t>(inputs.size()) == batch * seq &&
-               static_cast<int64_t>(targets.size()) == batch * seq,
-           "V4 training batch: {} rows of {} tokens need {} inputs and targets (got {}, {})", batch, seq, batch * seq,
-           inputs.size(), targets.size());
-  V4TrainBatch b;
-  b.inputs = std::move(inputs);
-  b.targets = std::move(targets);
-  b.lengths.assign(static_cast<size_t>(batch), seq);
-  return b;
-}
-
-V4TrainBatch V4TrainBatch::from_packed(const TrainBatch& p) {
-  const int64_t n = p.batch * p.seq;
-  DS_CHECK(p.batch > 0 && p.seq > 0 && static_cast<int64_t>(p.inputs.size()) == n &&
-               static_cast<int64_t>(p.targets.size()) == n && static_cast<int64_t>(p.positions.size()) == n &&
-               static_cast<int64_t>(p.segment_ids.size()) == n &&
-               static_cast<int64_t>(p.target_segment_ids.size()) == n,
-           "training batch of {} x {} tokens has fields of the wrong length", p.batch, p.seq);
-  V4TrainBatch b;
-  b.packed_rows = p.batch;
-  b.counted.reserve(static_cast<size_t>(n));
-  for (int64_t r = 0; r < p.batch; ++r)
-    for (int64_t t = r * p.seq; t < (r + 1) * p.seq;) {
-      const int32_t seg = p.segment_ids[static_cast<size_t>(t)];
-      int64_t e = t + 1;
-      while (e < (r + 1) * p.seq && p.segment_ids[static_cast<size_t>(e)] == seg) ++e;
-      if (seg != 0) {
-        // A document piece: its own sequence, which must count from 0.
-        for (int64_t k = t; k < e; ++k)
-          DS_CHECK(p.positions[static_cast<size_t>(k)] == k - t,
-                   "row {}: segment {} has position {} at its token {}; DeepSeek-V4 trains on whole document pieces "
-                   "whose positions count from 0",
-                   r, seg, p.positions[static_cast<size_t>(k)], k - t);
-        b.inputs.insert(b.inputs.end(), p.inputs.begin() + t, p.inputs.begin() + e);
-        b.targets.insert(b.targets.end(), p.targets.begin() + t, p.targets.begin() + e);
-        for (int64_t k = t; k < e; ++k) b.counted.push_back(p.target_segment_ids[static_cast<size_t>(k)] != 0);
-        b.lengths.push_back(e - t);
-        b.row_of.push_back(r);
-      }
-      t = e;
-    }
-  return b;
-}
-
-V4LossWeights v4_loss_weights(const V4TrainBatch& b) {
-  V4LossWeights w;
-  size_t at = 0;
-  for (const int64_t L : b.lengths) {
-    for (int64_t t = 0; t < L; ++t) {
-      const bool c = b.counted.empty() || b.counted[at + static_cast<size_t>(t)];
-      w.targets += c;
-      w.mtp_targets += c && t >= 1;  // MTP row t - 1 predicts target t
-    }
-    at += static_cast<size_t>(L);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    if (stream) stream->acquire(l, true);
+    std::vector<Staged> tasks;
+    for (size_t i = 0; i < P; ++i) tasks.push_back(bws[i].layer(l));
+    run_interleaved(tasks, l, true);
+    if (stream) stream->release(l, true);
   }
-  return w;
+  for (Backward& bw : bws) bw.embed_grad();
 }
 
-V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b,
-                             const V4LossOptions& opt) {
+// MaxText's balance loss: the mean over the score-routed layers (the MTP
+// block's included) of each one's, summed over the passes; the layers it
+// counted.
+double balance_loss(const V4Config& cfg, std::vector<V4Pass>& passes, std::vector<int64_t>& layers) {
+  double sum = 0;
+  for (size_t l = 0; l < passes[0].saved.layers.size(); ++l) {
+    const int64_t li = static_cast<int64_t>(l);
+    if (cfg.hash_routed(li)) continue;
+    double layer = 0;
+    bool any = false;
+    for (V4Pass& p : passes) {
+      const V4MoeSaved& m = p.saved.layers[l].moe;
+      if (m.experts.empty()) continue;  // an MTP block without rows
+      layer += v4_balance_loss(m.scores.data(), m.experts.data(), m.bias.empty() ? nullptr : m.bias.data(),
+                               li < cfg.num_hidden_layers ? p.bal.main : p.bal.mtp, cfg.n_routed_experts,
+                               cfg.num_experts_per_tok, p.bal.weight);
+      any = true;
+    }
+    if (!any) continue;
+    sum += layer;
+    layers.push_back(li);
+  }
+  return layers.empty() ? 0.0 : sum / static_cast<double>(layers.size());
+}
+
+void check_batch(const V4Config& cfg, const V4TrainBatch& b) {
   const int64_t n = static_cast<int64_t>(b.inputs.size()), V = cfg.vocab_size;
   int64_t total = 0;
   for (int64_t L : b.lengths) {
@@ -635,16 +593,37 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
            "V4 training batch: sequences of {} tokens in all, {} inputs, {} targets, {} counted flags", total, n,
            b.targets.size(), b.counted.size());
   for (int32_t t : b.targets) DS_CHECK(t >= 0 && t < V, "target {} is outside the vocabulary of {}", t, V);
+}
+
+}  // namespace
+
+V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<float*>* grads, const V4TrainBatch& b,
+                             const V4LossOptions& opt) {
+  check_batch(cfg, b);
+  const int64_t n = static_cast<int64_t>(b.inputs.size()), L = cfg.num_hidden_layers;
   const bool with_mtp = opt.mtp && cfg.num_nextn_predict_layers > 0;
+  const bool collective = opt.exchange || opt.stream;
   V4LossTerms out;
-  DS_CHECK((!opt.exchange && !opt.stream) || n > 0,
+  DS_CHECK(!collective || n > 0,
            "expert parallelism or FSDP: this rank's share of the batch holds no token (only padding), and its peers "
            "wait on its collectives; use fewer ranks or longer documents");
   if (n == 0) {  // only padding: no term, no gradient, loads of zero
     if (opt.expert_load)
-      out.expert_load.assign(static_cast<size_t>(cfg.num_hidden_layers + (with_mtp ? 1 : 0)),
+      out.expert_load.assign(static_cast<size_t>(L + (with_mtp ? 1 : 0)),
                              std::vector<int64_t>(static_cast<size_t>(cfg.n_routed_experts), 0));
     return out;
+  }
+  // The passes: the whole batch, or the batch-split schedule's parts.
+  std::vector<V4TrainBatch> split;
+  if (opt.batch_split > 1) split = split_rows(b, opt.batch_split);
+  std::vector<V4Pass> passes;
+  if (split.empty()) passes.push_back({&b});
+  for (size_t i = 0; i < split.size(); ++i) {
+    DS_CHECK(!collective || !split[i].inputs.empty(),
+             "batch split: part {} of {} of this rank's batch holds no token (only padding), and its peers wait on "
+             "its collectives; use a smaller batch_split_factor or longer documents",
+             i, split.size());
+    if (!split[i].inputs.empty()) passes.push_back({&split[i]});
   }
   V4Options mo;
   mo.qat = false;
@@ -653,93 +632,95 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   V4Model model(cfg, w, mo);
   // FSDP: the layers in order, the MTP block last, then (with a gradient)
   // back again.
-  if (opt.stream) opt.stream->begin(cfg.num_hidden_layers + (with_mtp ? 1 : 0), grads != nullptr);
-  std::vector<V4State> states;
-  std::vector<V4Request> reqs;
-  for (size_t k = 0; k < b.lengths.size(); ++k) states.push_back(model.new_state());
-  int64_t at = 0;
-  for (size_t k = 0; k < b.lengths.size(); ++k) {
-    reqs.push_back({&states[k], b.inputs.data() + at, b.lengths[k]});
-    at += b.lengths[k];
-  }
-  V4Saved saved;
-  std::tie(saved.keep_attention, saved.keep_moe) = v4_remat_keeps(opt.remat);
+  if (opt.stream) opt.stream->begin(L + (with_mtp ? 1 : 0), grads != nullptr);
   const bool want_saved = grads || opt.expert_load || opt.load_balance_loss_weight > 0;
-  std::vector<float> mtp_hn;
-  const std::vector<float> hn = model.forward_normed(reqs, want_saved ? &saved : nullptr, with_mtp ? &mtp_hn : nullptr);
+  std::vector<std::vector<V4Request>> reqs;
+  std::vector<V4Saved*> saved;
+  for (V4Pass& p : passes) {
+    p.n = static_cast<int64_t>(p.b->inputs.size());
+    for (size_t k = 0; k < p.b->lengths.size(); ++k) p.states.push_back(model.new_state());
+    int64_t at = 0;
+    for (size_t k = 0; k < p.b->lengths.size(); ++k) {
+      p.reqs.push_back({&p.states[k], p.b->inputs.data() + at, p.b->lengths[k]});
+      at += p.b->lengths[k];
+    }
+    std::tie(p.saved.keep_attention, p.saved.keep_moe) = v4_remat_keeps(opt.remat);
+    reqs.push_back(p.reqs);
+    saved.push_back(want_saved ? &p.saved : nullptr);
+  }
+  std::vector<std::vector<float>> mtp_hn;
+  auto hn = model.forward_normed_parts(reqs, saved, with_mtp ? &mtp_hn : nullptr);
   // The LM head and its loss fused, a vocabulary chunk at a time: no
-  // [tokens, vocab] logits.
+  // [tokens, vocab] logits. Mean over counted targets of CE +
+  // z_loss_multiplier lse^2 (MaxText's lm_loss holds the z term); MaxText's
+  // MTP loss: factor x the mean over counted targets of the CE of row t
+  // predicting target t + 1 (no z-loss).
   const View& head = model.head_weight();
   const int64_t d = cfg.hidden_size;
-  // Mean over counted targets of CE + z_loss_multiplier lse^2 (MaxText's
-  // lm_loss holds the z term).
-  std::vector<int64_t> rows(static_cast<size_t>(n));
-  std::iota(rows.begin(), rows.end(), int64_t{0});
-  const HeadLoss main = head_loss_rows(hn.data(), head, b, rows, d, opt.z_loss_multiplier);
-  const double norm = opt.whole_targets > 0 ? opt.whole_targets : main.weight;
-  out.tokens = static_cast<int64_t>(main.weight);
-  out.lm_loss = (main.ce_sum + main.z_sum) / (norm + 1e-8);
-  out.z_loss = main.z_sum / (norm + 1e-8);
+  double ce = 0, z = 0, weight = 0, mce = 0, mweight = 0;
+  for (size_t i = 0; i < passes.size(); ++i) {
+    V4Pass& p = passes[i];
+    p.hn = std::move(hn[i]);
+    std::vector<int64_t> rows(static_cast<size_t>(p.n));
+    std::iota(rows.begin(), rows.end(), int64_t{0});
+    p.main = head_loss_rows(p.hn.data(), head, *p.b, rows, d, opt.z_loss_multiplier);
+    ce += p.main.ce_sum, z += p.main.z_sum, weight += p.main.weight;
+    if (!with_mtp) continue;
+    p.mtp_hn = std::move(mtp_hn[i]);
+    p.mrows = mtp_rows(*p.b);
+    p.mtp = head_loss_rows(p.mtp_hn.data(), head, *p.b, p.mrows, d, 0.0);
+    mce += p.mtp.ce_sum, mweight += p.mtp.weight;
+  }
+  const double norm = opt.whole_targets > 0 ? opt.whole_targets : weight;
+  out.tokens = static_cast<int64_t>(weight);
+  out.lm_loss = (ce + z) / (norm + 1e-8);
+  out.z_loss = z / (norm + 1e-8);
   out.loss = out.lm_loss;
-  // MaxText's MTP loss: factor x the mean over counted targets of the CE of
-  // row t predicting target t + 1 (no z-loss); the MTP rows of each sequence
-  // are its tokens but the last, in order.
-  std::vector<int64_t> mrows;
-  HeadLoss mtp;
-  double mnorm = 0;
+  const double mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mweight;
   if (with_mtp) {
-    for (size_t k = 0, at = 0; k < b.lengths.size(); at += static_cast<size_t>(b.lengths[k]), ++k)
-      for (int64_t t = 0; t + 1 < b.lengths[k]; ++t) mrows.push_back(static_cast<int64_t>(at) + t + 1);
-    mtp = head_loss_rows(mtp_hn.data(), head, b, mrows, d, 0.0);
-    mnorm = opt.whole_mtp_targets > 0 ? opt.whole_mtp_targets : mtp.weight;
-    out.mtp_tokens = static_cast<int64_t>(mtp.weight);
-    out.mtp_loss = opt.mtp_loss_scaling_factor * mtp.ce_sum / (mnorm + 1e-8);
+    out.mtp_tokens = static_cast<int64_t>(mweight);
+    out.mtp_loss = opt.mtp_loss_scaling_factor * mce / (mnorm + 1e-8);
     out.loss += out.mtp_loss;
   }
-  out.saved_bytes = saved.bytes();
-  // MaxText's balance loss: the mean over the score-routed layers (the MTP
-  // block's included) of each one's.
-  Balance bal;
+  for (const V4Pass& p : passes) out.saved_bytes += p.saved.bytes();
   std::vector<int64_t> balance_layers;
   if (opt.load_balance_loss_weight > 0) {
-    bal.weight = opt.load_balance_loss_weight;
-    bal.main = balance_rows(b, false, opt.whole_rows);
-    bal.mtp = balance_rows(b, true, opt.whole_rows);
-    double sum = 0;
-    for (size_t l = 0; l < saved.layers.size(); ++l) {
-      const int64_t li = static_cast<int64_t>(l);
-      if (cfg.hash_routed(li)) continue;
-      const V4MoeSaved& m = saved.layers[l].moe;
-      if (m.experts.empty()) continue;  // an MTP block without rows
-      sum += v4_balance_loss(m.scores.data(), m.experts.data(), m.bias.empty() ? nullptr : m.bias.data(),
-                             li < cfg.num_hidden_layers ? bal.main : bal.mtp, cfg.n_routed_experts,
-                             cfg.num_experts_per_tok, bal.weight);
-      balance_layers.push_back(li);
+    const int64_t whole_rows = balance_rows(b, false, opt.whole_rows).whole_rows;
+    for (V4Pass& p : passes) {
+      p.bal.weight = opt.load_balance_loss_weight;
+      p.bal.main = balance_rows(*p.b, false, whole_rows);
+      p.bal.mtp = balance_rows(*p.b, true, whole_rows);
     }
-    if (!balance_layers.empty()) out.moe_lb_loss = sum / static_cast<double>(balance_layers.size());
+    out.moe_lb_loss = balance_loss(cfg, passes, balance_layers);
     out.loss += out.moe_lb_loss;
   }
   if (opt.expert_load)
-    for (const auto& L : saved.layers) {
+    for (size_t l = 0; l < passes[0].saved.layers.size(); ++l) {
       std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);
-      for (int32_t e : L.moe.experts) ++load[static_cast<size_t>(e)];
+      for (const V4Pass& p : passes)
+        for (int32_t e : p.saved.layers[l].moe.experts) ++load[static_cast<size_t>(e)];
       out.expert_load.push_back(std::move(load));
     }
-  if (grads) {
-    float* dhead = cfg.tie_word_embeddings ? grads->embed : grads->head;
-    Buffer<float> dyn(static_cast<size_t>(n * d)), dmtp(mrows.size() * static_cast<size_t>(d));
-    head_loss_backward(dyn.data(), dhead, main, hn.data(), head, n, d, opt.z_loss_multiplier,
+  if (!grads) return out;
+  float* dhead = cfg.tie_word_embeddings ? grads->embed : grads->head;
+  std::vector<Buffer<float>> dyn, dmtp;
+  std::vector<Backward> bws;
+  bws.reserve(passes.size());
+  for (V4Pass& p : passes) {
+    dyn.emplace_back(static_cast<size_t>(p.n * d));
+    dmtp.emplace_back(p.mrows.size() * static_cast<size_t>(d));
+    head_loss_backward(dyn.back().data(), dhead, p.main, p.hn.data(), head, p.n, d, opt.z_loss_multiplier,
                        opt.grad_scale / (norm + 1e-8));
-    if (!mrows.empty())
-      head_loss_backward(dmtp.data(), dhead, mtp, mtp_hn.data(), head, static_cast<int64_t>(mrows.size()), d, 0.0,
-                         opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
-    Backward bw(cfg, w, *grads, model, saved, states, b.lengths);
+    if (!p.mrows.empty())
+      head_loss_backward(dmtp.back().data(), dhead, p.mtp, p.mtp_hn.data(), head, static_cast<int64_t>(p.mrows.size()),
+                         d, 0.0, opt.mtp_loss_scaling_factor * opt.grad_scale / (mnorm + 1e-8));
+    bws.emplace_back(cfg, w, *grads, model, p.saved, p.states, p.b->lengths);
     if (!balance_layers.empty()) {
-      bal.dloss = opt.grad_scale / static_cast<double>(balance_layers.size());
-      bw.set_balance(&bal);
+      p.bal.dloss = opt.grad_scale / static_cast<double>(balance_layers.size());
+      bws.back().set_balance(&p.bal);
     }
-    bw.run(dyn, with_mtp ? &dmtp : nullptr);
   }
+  backward_passes(bws, dyn, dmtp, with_mtp, opt.stream, L);
   return out;
 }
 

@@ -129,6 +129,13 @@ struct V4LossOptions {
   int64_t whole_rows = 0;
   // FSDP (V4Options::stream; null: the weights are all in w).
   LayerStream* stream = nullptr;
+  // The batch-split schedule (MaxText's use_batch_split_schedule): the
+  // batch's packed rows cut into this many parts of equal count, each
+  // layer's forward and backward run over the parts in turn so that one
+  // part's expert exchange overlaps the next part's compute (model/staged.h).
+  // The loss is the whole batch's; the gradients are equal up to the order
+  // of their sums.
+  int64_t batch_split = 1;
 };
 
 // Counted targets of a batch, and those of its MTP rows (target t + 1 of

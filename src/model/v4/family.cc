@@ -6,7 +6,8 @@
 // whole flat buffers, or (bind_streamed) to trees that FSDP fills a layer
 // at a time; expert parallelism computes each routed row on its expert's
 // rank through the shared token exchange; remat works a sub-layer at a time
-// (v4_remat_keeps); no batch split yet.
+// (v4_remat_keeps); the batch split runs each layer over the parts of a
+// batch in turn (V4LossOptions::batch_split).
 #include "model/family.h"
 
 #include <string>
@@ -73,6 +74,7 @@ class V4Bound final : public BoundModel {
     o.expert_load = grads;
     o.mtp = opt.mtp_num_layers > 0;
     o.mtp_loss_scaling_factor = opt.mtp_loss_scaling_factor;
+    o.batch_split = opt.batch_split_factor;
     if (opt.whole.rows > 0) {
       o.whole_targets = opt.whole.targets;
       o.whole_mtp_targets = opt.whole.mtp_targets;
@@ -146,8 +148,6 @@ class V4Family final : public Family {
     DS_CHECK(o.indexer_loss_scaling_factor == 0 && !o.indexer_sparse_training,
              "indexer_sparse_training / indexer_loss_scaling_factor: DeepSeek-V4's lightning indexer is not trained "
              "(its CSA layers always attend through it)");
-    DS_CHECK(o.batch_split_factor == 1,
-             "use_batch_split_schedule: the batch-split schedule is not implemented for DeepSeek-V4 training yet");
   }
   std::string training_note(const LossOptions&) const override {
     return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; a "
