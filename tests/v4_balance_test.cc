@@ -107,8 +107,10 @@ TEST(V4Balance, ValueIsMaxTextsFormulaOnTheScoreRoutedLayers) {
     if (c.hash_routed(l)) continue;
     const auto& moe = saved.layers[static_cast<size_t>(l)].moe;
     const float* bias = static_cast<const float*>(s.p.view.layers[static_cast<size_t>(l)].gate_bias.data);
-    sum += maxtext_lb(moe.scores, moe.experts, bias, l < c.num_hidden_layers ? main_rows : mtp_rows, 2,
-                      c.n_routed_experts, c.num_experts_per_tok, w);
+    const std::vector<float> scores(moe.r.scores.begin(), moe.r.scores.end());
+    const std::vector<int32_t> experts(moe.r.experts.begin(), moe.r.experts.end());
+    sum += maxtext_lb(scores, experts, bias, l < c.num_hidden_layers ? main_rows : mtp_rows, 2, c.n_routed_experts,
+                      c.num_experts_per_tok, w);
     ++layers;
   }
   ASSERT_EQ(layers, 4);  // layers 1-3 and the MTP block; layer 0 is hash-routed

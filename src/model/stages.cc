@@ -364,7 +364,12 @@ void expert_selection_forward(Routing& r, const float* x, const MoeParams<ops::W
   ops::linear_forward(r.logits.data(), x, p.router, N);
   ops::expert_selection_forward(r.experts.data(), r.weights.data(), r.scores.data(), r.logits.data(),
                                 vector_data(p.bias), N, s.selection);
-  // route: dropless, sorted by expert (stable: ties keep assignment order).
+  route(r, E);
+}
+
+void route(Routing& r, int64_t E) {
+  // Dropless, sorted by expert (stable: ties keep assignment order).
+  const int64_t n = r.tokens * r.k;
   r.order.resize(n);
   r.inverse.resize(n);
   r.sizes.assign(static_cast<size_t>(E), 0);
@@ -559,16 +564,21 @@ void experts_backward(float* dxs, float* dx, MoeParams<float*>& g, const float* 
   if (shared) add_into(dx, dshared_x.data(), r.tokens * D);
 }
 
-void combine_forward(float* out, const float* ys, const Routing& r, int64_t D) {
+void combine_forward(float* out, const float* ys, const Routing& r, int64_t D, CombineOrder order) {
   const int64_t N = r.tokens, K = r.k;
   parallel_ranges(N, N * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t j = 0; j < K; ++j) {
-        const float wj = r.weights[t * K + j];
-        const float* y = ys + r.inverse[t * K + j] * D;
-        float* o = out + t * D;
+    std::vector<int64_t> rows(static_cast<size_t>(K));
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t j = 0; j < K; ++j) rows[static_cast<size_t>(j)] = r.inverse[t * K + j];
+      // Sorted rows are expert-major: ascending rows are the experts' order.
+      if (order == CombineOrder::Experts) std::sort(rows.begin(), rows.end());
+      float* o = out + t * D;
+      for (const int64_t row : rows) {
+        const float wj = r.weights[r.order[row]];
+        const float* y = ys + row * D;
         for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
       }
+    }
   });
 }
 

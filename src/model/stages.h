@@ -196,6 +196,9 @@ struct Routing {
 };
 void expert_selection_forward(Routing& r, const float* x, const MoeParams<ops::WeightView>& p, const StageConfig& s,
                               int64_t N);
+// route alone: r.order, r.inverse and r.sizes from r.experts (dropless,
+// sorted by expert, ties in assignment order), for E experts.
+void route(Routing& r, int64_t E);
 // dlogits (from the combine weights, and any balance loss) -> dx +=, router +=.
 void expert_selection_backward(float* dx, MoeParams<float*>& g, const float* dweights, float* dscores_extra,
                                const Routing& r, const float* x, const MoeParams<ops::WeightView>& p,
@@ -266,8 +269,14 @@ class TokenExchange {
   }
 };
 
-// unroute and combine: out[t] += sum_j weights[t, j] * ys[inverse[t*K + j]].
-void combine_forward(float* out, const float* ys, const Routing& r, int64_t D);
+// unroute and combine: out[t] += sum_j weights[t, j] * ys[inverse[t*K + j]],
+// the K terms added in the order of the token's assignments (j = 0 .. K - 1),
+// or with CombineOrder::Experts in the order of its experts (ascending ids,
+// as DeepSeek's V4 inference code adds them while it loops over the experts:
+// its fp8 roundings then see the same sums).
+enum class CombineOrder { Assignments, Experts };
+void combine_forward(float* out, const float* ys, const Routing& r, int64_t D,
+                     CombineOrder order = CombineOrder::Assignments);
 // dweights [N, K] `=`, dys [n, D] `=`.
 void combine_backward(float* dweights, float* dys, const float* dout, const float* ys, const Routing& r, int64_t D);
 

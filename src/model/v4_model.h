@@ -138,43 +138,36 @@ struct V4AttentionSaved {
   std::vector<int32_t> key_seg;
   std::vector<int64_t> key_idx, offsets;
 };
-// A MoE layer's routed rows grouped by expert: assignment a (token a / K)
-// is row row[a] of the expert-major buffers, where expert e's rows start at
-// first[e], its assignments in order (assignment[r] is row r's); tasks lists
-// the experts that have rows, the largest first, after -1 for the shared
-// expert when there is one.
-struct V4ExpertRows {
-  std::vector<int64_t> first, row, assignment, tasks;
-  V4ExpertRows() = default;
-  V4ExpertRows(const int32_t* experts, int64_t n, int64_t K, int64_t E, bool shared);
+// The tasks of a MoE layer's expert compute over rows grouped by expert
+// (sizes[e] rows of expert e, in expert order, as model/stages.h's route
+// leaves them, or as the exchange delivers them): first[e] is expert e's
+// first row; tasks lists the experts that have rows, the largest first,
+// after -1 for the shared expert (n rows) when there is one.
+struct V4ExpertTasks {
+  std::vector<int64_t> first, tasks;
+  V4ExpertTasks() = default;
+  V4ExpertTasks(const std::vector<int32_t>& sizes, bool shared, int64_t n);
   int64_t rows(int64_t e) const { return first[static_cast<size_t>(e + 1)] - first[static_cast<size_t>(e)]; }
-  // Rows already grouped by expert, sizes[e] of expert e (only first and
-  // tasks are set; the shared expert's task, with `shared`, counts n rows).
-  static V4ExpertRows grouped(const std::vector<int32_t>& sizes, bool shared, int64_t n);
+  int64_t total() const { return first.empty() ? 0 : first.back(); }
   // Whether the tasks run on a thread each rather than one after another
   // with every thread inside each product: many experts whose products
   // (width hidden -> intermediate) are small.
   bool as_tasks(int64_t hidden, int64_t intermediate) const;
-  int64_t total() const { return first.empty() ? 0 : first.back(); }
 };
-// out[t] (+)= the rows of token t's assignments, each times w[a] when w is
-// given, in the order of their experts (the order of a loop over experts,
-// whatever the thread count).
-void v4_add_by_expert(float* out, const float* rows, const float* w, const V4ExpertRows& er, int64_t n, int64_t K,
-                      int64_t d);
 struct V4MoeSaved {
-  std::vector<int32_t> experts;  // [N, K]
-  std::vector<float> weights;    // [N, K]
-  std::vector<float> scores;     // [N, E]
-  std::vector<float> bias;       // the selection bias [E] (empty: none), as the forward read it
-  V4ExpertRows rows;
+  // The router's choice (model/stages.h's selection and route; the logits
+  // are not kept): experts, combine weights, unbiased scores [N, E], and the
+  // assignments sorted by expert.
+  Routing r;
+  std::vector<float> bias;  // the selection bias [E] (empty: none), as the forward read it
+  V4ExpertTasks tasks;
   Buffer<float> g, u, h, y;  // routed rows, expert-major: [N K, I] x3, [N K, d]
   Buffer<float> sg, su, sh;  // shared expert [N, I]
   // With expert parallelism: the exchange's plan, the rows this rank
   // computes (every rank's rows of its experts, grouped by expert: `local`)
   // and their inputs xl; g, u, h are then those rows' ([local rows, I]).
   ExchangePlan plan;
-  V4ExpertRows local;
+  V4ExpertTasks local;
   Buffer<float> xl;
 };
 struct V4LayerSaved {
@@ -329,13 +322,14 @@ class V4Model {
                 int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
                 const std::pair<const float*, const float*>& proj = {nullptr, nullptr});
   Staged moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
-  // The routed experts' rows ys [n K, d] (expert-major, er's order) and the
-  // shared expert's output into out, computed here, or with the exchange
-  // on the ranks of their experts; g, u, h as V4MoeSaved holds them.
-  void experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n, const V4ExpertRows& er,
-                     Buffer<float>* inner, V4MoeSaved* sv);
-  Staged experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, int64_t n,
-                           const V4ExpertRows& er, Buffer<float>* inner, V4MoeSaved* sv);
+  // The routed experts' rows ys [n K, d] (expert-major: r's sorted order,
+  // et's tasks) and the shared expert's output into out, computed here, or
+  // with the exchange on the ranks of their experts; g, u, h as V4MoeSaved
+  // holds them.
+  void experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, const Routing& r,
+                     const V4ExpertTasks& et, Buffer<float>* inner, V4MoeSaved* sv);
+  Staged experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, const Routing& r,
+                           Buffer<float>* inner, V4MoeSaved* sv);
 
   const V4Config& cfg_;
   const V4View& w_;

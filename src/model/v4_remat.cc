@@ -61,8 +61,8 @@ size_t V4LayerSaved::bytes() const {
   for (const V4CompressorSaved& c : attn.comp)
     b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);
   b += vec_bytes(attn.key_seg) + vec_bytes(attn.key_idx) + vec_bytes(attn.offsets);
-  b += vec_bytes(moe.experts) + vec_bytes(moe.weights) + vec_bytes(moe.scores);
-  b += vec_bytes(moe.rows.first) + vec_bytes(moe.rows.row) + vec_bytes(moe.rows.assignment);
+  b += vec_bytes(moe.r.experts) + vec_bytes(moe.r.weights) + vec_bytes(moe.r.scores);
+  b += vec_bytes(moe.r.order) + vec_bytes(moe.r.inverse) + vec_bytes(moe.r.sizes) + vec_bytes(moe.bias);
   return b;
 }
 
@@ -87,12 +87,13 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   }
   if (!saved.keep_moe) {
     for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
-    std::vector<int32_t> experts = std::move(ls.moe.experts);
-    std::vector<float> scores = std::move(ls.moe.scores), bias = std::move(ls.moe.bias);
-    ls.moe = V4MoeSaved();
-    ls.moe.experts = std::move(experts);
-    ls.moe.scores = std::move(scores);
-    ls.moe.bias = std::move(bias);
+    V4MoeSaved kept;
+    kept.r.tokens = ls.moe.r.tokens;
+    kept.r.k = ls.moe.r.k;
+    kept.r.experts = std::move(ls.moe.r.experts);
+    kept.r.scores = std::move(ls.moe.r.scores);
+    kept.bias = std::move(ls.moe.bias);
+    ls.moe = std::move(kept);
     if (!saved.keep_attention) ls.X1 = Buffer<float>();
   }
 }

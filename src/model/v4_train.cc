@@ -20,6 +20,7 @@
 #include "ops/mhc.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
+#include "ops/routing.h"
 #include "ops/sparse_attention.h"
 
 namespace ds::model {
@@ -350,49 +351,46 @@ class Backward {
     auto& G = g_.layers[static_cast<size_t>(l)];
     const int64_t d = c_.hidden_size, E = c_.n_routed_experts, K = c_.num_experts_per_tok;
     const int64_t I = c_.moe_intermediate_size;
+    const Routing& r = s.r;
     parallel_zero(dx, n_ * d);
+    // The combine's backward: the combine weights' and the routed rows'
+    // gradients (expert-major).
+    Buffer<float> dweights(static_cast<size_t>(n_ * K)), dys(static_cast<size_t>(n_ * K * d)), dxs = zeros(n_ * K * d);
+    combine_backward(dweights.data(), dys.data(), dout, s.y.data(), r, d);
     // The forward's tasks: one per expert (its weight gradients are sums over
     // its rows, so one task owns them all), the shared expert's into dx. The
     // routed experts' input gradients land in dxs, expert-major, and are
-    // added to dx afterwards in expert order.
-    const V4ExpertRows& er = s.rows;
-    Buffer<float> dweights = zeros(n_ * K), dxs = zeros(n_ * K * d);
+    // added to dx afterwards (route's backward).
     if (model_.options().exchange) {
-      co_await moe_exchanged(dx, dweights, dxs, dout, s, x, l);
+      co_await moe_exchanged(dx, dxs, dys, dout, s, x, l);
     } else {
-      parallel_tasks(static_cast<int64_t>(er.tasks.size()), er.as_tasks(d, I), [&](int64_t task) {
-        const int64_t e = er.tasks[static_cast<size_t>(task)];
+      const V4ExpertTasks& et = s.tasks;
+      parallel_tasks(static_cast<int64_t>(et.tasks.size()), et.as_tasks(d, I), [&](int64_t task) {
+        const int64_t e = et.tasks[static_cast<size_t>(task)];
         const size_t ei = static_cast<size_t>(e);
         if (e < 0) {
           swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
           return;
         }
-        // The combine weights' and the rows' gradients.
-        const int64_t r0 = er.first[ei], cnt = er.rows(e);
-        Buffer<float> xs(static_cast<size_t>(cnt * d)), dy(xs.size());
+        const int64_t r0 = et.first[ei], cnt = et.rows(e);
+        Buffer<float> xs(static_cast<size_t>(cnt * d));
         for (int64_t j = 0; j < cnt; ++j) {
-          const int64_t asg = er.assignment[static_cast<size_t>(r0 + j)], t = asg / K;
-          const float wgt = s.weights[static_cast<size_t>(asg)];
-          const float* y = s.y.data() + (r0 + j) * d;
-          double dot = 0;
-          for (int64_t i = 0; i < d; ++i) {
-            dot += static_cast<double>(dout[t * d + i]) * y[i];
-            dy[static_cast<size_t>(j * d + i)] = wgt * dout[t * d + i];
-            xs[static_cast<size_t>(j * d + i)] = x[t * d + i];
-          }
-          dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
+          const int64_t t = r.order[r0 + j] / K;
+          std::copy(x + t * d, x + (t + 1) * d, xs.begin() + j * d);
         }
-        swiglu(dxs.data() + r0 * d, dy.data(), xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
+        swiglu(dxs.data() + r0 * d, dys.data() + r0 * d, xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
                s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
       });
     }
-    v4_add_by_expert(dx, dxs.data(), nullptr, er, n_, K, d);
+    Buffer<float> drouted(static_cast<size_t>(n_ * d));
+    ops::route_backward(drouted.data(), dxs.data(), r.inverse.data(), n_, K, d);
+    for (int64_t i = 0; i < n_ * d; ++i) dx[i] += drouted[static_cast<size_t>(i)];
     // The router, through the combine weights (its choices are constants).
     Buffer<float> dlogits(static_cast<size_t>(n_ * E));
-    ops::expert_selection_backward(dlogits.data(), dweights.data(), s.scores.data(), s.experts.data(), n_,
+    ops::expert_selection_backward(dlogits.data(), dweights.data(), r.scores.data(), r.experts.data(), n_,
                                    v4_selection_config(c_));
     if (balance_ && !c_.hash_routed(l))
-      v4_balance_loss_backward(dlogits.data(), s.scores.data(), s.experts.data(),
+      v4_balance_loss_backward(dlogits.data(), r.scores.data(), r.experts.data(),
                                s.bias.empty() ? nullptr : s.bias.data(), *balance_rows_, E, K, balance_->weight,
                                balance_->dloss);
     need_vector_data(L.gate, "ffn.gate");
@@ -400,39 +398,24 @@ class Backward {
   }
 
   // The routed experts' backward under expert parallelism: the output
-  // rows' gradients travel to their experts' ranks (the transpose of the
-  // forward's undispatch), the experts' input gradients come back; dxs
-  // [n K, d] (expert-major, this rank's order) and dweights `=`, the shared
-  // expert's input gradient into dx.
-  Staged moe_exchanged(float* dx, Buffer<float>& dweights, Buffer<float>& dxs, const float* dout, const V4MoeSaved& s,
+  // rows' gradients dys travel to their experts' ranks (the transpose of the
+  // forward's undispatch), the experts' input gradients come back into dxs
+  // [n K, d] (expert-major, this rank's order); the shared expert's input
+  // gradient goes into dx.
+  Staged moe_exchanged(float* dx, Buffer<float>& dxs, const Buffer<float>& dys, const float* dout, const V4MoeSaved& s,
                        const float* x, int64_t l) {
     const auto& L = w_.layers[static_cast<size_t>(l)];
     auto& G = g_.layers[static_cast<size_t>(l)];
-    const int64_t d = c_.hidden_size, K = c_.num_experts_per_tok, I = c_.moe_intermediate_size;
+    const int64_t d = c_.hidden_size, I = c_.moe_intermediate_size;
     TokenExchange& ex = *model_.options().exchange;
-    const V4ExpertRows& er = s.rows;
-    const int64_t A = n_ * K, R = s.plan.local_rows;
-    Buffer<float> dy(static_cast<size_t>(A * d));
-    parallel_ranges(A, true, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t asg = er.assignment[static_cast<size_t>(r)], t = asg / K;
-        const float wgt = s.weights[static_cast<size_t>(asg)];
-        const float* y = s.y.data() + r * d;
-        double dot = 0;
-        for (int64_t i = 0; i < d; ++i) {
-          dot += static_cast<double>(dout[t * d + i]) * y[i];
-          dy[static_cast<size_t>(r * d + i)] = wgt * dout[t * d + i];
-        }
-        dweights[static_cast<size_t>(asg)] = static_cast<float>(dot);
-      }
-    });
+    const int64_t R = s.plan.local_rows;
     Buffer<float> dyl(static_cast<size_t>(R * d));
     {
-      auto moved = ex.start_dispatch(dyl.data(), dy.data(), s.plan, d, true);
+      auto moved = ex.start_dispatch(dyl.data(), dys.data(), s.plan, d, true);
       co_await Pending{&moved};
     }
     Buffer<float> dxl = zeros(R * d);
-    const V4ExpertRows& local = s.local;
+    const V4ExpertTasks& local = s.local;
     parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t task) {
       const int64_t e = local.tasks[static_cast<size_t>(task)];
       if (e < 0) {
@@ -512,7 +495,7 @@ std::vector<V4TrainBatch> split_rows(const V4TrainBatch& b, int64_t M) {
 // One part's pass: its sequences' states, what its forward kept, its
 // heads' normed rows and losses.
 struct V4Pass {
-  const V4TrainBatch* b;
+  const V4TrainBatch* b = nullptr;
   int64_t n = 0;
   std::vector<V4State> states;
   std::vector<V4Request> reqs;
@@ -568,8 +551,8 @@ double balance_loss(const V4Config& cfg, std::vector<V4Pass>& passes, std::vecto
     bool any = false;
     for (V4Pass& p : passes) {
       const V4MoeSaved& m = p.saved.layers[l].moe;
-      if (m.experts.empty()) continue;  // an MTP block without rows
-      layer += v4_balance_loss(m.scores.data(), m.experts.data(), m.bias.empty() ? nullptr : m.bias.data(),
+      if (m.r.experts.empty()) continue;  // an MTP block without rows
+      layer += v4_balance_loss(m.r.scores.data(), m.r.experts.data(), m.bias.empty() ? nullptr : m.bias.data(),
                                li < cfg.num_hidden_layers ? p.bal.main : p.bal.mtp, cfg.n_routed_experts,
                                cfg.num_experts_per_tok, p.bal.weight);
       any = true;
@@ -617,13 +600,17 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   std::vector<V4TrainBatch> split;
   if (opt.batch_split > 1) split = split_rows(b, opt.batch_split);
   std::vector<V4Pass> passes;
-  if (split.empty()) passes.push_back({&b});
+  auto add_pass = [&](const V4TrainBatch* pb) {
+    passes.emplace_back();
+    passes.back().b = pb;
+  };
+  if (split.empty()) add_pass(&b);
   for (size_t i = 0; i < split.size(); ++i) {
     DS_CHECK(!collective || !split[i].inputs.empty(),
              "batch split: part {} of {} of this rank's batch holds no token (only padding), and its peers wait on "
              "its collectives; use a smaller batch_split_factor or longer documents",
              i, split.size());
-    if (!split[i].inputs.empty()) passes.push_back({&split[i]});
+    if (!split[i].inputs.empty()) add_pass(&split[i]);
   }
   V4Options mo;
   mo.qat = false;
@@ -698,7 +685,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
     for (size_t l = 0; l < passes[0].saved.layers.size(); ++l) {
       std::vector<int64_t> load(static_cast<size_t>(cfg.n_routed_experts), 0);
       for (const V4Pass& p : passes)
-        for (int32_t e : p.saved.layers[l].moe.experts) ++load[static_cast<size_t>(e)];
+        for (int32_t e : p.saved.layers[l].moe.r.experts) ++load[static_cast<size_t>(e)];
       out.expert_load.push_back(std::move(load));
     }
   if (!grads) return out;

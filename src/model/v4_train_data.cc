@@ -75,7 +75,8 @@ void V4FlatParams::sync_tables(const V4Config& c) {
   for_each_v4_param(
       c,
       [&](const V4ParamInfo& i, float* const& p) {
-        if (i.role == V4Role::HashTable) v4_hash_table(c, i.name, p, i.shape[1], tables[static_cast<size_t>(i.layer)]);
+        if (i.role == V4Role::HashTable)
+          v4_hash_table(c, i.name, p, i.shape.back(), tables[static_cast<size_t>(i.layer)]);
       },
       ptr);
 }
