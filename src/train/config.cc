@@ -142,52 +142,6 @@ bool model_key_allowed_with_hf(const std::string& key) {
   return key == "mtp_num_layers" || key == "routed_bias_update_rate";
 }
 
-std::string scalar_text(const YAML::Node& n) {
-  YAML::Emitter e;
-  e << YAML::Flow << n;
-  return e.c_str();
-}
-
-// A YAML value as JSON: scalars as integers, then numbers, then booleans,
-// then strings (as the YAML 1.2 core schema reads them); lists and maps alike.
-nlohmann::json yaml_to_json(const YAML::Node& n) {
-  if (n.IsNull()) return nullptr;
-  if (n.IsSequence()) {
-    nlohmann::json a = nlohmann::json::array();
-    for (const auto& x : n) a.push_back(yaml_to_json(x));
-    return a;
-  }
-  if (n.IsMap()) {
-    nlohmann::json o = nlohmann::json::object();
-    for (const auto& kv : n) {
-      DS_CHECK(kv.first.IsScalar(), "a mapping's keys must be names, not lists, mappings or nothing");
-      o[kv.first.Scalar()] = yaml_to_json(kv.second);
-    }
-    return o;
-  }
-  const std::string text = n.Scalar();
-  if (n.Tag() != "!") {  // an unquoted scalar
-    static const std::regex integer("[-+]?[0-9]+"), number("[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?");
-    try {
-      if (std::regex_match(text, integer)) return n.as<int64_t>();
-      if (std::regex_match(text, number)) return n.as<double>();
-    } catch (const YAML::Exception&) {
-      DS_FAIL("the number {} is out of range", text);
-    }
-    if (text == "true" || text == "True" || text == "false" || text == "False") return n.as<bool>();
-  }
-  return text;
-}
-
-// yaml_to_json of an entry's value; errors name the entry.
-nlohmann::json entry_json(const io::YamlEntry& e) {
-  try {
-    return yaml_to_json(e.value);
-  } catch (const Error& ex) {
-    DS_FAIL("{}: key '{}': {}", e.where, e.key, ex.what());
-  }
-}
-
 // Whether the entries' (last) decoder_block names DeepSeek-V4.
 bool says_v4(const std::vector<io::YamlEntry>& entries) {
   bool v4 = false;
@@ -389,7 +343,7 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     }
   }
   nlohmann::json j = nlohmann::json::object();
-  for (const auto& [key, value] : given) j[key] = scalar_text(value);
+  for (const auto& [key, value] : given) j[key] = io::yaml_flow_text(value);
   t.as_json = j;
 
   // The model's family: DeepSeek-V4 from a deepseek_v4 config.json, or
@@ -422,18 +376,18 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
         DS_CHECK(!v4_mtp || (*v4_mtp >= 0 && *v4_mtp <= 1),
                  "{}: mtp_num_layers {}: DeepSeek-V4 training has at most one MTP layer (DeepSeek's checkpoints "
                  "carry one, mtp.0, and the V4 loss chains no second depth after it)",
-                 where, scalar_text(value));
+                 where, io::yaml_flow_text(value));
       } catch (const YAML::Exception& ex) {
         DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
       }
     } else if (v4 && model::V4Config::is_maxtext_key(key)) {
       DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
                where, key);
-      v4_keys.emplace_back(key, entry_json({key, value, where}));
+      v4_keys.emplace_back(key, io::entry_json({key, value, where}));
       if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
         model_sources.push_back(where);
     } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
-      model_overrides.push_back(key + "=" + scalar_text(value));
+      model_overrides.push_back(key + "=" + io::yaml_flow_text(value));
       if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
         model_sources.push_back(where);
       if (key == "num_experts") zero_experts = value.IsScalar() && value.Scalar() == "0" ? where : "";
@@ -454,7 +408,7 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       rc.v4 = model::V4Config::from_hf_json_file(hf_path);
     } else {
       std::vector<std::pair<std::string, nlohmann::json>> alone, all;
-      for (const auto& e : preset_entries) alone.emplace_back(e.key, entry_json(e));
+      for (const auto& e : preset_entries) alone.emplace_back(e.key, io::entry_json(e));
       all = alone;
       all.insert(all.end(), v4_keys.begin(), v4_keys.end());
       std::vector<std::string> given;
@@ -584,7 +538,7 @@ std::optional<model::V4Config> v4_preset(const std::string& path, const std::vec
     for (const auto& e : entries) {
       DS_CHECK(model::V4Config::is_maxtext_key(e.key),
                "{}: '{}' is not a key of a DeepSeek-V4 model (decoder_block deepseek4)", e.where, e.key);
-      all.emplace_back(e.key, entry_json(e));
+      all.emplace_back(e.key, io::entry_json(e));
     }
     model::V4Config c = model::V4Config::from_maxtext(all, path);
     c.validate();
