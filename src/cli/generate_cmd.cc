@@ -21,10 +21,9 @@
 #include "infer/model.h"
 #include "infer/text_stream.h"
 #include "io/tokenizer.h"
-#include "model/family.h"
+#include "model/family_kind.h"
 #include "model/init.h"
 #include "ops/linear.h"
-#include "train/config.h"
 
 namespace ds::cli {
 
@@ -64,42 +63,36 @@ struct InitArgs {
   uint64_t seed = 0;
 };
 
+// --dtype's names.
+const std::pair<const char*, DType> kInitDtypes[] = {
+    {"bf16", DType::BF16}, {"f16", DType::F16}, {"f32", DType::F32}, {"fp8", DType::F8E4M3}};
+
 int run_init(const InitArgs& a) {
   const bool yaml = a.config.ends_with(".yml") || a.config.ends_with(".yaml");
   DS_CHECK(yaml || a.overrides.empty(), "--set applies to YAML presets only, not '{}'", a.config);
-  // DeepSeek-V4: decoder_block deepseek4 in a preset, or a deepseek_v4
-  // config.json. Written as `deepseek export` writes a trained one, with
-  // the training run's random initialisation.
-  std::optional<model::V4Config> v4;
-  if (yaml)
-    v4 = train::v4_preset(a.config, a.overrides);
-  else if (model::config_model_type(a.config) == "deepseek_v4")
-    v4 = model::V4Config::from_hf_json_file(a.config);
-  if (v4) {
-    DS_CHECK(a.dtype != "fp8",
-             "init: --dtype fp8 is DeepSeek-V3's block-scaled format; write a DeepSeek-V4 model "
-             "in bf16, f16 or f32");
-    const auto family = model::v4_family(*v4, 0.0);
-    std::vector<float> params(static_cast<size_t>(family->numel()));
-    family->init(params.data(), a.seed, model::InitOptions{}.init_std);
-    const DType dt = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
-    family->export_hf(a.out, params.data(), dt, "init");
-    fmt::print("wrote a randomly initialised deepseek_v4 model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
-               v4->num_hidden_layers, v4->hidden_size, v4->n_routed_experts, a.out, mib(weight_file_bytes(a.out)));
-    return 0;
+  // The family a preset's decoder_block or a config.json's model_type names,
+  // written as `deepseek export` writes a trained one, with the training
+  // run's random initialisation.
+  const model::ModelSpec spec =
+      yaml ? model::model_from_preset(a.config, a.overrides) : model::model_from_hf_config_file(a.config);
+  const auto family = spec.family();
+  DType dtype = DType::BF16;
+  for (const auto& [name, dt] : kInitDtypes)
+    if (a.dtype == name) dtype = dt;
+  const auto dtypes = family->init_dtypes();
+  if (std::find(dtypes.begin(), dtypes.end(), dtype) == dtypes.end()) {
+    std::vector<std::string> can;
+    for (const auto& [name, dt] : kInitDtypes)
+      if (std::find(dtypes.begin(), dtypes.end(), dt) != dtypes.end()) can.push_back(name);
+    std::string list;
+    for (size_t i = 0; i < can.size(); ++i) list += (i == 0 ? "" : i + 1 == can.size() ? " or " : ", ") + can[i];
+    DS_FAIL("init: --dtype {}: a {} model is written in {} only", a.dtype, family->name(), list);
   }
-  const model::ModelConfig cfg = yaml ? model::ModelConfig::from_yaml_file(a.config, a.overrides)
-                                      : model::ModelConfig::from_hf_json_file(a.config);
-  model::InitOptions opt;
-  opt.seed = a.seed;
-  opt.dtype = a.dtype == "f32"   ? DType::F32
-              : a.dtype == "f16" ? DType::F16
-              : a.dtype == "fp8" ? DType::F8E4M3
-                                 : DType::BF16;
-  model::write_random_checkpoint(cfg, a.out, opt);
+  family->write_random(a.out, a.seed, model::InitOptions{}.init_std, dtype);
+  const nlohmann::json hf = family->hf_config();
   fmt::print("wrote a randomly initialised {} model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
-             cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.n_routed_experts, a.out,
-             mib(weight_file_bytes(a.out)));
+             hf.value("model_type", ""), hf.value("num_hidden_layers", int64_t{0}), hf.value("hidden_size", int64_t{0}),
+             hf.value("n_routed_experts", int64_t{0}), a.out, mib(weight_file_bytes(a.out)));
   return 0;
 }
 

@@ -1,6 +1,7 @@
 #include "io/yaml_entries.h"
 
 #include <map>
+#include <regex>
 
 #include "core/error.h"
 #include "io/tokenizer.h"
@@ -40,6 +41,49 @@ std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<s
     entries.push_back({o.substr(0, eq), v, override_source});
   }
   return entries;
+}
+
+std::string yaml_flow_text(const YAML::Node& n) {
+  YAML::Emitter e;
+  e << YAML::Flow << n;
+  return e.c_str();
+}
+
+nlohmann::json yaml_to_json(const YAML::Node& n) {
+  if (n.IsNull()) return nullptr;
+  if (n.IsSequence()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& x : n) a.push_back(yaml_to_json(x));
+    return a;
+  }
+  if (n.IsMap()) {
+    nlohmann::json o = nlohmann::json::object();
+    for (const auto& kv : n) {
+      DS_CHECK(kv.first.IsScalar(), "a mapping's keys must be names, not lists, mappings or nothing");
+      o[kv.first.Scalar()] = yaml_to_json(kv.second);
+    }
+    return o;
+  }
+  const std::string text = n.Scalar();
+  if (n.Tag() != "!") {  // an unquoted scalar
+    static const std::regex integer("[-+]?[0-9]+"), number("[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?");
+    try {
+      if (std::regex_match(text, integer)) return n.as<int64_t>();
+      if (std::regex_match(text, number)) return n.as<double>();
+    } catch (const YAML::Exception&) {
+      DS_FAIL("the number {} is out of range", text);
+    }
+    if (text == "true" || text == "True" || text == "false" || text == "False") return n.as<bool>();
+  }
+  return text;
+}
+
+nlohmann::json entry_json(const YamlEntry& e) {
+  try {
+    return yaml_to_json(e.value);
+  } catch (const Error& ex) {
+    DS_FAIL("{}: key '{}': {}", e.where, e.key, ex.what());
+  }
 }
 
 }  // namespace ds::io

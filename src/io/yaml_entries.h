@@ -5,6 +5,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -21,5 +22,16 @@ struct YamlEntry {
 // that is not UTF-8, has no '=' or a value that is not YAML.
 std::vector<YamlEntry> yaml_entries(const std::string& text, const std::vector<std::string>& overrides,
                                     const std::string& source, const std::string& override_source);
+
+// A value as YAML's flow style writes it ("3", "[0, 4]"): how a key=value
+// override spells it.
+std::string yaml_flow_text(const YAML::Node& n);
+// A YAML value as JSON: scalars as integers, then numbers, then booleans,
+// then strings (as the YAML 1.2 core schema reads them); lists and maps
+// alike. ds::Error for a number out of range or a mapping key that is not
+// a name.
+nlohmann::json yaml_to_json(const YAML::Node& n);
+// yaml_to_json of an entry's value; errors name the entry.
+nlohmann::json entry_json(const YamlEntry& e);
 
 }  // namespace ds::io

@@ -88,6 +88,11 @@ class Family {
   virtual void init(float* params, uint64_t seed, float std) const = 0;
   virtual void load_hf(const std::string& dir, float* params) const = 0;
   virtual void export_hf(const std::string& out_dir, const float* params, DType dtype, const char* who) const = 0;
+  // A randomly initialised model folder, as `deepseek init` writes one
+  // (matrices normal(0, std) from `seed`), its weights in `dtype`: one of
+  // init_dtypes(), ds::Error for another. By default init, then export_hf.
+  virtual std::vector<DType> init_dtypes() const { return {DType::BF16, DType::F16, DType::F32}; }
+  virtual void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype) const;
   // Model FLOPs of one training step (MaxText's accounting, model/flops.h).
   virtual double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const = 0;
 
@@ -104,6 +109,10 @@ class Family {
   }
   // Whether LossTerms::indexer_loss means something (a DSA model).
   virtual bool reports_indexer_loss() const { return false; }
+  // Whether remat_policy full keeps no more than each layer's input for the
+  // backward (train::training_memory_bytes' estimate); false: the estimate
+  // counts a layer's activations whatever the policy.
+  virtual bool full_remat_keeps_layer_inputs() const { return true; }
 
   // The loss over whole flat buffers (grads may be null: forward only).
   // The buffers must outlive the result.
@@ -114,7 +123,8 @@ class Family {
 };
 
 // The family of a recorded Hugging Face config.json (a checkpoint's
-// state.json, a model folder), by its model_type; `source` names it in errors.
+// state.json, a model folder), by its model_type (model/family_kind.h);
+// `source` names it in errors.
 std::unique_ptr<Family> family_from_hf_config(const nlohmann::json& config, const std::string& source);
 
 // DeepSeek-V2/V3/V3.2 (the stage functions), with `mtp_layers` MTP depths

@@ -18,7 +18,6 @@
 #include "io/safetensors.h"
 #include "io/text_input.h"
 #include "model/init.h"
-#include "model/v4_weights.h"
 #include "model/weights.h"
 #include "ops/linear.h"
 

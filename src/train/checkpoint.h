@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/family_kind.h"
 #include "model/hf_params.h"
 #include "model/model.h"
 #include "model/v4_train.h"
@@ -83,5 +84,6 @@ using model::init_params;
 using model::init_v4_params;
 using model::load_hf_params;
 using model::load_v4_hf_params;
+using model::v4_preset;
 
 }  // namespace ds::train

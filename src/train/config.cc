@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,7 +14,7 @@
 #include "core/system.h"
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
-#include "model/v4_config.h"
+#include "model/family_kind.h"
 
 namespace ds::train {
 
@@ -137,66 +138,6 @@ bool is_remat_name(const std::string& key) {
   return key == "mlpwi" || key == "kv_proj" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
 }
 
-// Model keys a Hugging Face config may still take from the training config.
-bool model_key_allowed_with_hf(const std::string& key) {
-  return key == "mtp_num_layers" || key == "routed_bias_update_rate";
-}
-
-std::string scalar_text(const YAML::Node& n) {
-  YAML::Emitter e;
-  e << YAML::Flow << n;
-  return e.c_str();
-}
-
-// A YAML value as JSON: scalars as integers, then numbers, then booleans,
-// then strings (as the YAML 1.2 core schema reads them); lists and maps alike.
-nlohmann::json yaml_to_json(const YAML::Node& n) {
-  if (n.IsNull()) return nullptr;
-  if (n.IsSequence()) {
-    nlohmann::json a = nlohmann::json::array();
-    for (const auto& x : n) a.push_back(yaml_to_json(x));
-    return a;
-  }
-  if (n.IsMap()) {
-    nlohmann::json o = nlohmann::json::object();
-    for (const auto& kv : n) {
-      DS_CHECK(kv.first.IsScalar(), "a mapping's keys must be names, not lists, mappings or nothing");
-      o[kv.first.Scalar()] = yaml_to_json(kv.second);
-    }
-    return o;
-  }
-  const std::string text = n.Scalar();
-  if (n.Tag() != "!") {  // an unquoted scalar
-    static const std::regex integer("[-+]?[0-9]+"), number("[-+]?([0-9]+\\.?[0-9]*|\\.[0-9]+)([eE][-+]?[0-9]+)?");
-    try {
-      if (std::regex_match(text, integer)) return n.as<int64_t>();
-      if (std::regex_match(text, number)) return n.as<double>();
-    } catch (const YAML::Exception&) {
-      DS_FAIL("the number {} is out of range", text);
-    }
-    if (text == "true" || text == "True" || text == "false" || text == "False") return n.as<bool>();
-  }
-  return text;
-}
-
-// yaml_to_json of an entry's value; errors name the entry.
-nlohmann::json entry_json(const io::YamlEntry& e) {
-  try {
-    return yaml_to_json(e.value);
-  } catch (const Error& ex) {
-    DS_FAIL("{}: key '{}': {}", e.where, e.key, ex.what());
-  }
-}
-
-// Whether the entries' (last) decoder_block names DeepSeek-V4.
-bool says_v4(const std::vector<io::YamlEntry>& entries) {
-  bool v4 = false;
-  for (const auto& e : entries)
-    if (e.key == "decoder_block" && e.value.IsScalar())
-      v4 = e.value.Scalar() == "deepseek4" || e.value.Scalar() == "deepseek_v4";
-  return v4;
-}
-
 // f(), with a YAML or JSON exception that no key's own check expected
 // turned into a ds::Error that names `source`.
 template <class F>
@@ -222,38 +163,6 @@ std::string find_preset(const std::string& name, const std::string& source) {
   for (const auto& p : tries)
     if (fs::is_regular_file(p, ec)) return p.string();
   DS_FAIL("model_name '{}': no preset {}.yml found (looked next to {} and in configs/)", name, name, source);
-}
-
-// The model from a preset with the user's keys on top (build), and from the
-// preset alone (preset_alone). When only the first fails, the error is the
-// keys' doing: it names where they were given (the user's file, the command
-// line) and the keys (each with its last value), not the preset.
-template <class Build, class PresetAlone>
-auto blaming_user_keys(const std::string& preset, const std::vector<std::string>& keys,
-                       const std::vector<std::string>& sources, Build&& build, PresetAlone&& preset_alone) {
-  try {
-    return build();
-  } catch (const Error& e) {
-    if (keys.empty() || preset.empty()) throw;
-    try {
-      preset_alone();
-    } catch (const Error&) {
-      throw e;
-    }
-    std::string msg = e.what();
-    for (const std::string& prefix : {preset + ": ", std::string("override: ")})
-      if (msg.starts_with(prefix)) msg = msg.substr(prefix.size());
-    std::string given, where;
-    std::vector<std::string> last;
-    for (auto k = keys.rbegin(); k != keys.rend(); ++k) {
-      const std::string name = k->substr(0, k->find('='));
-      if (std::none_of(last.begin(), last.end(), [&](const std::string& x) { return x.starts_with(name + "="); }))
-        last.insert(last.begin(), *k);
-    }
-    for (const auto& k : last) given += (given.empty() ? "" : ", ") + k;
-    for (const auto& w : sources) where += (where.empty() ? "" : " and ") + w;
-    DS_FAIL("{}: model keys {} on top of preset '{}': {}", where, given, preset, msg);
-  }
 }
 
 void check_config(const RunConfig& rc) {
@@ -364,6 +273,52 @@ void check_config(const RunConfig& rc) {
 
 namespace {
 
+// The model's family: the one a Hugging Face config's model_type names, else
+// the one the keys' decoder_block names, else the preset's (else the default).
+const model::FamilyKind& model_kind(const model::ModelKeys& in, const std::vector<io::YamlEntry>& rest) {
+  if (!in.hf_config.empty()) return model::kind_of_model_type(model::config_model_type(in.hf_config));
+  const model::FamilyKind* kind = model::kind_of_entries(rest);
+  if (!kind) kind = model::kind_of_entries(in.preset_entries);
+  return kind ? *kind : model::default_family_kind();
+}
+
+// The model of a run from `rest` (the keys that are not training keys):
+// its family's model keys go to the family's kind, remat names to
+// `custom_remat`; any other key is an error.
+void read_model(RunConfig& rc, const std::vector<io::YamlEntry>& rest, const std::string& source,
+                std::vector<std::pair<std::string, std::string>>& custom_remat) {
+  const TrainConfig& t = rc.train;
+  model::ModelKeys in;
+  in.source = source;
+  in.hf_config = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
+  if (!in.hf_config.empty()) {
+    std::error_code ec;
+    if (fs::is_directory(in.hf_config, ec)) in.hf_config = (fs::path(in.hf_config) / "config.json").string();
+  } else if (!t.model_name.empty()) {
+    in.preset = find_preset(t.model_name, source);
+    in.preset_entries = io::yaml_entries(io::read_file(in.preset, "preset"), {}, in.preset, "");
+  }
+  const model::FamilyKind& kind = model_kind(in, rest);
+  const std::vector<std::string> over_hf = kind.keys_over_hf_config();
+  std::string over_hf_text;
+  for (size_t i = 0; i < over_hf.size(); ++i)
+    over_hf_text += (i == 0 ? "" : i + 1 == over_hf.size() ? " and " : ", ") + over_hf[i];
+  for (const auto& e : rest) {
+    if (kind.is_model_key(e.key)) {
+      DS_CHECK(in.hf_config.empty() || std::find(over_hf.begin(), over_hf.end(), e.key) != over_hf.end(),
+               "{}: model key '{}' cannot change a Hugging Face config (only {})", e.where, e.key, over_hf_text);
+      in.keys.push_back(e);
+    } else if (is_remat_name(e.key)) {
+      DS_CHECK(e.value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", e.where,
+               e.key);
+      custom_remat.emplace_back(e.key, e.value.Scalar());
+    } else {
+      DS_FAIL("{}: unknown key '{}' (neither a training key nor a {} model key)", e.where, e.key, kind.name());
+    }
+  }
+  static_cast<model::ModelSpec&>(rc) = kind.from_run_keys(in);
+}
+
 RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::string>& overrides,
                            const std::string& source) {
   // Every key in order: the file's, then the overrides (a later one wins).
@@ -389,120 +344,11 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     }
   }
   nlohmann::json j = nlohmann::json::object();
-  for (const auto& [key, value] : given) j[key] = scalar_text(value);
+  for (const auto& [key, value] : given) j[key] = io::yaml_flow_text(value);
   t.as_json = j;
 
-  // The model's family: DeepSeek-V4 from a deepseek_v4 config.json, or
-  // decoder_block deepseek4 in the preset or the keys.
-  std::string hf_path = !t.hf_config.empty() ? t.hf_config : t.load_parameters_path;
-  if (!hf_path.empty()) {
-    std::error_code ec;
-    if (fs::is_directory(hf_path, ec)) hf_path = (fs::path(hf_path) / "config.json").string();
-  }
-  std::string preset;
-  std::vector<io::YamlEntry> preset_entries;
-  if (hf_path.empty() && !t.model_name.empty()) {
-    preset = find_preset(t.model_name, source);
-    preset_entries = io::yaml_entries(io::read_file(preset, "preset"), {}, preset, "");
-  }
-  const bool v4 =
-      !hf_path.empty() ? model::config_model_type(hf_path) == "deepseek_v4" : says_v4(preset_entries) || says_v4(rest);
-
-  std::vector<std::string> model_overrides;
-  std::vector<std::string> model_sources;  // where the model keys were given (the user's file, the command line)
-  std::string zero_experts;                // where num_experts=0 was given, if it was
-  std::vector<std::pair<std::string, nlohmann::json>> v4_keys;
-  std::optional<int64_t> v4_mtp;
   std::vector<std::pair<std::string, std::string>> custom_remat;
-  for (const auto& [key, value, where] : rest) {
-    if (v4 && (key == "routed_bias_update_rate" || key == "mtp_num_layers")) {
-      try {
-        if (key == "routed_bias_update_rate") rc.v4_routed_bias_update_rate = value.as<double>();
-        if (key == "mtp_num_layers") v4_mtp = value.as<int64_t>();
-        DS_CHECK(!v4_mtp || (*v4_mtp >= 0 && *v4_mtp <= 1),
-                 "{}: mtp_num_layers {}: DeepSeek-V4 training has at most one MTP layer (DeepSeek's checkpoints "
-                 "carry one, mtp.0, and the V4 loss chains no second depth after it)",
-                 where, scalar_text(value));
-      } catch (const YAML::Exception& ex) {
-        DS_FAIL("{}: key '{}' has a value of the wrong type: {}", where, key, ex.what());
-      }
-    } else if (v4 && model::V4Config::is_maxtext_key(key)) {
-      DS_CHECK(hf_path.empty(), "{}: model key '{}' cannot change a Hugging Face config (only routed_bias_update_rate)",
-               where, key);
-      v4_keys.emplace_back(key, entry_json({key, value, where}));
-      if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
-        model_sources.push_back(where);
-    } else if (!v4 && model::ModelConfig::is_yaml_key(key)) {
-      model_overrides.push_back(key + "=" + scalar_text(value));
-      if (std::find(model_sources.begin(), model_sources.end(), where) == model_sources.end())
-        model_sources.push_back(where);
-      if (key == "num_experts") zero_experts = value.IsScalar() && value.Scalar() == "0" ? where : "";
-    } else if (is_remat_name(key)) {
-      DS_CHECK(value.IsScalar(), "{}: remat name '{}' takes remat, device or offload, not a list or mapping", where,
-               key);
-      custom_remat.emplace_back(key, value.Scalar());
-    } else {
-      DS_FAIL("{}: unknown key '{}' (neither a training key nor a {} model key)", where, key,
-              v4 ? "DeepSeek-V4" : "DeepSeek-V2/V3");
-    }
-  }
-
-  // The model.
-  if (v4) {
-    rc.model = model::ModelConfig();
-    if (!hf_path.empty()) {
-      rc.v4 = model::V4Config::from_hf_json_file(hf_path);
-    } else {
-      std::vector<std::pair<std::string, nlohmann::json>> alone, all;
-      for (const auto& e : preset_entries) alone.emplace_back(e.key, entry_json(e));
-      all = alone;
-      all.insert(all.end(), v4_keys.begin(), v4_keys.end());
-      std::vector<std::string> given;
-      for (const auto& [k, v] : v4_keys) given.push_back(k + "=" + v.dump());
-      rc.v4 = blaming_user_keys(
-          preset, given, model_sources,
-          [&] {
-            auto c = model::V4Config::from_maxtext(all, preset.empty() ? source : preset);
-            c.validate();
-            return c;
-          },
-          [&] { model::V4Config::from_maxtext(alone, preset).validate(); });
-    }
-    if (v4_mtp) rc.v4->num_nextn_predict_layers = *v4_mtp;
-    DS_CHECK(rc.v4->num_nextn_predict_layers <= 1,
-             "num_nextn_predict_layers {}: DeepSeek-V4 trains at most one MTP layer (set mtp_num_layers=0 or 1)",
-             rc.v4->num_nextn_predict_layers);
-    rc.v4->validate();
-    DS_CHECK(rc.v4_routed_bias_update_rate >= 0, "routed_bias_update_rate {} must be >= 0",
-             rc.v4_routed_bias_update_rate);
-  } else if (!hf_path.empty()) {
-    rc.model = model::ModelConfig::from_hf_json_text(io::read_file(hf_path, "hf_config"), hf_path);
-    for (const auto& o : model_overrides) {
-      const std::string key = o.substr(0, o.find('='));
-      DS_CHECK(model_key_allowed_with_hf(key),
-               "model key '{}' cannot change a Hugging Face config (only mtp_num_layers and routed_bias_update_rate)",
-               key);
-      const auto v = YAML::Load(o.substr(o.find('=') + 1));
-      if (key == "mtp_num_layers") rc.model.num_nextn_predict_layers = v.as<int64_t>();
-      if (key == "routed_bias_update_rate") rc.model.routed_bias_update_rate = v.as<double>();
-    }
-    rc.model.validate();
-  } else if (!t.model_name.empty()) {
-    rc.model = blaming_user_keys(
-        preset, model_overrides, model_sources,
-        [&] { return model::ModelConfig::from_yaml_file(preset, model_overrides); },
-        [&] { (void)model::ModelConfig::from_yaml_file(preset); });
-  } else {
-    DS_CHECK(!model_overrides.empty(),
-             "{}: no model: give model_name=PRESET, hf_config=PATH, load_parameters_path=DIR or the model keys",
-             source);
-    rc.model = model::ModelConfig::from_yaml_text("", model_overrides, source);
-  }
-  // num_experts=0 on a mixture-of-experts model leaves its MoE layers without routed experts.
-  DS_CHECK(zero_experts.empty() || rc.v4 || rc.model.num_experts_per_tok == 0,
-           "{}: num_experts=0 on a mixture-of-experts model (num_experts_per_tok {}): its MoE layers would have no "
-           "experts; give a dense model (num_experts_per_tok 0) or at least num_experts_per_tok experts",
-           zero_experts, rc.model.num_experts_per_tok);
+  read_model(rc, rest, source, custom_remat);
   DS_CHECK(t.remat_policy == "custom" || custom_remat.empty(),
            "per-name remat settings ('{}') need remat_policy=custom",
            custom_remat.empty() ? "" : custom_remat.front().first);
@@ -527,10 +373,7 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
   return parse_run_config(io::read_file(path, "config"), overrides, path);
 }
 
-std::unique_ptr<model::Family> model_family(const RunConfig& rc) {
-  if (rc.v4) return model::v4_family(*rc.v4, rc.v4_routed_bias_update_rate);
-  return model::v3_family(rc.model, rc.model.num_nextn_predict_layers);
-}
+std::unique_ptr<model::Family> model_family(const RunConfig& rc) { return rc.family(); }
 
 namespace {
 
@@ -551,7 +394,7 @@ int64_t training_memory_bytes(const RunConfig& rc) {
       hf_int(hf, "intermediate_size"),
       (hf_int(hf, "num_experts_per_tok") + hf_int(hf, "n_shared_experts")) * hf_int(hf, "moe_intermediate_size")));
   const double layers = static_cast<double>(hf_int(hf, "num_hidden_layers") + family->mtp_layers());
-  const bool full = t.remat_policy == "full" && !rc.v4;
+  const bool full = t.remat_policy == "full" && family->full_remat_keeps_layer_inputs();
   // mHC keeps each layer's input as k streams (hf_int: 0 when absent, i.e. 1 stream).
   const double extra_streams = static_cast<double>(std::max<int64_t>(0, hf_int(hf, "mhc_expansion_rate") - 1));
   const double per_layer = (full ? hidden : 8 * hidden + 2 * mlp) + extra_streams * hidden;
@@ -574,22 +417,6 @@ void check_training_memory(const RunConfig& rc) {
       rc.train.per_device_batch_size, rc.train.max_target_length, rc.train.remat_policy,
       static_cast<double>(need) / 1073741824.0, state, static_cast<double>(need) / 1073741824.0 - state,
       static_cast<double>(have) / 1073741824.0);
-}
-
-std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides) {
-  const auto entries = io::yaml_entries(io::read_file(path, "preset"), overrides, path, "--set");
-  if (!says_v4(entries)) return std::nullopt;
-  return naming_source(path, [&] {
-    std::vector<std::pair<std::string, nlohmann::json>> all;
-    for (const auto& e : entries) {
-      DS_CHECK(model::V4Config::is_maxtext_key(e.key),
-               "{}: '{}' is not a key of a DeepSeek-V4 model (decoder_block deepseek4)", e.where, e.key);
-      all.emplace_back(e.key, entry_json(e));
-    }
-    model::V4Config c = model::V4Config::from_maxtext(all, path);
-    c.validate();
-    return std::optional<model::V4Config>(std::move(c));
-  });
 }
 
 }  // namespace ds::train

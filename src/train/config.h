@@ -1,10 +1,10 @@
 // The configuration of a training run, in MaxText's key names: a YAML file
 // plus bare `key=value` overrides, as `python train.py base.yml key=value`.
 //
-// One flat namespace: the model keys of ModelConfig (base_emb_dim,
-// num_experts, mtp_num_layers, routed_bias_update_rate, ...) and the training
-// keys below. A key that is neither is an error. The model comes from, in
-// this order of precedence:
+// One flat namespace: the model keys of the model's family (base_emb_dim,
+// num_experts, mtp_num_layers, routed_bias_update_rate, ...) and the
+// training keys below. A key that is neither is an error. The model comes
+// from, in this order of precedence:
 //   hf_config=PATH             a Hugging Face config.json (or its folder);
 //   load_parameters_path=DIR   a Hugging Face folder, whose config.json is
 //                              used when no hf_config is given;
@@ -13,24 +13,26 @@
 //                              folder;
 // with the model keys of the file and the command line applied on top of a
 // preset (with a Hugging Face config only mtp_num_layers and
-// routed_bias_update_rate may be changed). A DeepSeek-V4 model (a
-// deepseek_v4 config.json, or decoder_block deepseek4 in the preset or the
-// keys) takes MaxText's V4 keys instead (RunConfig::v4).
+// routed_bias_update_rate may be changed). The family is the one the
+// config.json's model_type names, else the one the keys' or the preset's
+// decoder_block names (MaxText's deepseek when none is named).
+// This file sorts the keys; which are model keys, and the model built from
+// them, are the family's kind's business (model/family_kind.h, each
+// family's in model/<family>/kind.cc).
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "dist/mesh.h"
 #include "model/config.h"
 #include "model/family.h"
+#include "model/family_kind.h"
 #include "model/remat.h"
-#include "model/v4_config.h"
 #include "train/data.h"
 
 namespace ds::train {
@@ -119,15 +121,10 @@ struct TrainConfig {
   int64_t schedule_steps() const { return learning_rate_schedule_steps > 0 ? learning_rate_schedule_steps : steps; }
 };
 
-struct RunConfig {
-  model::ModelConfig model;  // DeepSeek-V2/V3 (unused for V4)
+// The model (model::ModelSpec: its family's kind and that family's
+// configuration) and the training keys.
+struct RunConfig : model::ModelSpec {
   TrainConfig train;
-  // DeepSeek-V4: a deepseek_v4 config.json (hf_config or
-  // load_parameters_path), or a preset / keys with decoder_block deepseek4 in
-  // MaxText's names (model::V4Config::from_maxtext). Its model keys besides
-  // those: routed_bias_update_rate, and mtp_num_layers (0 only).
-  std::optional<model::V4Config> v4;
-  double v4_routed_bias_update_rate = 0.0;
 };
 
 // The run's model behind the family seam (model/family.h).
@@ -147,13 +144,9 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 // micro-batch's activations: per token the logits and their gradient
 // (2 x vocab floats) and, per layer (MTP included), the layer input
 // (remat_policy full) or ~8 x hidden + 2 x the MLP's width (any other
-// policy, and DeepSeek-V4, which keeps every activation) floats.
+// policy, and a family whose full policy keeps more than the layer input:
+// model::Family::full_remat_keeps_layer_inputs) floats.
 int64_t training_memory_bytes(const RunConfig& rc);
 void check_training_memory(const RunConfig& rc);
-
-// A DeepSeek-V4 model from a YAML preset in MaxText's keys (decoder_block
-// deepseek4, as configs/v4-tiny.yml) and key=value overrides, checked as
-// `deepseek train` checks it; nullopt when the preset is of another family.
-std::optional<model::V4Config> v4_preset(const std::string& path, const std::vector<std::string>& overrides);
 
 }  // namespace ds::train

@@ -73,6 +73,15 @@ class V3Family final : public Family {
     const auto p = FlatParams::wrap(cfg_, mtp_, const_cast<float*>(params));
     model::export_hf(out_dir, cfg_, mtp_, p, dtype);
   }
+  // Also fp8, as DeepSeek-V3 ships: e4m3 projections with 128 x 128 block scales.
+  std::vector<DType> init_dtypes() const override { return {DType::BF16, DType::F16, DType::F32, DType::F8E4M3}; }
+  void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype) const override {
+    InitOptions opt;
+    opt.seed = seed;
+    opt.init_std = std;
+    opt.dtype = dtype;
+    write_random_checkpoint(cfg_, out_dir, opt);
+  }
 
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
     return model::step_flops(cfg_, batch, seq, mtp_, grad_accum);

@@ -123,6 +123,8 @@ class V4Family final : public Family {
     return v;
   }
   double routed_bias_update_rate() const override { return rate_; }
+  // Its activations are estimated whole: it recomputes sub-layers, not single residuals.
+  bool full_remat_keeps_layer_inputs() const override { return false; }
 
   void init(float* params, uint64_t seed, float std) const override {
     auto p = V4FlatParams::over(cfg_, params);
