@@ -43,9 +43,9 @@ std::vector<int32_t> top_ids(const std::vector<float>& lg, int64_t V, int64_t r,
   return ids;
 }
 
-using FieldsTest = ServerTest;
+using ServerFieldsTest = ServerTest;
 
-TEST_F(FieldsTest, EchoWithoutNewTokensGivesThePromptsLogprobs) {
+TEST_F(ServerFieldsTest, EchoWithoutNewTokensGivesThePromptsLogprobs) {
   // Longer than the fixture's 6-token prefill chunk: the prompt is read in
   // two steps, the second through the cache.
   const std::vector<int32_t> ids = {285, 40, 41, 42, 43, 44, 45, 46, 47, 48};
@@ -89,9 +89,12 @@ TEST_F(FieldsTest, EchoWithoutNewTokensGivesThePromptsLogprobs) {
   EXPECT_EQ(ev.chunks[0]["choices"][0]["text"], c["text"]);
   EXPECT_EQ(ev.chunks[0]["choices"][0]["logprobs"]["token_logprobs"], lp["token_logprobs"]);
   EXPECT_EQ(ev.chunks[1]["choices"][0]["finish_reason"], "length");
+  // Ids of the model beyond the tokenizer's (the vocabulary is padded): named by id.
+  const json pad = post_json("/v1/completions", {{"prompt", {285, 298}}, {"max_tokens", 0}, {"echo", true}});
+  EXPECT_NE(pad["choices"][0]["text"].get<std::string>().find("token_id:298"), std::string::npos) << pad;
 }
 
-TEST_F(FieldsTest, GeneratedTokensLogprobsAreTheModelsBeforePenalties) {
+TEST_F(ServerFieldsTest, GeneratedTokensLogprobsAreTheModelsBeforePenalties) {
   const auto prompt = tok_->encode("hello world", true);
   // Greedy with a frequency penalty: the logprobs are the model's, not the
   // penalised ones the draw used.
@@ -118,7 +121,7 @@ TEST_F(FieldsTest, GeneratedTokensLogprobsAreTheModelsBeforePenalties) {
   }
 }
 
-TEST_F(FieldsTest, ChatLogprobsStreamedAndWhole) {
+TEST_F(ServerFieldsTest, ChatLogprobsStreamedAndWhole) {
   const json messages = json::array({{{"role", "user"}, {"content", "hello"}}});
   const json req = {{"messages", messages}, {"max_tokens", 5},   {"temperature", 0},
                     {"logprobs", true},     {"top_logprobs", 2}, {"ignore_eos", true}};
@@ -151,7 +154,7 @@ TEST_F(FieldsTest, ChatLogprobsStreamedAndWhole) {
                   .is_null());
 }
 
-TEST_F(FieldsTest, NChoicesEachDrawWithSeedPlusIndex) {
+TEST_F(ServerFieldsTest, NChoicesEachDrawWithSeedPlusIndex) {
   const std::vector<int32_t> ids = {285, 30, 31, 32};
   const json req = {{"prompt", ids}, {"max_tokens", 6}, {"temperature", 1.0}, {"seed", 5}, {"n", 3}};
   const json r = post_json("/v1/completions", req);
@@ -213,7 +216,7 @@ TEST_F(FieldsTest, NChoicesEachDrawWithSeedPlusIndex) {
   EXPECT_EQ(firsts.size(), 2u);
 }
 
-TEST_F(FieldsTest, PenaltiesAndBiasFollowTheirDefinitions) {
+TEST_F(ServerFieldsTest, PenaltiesAndBiasFollowTheirDefinitions) {
   const auto prompt = tok_->encode("hello world", true);
   const float presence = 0.7f, frequency = 0.4f, repetition = 1.3f;
   const json r = post_json("/v1/completions", {{"prompt", "hello world"},
@@ -258,7 +261,7 @@ TEST_F(FieldsTest, PenaltiesAndBiasFollowTheirDefinitions) {
   EXPECT_NE(banned["choices"][0]["token_ids"][0], greedy);
 }
 
-TEST_F(FieldsTest, BadValuesNameTheirField) {
+TEST_F(ServerFieldsTest, BadValuesNameTheirField) {
   const std::string C = "/v1/completions", Chat = "/v1/chat/completions";
   const std::string P = R"({"prompt": [1], )",
                     M = R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, )";
@@ -328,7 +331,7 @@ std::map<std::string, double> parse_metrics(const std::string& text) {
   return out;
 }
 
-TEST_F(FieldsTest, MetricsParseAndMoveAfterARequest) {
+TEST_F(ServerFieldsTest, MetricsParseAndMoveAfterARequest) {
   auto scrape = [&] {
     auto c = client();
     auto r = c.Get("/metrics");

@@ -295,7 +295,15 @@ struct Server::Impl {
 
   // The echoed prompt's text and logprob entries (completions' echo).
   std::string prompt_text(const Job& job) const {
-    return model.tokenizer ? model.tokenizer->decode(job.prompt, /*skip_special_tokens=*/true) : "";
+    if (!model.tokenizer) return "";
+    try {
+      return model.tokenizer->decode(job.prompt, /*skip_special_tokens=*/true);
+    } catch (const Error&) {
+      // Token ids the model has and the tokenizer does not: each by name.
+      std::string text;
+      for (const int32_t id : job.prompt) text += api::token_text(model.tokenizer, id);
+      return text;
+    }
   }
   static std::vector<api::LoggedToken> prompt_tokens(const Job& job, const std::vector<TokenLogprob>& lps) {
     std::vector<api::LoggedToken> out;
