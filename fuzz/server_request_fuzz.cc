@@ -55,9 +55,12 @@ void check_error_text(const std::string& text) {
 std::pair<int, std::string> answer(std::string_view body, bool chat) {
   try {
     const api::json j = api::parse_body(body);
-    const api::Request r = api::read_request(j, chat, {&tokenizer(), kPositions});
+    const api::Request r = api::read_request(j, chat, {&tokenizer(), kPositions, tokenizer().vocab_size()});
     const auto n = static_cast<int64_t>(r.batch.prompt.size());
     if (n < 1 || n > kPositions || r.batch.max_new_tokens < 0) std::abort();
+    // What the batcher would refuse with an error the server did not name.
+    if (r.n < 1 || r.n > api::kMaxChoices || r.batch.top_logprobs > ds::infer::kMaxTopLogprobs) std::abort();
+    ds::infer::check_adjust(r.batch.adjust, tokenizer().vocab_size());
     return {200, "{}"};
   } catch (const api::Refusal& e) {
     if (e.status < 400 || e.status > 599) std::abort();

@@ -17,6 +17,7 @@ class ForwardingDecoder : public infer::Decoder {
   void start(int64_t sequences) override { d_.start(sequences); }
   void reset(int64_t sequence) override { d_.reset(sequence); }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override { return d_.step(tokens); }
+  std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override { return d_.step_all(tokens); }
   int64_t length(int64_t sequence) const override { return d_.length(sequence); }
   size_t cache_bytes() const override { return d_.cache_bytes(); }
 

@@ -52,6 +52,15 @@ if [ -n "$port" ]; then
   check '[ "hello world$text" == "$want" ]' "the completion is what generate prints ('$text' against '$want')"
   resp=$(http POST /v1/completions '{"prompt": [1, 2], "max_tokens": "six"}')
   check '[[ "$resp" == "HTTP/1.1 400"* ]] && [[ "$resp" == *"max_tokens"* ]]' "a bad field answers 400: $resp"
+  # lm-evaluation-harness' log-likelihood request: the prompt's logprobs, nothing generated.
+  resp=$(http POST /v1/completions '{"prompt": [1, 2, 3], "max_tokens": 0, "echo": true, "logprobs": 1}')
+  check '[[ "$resp" == "HTTP/1.1 200"* ]] && [[ "$resp" == *"\"token_logprobs\":[null,-"*",-"*"]"* ]]' \
+    "echo with max_tokens 0 gives the prompt's logprobs: $resp"
+  metrics=$(http GET /metrics "")
+  check '[[ "$metrics" == *"deepseek_requests_total{route=\"/v1/completions\",status=\"200\"} 2"* ]]' \
+    "GET /metrics counts the completions: $metrics"
+  check '[[ "$metrics" == *"deepseek_requests_total{route=\"/v1/completions\",status=\"400\"} 1"* ]]' \
+    "GET /metrics counts the refusal"
   # A second server on the same port is refused.
   expect_error serve --model "$m" --port "$port"
 fi

@@ -104,8 +104,8 @@ class ServerTest : public ::testing::Test {
     sm.batcher = batcher_.get();
     sm.tokenizer = tok_.get();
     // As if the machine had memory for 120 tokens of KV cache per request.
-    sm.check = [](int64_t prompt, int64_t max_new) {
-      if (prompt + max_new > 120) throw ds::Error("the KV cache of this request would not fit");
+    sm.check = [](int64_t prompt, int64_t max_new, int64_t sequences) {
+      if ((prompt + max_new) * sequences > 120) throw ds::Error("the KV cache of this request would not fit");
     };
     ds::infer::ServerOptions so;
     so.port = 0;

@@ -252,10 +252,7 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   expect_refused(C, R"({"prompt": [1], "ignore_eos": 1})", 400, "true or false", "ignore_eos");
   expect_refused(C, R"({"prompt": [1], "stop": 3})", 400, "'stop' must be", "stop");
   expect_refused(C, R"({"prompt": [1], "stop": [""]})", 400, "must not be empty", "stop");
-  expect_refused(C, R"({"prompt": [1], "n": 2})", 400, "'n' is not supported", "n");
-  expect_refused(C, R"({"prompt": [1], "logprobs": 5})", 400, "'logprobs' is not supported", "logprobs");
-  expect_refused(C, R"({"prompt": [1], "echo": true})", 400, "'echo' is not supported", "echo");
-  expect_refused(C, R"({"prompt": [1], "presence_penalty": 0.5})", 400, "not supported", "presence_penalty");
+  expect_refused(C, R"({"prompt": [1], "best_of": 2})", 400, "'best_of' is not supported", "best_of");
   expect_refused(C, R"({"prompt": [1], "model": 7})", 400, "'model' must be a string", "model");
   expect_refused(C, R"({"prompt": "\ud800"})", 400, "");  // a lone surrogate: not UTF-8 text
   // A chat's default budget runs to the model's last position (128 here),
@@ -266,14 +263,13 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
   expect_refused(Chat, R"({"messages": [{"content": "hi"}]})", 400, "string 'role'", "messages[0]");
   expect_refused(Chat, R"({"messages": [{"role": "robot", "content": "hi"}]})", 400, "system, user or assistant",
                  "messages[0]");
-  expect_refused(Chat, R"({"messages": [{"role": "user", "content": 5}]})", 400, "must be a string",
+  expect_refused(Chat, R"({"messages": [{"role": "user", "content": 5}]})", 400, "must be a string", "messages[0]");
+  expect_refused(Chat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400, "parts must be",
                  "messages[0]");
-  expect_refused(Chat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400,
-                 "parts must be", "messages[0]");
   expect_refused(Chat, R"({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})", 400,
                  "'tools' is not supported", "tools");
-  expect_refused(Chat, R"({"messages": [{"role": "user", "content": "hi"}], "logprobs": true})", 400,
-                 "'logprobs' is not supported", "logprobs");
+  expect_refused(Chat, R"({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json"}})", 400,
+                 "'response_format' is not supported", "response_format");
   // Routes and sizes.
   auto c = client();
   auto r = c.Get("/v1/nothing");

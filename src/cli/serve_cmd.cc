@@ -67,12 +67,12 @@ int run_serve(const ServeArgs& a) {
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
-  served.check = [&g, kind, &a](int64_t prompt, int64_t max_new) {
+  served.check = [&g, kind, &a](int64_t prompt, int64_t max_new, int64_t sequences) {
     infer::GenerateOptions o;
     o.cache = kind;
     o.max_new_tokens = max_new;
     o.prefill_chunk = a.prefill_chunk;
-    g->check({prompt}, o);
+    g->check(std::vector<int64_t>(static_cast<size_t>(sequences), prompt), o);
   };
   infer::ServerOptions so{a.host, a.port, name, a.http_threads};
   so.max_connections = a.max_connections;
@@ -95,7 +95,7 @@ int run_serve(const ServeArgs& a) {
   });
   say(
       fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
-                  "/health); {} sequences at once, {}",
+                  "/health, /metrics); {} sequences at once, {}",
                   name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only"));
   server.run();
   running = false;

@@ -8,17 +8,59 @@
 
 namespace ds::infer {
 
-bool Generation::take(int32_t* token) {
+void Signal::notify() {
+  {
+    std::lock_guard lk(mu_);
+    ++events_;
+  }
+  cv_.notify_all();
+}
+
+uint64_t Signal::events() const {
+  std::lock_guard lk(mu_);
+  return events_;
+}
+
+void Signal::wait(uint64_t seen) {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return events_ > seen; });
+}
+
+bool Generation::take(int32_t* token, TokenLogprob* lp) {
   if (tokens_.empty()) return false;
   *token = tokens_.front();
   tokens_.pop_front();
+  if (!logprobs_.empty()) {
+    if (lp) *lp = std::move(logprobs_.front());
+    logprobs_.pop_front();
+  }
   return true;
 }
 
-bool Generation::next(int32_t* token) {
+bool Generation::next(int32_t* token, TokenLogprob* lp) {
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return !tokens_.empty() || finish_ != Finish::Running; });
-  return take(token);
+  return take(token, lp);
+}
+
+bool Generation::try_next(int32_t* token, TokenLogprob* lp) {
+  std::lock_guard lk(mu_);
+  return take(token, lp);
+}
+
+bool Generation::drained() const {
+  std::lock_guard lk(mu_);
+  return tokens_.empty() && finish_ != Finish::Running;
+}
+
+std::vector<TokenLogprob> Generation::prompt_logprobs() const {
+  std::lock_guard lk(mu_);
+  return prompt_logprobs_;
+}
+
+void Generation::set_prompt_logprobs(std::vector<TokenLogprob> lps) {
+  std::lock_guard lk(mu_);
+  prompt_logprobs_ = std::move(lps);
 }
 
 Finish Generation::finish() const {
@@ -31,12 +73,14 @@ std::string Generation::error() const {
   return error_;
 }
 
-void Generation::push(int32_t token) {
+void Generation::push(int32_t token, TokenLogprob* lp) {
   {
     std::lock_guard lk(mu_);
     tokens_.push_back(token);
+    if (lp) logprobs_.push_back(std::move(*lp));
   }
   cv_.notify_all();
+  if (signal_) signal_->notify();
 }
 
 void Generation::end(Finish f, std::string error) {
@@ -47,6 +91,7 @@ void Generation::end(Finish f, std::string error) {
     error_ = std::move(error);
   }
   cv_.notify_all();
+  if (signal_) signal_->notify();
 }
 
 Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
@@ -78,7 +123,7 @@ void Batcher::close() {
     if (s.live) s.gen->end(Finish::Cancelled);
 }
 
-std::shared_ptr<Generation> Batcher::submit(BatchRequest r) {
+std::shared_ptr<Generation> Batcher::submit(BatchRequest r, std::shared_ptr<Signal> signal) {
   const int64_t n = static_cast<int64_t>(r.prompt.size());
   DS_CHECK(n > 0, "the prompt is empty");
   DS_CHECK(n <= max_positions_, "the prompt has {} tokens, beyond the model's {} positions", n, max_positions_);
@@ -87,9 +132,14 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r) {
              r.prompt[i], vocab_);
   DS_CHECK(r.max_new_tokens >= 0, "max_new_tokens must be >= 0, got {}", r.max_new_tokens);
   check_sampler(r.sampler);
+  check_adjust(r.adjust, vocab_);
+  DS_CHECK(r.top_logprobs >= 0 && r.top_logprobs <= kMaxTopLogprobs, "top_logprobs must be in [0, {}], got {}",
+           kMaxTopLogprobs, r.top_logprobs);
   auto gen = std::make_shared<Generation>();
   gen->prompt_tokens_ = n;
-  if (r.max_new_tokens == 0) {
+  gen->signal_ = std::move(signal);
+  gen->submitted_ = std::chrono::steady_clock::now();
+  if (r.max_new_tokens == 0 && !r.prompt_logprobs) {
     gen->end(Finish::Length);
     return gen;
   }
@@ -127,6 +177,7 @@ void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
   --running_;
   // Frees the sequence's cache now rather than at the slot's next use.
   decoder_.reset(static_cast<int64_t>(i));
+  counters_.cache_bytes.store(decoder_.cache_bytes(), std::memory_order_relaxed);
 }
 
 void Batcher::loop() {
@@ -147,21 +198,30 @@ void Batcher::loop() {
         Slot& s = slots_[i];
         s.gen = std::move(w.gen);
         s.req = std::move(w.req);
-        s.order = admitted_++;
-        s.live = true;
-        ++running_;
+        admit(s);
       }
     }
     if (running_.load() > 0) run_step();
   }
 }
 
-void Batcher::run_step() {
+void Batcher::admit(Slot& s) {
+  s.order = admitted_++;
+  s.live = true;
+  ++running_;
+  if (s.req.adjust.repetition != 1.0f)
+    for (const int32_t t : s.req.prompt) s.seen[t].in_prompt = true;
+  if (s.req.prompt_logprobs) {
+    s.prompt_lps.reserve(s.req.prompt.size());
+    s.prompt_lps.emplace_back();  // the first token: nothing predicts it
+  }
+}
+
+// Each live sequence's tokens for the next step: its newest token, or the
+// next chunk of its prompt (the prompts share the chunk budget, the oldest
+// request first). *all_rows: some prompt chunk wants a row per token.
+std::vector<std::vector<int32_t>> Batcher::plan_step(bool* all_rows) {
   const size_t S = slots_.size();
-  for (size_t i = 0; i < S; ++i)
-    if (slots_[i].live && slots_[i].gen->cancelled_) free_slot(i, Finish::Cancelled);
-  // Sequences past their prompt take their newest token; the prompts share
-  // the chunk budget, the oldest request first.
   std::vector<std::vector<int32_t>> tokens(S);
   std::vector<size_t> reading;
   for (size_t i = 0; i < S; ++i) {
@@ -174,6 +234,7 @@ void Batcher::run_step() {
   }
   std::sort(reading.begin(), reading.end(), [&](size_t a, size_t b) { return slots_[a].order < slots_[b].order; });
   int64_t budget = opt_.prefill_chunk > 0 ? opt_.prefill_chunk : std::numeric_limits<int64_t>::max();
+  *all_rows = false;
   for (const size_t i : reading) {
     if (budget <= 0) break;
     Slot& s = slots_[i];
@@ -181,40 +242,84 @@ void Batcher::run_step() {
     tokens[i].assign(s.req.prompt.begin() + static_cast<std::ptrdiff_t>(s.fed),
                      s.req.prompt.begin() + static_cast<std::ptrdiff_t>(s.fed + n));
     budget -= static_cast<int64_t>(n);
+    if (s.req.prompt_logprobs) *all_rows = true;
   }
+  return tokens;
+}
+
+void Batcher::run_step() {
+  const size_t S = slots_.size();
+  for (size_t i = 0; i < S; ++i)
+    if (slots_[i].live && slots_[i].gen->cancelled_) free_slot(i, Finish::Cancelled);
+  bool all_rows = false;
+  const auto tokens = plan_step(&all_rows);
   if (std::all_of(tokens.begin(), tokens.end(), [](const auto& t) { return t.empty(); })) return;
 
   std::vector<float> logits;
   try {
-    logits = decoder_.step(tokens);
+    logits = all_rows ? decoder_.step_all(tokens) : decoder_.step(tokens);
   } catch (const std::exception& e) {
     // The step's sequences are in an unknown state: each ends with the error.
     for (size_t i = 0; i < S; ++i)
       if (!tokens[i].empty()) free_slot(i, Finish::Failed, e.what());
     return;
   }
-  const int64_t V = vocab_;
-  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : V;
+  const auto now = std::chrono::steady_clock::now();
+  counters_.cache_bytes.store(decoder_.cache_bytes(), std::memory_order_relaxed);
   int64_t row = 0;
   for (size_t i = 0; i < S; ++i) {
     if (tokens[i].empty()) continue;
-    Slot& s = slots_[i];
-    const float* lg = logits.data() + row++ * V;
-    if (s.fed < s.req.prompt.size()) {
-      s.fed += tokens[i].size();
-      if (s.fed < s.req.prompt.size()) continue;  // the prompt goes on in the next step
-    }
-    // Sequence 0 of the request's own draws: what generate() draws for a
-    // single prompt with the same seed.
-    const int32_t tok = sample_token(lg, draw_vocab, s.req.sampler, 0, static_cast<uint64_t>(s.made));
-    s.gen->push(tok);
-    s.last = tok;
-    ++s.made;
-    if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !s.req.ignore_eos)
-      free_slot(i, Finish::Eos);
-    else if (s.made >= s.req.max_new_tokens || decoder_.length(static_cast<int64_t>(i)) >= max_positions_)
-      free_slot(i, Finish::Length);
+    const int64_t rows = all_rows ? static_cast<int64_t>(tokens[i].size()) : 1;
+    take_rows(i, logits.data() + row * vocab_, rows, tokens[i].size(), now);
+    row += rows;
   }
+}
+
+// Sequence i's rows of logits from a step that gave it `fed` tokens (one
+// row, or one per token).
+void Batcher::take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chrono::steady_clock::time_point now) {
+  Slot& s = slots_[i];
+  const int64_t V = vocab_;
+  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : V;
+  const BatchRequest& q = s.req;
+  if (s.fed < q.prompt.size()) {
+    // Row r predicts prompt token fed + r + 1.
+    if (q.prompt_logprobs)
+      for (int64_t r = 0; r < rows && s.fed + static_cast<size_t>(r) + 1 < q.prompt.size(); ++r)
+        s.prompt_lps.push_back(
+            token_logprob(lg + r * V, V, q.prompt[s.fed + static_cast<size_t>(r) + 1], q.top_logprobs, draw_vocab));
+    s.fed += fed;
+    counters_.prompt_tokens.fetch_add(fed, std::memory_order_relaxed);
+    if (s.fed < q.prompt.size()) return;  // the prompt goes on in the next step
+    if (q.prompt_logprobs) s.gen->set_prompt_logprobs(std::move(s.prompt_lps));
+    if (q.max_new_tokens == 0) return free_slot(i, Finish::Length);
+  }
+  float* last = lg + (rows - 1) * V;
+  const float* before = last;  // the model's own logits, for logprobs
+  if (q.adjust.any()) {
+    if (q.logprobs) {
+      s.unadjusted.assign(last, last + V);  // the slot's buffer, reused
+      before = s.unadjusted.data();
+    }
+    adjust_logits(last, V, q.adjust, s.seen);
+  }
+  // Sequence 0 of the request's own draws: what generate() draws for a
+  // single prompt with the same seed.
+  const int32_t tok = sample_token(last, draw_vocab, q.sampler, 0, static_cast<uint64_t>(s.made));
+  TokenLogprob lp;
+  if (q.logprobs) lp = token_logprob(before, V, tok, q.top_logprobs, draw_vocab);
+  if (q.adjust.any()) ++s.seen[tok].count;
+  const double since = std::chrono::duration<double>(now - (s.made == 0 ? s.gen->submitted_ : s.last_at)).count();
+  (s.made == 0 ? counters_.time_to_first_token : counters_.time_per_output_token).observe(since);
+  counters_.generated_tokens.fetch_add(1, std::memory_order_relaxed);
+  s.last_at = now;
+  s.gen->push(tok, q.logprobs ? &lp : nullptr);
+  s.last = tok;
+  ++s.made;
+  if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !q.ignore_eos)
+    free_slot(i, Finish::Eos);
+  else if (s.made >= q.max_new_tokens || decoder_.length(static_cast<int64_t>(i)) >= max_positions_)
+    free_slot(i, Finish::Length);
 }
 
 }  // namespace ds::infer

@@ -9,9 +9,14 @@
 // the same options (sampling draws are keyed by the request's seed and its
 // own step, never by its slot), up to the rounding of rows that shared a
 // step with other sequences (tests/batcher_test.cc checks the greedy tokens).
+//
+// A request can also ask for log-probabilities (each new token's, and its
+// prompt's), penalties and biases (infer/sampler.h); the batcher counts
+// tokens and latencies for the server's /metrics.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -23,6 +28,7 @@
 
 #include "core/error.h"
 #include "infer/generate.h"
+#include "infer/metrics.h"
 #include "infer/sampler.h"
 
 namespace ds::infer {
@@ -40,6 +46,39 @@ struct BatchRequest {
   int64_t max_new_tokens = 16;
   SamplerConfig sampler;
   bool ignore_eos = false;  // run to max_new_tokens even past EOS (benchmarks)
+  LogitAdjust adjust{};     // penalties and biases before sampling (none by default)
+  // Log-probabilities (token_logprob: the model's log-softmax, before any
+  // adjustment or temperature): of each new token with its top_logprobs
+  // most likely ids, and of each prompt token after the first. Prompt ones
+  // are read even with max_new_tokens 0.
+  bool logprobs = false;
+  int64_t top_logprobs = 0;  // <= kMaxTopLogprobs
+  bool prompt_logprobs = false;
+};
+
+// Wakes one reader of many generations (the choices of one request) when
+// any of them has a token or ends.
+class Signal {
+ public:
+  void notify();
+  // Events so far; wait() returns once there are more than `seen`.
+  uint64_t events() const;
+  void wait(uint64_t seen);
+
+ private:
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t events_ = 0;
+};
+
+// What the batcher has done, for /metrics.
+struct BatcherCounters {
+  std::atomic<uint64_t> prompt_tokens{0};     // read into the caches
+  std::atomic<uint64_t> generated_tokens{0};  // handed out
+  std::atomic<uint64_t> cache_bytes{0};       // the decoder's caches after the last step
+  // From submit() to the first new token; between one new token and the next.
+  metrics::Histogram time_to_first_token{metrics::latency_bounds()};
+  metrics::Histogram time_per_output_token{metrics::latency_bounds()};
 };
 
 // What submit() throws when it cannot take a request now: max_waiting
@@ -61,9 +100,18 @@ enum class Finish {
 // One request's new tokens, handed from the batcher's thread to a reader.
 class Generation {
  public:
-  // Waits for the next token: true with *token set, false once the
-  // generation has ended and every token was read (finish() says why).
-  bool next(int32_t* token);
+  // Waits for the next token: true with *token set (and *lp, when given
+  // and the request asked for logprobs), false once the generation has
+  // ended and every token was read (finish() says why).
+  bool next(int32_t* token, TokenLogprob* lp = nullptr);
+  // The same without waiting: false when no token is ready now.
+  bool try_next(int32_t* token, TokenLogprob* lp = nullptr);
+  // Ended, and every token read.
+  bool drained() const;
+  // With prompt_logprobs, once the first next() returned: one entry per
+  // prompt token (the first, which nothing predicts, holds nothing). Empty
+  // when the generation failed before its prompt was read.
+  std::vector<TokenLogprob> prompt_logprobs() const;
   // Asks the batcher to stop this generation; it ends as Cancelled at the
   // next step (tokens already made can still be read).
   void cancel() { cancelled_ = true; }
@@ -73,13 +121,18 @@ class Generation {
 
  private:
   friend class Batcher;
-  void push(int32_t token);
+  void push(int32_t token, TokenLogprob* lp);
+  void set_prompt_logprobs(std::vector<TokenLogprob> lps);
   void end(Finish f, std::string error = {});
-  bool take(int32_t* token);  // under mu_
+  bool take(int32_t* token, TokenLogprob* lp);  // under mu_
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::deque<int32_t> tokens_;
+  std::deque<TokenLogprob> logprobs_;  // one per token when the request asked
+  std::vector<TokenLogprob> prompt_logprobs_;
+  std::shared_ptr<Signal> signal_;
+  std::chrono::steady_clock::time_point submitted_;
   Finish finish_ = Finish::Running;
   std::string error_;
   std::atomic<bool> cancelled_{false};
@@ -100,7 +153,8 @@ class Batcher {
   // or too long prompt, an id outside the vocabulary, impossible sampler
   // settings or a negative max_new_tokens; Unavailable when max_waiting
   // requests already wait, or after close()).
-  std::shared_ptr<Generation> submit(BatchRequest r);
+  // `signal` (optional) is notified at each token and at the end.
+  std::shared_ptr<Generation> submit(BatchRequest r, std::shared_ptr<Signal> signal = {});
 
   // Stops the steps and ends every generation still running or waiting as
   // Cancelled; later submits are refused. Idempotent.
@@ -114,6 +168,7 @@ class Batcher {
   // Sequences in slots and requests waiting for one, now.
   int64_t running() const;
   int64_t waiting() const;
+  const BatcherCounters& counters() const { return counters_; }
 
  private:
   struct Slot {
@@ -124,6 +179,10 @@ class Batcher {
     int64_t made = 0;    // new tokens
     int32_t last = 0;    // the newest token, fed at the next step
     bool live = false;
+    TokenHistory seen;                              // with penalties only
+    std::vector<TokenLogprob> prompt_lps;           // with prompt_logprobs only
+    std::vector<float> unadjusted;                  // the row before adjust, with logprobs and adjust only
+    std::chrono::steady_clock::time_point last_at;  // the newest token's step
   };
   struct Waiting {
     std::shared_ptr<Generation> gen;
@@ -131,6 +190,9 @@ class Batcher {
   };
   void loop();
   void run_step();
+  std::vector<std::vector<int32_t>> plan_step(bool* all_rows);
+  void take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chrono::steady_clock::time_point now);
+  void admit(Slot& s);
   void free_slot(size_t i, Finish f, const std::string& error = {});
 
   Decoder& decoder_;
@@ -139,6 +201,7 @@ class Batcher {
   std::vector<Slot> slots_;  // touched by the loop thread only
   uint64_t admitted_ = 0;
   std::atomic<int64_t> running_{0};
+  BatcherCounters counters_;
 
   mutable std::mutex mu_;  // guards waiting_ and stop_
   std::condition_variable cv_;

@@ -59,6 +59,10 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");
 }
 
+std::vector<float> Decoder::step_all(const std::vector<std::vector<int32_t>>&) {
+  throw Error("this model's decoder gives no logits of prompt positions");
+}
+
 namespace {
 
 // The V2/V3 engine over its KV cache.
@@ -76,6 +80,9 @@ class KvDecoder : public Decoder {
   }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     return e_.step(*cache_, tokens, false);
+  }
+  std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override {
+    return e_.step(*cache_, tokens, true);
   }
   int64_t length(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override { return cache_->bytes(); }

@@ -9,9 +9,9 @@
 #include <memory>
 #include <vector>
 
+#include "infer/engine.h"
 #include "infer/kv_cache.h"
 #include "infer/sampler.h"
-#include "infer/engine.h"
 
 namespace ds::infer {
 
@@ -73,6 +73,10 @@ class Decoder {
   // Appends tokens[s] to sequence s (any may be empty); one row of logits
   // [vocab] per sequence that received tokens, in order.
   virtual std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) = 0;
+  // As step(), with a row of logits for every new token (sequence by
+  // sequence, in order): the server's prompt log-probabilities. A decoder
+  // that cannot give them throws ds::Error.
+  virtual std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens);
   virtual int64_t length(int64_t sequence) const = 0;
   virtual size_t cache_bytes() const = 0;
 };

@@ -165,6 +165,7 @@ void Responder::send(int status, std::string body, std::string_view content_type
   error_code ec;
   bhttp::write(s_, res, ec);
   answered_ = true;
+  status_ = status;
   failed_ = failed_ || ec;
 }
 
@@ -180,6 +181,7 @@ bool Responder::begin_chunks(int status, std::string_view content_type, std::str
   error_code ec;
   bhttp::write_header(s_, sr, ec);
   answered_ = true;
+  status_ = status;
   failed_ = failed_ || ec;
   return !failed_;
 }

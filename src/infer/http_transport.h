@@ -55,6 +55,8 @@ class Responder {
   bool peer_gone() const;
   int socket() const;
   bool answered() const { return answered_; }
+  // The status sent (0: none yet, or abandoned).
+  int status() const { return status_; }
   bool failed() const { return failed_; }
   bool keep_alive() const { return keep_alive_ && !failed_; }
   // Answers nothing and ends the connection (the client has gone).
@@ -64,6 +66,7 @@ class Responder {
   SocketStream& s_;
   unsigned version_;
   bool keep_alive_, answered_ = false, failed_ = false;
+  int status_ = 0;
 };
 
 using Handler = std::function<void(const Request&, Responder&)>;

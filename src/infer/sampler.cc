@@ -58,4 +58,57 @@ int32_t sample_token(const float* logits, int64_t vocab, const SamplerConfig& c,
   return idx[keep - 1];
 }
 
+void check_adjust(const LogitAdjust& a, int64_t vocab) {
+  DS_CHECK(a.presence >= -2.0f && a.presence <= 2.0f, "presence penalty must be in [-2, 2], got {}", a.presence);
+  DS_CHECK(a.frequency >= -2.0f && a.frequency <= 2.0f, "frequency penalty must be in [-2, 2], got {}", a.frequency);
+  DS_CHECK(std::isfinite(a.repetition) && a.repetition > 0.0f, "repetition penalty must be > 0, got {}", a.repetition);
+  for (const auto& [id, b] : a.bias) {
+    DS_CHECK(id >= 0 && id < vocab, "logit bias on token {}, outside the vocabulary [0, {})", id, vocab);
+    DS_CHECK(b >= -100.0f && b <= 100.0f, "logit bias {} on token {} outside [-100, 100]", b, id);
+  }
+}
+
+void adjust_logits(float* logits, int64_t vocab, const LogitAdjust& a, const TokenHistory& seen) {
+  const bool counts = a.presence != 0.0f || a.frequency != 0.0f;
+  if (a.repetition != 1.0f || counts) {
+    for (const auto& [id, s] : seen) {
+      if (id < 0 || id >= vocab) continue;
+      float& l = logits[id];
+      if (a.repetition != 1.0f) l = l > 0.0f ? l / a.repetition : l * a.repetition;
+      if (counts && s.count > 0) l -= static_cast<float>(s.count) * a.frequency + a.presence;
+    }
+  }
+  for (const auto& [id, b] : a.bias)
+    if (id >= 0 && id < vocab) logits[id] += b;
+}
+
+TokenLogprob token_logprob(const float* logits, int64_t vocab, int32_t id, int64_t top, int64_t top_vocab) {
+  DS_CHECK(vocab > 0 && id >= 0 && id < vocab, "log-probability of token {} outside the vocabulary [0, {})", id, vocab);
+  float mx = logits[0];
+  for (int64_t i = 1; i < vocab; ++i) mx = std::max(mx, logits[i]);
+  double z = 0;
+  for (int64_t i = 0; i < vocab; ++i) z += std::exp(static_cast<double>(logits[i]) - mx);
+  const double lse = mx + std::log(z);
+  TokenLogprob out;
+  out.logprob = static_cast<float>(logits[id] - lse);
+  top = std::clamp<int64_t>(top, 0, kMaxTopLogprobs);
+  top_vocab = std::min(top_vocab, vocab);
+  if (top == 0 || top_vocab <= 0) return out;
+  // The best `top` ids so far, most likely first (a short insertion list).
+  std::pair<int32_t, float> best[kMaxTopLogprobs];
+  int64_t n = 0;
+  for (int64_t i = 0; i < top_vocab; ++i) {
+    const float l = logits[i];
+    if (n == top && !(l > best[n - 1].second)) continue;
+    int64_t j = n < top ? n++ : n - 1;
+    while (j > 0 && l > best[j - 1].second) {
+      best[j] = best[j - 1];
+      --j;
+    }
+    best[j] = {static_cast<int32_t>(i), l};
+  }
+  for (int64_t i = 0; i < n; ++i) out.top.emplace_back(best[i].first, static_cast<float>(best[i].second - lse));
+  return out;
+}
+
 }  // namespace ds::infer

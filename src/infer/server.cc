@@ -8,13 +8,16 @@
 #include <ctime>
 #include <limits>
 #include <list>
+#include <map>
 #include <optional>
 #include <random>
 #include <thread>
 
 #include "core/error.h"
 #include "infer/http_transport.h"
+#include "infer/metrics.h"
 #include "infer/server_api.h"
+#include "infer/server_output.h"
 #include "infer/text_stream.h"
 
 namespace ds::infer {
@@ -112,6 +115,34 @@ class Watch {
   std::list<Watcher::Entry>::iterator it_;
 };
 
+// Requests answered, by route and status, for /metrics. Routes are the
+// server's own (anything else counts as "other"), so a client cannot grow
+// the label set.
+class RequestCounts {
+ public:
+  void add(std::string_view route, int status) {
+    std::lock_guard lk(mu_);
+    ++counts_[{std::string(route), status}];
+  }
+  void render(std::string& out) const {
+    metrics::header(out, "deepseek_requests_total", "counter", "HTTP requests answered, by route and status.");
+    std::lock_guard lk(mu_);
+    for (const auto& [key, n] : counts_)
+      metrics::sample(out, "deepseek_requests_total", fmt::format("route=\"{}\",status=\"{}\"", key.first, key.second),
+                      static_cast<double>(n));
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::pair<std::string, int>, uint64_t> counts_;
+};
+
+std::string_view route_label(std::string_view path) {
+  for (const char* r : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+    if (path == r) return r;
+  return "other";
+}
+
 }  // namespace
 
 // ---- the server ------------------------------------------------------------------
@@ -121,19 +152,35 @@ struct Server::Impl {
   ServerOptions opt;
   std::unique_ptr<http::Transport> transport;
   Watcher watcher;
+  RequestCounts requests;
   std::atomic<uint64_t> next_id{0};
   std::random_device seeds;
   std::mutex seeds_mu;
 
+  // One choice of a request: its own sequence.
+  struct Choice {
+    std::shared_ptr<Generation> gen;
+    std::unique_ptr<TextStream> text;   // none without a tokenizer
+    std::vector<int32_t> ids;           // made so far
+    std::vector<TokenLogprob> lps;      // with logprobs: one per id
+    bool begun = false, ended = false;  // streams: the first chunk and the end are sent
+    bool stopped() const { return text && text->stopped(); }
+  };
+
   // A request, checked and submitted.
   struct Job {
-    bool chat = false, stream = false, include_usage = false;
+    bool chat = false, stream = false, include_usage = false, echo = false;
+    int64_t logprobs = -1;
     std::string id, model;
     int64_t created = 0;
-    std::shared_ptr<Generation> gen;
-    std::unique_ptr<TextStream> text;  // none without a tokenizer
-    bool stopped() const { return text && text->stopped(); }
-    std::vector<int32_t> ids;  // made so far
+    std::vector<int32_t> prompt;
+    std::vector<Choice> choices;
+    std::shared_ptr<Signal> signal = std::make_shared<Signal>();
+    // Cancels every choice still running (nobody will read the rest).
+    void cancel() const {
+      for (const auto& c : choices)
+        if (c.gen) c.gen->cancel();
+    }
   };
 
   uint64_t random_seed() {
@@ -143,53 +190,73 @@ struct Server::Impl {
 
   Job start(const json& body, bool chat) {
     Batcher& b = *model.batcher;
-    api::Request q = api::read_request(body, chat, {model.tokenizer, b.max_positions()});
+    api::Request q = api::read_request(body, chat, {model.tokenizer, b.max_positions(), b.vocab_size()});
     BatchRequest& r = q.batch;
     if (!q.has_seed) r.sampler.seed = random_seed();
     Job job;
     job.chat = chat;
     job.stream = q.stream;
     job.include_usage = q.include_usage;
-    if (model.tokenizer) job.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
+    job.echo = q.echo;
+    job.logprobs = q.logprobs;
+    job.prompt = r.prompt;
     job.model = opt.model_name;
     job.id = fmt::format("{}-{:x}", chat ? "chatcmpl" : "cmpl", next_id++);
     job.created = static_cast<int64_t>(std::time(nullptr));
     try {
-      if (model.check) model.check(static_cast<int64_t>(r.prompt.size()), r.max_new_tokens);
+      if (model.check) model.check(static_cast<int64_t>(r.prompt.size()), r.max_new_tokens, q.n);
     } catch (const Error& e) {
       // A chat's default runs to the model's last position, which may not
       // fit where a shorter answer would.
       refuse(q.max_key,
              plain(e.what()) + (q.max_defaulted ? fmt::format("; set '{}' to ask for fewer tokens", q.max_key) : ""));
     }
-    try {
-      job.gen = b.submit(std::move(r));
-    } catch (const Unavailable& e) {
-      refuse("", plain(e.what()), 503);
-    } catch (const Error& e) {
-      refuse("", plain(e.what()));
+    // Choice i draws with seed + i: choice 0 is what n = 1 makes.
+    job.choices.resize(static_cast<size_t>(q.n));
+    for (int64_t i = 0; i < q.n; ++i) {
+      Choice& c = job.choices[static_cast<size_t>(i)];
+      if (model.tokenizer) c.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
+      BatchRequest ri = r;
+      ri.sampler.seed = r.sampler.seed + static_cast<uint64_t>(i);
+      try {
+        c.gen = b.submit(std::move(ri), job.signal);
+      } catch (const Unavailable& e) {
+        job.cancel();
+        refuse("", plain(e.what()), 503);
+      } catch (const Error& e) {
+        job.cancel();
+        refuse("", plain(e.what()));
+      }
     }
     return job;
   }
 
-  // Waits for the next token; false at the end (a stop string counts).
-  // `delta` gets the text that can be sent.
-  static bool advance(Job& job, std::string& delta, int32_t& token) {
+  enum class Next { Token, End, None };
+
+  // The next token of a choice: Token (delta: the text that can be sent),
+  // End (a stop string counts; delta: the text held back), or None when
+  // !wait and no token is ready.
+  static Next advance(const Job& job, Choice& c, std::string& delta, bool wait) {
     delta.clear();
-    if (job.stopped()) return false;
-    if (!job.gen->next(&token)) {
-      if (job.text) delta = job.text->finish();
-      return false;
+    if (c.stopped()) return Next::End;
+    int32_t token;
+    TokenLogprob lp;
+    const bool got = wait ? c.gen->next(&token, &lp) : c.gen->try_next(&token, &lp);
+    if (!got) {
+      if (!wait && !c.gen->drained()) return Next::None;
+      if (c.text) delta = c.text->finish();
+      return Next::End;
     }
-    job.ids.push_back(token);
-    if (job.text) delta = job.text->push(token);
-    if (job.stopped()) job.gen->cancel();
-    return true;
+    c.ids.push_back(token);
+    if (job.logprobs >= 0) c.lps.push_back(std::move(lp));
+    if (c.text) delta = c.text->push(token);
+    if (c.stopped()) c.gen->cancel();
+    return Next::Token;
   }
 
-  static std::string finish_reason(const Job& job) {
-    if (job.stopped()) return "stop";
-    switch (job.gen->finish()) {
+  static std::string finish_reason(const Choice& c) {
+    if (c.stopped()) return "stop";
+    switch (c.gen->finish()) {
       case Finish::Eos:
         return "stop";
       case Finish::Length:
@@ -200,11 +267,11 @@ struct Server::Impl {
   }
 
   // A generation that ended without finishing: the refusal to send.
-  static std::optional<Refusal> failure(const Job& job) {
-    if (job.stopped()) return std::nullopt;
-    switch (job.gen->finish()) {
+  static std::optional<Refusal> failure(const Choice& c) {
+    if (c.stopped()) return std::nullopt;
+    switch (c.gen->finish()) {
       case Finish::Failed:
-        return Refusal{500, "generation failed: " + plain(job.gen->error().c_str()), ""};
+        return Refusal{500, "generation failed: " + plain(c.gen->error().c_str()), ""};
       case Finish::Cancelled:
         return Refusal{503, "the server is shutting down", ""};
       default:
@@ -213,7 +280,9 @@ struct Server::Impl {
   }
 
   json usage(const Job& job) const {
-    const int64_t p = job.gen->prompt_tokens(), c = static_cast<int64_t>(job.ids.size());
+    const int64_t p = static_cast<int64_t>(job.prompt.size());
+    int64_t c = 0;
+    for (const auto& ch : job.choices) c += static_cast<int64_t>(ch.ids.size());
     return {{"prompt_tokens", p}, {"completion_tokens", c}, {"total_tokens", p + c}};
   }
 
@@ -224,28 +293,73 @@ struct Server::Impl {
             {"model", job.model}};
   }
 
+  // The echoed prompt's text and logprob entries (completions' echo).
+  std::string prompt_text(const Job& job) const {
+    if (!model.tokenizer) return "";
+    try {
+      return model.tokenizer->decode(job.prompt, /*skip_special_tokens=*/true);
+    } catch (const Error&) {
+      // Token ids the model has and the tokenizer does not: each by name.
+      std::string text;
+      for (const int32_t id : job.prompt) text += api::token_text(model.tokenizer, id);
+      return text;
+    }
+  }
+  static std::vector<api::LoggedToken> prompt_tokens(const Job& job, const std::vector<TokenLogprob>& lps) {
+    std::vector<api::LoggedToken> out;
+    for (size_t i = 0; i < job.prompt.size(); ++i)
+      out.push_back({job.prompt[i], i > 0 && i < lps.size() ? &lps[i] : nullptr});
+    return out;
+  }
+  // The logprobs of choice c's tokens [from, to).
+  static std::vector<api::LoggedToken> made_tokens(const Choice& c, size_t from, size_t to) {
+    std::vector<api::LoggedToken> out;
+    for (size_t i = from; i < to; ++i) out.push_back({c.ids[i], &c.lps[i]});
+    return out;
+  }
+  json logprobs_of(const Job& job, const std::vector<api::LoggedToken>& tokens, int64_t* offset) const {
+    if (job.logprobs < 0) return nullptr;
+    return job.chat ? api::chat_logprobs(model.tokenizer, tokens)
+                    : api::completion_logprobs(model.tokenizer, tokens, offset);
+  }
+
   void complete(Job& job, http::Responder& out, const Watch& watch) {
-    std::string text, delta;
-    int32_t token;
-    while (advance(job, delta, token)) text += delta;
-    text += delta;
-    if (watch.client_gone()) return out.abandon();
-    if (auto f = failure(job)) return send_error(out, *f);
-    json choice = {{"index", 0}, {"finish_reason", finish_reason(job)}, {"logprobs", nullptr}};
-    if (job.chat)
-      choice["message"] = {{"role", "assistant"}, {"content", text}};
-    else
-      choice["text"] = text;
-    choice["token_ids"] = job.ids;
+    json choices = json::array();
+    std::string delta;
+    for (size_t i = 0; i < job.choices.size(); ++i) {
+      Choice& c = job.choices[i];
+      std::string text;
+      while (advance(job, c, delta, true) == Next::Token) text += delta;
+      text += delta;
+      if (watch.client_gone()) return out.abandon();
+      if (auto f = failure(c)) return send_error(out, *f);
+      int64_t offset = 0;
+      std::vector<api::LoggedToken> logged;
+      std::vector<TokenLogprob> plps;
+      if (job.echo) {
+        plps = c.gen->prompt_logprobs();
+        text = prompt_text(job) + text;
+        logged = prompt_tokens(job, plps);
+      }
+      for (const auto& t : made_tokens(c, 0, job.logprobs >= 0 ? c.ids.size() : 0)) logged.push_back(t);
+      json choice = {
+          {"index", i}, {"finish_reason", finish_reason(c)}, {"logprobs", logprobs_of(job, logged, &offset)}};
+      if (job.chat)
+        choice["message"] = {{"role", "assistant"}, {"content", text}};
+      else
+        choice["text"] = text;
+      choice["token_ids"] = c.ids;
+      choices.push_back(std::move(choice));
+    }
     json out_body = envelope(job, false);
-    out_body["choices"] = json::array({choice});
+    out_body["choices"] = std::move(choices);
     out_body["usage"] = usage(job);
     out.send(200, wire(out_body));
   }
 
-  json chunk(const Job& job, const std::string& delta, const std::vector<int32_t>& ids, const json& finish,
-             bool first) const {
-    json choice = {{"index", 0}, {"logprobs", nullptr}, {"finish_reason", finish}};
+  json chunk(const Job& job, size_t index, const std::string& delta, const std::vector<int32_t>& ids,
+             const json& finish, bool first, json logprobs = nullptr) const {
+    json choice = {{"index", index}, {"logprobs", std::move(logprobs)}, {"finish_reason", finish}};
     if (job.chat) {
       choice["delta"] = first ? json{{"role", "assistant"}, {"content", delta}} : json{{"content", delta}};
       if (!finish.is_null()) choice["delta"] = json::object();
@@ -260,34 +374,63 @@ struct Server::Impl {
 
   static bool send_event(http::Responder& out, const std::string& data) { return out.chunk("data: " + data + "\n\n"); }
 
+  // Choice i's events for what advance() gave: its echoed prompt before
+  // anything else, then the token (or the text held back and its end).
+  // False when the client has gone.
+  bool stream_choice(Job& job, size_t i, Next got, const std::string& delta, http::Responder& out) {
+    Choice& c = job.choices[i];
+    int64_t offset = 0;
+    if (!c.begun && job.echo) {
+      const auto plps = c.gen->prompt_logprobs();
+      const json lp = logprobs_of(job, prompt_tokens(job, plps), &offset);
+      if (!send_event(out, wire(chunk(job, i, prompt_text(job), job.prompt, nullptr, false, lp)))) return false;
+    }
+    if (got == Next::Token) {
+      const size_t t = c.ids.size() - 1;
+      const json lp = job.logprobs >= 0 ? logprobs_of(job, made_tokens(c, t, t + 1), &offset) : json(nullptr);
+      if (!send_event(out, wire(chunk(job, i, delta, {c.ids[t]}, nullptr, !c.begun, lp)))) return false;
+      c.begun = true;
+      return true;
+    }
+    // A chat stream's first chunk carries the role, even with no token.
+    if (!delta.empty() || (job.chat && !c.begun)) send_event(out, wire(chunk(job, i, delta, {}, nullptr, !c.begun)));
+    c.begun = c.ended = true;
+    return send_event(out, wire(chunk(job, i, "", {}, finish_reason(c), false)));
+  }
+
   void stream(Job& job, http::Responder& out) {
-    if (!out.begin_chunks(200, "text/event-stream")) return job.gen->cancel();
-    std::string delta;
-    int32_t token;
-    bool first = true;
+    if (!out.begin_chunks(200, "text/event-stream")) return job.cancel();
     std::optional<Refusal> failed;
+    std::string delta;
     try {
-      while (advance(job, delta, token)) {
-        if (!send_event(out, wire(chunk(job, delta, {token}, nullptr, first)))) return job.gen->cancel();  // gone
-        first = false;
+      // Every choice's tokens as they come: a pass takes what is ready,
+      // then waits for the next token or end of any choice.
+      for (size_t open = job.choices.size(); open > 0 && !failed;) {
+        const uint64_t seen = job.signal->events();
+        bool moved = false;
+        for (size_t i = 0; i < job.choices.size() && !failed; ++i) {
+          Choice& c = job.choices[i];
+          if (c.ended) continue;
+          const Next got = advance(job, c, delta, false);
+          if (got == Next::None) continue;
+          moved = true;
+          if (got == Next::End && (failed = failure(c))) break;
+          if (!stream_choice(job, i, got, delta, out)) return job.cancel();  // gone
+          if (c.ended) --open;
+        }
+        if (!moved && open > 0) job.signal->wait(seen);
       }
-      failed = failure(job);
     } catch (const std::exception& e) {
-      job.gen->cancel();
       failed = Refusal{500, "internal error: " + plain(e.what()), ""};
     }
     if (failed) {
+      job.cancel();
       send_event(out, wire(api::error_body(*failed)));
-    } else {
-      // A chat stream's first chunk carries the role, even with no token.
-      if (!delta.empty() || (job.chat && first)) send_event(out, wire(chunk(job, delta, {}, nullptr, first)));
-      send_event(out, wire(chunk(job, "", {}, finish_reason(job), false)));
-      if (job.include_usage) {
-        json u = envelope(job, true);
-        u["choices"] = json::array();
-        u["usage"] = usage(job);
-        send_event(out, wire(u));
-      }
+    } else if (job.include_usage) {
+      json u = envelope(job, true);
+      u["choices"] = json::array();
+      u["usage"] = usage(job);
+      send_event(out, wire(u));
     }
     send_event(out, "[DONE]");
     out.end_chunks();
@@ -296,14 +439,17 @@ struct Server::Impl {
   void handle(const std::string& body, http::Responder& out, bool chat) {
     try {
       auto job = start(api::parse_body(body, opt.max_json_depth), chat);
-      Watch watch(watcher, out.socket(), job.gen);
+      // Each choice's generation is watched: a client that leaves cancels them all.
+      std::vector<std::unique_ptr<Watch>> watches;
+      for (const auto& c : job.choices) watches.push_back(std::make_unique<Watch>(watcher, out.socket(), c.gen));
+      // However the answer ends (a failed choice, an error, a client gone),
+      // nobody reads the rest of the choices still running.
+      struct CancelRest {
+        const Job& job;
+        ~CancelRest() { job.cancel(); }
+      } rest{job};
       if (job.stream) return stream(job, out);
-      try {
-        complete(job, out, watch);
-      } catch (...) {
-        job.gen->cancel();  // nobody will read the rest
-        throw;
-      }
+      complete(job, out, *watches.front());
     } catch (const Refusal& r) {
       send_error(out, r);
     } catch (const json::exception& e) {
@@ -311,30 +457,63 @@ struct Server::Impl {
     }
   }
 
+  // GET /metrics: Prometheus' text format.
+  std::string render_metrics() const {
+    const Batcher& b = *model.batcher;
+    const BatcherCounters& k = b.counters();
+    std::string out;
+    requests.render(out);
+    metrics::scalar(out, "deepseek_prompt_tokens_total", "counter", "Prompt tokens read into the caches.",
+                    static_cast<double>(k.prompt_tokens.load()));
+    metrics::scalar(out, "deepseek_generation_tokens_total", "counter", "Tokens generated.",
+                    static_cast<double>(k.generated_tokens.load()));
+    k.time_to_first_token.render(out, "deepseek_time_to_first_token_seconds",
+                                 "From a sequence's submission (queueing included) to its first new token.");
+    k.time_per_output_token.render(out, "deepseek_time_per_output_token_seconds",
+                                   "Between one new token of a sequence and its next.");
+    metrics::scalar(out, "deepseek_running_sequences", "gauge", "Sequences in batch slots.",
+                    static_cast<double>(b.running()));
+    metrics::scalar(out, "deepseek_waiting_sequences", "gauge", "Sequences waiting for a slot.",
+                    static_cast<double>(b.waiting()));
+    metrics::scalar(out, "deepseek_max_sequences", "gauge", "Batch slots.",
+                    static_cast<double>(b.options().max_sequences));
+    metrics::scalar(out, "deepseek_cache_bytes", "gauge",
+                    "Bytes the KV caches (or V4 states) hold after the last step.",
+                    static_cast<double>(k.cache_bytes.load()));
+    return out;
+  }
+
+  void route(const http::Request& req, std::string_view path, http::Responder& out) {
+    const bool get = req.method() == http::bhttp::verb::get, post = req.method() == http::bhttp::verb::post;
+    if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
+      return handle(req.body(), out, path == "/v1/chat/completions");
+    if (get && path == "/v1/models") {
+      json m = {{"id", opt.model_name},
+                {"object", "model"},
+                {"created", 0},
+                {"owned_by", "deepseek.cpp"},
+                {"max_model_len", model.batcher->max_positions()}};
+      return out.send(200, wire(json{{"object", "list"}, {"data", json::array({m})}}));
+    }
+    if (get && path == "/health")
+      return out.send(200, wire(json{{"status", model.batcher->closed() ? "stopping" : "ok"},
+                                     {"running", model.batcher->running()},
+                                     {"waiting", model.batcher->waiting()}}));
+    if (get && path == "/metrics") return out.send(200, render_metrics(), "text/plain; version=0.0.4; charset=utf-8");
+    send_error(out, Refusal{404, fmt::format("no route {} {}", std::string(req.method_string()), path), ""});
+  }
+
   void dispatch(const http::Request& req, http::Responder& out) {
     const auto target = req.target();
     std::string_view path(target.data(), target.size());
     path = path.substr(0, path.find('?'));
-    const bool get = req.method() == http::bhttp::verb::get, post = req.method() == http::bhttp::verb::post;
     try {
-      if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
-        return handle(req.body(), out, path == "/v1/chat/completions");
-      if (get && path == "/v1/models") {
-        json m = {{"id", opt.model_name},
-                  {"object", "model"},
-                  {"created", 0},
-                  {"owned_by", "deepseek.cpp"},
-                  {"max_model_len", model.batcher->max_positions()}};
-        return out.send(200, wire(json{{"object", "list"}, {"data", json::array({m})}}));
-      }
-      if (get && path == "/health")
-        return out.send(200, wire(json{{"status", model.batcher->closed() ? "stopping" : "ok"},
-                                       {"running", model.batcher->running()},
-                                       {"waiting", model.batcher->waiting()}}));
-      send_error(out, Refusal{404, fmt::format("no route {} {}", std::string(req.method_string()), path), ""});
+      route(req, path, out);
     } catch (const std::exception& e) {
       if (!out.answered()) send_error(out, Refusal{500, "internal error: " + plain(e.what()), ""});
     }
+    // 0: the client left before an answer.
+    requests.add(route_label(path), out.status());
   }
 };
 

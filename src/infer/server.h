@@ -2,10 +2,14 @@
 // (infer/batcher.h), as llama.cpp's and vLLM's servers offer it:
 //
 //   POST /v1/completions       {"prompt": "text" | [ids], "max_tokens", "temperature", "top_p",
-//                               "top_k", "seed", "stop", "stream", "ignore_eos"}
-//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ...} in DeepSeek-V3's chat format
-//   GET  /v1/models, GET /health
+//                               "top_k", "seed", "stop", "stream", "ignore_eos", "n",
+//                               "logprobs" (0-5), "echo", "presence_penalty",
+//                               "frequency_penalty", "repetition_penalty", "logit_bias"}
+//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ..., "logprobs" (bool),
+//                               "top_logprobs"} in DeepSeek-V3's chat format
+//   GET  /v1/models, GET /health, GET /metrics (Prometheus' text format)
 //
+// Choice i of a request of n is its own sequence, drawn with seed + i.
 // Streams are server-sent events ("data: {...}" per token, then
 // "data: [DONE]"). A client that closes its connection before its answer is
 // complete, streamed or not, has its generation cancelled at the next step. Every request the server cannot run gets an
@@ -45,9 +49,10 @@ struct ServedModel {
   // Text in and out; without one only token-id prompts are taken and
   // responses carry token ids and empty text.
   const io::Tokenizer* tokenizer = nullptr;
-  // Checks a request of this prompt length and token budget against the
-  // machine (the KV cache's memory); throws ds::Error to refuse it.
-  std::function<void(int64_t prompt_tokens, int64_t max_new_tokens)> check;
+  // Checks a request of `sequences` sequences (its choices) of this prompt
+  // length and token budget against the machine (the KV cache's memory);
+  // throws ds::Error to refuse it.
+  std::function<void(int64_t prompt_tokens, int64_t max_new_tokens, int64_t sequences)> check;
 };
 
 class Server {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "core/error.h"
@@ -116,25 +117,67 @@ void refuse_unsupported(const json& body, bool chat) {
     const json* v = field(body, key);
     if (v && *v != neutral) refuse(key, fmt::format("'{}' is not supported (only {})", key, neutral.dump()));
   };
-  must_be("n", 1);
-  must_be("presence_penalty", 0);
-  must_be("frequency_penalty", 0);
-  for (const char* key : {"logit_bias", "tools", "functions"}) {
+  for (const char* key : {"tools", "functions"}) {
     const json* v = field(body, key);
     if (v && !v->empty()) refuse(key, fmt::format("'{}' is not supported", key));
   }
   if (chat) {
-    must_be("logprobs", false);
     const json* rf = field(body, "response_format");
     if (rf && !(rf->is_object() && rf->value("type", "") == "text"))
       refuse("response_format", "'response_format' is not supported (only {\"type\": \"text\"})");
   } else {
     must_be("best_of", 1);
-    must_be("echo", false);
     must_be("suffix", "");
-    const json* lp = field(body, "logprobs");
-    if (lp && *lp != 0 && *lp != false) refuse("logprobs", "'logprobs' is not supported");
   }
+}
+
+// presence_penalty, frequency_penalty (OpenAI's), repetition_penalty (vLLM's
+// and llama.cpp's) and logit_bias: {"token id": bias}.
+LogitAdjust adjust_fields(const json& body, int64_t vocab) {
+  LogitAdjust a;
+  a.presence = static_cast<float>(number_field(body, "presence_penalty", 0.0, -2.0, 2.0));
+  a.frequency = static_cast<float>(number_field(body, "frequency_penalty", 0.0, -2.0, 2.0));
+  a.repetition = static_cast<float>(
+      number_field(body, "repetition_penalty", 1.0, 0.0, static_cast<double>(std::numeric_limits<float>::max())));
+  if (a.repetition <= 0.0f) refuse("repetition_penalty", "'repetition_penalty' must be > 0");
+  const json* lb = field(body, "logit_bias");
+  if (!lb) return a;
+  if (!lb->is_object()) refuse("logit_bias", "'logit_bias' must be an object of token ids (strings) to numbers");
+  for (const auto& [key, v] : lb->items()) {
+    const bool digits = !key.empty() && key.size() <= 10 &&
+                        std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const int64_t id = digits ? std::stoll(key) : -1;
+    if (id < 0 || (vocab > 0 && id >= vocab))
+      refuse("logit_bias", fmt::format("'logit_bias' keys must be token ids in [0, {}), got \"{}\"", vocab, key));
+    if (!v.is_number() || !(v.get<double>() >= -100.0 && v.get<double>() <= 100.0))
+      refuse("logit_bias", fmt::format("'logit_bias' values must be numbers in [-100, 100], got {}", v.dump()));
+    a.bias.emplace_back(static_cast<int32_t>(id), v.get<float>());
+  }
+  return a;
+}
+
+// chat: "logprobs" true or false and "top_logprobs" 0-20; completions:
+// "logprobs" an integer 0-5 (the most likely ids with each token) and
+// "echo". Sets out.logprobs, out.echo and what the batcher computes.
+void logprob_fields(const json& body, Request& out) {
+  if (out.chat) {
+    const bool on = bool_field(body, "logprobs", false);
+    const int64_t top = int_field(body, "top_logprobs", 0, 0, kMaxTopLogprobs);
+    if (!on && field(body, "top_logprobs")) refuse("top_logprobs", "'top_logprobs' needs 'logprobs': true");
+    out.logprobs = on ? top : -1;
+  } else {
+    const json* lp = field(body, "logprobs");
+    if (lp && !(lp->is_boolean() && !lp->get<bool>())) {
+      if (!lp->is_number_integer())
+        refuse("logprobs", fmt::format("'logprobs' must be an integer in [0, {}]", kMaxCompletionLogprobs));
+      out.logprobs = int_field(body, "logprobs", -1, 0, kMaxCompletionLogprobs);
+    }
+    out.echo = bool_field(body, "echo", false);
+  }
+  BatchRequest& r = out.batch;
+  r.logprobs = out.logprobs >= 0;
+  r.top_logprobs = std::max<int64_t>(0, out.logprobs);
+  r.prompt_logprobs = out.echo && r.logprobs;
 }
 
 // Stop strings: one string or an array of up to 16 non-empty ones.
@@ -289,6 +332,9 @@ Request read_request(const json& body, bool chat, const Limits& lim) {
   if (const json* m = field(body, "model")) {
     if (!m->is_string()) refuse("model", "'model' must be a string");
   }
+  out.n = int_field(body, "n", 1, 1, kMaxChoices);
+  r.adjust = adjust_fields(body, lim.vocab);
+  logprob_fields(body, out);
   return out;
 }
 

@@ -50,13 +50,25 @@ json parse_body(std::string_view body, int max_depth = kMaxJsonDepth);
 struct Limits {
   const io::Tokenizer* tokenizer = nullptr;  // none: only token-id prompts
   int64_t max_positions = 0;                 // the model's
+  int64_t vocab = 0;                         // the model's ids (logit_bias keys below it)
 };
+
+// Choices per request at most ("n").
+inline constexpr int64_t kMaxChoices = 8;
+// Most likely ids per token at most: completions' "logprobs" and chat's
+// "top_logprobs".
+inline constexpr int64_t kMaxCompletionLogprobs = 5;
 
 // A checked request: what the batcher runs and how to answer.
 struct Request {
-  BatchRequest batch;  // batch.sampler.seed is set only when has_seed
+  BatchRequest batch;  // batch.sampler.seed is set only when has_seed; choice i draws with seed + i
   bool has_seed = false;
   bool chat = false, stream = false, include_usage = false;
+  int64_t n = 1;      // choices, each its own sequence
+  bool echo = false;  // completions: the prompt's text (and logprobs) before each choice's
+  // Log-probabilities: none (-1), or each token's with this many most
+  // likely ids (batch.logprobs and batch.top_logprobs say the same).
+  int64_t logprobs = -1;
   std::vector<std::string> stops;
   const char* max_key = "max_tokens";  // the field that set max_new_tokens
   bool max_defaulted = true;           // ... or none did

@@ -50,13 +50,17 @@ void V4Decoder::reset(int64_t s) {
   states_[static_cast<size_t>(s)] = m_.new_state();
 }
 
-std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) {
+std::vector<float> V4Decoder::run(const std::vector<std::vector<int32_t>>& tokens, bool all_logits) {
   DS_CHECK(tokens.size() == states_.size(), "V4 step: {} token lists for {} sequences", tokens.size(), states_.size());
   std::vector<model::V4Request> batch;
   for (size_t s = 0; s < tokens.size(); ++s)
     if (!tokens[s].empty()) batch.push_back({&states_[s], tokens[s].data(), static_cast<int64_t>(tokens[s].size())});
-  return m_.forward(batch, false);
+  return m_.forward(batch, all_logits);
 }
+
+std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) { return run(tokens, false); }
+
+std::vector<float> V4Decoder::step_all(const std::vector<std::vector<int32_t>>& tokens) { return run(tokens, true); }
 
 size_t V4Decoder::cache_bytes() const {
   size_t b = 0;

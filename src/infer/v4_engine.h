@@ -40,10 +40,13 @@ class V4Decoder : public Decoder {
   void start(int64_t sequences) override;
   void reset(int64_t sequence) override;
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override;
+  std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override;
   int64_t length(int64_t s) const override { return states_[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override;
 
  private:
+  std::vector<float> run(const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
+
   model::V4Model& m_;
   std::vector<model::V4State> states_;
 };

@@ -1,0 +1,37 @@
+// The log-probabilities in the server's answers, in OpenAI's two shapes:
+// the legacy completions' {"tokens", "token_logprobs", "top_logprobs",
+// "text_offset"} (an echoed prompt's first token has null entries) and
+// chat's {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "infer/sampler.h"
+#include "io/tokenizer.h"
+
+namespace ds::infer::api {
+
+// A token and its log-probabilities (none: the first prompt token, which
+// nothing predicts).
+struct LoggedToken {
+  int32_t id;
+  const TokenLogprob* lp;
+};
+
+// A token as logprobs name it: its text decoded alone (special tokens
+// included; a byte-level piece of a UTF-8 character becomes U+FFFD), or
+// "token_id:<id>" without a tokenizer (vLLM's form).
+std::string token_text(const io::Tokenizer* tok, int32_t id);
+
+// Completions' logprobs object. *offset is the text_offset of the first
+// token (characters), advanced past each token's text: offsets are the
+// cumulative lengths of the token strings, as vLLM computes them.
+nlohmann::json completion_logprobs(const io::Tokenizer* tok, const std::vector<LoggedToken>& tokens, int64_t* offset);
+
+// Chat's logprobs object; `bytes` is each token string's UTF-8.
+nlohmann::json chat_logprobs(const io::Tokenizer* tok, const std::vector<LoggedToken>& tokens);
+
+}  // namespace ds::infer::api
