@@ -93,8 +93,8 @@ TEST(Sampler, PenaltiesAndBiasesTouchOnlyTheirIds) {
   std::vector<float> m = {1.0f, 2.0f};
   ds::infer::adjust_logits(m.data(), 2, LogitAdjust{}, seen);
   EXPECT_EQ(m, (std::vector<float>{1.0f, 2.0f}));
-  EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{2.5f}, 5), ds::Error);
-  EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{0, 0, 0.0f}, 5), ds::Error);
+  EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{2.5f, 0, 1, {}}, 5), ds::Error);
+  EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{0, 0, 0.0f, {}}, 5), ds::Error);
   EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{0, 0, 1, {{5, 1.0f}}}, 5), ds::Error);
   EXPECT_THROW(ds::infer::check_adjust(LogitAdjust{0, 0, 1, {{1, 101.0f}}}, 5), ds::Error);
 }
