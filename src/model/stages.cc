@@ -569,10 +569,18 @@ void combine_forward(float* out, const float* ys, const Routing& r, int64_t D, C
   parallel_ranges(N, N * K * D >= (int64_t{1} << 16), [&](int64_t t0, int64_t t1) {
     std::vector<int64_t> rows(static_cast<size_t>(K));
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t j = 0; j < K; ++j) rows[static_cast<size_t>(j)] = r.inverse[t * K + j];
-      // Sorted rows are expert-major: ascending rows are the experts' order.
-      if (order == CombineOrder::Experts) std::sort(rows.begin(), rows.end());
       float* o = out + t * D;
+      if (order == CombineOrder::Assignments) {
+        for (int64_t j = 0; j < K; ++j) {
+          const float wj = r.weights[t * K + j];
+          const float* y = ys + r.inverse[t * K + j] * D;
+          for (int64_t d = 0; d < D; ++d) o[d] += wj * y[d];
+        }
+        continue;
+      }
+      // Sorted rows are expert-major: ascending rows are the experts' order.
+      for (int64_t j = 0; j < K; ++j) rows[static_cast<size_t>(j)] = r.inverse[t * K + j];
+      std::sort(rows.begin(), rows.end());
       for (const int64_t row : rows) {
         const float wj = r.weights[r.order[row]];
         const float* y = ys + row * D;
