@@ -326,7 +326,8 @@ void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const flo
 
 // ---------------------------------------------------------------- MLP
 
-void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams<ops::WeightView>& p, int64_t N) {
+void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams<ops::WeightView>& p, int64_t N,
+                 float swiglu_limit) {
   const int64_t I = p.gate.rows;
   // Without a place for the residual, the activation overwrites the gate's output.
   Buffer<float> gs, us, as;
@@ -335,17 +336,17 @@ void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams
   if (!u) u = (us.resize(N * I), us.data());
   ops::linear_forward_pair(g, p.gate, u, p.up, x, N);
   float* a = keep_g ? (as.resize(N * I), as.data()) : g;
-  ops::silu_mul_forward(a, g, u, N * I);
+  ops::silu_mul_forward(a, g, u, N * I, swiglu_limit);
   ops::linear_forward(out, a, p.down, N);
 }
 
 void mlp_backward(float* dx, MlpParams<float*>& gr, const float* dout, const float* g, const float* u, const float* x,
-                  const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx) {
+                  const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx, float swiglu_limit) {
   const int64_t I = p.gate.rows;
   Buffer<float> a(N * I), da(N * I), dg(N * I), du(N * I);
-  ops::silu_mul_forward(a.data(), g, u, N * I);
+  ops::silu_mul_forward(a.data(), g, u, N * I, swiglu_limit);
   ops::linear_backward(da.data(), gr.down, dout, a.data(), p.down, N);
-  ops::silu_mul_backward(dg.data(), du.data(), da.data(), g, u, N * I);
+  ops::silu_mul_backward(dg.data(), du.data(), da.data(), g, u, N * I, swiglu_limit);
   ops::linear_backward(dx, gr.gate, dg.data(), x, p.gate, N, accumulate_dx);
   ops::linear_backward(dx, gr.up, du.data(), x, p.up, N, true);
 }

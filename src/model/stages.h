@@ -175,11 +175,14 @@ void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const flo
 
 // down(silu(gate(x)) * up(x)): mlpwi_0 [N, I] (gate), mlpwi_1 [N, I] (up),
 // out [N, D] (mlpwo). Forward with null mlpwi buffers uses its own scratch.
+// The activation's variant: swiglu_limit > 0 clamps it as DeepSeek-V4's
+// experts do (the gate to at most the limit, the up to +-limit; ops/activations.h).
 void mlp_forward(float* out, float* mlpwi_0, float* mlpwi_1, const float* x, const MlpParams<ops::WeightView>& p,
-                 int64_t N);
+                 int64_t N, float swiglu_limit = 0.0f);
 // dx `=` (or `+=` with accumulate_dx).
 void mlp_backward(float* dx, MlpParams<float*>& g, const float* dout, const float* mlpwi_0, const float* mlpwi_1,
-                  const float* x, const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx);
+                  const float* x, const MlpParams<ops::WeightView>& p, int64_t N, bool accumulate_dx,
+                  float swiglu_limit = 0.0f);
 
 // ---------------------------------------------------------------- MoE
 

@@ -154,6 +154,12 @@ struct V4ExpertTasks {
   // (width hidden -> intermediate) are small.
   bool as_tasks(int64_t hidden, int64_t intermediate) const;
 };
+// A V4 expert as model/stages.h's MLP (gate w1, up w3, down w2), whose
+// mlp_forward / mlp_backward run it with the config's swiglu_limit.
+template <class T>
+MlpParams<T> as_mlp(const V4MlpParams<T>& p) {
+  return {p.w1, p.w3, p.w2};
+}
 struct V4MoeSaved {
   // The router's choice (model/stages.h's selection and route; the logits
   // are not kept): experts, combine weights, unbiased scores [N, E], and the
@@ -161,11 +167,11 @@ struct V4MoeSaved {
   Routing r;
   std::vector<float> bias;  // the selection bias [E] (empty: none), as the forward read it
   V4ExpertTasks tasks;
-  Buffer<float> g, u, h, y;  // routed rows, expert-major: [N K, I] x3, [N K, d]
-  Buffer<float> sg, su, sh;  // shared expert [N, I]
+  Buffer<float> g, u, y;  // routed rows, expert-major: w1 x and w3 x [N K, I], the outputs [N K, d]
+  Buffer<float> sg, su;   // shared expert [N, I]
   // With expert parallelism: the exchange's plan, the rows this rank
   // computes (every rank's rows of its experts, grouped by expert: `local`)
-  // and their inputs xl; g, u, h are then those rows' ([local rows, I]).
+  // and their inputs xl; g and u are then those rows' ([local rows, I]).
   ExchangePlan plan;
   V4ExpertTasks local;
   Buffer<float> xl;
@@ -324,7 +330,7 @@ class V4Model {
   Staged moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
   // The routed experts' rows ys [n K, d] (expert-major: r's sorted order,
   // et's tasks) and the shared expert's output into out, computed here, or
-  // with the exchange on the ranks of their experts; g, u, h as V4MoeSaved
+  // with the exchange on the ranks of their experts; g and u as V4MoeSaved
   // holds them.
   void experts_local(float* out, Buffer<float>& ys, const float* x, int64_t layer, const Routing& r,
                      const V4ExpertTasks& et, Buffer<float>* inner, V4MoeSaved* sv);

@@ -66,11 +66,11 @@ Staged V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t laye
   route(r, E);
 
   // Every routed expert's rows in expert-major buffers: its outputs ys and
-  // g = w1 x, u = w3 x, h = silu(g) * u (training keeps them all); then the
-  // combine.
-  Buffer<float> own[7];
+  // g = w1 x, u = w3 x (training keeps them; the backward recomputes the
+  // activation from them); then the combine.
+  Buffer<float> own[5];
   Buffer<float>& ys = sv ? sv->y : own[0];
-  Buffer<float>* inner = sv ? nullptr : own + 1;  // g, u, h, sg, su, sh when not kept
+  Buffer<float>* inner = sv ? nullptr : own + 1;  // g, u, sg, su when not kept
   if (opt_.exchange) {
     co_await experts_exchanged(out, ys, x, layer, r, inner, sv);
   } else {
@@ -86,27 +86,18 @@ Staged V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t laye
 
 namespace {
 
-// The routed experts' g, u, h ([rows, I]) and the shared expert's ([n, I]),
-// kept in sv or in the caller's six scratch buffers.
+// The routed experts' g, u ([rows, I]) and the shared expert's ([n, I]),
+// kept in sv or in the caller's scratch buffers.
 struct ExpertBuffers {
-  Buffer<float>&g, &u, &h, &sg, &su, &sh;
+  Buffer<float>&g, &u, &sg, &su;
 };
 ExpertBuffers expert_buffers(V4MoeSaved* sv, Buffer<float>* inner, int64_t rows, int64_t n, int64_t I, bool shared) {
-  ExpertBuffers b = sv ? ExpertBuffers{sv->g, sv->u, sv->h, sv->sg, sv->su, sv->sh}
-                       : ExpertBuffers{inner[0], inner[1], inner[2], inner[3], inner[4], inner[5]};
-  for (Buffer<float>* x : {&b.g, &b.u, &b.h}) x->resize(static_cast<size_t>(rows * I));
+  ExpertBuffers b =
+      sv ? ExpertBuffers{sv->g, sv->u, sv->sg, sv->su} : ExpertBuffers{inner[0], inner[1], inner[2], inner[3]};
+  for (Buffer<float>* x : {&b.g, &b.u}) x->resize(static_cast<size_t>(rows * I));
   if (shared)
-    for (Buffer<float>* x : {&b.sg, &b.su, &b.sh}) x->resize(static_cast<size_t>(n * I));
+    for (Buffer<float>* x : {&b.sg, &b.su}) x->resize(static_cast<size_t>(n * I));
   return b;
-}
-
-// w2(silu(w1 x) * w3 x) with the clamp, for `rows` rows.
-void swiglu_rows(float* y, const float* xs, int64_t rows, const V4MlpParams<ops::WeightView>& mp, float* gr, float* ur,
-                 float* hr, int64_t I, float limit) {
-  ops::linear_forward(gr, xs, mp.w1, rows);
-  ops::linear_forward(ur, xs, mp.w3, rows);
-  ops::silu_mul_forward(hr, gr, ur, rows * I, limit);
-  ops::linear_forward(y, hr, mp.w2, rows);
 }
 
 }  // namespace
@@ -117,7 +108,7 @@ void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64
   const int64_t n = r.tokens, d = cfg_.hidden_size, K = r.k, I = cfg_.moe_intermediate_size;
   const float limit = static_cast<float>(cfg_.swiglu_limit);
   const size_t A = static_cast<size_t>(n * K);
-  auto [g, u, h, sg, su, sh] = expert_buffers(sv, inner, static_cast<int64_t>(A), n, I, cfg_.n_shared_experts > 0);
+  auto [g, u, sg, su] = expert_buffers(sv, inner, static_cast<int64_t>(A), n, I, cfg_.n_shared_experts > 0);
   ys.resize(A * static_cast<size_t>(d));
   // One task per expert; the shared expert's writes out. Many small experts
   // run on a thread each (a threaded product that small costs more in
@@ -128,7 +119,7 @@ void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64
   parallel_tasks(static_cast<int64_t>(et.tasks.size()), et.as_tasks(d, I), [&](int64_t t) {
     const int64_t e = et.tasks[static_cast<size_t>(t)];
     if (e < 0) {
-      swiglu_rows(out, x, n, L.shared, sg.data(), su.data(), sh.data(), I, limit);
+      mlp_forward(out, sg.data(), su.data(), x, as_mlp(L.shared), n, limit);
       return;
     }
     const int64_t r0 = et.first[static_cast<size_t>(e)], cnt = et.rows(e);
@@ -137,8 +128,8 @@ void V4Model::experts_local(float* out, Buffer<float>& ys, const float* x, int64
       const int64_t tok = r.order[r0 + j] / K;
       std::copy(x + tok * d, x + (tok + 1) * d, xs.begin() + j * d);
     }
-    swiglu_rows(ys.data() + r0 * d, xs.data(), cnt, L.experts[static_cast<size_t>(e)], g.data() + r0 * I,
-                u.data() + r0 * I, h.data() + r0 * I, I, limit);
+    mlp_forward(ys.data() + r0 * d, g.data() + r0 * I, u.data() + r0 * I, xs.data(),
+                as_mlp(L.experts[static_cast<size_t>(e)]), cnt, limit);
   });
 }
 
@@ -166,17 +157,17 @@ Staged V4Model::experts_exchanged(float* out, Buffer<float>& ys, const float* x,
   V4ExpertTasks& local = sv ? sv->local : own_local;
   if (sv) local = std::move(own_local);
   const size_t R = static_cast<size_t>(plan.local_rows);
-  auto [g, u, h, sg, su, sh] = expert_buffers(sv, inner, static_cast<int64_t>(R), n, I, cfg_.n_shared_experts > 0);
+  auto [g, u, sg, su] = expert_buffers(sv, inner, static_cast<int64_t>(R), n, I, cfg_.n_shared_experts > 0);
   Buffer<float> yl(R * static_cast<size_t>(d));
   parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t t) {
     const int64_t e = local.tasks[static_cast<size_t>(t)];
     if (e < 0) {
-      swiglu_rows(out, x, n, L.shared, sg.data(), su.data(), sh.data(), I, limit);
+      mlp_forward(out, sg.data(), su.data(), x, as_mlp(L.shared), n, limit);
       return;
     }
     const int64_t r0 = local.first[static_cast<size_t>(e)];
-    swiglu_rows(yl.data() + r0 * d, xl.data() + r0 * d, local.rows(e), L.experts[static_cast<size_t>(e)],
-                g.data() + r0 * I, u.data() + r0 * I, h.data() + r0 * I, I, limit);
+    mlp_forward(yl.data() + r0 * d, g.data() + r0 * I, u.data() + r0 * I, xl.data() + r0 * d,
+                as_mlp(L.experts[static_cast<size_t>(e)]), local.rows(e), limit);
   });
   // The results back to the ranks of their tokens, in this rank's order.
   ys.resize(A * static_cast<size_t>(d));

@@ -52,11 +52,9 @@ size_t V4LayerSaved::bytes() const {
                                  &attn.z,
                                  &moe.g,
                                  &moe.u,
-                                 &moe.h,
                                  &moe.y,
                                  &moe.sg,
-                                 &moe.su,
-                                 &moe.sh})
+                                 &moe.su})
     b += vec_bytes(*v);
   for (const V4CompressorSaved& c : attn.comp)
     b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);

@@ -333,17 +333,13 @@ class Backward {
   }
 
   // dx [n, d] `=` from the MoE's output gradient dout.
-  // w2(silu(w1 x) * w3 x) backward: dxs (+=) from dy.
+  // w2(silu(w1 x) * w3 x) backward (model/stages.h's MLP with the clamp):
+  // dxs (+=) from dy; the activation is recomputed from g and u.
   void swiglu(float* dxs, const float* dy, const float* xs, int64_t rows, const float* gv, const float* uv,
-              const float* hv, const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) const {
-    const int64_t I = c_.moe_intermediate_size;
-    const float limit = static_cast<float>(c_.swiglu_limit);
+              const V4MlpParams<View>& mp, V4MlpParams<float*>& mg) const {
     for (const View* v : {&mp.w1, &mp.w3, &mp.w2}) need_vector_data(*v, "an expert");
-    Buffer<float> dh(static_cast<size_t>(rows * I)), dg(dh.size()), du(dh.size());
-    ops::linear_backward(dh.data(), mg.w2, dy, hv, mp.w2, rows);
-    ops::silu_mul_backward(dg.data(), du.data(), dh.data(), gv, uv, rows * I, limit);
-    ops::linear_backward(dxs, mg.w1, dg.data(), xs, mp.w1, rows, true);
-    ops::linear_backward(dxs, mg.w3, du.data(), xs, mp.w3, rows, true);
+    MlpParams<float*> g = as_mlp(mg);
+    mlp_backward(dxs, g, dy, gv, uv, xs, as_mlp(mp), rows, true, static_cast<float>(c_.swiglu_limit));
   }
 
   Staged moe(float* dx, const float* dout, const V4MoeSaved& s, const float* x, int64_t l) {
@@ -369,7 +365,7 @@ class Backward {
         const int64_t e = et.tasks[static_cast<size_t>(task)];
         const size_t ei = static_cast<size_t>(e);
         if (e < 0) {
-          swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
+          swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), L.shared, G.shared);
           return;
         }
         const int64_t r0 = et.first[ei], cnt = et.rows(e);
@@ -379,7 +375,7 @@ class Backward {
           std::copy(x + t * d, x + (t + 1) * d, xs.begin() + j * d);
         }
         swiglu(dxs.data() + r0 * d, dys.data() + r0 * d, xs.data(), cnt, s.g.data() + r0 * I, s.u.data() + r0 * I,
-               s.h.data() + r0 * I, L.experts[ei], G.experts[ei]);
+               L.experts[ei], G.experts[ei]);
       });
     }
     Buffer<float> drouted(static_cast<size_t>(n_ * d));
@@ -419,13 +415,12 @@ class Backward {
     parallel_tasks(static_cast<int64_t>(local.tasks.size()), local.as_tasks(d, I), [&](int64_t task) {
       const int64_t e = local.tasks[static_cast<size_t>(task)];
       if (e < 0) {
-        swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), s.sh.data(), L.shared, G.shared);
+        swiglu(dx, dout, x, n_, s.sg.data(), s.su.data(), L.shared, G.shared);
         return;
       }
       const int64_t r0 = local.first[static_cast<size_t>(e)];
       swiglu(dxl.data() + r0 * d, dyl.data() + r0 * d, s.xl.data() + r0 * d, local.rows(e), s.g.data() + r0 * I,
-             s.u.data() + r0 * I, s.h.data() + r0 * I, L.experts[static_cast<size_t>(e)],
-             G.experts[static_cast<size_t>(e)]);
+             s.u.data() + r0 * I, L.experts[static_cast<size_t>(e)], G.experts[static_cast<size_t>(e)]);
     });
     auto back = ex.start_undispatch(dxs.data(), dxl.data(), s.plan, d);
     co_await Pending{&back};
