@@ -77,7 +77,7 @@ void TrainStepV4(benchmark::State& state, const std::string& policy) {
   const auto& c = *rc.v4;
   const int64_t B = state.range(0), T = state.range(1);
   auto p = model::V4FlatParams::zeros(c);
-  train::init_v4_params(c, p, 1, 0.02f);
+  model::init_v4_params(c, p, 1, 0.02f);
   auto g = model::V4FlatParams::zeros(c);
   const Philox rng(7);
   std::vector<int32_t> in, tg;

@@ -314,12 +314,12 @@ TEST_F(BatcherTest, ImpossibleRequestsAreRefused) {
 
 TEST(BatcherV4, EachRequestMakesWhatItsPromptMakesAlone) {
   const std::string dir = temp_dir("batcher_v4");
-  auto cfg = ds::train::v4_preset(std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml", {});
+  auto cfg = ds::model::v4_preset(std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml", {});
   ASSERT_TRUE(cfg.has_value());
   auto params = ds::model::V4FlatParams::zeros(*cfg);
-  ds::train::init_v4_params(*cfg, params, 5, 0.05f);
+  ds::model::init_v4_params(*cfg, params, 5, 0.05f);
   params.sync_tables(*cfg);
-  ds::train::export_v4_hf(dir, *cfg, params.data.data(), ds::DType::F32, "test");
+  ds::model::export_v4_hf(dir, *cfg, params.data.data(), ds::DType::F32, "test");
   auto m = ds::infer::load_v4_model(dir);
   ds::infer::V4Decoder served(*m->model), reference(*m->model);
   // Chunks of 5 cut prompts across steps; two slots are reused.

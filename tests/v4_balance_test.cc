@@ -34,7 +34,7 @@ Case make_case() {
       "", {"model_name=" + std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml", "mtp_num_layers=1"}, "test");
   const auto& c = *s.rc.v4;
   s.p = model::V4FlatParams::zeros(c);
-  train::init_v4_params(c, s.p, 21, 0.3f);
+  model::init_v4_params(c, s.p, 21, 0.3f);
   // Give the selection biases values, as the balancing rule would.
   int64_t off = 0;
   for (const auto& i : model::v4_param_infos(c)) {

@@ -44,7 +44,7 @@ class V4BatchSplit : public ::testing::Test {
     rc_ = train::parse_run_config("", {"model_name=" + kV4Tiny, "mtp_num_layers=1"}, "test");
     const auto& c = *rc_.v4;
     params_ = model::V4FlatParams::zeros(c);
-    train::init_v4_params(c, params_, 23, 0.2f);
+    model::init_v4_params(c, params_, 23, 0.2f);
     // Four packed rows: two documents in row 0, one in row 1, one in row 2,
     // two in row 3; a few targets not counted.
     uint64_t x = 7;

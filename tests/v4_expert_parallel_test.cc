@@ -27,7 +27,7 @@ TEST(V4ExpertParallel, OneRankExchangeIsThePlainPath) {
       "", {"model_name=" + std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml", "mtp_num_layers=1"}, "test");
   const auto& c = *rc.v4;
   auto p = model::V4FlatParams::zeros(c);
-  train::init_v4_params(c, p, 3, 0.2f);
+  model::init_v4_params(c, p, 3, 0.2f);
   uint64_t x = 17;
   auto next = [&] { return static_cast<int32_t>((x = x * 6364136223846793005ULL + 1442695040888963407ULL) >> 55); };
   model::V4TrainBatch b;

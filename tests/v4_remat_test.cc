@@ -35,7 +35,7 @@ class V4Remat : public ::testing::Test {
     rc_ = train::parse_run_config("", {"model_name=" + kV4Tiny, "mtp_num_layers=1"}, "test");
     const auto& c = *rc_.v4;
     params_ = model::V4FlatParams::zeros(c);
-    train::init_v4_params(c, params_, 11, 0.2f);
+    model::init_v4_params(c, params_, 11, 0.2f);
     uint64_t x = 5;
     auto next = [&] { return static_cast<int32_t>((x = x * 6364136223846793005ULL + 1442695040888963407ULL) >> 55); };
     batch_.lengths = {41, 34};

@@ -144,7 +144,7 @@ TEST(V4Mtp, LossAndGradientMatchCentralDifferences) {
   const auto& c = *rc.v4;
   ASSERT_EQ(c.num_nextn_predict_layers, 1);
   auto p = model::V4FlatParams::zeros(c);
-  train::init_v4_params(c, p, 7, 0.2f);
+  model::init_v4_params(c, p, 7, 0.2f);
   // Two sequences (lengths 30 and 21), every target counted but one.
   std::vector<int32_t> ids;
   uint64_t x = 99;
@@ -298,7 +298,7 @@ TEST(V4Training, BiasUpdateOnScoreRoutedLayersOnly) {
     // The initial parameters: the same seed, no step.
     auto rc = run_config(dir, {"run_name=init", "steps=1", "learning_rate=0"});
     auto p = model::V4FlatParams::zeros(*rc.v4);
-    train::init_v4_params(*rc.v4, p, rc.train.init_weights_seed, static_cast<float>(rc.train.init_weights_std));
+    model::init_v4_params(*rc.v4, p, rc.train.init_weights_seed, static_cast<float>(rc.train.init_weights_std));
     return p;
   }();
   const auto p1 = tensors(dir / "b/checkpoints/step_1/params.safetensors");
@@ -356,7 +356,7 @@ TEST(V4Training, ExportLoadsWithTheTrainedWeights) {
   auto params = model::V4FlatParams::zeros(c);
   train::load_checkpoint(ck, model::v4_param_infos(c), params.data.data(), nullptr, nullptr);
   params.sync_tables(c);
-  train::export_v4_hf((dir / "hf").string(), c, params.data.data(), DType::F32);
+  model::export_v4_hf((dir / "hf").string(), c, params.data.data(), DType::F32);
   const auto c2 = model::V4Config::from_hf_json_file((dir / "hf/config.json").string());
   const auto files = io::SafetensorsSet::open_dir((dir / "hf").string());
   const auto w = model::V4Weights::load(files, c2);
@@ -372,7 +372,7 @@ TEST(V4Training, ExportLoadsWithTheTrainedWeights) {
   const double got = model::v4_loss_and_grad(c2, w.view, nullptr, b).loss;
   EXPECT_EQ(got, want);
   // bf16: the same model up to the rounding of its matrices.
-  train::export_v4_hf((dir / "hf16").string(), c, params.data.data(), DType::BF16);
+  model::export_v4_hf((dir / "hf16").string(), c, params.data.data(), DType::BF16);
   const auto f16 = io::SafetensorsSet::open_dir((dir / "hf16").string());
   const auto w16 = model::V4Weights::load(f16, model::V4Config::from_hf_json_file((dir / "hf16/config.json").string()));
   EXPECT_NEAR(model::v4_loss_and_grad(c2, w16.view, nullptr, b).loss, want, 1e-2 * want);

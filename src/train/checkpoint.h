@@ -26,10 +26,8 @@
 #include <vector>
 
 #include "model/config.h"
-#include "model/family_kind.h"
 #include "model/hf_params.h"
 #include "model/model.h"
-#include "model/v4_train.h"
 
 namespace ds::train {
 
@@ -79,11 +77,7 @@ CheckpointState read_checkpoint_state(const std::string& dir);
 // Hugging Face import and export and random initialisation live with the
 // model (model/hf_params.h); the training code keeps these names.
 using model::export_hf;
-using model::export_v4_hf;
 using model::init_params;
-using model::init_v4_params;
 using model::load_hf_params;
-using model::load_v4_hf_params;
-using model::v4_preset;
 
 }  // namespace ds::train

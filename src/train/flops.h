@@ -7,6 +7,4 @@
 namespace ds::train {
 using model::forward_flops;
 using model::step_flops;
-using model::v4_forward_flops;
-using model::v4_step_flops;
 }  // namespace ds::train
