@@ -18,6 +18,11 @@
 
 namespace ds::infer {
 
+class Model;
+struct ModelOptions;
+// DeepSeek-V2/V3/V3.2's face to generation (infer/model.h's open_model picks it).
+std::unique_ptr<Model> open_v3_model(const std::string& dir, const ModelOptions& opt);
+
 // One thread at a time: step() fills per-layer tables on first use
 // (absorbed_kv_b_), so two threads stepping one engine, even over different
 // caches, race. A server runs every step on one thread (infer/batcher.h).

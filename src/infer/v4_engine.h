@@ -13,6 +13,11 @@
 
 namespace ds::infer {
 
+class Model;
+struct ModelOptions;
+// DeepSeek-V4's face to generation (infer/model.h's open_model picks it).
+std::unique_ptr<Model> open_v4_model(const std::string& dir, const ModelOptions& opt);
+
 struct LoadedV4Model {
   model::V4Config config;
   io::SafetensorsSet files;
