@@ -127,14 +127,8 @@ class Backward {
   Staged mtp_grad(const Buffer<float>& dmtp) {
     if (!sv_.mtp[0].rows.empty()) co_await mtp(dX_, dmtp);
   }
-  // dX_ holds dL/d(layer output) on entry, dL/d(layer input) on return.
-  // What the remat policy dropped is recomputed first, and the layer's
-  // residuals are freed after.
-  Staged layer(int64_t l) {
-    co_await model_.rerun_layer(l, sv_);
-    co_await layer_backward(l, dX_);
-    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
-  }
+  // Layer l's backward on the main streams' gradient dX_.
+  Staged layer(int64_t l) { return layer_on(l, dX_); }
   // The embedding fed every stream.
   void embed_grad() {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
@@ -179,9 +173,7 @@ class Backward {
     balance_rows_ = balance_ ? &balance_->mtp : nullptr;
     md_ = v4_mhc_dims(c_, R);
     pos_ = ms.pos.data();
-    co_await model_.rerun_layer(l, sv_);
-    co_await layer_backward(l, dXm);
-    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
+    co_await layer_on(l, dXm);
     n_ = n0;
     balance_rows_ = balance_ ? &balance_->main : nullptr;
     md_ = md0;
@@ -211,6 +203,13 @@ class Backward {
   }
 
   // dX holds dL/d(layer output) on entry, dL/d(layer input) on return.
+  // What the remat policy dropped is recomputed first, and the layer's
+  // residuals are freed after.
+  Staged layer_on(int64_t l, Buffer<float>& dX) {
+    co_await model_.rerun_layer(l, sv_);
+    co_await layer_backward(l, dX);
+    sv_.layers[static_cast<size_t>(l)] = V4LayerSaved();
+  }
   Staged layer_backward(int64_t l, Buffer<float>& dX) {
     const int64_t d = c_.hidden_size, hc = c_.hc_mult;
     const auto& s = sv_.layers[static_cast<size_t>(l)];
@@ -493,7 +492,6 @@ struct V4Pass {
   const V4TrainBatch* b = nullptr;
   int64_t n = 0;
   std::vector<V4State> states;
-  std::vector<V4Request> reqs;
   V4Saved saved;
   std::vector<float> hn, mtp_hn;
   std::vector<int64_t> mrows;  // the MTP rows' targets
@@ -621,13 +619,13 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
   for (V4Pass& p : passes) {
     p.n = static_cast<int64_t>(p.b->inputs.size());
     for (size_t k = 0; k < p.b->lengths.size(); ++k) p.states.push_back(model.new_state());
+    reqs.emplace_back();
     int64_t at = 0;
     for (size_t k = 0; k < p.b->lengths.size(); ++k) {
-      p.reqs.push_back({&p.states[k], p.b->inputs.data() + at, p.b->lengths[k]});
+      reqs.back().push_back({&p.states[k], p.b->inputs.data() + at, p.b->lengths[k]});
       at += p.b->lengths[k];
     }
     std::tie(p.saved.keep_attention, p.saved.keep_moe) = v4_remat_keeps(opt.remat);
-    reqs.push_back(p.reqs);
     saved.push_back(want_saved ? &p.saved : nullptr);
   }
   std::vector<std::vector<float>> mtp_hn;
