@@ -185,30 +185,32 @@ void mixes_backward(float* dx, float* dfn, const float* draw, const float* ds, c
 // steps + 1, n n]: the softmax, then the matrix after each normalization.
 void sinkhorn(float* M, int64_t cnt, const MhcDims& d, float* states) {
   const int64_t n = d.streams;
-  const bool v4 = d.kind == MhcKind::DeepSeekV4;
-  const int64_t stride = v4 ? 1 : n;  // along a row, or down a column
-  const float add = v4 ? d.eps : 0.0f;
+  const bool rows_first = d.kind == MhcKind::DeepSeekV4;  // DeepSeek's: the softmax along rows
+  const int64_t stride = rows_first ? 1 : n;              // along a row, or down a column
+  const float add = rows_first ? d.eps : 0.0f;
   for (int64_t t = 0; t < cnt; ++t)
     for (int64_t j = 0; j < n; ++j) {
-      float* r = M + t * n * n + (v4 ? j * n : j);
+      float* r = M + t * n * n + (rows_first ? j * n : j);
       float mx = r[0];
       for (int64_t k = 1; k < n; ++k) mx = std::max(mx, r[k * stride]);
       float sum = 0;
       for (int64_t k = 0; k < n; ++k) sum += (r[k * stride] = std::exp(r[k * stride] - mx));
       for (int64_t k = 0; k < n; ++k) r[k * stride] = r[k * stride] / sum + add;
     }
-  DS_DISPATCH(SinkhornNormalize)(M, cnt, n, d.sinkhorn_steps(), v4, !v4, v4 ? d.eps : 1e-12f, states);
+  DS_DISPATCH(SinkhornNormalize)
+  (M, cnt, n, d.sinkhorn_steps(), rows_first, !rows_first, rows_first ? d.eps : 1e-12f, states);
 }
 
 // dL [cnt, n n] (the logits' gradient, overwritten) from dcomb, through the
 // normalizations in reverse and the softmax.
 void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64_t cnt, const MhcDims& d) {
   const int64_t n = d.streams, nn = n * n, per = (d.sinkhorn_steps() + 1) * nn;
-  const bool v4 = d.kind == MhcKind::DeepSeekV4;
-  const int64_t stride = v4 ? 1 : n;
-  const float add = v4 ? d.eps : 0.0f;
+  const bool rows_first = d.kind == MhcKind::DeepSeekV4;  // DeepSeek's: the softmax along rows
+  const int64_t stride = rows_first ? 1 : n;
+  const float add = rows_first ? d.eps : 0.0f;
   std::copy(dcomb, dcomb + cnt * nn, dL);
-  DS_DISPATCH(SinkhornNormalizeBackward)(dL, states, cnt, n, d.sinkhorn_steps(), v4, !v4, v4 ? d.eps : 1e-12f);
+  DS_DISPATCH(SinkhornNormalizeBackward)
+  (dL, states, cnt, n, d.sinkhorn_steps(), rows_first, !rows_first, rows_first ? d.eps : 1e-12f);
   // states[t][0] = the softmax (plus eps): the softmax's own gradient.
   std::vector<float> g(static_cast<size_t>(nn));
   for (int64_t t = 0; t < cnt; ++t) {
@@ -216,7 +218,7 @@ void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64
     float* dl = dL + t * nn;
     std::copy(dl, dl + nn, g.begin());
     for (int64_t j = 0; j < n; ++j) {
-      const int64_t at = v4 ? j * n : j;
+      const int64_t at = rows_first ? j * n : j;
       float dot = 0;
       for (int64_t k = 0; k < n; ++k) dot += (s0[at + k * stride] - add) * g[static_cast<size_t>(at + k * stride)];
       for (int64_t k = 0; k < n; ++k)
