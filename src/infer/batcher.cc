@@ -150,8 +150,8 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r, std::shared_ptr<Sign
     // next step.
     const int64_t free_slots = std::max<int64_t>(0, opt_.max_sequences - running_.load());
     if (static_cast<int64_t>(waiting_.size()) >= opt_.max_waiting + free_slots)
-      throw Unavailable(
-          fmt::format("every slot is busy and {} requests are waiting; try again later", waiting_.size()));
+      throw Unavailable(fmt::format("every slot is busy and {} requests are waiting; try again later",
+                                    waiting_.size()));
     waiting_.push_back({gen, std::move(r)});
   }
   cv_.notify_all();

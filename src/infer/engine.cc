@@ -85,9 +85,9 @@ class CacheAttention : public model::KvAttention {
         iq.resize(N * Hi * Di);
         iw.resize(N * Hi);
       }
-      model::indexer_forward(
-          {ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr, any_sparse ? iw.data() : nullptr}, in.x,
-          in.mla_q, a.indexer, s, b_.pos.data(), N);
+      model::indexer_forward({ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr,
+                              any_sparse ? iw.data() : nullptr},
+                             in.x, in.mla_q, a.indexer, s, b_.pos.data(), N);
     }
     // Work on the cache: rows [r0, r0 + n) of one sequence (past: tokens
     // before r0), dense or sparse.
@@ -150,8 +150,8 @@ class CacheAttention : public model::KvAttention {
     if (latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;
     for (const auto& it : items)
-      work += it.n *
-              (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di : (it.past + it.n) * H * (kvl + rope));
+      work += it.n * (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di
+                                : (it.past + it.n) * H * (kvl + rope));
     // The indexer's scores of a sparse item [n, T]. With fewer items than
     // threads (decode), they are computed first, split over chunks of keys,
     // so a long context keeps every thread busy; else inside the item's task.
@@ -161,12 +161,12 @@ class CacheAttention : public model::KvAttention {
       const Item& it = items[i];
       const SequenceCache& sc = cache_.seqs[it.seq->index];
       const int64_t T = it.past + it.n;
-      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi, Di,
-                          sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
+      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi,
+                          Di, sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
     };
     const bool split_scores = static_cast<int64_t>(items.size()) < num_threads();
     if (split_scores) {
-      constexpr int64_t kKeyChunk = 1024;               // a multiple of the scorer's key tile
+      constexpr int64_t kKeyChunk = 1024;  // a multiple of the scorer's key tile
       std::vector<std::pair<int64_t, int64_t>> chunks;  // (item, first key)
       for (size_t i = 0; i < items.size(); ++i) {
         if (!items[i].sparse) continue;

@@ -19,11 +19,7 @@ enum class CacheKind { Latent, Naive };
 struct SequenceCache {
   // Empty, with a row list per layer.
   explicit SequenceCache(int64_t num_layers)
-      : c_kv(num_layers),
-        k_pe(num_layers),
-        k(num_layers),
-        v(num_layers),
-        index_k(num_layers),
+      : c_kv(num_layers), k_pe(num_layers), k(num_layers), v(num_layers), index_k(num_layers),
         index_scale(num_layers) {}
 
   int64_t length = 0;  // tokens cached
