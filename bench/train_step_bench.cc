@@ -63,11 +63,11 @@ void TrainStep(benchmark::State& state, const char* name, const char* policy) {
 
 model::RematPolicy v4_policy(const std::string& name) {
   std::vector<std::pair<std::string, std::string>> kv;
-  const std::vector<const char*> attention = {"query_wa_proj", "mla_q",         "kv_wa_proj", "mla_kv",
+  const std::vector<const char*> attention = {"query_wa_proj", "mla_q",         "kv_wa_proj", "kv_proj",
                                               "query_proj",    "attention_out", "context",    "out_proj"};
   const std::vector<const char*> moe = {"mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"};
   if (name == "keep_all") return model::RematPolicy::keep_all();
-  if (name == "full") return model::RematPolicy::from_name("full");
+  if (name != "attention" && name != "moe") return model::RematPolicy::from_name(name);
   for (const char* n : name == "attention" ? attention : moe) kv.emplace_back(n, "device");
   return model::RematPolicy::from_name("custom", kv);
 }
@@ -98,7 +98,8 @@ void TrainStepV4(benchmark::State& state, const std::string& policy) {
 }
 
 void register_all() {
-  for (const char* policy : {"keep_all", "attention", "moe", "full"})
+  for (const char* policy :
+       {"keep_all", "attention", "moe", "minimal_with_context", "minimal", "save_qkv_proj", "full"})
     benchmark::RegisterBenchmark((std::string("TrainStepV4/v4-tiny/") + policy).c_str(), TrainStepV4,
                                  std::string(policy))
         ->Args({8, 128})

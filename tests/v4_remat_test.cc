@@ -1,12 +1,13 @@
 // DeepSeek-V4 training under MaxText's remat policies: whichever residuals
 // the forward keeps, the backward recomputes the rest with the forward's own
 // code, so the loss, the gradients and the expert loads are bitwise those of
-// the run that keeps everything, for 1, 2 and 3 threads; and each policy
-// keeps less (saved_bytes) the fewer sub-layers it keeps. The model is
+// the run that keeps everything, for 1, 2 and 3 threads; and each residual
+// name keeps its own bytes (saved_bytes). The model is
 // configs/v4-tiny.yml with an MTP layer, two sequences long enough for
 // compressed entries in its CSA (m = 4) and HCA (m = 16) layers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -67,27 +68,45 @@ model::RematPolicy custom(const std::vector<const char*>& names) {
   return model::RematPolicy::from_name("custom", kv);
 }
 
-const std::vector<const char*> kAttention = {"query_wa_proj", "mla_q",         "kv_wa_proj", "mla_kv",
+// The names V4's attention and MoE residuals go by (model/v4_model.h).
+const std::vector<const char*> kAttention = {"query_wa_proj", "mla_q",         "kv_wa_proj", "kv_proj",
                                              "query_proj",    "attention_out", "context",    "out_proj"};
 const std::vector<const char*> kMoe = {"mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"};
+const std::vector<const char*> kPolicies = {"full",
+                                            "none",
+                                            "minimal",
+                                            "minimal_with_context",
+                                            "save_dot_with_context_except_mlp",
+                                            "save_dot_except_mlpwi",
+                                            "save_dot_except_mlp",
+                                            "save_qkv_proj",
+                                            "save_out_proj"};
 
-TEST_F(V4Remat, EveryPolicyGivesTheSameGradientsBitForBit) {
+// MaxText's policies and the sub-layers' sets; with singles, each name alone too.
+std::vector<std::pair<std::string, model::RematPolicy>> policies(bool singles) {
+  std::vector<std::pair<std::string, model::RematPolicy>> v;
+  for (const char* p : kPolicies) v.emplace_back(p, model::RematPolicy::from_name(p));
   std::vector<const char*> both = kAttention;
   both.insert(both.end(), kMoe.begin(), kMoe.end());
-  const std::vector<std::pair<std::string, model::RematPolicy>> policies = {
-      {"full", model::RematPolicy::from_name("full")},
-      {"minimal", model::RematPolicy::from_name("minimal")},
-      {"save_dot_except_mlp", model::RematPolicy::from_name("save_dot_except_mlp")},
-      {"custom attention", custom(kAttention)},
-      {"custom moe", custom(kMoe)},
-      {"custom both", custom(both)}};
+  v.emplace_back("custom attention", custom(kAttention));
+  v.emplace_back("custom moe", custom(kMoe));
+  v.emplace_back("custom both", custom(both));
+  for (int i = 0; singles && i < model::kResidualCount; ++i) {
+    const char* name = model::residual_name(static_cast<model::Residual>(i));
+    v.emplace_back(std::string("custom ") + name, custom({name}));
+  }
+  return v;
+}
+
+TEST_F(V4Remat, EveryPolicyGivesTheSameGradientsBitForBit) {
   test::ThreadCountGuard guard;
   omp_set_num_threads(1);
   const Result want = run(model::RematPolicy::keep_all());
   ASSERT_GT(want.grads.size(), 1000u);
   for (int threads : {1, 2, 3}) {
     omp_set_num_threads(threads);
-    for (const auto& [name, p] : policies) {
+    // Each name alone at one thread.
+    for (const auto& [name, p] : policies(threads == 1)) {
       const Result got = run(p);
       EXPECT_EQ(got.loss, want.loss) << name << ", " << threads << " threads";
       EXPECT_EQ(got.load, want.load) << name << ", " << threads << " threads";
@@ -96,32 +115,46 @@ TEST_F(V4Remat, EveryPolicyGivesTheSameGradientsBitForBit) {
   }
 }
 
-TEST_F(V4Remat, APolicyKeepsLessTheFewerSubLayersItKeeps) {
+TEST_F(V4Remat, EachNameKeepsItsOwnBytes) {
   std::vector<const char*> both = kAttention;
   both.insert(both.end(), kMoe.begin(), kMoe.end());
   const size_t all = run(model::RematPolicy::keep_all()).saved_bytes;
-  const size_t kept_both = run(custom(both)).saved_bytes;
-  const size_t attention = run(custom(kAttention)).saved_bytes;
-  const size_t moe = run(custom(kMoe)).saved_bytes;
   const size_t full = run(model::RematPolicy::from_name("full")).saved_bytes;
-  EXPECT_EQ(kept_both, all);
-  EXPECT_LT(attention, all);
-  EXPECT_LT(moe, all);
-  EXPECT_LT(full, attention);
-  EXPECT_LT(full, moe);
+  EXPECT_EQ(run(custom(both)).saved_bytes, all);
   // Full remat keeps each layer's input streams and its routing, little
   // more: under a fifth of what keeping everything takes here.
   EXPECT_LT(full * 5, all) << full << " of " << all << " bytes";
-}
-
-TEST(V4RematKeeps, ASubLayerIsKeptOnlyWhenEveryOneOfItsNamesIs) {
-  EXPECT_EQ(model::v4_remat_keeps(model::RematPolicy::keep_all()), std::make_pair(true, true));
-  EXPECT_EQ(model::v4_remat_keeps(model::RematPolicy::from_name("full")), std::make_pair(false, false));
-  EXPECT_EQ(model::v4_remat_keeps(custom(kAttention)), std::make_pair(true, false));
-  EXPECT_EQ(model::v4_remat_keeps(custom(kMoe)), std::make_pair(false, true));
-  std::vector<const char*> most = kAttention;
-  most.pop_back();  // out_proj recomputed
-  EXPECT_EQ(model::v4_remat_keeps(custom(most)), std::make_pair(false, false));
+  // Each name alone keeps more than full (decoder_layer_input, which full
+  // keeps, and key_proj / value_proj / mla_kv, which V4 does not make,
+  // excepted) and less than everything; a sub-layer's names together keep
+  // more than any one of them.
+  const size_t attention = run(custom(kAttention)).saved_bytes;
+  const size_t moe = run(custom(kMoe)).saved_bytes;
+  EXPECT_LT(attention, all);
+  EXPECT_LT(moe, all);
+  for (int i = 0; i < model::kResidualCount; ++i) {
+    const auto r = static_cast<model::Residual>(i);
+    const char* name = model::residual_name(r);
+    const size_t b = run(custom({name})).saved_bytes;
+    const bool none = r == model::Residual::decoder_layer_input || r == model::Residual::key_proj ||
+                      r == model::Residual::value_proj || r == model::Residual::mla_kv;
+    if (none) {
+      EXPECT_EQ(b, full) << name;
+      continue;
+    }
+    EXPECT_GT(b, full) << name;
+    EXPECT_LT(b, std::find(kMoe.begin(), kMoe.end(), std::string(name)) != kMoe.end() ? moe : attention) << name;
+  }
+  // MaxText's policies: minimal keeps the queries, the K=V latent, the
+  // attention's output projection and the MLPs' products; with context
+  // also the attention kernel's output and log-sum-exp.
+  const size_t minimal = run(model::RematPolicy::from_name("minimal")).saved_bytes;
+  const size_t with_context = run(model::RematPolicy::from_name("minimal_with_context")).saved_bytes;
+  const size_t qkv = run(model::RematPolicy::from_name("save_qkv_proj")).saved_bytes;
+  EXPECT_LT(full, qkv);
+  EXPECT_LT(qkv, minimal);
+  EXPECT_LT(minimal, with_context);
+  EXPECT_LT(with_context, all);
 }
 
 }  // namespace

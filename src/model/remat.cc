@@ -8,10 +8,24 @@ namespace ds::model {
 
 namespace {
 
-constexpr const char* kNames[kResidualCount] = {
-    "decoder_layer_input", "query_wa_proj", "mla_q",    "kv_wa_proj", "mla_kv",  "query_proj", "key_proj",
-    "value_proj",          "attention_out", "context",  "out_proj",   "mlpwi_0", "mlpwi_1",    "mlpwo",
-    "moe_mlpwi_0",         "moe_mlpwi_1",   "moe_mlpwo"};
+constexpr const char* kNames[kResidualCount] = {"decoder_layer_input",
+                                                "query_wa_proj",
+                                                "mla_q",
+                                                "kv_wa_proj",
+                                                "mla_kv",
+                                                "query_proj",
+                                                "key_proj",
+                                                "value_proj",
+                                                "kv_proj",
+                                                "attention_out",
+                                                "context",
+                                                "out_proj",
+                                                "mlpwi_0",
+                                                "mlpwi_1",
+                                                "mlpwo",
+                                                "moe_mlpwi_0",
+                                                "moe_mlpwi_1",
+                                                "moe_mlpwo"};
 
 using R = Residual;
 
@@ -34,9 +48,9 @@ RematPolicy RematPolicy::keep_all() {
 
 RematPolicy RematPolicy::from_name(const std::string& name,
                                    const std::vector<std::pair<std::string, std::string>>& custom) {
-  // MLA never produces MaxText's fused qkv_proj / kv_proj tensors, so the
-  // policies that name them keep nothing more here.
-  const auto qkv = {R::query_proj, R::key_proj, R::value_proj};
+  // MLA never produces MaxText's fused qkv_proj tensor, nor kv_proj (V4's
+  // shared K=V latent, which those policies keep with the query).
+  const auto qkv = {R::query_proj, R::key_proj, R::value_proj, R::kv_proj};
   auto plus = [](std::initializer_list<Residual> a, std::initializer_list<Residual> b) {
     std::vector<Residual> v(a);
     v.insert(v.end(), b);
@@ -66,7 +80,7 @@ RematPolicy RematPolicy::from_name(const std::string& name,
       for (int i = 0; i < kResidualCount; ++i)
         if (key == kNames[i]) idx = i;
       // MaxText's other configurable names: tensors this model never makes.
-      const bool foreign = key == "mlpwi" || key == "kv_proj" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
+      const bool foreign = key == "mlpwi" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
       DS_CHECK(idx >= 0 || foreign, "remat_policy custom: unknown name '{}'", key);
       DS_CHECK(value == "remat" || value == "device" || value == "offload",
                "remat_policy custom: {} must be remat, device or offload, got '{}'", key, value);

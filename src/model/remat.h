@@ -10,7 +10,8 @@
 
 namespace ds::model {
 
-// MaxText's checkpoint names (see layers/attention_mla.py, linears.py, moe.py).
+// MaxText's checkpoint names (see layers/attention_mla.py, linears.py, moe.py,
+// and for DeepSeek-V4's shared K=V latent, kv_proj, attention_compressed.py).
 enum class Residual : int {
   decoder_layer_input,
   query_wa_proj,
@@ -20,6 +21,7 @@ enum class Residual : int {
   query_proj,
   key_proj,
   value_proj,
+  kv_proj,
   attention_out,
   context,  // the attention kernel's residuals: its output and log-sum-exp
   out_proj,

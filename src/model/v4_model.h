@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "model/remat.h"
 #include "model/staged.h"
 #include "model/stages.h"
 #include "model/v4_config.h"
@@ -105,6 +106,13 @@ ops::ExpertSelectionConfig v4_selection_config(const V4Config& c);
 ops::MhcDims v4_mhc_dims(const V4Config& c, int64_t tokens);
 ops::SparseMqaDims v4_attention_dims(const V4Config& c, int64_t queries);
 
+// The roundings' blocks: the K=V latent's and the entries' fp8 (per 64), the
+// indexer's fp4 (per 32).
+inline constexpr int64_t kV4LatentFp8Block = 64;
+inline constexpr int64_t kV4IndexFp4Block = 32;
+// The first row a compressor's carry holds after `tokens` tokens.
+int64_t v4_carry_start(int64_t tokens, int64_t ratio);
+
 // Bytes a sequence's state holds after `tokens` tokens (every layer): the
 // window, the carries and the entries and keys, in the code layout (the
 // default, with the roundings) or float32, as V4State::bytes counts them.
@@ -126,13 +134,27 @@ struct V4CompressorSaved {
   std::vector<float> pooled;  // entries before their norm [entries, dim]
   std::vector<float> rstd;    // [entries]
 };
+// The attention's residuals, under MaxText's checkpoint names (model/remat.h;
+// its compressed attention tags query_proj, kv_proj, attention_out and
+// out_proj; the q-LoRA's two are MLA's):
+//   query_wa_proj  qr_lin           wq_a a, before q_norm
+//   mla_q          qr, rstd_qr      the q latent after q_norm
+//   query_proj     q_lin, rstd_q, q the queries before the head norm; after it and RoPE
+//   kv_wa_proj     kv_lin           wkv a, before kv_norm
+//   kv_proj        kv, rstd_kv      the shared K=V latent after kv_norm and RoPE
+//   context        o, lse           the attention kernel's output and log-sum-exp
+//   attention_out  o2               the output rotated back (the projection's input)
+//   out_proj       V4LayerSaved::o  the grouped projection's output
+// The rest (the compressors' buffers, the key lists, the grouped
+// projection's low-rank z) has no name: it is kept only while every named
+// residual of the sub-layer is.
 struct V4AttentionSaved {
-  Buffer<float> qr_lin, qr, rstd_qr;    // q-LoRA before and after its norm
-  Buffer<float> q_lin, rstd_q, q;       // [N, H, D] before the head norm; after it and RoPE
-  Buffer<float> kv_lin, rstd_kv, kv;    // the K=V latent before its norm; after it and RoPE
+  Buffer<float> qr_lin, qr, rstd_qr;
+  Buffer<float> q_lin, rstd_q, q;  // [N, H, D]
+  Buffer<float> kv_lin, rstd_kv, kv;
   std::vector<V4CompressorSaved> comp;  // per sequence (m > 0)
-  Buffer<float> o, lse;                 // attention output (rotated) and log-sum-exp
-  Buffer<float> o2, z;                  // output rotated back; grouped projection [N, G r]
+  Buffer<float> o, lse;
+  Buffer<float> o2, z;  // z: [N, G r]
   // Every query's keys (offsets into these lists): key_seg -1 for row key_idx
   // of kv, else entry key_idx of that sequence's compressed entries.
   std::vector<int32_t> key_seg;
@@ -160,6 +182,12 @@ template <class T>
 MlpParams<T> as_mlp(const V4MlpParams<T>& p) {
   return {p.w1, p.w3, p.w2};
 }
+// The MoE's residuals: the routed experts' w1 x, w3 x and outputs under
+// moe_mlpwi_0 (or mlpwi_0), moe_mlpwi_1 and moe_mlpwo (or mlpwo), the shared
+// expert's w1 x and w3 x under mlpwi_0 and mlpwi_1, as MaxText's sparse
+// expert path tags them. The expert products are recomputed together when
+// any of them was dropped (as model/layer.h's are). The routing stays
+// (expert loads and the balance loss read it); the rest has no name.
 struct V4MoeSaved {
   // The router's choice (model/stages.h's selection and route; the logits
   // are not kept): experts, combine weights, unbiased scores [N, E], and the
@@ -176,7 +204,11 @@ struct V4MoeSaved {
   V4ExpertTasks local;
   Buffer<float> xl;
 };
+// A layer's: its input streams X (decoder_layer_input, always kept: the
+// reruns start from it), around each sub-layer the mHC mixing and the norm
+// (no name), the sub-layer's residuals.
 struct V4LayerSaved {
+  // Whether a sub-layer is whole (nothing to recompute).
   bool has_attention() const { return !a0.empty(); }
   bool has_moe() const { return !f0.empty(); }
   // Bytes held (the residual memory of a remat policy).
@@ -204,11 +236,11 @@ struct V4MtpSaved {
 };
 struct V4Saved {
   size_t bytes() const;
-  // Set before the forward: which of each layer's sub-layers keep their
-  // residuals (v4_remat_keeps). A dropped sub-layer keeps only its input
-  // streams (X, or X1 for the MoE) and its routing; rerun_layer() rebuilds
-  // the rest with the same code, so the backward's result does not change.
-  bool keep_attention = true, keep_moe = true;
+  // Set before the forward: the residuals each layer keeps. A sub-layer
+  // that loses one also loses its unnamed ones (and the attention the
+  // streams X1 after it); rerun_layer() rebuilds what is missing with the
+  // forward's own code, so the backward's result does not change.
+  RematPolicy keep = RematPolicy::keep_all();
   std::vector<int32_t> ids, pos;
   std::vector<V4Segment> segs;       // the batch's sequences (their states hold the compressed entries)
   std::vector<V4LayerSaved> layers;  // the main layers (then the MTP block)
@@ -318,8 +350,28 @@ class V4Model {
   // The MTP layer over the main streams X of a pass: out its logits (or normed rows).
   Staged mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
                      const std::vector<int32_t>& ids, V4Saved* saved, bool logits);
+  // The attention (model/v4_attention.cc), as stages that each fill the
+  // buffers of S they find empty (all in a forward; in a remat rerun those
+  // the policy dropped) from those of the stages before: the query, the
+  // K=V latent, the compressors (sequence states), the indexer's choice, the
+  // attention over window and entries with the sink, the grouped output
+  // projection (into out unless null). keep: training (values before each
+  // norm kept apart, no roundings), with sv; inference works in place.
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
                  int64_t n, V4AttentionSaved* sv);
+  void query_stage(V4AttentionSaved& S, const float* a, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
+  void kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
+  void compress_stage(V4AttentionSaved& S, const float* a, int64_t layer, const std::vector<Segment>& segs, int64_t n,
+                      bool keep);
+  // Each query's compressed entries: HCA every visible one, CSA the
+  // indexer's top index_topk.
+  std::vector<std::vector<int32_t>> index_stage(const float* qr, const float* a, int64_t layer,
+                                                const std::vector<Segment>& segs, const std::vector<int32_t>& seg_of,
+                                                const int32_t* pos, int64_t n) const;
+  void attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector<Segment>& segs,
+                    const std::vector<int32_t>& seg_of, const std::vector<std::vector<int32_t>>& picked,
+                    const int32_t* pos, int64_t n, bool keep);
+  void output_stage(float* out, V4AttentionSaved& S, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
   // The entries (or with index_keys the indexer's keys) whose windows the
   // new tokens close, appended to st in its layout. proj, when given, holds
   // the n new rows' wkv and wgate projections ([n, width] each, computed for

@@ -75,24 +75,63 @@ size_t V4Saved::bytes() const {
 }
 
 void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
-  // Each sub-layer's input streams stay: X (the layer's input, MaxText's
-  // decoder_layer_input) always, X1 while the MoE's backward reads it kept
-  // or the attention's rerun cannot rebuild it. The routing's choices and
-  // scores stay too (the expert loads and the balance loss read them).
-  if (!saved.keep_attention) {
-    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &ls.o}) *b = Buffer<float>();
-    ls.attn = V4AttentionSaved();
+  using R = Residual;
+  const RematPolicy& keep = saved.keep;
+  // Frees b unless kept; true when that dropped something.
+  auto drop_unless = [](Buffer<float>& b, bool kept) {
+    if (kept || b.empty()) return false;
+    b = Buffer<float>();
+    return true;
+  };
+  V4AttentionSaved& A = ls.attn;
+  bool lost = false;
+  for (auto [b, name] : {std::pair{&A.qr_lin, R::query_wa_proj},
+                         {&A.qr, R::mla_q},
+                         {&A.rstd_qr, R::mla_q},
+                         {&A.q_lin, R::query_proj},
+                         {&A.rstd_q, R::query_proj},
+                         {&A.q, R::query_proj},
+                         {&A.kv_lin, R::kv_wa_proj},
+                         {&A.kv, R::kv_proj},
+                         {&A.rstd_kv, R::kv_proj},
+                         {&A.o, R::context},
+                         {&A.lse, R::context},
+                         {&A.o2, R::attention_out},
+                         {&ls.o, R::out_proj}})
+    lost |= drop_unless(*b, keep.kept(name));
+  // A sub-layer that lost a residual is rerun: its unnamed ones go too,
+  // and the attention's output streams X1 (the rerun rebuilds them).
+  if (lost) {
+    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &A.z, &ls.X1}) *b = Buffer<float>();
+    A.comp = {};
+    A.key_seg = {};
+    A.key_idx = {};
+    A.offsets = {};
   }
-  if (!saved.keep_moe) {
+  // The MoE (MaxText's sparse expert path: routed w1 x under moe_mlpwi_0 or
+  // mlpwi_0, w3 x under moe_mlpwi_1 alone, the outputs under moe_mlpwo or
+  // mlpwo; the shared expert's under mlpwi_0 / mlpwi_1). Its routing's
+  // choices and scores always stay (the expert loads and the balance loss
+  // read them).
+  V4MoeSaved& M = ls.moe;
+  bool moe_lost = false;
+  moe_lost |= drop_unless(M.g, keep.kept(R::moe_mlpwi_0) || keep.kept(R::mlpwi_0));
+  moe_lost |= drop_unless(M.u, keep.kept(R::moe_mlpwi_1));
+  moe_lost |= drop_unless(M.y, keep.kept(R::moe_mlpwo) || keep.kept(R::mlpwo));
+  moe_lost |= drop_unless(M.sg, keep.kept(R::mlpwi_0));
+  moe_lost |= drop_unless(M.su, keep.kept(R::mlpwi_1));
+  if (moe_lost) {
     for (Buffer<float>* b : {&ls.f0, &ls.rstd_f, &ls.f, &ls.fpost, &ls.fcomb, &ls.fo}) *b = Buffer<float>();
     V4MoeSaved kept;
-    kept.r.tokens = ls.moe.r.tokens;
-    kept.r.k = ls.moe.r.k;
-    kept.r.experts = std::move(ls.moe.r.experts);
-    kept.r.scores = std::move(ls.moe.r.scores);
-    kept.bias = std::move(ls.moe.bias);
-    ls.moe = std::move(kept);
-    if (!saved.keep_attention) ls.X1 = Buffer<float>();
+    kept.r.tokens = M.r.tokens;
+    kept.r.k = M.r.k;
+    kept.r.experts = std::move(M.r.experts);
+    kept.r.scores = std::move(M.r.scores);
+    kept.bias = std::move(M.bias);
+    for (auto [to, from] :
+         {std::pair{&kept.g, &M.g}, {&kept.u, &M.u}, {&kept.y, &M.y}, {&kept.sg, &M.sg}, {&kept.su, &M.su}})
+      *to = std::move(*from);
+    M = std::move(kept);
   }
 }
 
@@ -112,21 +151,19 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   const int64_t n = static_cast<int64_t>(mtp ? saved.mtp[0].ids.size() : saved.ids.size());
   Buffer<float> X, X2(ls.X.size());
   if (!ls.has_attention()) {
-    // The attention again from the layer's input: its compressed entries
-    // too, so each sequence's state of this layer starts afresh.
+    // The attention again from the layer's input, each stage computing what
+    // the policy dropped; its compressed entries too, so each sequence's
+    // state of this layer starts afresh.
     for (const Segment& g : segs) g.state->layers[static_cast<size_t>(l)] = V4LayerState();
     X = Buffer<float>(ls.X.size());
     std::copy(ls.X.begin(), ls.X.end(), X.begin());
-    V4LayerSaved fresh;
-    co_await sublayer(X, X2, l, false, segs, ids, pos, n, &fresh);
-    ls.a0 = std::move(fresh.a0), ls.rstd_a = std::move(fresh.rstd_a), ls.a = std::move(fresh.a);
-    ls.post = std::move(fresh.post), ls.comb = std::move(fresh.comb), ls.o = std::move(fresh.o);
-    ls.attn = std::move(fresh.attn);
+    co_await sublayer(X, X2, l, false, segs, ids, pos, n, &ls);
   } else {
     X = Buffer<float>(ls.X1.size());
     std::copy(ls.X1.begin(), ls.X1.end(), X.begin());
   }
   if (!ls.has_moe()) {
+    // The MoE's expert products are recomputed together.
     V4LayerSaved fresh;
     co_await sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
     ls.X1 = std::move(fresh.X1), ls.f0 = std::move(fresh.f0), ls.rstd_f = std::move(fresh.rstd_f);

@@ -447,18 +447,6 @@ class Backward {
 
 }  // namespace
 
-std::pair<bool, bool> v4_remat_keeps(const RematPolicy& p) {
-  using R = Residual;
-  auto all = [&](std::initializer_list<Residual> names) {
-    for (Residual r : names)
-      if (!p.kept(r)) return false;
-    return true;
-  };
-  return {all({R::query_wa_proj, R::mla_q, R::kv_wa_proj, R::mla_kv, R::query_proj, R::context, R::attention_out,
-               R::out_proj}),
-          all({R::mlpwi_0, R::mlpwi_1, R::mlpwo, R::moe_mlpwi_0, R::moe_mlpwi_1, R::moe_mlpwo})};
-}
-
 namespace {
 
 // The batch-split schedule's parts of a batch: its packed rows (each
@@ -625,7 +613,7 @@ V4LossTerms v4_loss_and_grad(const V4Config& cfg, const V4View& w, V4Params<floa
       reqs.back().push_back({&p.states[k], p.b->inputs.data() + at, p.b->lengths[k]});
       at += p.b->lengths[k];
     }
-    std::tie(p.saved.keep_attention, p.saved.keep_moe) = v4_remat_keeps(opt.remat);
+    p.saved.keep = opt.remat;
     saved.push_back(want_saved ? &p.saved : nullptr);
   }
   std::vector<std::vector<float>> mtp_hn;

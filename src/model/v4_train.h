@@ -96,16 +96,6 @@ struct V4TrainBatch {
   static V4TrainBatch from_packed(const TrainBatch& packed);
 };
 
-// The residuals a remat policy lets V4 keep: a sub-layer keeps its own
-// (attention: the q-LoRA, the query, the K=V latent, the attention's output
-// and log-sum-exp, the grouped projection; MoE: the experts' and the shared
-// expert's products) only when the policy keeps every name MaxText gives
-// them (query_wa_proj, mla_q, kv_wa_proj, mla_kv, query_proj, context,
-// attention_out, out_proj; mlpwi_0/1, mlpwo, moe_mlpwi_0/1, moe_mlpwo), else
-// it keeps its input streams alone and the backward reruns it.
-// {attention, moe}.
-std::pair<bool, bool> v4_remat_keeps(const RematPolicy& p);
-
 struct V4LossOptions {
   double z_loss_multiplier = 0.0;
   double grad_scale = 1.0;   // the gradient added is grad_scale x dloss/dparam

@@ -135,7 +135,7 @@ const std::map<std::string, Setter>& train_keys() {
 bool is_remat_name(const std::string& key) {
   for (int i = 0; i < model::kResidualCount; ++i)
     if (key == model::residual_name(static_cast<model::Residual>(i))) return true;
-  return key == "mlpwi" || key == "kv_proj" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
+  return key == "mlpwi" || key == "qkv_proj" || key == "indexer_cutoff_threshold";
 }
 
 // f(), with a YAML or JSON exception that no key's own check expected

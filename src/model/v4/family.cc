@@ -2,11 +2,11 @@
 // parameter tree (model/v4_params.h), Hugging Face import and export
 // (model/hf_params.h) and FLOP accounting (model/flops.h).
 //
-// Its layers do not run on the shared stage functions yet: it binds to
-// whole flat buffers, or (bind_streamed) to trees that FSDP fills a layer
-// at a time; expert parallelism computes each routed row on its expert's
-// rank through the shared token exchange; remat works a sub-layer at a time
-// (v4_remat_keeps); the batch split runs each layer over the parts of a
+// It binds to whole flat buffers, or (bind_streamed) to trees that FSDP
+// fills a layer at a time; expert parallelism computes each routed row on
+// its expert's rank through the shared token exchange; remat keeps the
+// residuals a policy names (model/v4_model.h's V4Saved) and reruns the
+// stages of the rest; the batch split runs each layer over the parts of a
 // batch in turn (V4LossOptions::batch_split).
 #include "model/family.h"
 
@@ -123,7 +123,8 @@ class V4Family final : public Family {
     return v;
   }
   double routed_bias_update_rate() const override { return rate_; }
-  // Its activations are estimated whole: it recomputes sub-layers, not single residuals.
+  // Its full remat keeps the routing's scores [tokens, E] too and its layer
+  // inputs are hc_mult streams: the estimate counts a layer's activations whole.
   bool full_remat_keeps_layer_inputs() const override { return false; }
 
   void init(float* params, uint64_t seed, float std) const override {
@@ -152,8 +153,9 @@ class V4Family final : public Family {
              "(its CSA layers always attend through it)");
   }
   std::string training_note(const LossOptions&) const override {
-    return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; a "
-           "sub-layer whose residuals remat_policy does not all keep is recomputed whole in the backward";
+    return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; the "
+           "backward recomputes the residuals remat_policy drops (the attention's stages skip the kept ones, the "
+           "MoE's expert products are recomputed together)";
   }
 
   std::unique_ptr<BoundModel> bind(float* params, float* grads) const override {
