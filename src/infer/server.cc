@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "infer/anthropic_api.h"
 #include "infer/http_transport.h"
 #include "infer/metrics.h"
 #include "infer/server_api.h"
@@ -138,7 +139,8 @@ class RequestCounts {
 };
 
 std::string_view route_label(std::string_view path) {
-  for (const char* r : {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+  for (const char* r : {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                        "/v1/models", "/health", "/metrics"})
     if (path == r) return r;
   return "other";
 }
@@ -170,6 +172,7 @@ struct Server::Impl {
   // A request, checked and submitted.
   struct Job {
     bool chat = false, stream = false, include_usage = false, echo = false;
+    bool messages = false;  // Anthropic's Messages API (one choice)
     int64_t logprobs = -1;
     std::string id, model;
     int64_t created = 0;
@@ -188,9 +191,11 @@ struct Server::Impl {
     return (static_cast<uint64_t>(seeds()) << 32) ^ seeds();
   }
 
+  api::Limits limits() const { return {model.tokenizer, model.batcher->max_positions(), model.batcher->vocab_size()}; }
+
   Job start(const json& body, bool chat) {
     Batcher& b = *model.batcher;
-    api::Request q = api::read_request(body, chat, {model.tokenizer, b.max_positions(), b.vocab_size()});
+    api::Request q = api::read_request(body, chat, limits());
     BatchRequest& r = q.batch;
     if (!q.has_seed) r.sampler.seed = random_seed();
     Job job;
@@ -438,23 +443,121 @@ struct Server::Impl {
 
   void handle(const std::string& body, http::Responder& out, bool chat) {
     try {
-      auto job = start(api::parse_body(body, opt.max_json_depth), chat);
-      // Each choice's generation is watched: a client that leaves cancels them all.
-      std::vector<std::unique_ptr<Watch>> watches;
-      for (const auto& c : job.choices) watches.push_back(std::make_unique<Watch>(watcher, out.socket(), c.gen));
-      // However the answer ends (a failed choice, an error, a client gone),
-      // nobody reads the rest of the choices still running.
-      struct CancelRest {
-        const Job& job;
-        ~CancelRest() { job.cancel(); }
-      } rest{job};
-      if (job.stream) return stream(job, out);
-      complete(job, out, *watches.front());
+      run(start(api::parse_body(body, opt.max_json_depth), chat), out);
     } catch (const Refusal& r) {
       send_error(out, r);
     } catch (const json::exception& e) {
       send_error(out, Refusal{400, fmt::format("malformed request: {}", e.what()), ""});
     }
+  }
+
+  // A submitted job's answer, streamed or whole.
+  void run(Job job, http::Responder& out) {
+    // Each choice's generation is watched: a client that leaves cancels them all.
+    std::vector<std::unique_ptr<Watch>> watches;
+    for (const auto& c : job.choices) watches.push_back(std::make_unique<Watch>(watcher, out.socket(), c.gen));
+    // However the answer ends (a failed choice, an error, a client gone),
+    // nobody reads the rest of the choices still running.
+    struct CancelRest {
+      const Job& job;
+      ~CancelRest() { job.cancel(); }
+    } rest{job};
+    if (job.messages) return job.stream ? stream_message(job, out) : complete_message(job, out, *watches.front());
+    if (job.stream) return stream(job, out);
+    complete(job, out, *watches.front());
+  }
+
+  // ---- Anthropic's Messages API: the chat path, answered in its shapes ----
+
+  static void send_message_error(http::Responder& out, const Refusal& r) {
+    out.send(r.status, wire(api::messages_error_body(r)));
+  }
+
+  // POST /v1/messages and /v1/messages/count_tokens.
+  void handle_messages(const std::string& body, http::Responder& out, bool count) {
+    try {
+      json chat;
+      try {
+        json b = api::parse_body(body, opt.max_json_depth);
+        if (count && !b.contains("max_tokens")) b["max_tokens"] = 1;  // counting generates nothing
+        chat = api::messages_to_chat(b);
+        if (count) {
+          const api::Request q = api::read_request(chat, true, limits());
+          return out.send(200, wire(json{{"input_tokens", q.batch.prompt.size()}}));
+        }
+        chat["n"] = 1;
+        Job job = start(chat, true);
+        job.messages = true;
+        job.id = fmt::format("msg_{:x}", next_id++);
+        return run(std::move(job), out);
+      } catch (const Refusal& r) {
+        throw api::messages_refusal(r);
+      }
+    } catch (const Refusal& r) {
+      send_message_error(out, r);
+    } catch (const json::exception& e) {
+      send_message_error(out, Refusal{400, fmt::format("malformed request: {}", e.what()), ""});
+    }
+  }
+
+  api::MessageEnd message_end(const Job& job, const Choice& c) const {
+    api::MessageEnd e;
+    e.input_tokens = static_cast<int64_t>(job.prompt.size());
+    e.output_tokens = static_cast<int64_t>(c.ids.size());
+    if (c.stopped()) {
+      e.stop_reason = "stop_sequence";
+      e.stop_sequence = c.text->stop();
+    } else {
+      e.stop_reason = c.gen->finish() == Finish::Length ? "max_tokens" : "end_turn";
+    }
+    return e;
+  }
+
+  void complete_message(Job& job, http::Responder& out, const Watch& watch) {
+    Choice& c = job.choices[0];
+    std::string text, delta;
+    while (advance(job, c, delta, true) == Next::Token) text += delta;
+    text += delta;
+    if (watch.client_gone()) return out.abandon();
+    if (auto f = failure(c)) return send_message_error(out, *f);
+    const std::vector<api::MessageBlock> blocks = {{api::MessageBlock::Kind::Text, text, "", "", nullptr}};
+    out.send(200, wire(api::message_body(job.id, job.model, blocks, message_end(job, c))));
+  }
+
+  // Events: message_start, one text block (start, ping, deltas, stop),
+  // message_delta with the stop reason, message_stop; a failure after the
+  // start is an `error` event.
+  void stream_message(Job& job, http::Responder& out) {
+    if (!out.begin_chunks(200, "text/event-stream")) return job.cancel();
+    Choice& c = job.choices[0];
+    auto send = [&](const json& event) { return out.chunk(api::message_event(event)); };
+    const api::MessageBlock text_block{api::MessageBlock::Kind::Text, "", "", "", nullptr};
+    bool ok = send(api::message_start(job.id, job.model, static_cast<int64_t>(job.prompt.size()))) &&
+              send(api::block_start(0, text_block)) && send(json{{"type", "ping"}});
+    std::optional<Refusal> failed;
+    std::string delta;
+    try {
+      while (ok) {
+        const Next got = advance(job, c, delta, true);
+        if (!delta.empty()) ok = send(api::text_delta(0, delta));
+        if (got == Next::End) {
+          failed = failure(c);
+          break;
+        }
+      }
+    } catch (const std::exception& e) {
+      failed = Refusal{500, "internal error: " + plain(e.what()), ""};
+    }
+    if (!ok) return job.cancel();  // gone
+    if (failed) {
+      job.cancel();
+      send(api::messages_error_body(*failed));
+    } else {
+      send(api::block_stop(0));
+      send(api::message_delta(message_end(job, c)));
+      send(api::message_stop());
+    }
+    out.end_chunks();
   }
 
   // GET /metrics: Prometheus' text format.
@@ -487,6 +590,8 @@ struct Server::Impl {
     const bool get = req.method() == http::bhttp::verb::get, post = req.method() == http::bhttp::verb::post;
     if (post && (path == "/v1/completions" || path == "/v1/chat/completions"))
       return handle(req.body(), out, path == "/v1/chat/completions");
+    if (post && (path == "/v1/messages" || path == "/v1/messages/count_tokens"))
+      return handle_messages(req.body(), out, path == "/v1/messages/count_tokens");
     if (get && path == "/v1/models") {
       json m = {{"id", opt.model_name},
                 {"object", "model"},

@@ -36,7 +36,10 @@ std::string TextStream::push(int32_t id) {
     // been found when that text was.
     size_t first = std::string::npos;
     const size_t from = sent_ > hold_ ? sent_ - hold_ : 0;
-    for (const auto& s : stops_) first = std::min(first, text_.find(s, from));
+    for (const auto& s : stops_) {
+      const size_t at = text_.find(s, from);
+      if (at < first) first = at, stop_ = s;
+    }
     if (first != std::string::npos) {
       stopped_ = true;
       return take(std::max(first, sent_));

@@ -25,6 +25,8 @@ class TextStream {
   // The text held back, at the end of the generation ("" once stopped).
   std::string finish();
   bool stopped() const { return stopped_; }
+  // The stop string that appeared first (empty: none).
+  const std::string& stop() const { return stop_; }
 
  private:
   // Decodes the ids; false (and no change) when the result does not begin
@@ -39,6 +41,7 @@ class TextStream {
   std::vector<int32_t> ids_;
   std::string text_;
   bool stopped_ = false;
+  std::string stop_;
 };
 
 }  // namespace ds::infer

@@ -1,0 +1,65 @@
+// Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens)
+// over the server's one chat path: a Messages body is checked and turned
+// into the OpenAI chat body that api::read_request reads (system text,
+// messages with text, tool-use and tool-result blocks, max_tokens,
+// stop_sequences, sampling, tools, thinking), so both APIs share every
+// check and the chat format; refusals are worded with the Messages field
+// names and sent as Anthropic's error object. Answers and stream events in
+// Anthropic's shapes. No sockets here.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "infer/server_api.h"
+
+namespace ds::infer::api {
+
+// The OpenAI chat body for a Messages body; throws Refusal (param: the
+// Messages field at fault).
+json messages_to_chat(const json& body);
+
+// A refusal of the translated body (read_request's), its param renamed to
+// the Messages field it came from (stop -> stop_sequences, ...).
+Refusal messages_refusal(Refusal r);
+
+// Anthropic's error object: {"type": "error", "error": {"type", "message"}}.
+json messages_error_body(const Refusal& r);
+
+// One content block of an answer: text, thinking, or a tool call.
+struct MessageBlock {
+  enum class Kind { Text, Thinking, ToolUse } kind = Kind::Text;
+  std::string text;      // Text: the text; Thinking: the reasoning
+  std::string id, name;  // ToolUse
+  json input;            // ToolUse: the arguments
+};
+
+// An answer's end: "end_turn" (the model's end of sequence), "max_tokens",
+// "stop_sequence" (with the one that appeared) or "tool_use".
+struct MessageEnd {
+  std::string stop_reason;
+  std::string stop_sequence;  // empty: null
+  int64_t input_tokens = 0, output_tokens = 0;
+};
+
+// The non-streamed answer.
+json message_body(const std::string& id, const std::string& model, const std::vector<MessageBlock>& blocks,
+                  const MessageEnd& end);
+
+// A server-sent event of a Messages stream: "event: <type>\ndata: <json>\n\n".
+std::string message_event(const json& data);
+// The stream's events, in the order Anthropic sends them: message_start,
+// then per block content_block_start, its deltas, content_block_stop; then
+// message_delta (stop reason, output tokens) and message_stop.
+json message_start(const std::string& id, const std::string& model, int64_t input_tokens);
+json block_start(int64_t index, const MessageBlock& block);
+json text_delta(int64_t index, const std::string& text);
+json thinking_delta(int64_t index, const std::string& text);
+json input_json_delta(int64_t index, const std::string& partial_json);
+json block_stop(int64_t index);
+json message_delta(const MessageEnd& end);
+json message_stop();
+
+}  // namespace ds::infer::api
