@@ -33,6 +33,7 @@ install_missing_packages() {
 # .cache/npm. Never fails: without them the tests that need them skip.
 fetch_test_assets() {
   bash "$ROOT/scripts/fetch_tokenizer_assets.sh" || true
+  bash "$ROOT/scripts/fetch_client_sdks.sh" || true
 }
 
 build() {
