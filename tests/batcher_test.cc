@@ -2,13 +2,14 @@
 // slots, and prompts split over steps each make what generate() makes for
 // their prompt alone (greedy and sampled, V3 and V4); EOS, length, cancel,
 // a failing step and shutdown end a generation with the right reason;
-// impossible requests are refused with one line.
+// impossible requests are refused with one line; the choices of one
+// request read its prompt once and each makes what its seed makes alone.
 #include "infer/batcher.h"
 
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <condition_variable>
+#include <filesystem>
 #include <mutex>
 #include <thread>
 
@@ -21,9 +22,9 @@
 #include "train/config.h"
 
 namespace fs = std::filesystem;
-using ds::infer::BatchRequest;
 using ds::infer::Batcher;
 using ds::infer::BatcherOptions;
+using ds::infer::BatchRequest;
 using ds::infer::Finish;
 using ds::infer::GenerateOptions;
 
@@ -84,6 +85,41 @@ void expect_each_as_alone(ds::infer::Decoder& served, ds::infer::Decoder& refere
   }
 }
 
+// A request's choices submitted together: each makes what generate() makes
+// alone with its seed (seed + k); returns the prompt tokens the batcher read.
+uint64_t expect_choices_as_alone(ds::infer::Decoder& served, ds::infer::Decoder& reference, BatcherOptions opt,
+                                 int64_t n) {
+  BatchRequest r;
+  r.prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  r.max_new_tokens = 5;
+  r.sampler = {0.8f, 0, 0.95f, 40};
+  r.logprobs = true;
+  r.prompt_logprobs = true;
+  Batcher b(served, opt);
+  auto gens = b.submit_choices(r, n);
+  EXPECT_EQ(gens.size(), static_cast<size_t>(n));
+  std::vector<std::vector<int32_t>> got;
+  for (auto& g : gens) got.push_back(drain(*g));
+  for (int64_t k = 0; k < n; ++k) {
+    BatchRequest rk = r;
+    rk.sampler.seed = r.sampler.seed + static_cast<uint64_t>(k);
+    EXPECT_EQ(got[static_cast<size_t>(k)], alone(reference, rk)) << "choice " << k << " of " << n;
+    // Every choice has the prompt's log-probabilities, the same ones.
+    const auto lps = gens[static_cast<size_t>(k)]->prompt_logprobs();
+    const auto first = gens[0]->prompt_logprobs();
+    EXPECT_EQ(lps.size(), r.prompt.size());
+    // (Bit for bit when they share it; reading it in steps shared with other
+    // sequences rounds differently.)
+    for (size_t i = 1; i < lps.size() && i < first.size(); ++i) {
+      if (n <= opt.max_sequences)
+        EXPECT_EQ(lps[i].logprob, first[i].logprob);
+      else
+        EXPECT_NEAR(lps[i].logprob, first[i].logprob, 1e-5);
+    }
+  }
+  return b.counters().prompt_tokens.load();
+}
+
 class BatcherTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -110,7 +146,8 @@ TEST_F(BatcherTest, EachRequestMakesWhatItsPromptMakesAlone) {
   auto served = decoder(), reference = reference_decoder();
   // Two slots for five requests (slots are freed and reused), one slot, and
   // prompts cut into chunks of 2 and 5 tokens shared among the sequences.
-  for (const auto& [slots, chunk] : std::vector<std::pair<int64_t, int64_t>>{{2, 512}, {8, 512}, {1, 0}, {3, 2}, {4, 5}})
+  for (const auto& [slots, chunk] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 512}, {8, 512}, {1, 0}, {3, 2}, {4, 5}})
     expect_each_as_alone(*served, *reference, BatcherOptions{slots, 256, chunk});
 }
 
@@ -151,8 +188,8 @@ TEST_F(BatcherTest, EosAndLengthEndAGeneration) {
     Batcher b(*served, BatcherOptions{2, 256, 512, want[2]});
     auto g = b.submit(r);
     const auto got = drain(*g);
-    EXPECT_EQ(got, std::vector<int32_t>(want.begin(), want.begin() + (std::find(want.begin(), want.end(), want[2]) -
-                                                                          want.begin() + 1)));
+    EXPECT_EQ(got, std::vector<int32_t>(
+                       want.begin(), want.begin() + (std::find(want.begin(), want.end(), want[2]) - want.begin() + 1)));
     EXPECT_EQ(g->finish(), Finish::Eos);
     // ignore_eos: the same tokens as without an EOS id, to max_new_tokens.
     BatchRequest past = r;
@@ -183,12 +220,19 @@ class GateDecoder : public ds::test::ForwardingDecoder {
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     {
       std::unique_lock lk(mu_);
+      entered_ = true;
+      cv_.notify_all();
       if (free_ > 0)
         --free_;
       else
         cv_.wait(lk, [&] { return open_; });
     }
     return ForwardingDecoder::step(tokens);
+  }
+  // Waits until a step has begun.
+  void wait_entered() {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return entered_; });
   }
   void open() {
     {
@@ -202,7 +246,7 @@ class GateDecoder : public ds::test::ForwardingDecoder {
   std::mutex mu_;
   std::condition_variable cv_;
   int free_;
-  bool open_ = false;
+  bool open_ = false, entered_ = false;
 };
 
 TEST_F(BatcherTest, CancelEndsOneGenerationAndFreesItsSlot) {
@@ -227,6 +271,40 @@ TEST_F(BatcherTest, CancelEndsOneGenerationAndFreesItsSlot) {
   EXPECT_EQ(drain(*queued), alone(*reference, next));
   EXPECT_TRUE(drain(*never).empty());
   EXPECT_EQ(never->finish(), Finish::Cancelled);
+}
+
+TEST_F(BatcherTest, ChoicesReadThePromptOnce) {
+  auto served = decoder(), reference = reference_decoder();
+  // A prefill chunk of 4: the 11-token prompt takes three steps.
+  EXPECT_EQ(expect_choices_as_alone(*served, *reference, BatcherOptions{4, 256, 4}, 3), 11u);
+  // More choices than slots: each reads the prompt itself.
+  auto served2 = decoder();
+  EXPECT_EQ(expect_choices_as_alone(*served2, *reference, BatcherOptions{2, 256, 4}, 3), 33u);
+}
+
+TEST_F(BatcherTest, AChoiceLeftWithoutItsReaderReadsThePromptItself) {
+  auto inner = decoder(), reference = reference_decoder();
+  GateDecoder served(*inner);  // the first step waits
+  Batcher b(served, BatcherOptions{4, 256, 4});
+  BatchRequest r;
+  r.prompt = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11};
+  r.max_new_tokens = 4;
+  r.sampler = {0.8f, 0, 0.95f, 7};
+  auto gens = b.submit_choices(r, 3);
+  // The reader of the prompt is cancelled while its first chunk runs; the
+  // next choice reads the prompt, the last follows it.
+  served.wait_entered();
+  gens[0]->cancel();
+  served.open();
+  EXPECT_TRUE(drain(*gens[0]).empty());
+  EXPECT_EQ(gens[0]->finish(), Finish::Cancelled);
+  for (int k = 1; k < 3; ++k) {
+    BatchRequest rk = r;
+    rk.sampler.seed = 7 + static_cast<uint64_t>(k);
+    EXPECT_EQ(drain(*gens[static_cast<size_t>(k)]), alone(*reference, rk)) << "choice " << k;
+    EXPECT_EQ(gens[static_cast<size_t>(k)]->finish(), Finish::Length);
+  }
+  EXPECT_EQ(b.counters().prompt_tokens.load(), 4u + 11u);  // the cancelled chunk, then the prompt once
 }
 
 TEST_F(BatcherTest, ShutdownCancelsWhatIsLeft) {
@@ -324,6 +402,9 @@ TEST(BatcherV4, EachRequestMakesWhatItsPromptMakesAlone) {
   ds::infer::V4Decoder served(*m->model), reference(*m->model);
   // Chunks of 5 cut prompts across steps; two slots are reused.
   expect_each_as_alone(served, reference, BatcherOptions{2, 256, 5});
+  // Choices share the prompt's state (V4Decoder::copy).
+  ds::infer::V4Decoder served2(*m->model);
+  EXPECT_EQ(expect_choices_as_alone(served2, reference, BatcherOptions{3, 256, 5}, 3), 11u);
   fs::remove_all(dir);
 }
 

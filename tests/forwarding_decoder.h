@@ -20,6 +20,7 @@ class ForwardingDecoder : public infer::Decoder {
   std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override { return d_.step_all(tokens); }
   int64_t length(int64_t sequence) const override { return d_.length(sequence); }
   size_t cache_bytes() const override { return d_.cache_bytes(); }
+  void copy(int64_t from, int64_t to) override { d_.copy(from, to); }
 
  private:
   infer::Decoder& d_;

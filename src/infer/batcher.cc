@@ -117,13 +117,20 @@ void Batcher::close() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   std::lock_guard lk(mu_);
-  for (auto& w : waiting_) w.gen->end(Finish::Cancelled);
+  for (auto& w : waiting_)
+    for (auto& g : w.gens) g->end(Finish::Cancelled);
   waiting_.clear();
   for (auto& s : slots_)
     if (s.live) s.gen->end(Finish::Cancelled);
 }
 
 std::shared_ptr<Generation> Batcher::submit(BatchRequest r, std::shared_ptr<Signal> signal) {
+  return submit_choices(std::move(r), 1, std::move(signal))[0];
+}
+
+std::vector<std::shared_ptr<Generation>> Batcher::submit_choices(BatchRequest r, int64_t choices,
+                                                                 std::shared_ptr<Signal> signal) {
+  DS_CHECK(choices >= 1 && choices <= kMaxSequences, "choices must be in [1, {}], got {}", kMaxSequences, choices);
   const int64_t n = static_cast<int64_t>(r.prompt.size());
   DS_CHECK(n > 0, "the prompt is empty");
   DS_CHECK(n <= max_positions_, "the prompt has {} tokens, beyond the model's {} positions", n, max_positions_);
@@ -135,14 +142,16 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r, std::shared_ptr<Sign
   check_adjust(r.adjust, vocab_);
   DS_CHECK(r.top_logprobs >= 0 && r.top_logprobs <= kMaxTopLogprobs, "top_logprobs must be in [0, {}], got {}",
            kMaxTopLogprobs, r.top_logprobs);
-  auto gen = std::make_shared<Generation>();
-  gen->prompt_tokens_ = n;
-  gen->signal_ = std::move(signal);
-  gen->submitted_ = std::chrono::steady_clock::now();
-  if (r.max_new_tokens == 0 && !r.prompt_logprobs) {
-    gen->end(Finish::Length);
-    return gen;
+  std::vector<std::shared_ptr<Generation>> gens;
+  for (int64_t k = 0; k < choices; ++k) {
+    auto gen = std::make_shared<Generation>();
+    gen->prompt_tokens_ = n;
+    gen->signal_ = signal;
+    gen->submitted_ = std::chrono::steady_clock::now();
+    if (r.max_new_tokens == 0 && !r.prompt_logprobs) gen->end(Finish::Length);
+    gens.push_back(std::move(gen));
   }
+  if (r.max_new_tokens == 0 && !r.prompt_logprobs) return gens;
   {
     std::lock_guard lk(mu_);
     if (stop_) throw Unavailable("the server is shutting down");
@@ -150,12 +159,20 @@ std::shared_ptr<Generation> Batcher::submit(BatchRequest r, std::shared_ptr<Sign
     // next step.
     const int64_t free_slots = std::max<int64_t>(0, opt_.max_sequences - running_.load());
     if (static_cast<int64_t>(waiting_.size()) >= opt_.max_waiting + free_slots)
-      throw Unavailable(fmt::format("every slot is busy and {} requests are waiting; try again later",
-                                    waiting_.size()));
-    waiting_.push_back({gen, std::move(r)});
+      throw Unavailable(
+          fmt::format("every slot is busy and {} requests are waiting; try again later", waiting_.size()));
+    if (choices <= opt_.max_sequences) {
+      waiting_.push_back({gens, std::move(r)});
+    } else {  // more choices than slots: each its own request
+      for (int64_t k = 0; k < choices; ++k) {
+        BatchRequest rk = r;
+        rk.sampler.seed = r.sampler.seed + static_cast<uint64_t>(k);
+        waiting_.push_back({{gens[static_cast<size_t>(k)]}, std::move(rk)});
+      }
+    }
   }
   cv_.notify_all();
-  return gen;
+  return gens;
 }
 
 bool Batcher::closed() const {
@@ -173,6 +190,19 @@ int64_t Batcher::waiting() const {
 void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
   Slot& s = slots_[i];
   s.gen->end(f, error);
+  // A choice that waited for a prompt leaves its leader's list; a leader
+  // that ends before its prompt is read hands the reading to its first
+  // follower, whom the rest then follow.
+  if (s.following) {
+    auto& fs = slots_[s.leader].followers;
+    fs.erase(std::remove(fs.begin(), fs.end(), i), fs.end());
+  }
+  if (!s.followers.empty()) {
+    Slot& next = slots_[s.followers[0]];
+    next.following = false;
+    next.followers.assign(s.followers.begin() + 1, s.followers.end());
+    for (const size_t f : next.followers) slots_[f].leader = s.followers[0];
+  }
   s = Slot{};
   --running_;
   // Frees the sequence's cache now rather than at the slot's next use.
@@ -186,22 +216,38 @@ void Batcher::loop() {
       std::unique_lock lk(mu_);
       cv_.wait(lk, [&] { return stop_ || !waiting_.empty() || running_.load() > 0; });
       if (stop_) return;
-      for (size_t i = 0; i < slots_.size() && !waiting_.empty(); ++i) {
-        if (slots_[i].live) continue;
-        Waiting w = std::move(waiting_.front());
-        waiting_.pop_front();
-        if (w.gen->cancelled_) {
-          w.gen->end(Finish::Cancelled);
-          --i;  // the slot is still free
-          continue;
-        }
-        Slot& s = slots_[i];
-        s.gen = std::move(w.gen);
-        s.req = std::move(w.req);
-        admit(s);
-      }
+      admit_waiting();
     }
     if (running_.load() > 0) run_step();
+  }
+}
+
+// Requests in line take free slots, a request's choices all at once (the
+// first reads the prompt, the others follow it).
+void Batcher::admit_waiting() {
+  while (!waiting_.empty()) {
+    Waiting& w = waiting_.front();
+    if (std::all_of(w.gens.begin(), w.gens.end(), [](const auto& g) { return g->cancelled_.load(); })) {
+      for (auto& g : w.gens) g->end(Finish::Cancelled);
+      waiting_.pop_front();
+      continue;
+    }
+    std::vector<size_t> free;
+    for (size_t i = 0; i < slots_.size() && free.size() < w.gens.size(); ++i)
+      if (!slots_[i].live) free.push_back(i);
+    if (free.size() < w.gens.size()) return;
+    for (size_t k = 0; k < free.size(); ++k) {
+      Slot& s = slots_[free[k]];
+      s.gen = std::move(w.gens[k]);
+      s.req = w.req;
+      s.req.sampler.seed = w.req.sampler.seed + static_cast<uint64_t>(k);
+      admit(s);
+      if (k == 0) continue;
+      s.following = true;
+      s.leader = free[0];
+      slots_[free[0]].followers.push_back(free[k]);
+    }
+    waiting_.pop_front();
   }
 }
 
@@ -226,7 +272,7 @@ std::vector<std::vector<int32_t>> Batcher::plan_step(bool* all_rows) {
   std::vector<size_t> reading;
   for (size_t i = 0; i < S; ++i) {
     const Slot& s = slots_[i];
-    if (!s.live) continue;
+    if (!s.live || s.following) continue;
     if (s.fed == s.req.prompt.size())
       tokens[i] = {s.last};
     else
@@ -291,10 +337,45 @@ void Batcher::take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chro
     s.fed += fed;
     counters_.prompt_tokens.fetch_add(fed, std::memory_order_relaxed);
     if (s.fed < q.prompt.size()) return;  // the prompt goes on in the next step
+    if (!s.followers.empty()) share_prompt(i, lg + (rows - 1) * V, now);
     if (q.prompt_logprobs) s.gen->set_prompt_logprobs(std::move(s.prompt_lps));
     if (q.max_new_tokens == 0) return free_slot(i, Finish::Length);
   }
-  float* last = lg + (rows - 1) * V;
+  sample_next(i, lg + (rows - 1) * V, now);
+}
+
+// The choices that waited for slot i's prompt, now read: each takes a copy
+// of its cache and draws its first token from a copy of the same row. A
+// decoder that cannot copy leaves each to read the prompt itself.
+void Batcher::share_prompt(size_t i, const float* row, std::chrono::steady_clock::time_point now) {
+  const std::vector<size_t> fs = std::move(slots_[i].followers);
+  slots_[i].followers.clear();
+  std::vector<float> own;
+  for (const size_t f : fs) {
+    Slot& t = slots_[f];
+    t.following = false;
+    try {
+      decoder_.copy(static_cast<int64_t>(i), static_cast<int64_t>(f));
+    } catch (const Error&) {
+      continue;  // t.fed stays 0: it reads the prompt in the next steps
+    }
+    t.fed = t.req.prompt.size();
+    if (t.req.prompt_logprobs) t.gen->set_prompt_logprobs(slots_[i].prompt_lps);
+    if (t.req.max_new_tokens == 0) {
+      free_slot(f, Finish::Length);
+      continue;
+    }
+    own.assign(row, row + vocab_);
+    sample_next(f, own.data(), now);
+  }
+}
+
+// Slot i's next token from its row of logits (adjusted in place).
+void Batcher::sample_next(size_t i, float* last, std::chrono::steady_clock::time_point now) {
+  Slot& s = slots_[i];
+  const int64_t V = vocab_;
+  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : V;
+  const BatchRequest& q = s.req;
   const float* before = last;  // the model's own logits, for logprobs
   if (q.adjust.any()) {
     if (q.logprobs) {

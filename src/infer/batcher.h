@@ -10,6 +10,10 @@
 // own step, never by its slot), up to the rounding of rows that shared a
 // step with other sequences (tests/batcher_test.cc checks the greedy tokens).
 //
+// The n choices of one request (submit_choices) read its prompt once: the
+// first reads it, the others wait in their slots and copy its cache when it
+// is read (Decoder::copy), each then drawing its own tokens.
+//
 // A request can also ask for log-probabilities (each new token's, and its
 // prompt's), penalties and biases (infer/sampler.h); the batcher counts
 // tokens and latencies for the server's /metrics.
@@ -155,6 +159,12 @@ class Batcher {
   // requests already wait, or after close()).
   // `signal` (optional) is notified at each token and at the end.
   std::shared_ptr<Generation> submit(BatchRequest r, std::shared_ptr<Signal> signal = {});
+  // n choices of one request (checked as submit() checks it), choice i
+  // drawing with seed + i, as n requests of their own would. When the n
+  // fit in the slots they are admitted together and the prompt is read
+  // once; beyond max_sequences each choice reads it.
+  std::vector<std::shared_ptr<Generation>> submit_choices(BatchRequest r, int64_t n,
+                                                          std::shared_ptr<Signal> signal = {});
 
   // Stops the steps and ends every generation still running or waiting as
   // Cancelled; later submits are refused. Idempotent.
@@ -183,15 +193,25 @@ class Batcher {
     std::vector<TokenLogprob> prompt_lps;           // with prompt_logprobs only
     std::vector<float> unadjusted;                  // the row before adjust, with logprobs and adjust only
     std::chrono::steady_clock::time_point last_at;  // the newest token's step
+    // A choice waiting for another's prompt (its leader) reads nothing;
+    // a leader lists the slots that wait for it.
+    bool following = false;
+    size_t leader = 0;
+    std::vector<size_t> followers;
   };
+  // A request's choices (one, or n that share the prompt), choice k drawing
+  // with seed + k.
   struct Waiting {
-    std::shared_ptr<Generation> gen;
+    std::vector<std::shared_ptr<Generation>> gens;
     BatchRequest req;
   };
   void loop();
   void run_step();
   std::vector<std::vector<int32_t>> plan_step(bool* all_rows);
   void take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chrono::steady_clock::time_point now);
+  void sample_next(size_t i, float* row, std::chrono::steady_clock::time_point now);
+  void share_prompt(size_t i, const float* row, std::chrono::steady_clock::time_point now);
+  void admit_waiting();
   void admit(Slot& s);
   void free_slot(size_t i, Finish f, const std::string& error = {});
 

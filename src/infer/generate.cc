@@ -16,14 +16,12 @@ double GenerateStats::decode_tokens_per_second() const {
 }
 
 int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind) {
-  const int64_t per_layer = kind == CacheKind::Latent
-                                ? cfg.kv_lora_rank + cfg.qk_rope_head_dim
-                                : cfg.num_attention_heads * (cfg.qk_head_dim() + cfg.v_head_dim);
+  const int64_t per_layer = kind == CacheKind::Latent ? cfg.kv_lora_rank + cfg.qk_rope_head_dim
+                                                      : cfg.num_attention_heads * (cfg.qk_head_dim() + cfg.v_head_dim);
   // DeepSeek-V3.2: the indexer's e4m3 key and its float32 block scales.
-  const int64_t indexer =
-      cfg.index_n_heads > 0
-          ? cfg.index_head_dim + ops::indexer_scale_blocks(cfg.index_head_dim) * static_cast<int64_t>(sizeof(float))
-          : 0;
+  const int64_t indexer = cfg.index_n_heads > 0 ? cfg.index_head_dim + ops::indexer_scale_blocks(cfg.index_head_dim) *
+                                                                           static_cast<int64_t>(sizeof(float))
+                                                : 0;
   return cfg.num_hidden_layers * (per_layer * static_cast<int64_t>(sizeof(float)) + indexer);
 }
 
@@ -51,9 +49,8 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
   for (const int64_t n : prompt_lengths) {
     // Tokens that go through the model: the prompt and every new token but
     // the last (generation stops at max_position_embeddings).
-    const int64_t fed =
-        std::min(n + std::clamp<int64_t>(opt.max_new_tokens - 1, 0, cfg.max_position_embeddings),
-                 cfg.max_position_embeddings);
+    const int64_t fed = std::min(n + std::clamp<int64_t>(opt.max_new_tokens - 1, 0, cfg.max_position_embeddings),
+                                 cfg.max_position_embeddings);
     tokens += fed;
   }
   check_fits_in_memory(tokens * kv_cache_bytes_per_token(cfg, opt.cache), "the KV cache of this request");
@@ -62,6 +59,8 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
 std::vector<float> Decoder::step_all(const std::vector<std::vector<int32_t>>&) {
   throw Error("this model's decoder gives no logits of prompt positions");
 }
+
+void Decoder::copy(int64_t, int64_t) { throw Error("this model's decoder cannot copy a sequence"); }
 
 namespace {
 
@@ -86,6 +85,11 @@ class KvDecoder : public Decoder {
   }
   int64_t length(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override { return cache_->bytes(); }
+  void copy(int64_t from, int64_t to) override {
+    const int64_t S = cache_ ? static_cast<int64_t>(cache_->seqs.size()) : 0;
+    DS_CHECK(from >= 0 && from < S && to >= 0 && to < S, "copy: no sequence {} or {}", from, to);
+    if (from != to) cache_->seqs[static_cast<size_t>(to)] = cache_->seqs[static_cast<size_t>(from)];
+  }
 
  private:
   Engine& e_;
@@ -131,8 +135,7 @@ std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std
       ++st.generated_tokens;
       if (opt.on_token) opt.on_token(s, tok);
       if ((opt.eos_token_id >= 0 && tok == opt.eos_token_id) ||
-          static_cast<int64_t>(out[s].size()) >= opt.max_new_tokens ||
-          model.length(s) >= model.max_positions())
+          static_cast<int64_t>(out[s].size()) >= opt.max_new_tokens || model.length(s) >= model.max_positions())
         done[s] = true;
     }
   };

@@ -79,6 +79,10 @@ class Decoder {
   virtual std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens);
   virtual int64_t length(int64_t sequence) const = 0;
   virtual size_t cache_bytes() const = 0;
+  // Makes sequence `to` a copy of sequence `from` (its cache or state), so
+  // that both continue from the same tokens: the choices of one request
+  // read their prompt once. A decoder that cannot throws ds::Error.
+  virtual void copy(int64_t from, int64_t to);
 };
 
 // The V2/V3 engine over a KV cache of `kind`, as a Decoder.

@@ -216,22 +216,18 @@ struct Server::Impl {
       refuse(q.max_key,
              plain(e.what()) + (q.max_defaulted ? fmt::format("; set '{}' to ask for fewer tokens", q.max_key) : ""));
     }
-    // Choice i draws with seed + i: choice 0 is what n = 1 makes.
+    // Choice i draws with seed + i: choice 0 is what n = 1 makes. The
+    // choices read the prompt once (Batcher::submit_choices).
     job.choices.resize(static_cast<size_t>(q.n));
-    for (int64_t i = 0; i < q.n; ++i) {
-      Choice& c = job.choices[static_cast<size_t>(i)];
+    for (auto& c : job.choices)
       if (model.tokenizer) c.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
-      BatchRequest ri = r;
-      ri.sampler.seed = r.sampler.seed + static_cast<uint64_t>(i);
-      try {
-        c.gen = b.submit(std::move(ri), job.signal);
-      } catch (const Unavailable& e) {
-        job.cancel();
-        refuse("", plain(e.what()), 503);
-      } catch (const Error& e) {
-        job.cancel();
-        refuse("", plain(e.what()));
-      }
+    try {
+      auto gens = b.submit_choices(std::move(r), q.n, job.signal);
+      for (size_t i = 0; i < gens.size(); ++i) job.choices[i].gen = std::move(gens[i]);
+    } catch (const Unavailable& e) {
+      refuse("", plain(e.what()), 503);
+    } catch (const Error& e) {
+      refuse("", plain(e.what()));
     }
     return job;
   }

@@ -60,6 +60,12 @@ std::vector<float> V4Decoder::run(const std::vector<std::vector<int32_t>>& token
 
 std::vector<float> V4Decoder::step(const std::vector<std::vector<int32_t>>& tokens) { return run(tokens, false); }
 
+void V4Decoder::copy(int64_t from, int64_t to) {
+  const int64_t S = static_cast<int64_t>(states_.size());
+  DS_CHECK(from >= 0 && from < S && to >= 0 && to < S, "copy: no sequence {} or {}", from, to);
+  if (from != to) states_[static_cast<size_t>(to)] = states_[static_cast<size_t>(from)];
+}
+
 std::vector<float> V4Decoder::step_all(const std::vector<std::vector<int32_t>>& tokens) { return run(tokens, true); }
 
 size_t V4Decoder::cache_bytes() const {

@@ -48,6 +48,7 @@ class V4Decoder : public Decoder {
   std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override;
   int64_t length(int64_t s) const override { return states_[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override;
+  void copy(int64_t from, int64_t to) override;
 
  private:
   std::vector<float> run(const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
