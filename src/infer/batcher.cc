@@ -189,7 +189,9 @@ int64_t Batcher::waiting() const {
 
 void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
   Slot& s = slots_[i];
-  s.gen->end(f, error);
+  // The generation ends last, once the slot is free and counted so: a
+  // reader who sees the end sees the running count without it.
+  const std::shared_ptr<Generation> gen = std::move(s.gen);
   // A choice that waited for a prompt leaves its leader's list; a leader
   // that ends before its prompt is read hands the reading to its first
   // follower, whom the rest then follow.
@@ -208,6 +210,7 @@ void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
   // Frees the sequence's cache now rather than at the slot's next use.
   decoder_.reset(static_cast<int64_t>(i));
   counters_.cache_bytes.store(decoder_.cache_bytes(), std::memory_order_relaxed);
+  gen->end(f, error);
 }
 
 void Batcher::loop() {

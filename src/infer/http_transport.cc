@@ -157,6 +157,7 @@ class SocketStream {
 // ---- responses ------------------------------------------------------------------
 
 void Responder::send(int status, std::string body, std::string_view content_type) {
+  if (on_answer) on_answer(status);
   bhttp::response<bhttp::string_body> res{static_cast<bhttp::status>(status), version_};
   res.set(bhttp::field::content_type, boost::beast::string_view(content_type.data(), content_type.size()));
   res.keep_alive(keep_alive_);
@@ -170,6 +171,7 @@ void Responder::send(int status, std::string body, std::string_view content_type
 }
 
 bool Responder::begin_chunks(int status, std::string_view content_type, std::string_view cache_control) {
+  if (on_answer) on_answer(status);
   bhttp::response<bhttp::empty_body> res{static_cast<bhttp::status>(status), version_};
   res.set(bhttp::field::content_type, boost::beast::string_view(content_type.data(), content_type.size()));
   res.set(bhttp::field::cache_control, boost::beast::string_view(cache_control.data(), cache_control.size()));

@@ -61,6 +61,9 @@ class Responder {
   bool keep_alive() const { return keep_alive_ && !failed_; }
   // Answers nothing and ends the connection (the client has gone).
   void abandon() { answered_ = failed_ = true; }
+  // Called with the status just before a response's head is written (so a
+  // count of answers is up to date when the client reads the answer).
+  std::function<void(int status)> on_answer;
 
  private:
   SocketStream& s_;

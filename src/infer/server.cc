@@ -608,13 +608,20 @@ struct Server::Impl {
     const auto target = req.target();
     std::string_view path(target.data(), target.size());
     path = path.substr(0, path.find('?'));
+    // Counted as the answer goes out, before the client can read it; 0: the
+    // client left before an answer.
+    bool counted = false;
+    out.on_answer = [&](int status) {
+      requests.add(route_label(path), status);
+      counted = true;
+    };
     try {
       route(req, path, out);
     } catch (const std::exception& e) {
       if (!out.answered()) send_error(out, Refusal{500, "internal error: " + plain(e.what()), ""});
     }
-    // 0: the client left before an answer.
-    requests.add(route_label(path), out.status());
+    if (!counted) requests.add(route_label(path), 0);
+    out.on_answer = nullptr;
   }
 };
 
