@@ -348,6 +348,8 @@ TEST_F(ServerFieldsTest, MetricsParseAndMoveAfterARequest) {
   post_json("/v1/completions", {{"prompt", ids}, {"max_tokens", 5}, {"temperature", 0}, {"ignore_eos", true}});
   expect_refused("/v1/completions", R"({"prompt": [1], "n": 0})", 400, "'n'");
   client().Get("/no/such/route");
+  // Over the fixture's 1 MiB body limit: the transport refuses it before any route.
+  EXPECT_EQ(post("/v1/completions", std::string((size_t{1} << 20) + 10, ' ')).first, 413);
   const auto after = scrape();
   auto get = [](const std::map<std::string, double>& m, const std::string& k) {
     auto it = m.find(k);
@@ -356,6 +358,7 @@ TEST_F(ServerFieldsTest, MetricsParseAndMoveAfterARequest) {
   EXPECT_EQ(get(after, ok) - get(before, ok), 1);
   EXPECT_EQ(get(after, bad) - get(before, bad), 1);
   EXPECT_EQ(get(after, R"(deepseek_requests_total{route="other",status="404"})"), 1);
+  EXPECT_EQ(get(after, R"(deepseek_requests_total{route="unrouted",status="413"})"), 1);
   EXPECT_EQ(get(after, R"(deepseek_requests_total{route="/metrics",status="200"})"), 1);  // the first scrape
   EXPECT_EQ(get(after, "deepseek_prompt_tokens_total") - get(before, "deepseek_prompt_tokens_total"), 4);
   EXPECT_EQ(get(after, "deepseek_generation_tokens_total") - get(before, "deepseek_generation_tokens_total"), 5);

@@ -648,7 +648,11 @@ Server::Server(ServedModel model, ServerOptions opt) : impl_(std::make_unique<Im
   t.write_timeout_s = o.write_timeout_s;
   im->transport = std::make_unique<http::Transport>(
       t, [im](const http::Request& req, http::Responder& out) { im->dispatch(req, out); },
-      [](int status, const std::string& message) {
+      // The transport's own refusals (a body over the limit, a slow or
+      // malformed request, a full server) never reach a route: each is
+      // counted here, under route "unrouted", as its body is made.
+      [im](int status, const std::string& message) {
+        im->requests.add("unrouted", status);
         return api::error_text(Refusal{status, message, ""});
       });
 }
