@@ -21,6 +21,12 @@ class ForwardingDecoder : public infer::Decoder {
   int64_t length(int64_t sequence) const override { return d_.length(sequence); }
   size_t cache_bytes() const override { return d_.cache_bytes(); }
   void copy(int64_t from, int64_t to) override { d_.copy(from, to); }
+  bool can_draft() const override { return d_.can_draft(); }
+  std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all_logits) override {
+    return d_.step_keep(tokens, all_logits);
+  }
+  std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override { return d_.draft(next); }
+  void truncate(int64_t sequence, int64_t length) override { d_.truncate(sequence, length); }
 
  private:
   infer::Decoder& d_;

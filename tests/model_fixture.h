@@ -30,9 +30,10 @@ inline nlohmann::json tiny_v3_config() {
                      "original_max_position_embeddings": 16, "type": "yarn"}})");
 }
 
-// Writes config.json and model.safetensors (bf16 weights) into `dir`.
+// Writes config.json and model.safetensors (bf16 weights) into `dir`; with
+// mtp, the MTP layers the config names too (else only what `extra` adds).
 inline void write_random_model(const std::string& dir, const nlohmann::json& config, uint64_t seed = 7,
-                               const std::vector<std::pair<std::string, Tensor>>& extra = {}) {
+                               const std::vector<std::pair<std::string, Tensor>>& extra = {}, bool mtp = false) {
   namespace fs = std::filesystem;
   fs::create_directories(dir);
   std::ofstream(fs::path(dir) / "config.json") << config.dump(2);
@@ -45,7 +46,7 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
     for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] += mean;
     ts.emplace_back(name, t.to(DType::BF16));
   };
-  model::for_each_param(c, 0, [&](const model::ParamInfo& info) {
+  model::for_each_param(c, mtp ? c.num_nextn_predict_layers : 0, [&](const model::ParamInfo& info) {
     switch (info.role) {
       case model::ParamRole::Embedding:
         add(info.name, info.shape, 1.0f);

@@ -106,7 +106,17 @@ struct GenerateArgs {
   int64_t top_k = 0;
   uint64_t seed = 0;
   bool raw = false;
+  std::string speculative = "none";
+  int64_t draft_tokens = 1;
 };
+
+// --speculative none | mtp: the model options and the generation's draft tokens.
+infer::ModelOptions speculative_options(const std::string& mode) {
+  DS_CHECK(mode == "none" || mode == "mtp", "--speculative must be none or mtp, got '{}'", mode);
+  infer::ModelOptions o;
+  o.mtp = mode == "mtp";
+  return o;
+}
 
 int run_generate(const GenerateArgs& a) {
   // Everything that can be wrong with the request is found before the
@@ -116,7 +126,10 @@ int run_generate(const GenerateArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = infer::cache_kind(a.cache);
-  const auto g = infer::open_model(a.model);
+  const auto mo = speculative_options(a.speculative);
+  DS_CHECK(a.draft_tokens >= 1, "--draft-tokens must be >= 1, got {}", a.draft_tokens);
+  opt.draft_tokens = mo.mtp ? a.draft_tokens : 0;
+  const auto g = infer::open_model(a.model, mo);
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
   DS_CHECK(fs::is_regular_file(tok_path), "no tokenizer at '{}' (pass --tokenizer FILE)", tok_path);
   const io::Tokenizer tok = io::Tokenizer::from_file(tok_path);
@@ -152,6 +165,11 @@ int run_generate(const GenerateArgs& a) {
                   st.prompt_tokens + st.generated_tokens, mib(weight_file_bytes(a.model)), mib(peak_rss_bytes()),
                   num_threads())
           .c_str());
+  if (opt.draft_tokens > 0)
+    std::fprintf(stderr, "%s",
+                 fmt::format("speculative (mtp): {} of {} drafts accepted ({:.1f}%)\n", st.accepted, st.drafted,
+                             100.0 * st.acceptance())
+                     .c_str());
   return 0;
 }
 
@@ -163,11 +181,15 @@ struct BenchArgs {
   int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
   uint64_t seed = 0;
   bool dense_attention = false;
+  std::string speculative = "none";
+  int64_t draft_tokens = 1;
 };
 
 int run_bench(const BenchArgs& a) {
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
-  const auto g = infer::open_model(a.model);
+  const auto mo = speculative_options(a.speculative);
+  DS_CHECK(a.draft_tokens >= 1, "--draft-tokens must be >= 1, got {}", a.draft_tokens);
+  const auto g = infer::open_model(a.model, mo);
   DS_CHECK(a.prompt_len + a.new_tokens + 1 <= g->max_positions(),
            "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
            g->max_positions());
@@ -189,6 +211,7 @@ int run_bench(const BenchArgs& a) {
   infer::GenerateOptions opt;  // greedy, no early stop: every run does the same work
   opt.cache = infer::cache_kind(a.cache);
   opt.prefill_chunk = a.prefill_chunk;
+  opt.draft_tokens = mo.mtp ? a.draft_tokens : 0;
   // Warm-up, not timed: the same prompts touch every weight page and grow
   // the allocator's arenas.
   opt.max_new_tokens = 2;
@@ -229,6 +252,8 @@ int run_bench(const BenchArgs& a) {
       {"prefill_model_flops_per_token", prefill_flops},
       {"prefill_gflop_per_s", prefill_flops * median(prefill) * 1e-9},
       {"decode_tokens_per_s", median(decode)},
+      {"speculative", a.speculative},
+      {"draft_acceptance", st.acceptance()},
       {"cache_bytes", st.cache_bytes},
       {"weight_file_bytes", weight_file_bytes(a.model)},
       {"base_rss_bytes", base_rss},
@@ -274,6 +299,9 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
                     "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
         ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_flag("--raw", args->raw, "do not prepend the tokenizer's BOS token");
+    cmd->add_option("--speculative", args->speculative,
+                    "speculative decoding: none (default) or mtp (the model's MTP layer drafts, one step checks)");
+    cmd->add_option("--draft-tokens", args->draft_tokens, "tokens the MTP layer drafts a step (default 1)");
     commands.emplace_back(cmd, [args] { return run_generate(*args); });
   }
   {
@@ -294,6 +322,8 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
                     "prompt tokens per prefill step over the whole batch; 0: all at once (default 512)")
         ->check(CLI::Range(int64_t{0}, kMaxCount));
     cmd->add_option("--seed", args->seed, "seed of the random prompts");
+    cmd->add_option("--speculative", args->speculative, "speculative decoding: none (default) or mtp");
+    cmd->add_option("--draft-tokens", args->draft_tokens, "tokens the MTP layer drafts a step (default 1)");
     cmd->add_flag("--dense-attention", args->dense_attention,
                   "DeepSeek-V3.2: attend to every key with the indexer off (dense MLA), for comparison");
     commands.emplace_back(cmd, [args] { return run_bench(*args); });

@@ -85,9 +85,9 @@ class CacheAttention : public model::KvAttention {
         iq.resize(N * Hi * Di);
         iw.resize(N * Hi);
       }
-      model::indexer_forward({ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr,
-                              any_sparse ? iw.data() : nullptr},
-                             in.x, in.mla_q, a.indexer, s, b_.pos.data(), N);
+      model::indexer_forward(
+          {ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr, any_sparse ? iw.data() : nullptr}, in.x,
+          in.mla_q, a.indexer, s, b_.pos.data(), N);
     }
     // Work on the cache: rows [r0, r0 + n) of one sequence (past: tokens
     // before r0), dense or sparse.
@@ -150,8 +150,8 @@ class CacheAttention : public model::KvAttention {
     if (latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;
     for (const auto& it : items)
-      work += it.n * (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di
-                                : (it.past + it.n) * H * (kvl + rope));
+      work += it.n *
+              (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di : (it.past + it.n) * H * (kvl + rope));
     // The indexer's scores of a sparse item [n, T]. With fewer items than
     // threads (decode), they are computed first, split over chunks of keys,
     // so a long context keeps every thread busy; else inside the item's task.
@@ -161,12 +161,12 @@ class CacheAttention : public model::KvAttention {
       const Item& it = items[i];
       const SequenceCache& sc = cache_.seqs[it.seq->index];
       const int64_t T = it.past + it.n;
-      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi,
-                          Di, sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
+      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi, Di,
+                          sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
     };
     const bool split_scores = static_cast<int64_t>(items.size()) < num_threads();
     if (split_scores) {
-      constexpr int64_t kKeyChunk = 1024;  // a multiple of the scorer's key tile
+      constexpr int64_t kKeyChunk = 1024;               // a multiple of the scorer's key tile
       std::vector<std::pair<int64_t, int64_t>> chunks;  // (item, first key)
       for (size_t i = 0; i < items.size(); ++i) {
         if (!items[i].sparse) continue;
@@ -293,10 +293,22 @@ bool expand_continuation(const model::ModelConfig& c, int64_t past, int64_t n, b
 }
 
 Engine::Engine(const model::ModelConfig& cfg, const model::ParamsView& w) : cfg_(cfg), w_(w), stages_(cfg) {
-  absorbed_kv_b_.resize(static_cast<size_t>(cfg.num_hidden_layers));
+  absorbed_kv_b_.resize(static_cast<size_t>(cfg.num_hidden_layers) + w.mtp.size());
 }
 
-std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits) {
+namespace {
+
+// Rows of the embedding as float32 [n, D].
+void embed_rows(float* out, const ops::WeightView& emb, const int32_t* tokens, int64_t n, int64_t D) {
+  const size_t es = dtype_size(emb.dtype);
+  for (int64_t t = 0; t < n; ++t)
+    convert(out + t * D, DType::F32, static_cast<const char*>(emb.data) + tokens[t] * D * es, emb.dtype, D);
+}
+
+}  // namespace
+
+std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits,
+                                std::vector<float>* hidden) {
   DS_CHECK(tokens.size() == cache.seqs.size(), "step: {} token lists for a cache of {} sequences", tokens.size(),
            cache.seqs.size());
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
@@ -322,10 +334,7 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   // the embedding; their sum goes to the final norm.
   const int64_t k = cfg_.mhc_expansion_rate;
   Buffer<float> h(N * D);
-  const ops::WeightView& emb = w_.embed;
-  const size_t es = dtype_size(emb.dtype);
-  for (int64_t t = 0; t < N; ++t)
-    convert(&h[t * D], DType::F32, static_cast<const char*>(emb.data) + b.token[t] * D * es, emb.dtype, D);
+  embed_rows(h.data(), w_.embed, b.token.data(), N, D);
   Buffer<float> streams;
   if (k > 1) {
     streams.resize(N * k * D);
@@ -342,6 +351,7 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
                          &attention, nullptr, {});
   if (k > 1) model::mhc_reduce(h.data(), streams.data(), N, k, D);
   for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;
+  if (hidden) hidden->assign(h.begin(), h.end());
 
   // Final norm and head on the rows that need logits.
   std::vector<int64_t> rows;
@@ -350,10 +360,15 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   } else {
     for (const auto& s : b.seqs) rows.push_back(s.row0 + s.count - 1);
   }
-  const int64_t R = static_cast<int64_t>(rows.size());
+  return head(h.data(), rows, w_.final_norm, b.pos.data());
+}
+
+std::vector<float> Engine::head(const float* h, const std::vector<int64_t>& rows, const ops::WeightView& norm,
+                                const int32_t* positions) const {
+  const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size, R = static_cast<int64_t>(rows.size());
   Buffer<float> hr(R * D), rstd(R);
-  for (int64_t i = 0; i < R; ++i) std::memcpy(&hr[i * D], &h[rows[i] * D], D * sizeof(float));
-  ops::rmsnorm_forward(hr.data(), rstd.data(), hr.data(), model::vector_data(w_.final_norm), R, D,
+  for (int64_t i = 0; i < R; ++i) std::memcpy(&hr[i * D], h + rows[i] * D, D * sizeof(float));
+  ops::rmsnorm_forward(hr.data(), rstd.data(), hr.data(), model::vector_data(norm), R, D,
                        static_cast<float>(cfg_.rms_norm_eps));
   std::vector<float> logits(R * V);
   ops::linear_forward(logits.data(), hr.data(), w_.lm_head, R);
@@ -365,16 +380,71 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
     DS_CHECK((bits & 0x7f800000u) != 0x7f800000u,
              "the model produced a non-finite logit ({}) for token id {} at position {}: the weights or the "
              "activations overflowed",
-             logits[i], i % V, b.pos[rows[i / V]]);
+             logits[i], i % V, positions[rows[i / V]]);
   }
   return logits;
 }
 
-std::unique_ptr<LoadedModel> load_model(const std::string& dir) {
+std::vector<float> Engine::mtp_step(KvCache& cache, const std::vector<std::vector<int32_t>>& next,
+                                    const std::vector<const float*>& hidden) {
+  DS_CHECK(has_mtp(), "this model's MTP layer is not loaded");
+  DS_CHECK(next.size() == cache.seqs.size() && hidden.size() == next.size(),
+           "mtp_step: {} token lists and {} hidden states for a cache of {} sequences", next.size(), hidden.size(),
+           cache.seqs.size());
+  const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
+  Batch b;
+  for (size_t s = 0; s < next.size(); ++s) {
+    if (next[s].empty()) continue;
+    const SequenceCache& sc = cache.seqs[s];
+    const int64_t past = sc.draft_length, n = static_cast<int64_t>(next[s].size());
+    DS_CHECK(static_cast<int64_t>(sc.c_kv.size()) > L, "mtp_step: a cache without the MTP layer's");
+    DS_CHECK(past + n <= sc.length, "mtp_step: sequence {} has {} positions, {} drafted from, {} more asked", s,
+             sc.length, past, n);
+    b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t t = next[s][i];
+      DS_CHECK(t >= 0 && t < V, "token id {} outside the vocabulary of {}", t, V);
+      b.token.push_back(t);
+      b.pos.push_back(static_cast<int32_t>(past + i));
+    }
+    b.n += n;
+  }
+  if (b.n == 0) return {};
+  const int64_t N = b.n;
+  const auto& p = w_.mtp[0];
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  // [enorm(embedding of the next token) | hnorm(main hidden state)] through eh_proj.
+  Buffer<float> e(N * D), hm(N * D), rstd(N), x(N * 2 * D), h(N * D);
+  embed_rows(e.data(), w_.embed, b.token.data(), N, D);
+  for (const auto& sq : b.seqs) std::memcpy(hm.data() + sq.row0 * D, hidden[sq.index], sq.count * D * sizeof(float));
+  ops::rmsnorm_forward(e.data(), rstd.data(), e.data(), model::vector_data(p.enorm), N, D, eps);
+  ops::rmsnorm_forward(hm.data(), rstd.data(), hm.data(), model::vector_data(p.hnorm), N, D, eps);
+  for (int64_t t = 0; t < N; ++t) {
+    std::memcpy(&x[t * 2 * D], &e[t * D], D * sizeof(float));
+    std::memcpy(&x[t * 2 * D + D], &hm[t * D], D * sizeof(float));
+  }
+  ops::linear_forward(h.data(), x.data(), p.eh_proj, N);
+  CacheAttention attention(*this, cache, b);
+  const model::TokenLayout layout{1, N, b.pos.data(), nullptr};
+  model::layer_forward(h.data(), p.layer, L, stages_, layout, &attention, nullptr, {});
+  std::vector<int64_t> rows;
+  for (const auto& sq : b.seqs) {
+    cache.seqs[sq.index].draft_length += sq.count;
+    rows.push_back(sq.row0 + sq.count - 1);
+  }
+  return head(h.data(), rows, p.head_norm, b.pos.data());
+}
+
+std::unique_ptr<LoadedModel> load_model(const std::string& dir, bool mtp) {
   auto m = std::make_unique<LoadedModel>();
   m->config = model::load_config(dir);
+  DS_CHECK(!mtp || m->config.num_nextn_predict_layers > 0,
+           "{}: speculative decoding with the MTP layer needs one, and this model has none (num_nextn_predict_layers "
+           "0)",
+           dir);
+  DS_CHECK(!mtp || m->config.mhc_expansion_rate <= 1, "{}: an mHC model has no MTP layer", dir);
   m->files = io::SafetensorsSet::open_dir(dir);
-  m->weights = model::ModelWeights::load(m->files, m->config);
+  m->weights = model::ModelWeights::load(m->files, m->config, mtp ? 1 : 0);
   m->engine = std::make_unique<Engine>(m->config, m->weights.view);
   return m;
 }

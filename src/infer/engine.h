@@ -34,7 +34,23 @@ class Engine {
   // and returns logits: for every new token in order (sequence by sequence)
   // when all_logits, else one row per sequence that received tokens (its last
   // token). Positions continue from each sequence's cached length.
-  std::vector<float> step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
+  // With hidden, also each new token's last hidden state (before the final
+  // norm), every row in order [N, hidden_size]: what the MTP layer reads.
+  std::vector<float> step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits,
+                          std::vector<float>* hidden = nullptr);
+
+  // The MTP layer (depth 1, as model/model.cc trains it) over new positions
+  // of each sequence: next[s] holds the tokens that follow the positions
+  // cache.seqs[s].draft_length, ... of the main model, hidden[s] the main
+  // model's hidden states there [next[s].size(), hidden_size]. Appends them
+  // to the MTP layer's cache (layer num_hidden_layers of a cache made with
+  // one more layer) and returns the MTP logits of each sequence's last new
+  // position (one row per sequence with positions, in order): its guess at
+  // the token after next.
+  std::vector<float> mtp_step(KvCache& cache, const std::vector<std::vector<int32_t>>& next,
+                              const std::vector<const float*>& hidden);
+  // Whether the MTP layer's weights are loaded (load_model with mtp).
+  bool has_mtp() const { return !w_.mtp.empty(); }
 
   const model::ModelConfig& config() const { return cfg_; }
 
@@ -49,6 +65,10 @@ class Engine {
  private:
   const model::ModelConfig& cfg_;
   const model::ParamsView& w_;
+  // The final norm `norm` and the head on rows `rows` of h [*, hidden_size].
+  std::vector<float> head(const float* h, const std::vector<int64_t>& rows, const ops::WeightView& norm,
+                          const int32_t* positions) const;
+
   model::StageConfig stages_;
   std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, ops::absorb_kv_b on first decode use
   bool dense_attention_ = false;
@@ -71,6 +91,7 @@ struct LoadedModel {
   std::unique_ptr<Engine> engine;  // refers to config and weights above
 };
 
-std::unique_ptr<LoadedModel> load_model(const std::string& dir);
+// With mtp, the checkpoint's MTP layer too (speculative decoding).
+std::unique_ptr<LoadedModel> load_model(const std::string& dir, bool mtp = false);
 
 }  // namespace ds::infer

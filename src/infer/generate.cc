@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/system.h"
+#include "infer/speculative.h"
 #include "ops/indexer.h"
 
 namespace ds::infer {
@@ -33,6 +34,7 @@ void check_generate_options(int64_t vocab_size, int64_t max_positions, const std
   DS_CHECK(opt.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, got {}", opt.max_new_tokens);
   check_sampler(opt.sampler);
   DS_CHECK(opt.prefill_chunk >= 0, "generate: prefill_chunk must be >= 0, got {}", opt.prefill_chunk);
+  DS_CHECK(opt.draft_tokens >= 0, "generate: draft tokens must be >= 0, got {}", opt.draft_tokens);
   DS_CHECK(opt.sample_vocab >= 0 && opt.sample_vocab <= vocab_size, "generate: sample_vocab {} outside [0, {}]",
            opt.sample_vocab, vocab_size);
   for (size_t s = 0; s < prompt_lengths.size(); ++s) {
@@ -62,20 +64,31 @@ std::vector<float> Decoder::step_all(const std::vector<std::vector<int32_t>>&) {
 
 void Decoder::copy(int64_t, int64_t) { throw Error("this model's decoder cannot copy a sequence"); }
 
+std::vector<float> Decoder::step_keep(const std::vector<std::vector<int32_t>>&, bool) {
+  throw Error("this model's decoder has no MTP layer to draft with");
+}
+std::vector<float> Decoder::draft(const std::vector<std::vector<int32_t>>&) {
+  throw Error("this model's decoder has no MTP layer to draft with");
+}
+void Decoder::truncate(int64_t, int64_t) { throw Error("this model's decoder cannot drop tokens"); }
+
 namespace {
 
-// The V2/V3 engine over its KV cache.
+// The V2/V3 engine over its KV cache (with the MTP layer's, when loaded:
+// one layer more, and each sequence's hidden states kept for draft()).
 class KvDecoder : public Decoder {
  public:
   KvDecoder(Engine& e, CacheKind kind) : e_(e), kind_(kind) {}
   int64_t vocab_size() const override { return e_.config().vocab_size; }
   int64_t max_positions() const override { return e_.config().max_position_embeddings; }
   void start(int64_t sequences) override {
-    cache_ = std::make_unique<KvCache>(kind_, sequences, e_.config().num_hidden_layers);
+    cache_ = std::make_unique<KvCache>(kind_, sequences, layers());
+    kept_.assign(static_cast<size_t>(sequences), {});
   }
   void reset(int64_t s) override {
     DS_CHECK(cache_ && s >= 0 && s < static_cast<int64_t>(cache_->seqs.size()), "reset: no sequence {}", s);
-    cache_->seqs[static_cast<size_t>(s)] = SequenceCache(e_.config().num_hidden_layers);
+    cache_->seqs[static_cast<size_t>(s)] = SequenceCache(layers());
+    kept_[static_cast<size_t>(s)].clear();
   }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     return e_.step(*cache_, tokens, false);
@@ -88,13 +101,56 @@ class KvDecoder : public Decoder {
   void copy(int64_t from, int64_t to) override {
     const int64_t S = cache_ ? static_cast<int64_t>(cache_->seqs.size()) : 0;
     DS_CHECK(from >= 0 && from < S && to >= 0 && to < S, "copy: no sequence {} or {}", from, to);
-    if (from != to) cache_->seqs[static_cast<size_t>(to)] = cache_->seqs[static_cast<size_t>(from)];
+    if (from == to) return;
+    cache_->seqs[static_cast<size_t>(to)] = cache_->seqs[static_cast<size_t>(from)];
+    kept_[static_cast<size_t>(to)] = kept_[static_cast<size_t>(from)];
+  }
+
+  bool can_draft() const override { return e_.has_mtp(); }
+  std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all_logits) override {
+    DS_CHECK(can_draft(), "this model's MTP layer is not loaded");
+    std::vector<float> hidden;
+    auto logits = e_.step(*cache_, tokens, all_logits, &hidden);
+    const size_t D = static_cast<size_t>(e_.config().hidden_size);
+    size_t row = 0;
+    for (size_t s = 0; s < tokens.size(); ++s) {
+      const size_t n = tokens[s].size();
+      kept_[s].insert(kept_[s].end(), hidden.begin() + row * D, hidden.begin() + (row + n) * D);
+      row += n;
+    }
+    return logits;
+  }
+  std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override {
+    const size_t D = static_cast<size_t>(e_.config().hidden_size);
+    std::vector<const float*> hidden(next.size(), nullptr);
+    for (size_t s = 0; s < next.size(); ++s) {
+      DS_CHECK(next[s].size() * D <= kept_[s].size(), "draft: sequence {} keeps {} positions, {} tokens given", s,
+               kept_[s].size() / D, next[s].size());
+      hidden[s] = kept_[s].data();
+    }
+    auto logits = e_.mtp_step(*cache_, next, hidden);
+    for (size_t s = 0; s < next.size(); ++s)
+      kept_[s].erase(kept_[s].begin(), kept_[s].begin() + static_cast<std::ptrdiff_t>(next[s].size() * D));
+    return logits;
+  }
+  void truncate(int64_t s, int64_t length) override {
+    SequenceCache& sc = cache_->seqs[static_cast<size_t>(s)];
+    auto& kept = kept_[static_cast<size_t>(s)];
+    const size_t D = static_cast<size_t>(e_.config().hidden_size), drop = static_cast<size_t>(sc.length - length);
+    DS_CHECK(length >= sc.draft_length && length <= sc.length && drop * D <= kept.size(),
+             "truncate: sequence {} of {} tokens ({} drafted from, {} kept) to {}", s, sc.length, sc.draft_length,
+             kept.size() / D, length);
+    infer::truncate(sc, length, e_.config().num_hidden_layers);
+    kept.resize(kept.size() - drop * D);
   }
 
  private:
+  int64_t layers() const { return e_.config().num_hidden_layers + (e_.has_mtp() ? 1 : 0); }
+
   Engine& e_;
   CacheKind kind_;
   std::unique_ptr<KvCache> cache_;
+  std::vector<std::vector<float>> kept_;  // per sequence: hidden states [positions, hidden_size] draft() has not read
 };
 
 }  // namespace
@@ -117,6 +173,7 @@ std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std
   std::vector<int64_t> lengths;
   for (const auto& p : prompts) lengths.push_back(static_cast<int64_t>(p.size()));
   check_generate_options(model.vocab_size(), model.max_positions(), lengths, opt);
+  if (opt.draft_tokens > 0) return generate_speculative(model, prompts, opt, stats);
   const int64_t V = model.vocab_size(), S = static_cast<int64_t>(prompts.size());
   const int64_t draw_vocab = opt.sample_vocab > 0 ? opt.sample_vocab : V;
   model.start(S);

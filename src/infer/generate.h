@@ -31,6 +31,10 @@ struct GenerateOptions {
   // Bounds the activation memory of long prompts and big batches; a prompt
   // longer than this continues from its cache in the next step.
   int64_t prefill_chunk = 512;
+  // Speculative decoding (infer/speculative.h): the model's MTP layer
+  // drafts this many tokens a step, which one step of the model checks
+  // (0: off; 1 is the one depth supported).
+  int64_t draft_tokens = 0;
 };
 
 struct GenerateStats {
@@ -39,7 +43,9 @@ struct GenerateStats {
   size_t cache_bytes = 0;
   double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prompt_tokens / prefill_seconds : 0; }
   double decode_tokens_per_second() const;
-  int64_t decode_steps_tokens = 0;  // tokens produced by decode steps (excludes the first, from prefill)
+  int64_t decode_steps_tokens = 0;    // tokens produced by decode steps (excludes the first, from prefill)
+  int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens checked, and kept
+  double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0; }
 };
 
 // Bytes the KV cache of `kind` holds per token (all layers).
@@ -83,6 +89,20 @@ class Decoder {
   // that both continue from the same tokens: the choices of one request
   // read their prompt once. A decoder that cannot throws ds::Error.
   virtual void copy(int64_t from, int64_t to);
+
+  // Speculative decoding with the model's MTP layer (infer/speculative.h);
+  // the defaults throw ds::Error. Whether the MTP layer is loaded:
+  virtual bool can_draft() const { return false; }
+  // As step() (all_logits: as step_all()), keeping each new token's hidden
+  // state for draft().
+  virtual std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
+  // The MTP layer over each sequence's oldest kept positions: next[s] the
+  // tokens that follow them (at most as many as are kept), which it then
+  // drops. One row of MTP logits per sequence with tokens, in order.
+  virtual std::vector<float> draft(const std::vector<std::vector<int32_t>>& next);
+  // Drops sequence s's tokens from `length` on (a rejected draft) and their
+  // kept hidden states.
+  virtual void truncate(int64_t sequence, int64_t length);
 };
 
 // The V2/V3 engine over a KV cache of `kind`, as a Decoder.

@@ -19,10 +19,15 @@ enum class CacheKind { Latent, Naive };
 struct SequenceCache {
   // Empty, with a row list per layer.
   explicit SequenceCache(int64_t num_layers)
-      : c_kv(num_layers), k_pe(num_layers), k(num_layers), v(num_layers), index_k(num_layers),
+      : c_kv(num_layers),
+        k_pe(num_layers),
+        k(num_layers),
+        v(num_layers),
+        index_k(num_layers),
         index_scale(num_layers) {}
 
-  int64_t length = 0;  // tokens cached
+  int64_t length = 0;        // tokens cached
+  int64_t draft_length = 0;  // positions the MTP layer (the last layer of a drafting cache) has cached
   // Per layer, rows appended as tokens arrive.
   std::vector<std::vector<float>> c_kv, k_pe;  // latent: [T, kv_lora_rank], [T, qk_rope_head_dim]
   std::vector<std::vector<float>> k, v;        // naive: [T, heads, qk_head_dim], [T, heads, v_head_dim]
@@ -31,6 +36,24 @@ struct SequenceCache {
   std::vector<std::vector<uint8_t>> index_k;
   std::vector<std::vector<float>> index_scale;
 };
+
+// Keeps the first `length` tokens of the layers below `layers` (a rejected
+// draft's rows go; the MTP layer's own rows, if any, stay).
+inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
+  if (length >= s.length) return;
+  auto cut = [&](auto& rows) {
+    for (int64_t l = 0; l < layers && l < static_cast<int64_t>(rows.size()); ++l)
+      if (!rows[l].empty())
+        rows[l].resize(rows[l].size() / static_cast<size_t>(s.length) * static_cast<size_t>(length));
+  };
+  cut(s.c_kv);
+  cut(s.k_pe);
+  cut(s.k);
+  cut(s.v);
+  cut(s.index_k);
+  cut(s.index_scale);
+  s.length = length;
+}
 
 struct KvCache {
   CacheKind kind = CacheKind::Latent;

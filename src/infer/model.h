@@ -21,6 +21,8 @@ struct ModelOptions {
   // DeepSeek-V4: the fp8/fp4 roundings of DeepSeek's inference code (false:
   // Hugging Face's arithmetic). Other families have no such roundings.
   bool quant_sim = true;
+  // Load the checkpoint's MTP layer for speculative decoding (infer/speculative.h).
+  bool mtp = false;
 };
 
 class Model {

@@ -16,22 +16,33 @@ void check_sampler(const SamplerConfig& c) {
   DS_CHECK(c.top_p > 0.0f && c.top_p <= 1.0f, "top-p must be in (0, 1], got {}", c.top_p);
 }
 
-int32_t sample_token(const float* logits, int64_t vocab, const SamplerConfig& c, uint64_t sequence, uint64_t step) {
-  DS_CHECK(vocab > 0, "sampling from an empty vocabulary");
-  if (c.temperature <= 0.0f) {
-    int64_t best = 0;
-    for (int64_t i = 1; i < vocab; ++i)
-      if (logits[i] > logits[best]) best = i;
-    return static_cast<int32_t>(best);
-  }
-  // Candidates sorted by logit (descending, ties to the lower id), cut to top-k.
-  std::vector<int32_t> idx(vocab);
+namespace {
+
+int32_t argmax(const float* logits, int64_t vocab) {
+  int64_t best = 0;
+  for (int64_t i = 1; i < vocab; ++i)
+    if (logits[i] > logits[best]) best = i;
+  return static_cast<int32_t>(best);
+}
+
+// The ids a draw can take (sorted by logit, descending, ties to the lower
+// id; cut to top-k and to the nucleus) and their unnormalised weights.
+struct Candidates {
+  std::vector<int32_t> idx;
+  std::vector<double> p;
+  double z = 0;  // sum of p
+};
+Candidates candidates(const float* logits, int64_t vocab, const SamplerConfig& c) {
+  Candidates out;
+  std::vector<int32_t>& idx = out.idx;
+  idx.resize(static_cast<size_t>(vocab));
   std::iota(idx.begin(), idx.end(), 0);
   const int64_t k = c.top_k > 0 ? std::min<int64_t>(c.top_k, vocab) : vocab;
   auto cmp = [logits](int32_t a, int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), cmp);
-  idx.resize(k);
-  std::vector<double> p(k);
+  idx.resize(static_cast<size_t>(k));
+  std::vector<double>& p = out.p;
+  p.resize(static_cast<size_t>(k));
   const double mx = logits[idx[0]];
   double z = 0;
   for (int64_t i = 0; i < k; ++i) z += p[i] = std::exp((logits[idx[i]] - mx) / c.temperature);
@@ -47,15 +58,53 @@ int32_t sample_token(const float* logits, int64_t vocab, const SamplerConfig& c,
       }
     }
   }
-  double zk = 0;
-  for (int64_t i = 0; i < keep; ++i) zk += p[i];
-  const double u = Philox(c.seed, sequence).uniform(step) * zk;
+  idx.resize(static_cast<size_t>(keep));
+  p.resize(static_cast<size_t>(keep));
+  for (int64_t i = 0; i < keep; ++i) out.z += p[i];
+  return out;
+}
+
+}  // namespace
+
+int32_t sample_token(const float* logits, int64_t vocab, const SamplerConfig& c, uint64_t sequence, uint64_t step) {
+  DS_CHECK(vocab > 0, "sampling from an empty vocabulary");
+  if (c.temperature <= 0.0f) return argmax(logits, vocab);
+  const Candidates k = candidates(logits, vocab, c);
+  const double u = Philox(c.seed, sequence).uniform(step) * k.z;
   double acc = 0;
-  for (int64_t i = 0; i < keep; ++i) {
-    acc += p[i];
-    if (u < acc) return idx[i];
+  for (size_t i = 0; i < k.idx.size(); ++i) {
+    acc += k.p[i];
+    if (u < acc) return k.idx[i];
   }
-  return idx[keep - 1];
+  return k.idx.back();
+}
+
+std::vector<double> sampling_probs(const float* logits, int64_t vocab, const SamplerConfig& c) {
+  DS_CHECK(vocab > 0, "sampling from an empty vocabulary");
+  std::vector<double> out(static_cast<size_t>(vocab), 0.0);
+  if (c.temperature <= 0.0f) {
+    out[static_cast<size_t>(argmax(logits, vocab))] = 1.0;
+    return out;
+  }
+  const Candidates k = candidates(logits, vocab, c);
+  for (size_t i = 0; i < k.idx.size(); ++i) out[static_cast<size_t>(k.idx[i])] = k.p[i] / k.z;
+  return out;
+}
+
+int32_t draw_from(const std::vector<double>& probs, double u) {
+  double total = 0;
+  for (double p : probs) total += p;
+  DS_CHECK(total > 0, "drawing from a distribution with no mass");
+  const double x = u * total;
+  double acc = 0;
+  int32_t last = 0;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0) continue;
+    acc += probs[i];
+    last = static_cast<int32_t>(i);
+    if (x < acc) return last;
+  }
+  return last;
 }
 
 void check_adjust(const LogitAdjust& a, int64_t vocab) {

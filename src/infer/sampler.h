@@ -25,6 +25,15 @@ void check_sampler(const SamplerConfig& c);
 
 int32_t sample_token(const float* logits, int64_t vocab, const SamplerConfig& c, uint64_t sequence, uint64_t step);
 
+// The distribution sample_token draws from for a row, over [0, vocab):
+// greedy puts all the mass on the argmax; otherwise temperature, top-k and
+// top-p as sample_token applies them. Speculative decoding's acceptance
+// rule compares two of them.
+std::vector<double> sampling_probs(const float* logits, int64_t vocab, const SamplerConfig& c);
+// The id whose cumulative mass first exceeds u times the total (u in
+// [0, 1); the weights need not sum to 1).
+int32_t draw_from(const std::vector<double>& probs, double u);
+
 // What changes a sequence's logits before sampling, in this order:
 //  - repetition (llama.cpp's and vLLM's): the logit l of every id in the
 //    prompt or made so far becomes l / repetition if l > 0, else

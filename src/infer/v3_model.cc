@@ -13,8 +13,14 @@ namespace {
 // DeepSeek-V2/V3/V3.2: the engine over a KV cache (latent or naive).
 class V3Model final : public Model {
  public:
-  V3Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), cfg_(model::load_config(dir)) {
+  V3Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), cfg_(model::load_config(dir)), mtp_(opt.mtp) {
     DS_CHECK(opt.quant_sim, "--no-quant-sim applies to DeepSeek-V4 models only");
+    DS_CHECK(!mtp_ || cfg_.num_nextn_predict_layers > 0,
+             "--speculative mtp drafts with the model's MTP layer, and this model has none (num_nextn_predict_layers "
+             "0)");
+    DS_CHECK(!mtp_ || cfg_.index_n_heads == 0,
+             "--speculative mtp: the MTP layer of a DeepSeek-V3.2 model (sparse attention) is not supported yet");
+    DS_CHECK(!mtp_ || cfg_.mhc_expansion_rate <= 1, "--speculative mtp: an mHC model has no MTP layer");
   }
 
   int64_t vocab_size() const override { return cfg_.vocab_size; }
@@ -37,7 +43,7 @@ class V3Model final : public Model {
   }
 
   void load() override {
-    m_ = load_model(dir_);
+    m_ = load_model(dir_, mtp_);
     m_->engine->set_dense_attention(dense_);
   }
   std::unique_ptr<Decoder> new_decoder(CacheKind kind) override { return kv_decoder(engine(), kind); }
@@ -69,6 +75,7 @@ class V3Model final : public Model {
   const model::ModelConfig cfg_;
   std::unique_ptr<LoadedModel> m_;
   bool dense_ = false;
+  const bool mtp_;
 };
 
 }  // namespace

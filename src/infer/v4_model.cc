@@ -12,7 +12,9 @@ namespace {
 // DeepSeek-V4: its per-sequence attention state.
 class V4Model final : public Model {
  public:
-  V4Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), opt_(opt), cfg_(load_v4_config(dir)) {}
+  V4Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), opt_(opt), cfg_(load_v4_config(dir)) {
+    DS_CHECK(!opt.mtp, "--speculative mtp is not supported for DeepSeek-V4 models yet (DeepSeek-V2/V3 only)");
+  }
 
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t eos_token_id() const override { return cfg_.eos_token_id; }

@@ -142,8 +142,9 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
     for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = 1.0f;
     ts.emplace_back(name, plain == DType::F32 ? t : t.to(plain));
   };
-  // Every tensor of the parameter tree, in its order (one stream each).
-  for_each_param(c, 0, [&](const ParamInfo& info) {
+  // Every tensor of the parameter tree, in its order (one stream each),
+  // with the MTP layers the config names.
+  for_each_param(c, c.num_nextn_predict_layers, [&](const ParamInfo& info) {
     switch (info.role) {
       case ParamRole::Norm:
         ones(info.name, info.shape[0]);
@@ -178,7 +179,8 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
   });
   // Weights first: a folder whose config.json is new always has its weights.
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts, {{"format", "pt"}});
-  io::write_file_atomic((fs::path(dir) / "config.json").string(), to_hf_json(c).dump(2) + "\n");
+  io::write_file_atomic((fs::path(dir) / "config.json").string(),
+                        to_hf_json(c, c.num_nextn_predict_layers).dump(2) + "\n");
 }
 
 }  // namespace ds::model

@@ -1,0 +1,197 @@
+// Speculative decoding with the MTP layer (infer/speculative.h):
+//  - greedy output is the plain loop's token for token, on a tiny V3 model
+//    with a random MTP layer (its drafts mostly rejected) and through an
+//    oracle that makes the MTP layer's drafts right or wrong on purpose (so
+//    kept drafts, two tokens a step, and dropped ones are both exercised);
+//  - the acceptance rule leaves the sampling distribution unchanged: a
+//    chi-square test over many draws;
+//  - sampled generation is reproducible from its seed, and bad options are
+//    refused.
+#include "infer/speculative.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "forwarding_decoder.h"
+#include "infer/engine.h"
+#include "model_fixture.h"
+
+namespace fs = std::filesystem;
+using ds::infer::GenerateOptions;
+using ds::infer::GenerateStats;
+
+namespace {
+
+class SpeculativeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/ds_spec_XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    auto cfg = ds::test::tiny_v3_config();
+    cfg["num_nextn_predict_layers"] = 1;
+    ds::test::write_random_model(dir_, cfg, 17, {}, /*mtp=*/true);
+    m_ = ds::infer::load_model(dir_, /*mtp=*/true);
+    plain_ = ds::infer::load_model(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::vector<std::vector<int32_t>> run(ds::infer::Decoder& d, GenerateOptions opt, GenerateStats* st = nullptr) {
+    return ds::infer::generate(d, prompts_, opt, st);
+  }
+
+  std::string dir_;
+  std::unique_ptr<ds::infer::LoadedModel> m_, plain_;
+  const std::vector<std::vector<int32_t>> prompts_ = {{5, 9, 2, 33, 7, 1, 8, 60, 4, 4, 12}, {3}, {70, 71, 72, 73}};
+};
+
+// The MTP layer's drafts replaced by one-hot rows: the true greedy token
+// (from a plain run) except at every third token index, where it is wrong.
+// draft() still runs the MTP layer, so its cache stays as it would.
+class OracleDecoder : public ds::test::ForwardingDecoder {
+ public:
+  OracleDecoder(ds::infer::Decoder& d, std::vector<std::vector<int32_t>> want, std::vector<int64_t> prompt_lengths)
+      : ForwardingDecoder(d), want_(std::move(want)), prompt_(std::move(prompt_lengths)) {}
+  std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override {
+    auto rows = ForwardingDecoder::draft(next);
+    const int64_t V = vocab_size();
+    int64_t r = 0;
+    for (size_t s = 0; s < next.size(); ++s) {
+      if (next[s].empty()) continue;
+      // The draft guesses token index (tokens made so far): length counts the
+      // prompt and every made token but the newest, not yet fed.
+      const int64_t index = length(static_cast<int64_t>(s)) - prompt_[s] + 1;
+      float* row = rows.data() + r * V;
+      std::fill(row, row + V, -10.0f);
+      if (index >= 1 && index < static_cast<int64_t>(want_[s].size())) {
+        const int32_t right = want_[s][static_cast<size_t>(index)];
+        row[index % 3 == 0 ? (right + 1) % V : right] = 10.0f;
+      }
+      ++r;
+    }
+    return rows;
+  }
+
+ private:
+  std::vector<std::vector<int32_t>> want_;
+  std::vector<int64_t> prompt_;
+};
+
+TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) {
+  GenerateOptions opt;
+  opt.max_new_tokens = 24;
+  opt.prefill_chunk = 5;  // the long prompt over three steps
+  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  const auto want = run(*plain, opt);
+  for (const auto kind : {ds::infer::CacheKind::Latent, ds::infer::CacheKind::Naive}) {
+    auto spec = ds::infer::kv_decoder(*m_->engine, kind);
+    ASSERT_TRUE(spec->can_draft());
+    GenerateOptions so = opt;
+    so.draft_tokens = 1;
+    GenerateStats st;
+    EXPECT_EQ(run(*spec, so, &st), want);
+    EXPECT_GT(st.drafted, 0);
+    // Through the oracle: two of three drafts right.
+    std::vector<int64_t> lengths;
+    for (const auto& p : prompts_) lengths.push_back(static_cast<int64_t>(p.size()));
+    auto inner = ds::infer::kv_decoder(*m_->engine, kind);
+    OracleDecoder oracle(*inner, want, lengths);
+    GenerateStats ost;
+    EXPECT_EQ(run(oracle, so, &ost), want);
+    EXPECT_GT(ost.accepted, ost.drafted / 2) << ost.accepted << " of " << ost.drafted;
+    EXPECT_LT(ost.accepted, ost.drafted);
+    // Kept drafts make two tokens a step: fewer steps than tokens.
+    EXPECT_EQ(ost.generated_tokens, 3 * opt.max_new_tokens);
+  }
+}
+
+TEST_F(SpeculativeTest, EosAndTheLastPositionEndItAsThePlainLoop) {
+  GenerateOptions opt;
+  opt.max_new_tokens = 200;  // past max_position_embeddings (128)
+  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  const auto want = run(*plain, opt);
+  auto spec = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  opt.draft_tokens = 1;
+  EXPECT_EQ(run(*spec, opt), want);
+  // An EOS id the model makes early in one sequence.
+  GenerateOptions eo;
+  eo.max_new_tokens = 30;
+  eo.eos_token_id = want[1][5];
+  const auto want_eos = run(*plain, eo);
+  eo.draft_tokens = 1;
+  EXPECT_EQ(run(*spec, eo), want_eos);
+}
+
+TEST(SpeculativeRule, KeepsTheSamplingDistribution) {
+  // p the model's, q the draft's: they differ everywhere.
+  const std::vector<double> p = {0.30, 0.05, 0.25, 0.10, 0.20, 0.10};
+  const std::vector<double> q = {0.10, 0.30, 0.05, 0.25, 0.10, 0.20};
+  const int64_t K = static_cast<int64_t>(p.size()), trials = 200000;
+  std::vector<int64_t> count(K, 0);
+  int64_t kept = 0;
+  const ds::Philox rng(2024);
+  for (int64_t t = 0; t < trials; ++t) {
+    const int32_t d = ds::infer::draw_from(q, rng.uniform(3 * t));
+    bool accepted = false;
+    ++count[ds::infer::accept_or_resample(p, q, d, rng.uniform(3 * t + 1), rng.uniform(3 * t + 2), &accepted)];
+    kept += accepted;
+  }
+  // Pearson's statistic against p: chi-square with K - 1 = 5 degrees of
+  // freedom when the rule is right; its 0.999 quantile is 20.52. Drawing
+  // from q, or keeping every draft, gives thousands here.
+  double chi2 = 0;
+  for (int64_t i = 0; i < K; ++i) {
+    const double e = p[i] * trials;
+    chi2 += (count[i] - e) * (count[i] - e) / e;
+  }
+  EXPECT_LT(chi2, 20.52);
+  // The acceptance rate is sum_i min(p_i, q_i) = 0.5.
+  EXPECT_NEAR(static_cast<double>(kept) / trials, 0.5, 0.01);
+  // Greedy: one-hot rows keep the draft exactly when it is the argmax.
+  bool a = false;
+  EXPECT_EQ(ds::infer::accept_or_resample({0, 1, 0}, {0, 1, 0}, 1, 0.99, 0.5, &a), 1);
+  EXPECT_TRUE(a);
+  EXPECT_EQ(ds::infer::accept_or_resample({0, 1, 0}, {0, 0, 1}, 2, 0.0, 0.5, &a), 1);
+  EXPECT_FALSE(a);
+}
+
+TEST_F(SpeculativeTest, SampledRunsFollowTheirSeed) {
+  GenerateOptions opt;
+  opt.max_new_tokens = 16;
+  opt.sampler = {0.9f, 0, 0.95f, 31};
+  opt.draft_tokens = 1;
+  auto a = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  const auto first = run(*a, opt);
+  EXPECT_EQ(run(*a, opt), first);
+  for (const auto& seq : first) {
+    EXPECT_EQ(seq.size(), 16u);
+    for (int32_t t : seq) EXPECT_TRUE(t >= 0 && t < 96);
+  }
+  opt.sampler.seed = 32;
+  EXPECT_NE(run(*a, opt), first);
+}
+
+TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
+  GenerateOptions opt;
+  opt.draft_tokens = 1;
+  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  EXPECT_THROW(run(*plain, opt), ds::Error);  // no MTP layer loaded
+  auto spec = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  opt.draft_tokens = 2;
+  EXPECT_THROW(run(*spec, opt), ds::Error);
+  opt.draft_tokens = -1;
+  EXPECT_THROW(run(*spec, opt), ds::Error);
+  // A model folder without an MTP layer.
+  char tmpl[] = "/tmp/ds_spec_none_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  ds::test::write_random_model(tmpl, ds::test::tiny_v3_config(), 3);
+  EXPECT_THROW(ds::infer::load_model(tmpl, true), ds::Error);
+  fs::remove_all(tmpl);
+}
+
+}  // namespace
