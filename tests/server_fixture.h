@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <omp.h>
 
 #include <filesystem>
 #include <fstream>
@@ -74,6 +75,26 @@ class SlowDecoder : public ds::test::ForwardingDecoder {
   }
 };
 
+// A decoder whose steps run on one OpenMP thread. A team of two on a
+// two-core machine that other work keeps busy waits, at each of a step's
+// hundreds of parallel regions, for the scheduler to run both threads: a
+// completion of the tiny model then took a quarter of a second, not 1 ms,
+// and a test that counts answers in a few seconds measured the scheduler,
+// not the server. The count is set on the calling thread, the batcher's
+// (OpenMP's thread count is each thread's own).
+class OneThreadDecoder : public ds::test::ForwardingDecoder {
+ public:
+  using ForwardingDecoder::ForwardingDecoder;
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
+    omp_set_num_threads(1);
+    return ForwardingDecoder::step(tokens);
+  }
+  std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override {
+    omp_set_num_threads(1);
+    return ForwardingDecoder::step_all(tokens);
+  }
+};
+
 class ServerTest : public ::testing::Test {
  protected:
   void SetUp() override { start(ds::infer::BatcherOptions{4, 256, 6, kEos, 294}); }
@@ -99,7 +120,8 @@ class ServerTest : public ::testing::Test {
     m_ref_ = ds::infer::load_model(dir_);
     ref_dec_ = ds::infer::kv_decoder(*m_ref_->engine, ds::infer::CacheKind::Latent);
     slow_ = std::make_unique<SlowDecoder>(*served_dec_);
-    batcher_ = std::make_unique<ds::infer::Batcher>(slow ? *slow_ : *served_dec_, bo);
+    one_thread_dec_ = std::make_unique<OneThreadDecoder>(*served_dec_);
+    batcher_ = std::make_unique<ds::infer::Batcher>(slow ? *slow_ : one_thread_ ? *one_thread_dec_ : *served_dec_, bo);
     ds::infer::ServedModel sm;
     sm.batcher = batcher_.get();
     sm.tokenizer = tok_.get();
@@ -174,7 +196,9 @@ class ServerTest : public ::testing::Test {
   std::string dir_;
   std::unique_ptr<ds::io::Tokenizer> tok_;
   std::unique_ptr<ds::infer::LoadedModel> m_, m_ref_;
-  std::unique_ptr<ds::infer::Decoder> served_dec_, ref_dec_, slow_;
+  std::unique_ptr<ds::infer::Decoder> served_dec_, ref_dec_, slow_, one_thread_dec_;
+  // The next start() serves through a OneThreadDecoder.
+  bool one_thread_ = false;
   std::unique_ptr<ds::infer::Batcher> batcher_;
   std::unique_ptr<ds::infer::Server> server_;
   std::thread thread_;

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <array>
 #include <boost/asio/buffer.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/write.hpp>
@@ -26,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <optional>
+#include <sstream>
 #include <thread>
 
 namespace ds::infer::http {
@@ -164,7 +166,24 @@ void Responder::send(int status, std::string body, std::string_view content_type
   res.body() = std::move(body);
   res.prepare_payload();
   error_code ec;
-  bhttp::write(s_, res, ec);
+  if (finish_ && !res.body().empty()) {
+    // All but the last byte, then finish(), then the last byte: a client
+    // cannot have the answer before the request is finished. The answer is
+    // freed first, so that a client slow to read that last byte holds no
+    // more than this thread.
+    std::ostringstream head;
+    head << res.base();
+    const std::string h = head.str();
+    std::string& b = res.body();
+    const char last = b.back();
+    net::write(s_, std::array{net::const_buffer(h.data(), h.size()), net::const_buffer(b.data(), b.size() - 1)}, ec);
+    std::string().swap(b);
+    finish();
+    if (!ec) net::write(s_, net::buffer(&last, 1), ec);
+  } else {
+    finish();
+    bhttp::write(s_, res, ec);
+  }
   answered_ = true;
   status_ = status;
   failed_ = failed_ || ec;
@@ -200,6 +219,8 @@ bool Responder::chunk(std::string_view data) {
 }
 
 bool Responder::end_chunks() {
+  // HTTP/1.0's stream ends when the connection closes, after the request.
+  finish();
   if (failed_ || version_ < 11) return !failed_;
   error_code ec;
   net::write(s_, bhttp::make_chunk_last(), ec);
@@ -327,11 +348,19 @@ void Transport::serve(int fd) {
 namespace {
 
 // A request slot (Transport::max_requests), held while a body is read and
-// its request is handled.
+// its request is handled. A request refused for want of one takes none
+// while its 503 is written: it would crowd out a request within the limit.
 class Slot {
  public:
-  Slot(std::atomic<int>& used, int max) : used_(used) { held_ = ++used_ <= max; }
-  ~Slot() { --used_; }
+  Slot(std::atomic<int>& used, int max) : used_(used) {
+    int n = used_.load();
+    while (n < max && !used_.compare_exchange_weak(n, n + 1)) {
+    }
+    held_ = n < max;
+  }
+  ~Slot() {
+    if (held_) --used_;
+  }
   bool held() const { return held_; }
 
  private:
@@ -368,7 +397,17 @@ bool Transport::serve_one(SocketStream& s, bool& large) {
     }
     if (!ec) {
       Request req = p.release();
-      Responder out(s, req.version(), req.keep_alive() && !stopping_);
+      // The slot is given back (and the body freed) before the last byte
+      // of the answer goes out, not when this thread next runs: a client
+      // that waits for each answer before its next request never finds its
+      // own last request still counted, not even on a loaded machine.
+      std::function<void()> finish;
+      if (slot)
+        finish = [&] {
+          std::string().swap(req.body());
+          slot.reset();
+        };
+      Responder out(s, req.version(), req.keep_alive() && !stopping_, std::move(finish));
       handler_(req, out);
       if (!out.answered()) out.send(500, error_body_(500, "internal error: the request got no answer"));
       return out.keep_alive() && !stopping_;

@@ -7,10 +7,10 @@
 // (request_timeout_s in all, however slowly the bytes come; then 408), the
 // header (max_header_bytes; 431) and the body, chunked or not
 // (max_body_bytes; 413), and requests with a body handled at once
-// (max_requests; beyond them 503). Framing errors (a malformed request line
-// or header, conflicting Content-Length headers, a bad chunk) are answered at
-// once with 400. Each of these answers is OpenAI's error object and closes
-// the connection.
+// (max_requests, each from its header until its answer is finished; beyond
+// them 503). Framing errors (a malformed request line or header, conflicting
+// Content-Length headers, a bad chunk) are answered at once with 400. Each of
+// these answers is OpenAI's error object and closes the connection.
 #pragma once
 
 #include <atomic>
@@ -22,6 +22,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace ds::infer::http {
 
@@ -44,9 +45,16 @@ class SocketStream;
 
 // How a handler answers one request: a whole response, or a head and then
 // chunks (a stream). After a failed write the connection ends.
+//
+// `finish` runs once, before the client can have the whole answer: before
+// the last byte of a whole response, before the last chunk of a stream. The
+// transport gives the request's slot back there (and frees its body), so
+// that a client that has its answer and sends its next request finds the
+// slot free, however late the scheduler runs this thread again.
 class Responder {
  public:
-  Responder(SocketStream& s, unsigned version, bool keep_alive) : s_(s), version_(version), keep_alive_(keep_alive) {}
+  Responder(SocketStream& s, unsigned version, bool keep_alive, std::function<void()> finish = {})
+      : s_(s), version_(version), keep_alive_(keep_alive), finish_(std::move(finish)) {}
   void send(int status, std::string body, std::string_view content_type = "application/json");
   bool begin_chunks(int status, std::string_view content_type, std::string_view cache_control = "no-cache");
   bool chunk(std::string_view data);
@@ -66,12 +74,19 @@ class Responder {
   std::function<void(int status)> on_answer;
 
  private:
+  void finish() {
+    if (finish_) std::exchange(finish_, nullptr)();
+  }
+
   SocketStream& s_;
   unsigned version_;
   bool keep_alive_, answered_ = false, failed_ = false;
   int status_ = 0;
+  std::function<void()> finish_;
 };
 
+// The request's body is freed when its answer is finished (see Responder):
+// a handler reads it before it answers.
 using Handler = std::function<void(const Request&, Responder&)>;
 // The body of an error response: OpenAI's error object for this status and message.
 using ErrorBody = std::function<std::string(int status, const std::string& message)>;
