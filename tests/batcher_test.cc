@@ -8,16 +8,19 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <filesystem>
 #include <mutex>
 #include <thread>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "forwarding_decoder.h"
 #include "infer/v4_engine.h"
 #include "model/v4_train.h"
 #include "model_fixture.h"
+#include "test_util.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 
@@ -305,6 +308,33 @@ TEST_F(BatcherTest, AChoiceLeftWithoutItsReaderReadsThePromptItself) {
     EXPECT_EQ(gens[static_cast<size_t>(k)]->finish(), Finish::Length);
   }
   EXPECT_EQ(b.counters().prompt_tokens.load(), 4u + 11u);  // the cancelled chunk, then the prompt once
+}
+
+// Records the OpenMP thread count each step runs with.
+class ThreadCountDecoder : public ds::test::ForwardingDecoder {
+ public:
+  using ForwardingDecoder::ForwardingDecoder;
+  std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
+    seen = ds::num_threads();
+    return ForwardingDecoder::step(tokens);
+  }
+  std::atomic<int> seen{0};
+};
+
+TEST_F(BatcherTest, StepsRunWithTheCreatingThreadsThreadCount) {
+  // `deepseek --threads N serve` sets N on the main thread; the batcher's
+  // own thread would otherwise run with OpenMP's default.
+  ds::test::ThreadCountGuard guard;
+  for (int n : {1, 2}) {
+    ds::set_num_threads(n);
+    auto inner = decoder();
+    ThreadCountDecoder served(*inner);
+    {
+      Batcher b(served, BatcherOptions{2});
+      drain(*b.submit(BatchRequest{{1, 2, 3}, 3, {}}));
+    }
+    EXPECT_EQ(served.seen.load(), n);
+  }
 }
 
 TEST_F(BatcherTest, ShutdownCancelsWhatIsLeft) {

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 namespace ds::infer {
 
@@ -104,7 +105,13 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
            opt_.sample_vocab, vocab_);
   decoder_.start(opt_.max_sequences);
   slots_.resize(static_cast<size_t>(opt_.max_sequences));
-  thread_ = std::thread([this] { loop(); });
+  // OpenMP's thread count belongs to each thread: the steps run with the
+  // creating thread's (`deepseek --threads N serve`), not the default.
+  const int threads = num_threads();
+  thread_ = std::thread([this, threads] {
+    set_num_threads(threads);
+    loop();
+  });
 }
 
 Batcher::~Batcher() { close(); }
