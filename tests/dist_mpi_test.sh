@@ -241,40 +241,48 @@ check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err
 # (every rank holding the model) and FSDP (the default mesh, fsdp=2: each
 # layer gathered before use); the same losses as one process on synthetic rows and on packed
 # documents (each piece its own sequence), eval included; a checkpoint saved
-# at 2 ranks resumes at 1. V4 makes more
-# discrete choices per token than V3 (the indexer's top-k, hash routing, the
-# experts' top-k): the rounding of the ranks' gradient sums (a few 1e-7 of
-# the loss after 10 steps) can flip a near tie, and the loss of that step
-# then differs by a few 1e-5 (1.5e-5 once, at step 16 of 20). Its runs are
-# held to 1e-4. What that still catches (measured on the synthetic run): a
-# rank left out of the gradient sum moves the loss by 3e-3 from the first
+# at 2 ranks resumes at 1. Held to 1e-5 like V3, but for one case: V4 makes
+# more discrete choices per token than V3 (the indexer's top-k, hash
+# routing, the experts' top-k), and with the rows split over data or fsdp
+# ranks on the synthetic run with the balance loss (which pulls the
+# routers' scores towards ties) the rounding of the ranks' gradient sums
+# flips a near tie at step 11: 8.2e-5 there, 1e-7 to 3e-7 before (the
+# expert gradients are the sum of two partial products where one process
+# makes one; with expert parallelism each comes from one product, and
+# those runs stay within 2e-8). Those three runs (near_losses) are held to
+# 1e-4; what that still catches (measured on the synthetic run): a rank
+# left out of the gradient sum moves the loss by 3e-3 from the first
 # update on; gradients twice too large, 2e-4 to 4e-4 over the last steps
-# (Adam and the clipping hide most of a uniform scale). The balance loss
-# pulls the routers' scores towards ties, and on the packed documents a
-# flipped choice moved the loss by 9e-4 at 2 ranks: those runs leave it out
-# (v4_balance_test checks that the shards' balance losses and gradients sum
-# to the whole batch's on packed rows).
-loss_tol=1e-4
+# (Adam and the clipping hide most of a uniform scale). On the packed
+# documents a flipped choice moved the loss by 9e-4 at 2 ranks with the
+# balance loss: those runs leave it out (v4_balance_test checks that the
+# shards' balance losses and gradients sum to the whole batch's on packed
+# rows).
+near_losses() { loss_tol=1e-4 same_losses "$@"; }
+v4_tokens=(dataset_type=tokens "dataset_path=$tmp/tokens" eval_interval=10 eval_steps=2 load_balance_loss_weight=0)
 v4=(model_name="$src/configs/v4-tiny.yml" load_balance_loss_weight=0.01 max_target_length=40)
 for data in synthetic tokens; do
   case $data in
     synthetic) args=(dataset_type=synthetic) ;;
-    tokens) args=(dataset_type=tokens "dataset_path=$tmp/tokens" eval_interval=10 eval_steps=2
-      load_balance_loss_weight=0) ;;
+    tokens) args=("${v4_tokens[@]}") ;;
   esac
   one run_name=v4-$data-one "${v4[@]}" "${args[@]}"
   check '[ $? -eq 0 ]' "V4 $data: one process ($(tail -1 "$tmp/err"))"
+  agree=same_losses
+  [ $data = synthetic ] && agree=near_losses
   ranks 2 run_name=v4-$data-data2 ici_data_parallelism=2 ici_fsdp_parallelism=1 "${v4[@]}" "${args[@]}"
-  check '[ $? -eq 0 ] && same_losses v4-$data-one v4-$data-data2' "V4 $data: data=2 matches one process"
+  check '[ $? -eq 0 ] && $agree v4-$data-one v4-$data-data2' "V4 $data: data=2 matches one process"
   ranks 2 run_name=v4-$data-fsdp2 "${v4[@]}" "${args[@]}"
-  check '[ $? -eq 0 ] && same_losses v4-$data-one v4-$data-fsdp2' "V4 $data: the default mesh (fsdp=2) matches one process"
+  check '[ $? -eq 0 ] && $agree v4-$data-one v4-$data-fsdp2' "V4 $data: the default mesh (fsdp=2) matches one process"
 done
 check 'awk -v a="$(ev v4-tokens-one)" -v b="$(ev v4-tokens-fsdp2)" "BEGIN { d = a - b; exit !(a > 0 && d < 1e-5 * a && -d < 1e-5 * a) }"' \
   "V4 eval loss at 2 ranks matches one process: $(ev v4-tokens-one) vs $(ev v4-tokens-fsdp2)"
-ranks 2 run_name=v4x2 ici_data_parallelism=2 ici_fsdp_parallelism=1 "${v4[@]}" "${sched[@]}" steps=10
+# (On the packed documents, where 2 ranks match one process to 1e-5 all along.)
+ranks 2 run_name=v4x2 ici_data_parallelism=2 ici_fsdp_parallelism=1 "${v4[@]}" "${v4_tokens[@]}" \
+  learning_rate_schedule_steps=20 steps=10
 check '[ $? -eq 0 ] && [ -f "$tmp/runs/v4x2/checkpoints/step_10/state.json" ]' "V4: 10 steps at 2 ranks save step_10"
-one run_name=v4x2 "${v4[@]}" "${sched[@]}" resume=true
-check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4x2' "V4: 2 ranks then 1 matches the uninterrupted run"
+one run_name=v4x2 "${v4[@]}" "${v4_tokens[@]}" learning_rate_schedule_steps=20 resume=true
+check '[ $? -eq 0 ] && same_losses v4-tokens-one v4x2' "V4: 2 ranks then 1 matches the uninterrupted run"
 # Expert parallelism: each routed row computed on its expert's rank, both
 # dispatch modes, under full remat (the backward's reruns exchange again),
 # with fsdp=2 x expert=2 at 4 ranks (weights sharded, experts on their
@@ -288,11 +296,11 @@ ranks 2 run_name=v4-ep2-full ici_expert_parallelism=2 ici_fsdp_parallelism=1 rem
   dataset_type=synthetic
 check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-ep2-full' "V4: expert=2 under full remat matches one process"
 ranks 4 run_name=v4-f2e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" dataset_type=synthetic
-check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-f2e2' "V4: fsdp=2 x expert=2 matches one process"
+check '[ $? -eq 0 ] && near_losses v4-synthetic-one v4-f2e2' "V4: fsdp=2 x expert=2 matches one process"
 ranks 4 run_name=v4e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" "${sched[@]}" steps=10
 check '[ $? -eq 0 ] && grep -q "shard [0-3] of 4" "$tmp/err"' "V4: fsdp=2 x expert=2 shards the weights over 4 ranks"
 one run_name=v4e2 "${v4[@]}" "${sched[@]}" resume=true
-check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4e2' "V4: fsdp=2 x expert=2 then 1 rank matches the uninterrupted run"
+check '[ $? -eq 0 ] && near_losses v4-synthetic-one v4e2' "V4: fsdp=2 x expert=2 then 1 rank matches the uninterrupted run"
 # The batch-split schedule: each rank's rows cut into two parts whose layers
 # run in turn, one part's expert exchange in flight while the other computes
 # (forward, the remat reruns and the backward), in both dispatch modes; and
