@@ -22,6 +22,8 @@ expect_error serve --model "$tmp/missing" --port 0
 expect_error serve --model "$m" --port 70000
 expect_error serve --model "$m" --max-sequences 0
 expect_error serve --model "$m" --tokenizer "$tmp/none.json"
+expect_error serve --model "$m" --speculative maybe
+expect_error serve --model "$m" --speculative mtp  # the tiny preset has no MTP layer
 
 # http METHOD PATH [BODY]: the response (status line, headers, body) of one
 # request to the server on $port.

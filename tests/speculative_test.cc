@@ -6,7 +6,9 @@
 //  - the acceptance rule leaves the sampling distribution unchanged: a
 //    chi-square test over many draws;
 //  - sampled generation is reproducible from its seed, and bad options are
-//    refused.
+//    refused;
+//  - the server's batcher drafts too: each request, greedy, makes what it
+//    makes alone, with drafts kept and dropped while others run beside it.
 #include "infer/speculative.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +20,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "forwarding_decoder.h"
+#include "infer/batcher.h"
 #include "infer/engine.h"
 #include "model_fixture.h"
 
@@ -192,6 +195,91 @@ TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
   ds::test::write_random_model(tmpl, ds::test::tiny_v3_config(), 3);
   EXPECT_THROW(ds::infer::load_model(tmpl, true), ds::Error);
   fs::remove_all(tmpl);
+}
+
+// The oracle for the batcher, whose slots hold any request: it tracks the
+// tokens each slot was fed and finds the request by its prompt.
+class SlotOracleDecoder : public ds::test::ForwardingDecoder {
+ public:
+  SlotOracleDecoder(ds::infer::Decoder& d, std::vector<std::vector<int32_t>> prompts,
+                    std::vector<std::vector<int32_t>> want)
+      : ForwardingDecoder(d), prompts_(std::move(prompts)), want_(std::move(want)) {}
+  void start(int64_t n) override {
+    fed_.assign(static_cast<size_t>(n), {});
+    ForwardingDecoder::start(n);
+  }
+  void reset(int64_t s) override {
+    fed_[static_cast<size_t>(s)].clear();
+    ForwardingDecoder::reset(s);
+  }
+  void copy(int64_t from, int64_t to) override {
+    fed_[static_cast<size_t>(to)] = fed_[static_cast<size_t>(from)];
+    ForwardingDecoder::copy(from, to);
+  }
+  std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all) override {
+    for (size_t s = 0; s < tokens.size(); ++s) fed_[s].insert(fed_[s].end(), tokens[s].begin(), tokens[s].end());
+    return ForwardingDecoder::step_keep(tokens, all);
+  }
+  void truncate(int64_t s, int64_t length) override {
+    fed_[static_cast<size_t>(s)].resize(static_cast<size_t>(length));
+    ForwardingDecoder::truncate(s, length);
+  }
+  std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override {
+    auto rows = ForwardingDecoder::draft(next);
+    const int64_t V = vocab_size();
+    int64_t r = 0;
+    for (size_t s = 0; s < next.size(); ++s) {
+      if (next[s].empty()) continue;
+      float* row = rows.data() + r++ * V;
+      const auto& fed = fed_[s];
+      for (size_t k = 0; k < prompts_.size(); ++k) {
+        const auto& p = prompts_[k];
+        if (fed.size() < p.size() || !std::equal(p.begin(), p.end(), fed.begin())) continue;
+        const int64_t index = static_cast<int64_t>(fed.size() - p.size()) + 1;
+        if (index < 1 || index >= static_cast<int64_t>(want_[k].size())) break;
+        std::fill(row, row + V, -10.0f);
+        const int32_t right = want_[k][static_cast<size_t>(index)];
+        row[index % 3 == 0 ? (right + 1) % V : right] = 10.0f;
+        break;
+      }
+    }
+    return rows;
+  }
+
+ private:
+  std::vector<std::vector<int32_t>> prompts_, want_, fed_;
+};
+
+TEST_F(SpeculativeTest, TheServersBatcherDraftsToo) {
+  // Alone, without drafts: what each request must make.
+  GenerateOptions opt;
+  opt.max_new_tokens = 20;
+  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  const auto want = run(*plain, opt);
+  auto inner = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  SlotOracleDecoder oracle(*inner, prompts_, want);
+  // Two slots for three requests (one waits), prompts over several chunks,
+  // and the last request as two choices that share its prompt.
+  ds::infer::BatcherOptions bo{3, 16, 4};
+  bo.draft_tokens = 1;
+  ds::infer::Batcher b(oracle, bo);
+  std::vector<std::shared_ptr<ds::infer::Generation>> gens;
+  for (size_t k = 0; k + 1 < prompts_.size(); ++k)
+    gens.push_back(b.submit(ds::infer::BatchRequest{prompts_[k], opt.max_new_tokens, {}}));
+  for (auto& g : b.submit_choices(ds::infer::BatchRequest{prompts_.back(), opt.max_new_tokens, {}}, 2))
+    gens.push_back(g);
+  for (size_t k = 0; k < gens.size(); ++k) {
+    std::vector<int32_t> got;
+    int32_t t;
+    while (gens[k]->next(&t)) got.push_back(t);
+    EXPECT_EQ(got, want[std::min(k, prompts_.size() - 1)]) << "request " << k;
+  }
+  const uint64_t drafted = b.counters().drafted.load(), accepted = b.counters().accepted.load();
+  EXPECT_GE(2 * accepted, drafted) << accepted << " of " << drafted;  // kept, dropped, kept, ...
+  EXPECT_LT(accepted, drafted);
+  // A batcher whose decoder cannot draft refuses to.
+  ds::infer::Decoder& no_mtp = *plain;
+  EXPECT_THROW(ds::infer::Batcher(no_mtp, bo), ds::Error);
 }
 
 }  // namespace

@@ -34,12 +34,17 @@ struct ServeArgs {
   int http_threads = 32;
   int max_connections = infer::ServerOptions{}.max_connections;
   double request_timeout = infer::ServerOptions{}.request_timeout_s;
+  std::string speculative = "none";
 };
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
 int run_serve(const ServeArgs& a) {
-  const auto g = infer::open_model(a.model);
+  DS_CHECK(a.speculative == "none" || a.speculative == "mtp", "--speculative must be none or mtp, got '{}'",
+           a.speculative);
+  infer::ModelOptions mo;
+  mo.mtp = a.speculative == "mtp";
+  const auto g = infer::open_model(a.model, mo);
   // The tokenizer is optional: without one, prompts are token ids.
   std::optional<io::Tokenizer> tok;
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
@@ -62,8 +67,9 @@ int run_serve(const ServeArgs& a) {
 
   g->load();
   auto decoder = g->new_decoder(kind);
-  infer::Batcher batcher(*decoder, infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk,
-                                                         g->eos_token_id(), tok ? tok->vocab_size() : 0});
+  infer::Batcher batcher(*decoder,
+                         infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk, g->eos_token_id(),
+                                               tok ? tok->vocab_size() : 0, mo.mtp ? 1 : 0});
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
@@ -123,6 +129,8 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--prefill-chunk", args->prefill_chunk,
                   "prompt tokens per step over all sequences; 0: no limit (default 512)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_option("--speculative", args->speculative,
+                  "speculative decoding: none (default) or mtp (the model's MTP layer drafts a token a step)");
   cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
       ->check(CLI::IsMember({"latent", "naive"}));
   cmd->add_option("--http-threads", args->http_threads,

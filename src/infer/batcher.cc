@@ -103,6 +103,11 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
   DS_CHECK(opt_.prefill_chunk >= 0, "batcher: prefill_chunk must be >= 0, got {}", opt_.prefill_chunk);
   DS_CHECK(opt_.sample_vocab >= 0 && opt_.sample_vocab <= vocab_, "batcher: sample_vocab {} outside [0, {}]",
            opt_.sample_vocab, vocab_);
+  DS_CHECK(opt_.draft_tokens >= 0 && opt_.draft_tokens <= 1,
+           "batcher: {} draft tokens; speculative decoding drafts one token a step (the MTP layer's one depth)",
+           opt_.draft_tokens);
+  DS_CHECK(opt_.draft_tokens == 0 || decoder.can_draft(),
+           "batcher: speculative decoding needs the model's MTP layer, which is not loaded");
   decoder_.start(opt_.max_sequences);
   slots_.resize(static_cast<size_t>(opt_.max_sequences));
   // OpenMP's thread count belongs to each thread: the steps run with the
@@ -307,6 +312,7 @@ void Batcher::run_step() {
   const size_t S = slots_.size();
   for (size_t i = 0; i < S; ++i)
     if (slots_[i].live && slots_[i].gen->cancelled_) free_slot(i, Finish::Cancelled);
+  if (opt_.draft_tokens > 0) return run_speculative_step();
   bool all_rows = false;
   const auto tokens = plan_step(&all_rows);
   if (std::all_of(tokens.begin(), tokens.end(), [](const auto& t) { return t.empty(); })) return;
@@ -315,9 +321,7 @@ void Batcher::run_step() {
   try {
     logits = all_rows ? decoder_.step_all(tokens) : decoder_.step(tokens);
   } catch (const std::exception& e) {
-    // The step's sequences are in an unknown state: each ends with the error.
-    for (size_t i = 0; i < S; ++i)
-      if (!tokens[i].empty()) free_slot(i, Finish::Failed, e.what());
+    fail_slots(tokens, e);
     return;
   }
   const auto now = std::chrono::steady_clock::now();
@@ -329,6 +333,12 @@ void Batcher::run_step() {
     take_rows(i, logits.data() + row * vocab_, rows, tokens[i].size(), now);
     row += rows;
   }
+}
+
+// The step's sequences are in an unknown state: each ends with the error.
+void Batcher::fail_slots(const std::vector<std::vector<int32_t>>& tokens, const std::exception& e) {
+  for (size_t i = 0; i < tokens.size(); ++i)
+    if (!tokens[i].empty() && slots_[i].live) free_slot(i, Finish::Failed, e.what());
 }
 
 // Sequence i's rows of logits from a step that gave it `fed` tokens (one
@@ -376,29 +386,45 @@ void Batcher::share_prompt(size_t i, const float* row, std::chrono::steady_clock
       continue;
     }
     own.assign(row, row + vocab_);
+    // Speculative decoding: the copy's MTP layer reads what the reader's
+    // does, then the copy's own first token.
+    const std::vector<int32_t> pending = slots_[i].pending;
     sample_next(f, own.data(), now);
+    if (t.live && opt_.draft_tokens > 0) {
+      t.pending = pending;
+      t.pending.push_back(t.last);
+    }
   }
 }
 
 // Slot i's next token from its row of logits (adjusted in place).
 void Batcher::sample_next(size_t i, float* last, std::chrono::steady_clock::time_point now) {
   Slot& s = slots_[i];
-  const int64_t V = vocab_;
-  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : V;
-  const BatchRequest& q = s.req;
-  const float* before = last;  // the model's own logits, for logprobs
-  if (q.adjust.any()) {
-    if (q.logprobs) {
-      s.unadjusted.assign(last, last + V);  // the slot's buffer, reused
-      before = s.unadjusted.data();
-    }
-    adjust_logits(last, V, q.adjust, s.seen);
-  }
+  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : vocab_;
+  const float* before = adjust_row(s, last);
   // Sequence 0 of the request's own draws: what generate() draws for a
   // single prompt with the same seed.
-  const int32_t tok = sample_token(last, draw_vocab, q.sampler, 0, static_cast<uint64_t>(s.made));
+  emit(i, sample_token(last, draw_vocab, s.req.sampler, 0, static_cast<uint64_t>(s.made)), before, now);
+}
+
+const float* Batcher::adjust_row(Slot& s, float* row) {
+  const BatchRequest& q = s.req;
+  if (!q.adjust.any()) return row;
+  const float* before = row;
+  if (q.logprobs) {
+    s.unadjusted.assign(row, row + vocab_);  // the slot's buffer, reused
+    before = s.unadjusted.data();
+  }
+  adjust_logits(row, vocab_, q.adjust, s.seen);
+  return before;
+}
+
+bool Batcher::emit(size_t i, int32_t tok, const float* before, std::chrono::steady_clock::time_point now) {
+  Slot& s = slots_[i];
+  const BatchRequest& q = s.req;
+  const int64_t draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : vocab_;
   TokenLogprob lp;
-  if (q.logprobs) lp = token_logprob(before, V, tok, q.top_logprobs, draw_vocab);
+  if (q.logprobs) lp = token_logprob(before, vocab_, tok, q.top_logprobs, draw_vocab);
   if (q.adjust.any()) ++s.seen[tok].count;
   const double since = std::chrono::duration<double>(now - (s.made == 0 ? s.gen->submitted_ : s.last_at)).count();
   (s.made == 0 ? counters_.time_to_first_token : counters_.time_per_output_token).observe(since);
@@ -407,10 +433,15 @@ void Batcher::sample_next(size_t i, float* last, std::chrono::steady_clock::time
   s.gen->push(tok, q.logprobs ? &lp : nullptr);
   s.last = tok;
   ++s.made;
-  if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !q.ignore_eos)
+  if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !q.ignore_eos) {
     free_slot(i, Finish::Eos);
-  else if (s.made >= q.max_new_tokens || decoder_.length(static_cast<int64_t>(i)) >= max_positions_)
+    return false;
+  }
+  if (s.made >= q.max_new_tokens || decoder_.length(static_cast<int64_t>(i)) >= max_positions_) {
     free_slot(i, Finish::Length);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace ds::infer

@@ -43,6 +43,9 @@ struct BatcherOptions {
   int64_t prefill_chunk = 512;  // prompt tokens per step over all sequences (0: no limit)
   int64_t eos_token_id = -1;    // < 0: none
   int64_t sample_vocab = 0;     // sample only ids below this (0: every id)
+  // Speculative decoding with the decoder's MTP layer (infer/speculative.h):
+  // draft tokens a step (0: off; 1 is the one depth supported).
+  int64_t draft_tokens = 0;
 };
 
 struct BatchRequest {
@@ -83,6 +86,8 @@ struct BatcherCounters {
   // From submit() to the first new token; between one new token and the next.
   metrics::Histogram time_to_first_token{metrics::latency_bounds()};
   metrics::Histogram time_per_output_token{metrics::latency_bounds()};
+  // Speculative decoding: drafts checked, and kept.
+  std::atomic<uint64_t> drafted{0}, accepted{0};
 };
 
 // What submit() throws when it cannot take a request now: max_waiting
@@ -198,6 +203,9 @@ class Batcher {
     bool following = false;
     size_t leader = 0;
     std::vector<size_t> followers;
+    // Speculative decoding: the tokens that follow the positions the MTP
+    // layer has not read yet (it reads them at the next step).
+    std::vector<int32_t> pending;
   };
   // A request's choices (one, or n that share the prompt), choice k drawing
   // with seed + k.
@@ -210,6 +218,17 @@ class Batcher {
   std::vector<std::vector<int32_t>> plan_step(bool* all_rows);
   void take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chrono::steady_clock::time_point now);
   void sample_next(size_t i, float* row, std::chrono::steady_clock::time_point now);
+  // The row as the request samples from it (penalties and biases applied in
+  // place); returns the model's own row, for logprobs.
+  const float* adjust_row(Slot& s, float* row);
+  // Hands token tok on (its logprob from `before`), counts it and ends the
+  // slot at EOS or its length; false when the slot ended.
+  bool emit(size_t i, int32_t tok, const float* before, std::chrono::steady_clock::time_point now);
+  // A step with speculative decoding (infer/batcher_speculative.cc).
+  void run_speculative_step();
+  void fail_slots(const std::vector<std::vector<int32_t>>& tokens, const std::exception& e);
+  void decide_draft(size_t i, float* rows, int32_t draft, const std::vector<double>& q,
+                    std::chrono::steady_clock::time_point now);
   void share_prompt(size_t i, const float* row, std::chrono::steady_clock::time_point now);
   void admit_waiting();
   void admit(Slot& s);

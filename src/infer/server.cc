@@ -570,6 +570,12 @@ struct Server::Impl {
                                  "From a sequence's submission (queueing included) to its first new token.");
     k.time_per_output_token.render(out, "deepseek_time_per_output_token_seconds",
                                    "Between one new token of a sequence and its next.");
+    metrics::scalar(out, "deepseek_draft_tokens_total", "counter",
+                    "Speculative decoding: tokens the MTP layer drafted and a step checked.",
+                    static_cast<double>(k.drafted.load()));
+    metrics::scalar(out, "deepseek_draft_accepted_total", "counter",
+                    "Speculative decoding: drafted tokens kept (their share is the acceptance rate).",
+                    static_cast<double>(k.accepted.load()));
     metrics::scalar(out, "deepseek_running_sequences", "gauge", "Sequences in batch slots.",
                     static_cast<double>(b.running()));
     metrics::scalar(out, "deepseek_waiting_sequences", "gauge", "Sequences waiting for a slot.",
