@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/error.h"
+#include "infer/chat_parse.h"
 #include "infer/http_transport.h"
 #include "infer/metrics.h"
 #include "infer/server_api.h"
@@ -164,12 +165,17 @@ struct Server::Impl {
     std::vector<int32_t> ids;           // made so far
     std::vector<TokenLogprob> lps;      // with logprobs: one per id
     bool begun = false, ended = false;  // streams: the first chunk and the end are sent
+    // Chat answers with reasoning or calls: the answer split as it comes,
+    // and the calls streamed so far.
+    std::unique_ptr<chat::AnswerParser> parser;
+    size_t calls_sent = 0;
     bool stopped() const { return text && text->stopped(); }
   };
 
   // A request, checked and submitted.
   struct Job {
     bool chat = false, stream = false, include_usage = false, echo = false;
+    bool thinking = false;  // chat answers carry reasoning_content
     int64_t logprobs = -1;
     std::string id, model;
     int64_t created = 0;
@@ -188,9 +194,10 @@ struct Server::Impl {
     return (static_cast<uint64_t>(seeds()) << 32) ^ seeds();
   }
 
-  Job start(const json& body, bool chat) {
+  Job start(const json& body, std::string_view body_text, bool chat) {
     Batcher& b = *model.batcher;
-    api::Request q = api::read_request(body, chat, {model.tokenizer, b.max_positions(), b.vocab_size()});
+    api::Request q = api::read_request(
+        body, chat, {model.tokenizer, b.max_positions(), b.vocab_size(), model.chat_format}, body_text);
     BatchRequest& r = q.batch;
     if (!q.has_seed) r.sampler.seed = random_seed();
     Job job;
@@ -199,6 +206,7 @@ struct Server::Impl {
     job.include_usage = q.include_usage;
     job.echo = q.echo;
     job.logprobs = q.logprobs;
+    job.thinking = q.thinking;
     job.prompt = r.prompt;
     job.model = opt.model_name;
     job.id = fmt::format("{}-{:x}", chat ? "chatcmpl" : "cmpl", next_id++);
@@ -216,6 +224,9 @@ struct Server::Impl {
     for (int64_t i = 0; i < q.n; ++i) {
       Choice& c = job.choices[static_cast<size_t>(i)];
       if (model.tokenizer) c.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
+      const chat::Prompt& cp = q.chat_prompt;
+      if (chat && model.tokenizer && (cp.reasoning_first || cp.parse_tools))
+        c.parser = std::make_unique<chat::AnswerParser>(model.chat_format, cp);
       BatchRequest ri = r;
       ri.sampler.seed = r.sampler.seed + static_cast<uint64_t>(i);
       try {
@@ -255,10 +266,12 @@ struct Server::Impl {
   }
 
   static std::string finish_reason(const Choice& c) {
-    if (c.stopped()) return "stop";
+    // An answer that ends after its calls asks for their results.
+    const char* stop = c.parser && c.parser->called() ? "tool_calls" : "stop";
+    if (c.stopped()) return stop;
     switch (c.gen->finish()) {
       case Finish::Eos:
-        return "stop";
+        return stop;
       case Finish::Length:
         return "length";
       default:
@@ -344,9 +357,14 @@ struct Server::Impl {
       for (const auto& t : made_tokens(c, 0, job.logprobs >= 0 ? c.ids.size() : 0)) logged.push_back(t);
       json choice = {
           {"index", i}, {"finish_reason", finish_reason(c)}, {"logprobs", logprobs_of(job, logged, &offset)}};
-      if (job.chat)
+      if (job.chat && c.parser) {
+        chat::Piece piece = c.parser->push(text);
+        piece.append(c.parser->finish());
+        choice["message"] = api::chat_message(piece, job.thinking, call_id(job, i));
+        choice["finish_reason"] = finish_reason(c);
+      } else if (job.chat) {
         choice["message"] = {{"role", "assistant"}, {"content", text}};
-      else
+      } else
         choice["text"] = text;
       choice["token_ids"] = c.ids;
       choices.push_back(std::move(choice));
@@ -357,12 +375,20 @@ struct Server::Impl {
     out.send(200, wire(out_body));
   }
 
+  // Ids of choice i's tool calls: this prefix and the call's index.
+  static std::string call_id(const Job& job, size_t i) {
+    return fmt::format("call_{}_{}_", job.id.substr(job.id.find('-') + 1), i);
+  }
+
+  // A streamed chunk: completions' text, or chat's delta, {"content": text}
+  // or what a piece of a parsed answer adds (`parsed`), the role first.
   json chunk(const Job& job, size_t index, const std::string& delta, const std::vector<int32_t>& ids,
-             const json& finish, bool first, json logprobs = nullptr) const {
+             const json& finish, bool first, json logprobs = nullptr, const json* parsed = nullptr) const {
     json choice = {{"index", index}, {"logprobs", std::move(logprobs)}, {"finish_reason", finish}};
     if (job.chat) {
-      choice["delta"] = first ? json{{"role", "assistant"}, {"content", delta}} : json{{"content", delta}};
-      if (!finish.is_null()) choice["delta"] = json::object();
+      json d = parsed ? *parsed : json{{"content", delta}};
+      if (first) d["role"] = "assistant";
+      choice["delta"] = finish.is_null() ? std::move(d) : json::object();
     } else {
       choice["text"] = delta;
     }
@@ -388,12 +414,21 @@ struct Server::Impl {
     if (got == Next::Token) {
       const size_t t = c.ids.size() - 1;
       const json lp = job.logprobs >= 0 ? logprobs_of(job, made_tokens(c, t, t + 1), &offset) : json(nullptr);
-      if (!send_event(out, wire(chunk(job, i, delta, {c.ids[t]}, nullptr, !c.begun, lp)))) return false;
+      const json parsed = c.parser ? api::chat_delta(c.parser->push(delta), call_id(job, i), &c.calls_sent) : json();
+      if (!send_event(out, wire(chunk(job, i, delta, {c.ids[t]}, nullptr, !c.begun, lp, c.parser ? &parsed : nullptr))))
+        return false;
       c.begun = true;
       return true;
     }
     // A chat stream's first chunk carries the role, even with no token.
-    if (!delta.empty() || (job.chat && !c.begun)) send_event(out, wire(chunk(job, i, delta, {}, nullptr, !c.begun)));
+    if (c.parser) {
+      chat::Piece rest = c.parser->push(delta);
+      rest.append(c.parser->finish());
+      const json parsed = api::chat_delta(rest, call_id(job, i), &c.calls_sent);
+      if (!rest.empty() || !c.begun) send_event(out, wire(chunk(job, i, "", {}, nullptr, !c.begun, nullptr, &parsed)));
+    } else if (!delta.empty() || (job.chat && !c.begun)) {
+      send_event(out, wire(chunk(job, i, delta, {}, nullptr, !c.begun)));
+    }
     c.begun = c.ended = true;
     return send_event(out, wire(chunk(job, i, "", {}, finish_reason(c), false)));
   }
@@ -438,7 +473,7 @@ struct Server::Impl {
 
   void handle(const std::string& body, http::Responder& out, bool chat) {
     try {
-      auto job = start(api::parse_body(body, opt.max_json_depth), chat);
+      auto job = start(api::parse_body(body, opt.max_json_depth), body, chat);
       // Each choice's generation is watched: a client that leaves cancels them all.
       std::vector<std::unique_ptr<Watch>> watches;
       for (const auto& c : job.choices) watches.push_back(std::make_unique<Watch>(watcher, out.socket(), c.gen));
