@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -431,6 +432,18 @@ TEST(ChatFormatTokens, V3WithDeepSeekV3Tokenizer) {
   // tokenizer's, which is why they are checked as text above.
   EXPECT_FALSE(tok.token_to_id("<think>"));
   EXPECT_FALSE(tok.token_to_id("</think>"));
+}
+
+TEST(ChatFormat, RequiredTokens) {
+  const std::vector<std::string> chat_tokens = {"<｜User｜>", "<｜Assistant｜>", EOS};
+  for (Format f : chat::kFormats) EXPECT_EQ(chat::required_tokens(f, false), chat_tokens);
+  // DSML is text; V3's and V3.1's call markers are tokens.
+  EXPECT_EQ(chat::required_tokens(Format::V4, true), chat_tokens);
+  const auto v31 = chat::required_tokens(Format::V31, true);
+  EXPECT_NE(std::find(v31.begin(), v31.end(), "<｜tool▁sep｜>"), v31.end());
+  EXPECT_EQ(std::find(v31.begin(), v31.end(), "<｜tool▁outputs▁begin｜>"), v31.end());
+  const auto v3 = chat::required_tokens(Format::V3, true);
+  EXPECT_NE(std::find(v3.begin(), v3.end(), "<｜tool▁outputs▁begin｜>"), v3.end());
 }
 
 // ---- request fields -------------------------------------------------------------------

@@ -30,9 +30,9 @@ const std::vector<std::string> kMarkers = {"<think>",
                                            "<｜tool▁output▁begin｜>",
                                            "<｜tool▁output▁end｜>"};
 
-std::string tools_tokenizer_json() {
+std::string tools_tokenizer_json(size_t markers = kMarkers.size()) {
   json t = json::parse(chat_tokenizer_json());
-  for (size_t i = 0; i < kMarkers.size(); ++i)
+  for (size_t i = 0; i < markers; ++i)
     t["added_tokens"].push_back({{"id", kThink + static_cast<int32_t>(i)},
                                  {"content", kMarkers[i]},
                                  {"single_word", false},
@@ -92,10 +92,12 @@ const json kWeather = json::parse(R"({"type": "function", "function": {"name": "
 
 class ServerToolsTest : public ::testing::Test {
  protected:
-  void start(chat::Format f) {
+  // `call_tokens` false: a tokenizer with <think> and </think> but without
+  // V3.1's call tokens.
+  void start(chat::Format f, bool call_tokens = true) {
     stop();
     format_ = f;
-    tok_ = std::make_unique<ds::io::Tokenizer>(ds::io::Tokenizer::from_json(tools_tokenizer_json()));
+    tok_ = std::make_unique<ds::io::Tokenizer>(ds::io::Tokenizer::from_json(tools_tokenizer_json(call_tokens ? 9 : 2)));
     batcher_ = std::make_unique<ds::infer::Batcher>(dec_, ds::infer::BatcherOptions{4, 256, 64, kEos, kVocab});
     ds::infer::ServedModel sm;
     sm.batcher = batcher_.get();
@@ -271,6 +273,20 @@ TEST_F(ServerToolsTest, V31ThinkingAndAForcedCall) {
   const json s = ask_stream(think, "Four, simply.</think>4");
   EXPECT_EQ(s["reasoning_content"], "Four, simply.");
   EXPECT_EQ(s["content"], "4");
+  // After a tool's result the model goes straight on, without reasoning; the
+  // answer still says it thought of nothing.
+  const json after = {
+      {"messages",
+       {{{"role", "user"}, {"content", "Oslo?"}},
+        {{"role", "assistant"},
+         {"tool_calls",
+          {{{"type", "function"}, {"function", {{"name", "get_weather"}, {"arguments", "{\"city\": \"Oslo\"}"}}}}}}},
+        {{"role", "tool"}, {"content", "5C"}}}},
+      {"thinking", true},
+      {"max_tokens", 100}};
+  const json a = ask_json(after, "5C in Oslo.");
+  EXPECT_EQ(a["choices"][0]["message"]["content"], "5C in Oslo.");
+  EXPECT_EQ(a["choices"][0]["message"]["reasoning_content"], "");
   // tool_choice names the function: the prompt already holds the call's
   // start, and the model writes its arguments.
   const json forced = {{"messages", {{{"role", "user"}, {"content", "Oslo"}}}},
@@ -307,6 +323,8 @@ TEST_F(ServerToolsTest, RefusalsNameTheirField) {
           "tool_choice", "not in 'tools'");
   refused({{"messages", hi}, {"reasoning_effort", "max"}}, "reasoning_effort", "only deepseek-v4");
   refused({{"messages", hi}, {"chat_template_kwargs", {{"foo", true}}}}, "chat_template_kwargs", "'foo'");
+  start(chat::Format::V31, /*call_tokens=*/false);
+  refused({{"messages", hi}, {"tools", {kWeather}}}, "tools", "no '<｜tool▁calls▁begin｜>' token");
   start(chat::Format::V4);
   refused({{"messages", {{{"role", "user"}, {"content", "hi"}}, {{"role", "assistant"}, {"content", "yo"}}}}},
           "messages", "ends with a user message");

@@ -341,16 +341,11 @@ Prompt render(Format f, const Conversation& c) {
 
 std::vector<std::string> required_tokens(Format f, bool tools) {
   std::vector<std::string> t = {std::string(kUser), std::string(kAssistant), std::string(kEos)};
-  if (f != Format::V3) {
-    t.emplace_back(kThinkBegin);
-    t.emplace_back(kThinkEnd);
-  }
-  if (tools && (f == Format::V3 || f == Format::V31))
-    for (const auto* m : {kCallsBegin, kCallsEnd, kCallBegin, kCallEnd, kCallSep}) t.emplace_back(m);
-  if (tools && f == Format::V3)
+  if (!tools || (f != Format::V3 && f != Format::V31)) return t;
+  for (const auto* m : {kCallsBegin, kCallsEnd, kCallBegin, kCallEnd, kCallSep}) t.emplace_back(m);
+  for (const auto m : {kOutputBegin, kOutputEnd}) t.emplace_back(m);
+  if (f == Format::V3)
     for (const auto m : {kOutputsBegin, kOutputsEnd}) t.emplace_back(m);
-  if (tools && (f == Format::V3 || f == Format::V31))
-    for (const auto m : {kOutputBegin, kOutputEnd}) t.emplace_back(m);
   return t;
 }
 

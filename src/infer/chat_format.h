@@ -121,9 +121,11 @@ struct Prompt {
 // a conversation that does not end in a turn for the model to answer).
 Prompt render(Format f, const Conversation& c);
 
-// The tokens a tokenizer must have for `f` (with tool calls: its call
-// markers as well), so that the markers are single tokens, as the model
-// read them in training.
+// The tokens a tokenizer must have for `f`: the chat tokens every DeepSeek
+// chat tokenizer has, and with tool markup V3's and V3.1's call and result
+// tokens (DSML is text). <think> and </think> are not required: a
+// tokenizer without them encodes them as text, as Hugging Face's does, and
+// DeepSeek-V3's has none.
 std::vector<std::string> required_tokens(Format f, bool tools);
 
 // Python's json.dumps with its default separators (", " and ": "), keys in

@@ -118,9 +118,9 @@ Prompt render_v3(const Conversation& c) {
   return p;
 }
 
-// DeepSeek-V3.1 (and V3.1-Terminus' and V3.2-Exp's template, which differ
-// only where a conversation does not end with a user message; this follows
-// the later text). The system text, with the tools after a blank line;
+// DeepSeek-V3.1, after the later revision of its template, which differs
+// from the first only where a conversation does not end with a user message
+// (it opens an answer there too). The system text, with the tools after a blank line;
 // "<｜User｜>" + text; an assistant turn right after a user turn opens with
 // "<｜Assistant｜></think>" (historical turns never keep their reasoning),
 // its text cut after the first "</think>"; calls are

@@ -225,7 +225,7 @@ struct Server::Impl {
       Choice& c = job.choices[static_cast<size_t>(i)];
       if (model.tokenizer) c.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
       const chat::Prompt& cp = q.chat_prompt;
-      if (chat && model.tokenizer && (cp.reasoning_first || cp.parse_tools))
+      if (chat && model.tokenizer && (cp.reasoning_first || cp.parse_tools || q.thinking))
         c.parser = std::make_unique<chat::AnswerParser>(model.chat_format, cp);
       BatchRequest ri = r;
       ri.sampler.seed = r.sampler.seed + static_cast<uint64_t>(i);
