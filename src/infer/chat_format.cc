@@ -107,6 +107,15 @@ const json* field(const json& o, const char* key) {
   return it == o.end() || it->is_null() ? nullptr : &*it;
 }
 
+// Whether object o has key with the string value `want` (false for any other
+// type: nlohmann's value() would throw for one).
+template <class J>
+bool has_string(const J& o, const char* key, std::string_view want) {
+  if (!o.is_object()) return false;
+  auto it = o.find(key);
+  return it != o.end() && it->is_string() && it->template get_ref<const std::string&>() == want;
+}
+
 // content: a string, or an array of {"type": "text", "text": ...} parts.
 void read_content(const json& m, const std::string& where, Message& out, bool may_be_null) {
   const json* c = field(m, "content");
@@ -115,7 +124,7 @@ void read_content(const json& m, const std::string& where, Message& out, bool ma
     out.parts = {out.content};
   } else if (c && c->is_array()) {
     for (const auto& part : *c) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      if (!has_string(part, "type", "text") || !part.contains("text") || !part["text"].is_string())
         invalid(where, fmt::format("'{}.content' parts must be {{\"type\": \"text\", \"text\": ...}}", where));
       out.parts.push_back(part["text"].get<std::string>());
       out.content += out.parts.back();
@@ -208,7 +217,7 @@ std::vector<Tool> read_tools(const ojson& tools) {
   for (size_t i = 0; i < tools.size(); ++i) {
     const ojson& t = tools[i];
     const std::string where = fmt::format("tools[{}]", i);
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") || !t["function"].is_object())
+    if (!has_string(t, "type", "function") || !t.contains("function") || !t["function"].is_object())
       invalid(where, fmt::format("'{}' must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}", where));
     const ojson& f = t["function"];
     if (!f.contains("name") || !f["name"].is_string() || !good_name(f["name"].get<std::string>()))
@@ -233,9 +242,8 @@ void read_tool_choice(const json& body, Conversation& c) {
   } else if (*v == "auto") {
   } else if (*v == "required") {
     c.tool_choice = ToolChoice::Required;
-  } else if (v->is_object() && v->value("type", "") == "function" && v->contains("function") &&
-             (*v)["function"].is_object() && (*v)["function"].contains("name") &&
-             (*v)["function"]["name"].is_string()) {
+  } else if (has_string(*v, "type", "function") && v->contains("function") && (*v)["function"].is_object() &&
+             (*v)["function"].contains("name") && (*v)["function"]["name"].is_string()) {
     c.tool_choice = ToolChoice::Named;
     c.forced = (*v)["function"]["name"].get<std::string>();
     bool known = false;

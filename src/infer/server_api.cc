@@ -125,7 +125,8 @@ void refuse_unsupported(const json& body, bool chat) {
     refuse("tools", "'tools' is not supported (only on /v1/chat/completions)");
   if (chat) {
     const json* rf = field(body, "response_format");
-    if (rf && !(rf->is_object() && rf->value("type", "") == "text"))
+    // (A "type" that is not a string is refused too, not thrown on.)
+    if (rf && !(rf->is_object() && rf->contains("type") && (*rf)["type"] == "text"))
       refuse("response_format", "'response_format' is not supported (only {\"type\": \"text\"})");
   } else {
     must_be("best_of", 1);
