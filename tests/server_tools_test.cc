@@ -308,6 +308,7 @@ TEST_F(ServerToolsTest, RefusalsNameTheirField) {
     const json e = json::parse(text);
     EXPECT_EQ(e["error"]["param"], param) << text;
     EXPECT_NE(e["error"]["message"].get<std::string>().find(says), std::string::npos) << text;
+    EXPECT_EQ(e["error"]["message"].get<std::string>().find('\n'), std::string::npos) << text;
   };
   const json hi = {{{"role", "user"}, {"content", "hi"}}};
   start(chat::Format::V3);
@@ -322,7 +323,13 @@ TEST_F(ServerToolsTest, RefusalsNameTheirField) {
            {"tool_choice", {{"type", "function"}, {"function", {{"name", "nope"}}}}}},
           "tool_choice", "not in 'tools'");
   refused({{"messages", hi}, {"reasoning_effort", "max"}}, "reasoning_effort", "only deepseek-v4");
-  refused({{"messages", hi}, {"chat_template_kwargs", {{"foo", true}}}}, "chat_template_kwargs", "'foo'");
+  // Client text quoted in a refusal keeps it one line.
+  refused({{"messages", {{{"role", "ro\nbot"}, {"content", "x"}}}}}, "messages[0]", "got \"ro\\nbot\"");
+  // A "type" that is not a string is the field's refusal, not a library error.
+  refused({{"messages", hi}, {"tools", {kWeather}}, {"tool_choice", {{"type", {{0}}}}}}, "tool_choice",
+          "'tool_choice' must be");
+  refused({{"messages", hi}, {"response_format", {{"type", 5}}}}, "response_format", "only {\"type\": \"text\"}");
+  refused({{"messages", hi}, {"chat_template_kwargs", {{"foo", true}}}}, "chat_template_kwargs", "\"foo\"");
   start(chat::Format::V31, /*call_tokens=*/false);
   refused({{"messages", hi}, {"tools", {kWeather}}}, "tools", "no '<｜tool▁calls▁begin｜>' token");
   start(chat::Format::V4);

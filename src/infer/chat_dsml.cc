@@ -111,11 +111,12 @@ std::string invoke(Format f, const ToolCall& call, const std::string& where) {
     args = ojson::parse(call.arguments);
   } catch (const ojson::exception&) {
     if (f == Format::V32)
-      invalid(where, fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, call.arguments));
+      invalid(where,
+              fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, quote(call.arguments)));
     args = {{"arguments", call.arguments}};
   }
   if (!args.is_object())
-    invalid(where, fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, call.arguments));
+    invalid(where, fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, quote(call.arguments)));
   std::string params;
   for (const auto& [k, v] : args.items())
     params += fmt::format("{}<{}parameter name=\"{}\" string=\"{}\">{}</{}parameter>", params.empty() ? "" : "\n",

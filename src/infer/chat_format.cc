@@ -202,8 +202,8 @@ Message read_message(const json& m, size_t i) {
     out.tool_call_id = string_in(m, "tool_call_id", where, where, false);
   } else {
     invalid(where, fmt::format("'{}.role' must be system, user or assistant (or tool; developer is read as system), "
-                               "got '{}'",
-                               where, role));
+                               "got {}",
+                               where, quote(role)));
   }
   read_content(m, where, out, out.role == Role::Assistant);
   return out;
@@ -248,7 +248,7 @@ void read_tool_choice(const json& body, Conversation& c) {
     c.forced = (*v)["function"]["name"].get<std::string>();
     bool known = false;
     for (const auto& t : c.tools) known = known || t.name == c.forced;
-    if (!known) invalid("tool_choice", fmt::format("'tool_choice' names '{}', which is not in 'tools'", c.forced));
+    if (!known) invalid("tool_choice", fmt::format("'tool_choice' names {}, which is not in 'tools'", quote(c.forced)));
   } else {
     invalid("tool_choice",
             "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
@@ -277,8 +277,9 @@ void read_thinking(const json& body, Conversation& c) {
     if (!k->is_object()) invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object");
     for (const auto& [key, v] : k->items()) {
       if (key != "thinking" && key != "enable_thinking")
-        invalid("chat_template_kwargs",
-                fmt::format("'chat_template_kwargs' key '{}' is not supported (only thinking, enable_thinking)", key));
+        invalid(
+            "chat_template_kwargs",
+            fmt::format("'chat_template_kwargs' key {} is not supported (only thinking, enable_thinking)", quote(key)));
       if (!v.is_boolean())
         invalid("chat_template_kwargs", fmt::format("'chat_template_kwargs.{}' must be true or false", key));
       if (kw && *kw != v.get<bool>())
@@ -355,6 +356,11 @@ std::vector<std::string> required_tokens(Format f, bool tools) {
   if (f == Format::V3)
     for (const auto m : {kOutputsBegin, kOutputsEnd}) t.emplace_back(m);
   return t;
+}
+
+std::string quote(std::string_view s) {
+  const bool cut = s.size() > 80;
+  return ojson(std::string(s.substr(0, 80)) + (cut ? "..." : "")).dump(-1, ' ', false, ojson::error_handler_t::replace);
 }
 
 // ---- Python's json.dumps -------------------------------------------------------

@@ -42,6 +42,10 @@ std::string_view dsml_block(Format f);
 // read back from the answer): there are tools and tool_choice is not "none".
 inline bool tools_on(const Conversation& c) { return !c.tools.empty() && c.tool_choice != ToolChoice::None; }
 
+// Client text inside a refusal, which is one line: as a JSON string (a
+// newline in it escaped), cut after 80 bytes.
+std::string quote(std::string_view s);
+
 [[noreturn]] inline void invalid(std::string param, std::string message) {
   throw Invalid{std::move(param), std::move(message)};
 }

@@ -151,7 +151,8 @@ LogitAdjust adjust_fields(const json& body, int64_t vocab) {
                         std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
     const int64_t id = digits ? std::stoll(key) : -1;
     if (id < 0 || (vocab > 0 && id >= vocab))
-      refuse("logit_bias", fmt::format("'logit_bias' keys must be token ids in [0, {}), got \"{}\"", vocab, key));
+      refuse("logit_bias", fmt::format("'logit_bias' keys must be token ids in [0, {}), got {}", vocab,
+                                       json(key).dump(-1, ' ', false, json::error_handler_t::replace)));
     if (!v.is_number() || !(v.get<double>() >= -100.0 && v.get<double>() <= 100.0))
       refuse("logit_bias", fmt::format("'logit_bias' values must be numbers in [-100, 100], got {}", v.dump()));
     a.bias.emplace_back(static_cast<int32_t>(id), v.get<float>());
