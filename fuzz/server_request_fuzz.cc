@@ -1,10 +1,14 @@
 // libFuzzer target for the server's request path. The first byte picks what
 // the rest is:
 //   even: a request body, read as /v1/completions (byte & 2: as
-//         /v1/chat/completions) by infer/server_api (the depth scan, the
-//         JSON parse, every field's check, the prompt through the tiny test
-//         tokenizer). It must either give a request that fits the model or
-//         throw api::Refusal, whose error object must be one line of JSON.
+//         /v1/chat/completions, in the chat format (byte >> 2) & 3) by
+//         infer/server_api (the depth scan, the JSON parse, every field's
+//         check, the prompt through the tiny test tokenizer). It must either
+//         give a request that fits the model or throw api::Refusal, whose
+//         error object must be one line of JSON. A chat request that passes
+//         has the body's bytes read as its answer (infer/chat_parse.h), whole
+//         and in two pieces: both must give the same reasoning, content and
+//         calls.
 //   odd:  the bytes a client sends on one connection, served by
 //         http::Transport::serve over a socketpair (Beast's parser, the
 //         header and body limits, chunked bodies, pipelining, the transport's
@@ -27,8 +31,10 @@
 #include <string>
 #include <string_view>
 
+#include "infer/chat_parse.h"
 #include "infer/http_transport.h"
 #include "infer/server_api.h"
+#include "io/text_input.h"
 #include "io/tokenizer.h"
 #include "json_mutator.h"
 
@@ -39,9 +45,26 @@ namespace http = ds::infer::http;
 namespace bhttp = boost::beast::http;
 constexpr int64_t kPositions = 128;
 
+// The tiny test tokenizer with DeepSeek's chat and call tokens added, so
+// that chat requests reach the chat formats.
 const ds::io::Tokenizer& tokenizer() {
-  static const auto tok =
-      ds::io::Tokenizer::from_file(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json");
+  static const auto tok = [] {
+    auto t = api::json::parse(
+        ds::io::read_file(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json", "tokenizer"));
+    int id = 292;
+    for (const char* content :
+         {"<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+          "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>",
+          "<｜tool▁output▁end｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"})
+      t["added_tokens"].push_back({{"id", id++},
+                                   {"content", content},
+                                   {"single_word", false},
+                                   {"lstrip", false},
+                                   {"rstrip", false},
+                                   {"normalized", false},
+                                   {"special", false}});
+    return ds::io::Tokenizer::from_json(t.dump());
+  }();
   return tok;
 }
 
@@ -51,11 +74,38 @@ void check_error_text(const std::string& text) {
   if (!m.is_string() || m.get<std::string>().find('\n') != std::string::npos) std::abort();
 }
 
+namespace chat = ds::infer::chat;
+
+// The bytes read as the answer to a chat request: whole, and cut in two
+// where the text's length says, alike.
+void check_answer(chat::Format f, const chat::Prompt& p, std::string_view text) {
+  const chat::Piece whole = chat::parse_answer(f, p, text);
+  chat::AnswerParser parser(f, p);
+  const size_t cut = text.size() / 2;
+  chat::Piece split = parser.push(text.substr(0, cut));
+  split.append(parser.push(text.substr(cut)));
+  split.append(parser.finish());
+  if (split.reasoning != whole.reasoning || split.content != whole.content || split.calls.size() != whole.calls.size())
+    std::abort();
+}
+
 // The body checked as the server checks it: the status and body to answer.
-std::pair<int, std::string> answer(std::string_view body, bool chat) {
+std::pair<int, std::string> answer(std::string_view body, bool is_chat, chat::Format format = chat::Format::V3) {
   try {
     const api::json j = api::parse_body(body);
-    const api::Request r = api::read_request(j, chat, {&tokenizer(), kPositions, tokenizer().vocab_size()});
+    // The chat format alone, whatever the prompt's length: a rendered
+    // conversation's answer parser gets the body's bytes.
+    if (is_chat) {
+      try {
+        const auto ordered = chat::ojson::parse(body);
+        const chat::ojson tools = ordered.contains("tools") ? ordered["tools"] : chat::ojson();
+        check_answer(format, chat::render(format, chat::read_conversation(j, tools, format)), body);
+      } catch (const chat::Invalid& e) {
+        if (e.message.empty() || e.message.find('\n') != std::string::npos) std::abort();
+      }
+    }
+    const api::Request r =
+        api::read_request(j, is_chat, {&tokenizer(), kPositions, tokenizer().vocab_size(), format}, body);
     const auto n = static_cast<int64_t>(r.batch.prompt.size());
     if (n < 1 || n > kPositions || r.batch.max_new_tokens < 0) std::abort();
     // What the batcher would refuse with an error the server did not name.
@@ -143,7 +193,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (data[0] & 1)
     serve_bytes(rest);
   else
-    answer(rest, data[0] & 2);
+    answer(rest, data[0] & 2, chat::kFormats[(data[0] >> 2) & 3]);
   return 0;
 }
 

@@ -66,6 +66,15 @@ async function openai() {
   const n = await client.chat.completions.create({ model: "tiny", messages, max_tokens: 4, n: 3, seed: 7 });
   check(n.choices.length === 3 && n.choices.every((x, i) => x.index === i), "n: 3 choices");
 
+  // Tools as the SDK sends them: rendered into the prompt (the tiny model
+  // rarely calls one; tests/server_tools_test.cc scripts the calls).
+  const tools = [{ type: "function", function: { name: "get_weather", description: "Weather of a city",
+                                                 parameters: { type: "object", properties: { city: { type: "string" } } } } }];
+  const withTools = await client.chat.completions.create({ model: "tiny", messages, max_tokens: 4, temperature: 0,
+                                                           tools, tool_choice: "auto" });
+  check(withTools.usage.prompt_tokens > chat.usage.prompt_tokens && withTools.choices[0].message.role === "assistant",
+        `tools go into the prompt (${withTools.usage.prompt_tokens} tokens against ${chat.usage.prompt_tokens})`);
+
   const bad = await refused(client.chat.completions.create({ model: "tiny", messages, max_tokens: "six" }));
   check(bad instanceof OpenAI.BadRequestError && bad.status === 400 && bad.param === "max_tokens",
         `a bad field is the SDK's BadRequestError naming it: ${bad && bad.message}`);
@@ -102,6 +111,18 @@ async function anthropic(chatText) {
   }
   const counted = await client.messages.countTokens({ model: "tiny", messages: req.messages });
   check(counted.input_tokens === msg.usage.input_tokens, `countTokens: ${JSON.stringify(counted)}`);
+
+  const tools = [{ name: "get_weather", description: "Weather of a city",
+                   input_schema: { type: "object", properties: { city: { type: "string" } } } }];
+  const withTools = await client.messages.create({ ...req, max_tokens: 4, tools, tool_choice: { type: "auto" } });
+  check(withTools.usage.input_tokens > msg.usage.input_tokens,
+        `tools go into the prompt (${withTools.usage.input_tokens} tokens against ${msg.usage.input_tokens})`);
+  // Thinking on: the answer opens with a thinking block (the tiny model
+  // never closes its reasoning, so all it says is thought).
+  const thought = await client.messages.create({ ...req, max_tokens: 1025, thinking: { type: "enabled", budget_tokens: 1024 },
+                                                 stop_sequences: ["e"] });
+  check(thought.content[0].type === "thinking" && typeof thought.content[0].thinking === "string",
+        `thinking: ${JSON.stringify(thought.content.map((b) => b.type))}`);
 
   const bad = await refused(client.messages.create({ ...req, temperature: 1.5 }));
   check(bad instanceof Anthropic.BadRequestError && bad.status === 400 &&

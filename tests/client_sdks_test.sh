@@ -19,7 +19,9 @@ pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; rm -rf "$tmp"' EXIT
 
 m="$tmp/tiny"
-"$bin" init --config "$src/configs/tiny.yml" --out "$m" --seed 3 >/dev/null || { echo "FAIL: init"; exit 1; }
+# Room for the V4 format's tool descriptions (about 1,000 tiny-tokenizer tokens).
+"$bin" init --config "$src/configs/tiny.yml" --out "$m" --seed 3 --set max_position_embeddings=4096 >/dev/null ||
+  { echo "FAIL: init"; exit 1; }
 # The tiny test tokenizer with DeepSeek's two chat tokens added, so that the
 # chat routes have a format to render.
 node -e '
@@ -30,7 +32,9 @@ for (const [id, content] of [[292, "<｜User｜>"], [293, "<｜Assistant｜>"]])
 fs.writeFileSync(process.argv[2], JSON.stringify(t));
 ' "$src/tests/data/tokenizer/tiny/tokenizer.json" "$m/tokenizer.json" || { echo "FAIL: tokenizer"; exit 1; }
 
-"$bin" serve --model "$m" --port 0 --name tiny --max-sequences 4 2>"$tmp/log" &
+# DeepSeek-V4's chat format: its tool and thinking markup is text, which
+# the tiny tokenizer can encode.
+"$bin" serve --model "$m" --port 0 --name tiny --max-sequences 4 --chat-format deepseek-v4 2>"$tmp/log" &
 pid=$!
 port=""
 for _ in $(seq 400); do

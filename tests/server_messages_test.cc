@@ -76,9 +76,9 @@ TEST_F(ServerMessagesTest, StreamsAnthropicsEventsInOrder) {
       deltas += data["delta"]["text"].get<std::string>();
     }
   }
-  const std::vector<std::string> order = {"message_start",       "content_block_start", "ping",
-                                          "content_block_delta", "content_block_stop",  "message_delta",
-                                          "message_stop"};
+  const std::vector<std::string> order = {
+      "message_start",      "ping",          "content_block_start", "content_block_delta",
+      "content_block_stop", "message_delta", "message_stop"};
   if (deltas.empty()) names.insert(names.begin() + 3, "content_block_delta");  // no text: no delta
   EXPECT_EQ(names, order) << text;
   EXPECT_EQ(deltas, whole["content"][0]["text"]);

@@ -16,6 +16,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "infer/batcher.h"
+#include "infer/chat_format.h"
 #include "infer/model.h"
 #include "infer/server.h"
 #include "io/tokenizer.h"
@@ -27,7 +28,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct ServeArgs {
-  std::string model, tokenizer, host = "127.0.0.1", name, cache = "latent";
+  std::string model, tokenizer, host = "127.0.0.1", name, cache = "latent", chat_format = "auto";
   int port = 8080;
   int64_t max_sequences = 8, max_waiting = 256;
   int64_t prefill_chunk = infer::GenerateOptions{}.prefill_chunk;
@@ -55,6 +56,15 @@ int run_serve(const ServeArgs& a) {
              tok->vocab_size(), g->vocab_size());
   }
   const infer::CacheKind kind = infer::cache_kind(a.cache);
+  // The chat format: named, or the one the model folder's files show.
+  infer::chat::Detection chat{infer::chat::Format::V3, "--chat-format"};
+  if (a.chat_format == "auto") {
+    chat = infer::chat::detect_format(a.model);
+  } else {
+    const auto f = infer::chat::format_named(a.chat_format);
+    DS_CHECK(f, "--chat-format '{}' is not one of auto, {}", a.chat_format, infer::chat::format_names());
+    chat.format = *f;
+  }
   const std::string name = !a.name.empty() ? a.name : fs::path(a.model).lexically_normal().filename().string();
 
   // SIGINT and SIGTERM are taken by one thread (sigwait) rather than a
@@ -73,6 +83,7 @@ int run_serve(const ServeArgs& a) {
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
+  served.chat_format = chat.format;
   served.check = [&g, kind, &a](int64_t prompt, int64_t max_new, int64_t sequences) {
     infer::GenerateOptions o;
     o.cache = kind;
@@ -100,9 +111,10 @@ int run_serve(const ServeArgs& a) {
     }
   });
   say(
-      fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions; GET /v1/models, "
-                  "/health, /metrics); {} sequences at once, {}",
-                  name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only"));
+      fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions, /v1/messages; GET /v1/models, "
+                  "/health, /metrics); {} sequences at once, {}; chat format {} ({})",
+                  name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only",
+                  infer::chat::format_name(chat.format), chat.why));
   server.run();
   running = false;
   signals.join();
@@ -131,6 +143,14 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--speculative", args->speculative,
                   "speculative decoding: none (default) or mtp (the model's MTP layer drafts a token a step)");
+  cmd->add_option(
+         "--chat-format", args->chat_format,
+         "how chat messages become a prompt: auto (default: from the model folder), " + infer::chat::format_names())
+      ->check(CLI::IsMember([] {
+        std::vector<std::string> names = {"auto"};
+        for (auto f : infer::chat::kFormats) names.emplace_back(infer::chat::format_name(f));
+        return names;
+      }()));
   cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
       ->check(CLI::IsMember({"latent", "naive"}));
   cmd->add_option("--http-threads", args->http_threads,

@@ -327,4 +327,67 @@ json message_delta(const MessageEnd& end) {
 
 json message_stop() { return {{"type", "message_stop"}}; }
 
+namespace {
+
+// A call's arguments as the input object (the parser handed on only JSON
+// objects; anything else becomes an empty input rather than an error).
+json call_input(const std::string& arguments) {
+  json j = json::parse(arguments, nullptr, /*allow_exceptions=*/false);
+  return j.is_object() ? j : json::object();
+}
+
+}  // namespace
+
+std::vector<MessageBlock> message_blocks(const chat::Piece& answer, const std::string& id_prefix) {
+  using K = MessageBlock::Kind;
+  std::vector<MessageBlock> out;
+  if (!answer.reasoning.empty()) out.push_back({K::Thinking, answer.reasoning, "", "", nullptr});
+  if (!answer.content.empty() || answer.calls.empty()) out.push_back({K::Text, answer.content, "", "", nullptr});
+  for (size_t k = 0; k < answer.calls.size(); ++k)
+    out.push_back(
+        {K::ToolUse, "", id_prefix + std::to_string(k), answer.calls[k].name, call_input(answer.calls[k].arguments)});
+  return out;
+}
+
+void MessageStream::open(std::vector<json>& out, MessageBlock::Kind kind, const MessageBlock& block) {
+  if (open_) out.push_back(block_stop(index_));
+  ++index_;
+  open_ = true;
+  kind_ = kind;
+  out.push_back(block_start(index_, block));
+}
+
+std::vector<json> MessageStream::push(const chat::Piece& piece) {
+  using K = MessageBlock::Kind;
+  std::vector<json> out;
+  if (!piece.reasoning.empty()) {
+    if (!open_ || kind_ != K::Thinking) open(out, K::Thinking, {K::Thinking, "", "", "", nullptr});
+    out.push_back(thinking_delta(index_, piece.reasoning));
+  }
+  if (!piece.content.empty()) {
+    if (!open_ || kind_ != K::Text) open(out, K::Text, {K::Text, "", "", "", nullptr});
+    out.push_back(text_delta(index_, piece.content));
+  }
+  for (const auto& call : piece.calls) {
+    const MessageBlock b{K::ToolUse, "", prefix_ + std::to_string(calls_++), call.name, call_input(call.arguments)};
+    open(out, K::ToolUse, b);
+    out.push_back(input_json_delta(index_, b.input.dump()));
+  }
+  return out;
+}
+
+std::vector<json> MessageStream::text(const std::string& t) {
+  chat::Piece p;
+  p.content = t;
+  return push(p);
+}
+
+std::vector<json> MessageStream::finish() {
+  std::vector<json> out;
+  if (!open_) open(out, MessageBlock::Kind::Text, {MessageBlock::Kind::Text, "", "", "", nullptr});
+  out.push_back(block_stop(index_));
+  open_ = false;
+  return out;
+}
+
 }  // namespace ds::infer::api

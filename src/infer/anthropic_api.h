@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "infer/chat_parse.h"
 #include "infer/server_api.h"
 
 namespace ds::infer::api {
@@ -61,5 +62,31 @@ json input_json_delta(int64_t index, const std::string& partial_json);
 json block_stop(int64_t index);
 json message_delta(const MessageEnd& end);
 json message_stop();
+
+// An answer parsed by its chat format as Messages blocks: a thinking block
+// (the reasoning), a text block (the content; also when nothing else is
+// there), a tool_use block per call (ids id_prefix + k, the arguments as
+// the input object).
+std::vector<MessageBlock> message_blocks(const chat::Piece& answer, const std::string& id_prefix);
+
+// A streamed answer's blocks, opened and closed as its parts arrive:
+// thinking, then text, then each call (a tool_use block whose input goes
+// in one input_json_delta). Each call returns the events to send.
+class MessageStream {
+ public:
+  explicit MessageStream(std::string id_prefix) : prefix_(std::move(id_prefix)) {}
+  std::vector<json> push(const chat::Piece& piece);
+  std::vector<json> text(const std::string& t);  // an answer without a parser: text only
+  // Closes the open block (an empty text block when none was opened).
+  std::vector<json> finish();
+  bool called() const { return calls_ > 0; }
+
+ private:
+  void open(std::vector<json>& out, MessageBlock::Kind kind, const MessageBlock& block);
+  std::string prefix_;
+  int64_t index_ = -1, calls_ = 0;
+  bool open_ = false;
+  MessageBlock::Kind kind_ = MessageBlock::Kind::Text;
+};
 
 }  // namespace ds::infer::api

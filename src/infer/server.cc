@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "infer/anthropic_api.h"
+#include "infer/chat_parse.h"
 #include "infer/http_transport.h"
 #include "infer/metrics.h"
 #include "infer/server_api.h"
@@ -166,6 +167,10 @@ struct Server::Impl {
     std::vector<int32_t> ids;           // made so far
     std::vector<TokenLogprob> lps;      // with logprobs: one per id
     bool begun = false, ended = false;  // streams: the first chunk and the end are sent
+    // Chat answers with reasoning or calls: the answer split as it comes,
+    // and the calls streamed so far.
+    std::unique_ptr<chat::AnswerParser> parser;
+    size_t calls_sent = 0;
     bool stopped() const { return text && text->stopped(); }
   };
 
@@ -173,6 +178,7 @@ struct Server::Impl {
   struct Job {
     bool chat = false, stream = false, include_usage = false, echo = false;
     bool messages = false;  // Anthropic's Messages API (one choice)
+    bool thinking = false;  // chat answers carry reasoning_content
     int64_t logprobs = -1;
     std::string id, model;
     int64_t created = 0;
@@ -191,11 +197,13 @@ struct Server::Impl {
     return (static_cast<uint64_t>(seeds()) << 32) ^ seeds();
   }
 
-  api::Limits limits() const { return {model.tokenizer, model.batcher->max_positions(), model.batcher->vocab_size()}; }
+  api::Limits limits() const {
+    return {model.tokenizer, model.batcher->max_positions(), model.batcher->vocab_size(), model.chat_format};
+  }
 
-  Job start(const json& body, bool chat) {
+  Job start(const json& body, std::string_view body_text, bool chat) {
     Batcher& b = *model.batcher;
-    api::Request q = api::read_request(body, chat, limits());
+    api::Request q = api::read_request(body, chat, limits(), body_text);
     BatchRequest& r = q.batch;
     if (!q.has_seed) r.sampler.seed = random_seed();
     Job job;
@@ -204,6 +212,7 @@ struct Server::Impl {
     job.include_usage = q.include_usage;
     job.echo = q.echo;
     job.logprobs = q.logprobs;
+    job.thinking = q.thinking;
     job.prompt = r.prompt;
     job.model = opt.model_name;
     job.id = fmt::format("{}-{:x}", chat ? "chatcmpl" : "cmpl", next_id++);
@@ -219,8 +228,12 @@ struct Server::Impl {
     // Choice i draws with seed + i: choice 0 is what n = 1 makes. The
     // choices read the prompt once (Batcher::submit_choices).
     job.choices.resize(static_cast<size_t>(q.n));
-    for (auto& c : job.choices)
+    for (auto& c : job.choices) {
       if (model.tokenizer) c.text = std::make_unique<TextStream>(*model.tokenizer, q.stops, b.options().eos_token_id);
+      const chat::Prompt& cp = q.chat_prompt;
+      if (chat && model.tokenizer && (cp.reasoning_first || cp.parse_tools || q.thinking))
+        c.parser = std::make_unique<chat::AnswerParser>(model.chat_format, cp);
+    }
     try {
       auto gens = b.submit_choices(std::move(r), q.n, job.signal);
       for (size_t i = 0; i < gens.size(); ++i) job.choices[i].gen = std::move(gens[i]);
@@ -256,10 +269,12 @@ struct Server::Impl {
   }
 
   static std::string finish_reason(const Choice& c) {
-    if (c.stopped()) return "stop";
+    // An answer that ends after its calls asks for their results.
+    const char* stop = c.parser && c.parser->called() ? "tool_calls" : "stop";
+    if (c.stopped()) return stop;
     switch (c.gen->finish()) {
       case Finish::Eos:
-        return "stop";
+        return stop;
       case Finish::Length:
         return "length";
       default:
@@ -345,9 +360,14 @@ struct Server::Impl {
       for (const auto& t : made_tokens(c, 0, job.logprobs >= 0 ? c.ids.size() : 0)) logged.push_back(t);
       json choice = {
           {"index", i}, {"finish_reason", finish_reason(c)}, {"logprobs", logprobs_of(job, logged, &offset)}};
-      if (job.chat)
+      if (job.chat && c.parser) {
+        chat::Piece piece = c.parser->push(text);
+        piece.append(c.parser->finish());
+        choice["message"] = api::chat_message(piece, job.thinking, call_id(job, i));
+        choice["finish_reason"] = finish_reason(c);
+      } else if (job.chat) {
         choice["message"] = {{"role", "assistant"}, {"content", text}};
-      else
+      } else
         choice["text"] = text;
       choice["token_ids"] = c.ids;
       choices.push_back(std::move(choice));
@@ -358,12 +378,20 @@ struct Server::Impl {
     out.send(200, wire(out_body));
   }
 
+  // Ids of choice i's tool calls: this prefix and the call's index.
+  static std::string call_id(const Job& job, size_t i) {
+    return fmt::format("call_{}_{}_", job.id.substr(job.id.find('-') + 1), i);
+  }
+
+  // A streamed chunk: completions' text, or chat's delta, {"content": text}
+  // or what a piece of a parsed answer adds (`parsed`), the role first.
   json chunk(const Job& job, size_t index, const std::string& delta, const std::vector<int32_t>& ids,
-             const json& finish, bool first, json logprobs = nullptr) const {
+             const json& finish, bool first, json logprobs = nullptr, const json* parsed = nullptr) const {
     json choice = {{"index", index}, {"logprobs", std::move(logprobs)}, {"finish_reason", finish}};
     if (job.chat) {
-      choice["delta"] = first ? json{{"role", "assistant"}, {"content", delta}} : json{{"content", delta}};
-      if (!finish.is_null()) choice["delta"] = json::object();
+      json d = parsed ? *parsed : json{{"content", delta}};
+      if (first) d["role"] = "assistant";
+      choice["delta"] = finish.is_null() ? std::move(d) : json::object();
     } else {
       choice["text"] = delta;
     }
@@ -389,12 +417,21 @@ struct Server::Impl {
     if (got == Next::Token) {
       const size_t t = c.ids.size() - 1;
       const json lp = job.logprobs >= 0 ? logprobs_of(job, made_tokens(c, t, t + 1), &offset) : json(nullptr);
-      if (!send_event(out, wire(chunk(job, i, delta, {c.ids[t]}, nullptr, !c.begun, lp)))) return false;
+      const json parsed = c.parser ? api::chat_delta(c.parser->push(delta), call_id(job, i), &c.calls_sent) : json();
+      if (!send_event(out, wire(chunk(job, i, delta, {c.ids[t]}, nullptr, !c.begun, lp, c.parser ? &parsed : nullptr))))
+        return false;
       c.begun = true;
       return true;
     }
     // A chat stream's first chunk carries the role, even with no token.
-    if (!delta.empty() || (job.chat && !c.begun)) send_event(out, wire(chunk(job, i, delta, {}, nullptr, !c.begun)));
+    if (c.parser) {
+      chat::Piece rest = c.parser->push(delta);
+      rest.append(c.parser->finish());
+      const json parsed = api::chat_delta(rest, call_id(job, i), &c.calls_sent);
+      if (!rest.empty() || !c.begun) send_event(out, wire(chunk(job, i, "", {}, nullptr, !c.begun, nullptr, &parsed)));
+    } else if (!delta.empty() || (job.chat && !c.begun)) {
+      send_event(out, wire(chunk(job, i, delta, {}, nullptr, !c.begun)));
+    }
     c.begun = c.ended = true;
     return send_event(out, wire(chunk(job, i, "", {}, finish_reason(c), false)));
   }
@@ -439,7 +476,7 @@ struct Server::Impl {
 
   void handle(const std::string& body, http::Responder& out, bool chat) {
     try {
-      run(start(api::parse_body(body, opt.max_json_depth), chat), out);
+      run(start(api::parse_body(body, opt.max_json_depth), body, chat), out);
     } catch (const Refusal& r) {
       send_error(out, r);
     } catch (const json::exception& e) {
@@ -482,7 +519,7 @@ struct Server::Impl {
           return out.send(200, wire(json{{"input_tokens", q.batch.prompt.size()}}));
         }
         chat["n"] = 1;
-        Job job = start(chat, true);
+        Job job = start(chat, {}, true);
         job.messages = true;
         job.id = fmt::format("msg_{:x}", next_id++);
         return run(std::move(job), out);
@@ -509,6 +546,9 @@ struct Server::Impl {
     return e;
   }
 
+  // Tool-use ids of a Messages answer.
+  static std::string tool_use_id(const Job& job) { return "toolu_" + job.id.substr(job.id.find('_') + 1) + "_"; }
+
   void complete_message(Job& job, http::Responder& out, const Watch& watch) {
     Choice& c = job.choices[0];
     std::string text, delta;
@@ -516,26 +556,45 @@ struct Server::Impl {
     text += delta;
     if (watch.client_gone()) return out.abandon();
     if (auto f = failure(c)) return send_message_error(out, *f);
-    const std::vector<api::MessageBlock> blocks = {{api::MessageBlock::Kind::Text, text, "", "", nullptr}};
-    out.send(200, wire(api::message_body(job.id, job.model, blocks, message_end(job, c))));
+    // The chat format's parser splits thinking and tool calls from the text.
+    chat::Piece answer;
+    if (c.parser) {
+      answer = c.parser->push(text);
+      answer.append(c.parser->finish());
+    } else {
+      answer.content = text;
+    }
+    api::MessageEnd end = message_end(job, c);
+    if (!answer.calls.empty()) end.stop_reason = "tool_use";
+    out.send(200, wire(api::message_body(job.id, job.model, api::message_blocks(answer, tool_use_id(job)), end)));
   }
 
-  // Events: message_start, one text block (start, ping, deltas, stop),
-  // message_delta with the stop reason, message_stop; a failure after the
-  // start is an `error` event.
+  // Events: message_start, ping, the answer's blocks as they arrive
+  // (api::MessageStream), message_delta with the stop reason,
+  // message_stop; a failure after the start is an `error` event.
   void stream_message(Job& job, http::Responder& out) {
     if (!out.begin_chunks(200, "text/event-stream")) return job.cancel();
     Choice& c = job.choices[0];
-    auto send = [&](const json& event) { return out.chunk(api::message_event(event)); };
-    const api::MessageBlock text_block{api::MessageBlock::Kind::Text, "", "", "", nullptr};
-    bool ok = send(api::message_start(job.id, job.model, static_cast<int64_t>(job.prompt.size()))) &&
-              send(api::block_start(0, text_block)) && send(json{{"type", "ping"}});
+    auto send_all = [&](const std::vector<json>& events) {
+      for (const json& e : events)
+        if (!out.chunk(api::message_event(e))) return false;
+      return true;
+    };
+    api::MessageStream blocks(tool_use_id(job));
+    bool ok = send_all(
+        {api::message_start(job.id, job.model, static_cast<int64_t>(job.prompt.size())), json{{"type", "ping"}}});
     std::optional<Refusal> failed;
     std::string delta;
     try {
       while (ok) {
         const Next got = advance(job, c, delta, true);
-        if (!delta.empty()) ok = send(api::text_delta(0, delta));
+        if (c.parser) {
+          chat::Piece piece = c.parser->push(delta);
+          if (got == Next::End) piece.append(c.parser->finish());
+          ok = send_all(blocks.push(piece));
+        } else if (!delta.empty()) {
+          ok = send_all(blocks.text(delta));
+        }
         if (got == Next::End) {
           failed = failure(c);
           break;
@@ -547,11 +606,12 @@ struct Server::Impl {
     if (!ok) return job.cancel();  // gone
     if (failed) {
       job.cancel();
-      send(api::messages_error_body(*failed));
+      send_all({api::messages_error_body(*failed)});
     } else {
-      send(api::block_stop(0));
-      send(api::message_delta(message_end(job, c)));
-      send(api::message_stop());
+      api::MessageEnd end = message_end(job, c);
+      if (blocks.called()) end.stop_reason = "tool_use";
+      send_all(blocks.finish());
+      send_all({api::message_delta(end), api::message_stop()});
     }
     out.end_chunks();
   }

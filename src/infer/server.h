@@ -5,8 +5,12 @@
 //                               "top_k", "seed", "stop", "stream", "ignore_eos", "n",
 //                               "logprobs" (0-5), "echo", "presence_penalty",
 //                               "frequency_penalty", "repetition_penalty", "logit_bias"}
-//   POST /v1/chat/completions  {"messages": [{"role", "content"}], ..., "logprobs" (bool),
-//                               "top_logprobs"} in DeepSeek-V3's chat format
+//   POST /v1/chat/completions  {"messages": [{"role", "content", "tool_calls"}], ..., "logprobs"
+//                               (bool), "top_logprobs", "tools", "tool_choice",
+//                               "parallel_tool_calls", "thinking", "chat_template_kwargs",
+//                               "reasoning_effort"} in the model's DeepSeek chat format
+//                               (infer/chat_format.h): answers carry reasoning_content and
+//                               tool_calls, streamed as deltas
 //   GET  /v1/models, GET /health, GET /metrics (Prometheus' text format)
 //
 // Choice i of a request of n is its own sequence, drawn with seed + i.
@@ -23,6 +27,7 @@
 #include <string>
 
 #include "infer/batcher.h"
+#include "infer/chat_format.h"
 #include "io/tokenizer.h"
 
 namespace ds::infer {
@@ -53,6 +58,8 @@ struct ServedModel {
   // length and token budget against the machine (the KV cache's memory);
   // throws ds::Error to refuse it.
   std::function<void(int64_t prompt_tokens, int64_t max_new_tokens, int64_t sequences)> check;
+  // How chat messages become a prompt and answers are read back.
+  chat::Format chat_format = chat::Format::V3;
 };
 
 class Server {

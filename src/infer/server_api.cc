@@ -117,13 +117,16 @@ void refuse_unsupported(const json& body, bool chat) {
     const json* v = field(body, key);
     if (v && *v != neutral) refuse(key, fmt::format("'{}' is not supported (only {})", key, neutral.dump()));
   };
-  for (const char* key : {"tools", "functions"}) {
-    const json* v = field(body, key);
-    if (v && !v->empty()) refuse(key, fmt::format("'{}' is not supported", key));
-  }
+  // Chat's tools are the chat format's (infer/chat_format.h); OpenAI's
+  // older "functions" are not, nor are tools for plain completions.
+  if (const json* v = field(body, "functions"); v && !v->empty())
+    refuse("functions", "'functions' is not supported (use 'tools' on /v1/chat/completions)");
+  if (const json* v = field(body, "tools"); v && !v->empty() && !chat)
+    refuse("tools", "'tools' is not supported (only on /v1/chat/completions)");
   if (chat) {
     const json* rf = field(body, "response_format");
-    if (rf && !(rf->is_object() && rf->value("type", "") == "text"))
+    // (A "type" that is not a string is refused too, not thrown on.)
+    if (rf && !(rf->is_object() && rf->contains("type") && (*rf)["type"] == "text"))
       refuse("response_format", "'response_format' is not supported (only {\"type\": \"text\"})");
   } else {
     must_be("best_of", 1);
@@ -148,7 +151,8 @@ LogitAdjust adjust_fields(const json& body, int64_t vocab) {
                         std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; });
     const int64_t id = digits ? std::stoll(key) : -1;
     if (id < 0 || (vocab > 0 && id >= vocab))
-      refuse("logit_bias", fmt::format("'logit_bias' keys must be token ids in [0, {}), got \"{}\"", vocab, key));
+      refuse("logit_bias", fmt::format("'logit_bias' keys must be token ids in [0, {}), got {}", vocab,
+                                       json(key).dump(-1, ' ', false, json::error_handler_t::replace)));
     if (!v.is_number() || !(v.get<double>() >= -100.0 && v.get<double>() <= 100.0))
       refuse("logit_bias", fmt::format("'logit_bias' values must be numbers in [-100, 100], got {}", v.dump()));
     a.bias.emplace_back(static_cast<int32_t>(id), v.get<float>());
@@ -235,57 +239,49 @@ std::vector<int32_t> completion_prompt(const Limits& lim, const json& body) {
   refuse("prompt", "'prompt' must be a string or an array of token ids");
 }
 
-// /v1/chat/completions: DeepSeek-V3's chat format. After the BOS, the system
-// messages' text (joined by blank lines), then "<｜User｜>" + text for a
-// user message and "<｜Assistant｜>" + text + "<｜end▁of▁sentence｜>" for an
-// assistant one, and "<｜Assistant｜>" to open the answer.
-std::vector<int32_t> chat_prompt(const Limits& lim, const json& body) {
-  const json* msgs = field(body, "messages");
-  if (!msgs || !msgs->is_array() || msgs->empty())
-    refuse("messages", "'messages' must be a non-empty array of {\"role\", \"content\"} objects");
-  const io::Tokenizer& tok = tokenizer(lim, "messages");
-  const std::string user = "<｜User｜>", assistant = "<｜Assistant｜>", eos = "<｜end▁of▁sentence｜>";
-  for (const auto& t : {user, assistant, eos})
-    if (!tok.token_to_id(t))
-      refuse("messages", fmt::format("this model's tokenizer has no '{}' token, so it has no DeepSeek chat format: "
-                                     "use /v1/completions",
-                                     t));
-  std::string system, turns;
-  for (size_t i = 0; i < msgs->size(); ++i) {
-    const json& m = (*msgs)[i];
-    const std::string where = fmt::format("messages[{}]", i);
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
-      refuse(where, fmt::format("'{}' must be an object with a string 'role'", where));
-    const std::string role = m["role"].get<std::string>();
-    // content: a string, or an array of {"type": "text", "text": ...} parts.
-    std::string content;
-    const json* c = field(m, "content");
-    if (c && c->is_string()) {
-      content = c->get<std::string>();
-    } else if (c && c->is_array()) {
-      for (const auto& part : *c) {
-        if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
-            !part["text"].is_string())
-          refuse(where, fmt::format("'{}.content' parts must be {{\"type\": \"text\", \"text\": ...}}", where));
-        content += part["text"].get<std::string>();
-      }
-    } else if (c || role != "assistant") {
-      refuse(where, fmt::format("'{}.content' must be a string or an array of text parts", where));
-    }
-    if (role == "system" || role == "developer") {
-      system += (system.empty() ? "" : "\n\n") + content;
-    } else if (role == "user") {
-      turns += user + content;
-    } else if (role == "assistant") {
-      turns += assistant + content + eos;
-    } else {
-      refuse(where, fmt::format("'{}.role' must be system, user or assistant, got '{}'", where, role));
-    }
+// The body's "tools" with the key order the client wrote (null: none).
+chat::ojson ordered_tools(const json& body, std::string_view text) {
+  const json* t = field(body, "tools");
+  if (!t || (t->is_array() && t->empty())) return nullptr;
+  if (text.empty()) return chat::ojson::parse(t->dump());
+  // The body parsed before, so it parses again; a key given twice keeps
+  // its last value in both parses.
+  chat::ojson j = chat::ojson::parse(text);
+  return j["tools"];
+}
+
+// /v1/chat/completions: the messages in the served model's chat format
+// (infer/chat_format.h), encoded with their special tokens; the BOS is the
+// tokenizer's own, as /v1/completions adds it.
+std::vector<int32_t> chat_prompt(const Limits& lim, const json& body, std::string_view text, Request& out) {
+  chat::Conversation c;
+  try {
+    c = chat::read_conversation(body, ordered_tools(body, text), lim.chat_format);
+    out.chat_prompt = chat::render(lim.chat_format, c);
+  } catch (const chat::Invalid& e) {
+    refuse(e.param, e.message);
   }
+  out.thinking = c.thinking;
+  const io::Tokenizer& tok = tokenizer(lim, "messages");
+  const std::string_view name = chat::format_name(lim.chat_format);
+  for (const auto& t : chat::required_tokens(lim.chat_format, false))
+    if (!tok.token_to_id(t))
+      refuse("messages", fmt::format("this model's tokenizer has no '{}' token, which the {} chat format needs, so it "
+                                     "has no DeepSeek chat format: use /v1/completions",
+                                     t, name));
+  if (out.chat_prompt.tool_markup)
+    for (const auto& t : chat::required_tokens(lim.chat_format, true))
+      if (!tok.token_to_id(t))
+        refuse(out.chat_prompt.parse_tools ? "tools" : "messages",
+               fmt::format("'tools' is not supported: this model's tokenizer has no '{}' token, which tool calls in "
+                           "the {} chat format need",
+                           t, name));
   try {
     std::vector<int32_t> ids;
     if (auto bos = tok.bos_id()) ids.push_back(*bos);
-    for (int32_t t : tok.encode(system + turns + assistant, /*add_special_tokens=*/false)) ids.push_back(t);
+    const std::string& prompt = out.chat_prompt.text;
+    const size_t skip = prompt.starts_with(chat::kBos) ? chat::kBos.size() : 0;
+    for (int32_t t : tok.encode(std::string_view(prompt).substr(skip), /*add_special_tokens=*/false)) ids.push_back(t);
     return ids;
   } catch (const Error& e) {
     refuse("messages", plain(e.what()));
@@ -294,12 +290,12 @@ std::vector<int32_t> chat_prompt(const Limits& lim, const json& body) {
 
 }  // namespace
 
-Request read_request(const json& body, bool chat, const Limits& lim) {
+Request read_request(const json& body, bool chat, const Limits& lim, std::string_view body_text) {
   refuse_unsupported(body, chat);
   Request out;
   out.chat = chat;
   BatchRequest& r = out.batch;
-  r.prompt = chat ? chat_prompt(lim, body) : completion_prompt(lim, body);
+  r.prompt = chat ? chat_prompt(lim, body, body_text, out) : completion_prompt(lim, body);
   const int64_t n = static_cast<int64_t>(r.prompt.size());
   if (n == 0) refuse(chat ? "messages" : "prompt", "the prompt is empty");
   if (n > lim.max_positions)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "infer/batcher.h"
+#include "infer/chat_format.h"
 #include "io/tokenizer.h"
 
 namespace ds::infer::api {
@@ -51,6 +52,7 @@ struct Limits {
   const io::Tokenizer* tokenizer = nullptr;  // none: only token-id prompts
   int64_t max_positions = 0;                 // the model's
   int64_t vocab = 0;                         // the model's ids (logit_bias keys below it)
+  chat::Format chat_format = chat::Format::V3;  // how chat messages become a prompt
 };
 
 // Choices per request at most ("n").
@@ -72,10 +74,16 @@ struct Request {
   std::vector<std::string> stops;
   const char* max_key = "max_tokens";  // the field that set max_new_tokens
   bool max_defaulted = true;           // ... or none did
+  // Chat: the rendered prompt (what the answer begins with, the calls it may
+  // make) and whether thinking is on (answers carry reasoning_content).
+  chat::Prompt chat_prompt;
+  bool thinking = false;
 };
 
 // Checks a /v1/completions (chat false) or /v1/chat/completions body;
-// throws Refusal.
-Request read_request(const json& body, bool chat, const Limits& limits);
+// throws Refusal. `body_text` is the body as sent: the chat formats print
+// the tools' JSON in the client's key order, which `body` no longer has
+// (without it, in sorted order).
+Request read_request(const json& body, bool chat, const Limits& limits, std::string_view body_text = {});
 
 }  // namespace ds::infer::api

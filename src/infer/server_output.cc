@@ -62,4 +62,36 @@ json chat_logprobs(const io::Tokenizer* tok, const std::vector<LoggedToken>& tok
   return {{"content", content}};
 }
 
+static json call_object(const chat::Call& c, const std::string& id) {
+  return {{"id", id}, {"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}};
+}
+
+json chat_message(const chat::Piece& p, bool thinking, const std::string& call_id) {
+  json m = {{"role", "assistant"}};
+  m["content"] = p.content.empty() && !p.calls.empty() ? json(nullptr) : json(p.content);
+  if (thinking) m["reasoning_content"] = p.reasoning;
+  if (!p.calls.empty()) {
+    json calls = json::array();
+    for (size_t k = 0; k < p.calls.size(); ++k) calls.push_back(call_object(p.calls[k], call_id + std::to_string(k)));
+    m["tool_calls"] = std::move(calls);
+  }
+  return m;
+}
+
+json chat_delta(const chat::Piece& p, const std::string& call_id, size_t* calls) {
+  json d = json::object();
+  if (!p.reasoning.empty()) d["reasoning_content"] = p.reasoning;
+  if (!p.content.empty()) d["content"] = p.content;
+  if (!p.calls.empty()) {
+    json list = json::array();
+    for (const auto& c : p.calls) {
+      json o = call_object(c, call_id + std::to_string(*calls));
+      o["index"] = (*calls)++;
+      list.push_back(std::move(o));
+    }
+    d["tool_calls"] = std::move(list);
+  }
+  return d;
+}
+
 }  // namespace ds::infer::api

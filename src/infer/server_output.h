@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "infer/chat_parse.h"
 #include "infer/sampler.h"
 #include "io/tokenizer.h"
 
@@ -33,5 +34,15 @@ nlohmann::json completion_logprobs(const io::Tokenizer* tok, const std::vector<L
 
 // Chat's logprobs object; `bytes` is each token string's UTF-8.
 nlohmann::json chat_logprobs(const io::Tokenizer* tok, const std::vector<LoggedToken>& tokens);
+
+// Chat's message for an answer split by its chat format (infer/chat_parse.h):
+// "content" (null when it is empty and calls were made), "reasoning_content"
+// (with thinking on) and "tool_calls", call k with id `call_id` + k.
+nlohmann::json chat_message(const chat::Piece& p, bool thinking, const std::string& call_id);
+
+// A streamed chunk's "delta" for a piece of such an answer: only the fields
+// the piece adds ({} for none), each call whole; *calls counts the calls
+// handed on before, their index in tool_calls.
+nlohmann::json chat_delta(const chat::Piece& p, const std::string& call_id, size_t* calls);
 
 }  // namespace ds::infer::api
