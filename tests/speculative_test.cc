@@ -55,34 +55,58 @@ class SpeculativeTest : public ::testing::Test {
 
 // The MTP layer's drafts replaced by one-hot rows: the true greedy token
 // (from a plain run) except at every third token index, where it is wrong.
-// draft() still runs the MTP layer, so its cache stays as it would.
-class OracleDecoder : public ds::test::ForwardingDecoder {
+// draft() still runs the MTP layer, so its cache stays as it would. It
+// tracks the tokens each sequence was fed and finds the request by its
+// prompt, so it serves generate() and the batcher's slots alike.
+class SlotOracleDecoder : public ds::test::ForwardingDecoder {
  public:
-  OracleDecoder(ds::infer::Decoder& d, std::vector<std::vector<int32_t>> want, std::vector<int64_t> prompt_lengths)
-      : ForwardingDecoder(d), want_(std::move(want)), prompt_(std::move(prompt_lengths)) {}
+  SlotOracleDecoder(ds::infer::Decoder& d, std::vector<std::vector<int32_t>> prompts,
+                    std::vector<std::vector<int32_t>> want)
+      : ForwardingDecoder(d), prompts_(std::move(prompts)), want_(std::move(want)) {}
+  void start(int64_t n) override {
+    fed_.assign(static_cast<size_t>(n), {});
+    ForwardingDecoder::start(n);
+  }
+  void reset(int64_t s) override {
+    fed_[static_cast<size_t>(s)].clear();
+    ForwardingDecoder::reset(s);
+  }
+  void copy(int64_t from, int64_t to) override {
+    fed_[static_cast<size_t>(to)] = fed_[static_cast<size_t>(from)];
+    ForwardingDecoder::copy(from, to);
+  }
+  std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all) override {
+    for (size_t s = 0; s < tokens.size(); ++s) fed_[s].insert(fed_[s].end(), tokens[s].begin(), tokens[s].end());
+    return ForwardingDecoder::step_keep(tokens, all);
+  }
+  void truncate(int64_t s, int64_t length) override {
+    fed_[static_cast<size_t>(s)].resize(static_cast<size_t>(length));
+    ForwardingDecoder::truncate(s, length);
+  }
   std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override {
     auto rows = ForwardingDecoder::draft(next);
     const int64_t V = vocab_size();
     int64_t r = 0;
     for (size_t s = 0; s < next.size(); ++s) {
       if (next[s].empty()) continue;
-      // The draft guesses token index (tokens made so far): length counts the
-      // prompt and every made token but the newest, not yet fed.
-      const int64_t index = length(static_cast<int64_t>(s)) - prompt_[s] + 1;
-      float* row = rows.data() + r * V;
-      std::fill(row, row + V, -10.0f);
-      if (index >= 1 && index < static_cast<int64_t>(want_[s].size())) {
-        const int32_t right = want_[s][static_cast<size_t>(index)];
+      float* row = rows.data() + r++ * V;
+      const auto& fed = fed_[s];
+      for (size_t k = 0; k < prompts_.size(); ++k) {
+        const auto& p = prompts_[k];
+        if (fed.size() < p.size() || !std::equal(p.begin(), p.end(), fed.begin())) continue;
+        const int64_t index = static_cast<int64_t>(fed.size() - p.size()) + 1;
+        if (index < 1 || index >= static_cast<int64_t>(want_[k].size())) break;
+        std::fill(row, row + V, -10.0f);
+        const int32_t right = want_[k][static_cast<size_t>(index)];
         row[index % 3 == 0 ? (right + 1) % V : right] = 10.0f;
+        break;
       }
-      ++r;
     }
     return rows;
   }
 
  private:
-  std::vector<std::vector<int32_t>> want_;
-  std::vector<int64_t> prompt_;
+  std::vector<std::vector<int32_t>> prompts_, want_, fed_;
 };
 
 TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) {
@@ -100,10 +124,8 @@ TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) {
     EXPECT_EQ(run(*spec, so, &st), want);
     EXPECT_GT(st.drafted, 0);
     // Through the oracle: two of three drafts right.
-    std::vector<int64_t> lengths;
-    for (const auto& p : prompts_) lengths.push_back(static_cast<int64_t>(p.size()));
     auto inner = ds::infer::kv_decoder(*m_->engine, kind);
-    OracleDecoder oracle(*inner, want, lengths);
+    SlotOracleDecoder oracle(*inner, prompts_, want);
     GenerateStats ost;
     EXPECT_EQ(run(oracle, so, &ost), want);
     EXPECT_GT(ost.accepted, ost.drafted / 2) << ost.accepted << " of " << ost.drafted;
@@ -196,59 +218,6 @@ TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
   EXPECT_THROW(ds::infer::load_model(tmpl, true), ds::Error);
   fs::remove_all(tmpl);
 }
-
-// The oracle for the batcher, whose slots hold any request: it tracks the
-// tokens each slot was fed and finds the request by its prompt.
-class SlotOracleDecoder : public ds::test::ForwardingDecoder {
- public:
-  SlotOracleDecoder(ds::infer::Decoder& d, std::vector<std::vector<int32_t>> prompts,
-                    std::vector<std::vector<int32_t>> want)
-      : ForwardingDecoder(d), prompts_(std::move(prompts)), want_(std::move(want)) {}
-  void start(int64_t n) override {
-    fed_.assign(static_cast<size_t>(n), {});
-    ForwardingDecoder::start(n);
-  }
-  void reset(int64_t s) override {
-    fed_[static_cast<size_t>(s)].clear();
-    ForwardingDecoder::reset(s);
-  }
-  void copy(int64_t from, int64_t to) override {
-    fed_[static_cast<size_t>(to)] = fed_[static_cast<size_t>(from)];
-    ForwardingDecoder::copy(from, to);
-  }
-  std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all) override {
-    for (size_t s = 0; s < tokens.size(); ++s) fed_[s].insert(fed_[s].end(), tokens[s].begin(), tokens[s].end());
-    return ForwardingDecoder::step_keep(tokens, all);
-  }
-  void truncate(int64_t s, int64_t length) override {
-    fed_[static_cast<size_t>(s)].resize(static_cast<size_t>(length));
-    ForwardingDecoder::truncate(s, length);
-  }
-  std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override {
-    auto rows = ForwardingDecoder::draft(next);
-    const int64_t V = vocab_size();
-    int64_t r = 0;
-    for (size_t s = 0; s < next.size(); ++s) {
-      if (next[s].empty()) continue;
-      float* row = rows.data() + r++ * V;
-      const auto& fed = fed_[s];
-      for (size_t k = 0; k < prompts_.size(); ++k) {
-        const auto& p = prompts_[k];
-        if (fed.size() < p.size() || !std::equal(p.begin(), p.end(), fed.begin())) continue;
-        const int64_t index = static_cast<int64_t>(fed.size() - p.size()) + 1;
-        if (index < 1 || index >= static_cast<int64_t>(want_[k].size())) break;
-        std::fill(row, row + V, -10.0f);
-        const int32_t right = want_[k][static_cast<size_t>(index)];
-        row[index % 3 == 0 ? (right + 1) % V : right] = 10.0f;
-        break;
-      }
-    }
-    return rows;
-  }
-
- private:
-  std::vector<std::vector<int32_t>> prompts_, want_, fed_;
-};
 
 TEST_F(SpeculativeTest, TheServersBatcherDraftsToo) {
   // Alone, without drafts: what each request must make.

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "infer/chat_internal.h"
+#include "io/json_depth.h"
 
 namespace ds::infer::chat {
 
@@ -61,27 +62,7 @@ std::string_view trim(std::string_view s) {
 
 // Nesting deeper than 64 arrays or objects: refused before nlohmann parses
 // it, as the server refuses such request bodies.
-bool too_deep(std::string_view text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if ((c == '[' || c == '{') && ++depth > 64) {
-      return true;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-  return false;
-}
+bool too_deep(std::string_view text) { return io::json_nests_deeper(text, 64); }
 
 bool json_object(std::string_view text) {
   if (too_deep(text)) return false;

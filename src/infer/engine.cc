@@ -298,6 +298,26 @@ Engine::Engine(const model::ModelConfig& cfg, const model::ParamsView& w) : cfg_
 
 namespace {
 
+// The new tokens of each sequence packed in order, sequence s's at
+// positions past(s, n), ... (past checks the sequence and returns its start).
+template <class Past>
+Batch pack(const std::vector<std::vector<int32_t>>& tokens, int64_t V, Past past) {
+  Batch b;
+  for (size_t s = 0; s < tokens.size(); ++s) {
+    if (tokens[s].empty()) continue;
+    const int64_t n = static_cast<int64_t>(tokens[s].size()), p = past(s, n);
+    b.seqs.push_back({static_cast<int64_t>(s), b.n, n, p});
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t t = tokens[s][i];
+      DS_CHECK(t >= 0 && t < V, "token id {} outside the vocabulary of {}", t, V);
+      b.token.push_back(t);
+      b.pos.push_back(static_cast<int32_t>(p + i));
+    }
+    b.n += n;
+  }
+  return b;
+}
+
 // Rows of the embedding as float32 [n, D].
 void embed_rows(float* out, const ops::WeightView& emb, const int32_t* tokens, int64_t n, int64_t D) {
   const size_t es = dtype_size(emb.dtype);
@@ -312,22 +332,13 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   DS_CHECK(tokens.size() == cache.seqs.size(), "step: {} token lists for a cache of {} sequences", tokens.size(),
            cache.seqs.size());
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
-  Batch b;
-  for (size_t s = 0; s < tokens.size(); ++s) {
-    if (tokens[s].empty()) continue;
-    const int64_t past = cache.seqs[s].length, n = static_cast<int64_t>(tokens[s].size());
+  const Batch b = pack(tokens, V, [&](size_t s, int64_t n) {
+    const int64_t past = cache.seqs[s].length;
     DS_CHECK(past + n <= cfg_.max_position_embeddings,
              "sequence {} would reach {} tokens, beyond max_position_embeddings {}", s, past + n,
              cfg_.max_position_embeddings);
-    b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t t = tokens[s][i];
-      DS_CHECK(t >= 0 && t < V, "token id {} outside the vocabulary of {}", t, V);
-      b.token.push_back(t);
-      b.pos.push_back(static_cast<int32_t>(past + i));
-    }
-    b.n += n;
-  }
+    return past;
+  });
   if (b.n == 0) return {};
   const int64_t N = b.n;
   // With mHC (k > 1) the layers carry k streams per token, each starting as
@@ -392,23 +403,13 @@ std::vector<float> Engine::mtp_step(KvCache& cache, const std::vector<std::vecto
            "mtp_step: {} token lists and {} hidden states for a cache of {} sequences", next.size(), hidden.size(),
            cache.seqs.size());
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_hidden_layers;
-  Batch b;
-  for (size_t s = 0; s < next.size(); ++s) {
-    if (next[s].empty()) continue;
+  const Batch b = pack(next, V, [&](size_t s, int64_t n) {
     const SequenceCache& sc = cache.seqs[s];
-    const int64_t past = sc.draft_length, n = static_cast<int64_t>(next[s].size());
     DS_CHECK(static_cast<int64_t>(sc.c_kv.size()) > L, "mtp_step: a cache without the MTP layer's");
-    DS_CHECK(past + n <= sc.length, "mtp_step: sequence {} has {} positions, {} drafted from, {} more asked", s,
-             sc.length, past, n);
-    b.seqs.push_back({static_cast<int64_t>(s), b.n, n, past});
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t t = next[s][i];
-      DS_CHECK(t >= 0 && t < V, "token id {} outside the vocabulary of {}", t, V);
-      b.token.push_back(t);
-      b.pos.push_back(static_cast<int32_t>(past + i));
-    }
-    b.n += n;
-  }
+    DS_CHECK(sc.draft_length + n <= sc.length, "mtp_step: sequence {} has {} positions, {} drafted from, {} more asked",
+             s, sc.length, sc.draft_length, n);
+    return sc.draft_length;
+  });
   if (b.n == 0) return {};
   const int64_t N = b.n;
   const auto& p = w_.mtp[0];

@@ -168,6 +168,21 @@ std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vect
   return generate(d, prompts, opt, stats);
 }
 
+std::vector<std::vector<int32_t>> prefill_part(const std::vector<std::vector<int32_t>>& prompts,
+                                               const std::vector<size_t>& fed, int64_t lead, int64_t chunk) {
+  const int64_t S = static_cast<int64_t>(prompts.size());
+  std::vector<std::vector<int32_t>> part(static_cast<size_t>(S));
+  int64_t budget = chunk > 0 ? chunk : std::numeric_limits<int64_t>::max();
+  for (int64_t s = lead; s < S && budget > 0; ++s) {
+    const auto& p = prompts[s];
+    const size_t n = std::min<size_t>(p.size() - fed[s], static_cast<size_t>(budget));
+    part[s].assign(p.begin() + static_cast<std::ptrdiff_t>(fed[s]),
+                   p.begin() + static_cast<std::ptrdiff_t>(fed[s] + n));
+    budget -= static_cast<int64_t>(n);
+  }
+  return part;
+}
+
 std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats) {
   std::vector<int64_t> lengths;
@@ -205,16 +220,8 @@ std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std
     std::vector<float> logits(static_cast<size_t>(S * V));
     std::vector<size_t> fed(S, 0);
     for (int64_t next = 0; next < S;) {
-      std::vector<std::vector<int32_t>> part(S);
-      int64_t budget = opt.prefill_chunk > 0 ? opt.prefill_chunk : std::numeric_limits<int64_t>::max();
-      for (int64_t s = next; s < S && budget > 0; ++s) {
-        const auto& p = prompts[s];
-        const size_t n = std::min<size_t>(p.size() - fed[s], static_cast<size_t>(budget));
-        part[s].assign(p.begin() + static_cast<std::ptrdiff_t>(fed[s]),
-                       p.begin() + static_cast<std::ptrdiff_t>(fed[s] + n));
-        fed[s] += n;
-        budget -= static_cast<int64_t>(n);
-      }
+      const auto part = prefill_part(prompts, fed, next, opt.prefill_chunk);
+      for (int64_t s = next; s < S; ++s) fed[s] += part[s].size();
       const auto lg = model.step(part);
       // step returns one row per sequence that received tokens, in order.
       int64_t row = 0;

@@ -116,4 +116,10 @@ std::vector<std::vector<int32_t>> generate(Decoder& model, const std::vector<std
 void check_generate_options(int64_t vocab_size, int64_t max_positions, const std::vector<int64_t>& prompt_lengths,
                             const GenerateOptions& opt);
 
+// A prefill step of the generation loops: prompts[s] from fed[s] on, taken
+// in order from `lead` (every earlier prompt is read), at most `chunk`
+// tokens in all (0: no limit). The caller advances fed.
+std::vector<std::vector<int32_t>> prefill_part(const std::vector<std::vector<int32_t>>& prompts,
+                                               const std::vector<size_t>& fed, int64_t lead, int64_t chunk);
+
 }  // namespace ds::infer

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "io/json_depth.h"
 
 namespace ds::infer::api {
 
@@ -36,33 +37,8 @@ std::string plain(const char* what) {
 
 std::string error_text(const Refusal& r) { return wire(error_body(r)); }
 
-// Nesting deeper than max_depth somewhere in the text, counted over arrays
-// and objects outside strings (an O(n) scan that allocates nothing). Text
-// that is not JSON is left to the parser to name.
-static bool nests_deeper(std::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char c : text) {
-    if (in_string) {
-      if (escaped)
-        escaped = false;
-      else if (c == '\\')
-        escaped = true;
-      else if (c == '"')
-        in_string = false;
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > max_depth) return true;
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
-    }
-  }
-  return false;
-}
-
 json parse_body(std::string_view body, int max_depth) {
-  if (nests_deeper(body, max_depth))
+  if (io::json_nests_deeper(body, max_depth))
     refuse("", fmt::format("the body is nested deeper than {} arrays or objects", max_depth));
   json j;
   try {

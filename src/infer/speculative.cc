@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <limits>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -83,15 +82,7 @@ std::vector<std::vector<int32_t>> generate_speculative(Decoder& model, const std
   std::vector<float> first(static_cast<size_t>(S * V));
   std::vector<size_t> fed(S, 0);
   for (int64_t lead = 0; lead < S;) {
-    std::vector<std::vector<int32_t>> part(S);
-    int64_t budget = opt.prefill_chunk > 0 ? opt.prefill_chunk : std::numeric_limits<int64_t>::max();
-    for (int64_t s = lead; s < S && budget > 0; ++s) {
-      const auto& p = prompts[s];
-      const size_t n = std::min<size_t>(p.size() - fed[s], static_cast<size_t>(budget));
-      part[s].assign(p.begin() + static_cast<std::ptrdiff_t>(fed[s]),
-                     p.begin() + static_cast<std::ptrdiff_t>(fed[s] + n));
-      budget -= static_cast<int64_t>(n);
-    }
+    const auto part = prefill_part(prompts, fed, lead, opt.prefill_chunk);
     const auto lg = model.step_keep(part, false);
     int64_t row = 0;
     for (int64_t s = lead; s < S; ++s) {
