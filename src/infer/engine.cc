@@ -54,194 +54,277 @@ class CacheAttention : public model::KvAttention {
 
   void attend(float* ctx, int64_t layer, const model::AttentionInputs& in,
               const model::AttentionParams<ops::WeightView>& a, const model::StageConfig& s) override {
-    const model::ModelConfig& c = e_.cfg_;
-    const int64_t N = b_.n, H = c.num_attention_heads, nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
-    const int64_t qk = nope + rope, vd = c.v_head_dim, kvl = c.kv_lora_rank;
-    const float* q = in.query_proj;
-    const bool latent = cache_.kind == CacheKind::Latent;
-    const bool dsa = c.index_n_heads > 0 && !e_.dense_attention_;
-    const int64_t topk = dsa ? c.index_topk : std::numeric_limits<int64_t>::max();
-    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, nb = dsa ? ops::indexer_scale_blocks(Di) : 0;
-    bool any_fresh = false, any_sparse = false;
-    for (const auto& sq : b_.seqs) {
-      any_fresh |= sq.past == 0;
-      any_sparse |= sq.past + sq.count > topk;
-    }
-    // The expanded keys/values of the new tokens: needed by the naive cache
-    // and by the flash path of a fresh sequence.
-    Buffer<float> kfull, vfull;
-    if (!latent || any_fresh) {
-      kfull.resize(N * H * qk);
-      vfull.resize(N * H * vd);
-      model::get_key_value_forward(kfull.data(), vfull.data(), in.mla_kv, in.k_pe, a, s, N);
-    }
-    // The indexer: keys of every new token, queries when some row selects.
-    Buffer<uint8_t> ikey;
-    Buffer<float> iscale, iq, iw;
-    if (dsa) {
-      ikey.resize(N * Di);
-      iscale.resize(N * nb);
-      if (any_sparse) {
-        iq.resize(N * Hi * Di);
-        iw.resize(N * Hi);
-      }
-      model::indexer_forward(
-          {ikey.data(), iscale.data(), any_sparse ? iq.data() : nullptr, any_sparse ? iw.data() : nullptr}, in.x,
-          in.mla_q, a.indexer, s, b_.pos.data(), N);
-    }
-    // Work on the cache: rows [r0, r0 + n) of one sequence (past: tokens
-    // before r0), dense or sparse.
-    struct Item {
-      const Batch::Seq* seq;
-      int64_t r0, n, past;
-      bool sparse;
-    };
-    std::vector<Item> items;
-    constexpr int64_t kSparseRows = 16;  // rows per sparse task: fixed, whatever the thread count
-    for (const auto& sq : b_.seqs) {
-      SequenceCache& sc = cache_.seqs[sq.index];
-      const int64_t r0 = sq.row0, n = sq.count;
-      if (latent) {
-        sc.c_kv[layer].insert(sc.c_kv[layer].end(), in.mla_kv + r0 * kvl, in.mla_kv + (r0 + n) * kvl);
-        sc.k_pe[layer].insert(sc.k_pe[layer].end(), in.k_pe + r0 * rope, in.k_pe + (r0 + n) * rope);
-      } else {
-        sc.k[layer].insert(sc.k[layer].end(), kfull.data() + r0 * H * qk, kfull.data() + (r0 + n) * H * qk);
-        sc.v[layer].insert(sc.v[layer].end(), vfull.data() + r0 * H * vd, vfull.data() + (r0 + n) * H * vd);
-      }
-      if (dsa) {
-        sc.index_k[layer].insert(sc.index_k[layer].end(), ikey.data() + r0 * Di, ikey.data() + (r0 + n) * Di);
-        sc.index_scale[layer].insert(sc.index_scale[layer].end(), iscale.data() + r0 * nb,
-                                     iscale.data() + (r0 + n) * nb);
-      }
-      // Rows at positions < topk attend densely.
-      const int64_t dense = std::clamp(topk - sq.past, int64_t{0}, n);
-      if (dense > 0 && sq.past == 0) {
-        Buffer<float> lse(H * dense);
-        ops::AttentionDims d{1, dense, H, qk, vd, s.softmax_scale};
-        ops::attention_forward(ctx + r0 * H * vd, lse.data(), q + r0 * H * qk, kfull.data() + r0 * H * qk,
-                               vfull.data() + r0 * H * vd, nullptr, d);
-      } else if (dense > 0 && expand_continuation(c, sq.past, dense, latent)) {
-        const int64_t T = sq.past + dense;  // the keys the dense rows see
-        Buffer<float> kx, vx;
-        const float* kall = latent ? nullptr : sc.k[layer].data();
-        const float* vall = latent ? nullptr : sc.v[layer].data();
-        if (latent) {
-          kx.resize(T * H * qk);
-          vx.resize(T * H * vd);
-          model::get_key_value_forward(kx.data(), vx.data(), sc.c_kv[layer].data(), sc.k_pe[layer].data(), a, s, T);
-          kall = kx.data();
-          vall = vx.data();
-        }
-        ops::attention_forward_past(ctx + r0 * H * vd, q + r0 * H * qk, kall, vall, sq.past,
-                                    ops::AttentionDims{1, dense, H, qk, vd, s.softmax_scale});
-      } else if (dense > 0) {
-        items.push_back({&sq, r0, dense, sq.past, false});
-      }
-      for (int64_t j = dense; j < n; j += kSparseRows)
-        items.push_back({&sq, r0 + j, std::min(kSparseRows, n - j), sq.past + j, true});
-    }
+    Call call = prepare(ctx, layer, in, a, s);
+    const std::vector<Item> items = append_and_attend_tiled(call);
     if (items.empty()) return;
     // The absorbed kv_b (ops::absorb_kv_b), made on a layer's first use and
     // kept: it is a small share of a layer (DeepSeek-V3: 64 MiB as float32
     // next to about 11 GiB of fp8 expert weights per layer), and widening it
     // again on every step cost more than the attention itself.
     std::vector<float>& absorbed = e_.absorbed_kv_b_[layer];
-    const ops::LatentAttentionDims ld{H, nope, rope, vd, kvl, s.softmax_scale};
-    if (latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
+    const ops::LatentAttentionDims ld{call.H, call.nope, call.rope, call.vd, call.kvl, s.softmax_scale};
+    if (call.latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;
     for (const auto& it : items)
-      work += it.n *
-              (it.sparse ? topk * H * (kvl + rope) + (it.past + it.n) * Hi * Di : (it.past + it.n) * H * (kvl + rope));
+      work += it.n * (it.sparse ? call.topk * call.H * (call.kvl + call.rope) + (it.past + it.n) * call.Hi * call.Di
+                                : (it.past + it.n) * call.H * (call.kvl + call.rope));
+    const bool parallel = work >= (int64_t{1} << 17);
     // The indexer's scores of a sparse item [n, T]. With fewer items than
     // threads (decode), they are computed first, split over chunks of keys,
     // so a long context keeps every thread busy; else inside the item's task.
     // Both give the same bits (chunks start on the scorer's key tiles).
     std::vector<Buffer<float>> scores(items.size());
-    auto score_keys = [&](int64_t i, int64_t s0, int64_t m) {
-      const Item& it = items[i];
-      const SequenceCache& sc = cache_.seqs[it.seq->index];
-      const int64_t T = it.past + it.n;
-      ops::indexer_scores(scores[i].data() + s0, T, iq.data() + it.r0 * Hi * Di, iw.data() + it.r0 * Hi, it.n, Hi, Di,
-                          sc.index_k[layer].data() + s0 * Di, sc.index_scale[layer].data() + s0 * nb, m);
-    };
     const bool split_scores = static_cast<int64_t>(items.size()) < num_threads();
-    if (split_scores) {
-      constexpr int64_t kKeyChunk = 1024;               // a multiple of the scorer's key tile
-      std::vector<std::pair<int64_t, int64_t>> chunks;  // (item, first key)
-      for (size_t i = 0; i < items.size(); ++i) {
-        if (!items[i].sparse) continue;
-        const int64_t T = items[i].past + items[i].n;
-        scores[i].resize(items[i].n * T);
-        for (int64_t s0 = 0; s0 < T; s0 += kKeyChunk) chunks.emplace_back(static_cast<int64_t>(i), s0);
-      }
-      parallel_ranges(static_cast<int64_t>(chunks.size()), work >= (int64_t{1} << 17), [&](int64_t c0, int64_t c1) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const auto [i, s0] = chunks[c];
-          score_keys(i, s0, std::min(kKeyChunk, items[i].past + items[i].n - s0));
-        }
-      });
+    if (split_scores) score_in_chunks(call, items, scores, parallel);
+    std::vector<Buffer<int32_t>> selected(items.size());
+    const bool select = std::any_of(items.begin(), items.end(), [](const Item& it) { return it.sparse; });
+    if (!call.latent || select) select_and_attend_naive(call, items, scores, split_scores, parallel, selected);
+    if (!call.latent) return;
+    attend_latent(call, items, selected, absorbed.data(), ld);
+  }
+
+ private:
+  // One call of attend: the layer's shapes and inputs, and what the new
+  // tokens give (their expanded keys and values, the indexer's keys and
+  // queries).
+  struct Call {
+    Call(float* ctx, int64_t layer, const model::AttentionInputs& in, const model::AttentionParams<ops::WeightView>& a,
+         const model::StageConfig& s, const model::ModelConfig& c, int64_t N, bool latent, bool dsa)
+        : ctx(ctx),
+          layer(layer),
+          in(in),
+          a(a),
+          s(s),
+          N(N),
+          H(c.num_attention_heads),
+          nope(c.qk_nope_head_dim),
+          rope(c.qk_rope_head_dim),
+          qk(nope + rope),
+          vd(c.v_head_dim),
+          kvl(c.kv_lora_rank),
+          q(in.query_proj),
+          latent(latent),
+          dsa(dsa),
+          topk(dsa ? c.index_topk : std::numeric_limits<int64_t>::max()),
+          Hi(c.index_n_heads),
+          Di(c.index_head_dim),
+          nb(dsa ? ops::indexer_scale_blocks(Di) : 0) {}
+    float* ctx;
+    int64_t layer;
+    const model::AttentionInputs& in;
+    const model::AttentionParams<ops::WeightView>& a;
+    const model::StageConfig& s;
+    int64_t N, H, nope, rope, qk, vd, kvl;
+    const float* q;
+    bool latent, dsa;
+    int64_t topk, Hi, Di, nb;
+    Buffer<float> kfull, vfull;
+    Buffer<uint8_t> ikey;
+    Buffer<float> iscale, iq, iw;
+  };
+  // Work on the cache: rows [r0, r0 + n) of one sequence (past: tokens
+  // before r0), dense or sparse.
+  struct Item {
+    const Batch::Seq* seq;
+    int64_t r0, n, past;
+    bool sparse;
+  };
+
+  Call prepare(float* ctx, int64_t layer, const model::AttentionInputs& in,
+               const model::AttentionParams<ops::WeightView>& a, const model::StageConfig& s) const {
+    const int64_t N = b_.n;
+    Call call(ctx, layer, in, a, s, e_.cfg_, N, cache_.kind == CacheKind::Latent,
+              e_.cfg_.index_n_heads > 0 && !e_.dense_attention_);
+    bool any_fresh = false, any_sparse = false;
+    for (const auto& sq : b_.seqs) {
+      any_fresh |= sq.past == 0;
+      any_sparse |= sq.past + sq.count > call.topk;
     }
+    // The expanded keys/values of the new tokens: needed by the naive cache
+    // and by the flash path of a fresh sequence.
+    if (!call.latent || any_fresh) {
+      call.kfull.resize(N * call.H * call.qk);
+      call.vfull.resize(N * call.H * call.vd);
+      model::get_key_value_forward(call.kfull.data(), call.vfull.data(), in.mla_kv, in.k_pe, a, s, N);
+    }
+    // The indexer: keys of every new token, queries when some row selects.
+    if (call.dsa) {
+      call.ikey.resize(N * call.Di);
+      call.iscale.resize(N * call.nb);
+      if (any_sparse) {
+        call.iq.resize(N * call.Hi * call.Di);
+        call.iw.resize(N * call.Hi);
+      }
+      model::indexer_forward({call.ikey.data(), call.iscale.data(), any_sparse ? call.iq.data() : nullptr,
+                              any_sparse ? call.iw.data() : nullptr},
+                             in.x, in.mla_q, a.indexer, s, b_.pos.data(), N);
+    }
+    return call;
+  }
+
+  // Appends each sequence's new tokens to the cache, attends the rows that
+  // take the tiled attention (fresh sequences, long continuations), and
+  // returns the rest as work on the cache.
+  std::vector<Item> append_and_attend_tiled(const Call& call) {
+    const int64_t layer = call.layer, H = call.H, qk = call.qk, vd = call.vd, kvl = call.kvl, rope = call.rope,
+                  Di = call.Di, nb = call.nb;
+    const model::AttentionInputs& in = call.in;
+    std::vector<Item> items;
+    constexpr int64_t kSparseRows = 16;  // rows per sparse task: fixed, whatever the thread count
+    for (const auto& sq : b_.seqs) {
+      SequenceCache& sc = cache_.seqs[sq.index];
+      const int64_t r0 = sq.row0, n = sq.count;
+      if (call.latent) {
+        sc.c_kv[layer].insert(sc.c_kv[layer].end(), in.mla_kv + r0 * kvl, in.mla_kv + (r0 + n) * kvl);
+        sc.k_pe[layer].insert(sc.k_pe[layer].end(), in.k_pe + r0 * rope, in.k_pe + (r0 + n) * rope);
+      } else {
+        sc.k[layer].insert(sc.k[layer].end(), call.kfull.data() + r0 * H * qk, call.kfull.data() + (r0 + n) * H * qk);
+        sc.v[layer].insert(sc.v[layer].end(), call.vfull.data() + r0 * H * vd, call.vfull.data() + (r0 + n) * H * vd);
+      }
+      if (call.dsa) {
+        sc.index_k[layer].insert(sc.index_k[layer].end(), call.ikey.data() + r0 * Di, call.ikey.data() + (r0 + n) * Di);
+        sc.index_scale[layer].insert(sc.index_scale[layer].end(), call.iscale.data() + r0 * nb,
+                                     call.iscale.data() + (r0 + n) * nb);
+      }
+      // Rows at positions < topk attend densely.
+      const int64_t dense = std::clamp(call.topk - sq.past, int64_t{0}, n);
+      if (dense > 0 && sq.past == 0) {
+        Buffer<float> lse(H * dense);
+        ops::AttentionDims d{1, dense, H, qk, vd, call.s.softmax_scale};
+        ops::attention_forward(call.ctx + r0 * H * vd, lse.data(), call.q + r0 * H * qk,
+                               call.kfull.data() + r0 * H * qk, call.vfull.data() + r0 * H * vd, nullptr, d);
+      } else if (dense > 0 && expand_continuation(e_.cfg_, sq.past, dense, call.latent)) {
+        attend_expanded(call, sc, r0, dense, sq.past);
+      } else if (dense > 0) {
+        items.push_back({&sq, r0, dense, sq.past, false});
+      }
+      for (int64_t j = dense; j < n; j += kSparseRows)
+        items.push_back({&sq, r0 + j, std::min(kSparseRows, n - j), sq.past + j, true});
+    }
+    return items;
+  }
+
+  // Rows [r0, r0 + n) of a continuation, tiled over all their keys: the
+  // naive cache's, or those expanded from the latent cache.
+  static void attend_expanded(const Call& call, const SequenceCache& sc, int64_t r0, int64_t n, int64_t past) {
+    const int64_t layer = call.layer, H = call.H, qk = call.qk, vd = call.vd;
+    const int64_t T = past + n;  // the keys the rows see
+    Buffer<float> kx, vx;
+    const float* kall = call.latent ? nullptr : sc.k[layer].data();
+    const float* vall = call.latent ? nullptr : sc.v[layer].data();
+    if (call.latent) {
+      kx.resize(T * H * qk);
+      vx.resize(T * H * vd);
+      model::get_key_value_forward(kx.data(), vx.data(), sc.c_kv[layer].data(), sc.k_pe[layer].data(), call.a, call.s,
+                                   T);
+      kall = kx.data();
+      vall = vx.data();
+    }
+    ops::attention_forward_past(call.ctx + r0 * H * vd, call.q + r0 * H * qk, kall, vall, past,
+                                ops::AttentionDims{1, n, H, qk, vd, call.s.softmax_scale});
+  }
+
+  // The indexer's scores of keys [s0, s0 + m) for a sparse item's rows, into
+  // `scores` [n, T].
+  void score_keys(const Call& call, const Item& it, Buffer<float>& scores, int64_t s0, int64_t m) const {
+    const SequenceCache& sc = cache_.seqs[it.seq->index];
+    const int64_t T = it.past + it.n, Hi = call.Hi, Di = call.Di;
+    ops::indexer_scores(scores.data() + s0, T, call.iq.data() + it.r0 * Hi * Di, call.iw.data() + it.r0 * Hi, it.n, Hi,
+                        Di, sc.index_k[call.layer].data() + s0 * Di, sc.index_scale[call.layer].data() + s0 * call.nb,
+                        m);
+  }
+
+  // Every sparse item's scores, the threads splitting them by chunks of keys.
+  void score_in_chunks(const Call& call, const std::vector<Item>& items, std::vector<Buffer<float>>& scores,
+                       bool parallel) const {
+    constexpr int64_t kKeyChunk = 1024;               // a multiple of the scorer's key tile
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // (item, first key)
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (!items[i].sparse) continue;
+      const int64_t T = items[i].past + items[i].n;
+      scores[i].resize(items[i].n * T);
+      for (int64_t s0 = 0; s0 < T; s0 += kKeyChunk) chunks.emplace_back(static_cast<int64_t>(i), s0);
+    }
+    parallel_ranges(static_cast<int64_t>(chunks.size()), parallel, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const auto [i, s0] = chunks[c];
+        score_keys(call, items[i], scores[i], s0, std::min(kKeyChunk, items[i].past + items[i].n - s0));
+      }
+    });
+  }
+
+  // Each sparse item's selected keys into `selected` (scoring them first
+  // unless split_scores did), and with the naive cache each item's
+  // attention.
+  void select_and_attend_naive(const Call& call, const std::vector<Item>& items, std::vector<Buffer<float>>& scores,
+                               bool split_scores, bool parallel, std::vector<Buffer<int32_t>>& selected) const {
     // Threads take contiguous ranges of tasks; a prefill's later rows see
     // more keys, so the tasks run in the order first, last, second, ...
     // which gives every range a like share of the work. With the latent
     // cache a task only selects a sparse item's keys; the attention of
-    // every item then runs in one call below.
+    // every item then runs in one call (attend_latent).
     std::vector<int64_t> order;
     for (int64_t a = 0, b = static_cast<int64_t>(items.size()) - 1; a <= b; ++a, --b) {
       order.push_back(a);
       if (a < b) order.push_back(b);
     }
-    std::vector<Buffer<int32_t>> selected(items.size());
-    const bool select = std::any_of(items.begin(), items.end(), [](const Item& it) { return it.sparse; });
-    if (!latent || select)
-      parallel_ranges(static_cast<int64_t>(items.size()), work >= (int64_t{1} << 17), [&](int64_t i0, int64_t i1) {
-        for (int64_t task = i0; task < i1; ++task) {
-          const int64_t i = order[task];
-          const Item& it = items[i];
-          SequenceCache& sc = cache_.seqs[it.seq->index];
-          const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
-          Buffer<int32_t>& sel = selected[i];
-          if (it.sparse) {
-            // The indexer's choice for each row: the topk best of its keys.
-            if (!split_scores) {
-              scores[i].resize(n * T);
-              score_keys(i, 0, T);
-            }
-            const Buffer<float>& score = scores[i];
-            sel.resize(n * topk);
-            for (int64_t j = 0; j < n; ++j)  // a sparse row sees more than topk keys: exactly topk are chosen
-              ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
-            scores[i] = Buffer<float>();
+    const int64_t topk = call.topk;
+    parallel_ranges(static_cast<int64_t>(items.size()), parallel, [&](int64_t i0, int64_t i1) {
+      for (int64_t task = i0; task < i1; ++task) {
+        const int64_t i = order[task];
+        const Item& it = items[i];
+        const int64_t n = it.n, P = it.past, T = P + n;  // T: keys the item's last row sees
+        Buffer<int32_t>& sel = selected[i];
+        if (it.sparse) {
+          // The indexer's choice for each row: the topk best of its keys.
+          if (!split_scores) {
+            scores[i].resize(n * T);
+            score_keys(call, it, scores[i], 0, T);
           }
-          if (latent) continue;
-          // Naive: per head, scores against the expanded keys, the causal
-          // softmax (over the selected keys only when sparse), then the values.
-          float* out = ctx + it.r0 * H * vd;
-          const float* qi = q + it.r0 * H * qk;
-          Buffer<float> S(n * T);
-          for (int64_t h = 0; h < H; ++h) {
-            ops::gemm(false, true, n, T, qk, s.softmax_scale, qi + h * qk, H * qk, sc.k[layer].data() + h * qk, H * qk,
-                      0.0f, S.data(), T);
-            if (it.sparse) mask_unselected(S.data(), n, T, sel.data(), topk);
-            ops::causal_softmax_rows(S.data(), n, n, P, T);
-            ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f,
-                      out + h * vd, H * vd);
-          }
+          const Buffer<float>& score = scores[i];
+          sel.resize(n * topk);
+          for (int64_t j = 0; j < n; ++j)  // a sparse row sees more than topk keys: exactly topk are chosen
+            ops::topk_indices(sel.data() + j * topk, score.data() + j * T, P + j + 1, topk);
+          scores[i] = Buffer<float>();
         }
-      });
-    if (!latent) return;
-    // Every latent item at once: a dense item is one sequence's rows, each
-    // row of a sparse item a query of its own over its topk keys.
+        if (!call.latent) attend_naive(call, it, cache_.seqs[it.seq->index], sel);
+      }
+    });
+  }
+
+  // Naive: per head, scores against the expanded keys, the causal softmax
+  // (over the selected keys only when sparse), then the values.
+  static void attend_naive(const Call& call, const Item& it, const SequenceCache& sc, const Buffer<int32_t>& sel) {
+    const int64_t layer = call.layer, H = call.H, qk = call.qk, vd = call.vd;
+    const int64_t n = it.n, P = it.past, T = P + n;
+    float* out = call.ctx + it.r0 * H * vd;
+    const float* qi = call.q + it.r0 * H * qk;
+    Buffer<float> S(n * T);
+    for (int64_t h = 0; h < H; ++h) {
+      ops::gemm(false, true, n, T, qk, call.s.softmax_scale, qi + h * qk, H * qk, sc.k[layer].data() + h * qk, H * qk,
+                0.0f, S.data(), T);
+      if (it.sparse) mask_unselected(S.data(), n, T, sel.data(), call.topk);
+      ops::causal_softmax_rows(S.data(), n, n, P, T);
+      ops::gemm(false, false, n, vd, T, 1.0f, S.data(), T, sc.v[layer].data() + h * vd, H * vd, 0.0f, out + h * vd,
+                H * vd);
+    }
+  }
+
+  // Every latent item at once: a dense item is one sequence's rows, each
+  // row of a sparse item a query of its own over its topk keys.
+  void attend_latent(const Call& call, const std::vector<Item>& items, const std::vector<Buffer<int32_t>>& selected,
+                     const float* absorbed, const ops::LatentAttentionDims& ld) const {
+    const int64_t H = call.H, qk = call.qk, vd = call.vd, topk = call.topk;
     std::vector<ops::LatentQueries> queries;
     for (size_t i = 0; i < items.size(); ++i) {
       const Item& it = items[i];
       const SequenceCache& sc = cache_.seqs[it.seq->index];
       ops::LatentQueries lq;
-      lq.c_kv = sc.c_kv[layer].data();
-      lq.k_pe = sc.k_pe[layer].data();
+      lq.c_kv = sc.c_kv[call.layer].data();
+      lq.k_pe = sc.k_pe[call.layer].data();
       for (int64_t j = 0; j < (it.sparse ? it.n : 1); ++j) {
-        lq.q = q + (it.r0 + j) * H * qk;
-        lq.ctx = ctx + (it.r0 + j) * H * vd;
+        lq.q = call.q + (it.r0 + j) * H * qk;
+        lq.ctx = call.ctx + (it.r0 + j) * H * vd;
         if (it.sparse) {
           lq.past = topk - 1;
           lq.keys = selected[i].data() + j * topk;
@@ -252,11 +335,9 @@ class CacheAttention : public model::KvAttention {
         queries.push_back(lq);
       }
     }
-    ops::latent_attention_forward(queries.data(), static_cast<int64_t>(queries.size()), H * qk, H * vd, absorbed.data(),
-                                  ld);
+    ops::latent_attention_forward(queries.data(), static_cast<int64_t>(queries.size()), H * qk, H * vd, absorbed, ld);
   }
 
- private:
   // Scores of keys a row did not select become -inf (rows of S [n, T]).
   static void mask_unselected(float* S, int64_t n, int64_t T, const int32_t* sel, int64_t k) {
     std::vector<char> keep(static_cast<size_t>(T));

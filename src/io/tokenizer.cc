@@ -181,6 +181,15 @@ struct Tokenizer::Impl {
   void bpe(const char* s, size_t n, std::vector<int32_t>& out) const;
   void bpe_small(const char* s, size_t n, std::vector<int32_t>& out) const;
   void bpe_large(const char* s, size_t n, std::vector<int32_t>& out) const;
+
+  // Loading, in from_json's order: each checks its part of the file and
+  // fills the tables above from it.
+  void load_model(const json& model);
+  void load_vocab(const json& entries, const std::string& where);
+  void load_merges(const json& list, const std::string& where);
+  void load_added_tokens(const json& root);
+  void load_pre_tokenizer(const json& pre);
+  void load_bos(std::string_view config_json);
 };
 
 // Added tokens with normalized=false are matched on the text first; the
@@ -384,6 +393,18 @@ void check_normalizer(const json& n, const std::string& origin) {
   for (const json& sub : list) check_normalizer(sub, origin);
 }
 
+// Post-processor: ByteLevel only adjusts offsets; anything that adds ids is
+// not implemented. The decoder must be ByteLevel.
+void check_post_processor_and_decoder(const json& root, const std::string& origin) {
+  if (auto pp = root.find("post_processor"); pp != root.end() && !pp->is_null()) {
+    const std::string& type = string_member(*pp, "type", origin + ": post_processor");
+    DS_CHECK(type == "ByteLevel", "{}: post_processor type {} is not supported (only null or ByteLevel)", origin, type);
+  }
+  const json& dec = member(root, "decoder", origin);
+  DS_CHECK(dec.is_object() && string_member(dec, "type", origin + ": decoder") == "ByteLevel",
+           "{}: decoder must be ByteLevel, got {}", origin, dec.dump().substr(0, 200));
+}
+
 }  // namespace
 
 Tokenizer::Tokenizer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -400,97 +421,92 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   return from_json(text, config, path);
 }
 
-Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
-                               const std::string& origin) {
-  auto impl = std::make_unique<Impl>();
-  Impl& t = *impl;
-  t.origin = origin;
-  const json root = parse_json(tokenizer_json, origin);
-  DS_CHECK(root.is_object(), "{}: top level must be a JSON object, got {}", origin, root.type_name());
-  if (auto v = root.find("version"); v != root.end())
-    DS_CHECK(*v == "1.0", "{}: unknown tokenizer.json version {}", origin, v->dump());
-  for (const char* key : {"truncation", "padding"}) {
-    auto v = root.find(key);
-    DS_CHECK(v == root.end() || v->is_null(), "{}: \"{}\" is not supported (only null)", origin, key);
-  }
-
-  // Model: BPE over the byte-level alphabet.
-  const std::string mwhere = origin + ": model";
-  const json& model = member(root, "model", origin);
+// The model: BPE over the byte-level alphabet.
+void Tokenizer::Impl::load_model(const json& model) {
+  const std::string where = origin + ": model";
   if (auto ty = model.find("type"); ty != model.end())
     DS_CHECK(*ty == "BPE", "{}: model type {} is not supported (only BPE)", origin, ty->dump());
   if (auto d = model.find("dropout"); d != model.end() && !d->is_null())
-    DS_CHECK(d->is_number() && d->get<double>() == 0.0, "{}: dropout {} is not supported", mwhere, d->dump());
-  expect_null_or_empty(model, "continuing_subword_prefix", mwhere);
-  expect_null_or_empty(model, "end_of_word_suffix", mwhere);
-  t.ignore_merges = bool_member(model, "ignore_merges", false, mwhere);
+    DS_CHECK(d->is_number() && d->get<double>() == 0.0, "{}: dropout {} is not supported", where, d->dump());
+  expect_null_or_empty(model, "continuing_subword_prefix", where);
+  expect_null_or_empty(model, "end_of_word_suffix", where);
+  ignore_merges = bool_member(model, "ignore_merges", false, where);
   // unk_token, fuse_unk and byte_fallback only act on characters missing from
-  // the vocabulary; the byte-level alphabet is checked complete below.
-  const json& vocab = member(model, "vocab", mwhere);
-  DS_CHECK(vocab.is_object(), "{}: \"vocab\" must be an object of token -> id, got {}", mwhere, vocab.type_name());
+  // the vocabulary; load_vocab checks the byte-level alphabet complete.
+  load_vocab(member(model, "vocab", where), where);
+  load_merges(member(model, "merges", where), where);
+}
+
+void Tokenizer::Impl::load_vocab(const json& entries, const std::string& where) {
+  DS_CHECK(entries.is_object(), "{}: \"vocab\" must be an object of token -> id, got {}", where, entries.type_name());
   int32_t size = 0;
-  for (auto it = vocab.begin(); it != vocab.end(); ++it) {
-    const int32_t id = token_id(it.value(), fmt::format("{} vocab entry {}", mwhere, json(it.key()).dump()));
-    t.vocab.emplace(it.key(), id);
+  for (auto it = entries.begin(); it != entries.end(); ++it) {
+    const int32_t id = token_id(it.value(), fmt::format("{} vocab entry {}", where, json(it.key()).dump()));
+    vocab.emplace(it.key(), id);
     size = std::max(size, id + 1);
   }
-  const auto model_vocab_size = static_cast<int64_t>(t.vocab.size());
+  const auto model_vocab_size = static_cast<int64_t>(vocab.size());
   {
     std::unordered_map<int32_t, const std::string*> by_id;
-    by_id.reserve(t.vocab.size());
-    for (const auto& [tok, id] : t.vocab) {
+    by_id.reserve(vocab.size());
+    for (const auto& [tok, id] : vocab) {
       auto [it, fresh] = by_id.emplace(id, &tok);
-      DS_CHECK(fresh, "{}: id {} is given to two vocab entries ({} and {})", mwhere, id, json(tok).dump(),
+      DS_CHECK(fresh, "{}: id {} is given to two vocab entries ({} and {})", where, id, json(tok).dump(),
                json(*it->second).dump());
     }
   }
   for (int b = 0; b < 256; ++b) {
     std::string sym;
-    append_utf8(sym, t.byte_cp[b]);
-    auto it = t.vocab.find(sym);
-    DS_CHECK(it != t.vocab.end(), "{}: vocab lacks the byte-level symbol {} of byte 0x{:02x}", mwhere, json(sym).dump(),
+    append_utf8(sym, byte_cp[b]);
+    auto it = vocab.find(sym);
+    DS_CHECK(it != vocab.end(), "{}: vocab lacks the byte-level symbol {} of byte 0x{:02x}", where, json(sym).dump(),
              b);
-    t.byte_id[b] = it->second;
+    byte_id[b] = it->second;
   }
   // Ids are 0 .. N-1 for N entries, as every released tokenizer has them: an
   // id that names no token could be sampled and then not decoded, and a
   // single huge id would make the id tables huge.
   DS_CHECK(size == model_vocab_size, "{}: vocab ids must be 0 to {} (one per entry, no holes); the largest is {}",
-           mwhere, model_vocab_size - 1, size - 1);
-  t.token_text.assign(size, {});
-  t.known.assign(size, false);
-  for (const auto& [tok, id] : t.vocab) {
-    t.known[id] = true;
-    t.token_text[id] = tok;
+           where, model_vocab_size - 1, size - 1);
+  token_text.assign(size, {});
+  known.assign(size, false);
+  for (const auto& [tok, id] : vocab) {
+    known[id] = true;
+    token_text[id] = tok;
   }
-  const json& merges = member(model, "merges", mwhere);
-  DS_CHECK(merges.is_array(), "{}: \"merges\" must be an array", mwhere);
-  t.merges.reserve(merges.size());
-  for (size_t r = 0; r < merges.size(); ++r) {
-    const json& m = merges[r];
+}
+
+void Tokenizer::Impl::load_merges(const json& list, const std::string& where) {
+  DS_CHECK(list.is_array(), "{}: \"merges\" must be an array", where);
+  merges.reserve(list.size());
+  for (size_t r = 0; r < list.size(); ++r) {
+    const json& m = list[r];
     std::string a, b;
     if (m.is_string()) {  // "a b"
       const auto& s = m.get_ref<const std::string&>();
       const size_t sp = s.find(' ');
       DS_CHECK(sp != std::string::npos && s.find(' ', sp + 1) == std::string::npos,
-               "{}: merge {} ({}) must be two tokens separated by one space", mwhere, r, json(s).dump());
+               "{}: merge {} ({}) must be two tokens separated by one space", where, r, json(s).dump());
       a = s.substr(0, sp), b = s.substr(sp + 1);
     } else {  // ["a", "b"]
       DS_CHECK(m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string(),
-               "{}: merge {} must be \"a b\" or [\"a\", \"b\"], got {}", mwhere, r, m.dump());
+               "{}: merge {} must be \"a b\" or [\"a\", \"b\"], got {}", where, r, m.dump());
       a = m[0].get<std::string>(), b = m[1].get<std::string>();
     }
-    auto ia = t.vocab.find(a), ib = t.vocab.find(b), iab = t.vocab.find(a + b);
-    DS_CHECK(ia != t.vocab.end() && ib != t.vocab.end() && iab != t.vocab.end(),
-             "{}: merge {} ({} + {}) uses a token missing from the vocab", mwhere, r, json(a).dump(), json(b).dump());
-    t.merges.insert(ia->second, ib->second, static_cast<int32_t>(r), iab->second);
+    auto ia = vocab.find(a), ib = vocab.find(b), iab = vocab.find(a + b);
+    DS_CHECK(ia != vocab.end() && ib != vocab.end() && iab != vocab.end(),
+             "{}: merge {} ({} + {}) uses a token missing from the vocab", where, r, json(a).dump(), json(b).dump());
+    merges.insert(ia->second, ib->second, static_cast<int32_t>(r), iab->second);
   }
+}
 
-  // Added tokens. Hugging Face re-derives each id when it loads the file (the
-  // vocab's id for a known string, else the next free id past the vocab); a
-  // file whose ids disagree would encode differently there, so it is rejected.
+// Added tokens. Hugging Face re-derives each id when it loads the file (the
+// vocab's id for a known string, else the next free id past the vocab); a
+// file whose ids disagree would encode differently there, so it is rejected.
+void Tokenizer::Impl::load_added_tokens(const json& root) {
   if (auto at = root.find("added_tokens"); at != root.end() && !at->is_null()) {
     DS_CHECK(at->is_array(), "{}: \"added_tokens\" must be an array", origin);
+    const auto model_vocab_size = static_cast<int64_t>(vocab.size());
     int64_t max_added = -1;
     for (size_t k = 0; k < at->size(); ++k) {
       const json& a = (*at)[k];
@@ -503,9 +519,9 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
         DS_CHECK(!bool_member(a, flag, false, where), "{}: {} = true is not supported", where, flag);
       const bool special = bool_member(a, "special", false, where);
       const bool normalized = bool_member(a, "normalized", !special, where);
-      DS_CHECK(!t.added.count(content), "{}: content {} appears twice", where, json(content).dump());
+      DS_CHECK(!added.count(content), "{}: content {} appears twice", where, json(content).dump());
       int64_t expected;
-      if (auto v = t.vocab.find(content); v != t.vocab.end())
+      if (auto v = vocab.find(content); v != vocab.end())
         expected = v->second;
       else if (max_added < 0)
         expected = model_vocab_size;
@@ -515,26 +531,25 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
                "{}: {} has id {} but Hugging Face would give it id {} (ids must follow the vocab in order)", where,
                json(content).dump(), id, expected);
       max_added = std::max<int64_t>(max_added, id);
-      t.added.emplace(content, id);
-      (normalized ? t.normalized_trie : t.raw_trie).add(content, id);
-      if (id >= static_cast<int32_t>(t.token_text.size())) {
-        t.token_text.resize(id + 1);
-        t.known.resize(id + 1, false);
+      added.emplace(content, id);
+      (normalized ? normalized_trie : raw_trie).add(content, id);
+      if (id >= static_cast<int32_t>(token_text.size())) {
+        token_text.resize(id + 1);
+        known.resize(id + 1, false);
       }
-      t.known[id] = true;
-      t.token_text[id] = content;
+      known[id] = true;
+      token_text[id] = content;
       if (special) {
-        t.is_special.resize(std::max<size_t>(t.is_special.size(), id + 1), false);
-        t.is_special[id] = true;
+        is_special.resize(std::max<size_t>(is_special.size(), id + 1), false);
+        is_special[id] = true;
       }
     }
   }
-  t.is_special.resize(t.token_text.size(), false);
+  is_special.resize(token_text.size(), false);
+}
 
-  check_normalizer(root.contains("normalizer") ? root["normalizer"] : json(), origin);
-
-  // Pre-tokenizer: Split* then ByteLevel.
-  const json& pre = member(root, "pre_tokenizer", origin);
+// The pre-tokenizer: Split* then ByteLevel.
+void Tokenizer::Impl::load_pre_tokenizer(const json& pre) {
   std::vector<json> steps;
   DS_CHECK(pre.is_object(), "{}: pre_tokenizer must be an object, got {}", origin, pre.type_name());
   if (string_member(pre, "type", origin + ": pre_tokenizer") == "Sequence") {
@@ -558,37 +573,23 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
                    pat.begin()->is_string(),
                "{}: pattern must be {{\"Regex\": ...}} or {{\"String\": ...}}, got {}", where, pat.dump());
       const std::string& p = pat.begin()->get_ref<const std::string&>();
-      t.splits.push_back(std::make_unique<Regex>(pat.contains("Regex") ? p : quote_literal(p), where));
+      splits.push_back(std::make_unique<Regex>(pat.contains("Regex") ? p : quote_literal(p), where));
     } else if (type == "ByteLevel") {
       DS_CHECK(!bool_member(steps[k], "add_prefix_space", true, where),
                "{}: ByteLevel with add_prefix_space = true is not supported", where);
       if (bool_member(steps[k], "use_regex", true, where))
-        t.splits.push_back(std::make_unique<Regex>(kGpt2Pattern, where));
+        splits.push_back(std::make_unique<Regex>(kGpt2Pattern, where));
       byte_level = true;
     } else {
       DS_FAIL("{}: pre-tokenizer type {} is not supported (only Split and ByteLevel)", where, type);
     }
   }
   DS_CHECK(byte_level, "{}: the pre_tokenizer must end with ByteLevel (byte-level BPE)", origin);
+}
 
-  // Post-processor: ByteLevel only adjusts offsets; anything that adds ids is
-  // not implemented.
-  if (auto pp = root.find("post_processor"); pp != root.end() && !pp->is_null()) {
-    const std::string& type = string_member(*pp, "type", origin + ": post_processor");
-    DS_CHECK(type == "ByteLevel", "{}: post_processor type {} is not supported (only null or ByteLevel)", origin, type);
-  }
-  const json& dec = member(root, "decoder", origin);
-  DS_CHECK(dec.is_object() && string_member(dec, "type", origin + ": decoder") == "ByteLevel",
-           "{}: decoder must be ByteLevel, got {}", origin, dec.dump().substr(0, 200));
-
-  std::unordered_map<uint32_t, uint8_t> cp_to_byte;
-  for (int b = 0; b < 256; ++b) cp_to_byte[t.byte_cp[b]] = static_cast<uint8_t>(b);
-  t.token_bytes.resize(t.token_text.size());
-  for (size_t id = 0; id < t.token_text.size(); ++id)
-    if (t.known[id]) t.token_bytes[id] = byte_level_decode(t.token_text[id], cp_to_byte);
-
-  // BOS: tokenizer_config.json's bos_token when add_bos_token is set, else the
-  // DeepSeek convention.
+// BOS: tokenizer_config.json's bos_token when add_bos_token is set, else the
+// DeepSeek convention.
+void Tokenizer::Impl::load_bos(std::string_view config_json) {
   std::string bos_content = "<｜begin▁of▁sentence｜>";
   bool add_bos = true;
   if (!config_json.empty()) {
@@ -606,16 +607,44 @@ Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view
     }
     if (add_bos) {
       auto id = std::optional<int32_t>{};
-      if (auto a = t.added.find(bos_content); a != t.added.end())
+      if (auto a = added.find(bos_content); a != added.end())
         id = a->second;
-      else if (auto v = t.vocab.find(bos_content); v != t.vocab.end())
+      else if (auto v = vocab.find(bos_content); v != vocab.end())
         id = v->second;
       DS_CHECK(id.has_value(), "{}: bos_token {} is not a token", where, json(bos_content).dump());
-      t.bos = id;
+      bos = id;
     }
-  } else if (auto a = t.added.find(bos_content); a != t.added.end()) {
-    t.bos = a->second;
+  } else if (auto a = added.find(bos_content); a != added.end()) {
+    bos = a->second;
   }
+}
+
+Tokenizer Tokenizer::from_json(std::string_view tokenizer_json, std::string_view config_json,
+                               const std::string& origin) {
+  auto impl = std::make_unique<Impl>();
+  Impl& t = *impl;
+  t.origin = origin;
+  const json root = parse_json(tokenizer_json, origin);
+  DS_CHECK(root.is_object(), "{}: top level must be a JSON object, got {}", origin, root.type_name());
+  if (auto v = root.find("version"); v != root.end())
+    DS_CHECK(*v == "1.0", "{}: unknown tokenizer.json version {}", origin, v->dump());
+  for (const char* key : {"truncation", "padding"}) {
+    auto v = root.find(key);
+    DS_CHECK(v == root.end() || v->is_null(), "{}: \"{}\" is not supported (only null)", origin, key);
+  }
+  t.load_model(member(root, "model", origin));
+  t.load_added_tokens(root);
+  check_normalizer(root.contains("normalizer") ? root["normalizer"] : json(), origin);
+  t.load_pre_tokenizer(member(root, "pre_tokenizer", origin));
+  check_post_processor_and_decoder(root, origin);
+
+  std::unordered_map<uint32_t, uint8_t> cp_to_byte;
+  for (int b = 0; b < 256; ++b) cp_to_byte[t.byte_cp[b]] = static_cast<uint8_t>(b);
+  t.token_bytes.resize(t.token_text.size());
+  for (size_t id = 0; id < t.token_text.size(); ++id)
+    if (t.known[id]) t.token_bytes[id] = byte_level_decode(t.token_text[id], cp_to_byte);
+
+  t.load_bos(config_json);
   return Tokenizer(std::move(impl));
 }
 

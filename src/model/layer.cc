@@ -184,32 +184,13 @@ void after_ffn(float* h_out, const Scratch& X, const ModelConfig& c, int64_t N) 
   mhc_block_post(h_out, X.ffn_out.data(), X.h1.data(), X.mhc_mlp, c, N);
 }
 
-// Computes every residual of `S` that is empty (all of them on a forward)
-// plus the scratch. With h_out, also the layer output h2 (forward); h_out
-// may be h, which is last read when h1 is formed. The
-// residuals that only a forward needs (out_proj after h1 exists, mlpwo) are
-// skipped on a recompute.
-// A Staged coroutine: it pauses at the expert exchange while its rows travel.
-Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
-                 const StageConfig& s, const TokenLayout& layout, KvAttention* kv, std::vector<int64_t>* load,
-                 double* lb_loss, bool residuals) {
+// MLA's projections of the normed input X.x, those missing: the query
+// (through the q latent with q-LoRA), and the kv latent with its RoPE part.
+void mla_projections(LayerSaved& S, const Scratch& X, const AttentionParams<ops::WeightView>& a, const StageConfig& s,
+                     const TokenLayout& layout) {
   const ModelConfig& c = *s.cfg;
-  const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
-  const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
-  const bool forward = h_out != nullptr;
-  // With mHC the sub-layers read the pre mix of the k streams, and the
-  // backward needs the FFN's output too (its post's gradient reads it).
-  const bool ffn_output = forward || c.has_mhc();
-  const float* attn_in = attention_input(X, h, p, c, N);
-  X.x.resize(N * D);
-  X.rstd1.resize(N);
-  {
-    StageTimer t(Stage::kNorm);
-    norm_rows(X.x.data(), X.rstd1.data(), attn_in, p.input_norm, N, s);
-  }
-
-  // MLA
-  const auto& a = p.attn;
+  const int64_t N = layout.tokens(), H = c.num_attention_heads;
+  const int64_t qk = c.qk_head_dim(), kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
   const bool q_latent = c.q_lora_rank > 0 && (need(S.query_wa_proj) || need(S.mla_q) || need(S.q_rstd));
   if (q_latent || need(S.query_proj)) {
     if (q_latent) {
@@ -233,12 +214,22 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     kv_projection_forward({S.kv_wa_proj.data(), S.mla_kv.data(), S.kv_rstd.data(), S.k_pe.data(), project}, X.x.data(),
                           a, s, layout.positions, N);
   }
+}
+
+// The attention's output and out_proj, those missing: in generation through
+// the KV cache, in training over the layout (DSA's sparse stage: over the
+// indexer's top-k keys).
+void mla_attention(LayerSaved& S, Scratch& X, const AttentionParams<ops::WeightView>& a, int64_t layer,
+                   const StageConfig& s, const TokenLayout& layout, KvAttention* kv, bool forward) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), D = c.hidden_size, H = c.num_attention_heads;
+  const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim;
   const bool attention_missing = need(S.attention_out) || (!kv && need(S.lse));
   // Training a DSA layer: the indexer runs before the attention (the sparse
   // stage masks it with the top-k; a backward also needs the scores for the
   // indexer loss).
   if (!kv && trains_indexer(s, layer) && (s.indexer_sparse || !forward))
-    run_indexer(X, S.mla_q.data(), p.attn.indexer, s, layout);
+    run_indexer(X, S.mla_q.data(), a.indexer, s, layout);
   const uint8_t* selected = X.selected.empty() ? nullptr : X.selected.data();
   if (StageTimer t(Stage::kAttention); kv) {
     if (attention_missing) {
@@ -266,6 +257,114 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     StageTimer t(Stage::kOutProj);
     out_projection_forward(S.out_proj.data(), S.attention_out.data(), a, N);
   }
+}
+
+// What a layer's FFN computes.
+struct FfnWork {
+  bool output;         // its output, into X.ffn_out
+  bool shared;         // a dense MLP, or shared experts
+  bool dense_missing;  // and their mlpwi_0 / mlpwi_1 are missing
+  bool residuals;      // keep the residuals (generation keeps none)
+};
+
+// The dense MLP's output, or on a recompute its missing residuals.
+void dense_mlp(LayerSaved& S, Scratch& X, const MlpParams<ops::WeightView>& mlp, int64_t N, const FfnWork& f) {
+  StageTimer t(Stage::kDenseMlp);
+  if (f.output) {
+    mlp_forward(X.ffn_out.data(), f.residuals ? S.mlpwi_0.data() : nullptr, f.residuals ? S.mlpwi_1.data() : nullptr,
+                X.m.data(), mlp, N);
+  } else if (f.dense_missing) {
+    ops::linear_forward(S.mlpwi_0.data(), X.m.data(), mlp.gate, N);
+    ops::linear_forward(S.mlpwi_1.data(), X.m.data(), mlp.up, N);
+  }
+}
+
+// The MoE FFN: the routing, then the routed experts and the shared ones;
+// its output, or on a recompute the missing residuals, and the load and
+// balance loss when asked. A Staged coroutine: with expert parallelism it
+// pauses while the rows travel to their experts' ranks and back.
+Staged moe_ffn(LayerSaved& S, Scratch& X, const MoeParams<ops::WeightView>& moe, const StageConfig& s,
+               const TokenLayout& layout, FfnWork f, std::vector<int64_t>* load, double* lb_loss) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), D = c.hidden_size;
+  Routing& r = X.routing;
+  StageTimer routing(Stage::kRouting);
+  expert_selection_forward(r, X.m.data(), moe, s, N);
+  const int64_t n = N * r.k, Ie = c.moe_intermediate_size;
+  X.xs.resize(n * D);
+  ops::route_forward(X.xs.data(), X.m.data(), r.order.data(), N, r.k, D);
+  routing.stop();
+  // Expert parallelism: the rows travel to their experts' ranks (and, in a
+  // backward, again, since the plan and these rows are scratch).
+  TokenExchange* ex = s.exchange;
+  int64_t n_here = n;
+  if (ex) {
+    ex->plan(X.plan, r.sizes);
+    n_here = X.plan.local_rows;
+    X.xs_local.resize(n_here * D);
+    auto moved = ex->start_dispatch(X.xs_local.data(), X.xs.data(), X.plan, D, false);
+    co_await Pending{&moved};
+  }
+  const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
+  if (f.output || experts_missing || f.dense_missing) {
+    // Generation keeps no residuals: the experts' intermediates stay in per-task scratch.
+    const bool residuals = f.residuals, shared = f.shared;
+    if (residuals) {
+      S.moe_mlpwi_0.resize(n_here * Ie);
+      S.moe_mlpwi_1.resize(n_here * Ie);
+    }
+    S.moe_mlpwo.resize(n * D);
+    Buffer<float> shared_out(N * D), ys_here;
+    if (ex) ys_here.resize(n_here * D);
+    ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),         shared_out.data(),
+                residuals ? S.moe_mlpwi_0.data() : nullptr,       residuals ? S.moe_mlpwi_1.data() : nullptr,
+                shared && residuals ? S.mlpwi_0.data() : nullptr, shared && residuals ? S.mlpwi_1.data() : nullptr};
+    {
+      StageTimer t(Stage::kExperts);
+      experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, moe, s,
+                      ex ? &X.plan.local_sizes : nullptr);
+    }
+    if (ex) {
+      auto back = ex->start_undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
+      co_await Pending{&back};
+    }
+    if (f.output) {
+      StageTimer t(Stage::kCombine);
+      X.ffn_out.swap(shared_out);  // the shared experts' output, plus the routed ones'
+      combine_forward(X.ffn_out.data(), S.moe_mlpwo.data(), r, D);
+    }
+  }
+  if (load) load->assign(r.sizes.begin(), r.sizes.end());
+  if (lb_loss && s.load_balance_loss_weight > 0)
+    *lb_loss = balance_loss(r, vector_data(moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
+}
+
+// Computes every residual of `S` that is empty (all of them on a forward)
+// plus the scratch. With h_out, also the layer output h2 (forward); h_out
+// may be h, which is last read when h1 is formed. The
+// residuals that only a forward needs (out_proj after h1 exists, mlpwo) are
+// skipped on a recompute.
+// A Staged coroutine: it pauses at the expert exchange while its rows travel.
+Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const LayerView& p, int64_t layer,
+                 const StageConfig& s, const TokenLayout& layout, KvAttention* kv, std::vector<int64_t>* load,
+                 double* lb_loss, bool residuals) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), D = c.hidden_size;
+  const bool forward = h_out != nullptr;
+  // With mHC the sub-layers read the pre mix of the k streams, and the
+  // backward needs the FFN's output too (its post's gradient reads it).
+  const bool ffn_output = forward || c.has_mhc();
+  const float* attn_in = attention_input(X, h, p, c, N);
+  X.x.resize(N * D);
+  X.rstd1.resize(N);
+  {
+    StageTimer t(Stage::kNorm);
+    norm_rows(X.x.data(), X.rstd1.data(), attn_in, p.input_norm, N, s);
+  }
+
+  // MLA
+  mla_projections(S, X, p.attn, s, layout);
+  mla_attention(S, X, p.attn, layer, s, layout, kv, forward);
   const float* ffn_in = after_attention(X, h, S.out_proj.data(), p, c, N);
   X.m.resize(N * D);
   X.rstd2.resize(N);
@@ -275,8 +374,7 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   }
 
   // FFN
-  Buffer<float>& ffn_out = X.ffn_out;
-  if (ffn_output) ffn_out.resize(N * D);
+  if (ffn_output) X.ffn_out.resize(N * D);
   const bool moe = c.is_moe_layer(layer);
   const bool shared = !moe || c.n_shared_experts > 0;
   const int64_t I = !moe ? c.intermediate_size : c.moe_intermediate_size * c.n_shared_experts;
@@ -286,66 +384,11 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
     S.mlpwi_0.resize(N * I);
     S.mlpwi_1.resize(N * I);
   }
-  if (!moe) {
-    StageTimer t(Stage::kDenseMlp);
-    if (ffn_output) {
-      mlp_forward(ffn_out.data(), residuals ? S.mlpwi_0.data() : nullptr, residuals ? S.mlpwi_1.data() : nullptr,
-                  X.m.data(), p.mlp, N);
-    } else if (dense_missing) {
-      ops::linear_forward(S.mlpwi_0.data(), X.m.data(), p.mlp.gate, N);
-      ops::linear_forward(S.mlpwi_1.data(), X.m.data(), p.mlp.up, N);
-    }
-  } else {
-    Routing& r = X.routing;
-    StageTimer routing(Stage::kRouting);
-    expert_selection_forward(r, X.m.data(), p.moe, s, N);
-    const int64_t n = N * r.k, Ie = c.moe_intermediate_size;
-    X.xs.resize(n * D);
-    ops::route_forward(X.xs.data(), X.m.data(), r.order.data(), N, r.k, D);
-    routing.stop();
-    // Expert parallelism: the rows travel to their experts' ranks (and, in a
-    // backward, again, since the plan and these rows are scratch).
-    TokenExchange* ex = s.exchange;
-    int64_t n_here = n;
-    if (ex) {
-      ex->plan(X.plan, r.sizes);
-      n_here = X.plan.local_rows;
-      X.xs_local.resize(n_here * D);
-      auto moved = ex->start_dispatch(X.xs_local.data(), X.xs.data(), X.plan, D, false);
-      co_await Pending{&moved};
-    }
-    const bool experts_missing = need(S.moe_mlpwi_0) || need(S.moe_mlpwi_1) || need(S.moe_mlpwo);
-    if (ffn_output || experts_missing || dense_missing) {
-      // Generation keeps no residuals: the experts' intermediates stay in per-task scratch.
-      if (residuals) {
-        S.moe_mlpwi_0.resize(n_here * Ie);
-        S.moe_mlpwi_1.resize(n_here * Ie);
-      }
-      S.moe_mlpwo.resize(n * D);
-      Buffer<float> shared_out(N * D), ys_here;
-      if (ex) ys_here.resize(n_here * D);
-      ExpertOut o{ex ? ys_here.data() : S.moe_mlpwo.data(),         shared_out.data(),
-                  residuals ? S.moe_mlpwi_0.data() : nullptr,       residuals ? S.moe_mlpwi_1.data() : nullptr,
-                  shared && residuals ? S.mlpwi_0.data() : nullptr, shared && residuals ? S.mlpwi_1.data() : nullptr};
-      {
-        StageTimer t(Stage::kExperts);
-        experts_forward(o, ex ? X.xs_local.data() : X.xs.data(), X.m.data(), r, p.moe, s,
-                        ex ? &X.plan.local_sizes : nullptr);
-      }
-      if (ex) {
-        auto back = ex->start_undispatch(S.moe_mlpwo.data(), ys_here.data(), X.plan, D);
-        co_await Pending{&back};
-      }
-      if (ffn_output) {
-        StageTimer t(Stage::kCombine);
-        ffn_out.swap(shared_out);  // the shared experts' output, plus the routed ones'
-        combine_forward(ffn_out.data(), S.moe_mlpwo.data(), r, D);
-      }
-    }
-    if (load) load->assign(r.sizes.begin(), r.sizes.end());
-    if (lb_loss && s.load_balance_loss_weight > 0)
-      *lb_loss = balance_loss(r, vector_data(p.moe.bias), layout.batch, layout.seq, s.load_balance_loss_weight);
-  }
+  const FfnWork f{ffn_output, shared, dense_missing, residuals};
+  if (!moe)
+    dense_mlp(S, X, p.mlp, N, f);
+  else
+    co_await moe_ffn(S, X, p.moe, s, layout, f, load, lb_loss);
   if (forward) after_ffn(h_out, X, c, N);
   co_return;
 }
@@ -509,9 +552,10 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
       Buffer<float> dys_here(nl * D), dxs_here(nl * D);
       auto moved = ex->start_dispatch(dys_here.data(), dys.data(), X.plan, D, true);
       co_await Pending{&moved};
-      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dffn : nullptr, S.moe_mlpwi_0.data(),
-                       S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr, shared ? S.mlpwi_1.data() : nullptr,
-                       X.xs_local.data(), X.m.data(), r, p.moe, s, &X.plan.local_sizes);
+      experts_backward(dxs_here.data(), dm.data(), g.moe, dys_here.data(), shared ? dffn : nullptr,
+                       S.moe_mlpwi_0.data(), S.moe_mlpwi_1.data(), shared ? S.mlpwi_0.data() : nullptr,
+                       shared ? S.mlpwi_1.data() : nullptr, X.xs_local.data(), X.m.data(), r, p.moe, s,
+                       &X.plan.local_sizes);
       auto back = ex->start_undispatch(dxs.data(), dxs_here.data(), X.plan, D);
       co_await Pending{&back};
     } else {
