@@ -355,7 +355,9 @@ TEST_F(MessagesToolsTest, ToolUseAndThinkingAreBlocks) {
     if (e["type"] == "content_block_delta" && e["delta"]["type"] == "text_delta") typed += e["delta"]["text"];
     if (e["type"] == "content_block_delta" && e["delta"]["type"] == "input_json_delta")
       input += e["delta"]["partial_json"];
-    if (e["type"] == "message_delta") EXPECT_EQ(e["delta"]["stop_reason"], "tool_use");
+    if (e["type"] == "message_delta") {
+      EXPECT_EQ(e["delta"]["stop_reason"], "tool_use");
+    }
   }
   EXPECT_EQ(kinds, (std::vector<std::string>{"text", "tool_use"}));
   EXPECT_EQ(typed, "Let me look.");
