@@ -248,9 +248,12 @@ check '[ $? -eq 0 ] && grep -q "resuming .* ($newest updates applied)" "$tmp/err
 # routers' scores towards ties) the rounding of the ranks' gradient sums
 # flips a near tie at step 11: 8.2e-5 there, 1e-7 to 3e-7 before (the
 # expert gradients are the sum of two partial products where one process
-# makes one; with expert parallelism each comes from one product, and
-# those runs stay within 2e-8). Those three runs (near_losses) are held to
-# 1e-4; what that still catches (measured on the synthetic run): a rank
+# makes one). With expert parallelism the release build stays within 2e-8,
+# but the sanitized build (other rounding) flipped the same tie in the
+# batch split. So every run on the synthetic rows with the balance loss
+# (near_losses) is held to 1e-4, and each configuration also runs on the
+# packed documents without it, held to 1e-5 (measured: 2e-7 to 1e-6 in
+# both builds); what that still catches (measured on the synthetic run): a rank
 # left out of the gradient sum moves the loss by 3e-3 from the first
 # update on; gradients twice too large, 2e-4 to 4e-4 over the last steps
 # (Adam and the clipping hide most of a uniform scale). On the packed
@@ -289,12 +292,15 @@ check '[ $? -eq 0 ] && same_losses v4-tokens-one v4x2' "V4: 2 ranks then 1 match
 # ranks); a checkpoint saved by those 4 ranks resumes at 1.
 for mode in alltoall allgather; do
   ranks 2 run_name=v4-ep2-$mode ici_expert_parallelism=2 ici_fsdp_parallelism=1 expert_dispatch=$mode "${v4[@]}" \
-    dataset_type=synthetic
-  check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-ep2-$mode' "V4: expert=2 ($mode) matches one process"
+    "${v4_tokens[@]}"
+  check '[ $? -eq 0 ] && same_losses v4-tokens-one v4-ep2-$mode' "V4: expert=2 ($mode) matches one process"
 done
 ranks 2 run_name=v4-ep2-full ici_expert_parallelism=2 ici_fsdp_parallelism=1 remat_policy=full "${v4[@]}" \
-  dataset_type=synthetic
-check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-ep2-full' "V4: expert=2 under full remat matches one process"
+  "${v4_tokens[@]}"
+check '[ $? -eq 0 ] && same_losses v4-tokens-one v4-ep2-full' "V4: expert=2 under full remat matches one process"
+# The balance loss across the expert ranks, on the synthetic rows.
+ranks 2 run_name=v4-ep2-lb ici_expert_parallelism=2 ici_fsdp_parallelism=1 "${v4[@]}" dataset_type=synthetic
+check '[ $? -eq 0 ] && near_losses v4-synthetic-one v4-ep2-lb' "V4: expert=2 with the balance loss matches one process"
 ranks 4 run_name=v4-f2e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" dataset_type=synthetic
 check '[ $? -eq 0 ] && near_losses v4-synthetic-one v4-f2e2' "V4: fsdp=2 x expert=2 matches one process"
 ranks 4 run_name=v4e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 "${v4[@]}" "${sched[@]}" steps=10
@@ -307,14 +313,14 @@ check '[ $? -eq 0 ] && near_losses v4-synthetic-one v4e2' "V4: fsdp=2 x expert=2
 # with fsdp=2 x expert=2 at 4 ranks, each layer gathered once for both parts.
 for mode in alltoall allgather; do
   ranks 2 run_name=v4-bs-ep2-$mode ici_expert_parallelism=2 ici_fsdp_parallelism=1 expert_dispatch=$mode \
-    use_batch_split_schedule=true batch_split_factor=2 timeline_step=3 "${v4[@]}" dataset_type=synthetic
-  check '[ $? -eq 0 ] && same_losses v4-synthetic-one v4-bs-ep2-$mode' "V4: batch-split, expert=2 ($mode) matches one process"
+    use_batch_split_schedule=true batch_split_factor=2 timeline_step=3 "${v4[@]}" "${v4_tokens[@]}"
+  check '[ $? -eq 0 ] && same_losses v4-tokens-one v4-bs-ep2-$mode' "V4: batch-split, expert=2 ($mode) matches one process"
   check 'grep -q "micro-batch 1" "$tmp/runs/v4-bs-ep2-$mode/timeline.svg"' "V4: batch-split timeline.svg drawn ($mode)"
 done
 one run_name=v4-bs-one8 "${v4[@]}" dataset_type=synthetic per_device_batch_size=8
 ranks 4 run_name=v4-bs-f2e2 ici_expert_parallelism=2 ici_fsdp_parallelism=2 use_batch_split_schedule=true \
   batch_split_factor=2 "${v4[@]}" dataset_type=synthetic per_device_batch_size=2
-check '[ $? -eq 0 ] && same_losses v4-bs-one8 v4-bs-f2e2' "V4: batch-split, fsdp=2 x expert=2 matches one process"
+check '[ $? -eq 0 ] && near_losses v4-bs-one8 v4-bs-f2e2' "V4: batch-split, fsdp=2 x expert=2 matches one process"
 
 # Impossible meshes: one error line from each rank, non-zero exit.
 for bad in "ici_data_parallelism=3" "ici_data_parallelism=-1 ici_fsdp_parallelism=-1" "expert_dispatch=ring"; do
