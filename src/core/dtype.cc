@@ -489,6 +489,14 @@ void round_to_bf16(float* x, size_t n) {
   if (n) DS_DISPATCH(RoundF32ToBf16)(x, n);
 }
 
+void f32_to_bf16_row(uint16_t* out, const float* in, size_t n) {
+  if (n) DS_DISPATCH(F32ToBf16)(out, in, n);
+}
+
+void bf16_to_f32_row(float* out, const uint16_t* in, size_t n) {
+  if (n) DS_DISPATCH(Bf16ToF32)(out, in, n);
+}
+
 int64_t find_non_finite(const void* data, DType t, size_t n) {
   switch (t) {
     case DType::F32:

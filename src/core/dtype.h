@@ -48,6 +48,10 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t 
 // x[i] = bf16_to_f32(f32_to_bf16(x[i])) for i < n: float32 values rounded to
 // the nearest bf16 (what a bf16 matmul input holds), vectorized.
 void round_to_bf16(float* x, size_t n);
+// convert() between float32 and bf16 on the calling thread alone (no thread
+// team, vectorized), for kernels that run inside a parallel region.
+void f32_to_bf16_row(uint16_t* out, const float* in, size_t n);
+void bf16_to_f32_row(float* out, const uint16_t* in, size_t n);
 
 // Index of the first NaN or infinity among n elements of a floating dtype
 // (e4m3's NaN codes included), or -1 if all are finite; for integer dtypes

@@ -12,6 +12,10 @@
 // lse [B, H, T]; segment_ids [B, T] (null: one segment per sequence). Packed
 // documents never attend across a segment boundary. Every query has at least
 // itself to attend to, so lse is always finite.
+//
+// Both directions run in float32 whatever ops::gemm_dtype() is: the products
+// of q, k, v around them carry the bf16 rounding in a bf16 model, the
+// attention's own scores and sums do not.
 #pragma once
 
 #include <cstdint>

@@ -344,8 +344,8 @@ void score_tile(float* s, int64_t lds, const float* q, int64_t ldq, const float*
 void fold_rows(float* s, int64_t lds, int64_t rows, int64_t n, float* m, float* l, float* o, int64_t ldo) {
   DS_DISPATCH(FoldRows)(s, lds, rows, n, m, l, o, ldo);
 }
-void value_tile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nq,
-                int64_t nk, int64_t diag, int64_t cols) {
+void value_tile(float* o, int64_t ldo, const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t nq, int64_t nk,
+                int64_t diag, int64_t cols) {
   DS_DISPATCH(ValueTile)(o, ldo, p, ldp, v, ldv, nq, nk, diag, cols);
 }
 void gather_keys(float* kt, int64_t ld, int64_t width, const float* const* rows, int64_t n, int64_t K) {
@@ -769,6 +769,10 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const AttentionDims& d, const uint8_t* selected, const float* sink, float* dsink) {
   check_dims(d, "attention_backward");
   DS_CHECK(dq && dk && dv && dout && out && lse && q && k && v, "attention_backward: null tensor pointer");
+  // The forward's tiles are float32 kernels whatever gemm_dtype() is, so the
+  // backward's products are float32 too: its recomputed probabilities must
+  // be the forward's, normalized by the forward's lse.
+  const ScopedGemmDtype f32(GemmDtype::kF32);
   const Geometry g(d, selected);
   const TileRanges qr = tile_ranges(segment_ids, g.B, g.T, kTileQ);
   const TileRanges kr = tile_ranges(segment_ids, g.B, g.T, kTileK);

@@ -132,8 +132,8 @@ struct Tile {
 };
 
 // logits[r, v] = h[t0 + r] . W[v0 + v] for the tile's rows and columns.
-void tile_logits(float* logits, const float* h, const float* w, int64_t t0, int64_t rows, int64_t v0, int64_t cols,
-                 int64_t D) {
+void tile_logits(float* logits, const GemmOperand& h, const GemmOperand& w, int64_t t0, int64_t rows, int64_t v0,
+                 int64_t cols, int64_t D) {
   gemm(false, true, rows, cols, D, 1.0f, h + t0 * D, D, w + v0 * D, D, 0.0f, logits, cols);
 }
 
@@ -179,6 +179,8 @@ void lm_head_cross_entropy_forward(float* loss, float* lse, const float* h, cons
   std::vector<float> cmax(TB * nc);  // [TB, nc]
   std::vector<double> csum(TB * nc);
   std::vector<float> tlogit(TB);  // the target's logit, from whichever chunk holds it
+  // Converted once for gemm_dtype(), not once per tile.
+  const PreparedOperand hp(h, N * D), wp(w, V * D);
 #pragma omp parallel
   {
     Tile tile;
@@ -189,7 +191,7 @@ void lm_head_cross_entropy_forward(float* loss, float* lse, const float* h, cons
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t v0 = c * VC, cols = std::min(VC, V - v0);
         float* l = tile.logits.data();  // [rows, cols]
-        tile_logits(l, h, w, t0, rows, v0, cols, D);
+        tile_logits(l, hp.operand(), wp.operand(), t0, rows, v0, cols, D);
         for (int64_t r = 0; r < rows; ++r) {
           const float* lr = l + r * cols;
           const float m = row_max(lr, cols);
@@ -222,6 +224,7 @@ void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, co
   const int64_t TB = std::min(chunks.token_block, std::max<int64_t>(N, 1));
   const int64_t VC = vocab_chunk_cols(V, chunks);
   const int64_t nc = (V + VC - 1) / VC;
+  const PreparedOperand hp(h, N * D), wp(w, V * D);  // converted once (see the forward)
 #pragma omp parallel
   {
     Tile tile;
@@ -233,7 +236,7 @@ void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, co
       for (int64_t c = 0; c < nc; ++c) {
         const int64_t v0 = c * VC, cols = std::min(VC, V - v0);
         float* l = tile.logits.data();  // [rows, cols], turned into dlogits in place
-        tile_logits(l, h, w, t0, rows, v0, cols, D);
+        tile_logits(l, hp.operand(), wp.operand(), t0, rows, v0, cols, D);
         for (int64_t r = 0; r < rows; ++r) {
           float* lr = l + r * cols;
           const int64_t t = t0 + r, tg = targets[t];
@@ -245,9 +248,9 @@ void lm_head_cross_entropy_backward(float* dh, float* dw, const float* dloss, co
           if (tg >= v0 && tg < v0 + cols) lr[tg - v0] -= dloss[t];
         }
         // dW[v0 : v0 + cols] [cols, D] += dlogits^T [cols, rows] h[t0 : t0 + rows] [rows, D].
-        if (dw) gemm(true, false, cols, D, rows, 1.0f, l, cols, h + t0 * D, D, 1.0f, dw + v0 * D, D);
+        if (dw) gemm(true, false, cols, D, rows, 1.0f, l, cols, hp.operand() + t0 * D, D, 1.0f, dw + v0 * D, D);
         // This chunk's share of dh[block] [rows, D] = dlogits [rows, cols] W[v0 : v0 + cols] [cols, D].
-        if (dh) gemm(false, false, rows, D, cols, 1.0f, l, cols, w + v0 * D, D, 0.0f, tile.dh.data(), D);
+        if (dh) gemm(false, false, rows, D, cols, 1.0f, l, cols, wp.operand() + v0 * D, D, 0.0f, tile.dh.data(), D);
 #pragma omp ordered
         if (dh) {
           float* dst = dh + t0 * D;

@@ -144,9 +144,11 @@ void grouped_matmul_forward(float* out, const float* lhs, const float* rhs, cons
   std::vector<double> work;
   make_tiles(
       tiles, work, G, [&](int64_t g) { return off[g + 1] - off[g]; }, N, [&](int64_t) { return K; });
+  // Converted once for gemm_dtype(), not once per tile.
+  const PreparedOperand lhs_p(lhs, off[G] * K), rhs_p(rhs, G * K * N);
   run_tiles(tiles, work, [&](const Tile& t) {
     const int64_t r = off[t.g] + t.r0;
-    const float* rg = rhs + t.g * K * N;
+    const GemmOperand lhs = lhs_p.operand(), rg = rhs_p.operand() + t.g * K * N;
     if (!trans_rhs)
       gemm(false, false, t.rows, t.cols, K, 1.0f, lhs + r * K, K, rg + t.c0, N, 0.0f, out + r * N + t.c0, N);
     else
@@ -164,12 +166,15 @@ void grouped_matmul_backward(float* dlhs, float* drhs, const float* dout, const 
   const std::vector<int64_t> off = group_offsets(group_sizes, G, M, K, N, "grouped_matmul_backward");
   std::vector<Tile> tiles;
   std::vector<double> work;
+  // Converted once for gemm_dtype(), not once per tile.
+  const PreparedOperand dout_p(dout, off[G] * N), lhs_p(drhs ? lhs : nullptr, drhs ? off[G] * K : 0),
+      rhs_p(dlhs ? rhs : nullptr, dlhs ? G * K * N : 0);
   if (dlhs) {
     make_tiles(
         tiles, work, G, [&](int64_t g) { return off[g + 1] - off[g]; }, K, [&](int64_t) { return N; });
     run_tiles(tiles, work, [&](const Tile& t) {
       const int64_t r = off[t.g] + t.r0;
-      const float* rg = rhs + t.g * K * N;
+      const GemmOperand dout = dout_p.operand(), rg = rhs_p.operand() + t.g * K * N;
       float* d = dlhs + r * K + t.c0;
       if (!trans_rhs)  // rhs[g] [K, N]: dlhs = dout rhs^T, columns c0.. are rows of rhs[g]
         gemm(false, true, t.rows, t.cols, N, 1.0f, dout + r * N, N, rg + t.c0 * N, N, 0.0f, d, K);
@@ -188,6 +193,7 @@ void grouped_matmul_backward(float* dlhs, float* drhs, const float* dout, const 
         [&](int64_t g) { return off[g + 1] - off[g]; });
     run_tiles(tiles, work, [&](const Tile& t) {
       const int64_t r = off[t.g], m = off[t.g + 1] - off[t.g];
+      const GemmOperand dout = dout_p.operand(), lhs = lhs_p.operand();
       float* d = drhs + t.g * K * N + t.r0 * cols + t.c0;
       if (!trans_rhs)  // drhs[g] [K, N] += lhs_g^T dout_g
         gemm(true, false, t.rows, t.cols, m, 1.0f, lhs + r * K + t.r0, K, dout + r * N + t.c0, N, 1.0f, d, N);

@@ -7,9 +7,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "core/error.h"
+#include "ops/cpu/gemm_internal.h"
 
 namespace ds::ops {
 
@@ -48,9 +50,11 @@ int64_t block_edge(int64_t n, int64_t max_block) {
   return std::min(n, ((n + blocks - 1) / blocks + 15) / 16 * 16);
 }
 
+}  // namespace
+
 // The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
 // alone (see gemm).
-std::pair<int64_t, int64_t> block_shape(int64_t M, int64_t N, int64_t K) {
+std::pair<int64_t, int64_t> detail::gemm_block_shape(int64_t M, int64_t N, int64_t K) {
   if (static_cast<double>(M) * N * K < kMinSplitWork) return {M, N};
   int64_t bm = block_edge(M, kBlockRows), bn = block_edge(N, kBlockCols);
   while (((M + bm - 1) / bm) * ((N + bn - 1) / bn) < kMinBlocks &&
@@ -65,6 +69,8 @@ std::pair<int64_t, int64_t> block_shape(int64_t M, int64_t N, int64_t K) {
   }
   return {bm, bn};
 }
+
+namespace {
 
 dnnl_status_t sgemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
                     int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
@@ -102,26 +108,15 @@ void backward_products(float* da, float beta_a, float* db, const float* dc, cons
 // call shapes. oneDNN's own threading is never used: it cuts K for a
 // matrix-vector product, and with a row-major B^T (a Linear weight) its
 // partition ran 15-35% slower than blocks on projection shapes.
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-          const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  DS_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
-  if (M == 0 || N == 0) return;
-  DS_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
-           "gemm: leading dimensions lda={} ldb={} ldc={} too small for M={} N={} K={} (trans_a={}, trans_b={})", lda,
-           ldb, ldc, M, N, K, trans_a, trans_b);
-  if (K == 0) {
-    // No products: C = beta * C (BLAS semantics), without reading C when beta is 0.
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
-    return;
-  }
+void detail::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+                      int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   // The blocks depend on the shape alone. oneDNN's result for an element
   // depends on the shape of the call that computes it (its blocking of K
   // does, on some ISAs), so the thread count may only decide which thread
   // runs which block, never where the blocks are.
   // (Copied out of the pair: clang before 16 cannot capture structured
   // bindings in the OpenMP region's lambda.)
-  const auto block = block_shape(M, N, K);
+  const auto block = detail::gemm_block_shape(M, N, K);
   const int64_t bm = block.first, bn = block.second;
   const int64_t gm = (M + bm - 1) / bm, gn = (N + bn - 1) / bn;
   dnnl_status_t st = dnnl_success;
@@ -150,6 +145,45 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
   }
   DS_CHECK(st == dnnl_success, "gemm: oneDNN sgemm failed with status {} (M={} N={} K={})", static_cast<int>(st), M, N,
            K);
+}
+
+namespace {
+
+std::atomic<GemmDtype> g_gemm_dtype{GemmDtype::kF32};
+
+}  // namespace
+
+void set_gemm_dtype(GemmDtype t) { g_gemm_dtype = t; }
+GemmDtype gemm_dtype() { return g_gemm_dtype; }
+
+GemmDtype parse_gemm_dtype(std::string_view name) {
+  if (name == "float32") return GemmDtype::kF32;
+  if (name == "bfloat16") return GemmDtype::kBf16;
+  DS_FAIL("dtype '{}' is not one of: float32, bfloat16", name);
+}
+
+std::string_view gemm_dtype_name(GemmDtype t) { return t == GemmDtype::kBf16 ? "bfloat16" : "float32"; }
+
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
+          GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  DS_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm: negative size M={} N={} K={}", M, N, K);
+  if (M == 0 || N == 0) return;
+  DS_CHECK(lda >= (trans_a ? M : K) && ldb >= (trans_b ? K : N) && ldc >= N,
+           "gemm: leading dimensions lda={} ldb={} ldc={} too small for M={} N={} K={} (trans_a={}, trans_b={})", lda,
+           ldb, ldc, M, N, K, trans_a, trans_b);
+  if (K == 0) {
+    // No products: C = beta * C (BLAS semantics), without reading C when beta is 0.
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == 0.0f ? 0.0f : beta * C[i * ldc + j];
+    return;
+  }
+  if (gemm_dtype() == GemmDtype::kBf16) {
+    detail::gemm_bf16(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  } else {
+    DS_CHECK(A.f32 && B.f32 && !A.rounded && !B.rounded,
+             "gemm: operands prepared for bfloat16 multiplied in float32 (gemm_dtype changed between them)");
+    detail::gemm_f32(trans_a, trans_b, M, N, K, alpha, A.f32, lda, B.f32, ldb, beta, C, ldc);
+  }
 }
 
 void matmul_forward(float* c, const float* a, const float* b, int64_t M, int64_t N, int64_t K, bool trans_a,

@@ -1,0 +1,26 @@
+// The two arithmetic paths behind ops::gemm (ops/matmul.h), for matmul.cc and
+// matmul_bf16.cc only. Both take arguments gemm has already checked (M, N, K
+// > 0, leading dimensions large enough).
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+#include "ops/matmul.h"
+
+namespace ds::ops::detail {
+
+// The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
+// alone: each block is one single-threaded kernel call, the threads share out
+// the blocks, and no block cuts the reduction over K.
+std::pair<int64_t, int64_t> gemm_block_shape(int64_t M, int64_t N, int64_t K);
+
+// float32 operands on oneDNN's sgemm.
+void gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+              const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Operands rounded to bf16, products summed in float32.
+void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, GemmOperand A, int64_t lda,
+               GemmOperand B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+}  // namespace ds::ops::detail
