@@ -201,7 +201,7 @@ class Moe(torch.nn.Module):
         xs = x.index_select(0, rows).split(counts)  # each expert's rows, gathered once
         ys = [self.experts[e](xe) for e, xe in enumerate(xs) if counts[e]]
         y = torch.cat(ys) * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
-        out = torch.zeros_like(x).index_add(0, rows, y)
+        out = y.new_zeros(x.shape).index_add(0, rows, y)  # (y is bf16 under autocast)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(B, T, D)
@@ -350,10 +350,17 @@ def build_model(config_path=None, weights=None, seed=0):
     return model
 
 
-def train_step(model, inputs, targets):
-    """One training step as timed: reset the gradients, forward, backward."""
+def train_step(model, inputs, targets, precision="f32"):
+    """One training step as timed: reset the gradients, forward, backward. With
+    precision bf16 the forward runs under torch.autocast("cpu", bfloat16), as a
+    PyTorch user trains in bf16 with float32 weights (the backward follows the
+    forward's dtypes)."""
     model.zero_grad(set_to_none=True)
-    loss = model(inputs, targets)
+    if precision == "bf16":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(inputs, targets)
+    else:
+        loss = model(inputs, targets)
     loss.backward()
     return loss
 
@@ -372,12 +379,12 @@ def bench(args):
     targets = torch.randint(0, c.vocab_size, (args.batch, args.seq), generator=gen)
     first = None
     for _ in range(args.warmup):  # untimed: allocator growth, first-touch of the gradients
-        loss = train_step(model, inputs, targets)
+        loss = train_step(model, inputs, targets, args.precision)
         first = first if first is not None else loss.item()
     times = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        loss = train_step(model, inputs, targets)
+        loss = train_step(model, inputs, targets, args.precision)
         times.append(time.perf_counter() - t0)
     med = float(np.median(times))
     nparams = sum(p.numel() for p in model.parameters())
@@ -398,6 +405,7 @@ def bench(args):
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "torch": torch.__version__,
+        "precision": args.precision,
     }))
     return 0
 
@@ -564,6 +572,8 @@ def main(argv):
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--steps", type=int, default=5, help="timed steps; the median is reported")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and tokens")
+    ap.add_argument("--precision", choices=("f32", "bf16"), default="f32",
+                    help="bf16: the forward under torch.autocast(\"cpu\", dtype=torch.bfloat16)")
     ap.add_argument("--check", action="store_true", help="check losses and gradients, then exit")
     ap.add_argument("--deepseek", help="with --check: the deepseek binary, to compare with its logits")
     args = ap.parse_args(argv)

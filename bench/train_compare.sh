@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Training-step throughput of deepseek.cpp against the same step in PyTorch eager
-# mode (float32, bench/torch_train.py) on this CPU, in one run. Usage:
-#   bench/train_compare.sh [BUILD_DIR]     # BUILD_DIR defaults to build
+# mode (bench/torch_train.py) on this CPU, in one run. Usage:
+#   bench/train_compare.sh [BUILD_DIR]                  # BUILD_DIR defaults to build
+#   PRECISION=bf16 bench/train_compare.sh [BUILD_DIR]   # both sides in bf16
+# PRECISION=bf16: ours is train_step_bench's TrainStepBf16 (dtype=bfloat16:
+# bf16 matmul operands, float32 sums and weights), PyTorch's forward runs
+# under torch.autocast("cpu", dtype=torch.bfloat16); the ceiling is then the
+# bf16 dot-product rate (peak_bench dot_peak/bf16) and the float32 step of
+# ours is measured beside it (the "vs f32" column: ours / ours in float32).
 # Needs BUILD_DIR/bench/{train_step_bench,matmul_bench,peak_bench}
 # (cmake --build BUILD_DIR --target train_step_bench matmul_bench peak_bench).
 #
@@ -46,6 +52,12 @@ matmul_bench="$build/bench/matmul_bench"
 peak_bench="$build/bench/peak_bench"
 py="${PYTHON:-/usr/bin/python3}"
 presets="${PRESETS:-tiny small}"
+precision="${PRECISION:-f32}"
+case "$precision" in
+  f32) step_case=TrainStep peak_case=fma_peak/f32/all_threads ;;
+  bf16) step_case=TrainStepBf16 peak_case=dot_peak/bf16/all_threads ;;
+  *) echo "error: PRECISION=$precision: f32 or bf16" >&2; exit 1 ;;
+esac
 policies="${POLICIES:-full minimal}"
 reps="${REPS:-3}"
 min_time="${MIN_TIME:-1}"
@@ -110,12 +122,14 @@ OMP_WAIT_POLICY="$ours_wait" "$matmul_bench" --benchmark_filter='^matmul/(dnnl|c
   { cat "$tmp/sgemm.err" >&2; echo "error: matmul_bench failed" >&2; exit 1; }
 dnnl_gflops="$(gbench_counter "$tmp/sgemm.json" matmul/dnnl_sgemm/1024x1024x1024 GFLOP/s)"
 cblas_gflops="$(gbench_counter "$tmp/sgemm.json" matmul/cblas_sgemm/1024x1024x1024 GFLOP/s)"
-echo "peak_bench: float32 FMA ceiling, every core ..." >&2
-OMP_WAIT_POLICY="$ours_wait" "$peak_bench" --benchmark_filter='^fma_peak/f32/all_threads' --benchmark_min_time=0.5 \
+echo "peak_bench: $precision ceiling ($peak_case), every core ..." >&2
+OMP_WAIT_POLICY="$ours_wait" "$peak_bench" --benchmark_filter="^$peak_case" --benchmark_min_time=0.5 \
   --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
   --benchmark_format=json >"$tmp/peak.json" 2>"$tmp/peak.err" ||
   { cat "$tmp/peak.err" >&2; echo "error: peak_bench failed" >&2; exit 1; }
-peak_gflops="$(gbench_counter "$tmp/peak.json" fma_peak/f32/all_threads GFLOP/s)"
+peak_gflops="$(gbench_counter "$tmp/peak.json" "$peak_case" GFLOP/s)"
+awk -v p="$peak_gflops" 'BEGIN { exit !(p > 0) }' ||
+  { echo "error: no $peak_case ceiling here (the CPU has no bf16 dot products, or the cap forbids them)" >&2; exit 1; }
 
 rows=()
 for p in $presets; do
@@ -123,7 +137,7 @@ for p in $presets; do
   pol_re="$(tr ' ' '|' <<<"$policies")"
   echo "$p: deepseek.cpp train_step_bench ($policies) ..." >&2
   OMP_WAIT_POLICY="$ours_wait" OMP_NUM_THREADS="$threads" "$train_bench" \
-    --benchmark_filter="^TrainStep/$p/($pol_re)/$batch/$seq/" --benchmark_min_warmup_time=0.5 \
+    --benchmark_filter="^(TrainStep|$step_case)/$p/($pol_re)/$batch/$seq/" --benchmark_min_warmup_time=0.5 \
     --benchmark_min_time="$min_time" --benchmark_repetitions="$reps" --benchmark_report_aggregates_only=true \
     --benchmark_format=json >"$tmp/ours_$p.json" 2>"$tmp/ours_$p.err" ||
     { cat "$tmp/ours_$p.err" >&2; echo "error: train_step_bench failed" >&2; exit 1; }
@@ -133,19 +147,20 @@ for p in $presets; do
   default_steps=7
   [ "$p" = tiny ] && default_steps=30
   theirs="$(OMP_WAIT_POLICY="$torch_wait" "$py" "$root/bench/torch_train.py" --config "$root/configs/$p.yml" \
-    --batch "$batch" --seq "$seq" --threads "$threads" --warmup "$torch_warmup" \
+    --batch "$batch" --seq "$seq" --threads "$threads" --warmup "$torch_warmup" --precision "$precision" \
     --steps "${!steps_var:-$default_steps}" | last_json)"
   [ -n "$theirs" ] || { echo "error: torch_train.py printed no JSON result" >&2; exit 1; }
   tt="$(field "$theirs" tokens_per_s)" tms="$(field "$theirs" step_ms)"
 
   for pol in $policies; do
-    name="TrainStep/$p/$pol/$batch/$seq/"
+    name="$step_case/$p/$pol/$batch/$seq/"
     ot="$(gbench_counter "$tmp/ours_$p.json" "$name" tokens_per_s)"
+    o32="$(gbench_counter "$tmp/ours_$p.json" "TrainStep/$p/$pol/$batch/$seq/" tokens_per_s)"
     oms="$(gbench_counter "$tmp/ours_$p.json" "$name" real_time_ms)"
     otf="$(gbench_counter "$tmp/ours_$p.json" "$name" TFLOP_per_s)"
     ttf="$(calc %.4f "$otf * $tt / $ot")" # same FLOPs per token
-    rows+=("$(printf '%-6s %-8s | %9.0f %9.0f %6s | %8.1f %8.1f | %7.3f %7.3f | %5s%% %5s%% | %5s%% %5s%% | %7s%%' \
-      "$p" "$pol" "$ot" "$tt" "$(calc %.2f "$ot / $tt")" "$oms" "$tms" "$otf" "$ttf" \
+    rows+=("$(printf '%-6s %-8s | %9.0f %9.0f %6s %6s | %8.1f %8.1f | %7.3f %7.3f | %5s%% %5s%% | %5s%% %5s%% | %7s%%' \
+      "$p" "$pol" "$ot" "$tt" "$(calc %.2f "$ot / $tt")" "$(calc %.2f "$ot / $o32")" "$oms" "$tms" "$otf" "$ttf" \
       "$(calc %.1f "100 * $otf * 1000 / $dnnl_gflops")" "$(calc %.1f "100 * $ttf * 1000 / $dnnl_gflops")" \
       "$(calc %.1f "100 * $otf * 1000 / $peak_gflops")" "$(calc %.1f "100 * $ttf * 1000 / $peak_gflops")" \
       "$(calc %.0f "300 * $ttf * 1000 / $peak_gflops")")")
@@ -156,17 +171,18 @@ echo
 echo "machine: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $(nproc) cores," \
   "$(grep -q avx512f /proc/cpuinfo && echo AVX-512 || echo no AVX-512)," \
   "load average $load_at_start at the start, $(cut -d' ' -f1-3 /proc/loadavg) at the end"
-echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (float32 eager), threads $threads," \
+echo "torch:   $("$py" -c 'import torch; print(torch.__version__)') (eager, $precision), threads $threads," \
   "OMP_WAIT_POLICY $torch_wait${ISA:+ (capped: ISA=$ISA)}"
 echo "ours:    $(basename "$build")/bench/train_step_bench, OMP_WAIT_POLICY $ours_wait, OMP threads $threads${ISA:+ (capped: ISA=$ISA)}"
-echo "step:    forward + backward, batch $batch x $seq random tokens, random weights, float32"
+echo "step:    forward + backward, batch $batch x $seq random tokens, random weights, $precision" \
+  "(ours: $step_case; vs f32 = ours / ours in float32)"
 printf 'sgemm:   dnnl_sgemm %.1f GFLOP/s, cblas_sgemm (OpenBLAS) %.1f GFLOP/s at 1024^3 (matmul_bench, this run)\n' \
   "$dnnl_gflops" "$cblas_gflops"
-printf 'peak:    float32 FMA %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak_gflops"
+printf 'peak:    %s %.1f GFLOP/s, every core at once (peak_bench, this run)\n' "$peak_case" "$peak_gflops"
 echo
-printf '%-15s | %-26s | %-17s | %-15s | %-13s | %-13s | %s\n' "" "tokens/s" "ms / step" "TFLOP/s" "% dnnl_sgemm" \
-  "% FMA peak" "3x torch"
-printf '%-6s %-8s | %9s %9s %6s | %8s %8s | %7s %7s | %6s %6s | %6s %6s | %8s\n' preset policy ours torch ratio ours \
-  torch ours torch ours torch ours torch "% peak"
-echo "----------------+----------------------------+-------------------+-----------------+---------------+---------------+---------"
+printf '%-15s | %-33s | %-17s | %-15s | %-13s | %-13s | %s\n' "" "tokens/s" "ms / step" "TFLOP/s" "% dnnl_sgemm" \
+  "% peak" "3x torch"
+printf '%-6s %-8s | %9s %9s %6s %6s | %8s %8s | %7s %7s | %6s %6s | %6s %6s | %8s\n' preset policy ours torch ratio \
+  "vs f32" ours torch ours torch ours torch ours torch "% peak"
+echo "----------------+-----------------------------------+-------------------+-----------------+---------------+---------------+---------"
 for r in "${rows[@]}"; do echo "$r"; done

@@ -5,6 +5,8 @@
 // TrainStepV4: the same for `v4-tiny` (model::v4_loss_and_grad), whose
 // layers keep or recompute whole sub-layers: everything, the attention's
 // residuals alone, the MoE's alone, or only each layer's input (full).
+// TrainStepBf16 and TrainStepV4Bf16: the same steps with dtype=bfloat16
+// (ops/matmul.h: bf16 operands, float32 sums).
 //
 //   ./build/bench/train_step_bench --benchmark_min_time=2
 #include <string>
@@ -15,6 +17,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "model/v4_train.h"
+#include "ops/matmul.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/flops.h"
@@ -25,7 +28,8 @@ using namespace ds;
 
 std::string preset(const char* name) { return std::string(DEEPSEEK_SOURCE_DIR) + "/configs/" + name + ".yml"; }
 
-void TrainStep(benchmark::State& state, const char* name, const char* policy) {
+void TrainStep(benchmark::State& state, const char* name, const char* policy, ops::GemmDtype dtype) {
+  const ops::ScopedGemmDtype arithmetic(dtype);
   const auto cfg = model::ModelConfig::from_yaml_file(preset(name));
   const int64_t B = state.range(0), T = state.range(1);
   model::FlatParams p = model::FlatParams::zeros(cfg, 0);
@@ -50,6 +54,7 @@ void TrainStep(benchmark::State& state, const char* name, const char* policy) {
     b.target_segment_ids.push_back(1);
   }
   const auto rp = model::RematPolicy::from_name(policy);
+  const ops::ScopedBf16Weights bf16_weights(p.data.data(), static_cast<int64_t>(p.data.size()));
   model::LossTerms t;
   for (auto _ : state) {
     t = model::loss_and_grad(cfg, p.view, &g.ptr, b, {}, rp);
@@ -72,7 +77,8 @@ model::RematPolicy v4_policy(const std::string& name) {
   return model::RematPolicy::from_name("custom", kv);
 }
 
-void TrainStepV4(benchmark::State& state, const std::string& policy) {
+void TrainStepV4(benchmark::State& state, const std::string& policy, ops::GemmDtype dtype) {
+  const ops::ScopedGemmDtype arithmetic(dtype);
   const auto rc = train::parse_run_config("", {"model_name=" + preset("v4-tiny")}, "bench");
   const auto& c = *rc.v4;
   const int64_t B = state.range(0), T = state.range(1);
@@ -88,6 +94,7 @@ void TrainStepV4(benchmark::State& state, const std::string& policy) {
   const auto b = model::V4TrainBatch::rows(B, T, in, tg);
   model::V4LossOptions o;
   o.remat = v4_policy(policy);
+  const ops::ScopedBf16Weights bf16_weights(p.data.data(), static_cast<int64_t>(p.data.size()));
   model::V4LossTerms t;
   for (auto _ : state) {
     t = model::v4_loss_and_grad(c, p.view, &g.ptr, b, o);
@@ -98,19 +105,22 @@ void TrainStepV4(benchmark::State& state, const std::string& policy) {
 }
 
 void register_all() {
-  for (const char* policy :
-       {"keep_all", "attention", "moe", "minimal_with_context", "minimal", "save_qkv_proj", "full"})
-    benchmark::RegisterBenchmark((std::string("TrainStepV4/v4-tiny/") + policy).c_str(), TrainStepV4,
-                                 std::string(policy))
-        ->Args({8, 128})
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime();
-  for (const char* name : {"tiny", "small"})
-    for (const char* policy : {"full", "minimal", "save_dot_except_mlp", "save_qkv_proj"}) {
-      auto* b = benchmark::RegisterBenchmark((std::string("TrainStep/") + name + "/" + policy).c_str(), TrainStep, name,
-                                             policy);
-      b->Args({8, 128})->Unit(benchmark::kMillisecond)->UseRealTime();
-    }
+  for (const auto dtype : {ops::GemmDtype::kF32, ops::GemmDtype::kBf16}) {
+    const std::string suffix = dtype == ops::GemmDtype::kBf16 ? "Bf16" : "";
+    for (const char* policy :
+         {"keep_all", "attention", "moe", "minimal_with_context", "minimal", "save_qkv_proj", "full"})
+      benchmark::RegisterBenchmark(("TrainStepV4" + suffix + "/v4-tiny/" + policy).c_str(), TrainStepV4,
+                                   std::string(policy), dtype)
+          ->Args({8, 128})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    for (const char* name : {"tiny", "small"})
+      for (const char* policy : {"full", "minimal", "save_dot_except_mlp", "save_qkv_proj"}) {
+        auto* b = benchmark::RegisterBenchmark(("TrainStep" + suffix + "/" + name + "/" + policy).c_str(), TrainStep,
+                                               name, policy, dtype);
+        b->Args({8, 128})->Unit(benchmark::kMillisecond)->UseRealTime();
+      }
+  }
 }
 
 }  // namespace

@@ -52,6 +52,21 @@ check '[ -f "$run/checkpoints/step_3/state.json" ] && [ -f "$run/checkpoints/ste
   "checkpoints step_3 and step_6"
 check 'grep -q "step 6/6" "$tmp/train.err"' "progress lines on stderr"
 
+# MaxText's dtype=bfloat16: the same run with bf16 matmuls and float32
+# master weights, reported in the metrics, its eval loss close to float32's;
+# checkpoints stay float32.
+"$bin" train "$tmp/run.yml" run_name=tb dtype=bfloat16 >/dev/null 2>"$tmp/tb.err"
+check '[ $? -eq 0 ] && grep -q "dtype=bfloat16: matmul operands rounded to bf16" "$tmp/tb.err"' \
+  "train in bfloat16 ($(tail -1 "$tmp/tb.err"))"
+check 'grep -q "\"dtype\":\"bfloat16\"" "$tmp/runs/tb/metrics.jsonl" && grep -q "\"weight_dtype\":\"float32\"" "$tmp/runs/tb/metrics.jsonl" &&
+  grep -q "\"dtype\":\"float32\"" "$run/metrics.jsonl"' "metrics say each run's dtype"
+ev() { grep -o '"eval_loss":[0-9.e+-]*' "$1/metrics.jsonl" | tail -1 | cut -d: -f2; }
+check 'awk -v a="$(ev "$run")" -v b="$(ev "$tmp/runs/tb")" "BEGIN { d = a - b; exit !(a != b && (d < 0 ? -d : d) < 0.02 * a) }"' \
+  "bf16 eval loss $(ev "$tmp/runs/tb") within 2% of float32's $(ev "$run")"
+check 'grep -q "\"dtype\":\"F32\"" <(head -c 4096 "$tmp/runs/tb/checkpoints/step_6/params.safetensors" | tr -d "\0")' \
+  "bf16 checkpoints hold float32 weights"
+expect_error train "$tmp/run.yml" run_name=tc weight_dtype=bfloat16
+
 # Export and generate from the export.
 exp=$("$bin" export --checkpoint "$run/checkpoints/step_6" --out "$tmp/hf")
 check '[ $? -eq 0 ] && [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ] && [ -f "$tmp/hf/tokenizer.json" ]' \

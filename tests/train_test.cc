@@ -170,7 +170,8 @@ TEST(TrainConfig, BadInputsAreOneLineErrors) {
   bad({"no_such_key=1"}, "unknown key 'no_such_key'");
   bad({"max_target_length=5000"}, "longer than the model allows");
   bad({"per_device_batch_size=0.5"}, "whole number");
-  bad({"dtype=bfloat16"}, "float32");
+  bad({"dtype=float16"}, "not one of: float32, bfloat16");
+  bad({"weight_dtype=bfloat16"}, "weight_dtype");
   bad({"lr_schedule_type=linear"}, "cosine or wsd");
   bad({"remat_policy=minimal_offloaded"}, "offload");
   bad({"mlpwo=device"}, "remat_policy=custom");

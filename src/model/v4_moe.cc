@@ -14,6 +14,7 @@
 #include "ops/activations.h"
 #include "ops/expert_selection.h"
 #include "ops/linear.h"
+#include "ops/matmul.h"
 #include "ops/routing.h"
 
 namespace ds::model {
@@ -52,7 +53,10 @@ Staged V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t laye
   r.scores.resize(n * E);
   r.experts.resize(n * K);
   r.weights.resize(n * K);
-  ops::linear_forward(logits.data(), x, L.gate, n);
+  {
+    const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // the router stays float32 (stages.cc)
+    ops::linear_forward(logits.data(), x, L.gate, n);
+  }
   std::vector<int32_t> fixed;
   const bool hashed = cfg_.hash_routed(layer);
   if (hashed) {

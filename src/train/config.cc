@@ -15,6 +15,7 @@
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
 #include "model/family_kind.h"
+#include "ops/matmul.h"
 
 namespace ds::train {
 
@@ -209,8 +210,10 @@ void check_config(const RunConfig& rc) {
            max_positions);
   DS_CHECK(t.z_loss_multiplier >= 0 && t.load_balance_loss_weight >= 0 && t.mtp_loss_scaling_factor >= 0,
            "z_loss_multiplier, load_balance_loss_weight and mtp_loss_scaling_factor must be >= 0");
-  DS_CHECK(t.dtype == "float32" && t.weight_dtype == "float32",
-           "dtype '{}' / weight_dtype '{}': training runs in float32 (bf16 storage is not supported yet)", t.dtype,
+  ops::parse_gemm_dtype(t.dtype);  // float32 or bfloat16, else one clear error
+  DS_CHECK(t.weight_dtype == "float32",
+           "weight_dtype '{}': the master weights, gradients and AdamW moments are float32 (dtype sets the "
+           "arithmetic)",
            t.weight_dtype);
   DS_CHECK(t.eval_interval == -1 || t.eval_interval >= 1, "eval_interval {} must be -1 (off) or >= 1", t.eval_interval);
   DS_CHECK(t.eval_interval == -1 || t.data.dataset_type == "tokens",

@@ -27,6 +27,8 @@
 #include "model/family.h"
 #include "ops/adamw.h"
 #include "ops/expert_selection.h"
+#include "ops/linear.h"
+#include "ops/matmul.h"
 #include "train/checkpoint.h"
 #include "train/data.h"
 #include "train/loop_util.h"
@@ -97,6 +99,8 @@ class Trainer {
     open_metrics();
     set_up_loss();
     StopSignals signals;
+    // MaxText's dtype: the arithmetic of every matmul of the step (ops/matmul.h).
+    const ops::ScopedGemmDtype arithmetic(ops::parse_gemm_dtype(tc_.dtype));
     run_start_ = std::chrono::steady_clock::now();
     int64_t s = start_;
     for (; s < tc_.steps; ++s)
@@ -429,6 +433,11 @@ void Trainer::set_up_loss() {
   const std::string note = family_->training_note(lo_);
   if (lead_ && !note.empty())
     fmt::print(stderr, "{} model ({:.2f}M parameters): {}\n", family_->name(), static_cast<double>(P_) / 1e6, note);
+  if (lead_ && tc_.dtype == "bfloat16")
+    fmt::print(stderr, "dtype=bfloat16: matmul operands rounded to bf16, float32 sums, {}\n",
+               ops::bf16_dot_products() ? "on the CPU's bf16 dot products (AVX512-BF16)"
+                                        : "in float32 arithmetic (this CPU has no bf16 dot products, or "
+                                          "DEEPSEEK_MAX_CPU_ISA forbids them): float32 speed");
 
   const int64_t GA = tc_.gradient_accumulation_steps;
   flops_ = family_->step_flops(tc_.per_device_batch_size, tc_.max_target_length, GA);
@@ -509,6 +518,8 @@ StepTerms Trainer::micro_batches(int64_t s) {
     fsdp_->start_step();
   else
     std::fill(grads_.begin(), grads_.end(), 0.0f);
+  // In bf16, the weights are rounded once for the whole step (ops/matmul.h).
+  const ops::ScopedBf16Weights bf16_weights(params_.data(), static_cast<int64_t>(params_.size()));
   StepTerms st;
   st.load.resize(moe_layers_.size());
   st.bias_delta.resize(moe_layers_.size());
@@ -635,7 +646,9 @@ nlohmann::json Trainer::metrics_line(int64_t s, const StepTerms& st, const StepU
                       {"step_time_seconds", dt},
                       {"tokens_per_sec", step_tokens_ / dt},
                       {"tflops_per_sec", flops_ / dt / 1e12},
-                      {"step_skipped", !u.finite}};
+                      {"step_skipped", !u.finite},
+                      {"dtype", tc_.dtype},
+                      {"weight_dtype", tc_.weight_dtype}};
   if (family_->reports_indexer_loss()) m["indexer_loss"] = terms.indexer_loss;
   if (link_expert_ || link_group_ || link_fsdp_) {
     // What this step's communication would have cost had nothing
@@ -712,6 +725,7 @@ double Trainer::evaluate() {
   el.mtp_num_layers = 0;      // MaxText's eval loss excludes MTP
   el.batch_split_factor = 1;  // forward only: nothing to overlap with a backward
   if (fsdp_) fsdp_->gather_resident();
+  const ops::ScopedBf16Weights bf16_weights(params_.data(), static_cast<int64_t>(params_.size()));
   double xent = 0, weight = 0;
   for (int64_t i = 0; i < n; ++i) {
     const model::TrainBatch b = eval_data_->next();

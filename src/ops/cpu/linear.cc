@@ -1338,6 +1338,15 @@ void linear_forward_pair(float* y0, const WeightView& w0, float* y1, const Weigh
   check_weight(w1);
   DS_CHECK(w0.cols == w1.cols, "linear pair: weights [{}, {}] and [{}, {}] differ in columns", w0.rows, w0.cols,
            w1.rows, w1.cols);
+  if (blas_weight(w0) && blas_weight(w1) && gemm_dtype() == GemmDtype::kBf16 && M > kGemvRows) {
+    // Training in bf16: x is rounded once for both products.
+    const PreparedOperand xp(x, M * w0.cols);
+    gemm(false, true, M, w0.rows, w0.cols, 1.0f, xp.operand(), w0.cols, static_cast<const float*>(w0.data), w0.cols,
+         0.0f, y0, w0.rows);
+    gemm(false, true, M, w1.rows, w1.cols, 1.0f, xp.operand(), w1.cols, static_cast<const float*>(w1.data), w1.cols,
+         0.0f, y1, w1.rows);
+    return;
+  }
   const bool bf16_precision = matmul_precision() == MatmulPrecision::kBf16;
   const bool dot = bf16_dot(w0, bf16_precision);
   if (M <= kGemvRows || blas_weight(w0) || w1.dtype != w0.dtype || bf16_dot(w1, bf16_precision) != dot) {
@@ -1358,8 +1367,11 @@ void linear_backward(float* dx, float* dw, const float* dy, const float* x, cons
            ldx, ldy, w.rows, w.cols);
   if (M == 0) return;
   const float* W = static_cast<const float*>(w.data);
-  if (dx) gemm(false, false, M, w.cols, w.rows, 1.0f, dy, ldy, W, w.cols, accumulate_dx ? 1.0f : 0.0f, dx, ldx);
-  if (dw) gemm(true, false, w.rows, w.cols, M, 1.0f, dy, ldy, x, ldx, 1.0f, dw, w.cols);
+  // In bf16 dy is rounded once for both products (a plain pointer otherwise).
+  const PreparedOperand dyp(dy, dx && dw && gemm_dtype() == GemmDtype::kBf16 ? (M - 1) * ldy + w.rows : 0);
+  const GemmOperand& dyo = dyp.operand();
+  if (dx) gemm(false, false, M, w.cols, w.rows, 1.0f, dyo, ldy, W, w.cols, accumulate_dx ? 1.0f : 0.0f, dx, ldx);
+  if (dw) gemm(true, false, w.rows, w.cols, M, 1.0f, dyo, ldy, x, ldx, 1.0f, dw, w.cols);
 }
 
 void quantize_fp8_blocks(uint8_t* q, float* scale_inv, const float* w, int64_t rows, int64_t cols, int64_t block_rows,

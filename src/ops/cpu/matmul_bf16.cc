@@ -1,12 +1,13 @@
 // gemm in bf16 (ops/matmul.h's GemmDtype::kBf16): both operands are rounded
-// to bf16 into compact copies, then multiplied with float32 sums, by oneDNN's
-// bf16 matmul where the CPU has bf16 dot products and by sgemm over the
-// rounded values elsewhere.
+// to bf16, then multiplied with float32 sums, by oneDNN's bf16 matmul where
+// the CPU has bf16 dot products and by sgemm over the rounded values
+// elsewhere.
 //
-// The copies cost M K + K N conversions against M N K multiply-adds: under 1%
-// for every projection of a training step. They are made once per call, on
-// the calling thread's team, and the blocks of C (the same blocks as the
-// float32 path, gemm_block_shape) read them.
+// An operand that is not prepared already (PreparedOperand, or inside the
+// live ScopedBf16Weights) is rounded into a compact copy in the calling
+// thread's buffer: M K + K N conversions against M N K multiply-adds. The
+// blocks of C (the same blocks as the float32 path, gemm_block_shape) read
+// the copies.
 #include <omp.h>
 
 #include <algorithm>
@@ -30,9 +31,9 @@ namespace {
 
 // Below this many multiply-adds (a few microseconds of work) a call goes to
 // sgemm over the rounded values: a oneDNN primitive's fixed cost per call
-// would take what its faster products save (attention's tiles). The choice
+// would take what its faster products save (small tiles). The choice
 // depends on the shape alone.
-std::atomic<double> g_min_primitive_work{1 << 20};
+std::atomic<double> g_min_primitive_work{1 << 21};
 
 // Limits the calling thread's OpenMP team to one thread while alive (oneDNN
 // threads a primitive over omp_get_max_threads()).
@@ -47,9 +48,8 @@ class SingleThreaded {
   int saved_;
 };
 
-// Copies the [rows, cols] matrix at src (leading dimension ld) into dst
-// [rows, cols] (compact), each element rounded to the nearest bf16: as bf16
-// codes (T = uint16_t) or as their float32 values (T = float).
+// One row of cols elements rounded to the nearest bf16: as bf16 codes
+// (T = uint16_t) or as their float32 values (T = float).
 template <typename T>
 void round_row(T* dst, const float* src, int64_t cols) {
   if constexpr (std::is_same_v<T, float>) {
@@ -63,7 +63,7 @@ void round_row(T* dst, const float* src, int64_t cols) {
 // Copies the [rows, cols] matrix at src (leading dimension ld) into dst
 // [rows, cols] (compact), each element rounded to the nearest bf16: as bf16
 // codes (T = uint16_t) or as their float32 values (T = float). Inside a
-// parallel region (attention's tiles) no nested region is opened: even one
+// parallel region (an op's tiles) no nested region is opened: even one
 // of a single thread costs libgomp a team.
 template <typename T>
 void round_copy(T* dst, const float* src, int64_t rows, int64_t cols, int64_t ld) {
