@@ -66,6 +66,14 @@ check 'awk -v a="$(ev "$run")" -v b="$(ev "$tmp/runs/tb")" "BEGIN { d = a - b; e
 check 'grep -q "\"dtype\":\"F32\"" <(head -c 4096 "$tmp/runs/tb/checkpoints/step_6/params.safetensors" | tr -d "\0")' \
   "bf16 checkpoints hold float32 weights"
 expect_error train "$tmp/run.yml" run_name=tc weight_dtype=bfloat16
+# quantization=fp8_full (with bf16 arithmetic, as MaxText runs it): named in
+# the metrics, its eval loss close to float32's after the same steps.
+"$bin" train "$tmp/run.yml" run_name=tq dtype=bfloat16 quantization=fp8_full >/dev/null 2>"$tmp/tq.err"
+check '[ $? -eq 0 ] && grep -q "\"quantization\":\"fp8_full\"" "$tmp/runs/tq/metrics.jsonl"' \
+  "train with quantization=fp8_full ($(tail -1 "$tmp/tq.err"))"
+check 'awk -v a="$(ev "$run")" -v b="$(ev "$tmp/runs/tq")" "BEGIN { d = a - b; exit !(a != b && (d < 0 ? -d : d) < 0.05 * a) }"' \
+  "fp8_full eval loss $(ev "$tmp/runs/tq") within 5% of float32's $(ev "$run")"
+expect_error train "$tmp/run.yml" run_name=tc quantization=int8
 
 # Export and generate from the export.
 exp=$("$bin" export --checkpoint "$run/checkpoints/step_6" --out "$tmp/hf")

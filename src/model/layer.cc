@@ -9,9 +9,9 @@
 #include "model/mhc_block.h"
 #include "model/staged.h"
 #include "ops/attention.h"
+#include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
-#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/routing.h"
@@ -135,13 +135,13 @@ bool trains_indexer(const StageConfig& s, int64_t layer) {
 
 // The indexer's activations and scores over the layout (and, in the sparse
 // stage, its top-k keys), from the normed input and the q latent. The
-// indexer runs in float32 whatever gemm_dtype() is: MaxText keeps
-// DeepSeek-V3.2's indexer weights projection in float32 for its precision,
-// and the whole indexer (its projections, scores and KL loss) stays there
-// with it here.
+// indexer runs in float32 whatever the run's dtype and quantization:
+// MaxText keeps DeepSeek-V3.2's indexer weights projection in float32 for
+// its precision (and its einsums outside fp8_full's rule), and the whole
+// indexer (its projections, scores and KL loss) stays there with it here.
 void run_indexer(Scratch& X, const float* mla_q, const IndexerParams<ops::WeightView>& p, const StageConfig& s,
                  const TokenLayout& layout) {
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);
+  const ops::ScopedFloat32Products f32;
   const ModelConfig& c = *s.cfg;
   const int64_t B = layout.batch, T = layout.seq, N = layout.tokens();
   indexer_train_forward(X.indexer, X.x.data(), mla_q, p, s, layout.positions, N);
@@ -495,7 +495,7 @@ namespace {
 // times s.indexer_loss_weight, added into the indexer's weights.
 double indexer_loss_backward(IndexerParams<float*>& g, const LayerSaved& S, const Scratch& X,
                              const IndexerParams<ops::WeightView>& p, const StageConfig& s, const TokenLayout& layout) {
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // see run_indexer
+  const ops::ScopedFloat32Products f32;  // see run_indexer
   const ModelConfig& c = *s.cfg;
   const int64_t B = layout.batch, T = layout.seq, N = layout.tokens();
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, H = c.num_attention_heads;

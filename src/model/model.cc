@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "model/mhc_block.h"
 #include "ops/embedding.h"
+#include "ops/fp8_quant.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 
@@ -225,6 +226,10 @@ class LossPass {
   // The MTP depths, each on the ids, targets and mask rolled once more and
   // the previous depth's output (the main model's for the first).
   void forward_mtp(LossTerms& out) {
+    // MaxText's fp8_full rule leaves the MTP block unquantized (its modules
+    // sit outside decoder/.*layers.*): so does the engine, here and in the
+    // backward.
+    const ops::ScopedQuantization unquantized(ops::Quantization::kNone);
     mtp_.resize(static_cast<size_t>(K_));
     double mtp_ce = 0, mtp_weight = 0;
     std::vector<int32_t> ids = b_.inputs, tgt = b_.targets, tm(N_), seg = b_.segment_ids;
@@ -279,6 +284,7 @@ class LossPass {
   // MTP depth k's backward: dh holds dL/dh_k on entry, dL/dh_{k-1} (its
   // share from this depth and those past it) on return.
   void backward_mtp(ModelParams<float*>& g, int64_t k, Buffer<float>& dh, double dlb) {
+    const ops::ScopedQuantization unquantized(ops::Quantization::kNone);  // as forward_mtp
     MtpDepth& m = mtp_[k];
     acquire(L_ + k, true);
     const auto& p = w_.mtp[k];

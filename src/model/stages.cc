@@ -10,9 +10,9 @@
 #include "core/parallel.h"
 #include "ops/activations.h"
 #include "ops/cross_entropy.h"
+#include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
-#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/routing.h"
@@ -281,7 +281,7 @@ void indexer_train_forward(IndexerActs& a, const float* x, const float* mla_q, c
   const ModelConfig& c = *s.cfg;
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
   DS_CHECK(Hi > 0, "indexer_train_forward: the model has no indexer");
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // the indexer stays float32 (layer.cc)
+  const ops::ScopedFloat32Products f32;  // the indexer stays float32 (layer.cc)
   a.k_lin.resize(N * Di);
   a.k.resize(N * Di);
   a.q.resize(N * Hi * Di);
@@ -304,7 +304,7 @@ void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const flo
                             int64_t N) {
   const ModelConfig& c = *s.cfg;
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // the indexer stays float32 (layer.cc)
+  const ops::ScopedFloat32Products f32;  // the indexer stays float32 (layer.cc)
   // Head weights.
   Buffer<float> t(N * Hi);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
@@ -366,10 +366,11 @@ void expert_selection_forward(Routing& r, const float* x, const MoeParams<ops::W
   r.experts.resize(n);
   r.weights.resize(n);
   {
-    // The router's logits stay float32 whatever gemm_dtype() is: rounding
-    // its operands to bf16 would move a score by about 2^-9 and flip the
-    // choice between experts whose scores are that close.
-    const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);
+    // The router's logits stay float32 whatever the run's dtype and
+    // quantization: rounding its operands to bf16 would move a score by
+    // about 2^-9 and flip the choice between experts whose scores are that
+    // close (MaxText's fp8_full quantizes the gate too).
+    const ops::ScopedFloat32Products f32;
     ops::linear_forward(r.logits.data(), x, p.router, N);
   }
   ops::expert_selection_forward(r.experts.data(), r.weights.data(), r.scores.data(), r.logits.data(),
@@ -401,7 +402,7 @@ void expert_selection_backward(float* dx, MoeParams<float*>& g, const float* dwe
       ops::softmax_backward(d.data(), dscores_extra, r.scores.data(), N, E);
     add_into(dlogits.data(), d.data(), N * E);
   }
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // as in the forward
+  const ops::ScopedFloat32Products f32;  // as in the forward
   ops::linear_backward(dx, g.router, dlogits.data(), x, p.router, N, true);
 }
 

@@ -19,6 +19,7 @@
 #include "model/v4_model.h"
 #include "model/weights.h"
 #include "ops/compressor.h"
+#include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/matmul.h"
 #include "ops/rmsnorm.h"
@@ -246,8 +247,8 @@ std::vector<std::vector<int32_t>> V4Model::index_stage(const float* qr, const fl
   const int64_t m = cfg_.compress_ratio(layer);
   std::vector<std::vector<int32_t>> picked(static_cast<size_t>(n));
   if (m == 0) return picked;
-  // The indexers stay float32 whatever gemm_dtype() is (layer.cc).
-  const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);
+  // The indexers stay float32 whatever the run's dtype and quantization (layer.cc).
+  const ops::ScopedFloat32Products f32;
   if (m != 4) {  // HCA: every entry whose window is complete
     for (int64_t i = 0; i < n; ++i) {
       auto& pk = picked[static_cast<size_t>(i)];

@@ -13,8 +13,8 @@
 #include "model/weights.h"
 #include "ops/activations.h"
 #include "ops/expert_selection.h"
+#include "ops/fp8_quant.h"
 #include "ops/linear.h"
-#include "ops/matmul.h"
 #include "ops/routing.h"
 
 namespace ds::model {
@@ -54,7 +54,7 @@ Staged V4Model::moe(float* out, const float* x, const int32_t* ids, int64_t laye
   r.experts.resize(n * K);
   r.weights.resize(n * K);
   {
-    const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // the router stays float32 (stages.cc)
+    const ops::ScopedFloat32Products f32;  // the router stays float32 (stages.cc)
     ops::linear_forward(logits.data(), x, L.gate, n);
   }
   std::vector<int32_t> fixed;

@@ -16,8 +16,8 @@
 #include "ops/activations.h"
 #include "ops/compressor.h"
 #include "ops/expert_selection.h"
+#include "ops/fp8_quant.h"
 #include "ops/linear.h"
-#include "ops/matmul.h"
 #include "ops/mhc.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -390,7 +390,7 @@ class Backward {
                                s.bias.empty() ? nullptr : s.bias.data(), *balance_rows_, E, K, balance_->weight,
                                balance_->dloss);
     need_vector_data(L.gate, "ffn.gate");
-    const ops::ScopedGemmDtype f32(ops::GemmDtype::kF32);  // as in the forward
+    const ops::ScopedFloat32Products f32;  // as in the forward
     ops::linear_backward(dx, G.gate, dlogits.data(), x, L.gate, n_, true);
   }
 

@@ -15,6 +15,7 @@
 #include "io/text_input.h"
 #include "io/yaml_entries.h"
 #include "model/family_kind.h"
+#include "ops/fp8_quant.h"
 #include "ops/matmul.h"
 
 namespace ds::train {
@@ -63,6 +64,7 @@ const std::map<std::string, Setter>& train_keys() {
     dbl("init_weights_std", &TrainConfig::init_weights_std);
     str("dtype", &TrainConfig::dtype);
     str("weight_dtype", &TrainConfig::weight_dtype);
+    str("quantization", &TrainConfig::quantization);
     i64("steps", &TrainConfig::steps);
     dbl("learning_rate", &TrainConfig::learning_rate);
     dbl("warmup_steps_fraction", &TrainConfig::warmup_steps_fraction);
@@ -211,6 +213,7 @@ void check_config(const RunConfig& rc) {
   DS_CHECK(t.z_loss_multiplier >= 0 && t.load_balance_loss_weight >= 0 && t.mtp_loss_scaling_factor >= 0,
            "z_loss_multiplier, load_balance_loss_weight and mtp_loss_scaling_factor must be >= 0");
   ops::parse_gemm_dtype(t.dtype);  // float32 or bfloat16, else one clear error
+  ops::parse_quantization(t.quantization);
   DS_CHECK(t.weight_dtype == "float32",
            "weight_dtype '{}': the master weights, gradients and AdamW moments are float32 (dtype sets the "
            "arithmetic)",

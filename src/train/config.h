@@ -46,6 +46,7 @@ struct TrainConfig {
   uint64_t init_weights_seed = 0;
   double init_weights_std = 0.006;  // normal std of every matrix (DeepSeek-V3's)
   std::string dtype = "float32", weight_dtype = "float32";
+  std::string quantization;  // "" or fp8_full (ops/fp8_quant.h)
 
   // Steps and schedule (MaxText's maxtext_utils schedule).
   int64_t steps = 150001;

@@ -27,6 +27,7 @@
 #include "model/family.h"
 #include "ops/adamw.h"
 #include "ops/expert_selection.h"
+#include "ops/fp8_quant.h"
 #include "ops/linear.h"
 #include "ops/matmul.h"
 #include "train/checkpoint.h"
@@ -101,6 +102,7 @@ class Trainer {
     StopSignals signals;
     // MaxText's dtype: the arithmetic of every matmul of the step (ops/matmul.h).
     const ops::ScopedGemmDtype arithmetic(ops::parse_gemm_dtype(tc_.dtype));
+    const ops::ScopedQuantization quantization(ops::parse_quantization(tc_.quantization));
     run_start_ = std::chrono::steady_clock::now();
     int64_t s = start_;
     for (; s < tc_.steps; ++s)
@@ -648,7 +650,8 @@ nlohmann::json Trainer::metrics_line(int64_t s, const StepTerms& st, const StepU
                       {"tflops_per_sec", flops_ / dt / 1e12},
                       {"step_skipped", !u.finite},
                       {"dtype", tc_.dtype},
-                      {"weight_dtype", tc_.weight_dtype}};
+                      {"weight_dtype", tc_.weight_dtype},
+                      {"quantization", tc_.quantization}};
   if (family_->reports_indexer_loss()) m["indexer_loss"] = terms.indexer_loss;
   if (link_expert_ || link_group_ || link_fsdp_) {
     // What this step's communication would have cost had nothing

@@ -36,6 +36,8 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/cpu/linear_fp8.h"
+#include "ops/fp8_quant.h"
 #include "ops/matmul.h"
 
 // Target-independent definitions, seen once (this file is included again
@@ -1280,6 +1282,10 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   DS_CHECK(M >= 0 && ldx >= w.cols && ldy >= w.rows, "linear: M={} ldx={} ldy={} for weight [{}, {}]", M, ldx, ldy,
            w.rows, w.cols);
   if (M == 0) return;
+  if (blas_weight(w) && quantization() == Quantization::kFp8Full) {
+    detail::fp8_linear_forward(y, x, static_cast<const float*>(w.data), M, w.rows, w.cols, ldx, ldy, accumulate);
+    return;
+  }
   if (blas_weight(w)) {
     gemm(false, true, M, w.rows, w.cols, 1.0f, x, ldx, static_cast<const float*>(w.data), w.cols,
          accumulate ? 1.0f : 0.0f, y, ldy);
@@ -1338,7 +1344,8 @@ void linear_forward_pair(float* y0, const WeightView& w0, float* y1, const Weigh
   check_weight(w1);
   DS_CHECK(w0.cols == w1.cols, "linear pair: weights [{}, {}] and [{}, {}] differ in columns", w0.rows, w0.cols,
            w1.rows, w1.cols);
-  if (blas_weight(w0) && blas_weight(w1) && gemm_dtype() == GemmDtype::kBf16 && M > kGemvRows) {
+  if (blas_weight(w0) && blas_weight(w1) && gemm_dtype() == GemmDtype::kBf16 && M > kGemvRows &&
+      quantization() == Quantization::kNone) {
     // Training in bf16: x is rounded once for both products.
     const PreparedOperand xp(x, M * w0.cols);
     gemm(false, true, M, w0.rows, w0.cols, 1.0f, xp.operand(), w0.cols, static_cast<const float*>(w0.data), w0.cols,
@@ -1367,6 +1374,10 @@ void linear_backward(float* dx, float* dw, const float* dy, const float* x, cons
            ldx, ldy, w.rows, w.cols);
   if (M == 0) return;
   const float* W = static_cast<const float*>(w.data);
+  if (quantization() == Quantization::kFp8Full) {
+    detail::fp8_linear_backward(dx, dw, dy, x, W, M, w.rows, w.cols, ldx, ldy, accumulate_dx);
+    return;
+  }
   // In bf16 dy is rounded once for both products (a plain pointer otherwise).
   const PreparedOperand dyp(dy, dx && dw && gemm_dtype() == GemmDtype::kBf16 ? (M - 1) * ldy + w.rows : 0);
   const GemmOperand& dyo = dyp.operand();
