@@ -5,7 +5,8 @@
 
 Each RUN_DIR holds the metrics.jsonl `deepseek train` writes; the picture
 shows each run's training lm_loss (a thin line) and eval_loss (dots joined by
-a thick line) against the step, on shared axes. Standard library only.
+a thick line, dashed after the first run) against the step, on shared axes.
+Standard library only.
 """
 import argparse
 import json
@@ -65,7 +66,8 @@ def main(argv):
         out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="0.8" opacity="0.6"/>')
         if ev:
             line = " ".join(f"{sx(s):.1f},{sy(v):.1f}" for s, v in ev)
-            out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2.5"/>')
+            dash = ' stroke-dasharray="8,4"' if n else ""  # overlapping curves stay apart
+            out.append(f'<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2.5"{dash}/>')
             out += [f'<circle cx="{sx(s):.1f}" cy="{sy(v):.1f}" r="3" fill="{c}"/>' for s, v in ev]
         last = f", eval {ev[-1][1]:.4f}" if ev else ""
         out.append(f'<text x="{W - R + 10}" y="{T + 16 + 18 * n}" fill="{c}">{label}{last}</text>')

@@ -17,30 +17,38 @@ namespace ds::ops {
 namespace {
 
 struct Format {
-  int mbits;  // mantissa bits
-  int emin;   // exponent of the smallest normal
-  float max;  // largest finite value
+  int mbits;          // mantissa bits
+  float min_normal;   // smallest normal, 2^emin
+  float quantum;      // spacing below it, 2^(emin - mbits) (exact powers of two)
+  float max;          // largest finite value
 };
 
-constexpr Format kE4m3{3, -6, 448.0f};
-constexpr Format kE5m2{2, -14, 57344.0f};
+constexpr Format kE4m3{3, 0x1p-6f, 0x1p-9f, 448.0f};
+constexpr Format kE5m2{2, 0x1p-14f, 0x1p-16f, 57344.0f};
 
 const Format& format(Fp8Kind k) { return k == Fp8Kind::kE4m3 ? kE4m3 : kE5m2; }
 
-float bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+// bf16_to_f32(f32_to_bf16(x)) inline: to nearest even, NaN kept.
+inline float bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return x;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
 
 // Nearest value of the format, ties to even, saturating (NaN stays NaN).
 // Normals keep mbits of float32's 23 mantissa bits (rounded on the bits:
 // adding half the dropped quantum minus one, plus the kept last bit, rounds
 // ties to even); below the smallest normal the quantum is fixed and the
 // scaling by it is exact.
-float round_to(float x, const Format& f) {
+inline float round_to(float x, const Format& f) {
   const float a = std::fabs(x);
   if (!(a <= f.max)) return std::isnan(x) ? x : std::copysign(f.max, x);
   float v;
-  if (a < std::ldexp(1.0f, f.emin)) {
-    const int qexp = f.emin - f.mbits;
-    v = std::ldexp(std::nearbyint(std::ldexp(a, -qexp)), qexp);
+  if (a < f.min_normal) {
+    v = std::nearbyint(a / f.quantum) * f.quantum;
   } else {
     uint32_t u;
     std::memcpy(&u, &a, 4);
@@ -60,7 +68,7 @@ float scale_of(float absmax, const Format& f, bool use_bf16) {
   return s < std::sqrt(FLT_MIN) ? 1.0f : s;
 }
 
-float quantize(float x, float scale, const Format& f, bool use_bf16) {
+inline float quantize(float x, float scale, const Format& f, bool use_bf16) {
   float t = (use_bf16 ? bf16(x) : x) / scale;
   if (use_bf16) t = bf16(t);
   return round_to(std::clamp(t, -f.max, f.max), f);
