@@ -91,13 +91,13 @@ std::vector<float> run_bf16(const Case& t, const Operands& o) {
   return out;
 }
 
-// Shapes: tiny (the sgemm path on every CPU), projection-sized ones cut into
-// several blocks (oneDNN's bf16 matmul where the CPU has it), edge blocks,
-// every transpose, alpha and beta, padded leading dimensions.
+// Shapes: tiny (the sgemm path on every CPU), projection-sized ones (oneDNN's
+// bf16 matmul where the CPU has it), the last one cut into several blocks,
+// edge blocks, every transpose, alpha and beta, padded leading dimensions.
 const Case kCases[] = {{3, 5, 7, false, false, 1.0f, 0.0f, 0},        {40, 24, 64, false, true, 1.0f, 0.0f, 3},
                        {300, 520, 96, false, true, 1.0f, 0.0f, 0},    {257, 130, 200, true, false, 1.0f, 1.0f, 5},
                        {96, 1100, 48, false, false, 0.125f, 0.0f, 0}, {130, 70, 300, true, true, 1.0f, 1.0f, 1},
-                       {64, 64, 1000, false, true, 2.0f, 0.5f, 0}};
+                       {64, 64, 1000, false, true, 2.0f, 0.5f, 0},    {384, 640, 256, false, true, 1.0f, 0.0f, 0}};
 
 class GemmBf16Paths : public ::testing::TestWithParam<bool> {
  protected:

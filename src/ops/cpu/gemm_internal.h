@@ -13,7 +13,10 @@ namespace ds::ops::detail {
 // The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
 // alone: each block is one single-threaded kernel call, the threads share out
 // the blocks, and no block cuts the reduction over K.
-std::pair<int64_t, int64_t> gemm_block_shape(int64_t M, int64_t N, int64_t K);
+// min_blocks and min_split_work (0: the float32 path's 8 and 2^21) set how
+// far a product is cut.
+std::pair<int64_t, int64_t> gemm_block_shape(int64_t M, int64_t N, int64_t K, int64_t min_blocks = 0,
+                                             double min_split_work = 0);
 
 // float32 operands on oneDNN's sgemm.
 void gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,

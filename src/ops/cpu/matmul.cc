@@ -54,11 +54,14 @@ int64_t block_edge(int64_t n, int64_t max_block) {
 
 // The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
 // alone (see gemm).
-std::pair<int64_t, int64_t> detail::gemm_block_shape(int64_t M, int64_t N, int64_t K) {
-  if (static_cast<double>(M) * N * K < kMinSplitWork) return {M, N};
+std::pair<int64_t, int64_t> detail::gemm_block_shape(int64_t M, int64_t N, int64_t K, int64_t min_blocks,
+                                                     double min_split_work) {
+  if (min_blocks == 0) min_blocks = kMinBlocks;
+  if (min_split_work == 0) min_split_work = kMinSplitWork;
+  if (static_cast<double>(M) * N * K < min_split_work) return {M, N};
   int64_t bm = block_edge(M, kBlockRows), bn = block_edge(N, kBlockCols);
-  while (((M + bm - 1) / bm) * ((N + bn - 1) / bn) < kMinBlocks &&
-         static_cast<double>(bm) * bn * K >= 2 * kMinSplitWork) {
+  while (((M + bm - 1) / bm) * ((N + bn - 1) / bn) < min_blocks &&
+         static_cast<double>(bm) * bn * K >= 2 * min_split_work) {
     // Halve the longer edge (columns count double: they are the fast
     // dimension of C and of the packed panels).
     const bool cols = bn >= 2 * bm ? bn > 64 : bm <= 32;
