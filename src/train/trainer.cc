@@ -440,6 +440,11 @@ void Trainer::set_up_loss() {
                ops::bf16_dot_products() ? "on the CPU's bf16 dot products (AVX512-BF16)"
                                         : "in float32 arithmetic (this CPU has no bf16 dot products, or "
                                           "DEEPSEEK_MAX_CPU_ISA forbids them): float32 speed");
+  if (lead_ && !tc_.quantization.empty())
+    fmt::print(stderr,
+               "quantization={}: linear layers on fp8 operands (e4m3 forward, e5m2 gradients, a scale per channel), "
+               "simulated with {} sums\n",
+               tc_.quantization, tc_.dtype);
 
   const int64_t GA = tc_.gradient_accumulation_steps;
   flops_ = family_->step_flops(tc_.per_device_batch_size, tc_.max_target_length, GA);

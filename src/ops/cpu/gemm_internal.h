@@ -3,12 +3,28 @@
 // > 0, leading dimensions large enough).
 #pragma once
 
+#include <omp.h>
+
 #include <cstdint>
 #include <utility>
 
 #include "ops/matmul.h"
 
 namespace ds::ops::detail {
+
+// Limits the calling thread's OpenMP team to one thread while alive: oneDNN
+// threads a call over omp_get_max_threads(), and each block is one thread's.
+class SingleThreaded {
+ public:
+  SingleThreaded() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~SingleThreaded() { omp_set_num_threads(saved_); }
+  SingleThreaded(const SingleThreaded&) = delete;
+  SingleThreaded& operator=(const SingleThreaded&) = delete;
+
+ private:
+  int saved_;
+};
+
 
 // The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
 // alone: each block is one single-threaded kernel call, the threads share out

@@ -17,18 +17,6 @@ namespace ds::ops {
 
 namespace {
 
-// Limits the calling thread's OpenMP team to one thread while alive.
-class SingleThreaded {
- public:
-  SingleThreaded() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~SingleThreaded() { omp_set_num_threads(saved_); }
-  SingleThreaded(const SingleThreaded&) = delete;
-  SingleThreaded& operator=(const SingleThreaded&) = delete;
-
- private:
-  int saved_;
-};
-
 // Below this many multiply-adds a product is one block (~20 us of work on
 // one core): not worth sharing out.
 constexpr double kMinSplitWork = 1 << 21;
@@ -131,7 +119,7 @@ void detail::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
       const int64_t m1 = std::min(M, m0 + bm), n1 = std::min(N, n0 + bn);
       const float* Ab = A + (trans_a ? m0 : m0 * lda);
       const float* Bb = B + (trans_b ? n0 * ldb : n0);
-      SingleThreaded one;
+      detail::SingleThreaded one;
       const dnnl_status_t s =
           sgemm(trans_a, trans_b, m1 - m0, n1 - n0, K, alpha, Ab, lda, Bb, ldb, beta, C + m0 * ldc + n0, ldc);
       if (s != dnnl_success) {
@@ -143,7 +131,7 @@ void detail::gemm_f32(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t 
     // One block: oneDNN may thread it, but a product this small or this thin
     // (a matrix-vector product) would have its reduction over K cut into
     // per-thread pieces, so it runs on one thread.
-    SingleThreaded one;
+    detail::SingleThreaded one;
     st = sgemm(trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
   DS_CHECK(st == dnnl_success, "gemm: oneDNN sgemm failed with status {} (M={} N={} K={})", static_cast<int>(st), M, N,

@@ -41,19 +41,6 @@ std::atomic<double> g_min_primitive_work{1 << 21};
 // (Zen 5, 2 threads) 2^23 ran 5-8% faster than 2^21, 2^24 slower again.
 constexpr double kMinBlockWork = 1 << 23;
 
-// Limits the calling thread's OpenMP team to one thread while alive (oneDNN
-// threads a primitive over omp_get_max_threads()).
-class SingleThreaded {
- public:
-  SingleThreaded() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
-  ~SingleThreaded() { omp_set_num_threads(saved_); }
-  SingleThreaded(const SingleThreaded&) = delete;
-  SingleThreaded& operator=(const SingleThreaded&) = delete;
-
- private:
-  int saved_;
-};
-
 // One row of cols elements rounded to the nearest bf16: as bf16 codes
 // (T = uint16_t) or as their float32 values (T = float).
 template <typename T>
