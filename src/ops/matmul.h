@@ -81,7 +81,8 @@ struct GemmOperand {
 // the matrix rounded to bf16 (codes where the CPU has bf16 dot products,
 // float32 values elsewhere) in the same layout, so an element offset into
 // the source is the same offset into operand(). Make it where gemm_dtype()
-// is the one the products run under, outside any parallel region.
+// is the one the products run under; inside a parallel region it converts
+// on the calling thread alone.
 class PreparedOperand {
  public:
   // The n elements at src (a whole matrix, leading dimension included).

@@ -25,7 +25,6 @@ class SingleThreaded {
   int saved_;
 };
 
-
 // The edges {rows, cols} of the blocks C [M, N] is cut into, from the shape
 // alone: each block is one single-threaded kernel call, the threads share out
 // the blocks, and no block cuts the reduction over K.

@@ -13,8 +13,11 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstdint>
 #include <cstring>
 #include <dnnl.hpp>
+#include <exception>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -187,8 +190,11 @@ std::atomic<const WeightCopy*> g_weights{nullptr};
 // matrix [rows, cols] (leading dimension ld) lies inside the weights.
 GemmOperand in_weights(const GemmOperand& x, int64_t rows, int64_t cols, int64_t ld) {
   const WeightCopy* w = g_weights.load(std::memory_order_acquire);
-  if (!w || !x.f32 || x.rounded || x.f32 < w->base) return x;
-  const int64_t off = x.f32 - w->base;
+  if (!w || !x.f32 || x.rounded) return x;
+  // (Addresses compared as integers: x need not point into the weights.)
+  const auto at = reinterpret_cast<uintptr_t>(x.f32), base = reinterpret_cast<uintptr_t>(w->base);
+  if (at < base || (at - base) % sizeof(float) != 0) return x;
+  const int64_t off = static_cast<int64_t>((at - base) / sizeof(float));
   return off + (rows - 1) * ld + cols <= w->n ? w->copy + off : x;
 }
 
@@ -237,19 +243,12 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
   const auto run = [&](int64_t blk) {
     const int64_t m0 = blk / gn * bm, n0 = blk % gn * bn;
     const int64_t m1 = std::min(M, m0 + bm), n1 = std::min(N, n0 + bn);
-    const PrimitiveKey key{m1 - m0,
-                           n1 - n0,
-                           K,
-                           a.ld,
-                           b.ld,
-                           ldc,
-                           trans_a,
-                           trans_b,
-                           std::bit_cast<uint32_t>(alpha),
-                           std::bit_cast<uint32_t>(beta)};
+    PrimitiveKey key{m1 - m0, n1 - n0, K, a.ld, b.ld, ldc, trans_a, trans_b, 0, 0};
+    key.alpha = std::bit_cast<uint32_t>(alpha);
+    key.beta = std::bit_cast<uint32_t>(beta);
     try {
       run_block(key, a.data + (trans_a ? m0 : m0 * a.ld), b.data + (trans_b ? n0 * b.ld : n0), C + m0 * ldc + n0);
-    } catch (const dnnl::error& e) {
+    } catch (const std::exception& e) {  // (no exception may leave the parallel region)
 #pragma omp critical(ds_gemm_bf16_failure)
       failure = e.what();
     }
@@ -261,7 +260,7 @@ void gemm_bf16(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, floa
     // (No region: inside one, even a one-thread region costs libgomp a team.)
     for (int64_t blk = 0; blk < gm * gn; ++blk) run(blk);
   }
-  DS_CHECK(failure.empty(), "gemm: oneDNN's bf16 matmul failed (M={} N={} K={}): {}", M, N, K, failure);
+  DS_CHECK(failure.empty(), "gemm: the bf16 matmul failed (M={} N={} K={}): {}", M, N, K, failure);
 }
 
 }  // namespace ds::ops::detail
