@@ -160,5 +160,11 @@ printf 'hf_config: %s/config.json\nload_parameters_path: %s\n' "$v32" "$v32" >"$
   base_output_directory="$tmp/runs" run_name=v32 indexer_sparse_training=true indexer_loss_scaling_factor=0.01 \
   >/dev/null 2>"$tmp/v32.err"
 check '[ $? -eq 0 ] && [ -n "$(metric v32 indexer_loss 2)" ]' "the sparse stage from an fp8 V3.2 folder ($(tail -1 "$tmp/v32.err"))"
+# The same in bf16 with fp8_full (the indexer itself stays float32).
+"$bin" --threads 2 train "$tmp/v32.yml" dataset_type=synthetic max_target_length=64 per_device_batch_size=2 steps=2 \
+  base_output_directory="$tmp/runs" run_name=v32q indexer_sparse_training=true indexer_loss_scaling_factor=0.01 \
+  dtype=bfloat16 quantization=fp8_full >/dev/null 2>"$tmp/v32q.err"
+check '[ $? -eq 0 ] && [ -n "$(metric v32q indexer_loss 2)" ] && grep -q "\"quantization\":\"fp8_full\"" "$tmp/runs/v32q/metrics.jsonl"' \
+  "the sparse stage in bf16 with fp8_full ($(tail -1 "$tmp/v32q.err"))"
 
 exit $fail
