@@ -28,19 +28,18 @@ namespace {
 constexpr int32_t kEos = 286;                     // the tiny tokenizer's <｜end▁of▁sentence｜>
 constexpr int32_t kUser = 292, kAssistant = 293;  // added below
 
+// One entry of a tokenizer.json's added_tokens: `content` as token `id`.
+json added_token(int id, const std::string& content) {
+  return {{"id", id},        {"content", content},  {"single_word", false}, {"lstrip", false},
+          {"rstrip", false}, {"normalized", false}, {"special", false}};
+}
+
 // The tiny test tokenizer with DeepSeek's two chat tokens added.
 std::string chat_tokenizer_json() {
   std::ifstream in(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json");
   json t = json::parse(in);
-  for (const auto& [id, content] :
-       std::vector<std::pair<int, std::string>>{{kUser, "<｜User｜>"}, {kAssistant, "<｜Assistant｜>"}})
-    t["added_tokens"].push_back({{"id", id},
-                                 {"content", content},
-                                 {"single_word", false},
-                                 {"lstrip", false},
-                                 {"rstrip", false},
-                                 {"normalized", false},
-                                 {"special", false}});
+  t["added_tokens"].push_back(added_token(kUser, "<｜User｜>"));
+  t["added_tokens"].push_back(added_token(kAssistant, "<｜Assistant｜>"));
   return t.dump();
 }
 

@@ -35,13 +35,7 @@ const std::vector<std::string> kMarkers = {"<think>",
 std::string tools_tokenizer_json(size_t markers = kMarkers.size()) {
   json t = json::parse(chat_tokenizer_json());
   for (size_t i = 0; i < markers; ++i)
-    t["added_tokens"].push_back({{"id", kThink + static_cast<int32_t>(i)},
-                                 {"content", kMarkers[i]},
-                                 {"single_word", false},
-                                 {"lstrip", false},
-                                 {"rstrip", false},
-                                 {"normalized", false},
-                                 {"special", false}});
+    t["added_tokens"].push_back(added_token(kThink + static_cast<int>(i), kMarkers[i]));
   return t.dump();
 }
 

@@ -281,7 +281,6 @@ void indexer_train_forward(IndexerActs& a, const float* x, const float* mla_q, c
   const ModelConfig& c = *s.cfg;
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
   DS_CHECK(Hi > 0, "indexer_train_forward: the model has no indexer");
-  const ops::ScopedFloat32Products f32;  // the indexer stays float32 (layer.cc)
   a.k_lin.resize(N * Di);
   a.k.resize(N * Di);
   a.q.resize(N * Hi * Di);
@@ -304,7 +303,6 @@ void indexer_train_backward(IndexerParams<float*>& g, const float* dq, const flo
                             int64_t N) {
   const ModelConfig& c = *s.cfg;
   const int64_t Hi = c.index_n_heads, Di = c.index_head_dim, rope = c.qk_rope_head_dim;
-  const ops::ScopedFloat32Products f32;  // the indexer stays float32 (layer.cc)
   // Head weights.
   Buffer<float> t(N * Hi);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Hi * Di)));
