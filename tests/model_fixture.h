@@ -84,6 +84,16 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
       case model::ParamRole::MhcScale:
         add(info.name, info.shape, 0.3f, 0.8f);
         break;
+      // Engram: a table of order-1 rows, a conv that is not zero.
+      case model::ParamRole::EngramTable:
+        add(info.name, info.shape, 1.0f);
+        break;
+      case model::ParamRole::EngramConv:
+        add(info.name, info.shape, 0.3f);
+        break;
+      case model::ParamRole::Bias:
+        add(info.name, info.shape, 0.1f);
+        break;
     }
   });
   for (const auto& e : extra) ts.push_back(e);

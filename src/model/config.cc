@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <initializer_list>
@@ -25,12 +26,40 @@ namespace {
 using json = nlohmann::json;
 using namespace json_fields;
 
+// The engram_* keys of a config.json (written by to_hf_json).
+void read_engram(ModelConfig& c, const json& j, const std::string& src) {
+  c.engram_layers = get<std::vector<int64_t>>(j, "engram_layers", src);
+  c.engram_max_ngram_size = get_or<int64_t>(j, "engram_max_ngram_size", 3, src);
+  c.engram_num_heads = get_or<int64_t>(j, "engram_num_heads", 8, src);
+  c.engram_head_dim = get<int64_t>(j, "engram_head_dim", src);
+  c.engram_vocab_bases = get<std::vector<int64_t>>(j, "engram_vocab_bases", src);
+  c.engram_kernel_size = get_or<int64_t>(j, "engram_kernel_size", 4, src);
+  c.engram_seed = get_or<int64_t>(j, "engram_seed", 0, src);
+  c.engram_pad_id = get_or<int64_t>(j, "engram_pad_id", 0, src);
+}
+
 double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
 
 }  // namespace
 
 bool ModelConfig::is_moe_layer(int64_t layer) const {
   return n_routed_experts > 0 && layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+}
+
+bool ModelConfig::has_engram(int64_t layer) const {
+  return std::find(engram_layers.begin(), engram_layers.end(), layer) != engram_layers.end();
+}
+
+EngramHashSpec ModelConfig::engram_hash_spec() const {
+  return EngramHashSpec{engram_layers,      engram_max_ngram_size, engram_num_heads, engram_vocab_bases,
+                        engram_seed,        vocab_size,            EngramHashScheme::Int32};
+}
+
+int64_t ModelConfig::engram_table_rows(int64_t layer) const {
+  const auto it = std::find(engram_layers.begin(), engram_layers.end(), layer);
+  DS_CHECK(it != engram_layers.end(), "internal: layer {} has no Engram", layer);
+  const auto tables = engram_hash_tables(engram_hash_spec());
+  return tables[static_cast<size_t>(it - engram_layers.begin())].rows;
 }
 
 double ModelConfig::softmax_scale() const {
@@ -83,6 +112,14 @@ int64_t ModelConfig::parameter_count() const {
       const int64_t k = mhc_expansion_rate, mixes = (2 + k) * k;
       add({mixes + 1, k, D}, 2);
       add({mixes + 3}, 2);
+    }
+    if (l < num_hidden_layers && has_engram(l)) {
+      // Table, key and value projections (with biases), input norm, three stream norms, conv.
+      const int64_t G = mhc_expansion_rate, in = engram_columns() * engram_head_dim;
+      add({engram_table_rows(l), engram_head_dim});
+      add({G + 1, D, in + 1});
+      add({D});
+      add({G, D, 3 + engram_kernel_size});
     }
     // Past the limit the exact total no longer matters: thousands of layers
     // need not all be counted.
@@ -212,6 +249,7 @@ void ModelConfig::validate() const {
            "config: mhc_expansion_rate {} with {} multi-token prediction layers: MTP is not defined for mHC "
            "models; set mtp_num_layers: 0",
            mhc_expansion_rate, num_nextn_predict_layers);
+  if (has_engram()) validate_engram();
   if (index_n_heads > 0) {
     positive(index_head_dim, "index_head_dim");
     positive(index_topk, "index_topk");
@@ -234,6 +272,33 @@ void ModelConfig::validate() const {
            "config: the model would have {} or more parameters, above the supported "
            "limit of {}",
            params, limits::kParameters);
+}
+
+void ModelConfig::validate_engram() const {
+  std::vector<int64_t> seen;
+  for (int64_t l : engram_layers) {
+    DS_CHECK(l >= 0 && l < num_hidden_layers, "config: engram_layers lists layer {}, outside [0, {})", l,
+             num_hidden_layers);
+    DS_CHECK(std::find(seen.begin(), seen.end(), l) == seen.end(), "config: engram_layers lists layer {} twice", l);
+    seen.push_back(l);
+  }
+  DS_CHECK(engram_max_ngram_size >= 2 && engram_max_ngram_size <= 16,
+           "config: engram_max_ngram_size must be in [2, 16], got {}", engram_max_ngram_size);
+  DS_CHECK(engram_num_heads >= 1 && engram_num_heads <= 256, "config: engram_num_heads must be in [1, 256], got {}",
+           engram_num_heads);
+  DS_CHECK(engram_head_dim >= 1 && engram_head_dim <= limits::kHeadDim,
+           "config: engram_head_dim must be in [1, {}], got {}", limits::kHeadDim, engram_head_dim);
+  DS_CHECK(engram_kernel_size >= 1 && engram_kernel_size <= 64, "config: engram_kernel_size must be in [1, 64], got {}",
+           engram_kernel_size);
+  DS_CHECK(static_cast<int64_t>(engram_vocab_bases.size()) == engram_max_ngram_size - 1,
+           "config: engram_vocab_bases needs {} entries (one per n-gram order 2..{}), got {}", engram_max_ngram_size - 1,
+           engram_max_ngram_size, engram_vocab_bases.size());
+  for (int64_t b : engram_vocab_bases)
+    DS_CHECK(b >= 1 && b <= (int64_t{1} << 30), "config: engram_vocab_bases entry {} outside [1, 2^30]", b);
+  DS_CHECK(engram_seed >= 0 && engram_seed <= (int64_t{1} << 40), "config: engram_seed {} outside [0, 2^40]",
+           engram_seed);
+  DS_CHECK(engram_pad_id >= 0 && engram_pad_id < vocab_size, "config: engram_pad_id {} outside the vocabulary of {}",
+           engram_pad_id, vocab_size);
 }
 
 ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::string& src) {
@@ -317,6 +382,7 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   }
   c.mhc_expansion_rate = get_or<int64_t>(j, "mhc_expansion_rate", 1, src);
   c.mhc_sinkhorn_iterations = get_or<int64_t>(j, "mhc_sinkhorn_iterations", 20, src);
+  if (j.contains("engram_layers")) read_engram(c, j, src);
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
     std::tie(c.fp8_block_rows, c.fp8_block_cols) =
@@ -383,6 +449,16 @@ const std::map<std::string, Setter>& yaml_keys() {
       DS_INT("indexer_topk", index_topk),
       DS_INT("mhc_expansion_rate", mhc_expansion_rate),
       DS_INT("sinkhorn_iterations", mhc_sinkhorn_iterations),
+      DS_INT("engram_max_ngram_size", engram_max_ngram_size),
+      DS_INT("engram_num_heads", engram_num_heads),
+      DS_INT("engram_head_dim", engram_head_dim),
+      DS_INT("engram_kernel_size", engram_kernel_size),
+      DS_INT("engram_seed", engram_seed),
+      DS_INT("engram_pad_id", engram_pad_id),
+      {"engram_layers",
+       [](ModelConfig& c, const YAML::Node& n) { c.engram_layers = n.as<std::vector<int64_t>>(); }},
+      {"engram_vocab_bases",
+       [](ModelConfig& c, const YAML::Node& n) { c.engram_vocab_bases = n.as<std::vector<int64_t>>(); }},
 #undef DS_INT
 #undef DS_DBL
 #undef DS_BOOL

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "model/engram_hash.h"
+
 namespace ds::model {
 
 enum class TopkMethod { NoauxTc, GroupLimitedGreedy, Greedy };
@@ -76,18 +78,42 @@ struct ModelConfig {
   // mhc_expansion_rate, mhc_sinkhorn_iterations (written only when k > 1).
   int64_t mhc_expansion_rate = 1;
   int64_t mhc_sinkhorn_iterations = 20;
+  // Engram (model/engram.h) before the attention of each layer listed in
+  // engram_layers (MaxText's keys; empty: none): 2..N-grams
+  // (engram_max_ngram_size N) hashed by engram_num_heads heads each into
+  // tables of engram_head_dim columns whose sizes are primes from
+  // engram_vocab_bases (one per order); a short conv of engram_kernel_size
+  // taps. The hash multipliers come from engram_seed (MaxText's int32
+  // scheme), over the token ids themselves (the compressed vocabulary is the
+  // vocabulary); positions before a sequence read engram_pad_id.
+  std::vector<int64_t> engram_layers;
+  int64_t engram_max_ngram_size = 3;
+  int64_t engram_num_heads = 8;
+  int64_t engram_head_dim = 0;
+  std::vector<int64_t> engram_vocab_bases;
+  int64_t engram_kernel_size = 4;
+  int64_t engram_seed = 0;
+  int64_t engram_pad_id = 0;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool has_mhc() const { return mhc_expansion_rate > 1; }
   // Floats of one token's residual between layers: k streams of hidden_size.
   int64_t residual_width() const { return mhc_expansion_rate * hidden_size; }
   bool is_moe_layer(int64_t layer) const;
+  bool has_engram() const { return !engram_layers.empty(); }
+  bool has_engram(int64_t layer) const;
+  // Engram's hash columns per token: (N - 1) orders times the heads.
+  int64_t engram_columns() const { return (engram_max_ngram_size - 1) * engram_num_heads; }
+  EngramHashSpec engram_hash_spec() const;
+  // Rows of layer `layer`'s Engram table (the sum of its primes).
+  int64_t engram_table_rows(int64_t layer) const;
   // (qk_nope + qk_rope)^-0.5, times mscale^2 when YaRN is active.
   double softmax_scale() const;
   // Throws ds::Error naming the first impossible or unsupported value,
   // including sizes above generous upper bounds (so no crafted config reaches
   // an allocation or a kernel with a size that overflows).
   void validate() const;
+  void validate_engram() const;  // validate()'s part for the engram_* keys
   // Weights of the checkpoint this config describes (MTP layers included),
   // with checked arithmetic; ds::Error if it overflows. Stops counting once
   // the total is past the supported limit.

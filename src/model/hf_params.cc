@@ -68,7 +68,12 @@ void init_params(const ModelConfig& cfg, int64_t mtp, FlatParams& params, uint64
           case ParamRole::RoutingBias:
           case ParamRole::NormBias:
           case ParamRole::MhcBias:
+          case ParamRole::Bias:
+          case ParamRole::EngramConv:  // MaxText's: Engram's output is its gated value at first
             std::fill(x, x + i.numel(), 0.0f);
+            break;
+          case ParamRole::EngramTable:  // MaxText's embedding init, N(0, 1 / D_head), whatever `std` is
+            fill_normal(x, i.numel(), engram_table_std(i), seed, stream++);
             break;
           case ParamRole::MhcScale:
             std::fill(x, x + i.numel(), kMhcScaleInit);

@@ -76,6 +76,16 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
     j["mhc_expansion_rate"] = c.mhc_expansion_rate;
     j["mhc_sinkhorn_iterations"] = c.mhc_sinkhorn_iterations;
   }
+  if (c.has_engram()) {
+    j["engram_layers"] = c.engram_layers;
+    j["engram_max_ngram_size"] = c.engram_max_ngram_size;
+    j["engram_num_heads"] = c.engram_num_heads;
+    j["engram_head_dim"] = c.engram_head_dim;
+    j["engram_vocab_bases"] = c.engram_vocab_bases;
+    j["engram_kernel_size"] = c.engram_kernel_size;
+    j["engram_seed"] = c.engram_seed;
+    j["engram_pad_id"] = c.engram_pad_id;
+  }
   if (c.fp8_block_rows > 0)
     j["quantization_config"] = {{"quant_method", "fp8"},
                                 {"fmt", "e4m3"},
@@ -83,6 +93,10 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
                                 {"weight_block_size", {c.fp8_block_rows, c.fp8_block_cols}}};
   j["torch_dtype"] = "bfloat16";
   return j;
+}
+
+float engram_table_std(const ParamInfo& t) {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(t.shape[1])));
 }
 
 float mhc_fn_std(const ParamInfo& fn) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(fn.shape[1]))); }
@@ -152,6 +166,18 @@ void write_random_checkpoint(const ModelConfig& cfg, const std::string& dir, con
       case ParamRole::RoutingBias:
         ts.emplace_back(info.name, Tensor::zeros(info.shape, DType::F32));
         break;
+      case ParamRole::Bias:
+      case ParamRole::EngramConv: {
+        Tensor z = Tensor::zeros(info.shape, DType::F32);
+        ts.emplace_back(info.name, plain == DType::F32 ? z : z.to(plain));
+        break;
+      }
+      case ParamRole::EngramTable: {
+        Tensor t = Tensor::empty(info.shape, DType::F32);
+        fill_normal(t.data<float>(), t.numel(), engram_table_std(info), opt.seed, stream++);
+        ts.emplace_back(info.name, plain == DType::F32 ? t : t.to(plain));
+        break;
+      }
       case ParamRole::NormBias: {
         Tensor z = Tensor::zeros(info.shape, DType::F32);
         ts.emplace_back(info.name, plain == DType::F32 ? z : z.to(plain));

@@ -31,6 +31,8 @@ struct InitOptions {
 // fan_in = k d (its columns), the biases 0, the norm scale 1.
 inline constexpr float kMhcScaleInit = 0.01f;
 float mhc_fn_std(const ParamInfo& fn);
+// MaxText's Engram table initialisation, N(0, 1 / D_head) (D_head its columns).
+float engram_table_std(const ParamInfo& table);
 
 // Makes DIR (if missing) ready to receive config.json and model.safetensors:
 // ds::Error, prefixed with `who`, if it cannot be created or already holds

@@ -32,6 +32,9 @@ enum class ParamRole {
   MhcMatrix,    // mHC fn: the pre / post / res projections of the normed streams
   MhcBias,      // mHC base: the mixes' biases (start at 0)
   MhcScale,     // mHC scale: one factor per mix kind (start at 0.01)
+  EngramTable,  // Engram's n-gram embedding table: N(0, 1 / D_head), its gradient only at the rows looked up
+  EngramConv,   // Engram's depthwise conv kernel (starts at 0)
+  Bias,         // a linear layer's bias (Engram's key and value projections; start at 0)
   Untrained,    // held fixed by the trainer: DeepSeek-V4's token -> experts table (hash routing), and its
                 // lightning indexer, which no loss of this trainer trains
 };
@@ -85,6 +88,17 @@ struct MhcParams {
   T norm{}, fn{}, base{}, scale{};
 };
 
+// Engram (model/engram.h) before the attention of the layers in
+// engram_layers, for G = mhc_expansion_rate streams of D, C hash columns of
+// D_head: the input norm [D] (engram_layernorm), the table [rows, D_head],
+// key_proj [G D, C D_head] and its bias [G D], value_proj [D, C D_head] and
+// its bias [D], the per-stream norms q_norm, k_norm, short_conv.norm [G D]
+// and the conv kernel [K, G D].
+template <class T>
+struct EngramParams {
+  T norm{}, table{}, key{}, key_bias{}, value{}, value_bias{}, q_norm{}, k_norm{}, conv_norm{}, conv{};
+};
+
 template <class T>
 struct LayerParams {
   T input_norm{}, post_attention_norm{};
@@ -92,6 +106,7 @@ struct LayerParams {
   MlpParams<T> mlp;  // dense layers
   MoeParams<T> moe;  // MoE layers
   MhcParams<T> mhc_attn, mhc_mlp;  // mhc_expansion_rate > 1
+  EngramParams<T> engram;          // layers in engram_layers
 };
 
 // A multi-token prediction depth, as Hugging Face checkpoints store it under
@@ -193,6 +208,20 @@ void visit_layer(const ModelConfig& c, int64_t l, F& f, Layer&... L) {
   if (c.has_mhc()) {
     visit_mhc(p + ".mhc_attention", l, c, f, L.mhc_attn...);
     visit_mhc(p + ".mhc_mlp", l, c, f, L.mhc_mlp...);
+  }
+  if (c.has_engram(l)) {
+    const int64_t GD = c.residual_width(), in = c.engram_columns() * c.engram_head_dim;
+    f(info(".engram_layernorm.weight", {D}, ParamRole::Norm), L.engram.norm...);
+    f(info(".engram.embedding.weight", {c.engram_table_rows(l), c.engram_head_dim}, ParamRole::EngramTable),
+      L.engram.table...);
+    f(info(".engram.key_proj.weight", {GD, in}, ParamRole::Projection), L.engram.key...);
+    f(info(".engram.key_proj.bias", {GD}, ParamRole::Bias), L.engram.key_bias...);
+    f(info(".engram.value_proj.weight", {D, in}, ParamRole::Projection), L.engram.value...);
+    f(info(".engram.value_proj.bias", {D}, ParamRole::Bias), L.engram.value_bias...);
+    f(info(".engram.q_norm.weight", {GD}, ParamRole::Norm), L.engram.q_norm...);
+    f(info(".engram.k_norm.weight", {GD}, ParamRole::Norm), L.engram.k_norm...);
+    f(info(".engram.short_conv.norm.weight", {GD}, ParamRole::Norm), L.engram.conv_norm...);
+    f(info(".engram.short_conv.weight", {c.engram_kernel_size, GD}, ParamRole::EngramConv), L.engram.conv...);
   }
 }
 
