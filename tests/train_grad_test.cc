@@ -153,6 +153,19 @@ TEST(TrainGrad, MhcFourStreamsMatchesTheFloat64Reference) {
   EXPECT_EQ(load("v3_mhc_iters20").cfg.mhc_sinkhorn_iterations, 20);
 }
 
+// MaxText's Engram before the attention of both layers of a two-stream mHC
+// model and of one layer of a plain model: its tables (only the rows looked
+// up get gradient), projections, norms and conv against float64 autograd.
+TEST(TrainGrad, EngramMatchesTheFloat64Reference) {
+  for (const char* name : {"v3_engram", "v3_engram_plain"}) {
+    const double worst = check_against_reference(name, 3e-5);
+    std::printf("%s: largest gradient error relative to its tensor's largest entry %.2e\n", name, worst);
+  }
+  const Fixture f = load("v3_engram");
+  EXPECT_EQ(f.cfg.engram_layers, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(f.cfg.mhc_expansion_rate, 2);
+}
+
 // Central differences of the engine's own loss, in float32 (loss summed in
 // double), on the largest-gradient entry of every tensor.
 void check_finite_differences(const std::string& name, int64_t min_checked) {
@@ -186,6 +199,7 @@ void check_finite_differences(const std::string& name, int64_t min_checked) {
 
 TEST(TrainGrad, FiniteDifferencesOfTheEngineLossAgree) { check_finite_differences("v3_packed", 40); }
 TEST(TrainGrad, FiniteDifferencesOfTheMhcEngineLossAgree) { check_finite_differences("v3_mhc", 30); }
+TEST(TrainGrad, FiniteDifferencesOfTheEngramEngineLossAgree) { check_finite_differences("v3_engram", 30); }
 
 // Every remat policy (and each residual kept alone) gives the same gradients
 // bit for bit; `full` keeps only each layer's input (k streams with mHC).
@@ -216,9 +230,10 @@ void check_remat_policies(const std::string& name) {
 
 TEST(TrainGrad, GradientsAreBitwiseTheSameUnderEveryRematPolicy) { check_remat_policies("v3_packed"); }
 TEST(TrainGrad, MhcGradientsAreBitwiseTheSameUnderEveryRematPolicy) { check_remat_policies("v3_mhc"); }
+TEST(TrainGrad, EngramGradientsAreBitwiseTheSameUnderEveryRematPolicy) { check_remat_policies("v3_engram"); }
 
 TEST(TrainGrad, GradientsAreBitwiseTheSameForAnyThreadCount) {
-  for (const char* name : {"v3_packed", "v3_mhc"}) {
+  for (const char* name : {"v3_packed", "v3_mhc", "v3_engram"}) {
     SCOPED_TRACE(name);
     Fixture f = load(name);
     test::expect_same_for_any_thread_count([&] { return run(f, RematPolicy::from_name("minimal")).grads; });
@@ -249,7 +264,7 @@ TEST(TrainGrad, BadPoliciesAndBatchesAreErrors) {
 // fixture has padding, several documents per row, MTP, z-loss and the
 // balance loss, whose normalizers all differ between the shards.
 TEST(TrainGrad, RowShardsAddUpToTheWholeBatch) {
-  for (const char* name : {"v3_packed", "v3_mhc"}) {
+  for (const char* name : {"v3_packed", "v3_mhc", "v3_engram"}) {
     SCOPED_TRACE(name);
     Fixture f = load(name);
     ASSERT_GE(f.batch.batch, 2);

@@ -1,6 +1,7 @@
 #include "infer/engine.h"
 
 #include <algorithm>
+#include <deque>
 #include <cstring>
 #include <limits>
 
@@ -51,6 +52,24 @@ struct Batch {
 class CacheAttention : public model::KvAttention {
  public:
   CacheAttention(Engine& e, KvCache& cache, const Batch& b) : e_(e), cache_(cache), b_(b) {}
+
+  // Engram: the last history() conv input rows of a sequence (zeros before
+  // its start), and the new tokens' rows appended.
+  const float* engram_history(int64_t layer, int64_t i) override {
+    const SequenceCache& sc = cache_.seqs[static_cast<size_t>(b_.seqs[static_cast<size_t>(i)].index)];
+    const auto& rows = sc.engram[static_cast<size_t>(layer)];
+    if (rows.empty()) return nullptr;
+    const model::EngramDims& d = e_.stages_.engram;
+    const int64_t W = d.width(), have = static_cast<int64_t>(rows.size()) / W, n = std::min(have, d.history());
+    history_.emplace_back(static_cast<size_t>(d.history() * W), 0.0f);
+    std::copy(rows.end() - n * W, rows.end(), history_.back().end() - n * W);
+    return history_.back().data();
+  }
+  void engram_keep(int64_t layer, int64_t i, const float* rows, int64_t count) override {
+    SequenceCache& sc = cache_.seqs[static_cast<size_t>(b_.seqs[static_cast<size_t>(i)].index)];
+    auto& kept = sc.engram[static_cast<size_t>(layer)];
+    kept.insert(kept.end(), rows, rows + count * e_.stages_.engram.width());
+  }
 
   void attend(float* ctx, int64_t layer, const model::AttentionInputs& in,
               const model::AttentionParams<ops::WeightView>& a, const model::StageConfig& s) override {
@@ -352,6 +371,7 @@ class CacheAttention : public model::KvAttention {
   Engine& e_;
   KvCache& cache_;
   const Batch& b_;
+  std::deque<std::vector<float>> history_;  // Engram's history rows handed out this step
 };
 
 // Multiply-adds of each form, over the T = past + n keys (causal: query j
@@ -434,7 +454,27 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   }
 
   CacheAttention attention(*this, cache, b);
-  const model::TokenLayout layout{1, N, b.pos.data(), nullptr};
+  // Engram: each sequence's rows and its last N - 1 tokens before them.
+  std::vector<model::SequenceRows> seq_rows;
+  std::vector<std::vector<int32_t>> histories;
+  if (cfg_.has_engram()) {
+    const int64_t back = cfg_.engram_max_ngram_size - 1;
+    histories.reserve(b.seqs.size());  // the rows point into them
+    for (const auto& q : b.seqs) {
+      const auto& past = cache.seqs[static_cast<size_t>(q.index)].tokens;
+      const int64_t have = static_cast<int64_t>(past.size());
+      if (have == 0) {
+        seq_rows.push_back({q.row0, q.count, nullptr});
+        continue;
+      }
+      std::vector<int32_t> h(static_cast<size_t>(back), static_cast<int32_t>(cfg_.engram_pad_id));
+      for (int64_t j = 0; j < std::min(have, back); ++j) h[back - 1 - j] = past[have - 1 - j];
+      histories.push_back(std::move(h));
+      seq_rows.push_back({q.row0, q.count, histories.back().data()});
+    }
+  }
+  const model::TokenLayout layout{1, N, b.pos.data(), nullptr, b.token.data(),
+                                  cfg_.has_engram() ? &seq_rows : nullptr};
   const bool decode =
       std::all_of(b.seqs.begin(), b.seqs.end(), [](const Batch::Seq& q) { return q.count == 1 && q.past > 0; });
   const StagePhase phase(decode ? Phase::kDecode : Phase::kPrefill);
@@ -442,7 +482,11 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
     model::layer_forward(k > 1 ? streams.data() : h.data(), w_.layers[l], static_cast<int64_t>(l), stages_, layout,
                          &attention, nullptr, {});
   if (k > 1) model::mhc_reduce(h.data(), streams.data(), N, k, D);
-  for (const auto& s : b.seqs) cache.seqs[s.index].length += s.count;
+  for (const auto& s : b.seqs) {
+    SequenceCache& sc = cache.seqs[s.index];
+    sc.length += s.count;
+    if (cfg_.has_engram()) sc.tokens.insert(sc.tokens.end(), b.token.begin() + s.row0, b.token.begin() + s.row0 + s.count);
+  }
   if (hidden) hidden->assign(h.begin(), h.end());
 
   // Final norm and head on the rows that need logits.

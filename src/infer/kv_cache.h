@@ -24,7 +24,8 @@ struct SequenceCache {
         k(num_layers),
         v(num_layers),
         index_k(num_layers),
-        index_scale(num_layers) {}
+        index_scale(num_layers),
+        engram(num_layers) {}
 
   int64_t length = 0;        // tokens cached
   int64_t draft_length = 0;  // positions the MTP layer (the last layer of a drafting cache) has cached
@@ -35,6 +36,10 @@ struct SequenceCache {
   // index_head_dim] and their scales [T, ceil(index_head_dim / 128)].
   std::vector<std::vector<uint8_t>> index_k;
   std::vector<std::vector<float>> index_scale;
+  // Engram layers: the tokens so far (the n-grams' look-back) and, per
+  // layer, its conv's input rows [T, G D].
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> engram;
 };
 
 // Keeps the first `length` tokens of the layers below `layers` (a rejected
@@ -52,6 +57,8 @@ inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
   cut(s.v);
   cut(s.index_k);
   cut(s.index_scale);
+  cut(s.engram);
+  if (s.tokens.size() > static_cast<size_t>(length)) s.tokens.resize(static_cast<size_t>(length));
   s.length = length;
 }
 
@@ -66,7 +73,8 @@ struct KvCache {
     size_t n = 0;
     for (const auto& s : seqs)
       for (size_t l = 0; l < s.c_kv.size(); ++l)
-        n += (s.c_kv[l].size() + s.k_pe[l].size() + s.k[l].size() + s.v[l].size() + s.index_scale[l].size()) *
+        n += (s.c_kv[l].size() + s.k_pe[l].size() + s.k[l].size() + s.v[l].size() + s.index_scale[l].size() +
+              s.engram[l].size()) *
                  sizeof(float) +
              s.index_k[l].size();
     return n;

@@ -399,6 +399,51 @@ Staged run_layer(LayerSaved& S, Scratch& X, float* h_out, const float* h, const 
   co_return;
 }
 
+// Engram before a layer's attention: the rows' hash ids and sequences.
+struct EngramRun {
+  std::vector<int32_t> ids;  // [N, C]
+  std::vector<EngramSegment> segs;
+  EngramActs acts;
+};
+
+void engram_prepare(EngramRun& e, int64_t layer, const StageConfig& s, const TokenLayout& layout, KvAttention* kv) {
+  const ModelConfig& c = *s.cfg;
+  const int64_t N = layout.tokens(), C = c.engram_columns();
+  DS_CHECK(layout.ids, "internal: Engram layer {} without the token ids", layer);
+  const EngramLayerHash& t = s.engram_table(layer);
+  const auto pad = static_cast<int32_t>(c.engram_pad_id);
+  e.ids.resize(static_cast<size_t>(N * C));
+  e.segs.clear();
+  if (layout.sequences) {
+    const auto& seqs = *layout.sequences;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const SequenceRows& q = seqs[i];
+      engram_hash_ids(e.ids.data() + q.row0 * C, layout.ids + q.row0, 1, q.count, q.history, pad, t,
+                      c.engram_max_ngram_size, c.engram_num_heads);
+      e.segs.push_back({q.row0, q.count, kv ? kv->engram_history(layer, static_cast<int64_t>(i)) : nullptr});
+    }
+  } else {
+    engram_hash_ids(e.ids.data(), layout.ids, layout.batch, layout.seq, nullptr, pad, t, c.engram_max_ngram_size,
+                    c.engram_num_heads);
+    for (int64_t b = 0; b < layout.batch; ++b) e.segs.push_back({b * layout.seq, layout.seq, nullptr});
+  }
+}
+
+// h += Engram's output (layers in engram_layers); generation keeps the
+// conv's input rows of the new tokens in its cache.
+void engram_step(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
+                 KvAttention* kv) {
+  if (!s.cfg->has_engram(layer)) return;
+  StageTimer t(Stage::kNorm);
+  EngramRun e;
+  engram_prepare(e, layer, s, layout, kv);
+  engram_forward(h, e.ids.data(), p.engram, s.engram, e.segs, layout.tokens(), kv ? &e.acts : nullptr);
+  if (kv)
+    for (size_t i = 0; i < e.segs.size(); ++i)
+      kv->engram_keep(layer, static_cast<int64_t>(i), e.acts.n.data() + e.segs[i].row0 * s.engram.width(),
+                      e.segs[i].count);
+}
+
 // Frees what the policy does not keep.
 void drop(LayerSaved& S, const RematPolicy& keep) {
   auto drop_unless = [](Buffer<float>& b, bool kept) {
@@ -434,7 +479,8 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
   LayerSaved local;
   LayerSaved& S = saved ? *saved : local;
   S = LayerSaved{};
-  if (saved) S.decoder_layer_input.assign(h, h + N * W);
+  if (saved) S.decoder_layer_input.assign(h, h + N * W);  // before Engram: its backward recomputes it
+  engram_step(h, p, layer, s, layout, kv);
   Scratch X;
   // In place: run_layer reads h only before it writes the output.
   run_staged(run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
@@ -452,7 +498,8 @@ std::vector<TokenLayout> split_layout(const TokenLayout& layout, int64_t M) {
   const int64_t b = layout.batch / M, n = b * layout.seq;
   for (int64_t i = 0; i < M; ++i)
     parts.push_back({b, layout.seq, layout.positions ? layout.positions + i * n : nullptr,
-                     layout.segment_ids ? layout.segment_ids + i * n : nullptr});
+                     layout.segment_ids ? layout.segment_ids + i * n : nullptr, layout.ids ? layout.ids + i * n : nullptr,
+                     nullptr});
   return parts;
 }
 
@@ -470,6 +517,7 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
     float* hi = h + i * n * W;
     saved[i] = LayerSaved{};
     saved[i].decoder_layer_input.assign(hi, hi + n * W);
+    engram_step(hi, p, layer, s, parts[i], nullptr);
     tasks.push_back(
         run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss, true));
   }
@@ -521,6 +569,16 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * c.residual_width(),
            "internal: layer {} backward without its decoder_layer_input", layer);
   const float* h = S.decoder_layer_input.data();
+  // Engram: the sub-layers read its output h + o, recomputed here.
+  EngramRun engram;
+  Buffer<float> h_engram;
+  const bool has_engram = c.has_engram(layer);
+  if (has_engram) {
+    h_engram.assign(h, h + N * c.residual_width());
+    engram_prepare(engram, layer, s, layout, nullptr);
+    engram_forward(h_engram.data(), engram.ids.data(), p.engram, s.engram, engram.segs, N, &engram.acts);
+    h = h_engram.data();
+  }
   Scratch X;
   co_await run_layer(S, X, nullptr, h, p, layer, s, layout, nullptr, nullptr, nullptr, true);
   if (s.indexer_loss_weight > 0 && trains_indexer(s, layer)) {
@@ -622,6 +680,9 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
     // Input norm: dh = dh1 + norm'(dx).
     norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
   }
+  if (has_engram)  // dh, dL/d(h + o), gains Engram's share of dL/dh
+    engram_backward(dh, g.engram, dh, S.decoder_layer_input.data(), engram.ids.data(), engram.acts, p.engram,
+                    s.engram, engram.segs, N);
   S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
   co_return;
 }

@@ -28,10 +28,24 @@ namespace ds::model {
 // The tokens of one forward: `batch` rows of `seq` tokens (N = batch * seq),
 // with positions (RoPE) and segment ids (attention never crosses a segment;
 // null: one segment per row).
+// The sequences packed in a generation step's rows: sequence i's new tokens
+// are rows [row0, row0 + count), after the N - 1 tokens `history` (oldest
+// first; null: it starts here). Engram's look-backs stay within each.
+struct SequenceRows {
+  int64_t row0 = 0, count = 0;
+  const int32_t* history = nullptr;
+};
+
 struct TokenLayout {
   int64_t batch = 1, seq = 0;
   const int32_t* positions = nullptr;
   const int32_t* segment_ids = nullptr;
+  // The token ids [N]: Engram layers hash them (null in a model without).
+  const int32_t* ids = nullptr;
+  // Generation: the sequences in the rows. Null: each of the `batch` rows
+  // is a sequence from its start (as MaxText, Engram's look-backs cross
+  // the packed documents' segment ids).
+  const std::vector<SequenceRows>* sequences = nullptr;
   int64_t tokens() const { return batch * seq; }
 };
 
@@ -51,6 +65,11 @@ class KvAttention {
   virtual ~KvAttention() = default;
   virtual void attend(float* attention_out, int64_t layer, const AttentionInputs& in,
                       const AttentionParams<ops::WeightView>& p, const StageConfig& s) = 0;
+  // Engram layers: the conv input rows [history, G D] before sequence i's
+  // new tokens (oldest first; null: none yet), and the new tokens' rows
+  // [count, G D] to keep.
+  virtual const float* engram_history(int64_t layer, int64_t i) = 0;
+  virtual void engram_keep(int64_t layer, int64_t i, const float* rows, int64_t count) = 0;
 };
 
 // Everything a layer's forward produced. Named buffers are empty when not

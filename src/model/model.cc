@@ -133,7 +133,7 @@ class LossPass {
         M_(opt.batch_split_factor),
         s_(cfg),
         shard_(opt.whole.rows > 0),
-        layout_{B_, T_, b.positions.data(), b.segment_ids.data()},
+        layout_{B_, T_, b.positions.data(), b.segment_ids.data(), b.inputs.data(), nullptr},
         mhc_(cfg.has_mhc()),
         k_streams_(cfg.mhc_expansion_rate) {
     s_.task_parallel_assignments = 0;  // training: always the row-task expert schedule

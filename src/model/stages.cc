@@ -19,6 +19,13 @@
 
 namespace ds::model {
 
+const EngramLayerHash& StageConfig::engram_table(int64_t layer) const {
+  const auto& ls = cfg->engram_layers;
+  const auto it = std::find(ls.begin(), ls.end(), layer);
+  DS_CHECK(it != ls.end() && engram_tables.size() == ls.size(), "internal: layer {} has no Engram tables", layer);
+  return engram_tables[static_cast<size_t>(it - ls.begin())];
+}
+
 StageConfig::StageConfig(const ModelConfig& c) : cfg(&c) {
   ops::RopeConfig rc;
   rc.dim = c.qk_rope_head_dim;
@@ -32,6 +39,10 @@ StageConfig::StageConfig(const ModelConfig& c) : cfg(&c) {
   rope_freqs.resize(static_cast<size_t>(c.qk_rope_head_dim / 2));
   ops::rope_frequencies(rope_freqs.data(), rc);
   softmax_scale = static_cast<float>(c.softmax_scale());
+  if (c.has_engram()) {
+    engram_tables = engram_hash_tables(c.engram_hash_spec());
+    engram = engram_dims(c);
+  }
   selection.num_experts = c.n_routed_experts;
   selection.k = c.num_experts_per_tok;
   selection.n_group = c.n_group;

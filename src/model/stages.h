@@ -18,6 +18,8 @@
 
 #include "core/buffer.h"
 #include "model/config.h"
+#include "model/engram.h"
+#include "model/engram_hash.h"
 #include "model/params.h"
 #include "model/weights.h"
 #include "ops/expert_selection.h"
@@ -51,6 +53,10 @@ struct StageConfig {
   bool indexer_sparse = false;
   // Expert parallelism: moves routed rows to the ranks of their experts (null: none).
   TokenExchange* exchange = nullptr;
+  // Engram: each Engram layer's hash tables (engram_layers order) and the layer's sizes.
+  std::vector<EngramLayerHash> engram_tables;
+  EngramDims engram;
+  const EngramLayerHash& engram_table(int64_t layer) const;
 };
 
 // RMSNorm backward over a scale view: dx `=` (`+=` with accumulate_dx), the

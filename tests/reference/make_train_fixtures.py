@@ -104,7 +104,20 @@ def fixture_specs():
                q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                rope_scaling=None, n_routed_experts=4, n_group=2, topk_group=1, num_nextn_predict_layers=0,
                mhc_expansion_rate=4, mhc_sinkhorn_iterations=3)
+    # Engram before the attention of both layers of a two-stream mHC model,
+    # and of one layer of a plain-residual model: small prime tables (so that
+    # rows collide), a three-tap conv.
+    engram = dict(engram_max_ngram_size=3, engram_num_heads=2, engram_head_dim=4, engram_vocab_bases=[11, 13],
+                  engram_kernel_size=3, engram_seed=5, engram_pad_id=0)
+    engram_mhc = dict(mhc, mhc_expansion_rate=2, engram_layers=[0, 1], **engram)
+    engram_plain = dict(mhc, mhc_expansion_rate=1, engram_layers=[1], **engram)
     return [
+        {"name": "v3_engram", "config": engram_mhc, "seed": 9200, "T": 8, "docs": [[8], [3, 4]],
+         "z_loss_multiplier": 1e-3, "load_balance_loss_weight": 0.01,
+         "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0},
+        {"name": "v3_engram_plain", "config": engram_plain, "seed": 9300, "T": 8, "docs": [[6, 2], [8]],
+         "z_loss_multiplier": 0.0, "load_balance_loss_weight": 0.01,
+         "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0},
         {"name": "v3_mhc", "config": mhc, "seed": 9000, "T": 8, "docs": [[8], [3, 4]],
          "z_loss_multiplier": 1e-3, "load_balance_loss_weight": 0.01,
          "mtp_num_layers": 0, "mtp_loss_scaling_factor": 0.0},
@@ -128,6 +141,8 @@ STD_EMBED, STD_LINEAR, STD_GATE, STD_HEAD, STD_NORM, STD_BIAS = 1.0, 0.2, 0.3, 0
 # mHC: far from MaxText's initialisation (scales 0.01, biases 0), so that the
 # pre/post weights and the Sinkhorn's matrix differ from token to token.
 STD_MHC_FN, STD_MHC_BASE, MEAN_MHC_SCALE, STD_MHC_SCALE = 0.3, 0.5, 0.8, 0.3
+# Engram: a conv far from MaxText's zero initialisation, so that it matters.
+STD_ENGRAM_CONV = 0.3
 
 
 def random_tensors(cj, rng, mtp_layers):
@@ -181,6 +196,19 @@ def random_tensors(cj, rng, mtp_layers):
                 add(f"{p}.{m}.fn", ((2 + k) * k, k * D), STD_MHC_FN)
                 add(f"{p}.{m}.base", ((2 + k) * k,), STD_MHC_BASE)
                 add(f"{p}.{m}.scale", (3,), STD_MHC_SCALE, MEAN_MHC_SCALE)
+        if l in (c.raw.get("engram_layers") or []):
+            raw, GD = c.raw, k * D
+            _, primes = train_ref.engram_tables(c)[l]
+            cols = (raw["engram_max_ngram_size"] - 1) * raw["engram_num_heads"] * raw["engram_head_dim"]
+            norm(p + ".engram_layernorm.weight", D)
+            add(p + ".engram.embedding.weight", (sum(primes), raw["engram_head_dim"]), STD_EMBED)
+            add(p + ".engram.key_proj.weight", (GD, cols), STD_LINEAR)
+            add(p + ".engram.key_proj.bias", (GD,), STD_BIAS)
+            add(p + ".engram.value_proj.weight", (D, cols), STD_LINEAR)
+            add(p + ".engram.value_proj.bias", (D,), STD_BIAS)
+            for m in ("q_norm", "k_norm", "short_conv.norm"):
+                norm(f"{p}.engram.{m}.weight", GD)
+            add(p + ".engram.short_conv.weight", (raw["engram_kernel_size"], GD), STD_ENGRAM_CONV)
 
     add("model.embed_tokens.weight", (c.vocab_size, D), STD_EMBED)
     for l in range(c.num_hidden_layers):
@@ -426,12 +454,20 @@ def build(spec, root):
     else:
         raise RuntimeError(f"{spec['name']}: no seed with clear routing margins")
 
+    engram = bool(model.cfg.raw.get("engram_layers"))
     if train_ref.mhc_streams(model.cfg) > 1:
         # deepseek_ref has no mHC: its published test vectors instead.
         ldiff, lwhat = check_mhc_vectors(), "mHC test vectors (6 digits)"
+    elif engram:
+        ldiff, lwhat = float("nan"), "no deepseek_ref check (it has no Engram)"
     else:
         ldiff, lwhat = check_logits_against_inference_ref(d, model, batch), "logits vs deepseek_ref per document"
-    sums, pdiff = check_packing(model, batch)
+    if engram:
+        # Engram's n-grams run across the documents of a row (as MaxText's): packing matters.
+        model.losses({}, batch)
+        sums, pdiff = dict(model.last_sums), float("nan")
+    else:
+        sums, pdiff = check_packing(model, batch)
     t0 = time.time()
     st = fd_check(model, batch, spec["name"])
     fd_s = time.time() - t0

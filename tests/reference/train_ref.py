@@ -27,6 +27,11 @@ softmax-scale rules with deepseek_ref.py. What it adds for training:
   mixes them (see `mhc` below); after the last layer the streams are summed.
   Its Sinkhorn (mhc_sinkhorn_iterations, default 20) is differentiated through
   every iteration by autograd, like MaxText's.
+- MaxText's Engram before the attention of the layers in engram_layers (see
+  `engram` below): hashed n-grams of each row's input tokens (never reset at
+  document boundaries, as MaxText), their table rows through a gated value
+  and a short causal conv added to every stream. The hash multipliers are
+  numpy's own draws (default_rng), the primes a plain search.
 
 Routing choices (group-limited top-k over scores + e_score_correction_bias) are
 made without gradient, as integer decisions; the combine weights, computed from
@@ -116,6 +121,58 @@ def sinkhorn_v1(logits, iters):
         t = t / torch.clamp(t.sum(dim=-1, keepdim=True), min=1e-12)
         t = t / torch.clamp(t.sum(dim=-2, keepdim=True), min=1e-12)
     return t
+
+
+def is_prime(n):
+    if n < 2:
+        return False
+    d = 2
+    while d * d <= n:
+        if n % d == 0:
+            return False
+        d += 1
+    return True
+
+
+def engram_tables(cfg):
+    """{layer: (multipliers [N] int64, primes [(N - 1) H])} of MaxText's int32 scheme
+    over the config's vocabulary (the compressed vocabulary is the vocabulary)."""
+    raw = cfg.raw
+    layers = raw.get("engram_layers") or []
+    N, H = int(raw.get("engram_max_ngram_size", 3)), int(raw.get("engram_num_heads", 8))
+    bases, seed = raw["engram_vocab_bases"], int(raw.get("engram_seed", 0))
+    bound = max(1, ((2 ** 31 - 1) // cfg.vocab_size) // 2)
+    seen, out = set(), {}
+    for l in layers:
+        r = np.random.default_rng(seed + 10007 * l).integers(0, bound, size=N, dtype=np.int32)
+        primes = []
+        for n in range(N - 1):
+            start = bases[n] - 1
+            for _ in range(H):
+                q = start + 1
+                while not is_prime(q) or q in seen:
+                    q += 1
+                seen.add(q)
+                primes.append(q)
+                start = q
+        out[l] = (2 * r.astype(np.int64) + 1, primes)
+    return out
+
+
+def engram_ids(tokens, mult, primes, N, H, pad):
+    """Table rows [B, T, (N - 1) H] of each position's hashed 2..N-grams (offset per column)."""
+    B, T = tokens.shape
+    offsets = np.concatenate([[0], np.cumsum(primes)[:-1]]).astype(np.int64)
+    back = [np.concatenate([np.full((B, j), pad, np.int64), tokens[:, :T - j].astype(np.int64)], axis=1)
+            for j in range(N)]
+    acc = back[0] * mult[0]
+    ids = np.zeros((B, T, (N - 1) * H), np.int64)
+    for n in range(1, N):
+        acc = acc ^ (back[n] * mult[n])
+        for h in range(H):
+            c = (n - 1) * H + h
+            ids[:, :, c] = offsets[c] + acc % primes[c]
+    return ids
 
 
 def mhc_streams(cfg):
@@ -289,6 +346,8 @@ class _Forward:
 
     def layer(self, l, h, pos, mask):
         pre = f"model.layers.{l}."
+        if l in (self.cfg.raw.get("engram_layers") or []):
+            h = self.engram(l, h)
         ffn = (lambda x: self.moe(l, x)) if self.cfg.is_moe_layer(l) else (lambda x: self.mlp(pre + "mlp", x))
         if mhc_streams(self.cfg) > 1:
             h = self.mhc(pre + "mhc_attention", h,
@@ -296,6 +355,39 @@ class _Forward:
             return self.mhc(pre + "mhc_mlp", h, lambda u: ffn(self.norm(u, pre + "post_attention_layernorm.weight")))
         h = h + self.mla(l, self.norm(h, pre + "input_layernorm.weight"), pos, mask)
         return h + ffn(self.norm(h, pre + "post_attention_layernorm.weight"))
+
+    def engram(self, l, x):
+        """MaxText's Engram on x [B, T, k, D] (or [B, T, D] with one stream): x + o with
+        o = u + silu(conv(norm(u))), u = gate * value of the looked-up rows."""
+        raw, eps = self.cfg.raw, self.cfg.rms_norm_eps
+        N, H = int(raw.get("engram_max_ngram_size", 3)), int(raw.get("engram_num_heads", 8))
+        K = int(raw.get("engram_kernel_size", 4))
+        mult, primes = engram_tables(self.cfg)[l]
+        ids = torch.from_numpy(engram_ids(self.b["inputs"], mult, primes, N, H, int(raw.get("engram_pad_id", 0))))
+        x4 = x if x.dim() == 4 else x[:, :, None, :]
+        B, T, G, D = x4.shape
+        p = f"model.layers.{l}.engram"
+        w = lambda n: self.W(f"{p}.{n}")  # noqa: E731
+        rms = lambda v, g: v * torch.rsqrt((v * v).mean(-1, keepdim=True) + eps) * g  # noqa: E731
+        e = w("embedding.weight")[ids].reshape(B, T, -1)  # [B, T, C Dh]
+        xh = rms(x4, self.W(f"model.layers.{l}.engram_layernorm.weight"))
+        kh = rms((linear(e, w("key_proj.weight")) + w("key_proj.bias")).reshape(B, T, G, D),
+                 w("k_norm.weight").reshape(G, D))
+        qh = rms(xh, w("q_norm.weight").reshape(G, D))
+        a = (qh * kh).sum(-1) / np.sqrt(D)
+        alpha = torch.sigmoid(torch.sign(a) * torch.sqrt(torch.clamp(a.abs(), min=1e-6)))
+        v = linear(e, w("value_proj.weight")) + w("value_proj.bias")  # [B, T, D]
+        u = alpha[..., None] * v[:, :, None, :]  # [B, T, G, D]
+        n = rms(u, w("short_conv.norm.weight").reshape(G, D)).reshape(B, T, G * D)
+        conv = w("short_conv.weight")  # [K, G D]; tap r looks (K - 1 - r) N back
+        y = torch.zeros_like(n)
+        for r in range(K):
+            back = (K - 1 - r) * N
+            if back < T:
+                y = y + conv[r] * torch.cat([torch.zeros(B, back, G * D, dtype=F64), n[:, :T - back]], dim=1)
+        o = u + silu(y).reshape(B, T, G, D)
+        out = x4 + o
+        return out if x.dim() == 4 else out[:, :, 0, :]
 
     def mhc(self, p, x, branch):
         """One mHC module (tensors p.norm.weight [kD], p.fn [(2+k)k, kD], p.base [(2+k)k],
