@@ -170,6 +170,19 @@ TEST(EngramModelInit, ImpossibleConfigsAreOneLineErrors) {
       {[](nlohmann::json& j) { j["engram_max_ngram_size"] = 1; }, "engram_max_ngram_size must be in"},
       {[](nlohmann::json& j) { j["engram_pad_id"] = 96; }, "engram_pad_id 96 outside"},
       {[](nlohmann::json& j) { j["engram_vocab_bases"] = {40, -2}; }, "engram_vocab_bases entry -2"},
+      {[](nlohmann::json& j) {
+         j["engram_max_ngram_size"] = 5;
+         j["engram_num_heads"] = 200;
+         j["engram_vocab_bases"] = {40, 40, 40, 40};
+       },
+       "hash columns"},
+      {[](nlohmann::json& j) { j["engram_vocab_bases"] = {1 << 30, 40}; }, "table would have 2147483742 rows"},
+      {[](nlohmann::json& j) {
+         j["engram_vocab_bases"] = {1 << 26, 40};
+         j["engram_num_heads"] = 64;
+         j["engram_head_dim"] = 4096;
+       },
+       "would exceed the supported size"},
   };
   for (const auto& [edit, what] : cases) {
     auto j = engram_config(2);

@@ -87,6 +87,7 @@ constexpr double kMaxFloat = 1e12;
 int64_t ModelConfig::parameter_count() const {
   // Every term is checked: the caller has bounded each size, not their products.
   int64_t total = 0;
+  std::vector<EngramLayerHash> engram_tables;  // computed once, on the first Engram layer
   auto add = [&](std::initializer_list<int64_t> dims, int64_t times = 1) {
     int64_t n = times;
     for (int64_t d : dims) DS_CHECK(!__builtin_mul_overflow(n, d, &n), "config: the model's size overflows 64 bits");
@@ -116,7 +117,9 @@ int64_t ModelConfig::parameter_count() const {
     if (l < num_hidden_layers && has_engram(l)) {
       // Table, key and value projections (with biases), input norm, three stream norms, conv.
       const int64_t G = mhc_expansion_rate, in = engram_columns() * engram_head_dim;
-      add({engram_table_rows(l), engram_head_dim});
+      if (engram_tables.empty()) engram_tables = engram_hash_tables(engram_hash_spec());
+      const auto at = std::find(engram_layers.begin(), engram_layers.end(), l) - engram_layers.begin();
+      add({engram_tables[static_cast<size_t>(at)].rows, engram_head_dim});
       add({G + 1, D, in + 1});
       add({D});
       add({G, D, 3 + engram_kernel_size});
@@ -286,6 +289,10 @@ void ModelConfig::validate_engram() const {
            "config: engram_max_ngram_size must be in [2, 16], got {}", engram_max_ngram_size);
   DS_CHECK(engram_num_heads >= 1 && engram_num_heads <= 256, "config: engram_num_heads must be in [1, 256], got {}",
            engram_num_heads);
+  DS_CHECK(engram_columns() <= 512, "config: Engram's {} hash columns ((engram_max_ngram_size - 1) x "
+           "engram_num_heads) are above the supported 512", engram_columns());
+  DS_CHECK(engram_layers.size() <= 64, "config: engram_layers lists {} layers, above the supported 64",
+           engram_layers.size());
   DS_CHECK(engram_head_dim >= 1 && engram_head_dim <= limits::kHeadDim,
            "config: engram_head_dim must be in [1, {}], got {}", limits::kHeadDim, engram_head_dim);
   DS_CHECK(engram_kernel_size >= 1 && engram_kernel_size <= 64, "config: engram_kernel_size must be in [1, 64], got {}",
@@ -293,8 +300,16 @@ void ModelConfig::validate_engram() const {
   DS_CHECK(static_cast<int64_t>(engram_vocab_bases.size()) == engram_max_ngram_size - 1,
            "config: engram_vocab_bases needs {} entries (one per n-gram order 2..{}), got {}", engram_max_ngram_size - 1,
            engram_max_ngram_size, engram_vocab_bases.size());
-  for (int64_t b : engram_vocab_bases)
+  for (int64_t b : engram_vocab_bases) {
     DS_CHECK(b >= 1 && b <= (int64_t{1} << 30), "config: engram_vocab_bases entry {} outside [1, 2^30]", b);
+    // Each of the order's heads gets a prime above its base: bound the tables
+    // before any prime is searched for.
+    DS_CHECK(b * engram_head_dim * engram_num_heads * static_cast<int64_t>(engram_layers.size()) <=
+                 limits::kParameters / 2,
+             "config: Engram tables from engram_vocab_bases entry {} with {} heads of {} would exceed the supported "
+             "size",
+             b, engram_num_heads, engram_head_dim);
+  }
   DS_CHECK(engram_seed >= 0 && engram_seed <= (int64_t{1} << 40), "config: engram_seed {} outside [0, 2^40]",
            engram_seed);
   DS_CHECK(engram_pad_id >= 0 && engram_pad_id < vocab_size, "config: engram_pad_id {} outside the vocabulary of {}",

@@ -21,6 +21,10 @@ double forward_flops(const ModelConfig& c, int64_t batch, int64_t seq, int64_t h
                ffn(static_cast<double>(c.moe_intermediate_size));
     else
       w += ffn(static_cast<double>(c.intermediate_size));
+    // Engram: its key (one per stream) and value projections of the rows looked up.
+    if (l < c.num_hidden_layers && c.has_engram(l))
+      w += static_cast<double>(c.mhc_expansion_rate + 1) * D * static_cast<double>(c.engram_columns()) *
+           static_cast<double>(c.engram_head_dim);
     return w;
   };
   double per_token = 0;

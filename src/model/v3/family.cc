@@ -4,6 +4,7 @@
 #include "model/family.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <utility>
 
@@ -92,6 +93,13 @@ class V3Family final : public Family {
     if (cfg_.has_mhc())
       mhc = fmt::format("mHC: {} residual streams, {} Sinkhorn iterations", cfg_.mhc_expansion_rate,
                         cfg_.mhc_sinkhorn_iterations);
+    if (cfg_.has_engram()) {
+      int64_t rows = 0;
+      for (int64_t l : cfg_.engram_layers) rows += cfg_.engram_table_rows(l);
+      mhc += fmt::format("{}Engram on layers [{}]: 2..{}-grams, {} hash heads each, {} table rows of {}",
+                         mhc.empty() ? "" : "; ", fmt::join(cfg_.engram_layers, ", "), cfg_.engram_max_ngram_size,
+                         cfg_.engram_num_heads, rows, cfg_.engram_head_dim);
+    }
     if (cfg_.index_n_heads == 0) return mhc;
     return (mhc.empty() ? "" : mhc + "; ") +
            fmt::format("DSA: {}; the indexer {}",
