@@ -62,7 +62,9 @@ TEST_P(EngramModel, GenerationRunsTheTrainingForwardAndDecodingMatchesThePrefill
   const auto m = infer::load_model(dir);
   const auto& c = m->config;
   ASSERT_TRUE(c.has_engram(0) && !c.has_engram(1) && c.has_engram(2));
-  const int64_t T = 14, V = c.vocab_size;
+  // Long enough that the cache drops old Engram rows (it keeps the conv's
+  // look-back, (3 - 1) x 3 rows, plus 16, up to twice that).
+  const int64_t T = 60, V = c.vocab_size;
   const auto ids = tokens(T + 1, V);
   const std::vector<int32_t> in(ids.begin(), ids.end() - 1), target(ids.begin() + 1, ids.end());
   infer::KvCache prefill(CacheKind::Latent, 1, c.num_hidden_layers);
@@ -113,6 +115,13 @@ TEST_P(EngramModel, GenerationRunsTheTrainingForwardAndDecodingMatchesThePrefill
     }
   }
   EXPECT_LT(worst, 1e-5 * max_abs(logits));
+  const int64_t W = c.residual_width();
+  for (const auto& sc : both.seqs) {
+    EXPECT_GT(sc.engram_first, 0);
+    EXPECT_LE(static_cast<int64_t>(sc.engram[2].size()), 2 * (6 + 16) * W);
+    EXPECT_EQ(static_cast<int64_t>(sc.engram[2].size()), (sc.length - sc.engram_first) * W);
+    EXPECT_TRUE(sc.engram[1].empty());  // layer 1 has no Engram
+  }
 
   // Engram matters: another table gives other logits.
   for (int64_t i = 0; i < 16; ++i) p.ptr.layers[2].engram.table[i] += 1.0f;

@@ -1,5 +1,6 @@
 #include "core/system.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #if defined(__GLIBC__)
@@ -28,6 +29,14 @@ void keep_freed_memory_in_heap() {
   mallopt(M_MMAP_THRESHOLD, 512 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 #endif
+}
+
+void advise_random_reads(const void* p, size_t n) {
+  if (!p || n == 0) return;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(p) + n;
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_RANDOM);
 }
 
 }  // namespace ds

@@ -1,6 +1,7 @@
 // Facts about the machine the program runs on.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace ds {
@@ -18,5 +19,11 @@ void check_fits_in_memory(int64_t bytes, const char* what);
 // each from a fresh mmap (or trim it back to the system) and fault its pages
 // in again each time. The program and the benchmarks call this first.
 void keep_freed_memory_in_heap();
+
+// Tells the kernel that [p, p + n) of a file mapping is read at random
+// (madvise MADV_RANDOM: no readahead around a fault), so that reading a row
+// of a large mmapped table brings in that row's pages, not its neighbours'.
+// Best effort: a kernel that refuses changes nothing but the RSS.
+void advise_random_reads(const void* p, size_t n);
 
 }  // namespace ds

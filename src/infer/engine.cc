@@ -428,6 +428,18 @@ void embed_rows(float* out, const ops::WeightView& emb, const int32_t* tokens, i
 
 }  // namespace
 
+void Engine::trim_engram_rows(SequenceCache& sc) const {
+  // The conv reads history() rows back; kEngramSlack more allow a draft's
+  // rollback. Dropped once twice that many are kept (amortised).
+  constexpr int64_t kEngramSlack = 16;
+  const int64_t keep = stages_.engram.history() + kEngramSlack, kept = sc.length - sc.engram_first;
+  if (kept <= 2 * keep) return;
+  const int64_t drop = kept - keep, W = stages_.engram.width();
+  for (auto& rows : sc.engram)
+    if (!rows.empty()) rows.erase(rows.begin(), rows.begin() + drop * W);
+  sc.engram_first += drop;
+}
+
 std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<int32_t>>& tokens, bool all_logits,
                                 std::vector<float>* hidden) {
   DS_CHECK(tokens.size() == cache.seqs.size(), "step: {} token lists for a cache of {} sequences", tokens.size(),
@@ -485,7 +497,10 @@ std::vector<float> Engine::step(KvCache& cache, const std::vector<std::vector<in
   for (const auto& s : b.seqs) {
     SequenceCache& sc = cache.seqs[s.index];
     sc.length += s.count;
-    if (cfg_.has_engram()) sc.tokens.insert(sc.tokens.end(), b.token.begin() + s.row0, b.token.begin() + s.row0 + s.count);
+    if (cfg_.has_engram()) {
+      sc.tokens.insert(sc.tokens.end(), b.token.begin() + s.row0, b.token.begin() + s.row0 + s.count);
+      trim_engram_rows(sc);
+    }
   }
   if (hidden) hidden->assign(h.begin(), h.end());
 

@@ -70,6 +70,8 @@ class Engine {
                           const int32_t* positions) const;
 
   model::StageConfig stages_;
+  // Drops a sequence's oldest Engram conv rows beyond what the look-back needs.
+  void trim_engram_rows(SequenceCache& sc) const;
   std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, ops::absorb_kv_b on first decode use
   bool dense_attention_ = false;
   friend class CacheAttention;

@@ -12,6 +12,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/error.h"
+
 namespace ds::infer {
 
 enum class CacheKind { Latent, Naive };
@@ -37,9 +39,12 @@ struct SequenceCache {
   std::vector<std::vector<uint8_t>> index_k;
   std::vector<std::vector<float>> index_scale;
   // Engram layers: the tokens so far (the n-grams' look-back) and, per
-  // layer, its conv's input rows [T, G D].
+  // layer, its conv's input rows [length - engram_first, G D] of positions
+  // engram_first.. (the engine drops the oldest once they are more than the
+  // conv's look-back needs, keeping some for a draft's rollback).
   std::vector<int32_t> tokens;
   std::vector<std::vector<float>> engram;
+  int64_t engram_first = 0;
 };
 
 // Keeps the first `length` tokens of the layers below `layers` (a rejected
@@ -57,7 +62,15 @@ inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
   cut(s.v);
   cut(s.index_k);
   cut(s.index_scale);
-  cut(s.engram);
+  // Engram's rows start at engram_first: the conv still needs the rows
+  // before the new length, so they must not have been dropped.
+  for (int64_t l = 0; l < layers && l < static_cast<int64_t>(s.engram.size()); ++l) {
+    auto& rows = s.engram[l];
+    if (rows.empty()) continue;
+    const size_t width = rows.size() / static_cast<size_t>(s.length - s.engram_first);
+    if (length < s.engram_first) throw Error("truncate: Engram's rows before the new length were already dropped");
+    rows.resize(width * static_cast<size_t>(length - s.engram_first));
+  }
   if (s.tokens.size() > static_cast<size_t>(length)) s.tokens.resize(static_cast<size_t>(length));
   s.length = length;
 }

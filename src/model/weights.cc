@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/system.h"
 
 namespace ds::model {
 
@@ -33,16 +34,25 @@ class Loader {
   Loader(const io::SafetensorsSet& st, const ModelConfig& cfg, int64_t mtp_layers)
       : st_(st), cfg_(cfg), mtp_layers_(mtp_layers) {}
 
-  Tensor get(const std::string& name, const Shape& shape) {
+  // `scan`: every value is checked to be finite (an Engram table is not: it
+  // stays on disk, mmapped, and only the rows a token looks up are read; a
+  // bad row shows as non-finite logits, which generation refuses).
+  Tensor get(const std::string& name, const Shape& shape, bool scan = true) {
     DS_CHECK(st_.contains(name), "checkpoint is missing tensor '{}' (expected shape {})", name, shape_str(shape));
-    Tensor t = checked_float_tensor(st_, name, shape);
+    Tensor t = scan ? checked_float_tensor(st_, name, shape) : st_.tensor(name);
+    if (!scan) {
+      DS_CHECK(t.shape() == shape, "tensor '{}' has shape {}, the config implies {}", name, shape_str(t.shape()),
+               shape_str(shape));
+      DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", name, dtype_name(t.dtype()));
+    }
     used_.insert(name);
     bytes_ += t.nbytes();
     return t;
   }
 
   void load(const ParamInfo& info, Weight& w) {
-    w.tensor = get(info.name, info.shape);
+    w.tensor = get(info.name, info.shape, info.role != ParamRole::EngramTable);
+    if (info.role == ParamRole::EngramTable) advise_random_reads(w.tensor.raw(), w.tensor.nbytes());
     const DType dt = w.tensor.dtype();
     if (info.shape.size() == 1) {  // norms and the routing bias: float32 copies
       w.widened = w.tensor.to_vector();
