@@ -288,11 +288,15 @@ TEST(ExpertExchange, OneRankIsTheIdentity) {
 // interleaved micro-batches per layer, with and without an expert exchange,
 // under several remat policies, give the same loss and gradients as the
 // whole batch (up to the order of the weight gradients' sums), and the same
-// expert loads; with MTP, and with mHC (k = 4 streams per token).
+// expert loads; with MTP, with mHC (k = 4 streams per token), and with
+// Engram layers (each row its own sequence, so the parts hash alike).
 void batch_split_matches_the_whole_batch(const train::RunConfig& rc);
 TEST(BatchSplit, PartsGiveTheWholeBatchsLossAndGradient) {
   for (const std::vector<std::string>& extra : std::vector<std::vector<std::string>>{
-           {"mtp_num_layers=1"}, {"mtp_num_layers=0", "mhc_expansion_rate=4"}}) {
+           {"mtp_num_layers=1"},
+           {"mtp_num_layers=0", "mhc_expansion_rate=4"},
+           {"mtp_num_layers=0", "mhc_expansion_rate=2", "engram_layers=[0, 2]", "engram_head_dim=8",
+            "engram_num_heads=2", "engram_vocab_bases=[29, 31]"}}) {
     SCOPED_TRACE(extra.back());
     batch_split_matches_the_whole_batch(train::parse_run_config(kTiny, extra, "test"));
   }
