@@ -7,13 +7,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <algorithm>
 #include <filesystem>
+#include <tuple>
 
 #include "core/error.h"
 #include "infer/engine.h"
 #include "model/hf_params.h"
 #include "model/init.h"
 #include "model/model.h"
+#include "model/stages.h"
 #include "model_fixture.h"
 
 namespace ds {
@@ -54,14 +57,34 @@ double max_abs(const std::vector<float>& v) {
   return m;
 }
 
-class EngramModel : public ::testing::TestWithParam<int64_t> {};
+// Streams, and whether the hashes read token classes (the tiny tokenizer's).
+class EngramModel : public ::testing::TestWithParam<std::tuple<int64_t, bool>> {};
 
 TEST_P(EngramModel, GenerationRunsTheTrainingForwardAndDecodingMatchesThePrefill) {
+  const auto [streams, classes] = GetParam();
   const std::string dir = temp_dir("gen");
-  test::write_random_model(dir, engram_config(GetParam()), 41);
+  auto cj = engram_config(streams);
+  cj["engram_compress_tokens"] = classes;
+  test::write_random_model(dir, cj, 41);
+  if (classes)
+    fs::copy_file(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer/tiny/tokenizer.json",
+                  dir + "/tokenizer.json");
   const auto m = infer::load_model(dir);
   const auto& c = m->config;
   ASSERT_TRUE(c.has_engram(0) && !c.has_engram(1) && c.has_engram(2));
+  if (classes) {
+    // The tiny tokenizer's first 96 ids fall into fewer classes; V' is their count.
+    ASSERT_TRUE(c.engram_token_classes);
+    const auto& t = *c.engram_token_classes;
+    EXPECT_LT(c.engram_class_count, 96);
+    EXPECT_EQ(*std::max_element(t.begin(), t.end()) + 1, c.engram_class_count);
+    // The multipliers are drawn for V' (MaxText's bound floor((2^31 - 1) / V') / 2).
+    const model::StageConfig st(c);
+    auto spec = c.engram_hash_spec();
+    EXPECT_EQ(spec.compressed_vocab, c.engram_class_count);
+    spec.compressed_vocab = c.vocab_size;
+    EXPECT_NE(st.engram_tables[0].multipliers, model::engram_hash_tables(spec)[0].multipliers);
+  }
   // Long enough that the cache drops old Engram rows (it keeps the conv's
   // look-back, (3 - 1) x 3 rows, plus 16, up to twice that).
   const int64_t T = 60, V = c.vocab_size;
@@ -131,7 +154,23 @@ TEST_P(EngramModel, GenerationRunsTheTrainingForwardAndDecodingMatchesThePrefill
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Streams, EngramModel, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(Streams, EngramModel,
+                         ::testing::Values(std::tuple<int64_t, bool>{1, false}, std::tuple<int64_t, bool>{2, false},
+                                           std::tuple<int64_t, bool>{2, true}));
+
+TEST(EngramModelInit, TokenClassesNeedTheTokenizer) {
+  const std::string dir = temp_dir("classes");
+  auto cj = engram_config(2);
+  cj["engram_compress_tokens"] = true;
+  test::write_random_model(dir, cj, 3);
+  try {
+    infer::load_model(dir);
+    ADD_FAILURE() << "a folder without tokenizer.json loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("engram_compress_tokens"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
 
 TEST(EngramModelInit, MaxTextInitialisationAndExportRoundTrip) {
   const auto c = model::ModelConfig::from_hf_json_text(engram_config(2).dump());

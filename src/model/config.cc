@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <initializer_list>
 #include <map>
@@ -16,6 +17,8 @@
 
 #include "core/error.h"
 #include "io/text_input.h"
+#include "io/token_classes.h"
+#include "io/tokenizer.h"
 #include "io/yaml_entries.h"
 #include "model/json_fields.h"
 
@@ -36,6 +39,7 @@ void read_engram(ModelConfig& c, const json& j, const std::string& src) {
   c.engram_kernel_size = get_or<int64_t>(j, "engram_kernel_size", 4, src);
   c.engram_seed = get_or<int64_t>(j, "engram_seed", 0, src);
   c.engram_pad_id = get_or<int64_t>(j, "engram_pad_id", 0, src);
+  c.engram_compress_tokens = get_or<bool>(j, "engram_compress_tokens", false, src);
 }
 
 double yarn_mscale(double factor, double m) { return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0; }
@@ -51,8 +55,21 @@ bool ModelConfig::has_engram(int64_t layer) const {
 }
 
 EngramHashSpec ModelConfig::engram_hash_spec() const {
-  return EngramHashSpec{engram_layers,      engram_max_ngram_size, engram_num_heads, engram_vocab_bases,
-                        engram_seed,        vocab_size,            EngramHashScheme::Int32};
+  // The primes (the tables' sizes) do not depend on V'; before the classes
+  // are attached the vocabulary stands in for it.
+  const int64_t v = engram_compress_tokens && engram_class_count > 0 ? engram_class_count : vocab_size;
+  return EngramHashSpec{engram_layers, engram_max_ngram_size, engram_num_heads, engram_vocab_bases,
+                        engram_seed,   v,                     EngramHashScheme::Int32};
+}
+
+void ModelConfig::attach_engram_classes(const std::string& tokenizer_json, const char* who) {
+  if (!has_engram() || !engram_compress_tokens) return;
+  DS_CHECK(std::filesystem::is_regular_file(tokenizer_json),
+           "{}: engram_compress_tokens hashes token classes, which come from the tokenizer, and '{}' is not a file",
+           who, tokenizer_json);
+  const auto c = io::engram_token_classes(io::Tokenizer::from_file(tokenizer_json), vocab_size);
+  engram_token_classes = std::make_shared<const std::vector<int32_t>>(c.table);
+  engram_class_count = c.count;
 }
 
 int64_t ModelConfig::engram_table_rows(int64_t layer) const {
@@ -470,6 +487,7 @@ const std::map<std::string, Setter>& yaml_keys() {
       DS_INT("engram_kernel_size", engram_kernel_size),
       DS_INT("engram_seed", engram_seed),
       DS_INT("engram_pad_id", engram_pad_id),
+      DS_BOOL("engram_compress_tokens", engram_compress_tokens),
       {"engram_layers",
        [](ModelConfig& c, const YAML::Node& n) { c.engram_layers = n.as<std::vector<int64_t>>(); }},
       {"engram_vocab_bases",

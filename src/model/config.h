@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -94,6 +95,14 @@ struct ModelConfig {
   int64_t engram_kernel_size = 4;
   int64_t engram_seed = 0;
   int64_t engram_pad_id = 0;
+  // Hash token classes instead of ids (MaxText's and DeepSeek's compressed
+  // tokenizer, io/token_classes.h): the table comes from the tokenizer,
+  // attached by whoever reads it (model/load.h from a model folder's
+  // tokenizer.json, the training config from tokenizer_path). The classes'
+  // count is the compressed vocabulary V' of the hash multipliers.
+  bool engram_compress_tokens = false;
+  std::shared_ptr<const std::vector<int32_t>> engram_token_classes;  // [vocab_size]
+  int32_t engram_class_count = 0;
 
   int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool has_mhc() const { return mhc_expansion_rate > 1; }
@@ -105,6 +114,10 @@ struct ModelConfig {
   // Engram's hash columns per token: (N - 1) orders times the heads.
   int64_t engram_columns() const { return (engram_max_ngram_size - 1) * engram_num_heads; }
   EngramHashSpec engram_hash_spec() const;
+  // Attaches the token classes of `tokenizer_json` (a tokenizer.json path)
+  // when engram_compress_tokens asks for them; ds::Error naming `who` if the
+  // file is missing.
+  void attach_engram_classes(const std::string& tokenizer_json, const char* who);
   // Rows of layer `layer`'s Engram table (the sum of its primes).
   int64_t engram_table_rows(int64_t layer) const;
   // (qk_nope + qk_rope)^-0.5, times mscale^2 when YaRN is active.

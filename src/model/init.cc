@@ -85,6 +85,7 @@ nlohmann::json to_hf_json(const ModelConfig& c, int64_t mtp_layers) {
     j["engram_kernel_size"] = c.engram_kernel_size;
     j["engram_seed"] = c.engram_seed;
     j["engram_pad_id"] = c.engram_pad_id;
+    j["engram_compress_tokens"] = c.engram_compress_tokens;
   }
   if (c.fp8_block_rows > 0)
     j["quantization_config"] = {{"quant_method", "fp8"},

@@ -411,19 +411,33 @@ void engram_prepare(EngramRun& e, int64_t layer, const StageConfig& s, const Tok
   const int64_t N = layout.tokens(), C = c.engram_columns();
   DS_CHECK(layout.ids, "internal: Engram layer {} without the token ids", layer);
   const EngramLayerHash& t = s.engram_table(layer);
-  const auto pad = static_cast<int32_t>(c.engram_pad_id);
+  // With engram_compress_tokens the hashes read token classes.
+  const std::vector<int32_t>* classes = c.engram_token_classes.get();
+  auto cls = [&](int32_t tok) { return classes ? (*classes)[static_cast<size_t>(tok)] : tok; };
+  const auto pad = cls(static_cast<int32_t>(c.engram_pad_id));
+  std::vector<int32_t> mapped;
+  const int32_t* tokens = layout.ids;
+  if (classes) {
+    mapped.resize(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) mapped[i] = cls(layout.ids[i]);
+    tokens = mapped.data();
+  }
   e.ids.resize(static_cast<size_t>(N * C));
   e.segs.clear();
   if (layout.sequences) {
     const auto& seqs = *layout.sequences;
+    const int64_t back = c.engram_max_ngram_size - 1;
+    std::vector<int32_t> hist(static_cast<size_t>(back));
     for (size_t i = 0; i < seqs.size(); ++i) {
       const SequenceRows& q = seqs[i];
-      engram_hash_ids(e.ids.data() + q.row0 * C, layout.ids + q.row0, 1, q.count, q.history, pad, t,
-                      c.engram_max_ngram_size, c.engram_num_heads);
+      if (q.history)
+        for (int64_t j = 0; j < back; ++j) hist[j] = cls(q.history[j]);
+      engram_hash_ids(e.ids.data() + q.row0 * C, tokens + q.row0, 1, q.count, q.history ? hist.data() : nullptr, pad,
+                      t, c.engram_max_ngram_size, c.engram_num_heads);
       e.segs.push_back({q.row0, q.count, kv ? kv->engram_history(layer, static_cast<int64_t>(i)) : nullptr});
     }
   } else {
-    engram_hash_ids(e.ids.data(), layout.ids, layout.batch, layout.seq, nullptr, pad, t, c.engram_max_ngram_size,
+    engram_hash_ids(e.ids.data(), tokens, layout.batch, layout.seq, nullptr, pad, t, c.engram_max_ngram_size,
                     c.engram_num_heads);
     for (int64_t b = 0; b < layout.batch; ++b) e.segs.push_back({b * layout.seq, layout.seq, nullptr});
   }

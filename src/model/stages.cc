@@ -40,6 +40,9 @@ StageConfig::StageConfig(const ModelConfig& c) : cfg(&c) {
   ops::rope_frequencies(rope_freqs.data(), rc);
   softmax_scale = static_cast<float>(c.softmax_scale());
   if (c.has_engram()) {
+    DS_CHECK(!c.engram_compress_tokens || c.engram_token_classes,
+             "engram_compress_tokens: the token classes were not read from a tokenizer (internal: no "
+             "attach_engram_classes)");
     engram_tables = engram_hash_tables(c.engram_hash_spec());
     engram = engram_dims(c);
   }

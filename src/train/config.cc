@@ -355,6 +355,19 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
 
   std::vector<std::pair<std::string, std::string>> custom_remat;
   read_model(rc, rest, source, custom_remat);
+  // Engram over token classes: from tokenizer_path, else the Hugging Face
+  // folder's tokenizer.json.
+  if (rc.model.has_engram() && rc.model.engram_compress_tokens) {
+    std::string tok = t.tokenizer_path;
+    if (tok.empty() && !t.hf_config.empty()) {
+      std::error_code ec;
+      const fs::path hf(t.hf_config);
+      tok = ((fs::is_directory(hf, ec) ? hf : hf.parent_path()) / "tokenizer.json").string();
+    }
+    if (tok.empty() && !t.load_parameters_path.empty()) tok = (fs::path(t.load_parameters_path) / "tokenizer.json").string();
+    DS_CHECK(!tok.empty(), "{}: engram_compress_tokens needs tokenizer_path (its token classes)", source);
+    rc.model.attach_engram_classes(tok, "engram_compress_tokens");
+  }
   DS_CHECK(t.remat_policy == "custom" || custom_remat.empty(),
            "per-name remat settings ('{}') need remat_policy=custom",
            custom_remat.empty() ? "" : custom_remat.front().first);

@@ -99,6 +99,8 @@ class V3Family final : public Family {
       mhc += fmt::format("{}Engram on layers [{}]: 2..{}-grams, {} hash heads each, {} table rows of {}",
                          mhc.empty() ? "" : "; ", fmt::join(cfg_.engram_layers, ", "), cfg_.engram_max_ngram_size,
                          cfg_.engram_num_heads, rows, cfg_.engram_head_dim);
+      if (cfg_.engram_token_classes)
+        mhc += fmt::format(", over {} token classes of the {} ids", cfg_.engram_class_count, cfg_.vocab_size);
     }
     if (cfg_.index_n_heads == 0) return mhc;
     return (mhc.empty() ? "" : mhc + "; ") +
