@@ -180,6 +180,21 @@ check '[ $? -eq 0 ] && falls mhc-one8' "mHC: one process, the loss falls ($(tail
 ranks 4 run_name=mhc-f2e2 "${mhc[@]}" ici_expert_parallelism=2 use_batch_split_schedule=true batch_split_factor=2 \
   per_device_batch_size=2
 check '[ $? -eq 0 ] && same_losses mhc-one8 mhc-f2e2' "mHC: batch-split, fsdp=2 x expert=2 matches one process"
+# MaxText's Engram on two mHC streams: its tables are layer tensors that FSDP
+# streams (each rank's rows scatter their gradients into the gathered
+# table), each row hashes its own tokens, and the batch split cuts rows.
+# Within 2e-4, not 1e-5: Engram amplifies the summation order's rounding
+# over the steps (one process with the batch split alone moves the 20th
+# loss by 7e-5; likely the gate's sign(a) sqrt(|a|), whose slope
+# 1 / (2 sqrt(|a|)) is large for a gate near 0).
+engram=(dataset_type=synthetic mtp_num_layers=0 mhc_expansion_rate=2 sinkhorn_iterations=5 "engram_layers=[0, 2]"
+  engram_head_dim=16 engram_num_heads=2 "engram_vocab_bases=[257, 263]")
+one run_name=engram-one8 "${engram[@]}" per_device_batch_size=8
+check '[ $? -eq 0 ] && falls engram-one8' "Engram: one process, the loss falls ($(tail -1 "$tmp/err"))"
+ranks 4 run_name=engram-f2e2 "${engram[@]}" ici_expert_parallelism=2 use_batch_split_schedule=true \
+  batch_split_factor=2 per_device_batch_size=2
+check '[ $? -eq 0 ] && loss_tol=2e-4 same_losses engram-one8 engram-f2e2' \
+  "Engram: batch-split, fsdp=2 x expert=2 matches one process"
 
 # fp8 expert gradients: close to, but not the same as, float32 (the loss of
 # step 0 is exact; later ones move by the quantization).

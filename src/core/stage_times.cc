@@ -10,7 +10,8 @@ namespace {
 
 constexpr const char* kNames[] = {"norms",     "query projection",  "key/value projection",
                                   "attention", "output projection", "routing and gather",
-                                  "experts",   "combine",           "dense MLP"};
+                                  "experts",   "combine",           "dense MLP",
+                                  "Engram"};
 static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<size_t>(Stage::kCount));
 
 constexpr const char* kPhases[] = {"other calls (training, full forwards)", "prefill steps", "decode steps"};

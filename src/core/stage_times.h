@@ -12,7 +12,19 @@
 
 namespace ds {
 
-enum class Stage { kNorm, kQueryProj, kKvProj, kAttention, kOutProj, kRouting, kExperts, kCombine, kDenseMlp, kCount };
+enum class Stage {
+  kNorm,
+  kQueryProj,
+  kKvProj,
+  kAttention,
+  kOutProj,
+  kRouting,
+  kExperts,
+  kCombine,
+  kDenseMlp,
+  kEngram,
+  kCount
+};
 
 enum class Phase { kOther, kPrefill, kDecode, kCount };
 

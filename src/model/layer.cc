@@ -448,7 +448,7 @@ void engram_prepare(EngramRun& e, int64_t layer, const StageConfig& s, const Tok
 void engram_step(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                  KvAttention* kv) {
   if (!s.cfg->has_engram(layer)) return;
-  StageTimer t(Stage::kNorm);
+  StageTimer t(Stage::kEngram);
   EngramRun e;
   engram_prepare(e, layer, s, layout, kv);
   engram_forward(h, e.ids.data(), p.engram, s.engram, e.segs, layout.tokens(), kv ? &e.acts : nullptr);
