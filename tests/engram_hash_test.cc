@@ -100,6 +100,28 @@ TEST(EngramHash, V41FlashIds) {
   EXPECT_EQ(sb, 36880946150);
 }
 
+TEST(EngramHash, V41DeadPositionsBlockTheLookBack) {
+  // Position 3 an image token: its n-grams and those that reach back over it
+  // read pad from there on (positions 3..6 change, nothing else).
+  const auto s = flash_spec();
+  const auto t = ds::model::engram_hash_tables(s);
+  std::vector<int32_t> c = {5, 17, 42, 7, 0, 99, 12, 3};
+  const auto before = ids_of(c, t[0], s, 2);
+  c[3] = ds::model::kEngramDead;
+  const auto a = ids_of(c, t[0], s, 2), b = ids_of(c, t[1], s, 2);
+  for (int i = 0; i < 8; ++i) {
+    const bool same = std::equal(before.begin() + i * 24, before.begin() + i * 24 + 24, a.begin() + i * 24);
+    EXPECT_EQ(same, i < 3 || i > 6) << i;
+  }
+  EXPECT_EQ(std::vector<int32_t>(a.begin() + 4 * 24, a.begin() + 5 * 24),
+            (std::vector<int32_t>{5702652, 24393184, 39183301, 61503783, 78984481, 90144770, 103724983, 121476532,
+                                  131476717, 152385926, 164143652, 191599181, 198145581, 217419202, 238329687,
+                                  247482304, 257520185, 283540304, 288689443, 315264704, 322314652, 348890037,
+                                  367865216, 380066193}));
+  EXPECT_EQ(std::accumulate(a.begin(), a.end(), int64_t{0}) + std::accumulate(b.begin(), b.end(), int64_t{0}),
+            73728092226);
+}
+
 TEST(EngramHash, V41ToyLayout) {
   EngramHashSpec s{{0, 1}, 3, 2, {100, 100}, 0, 256, EngramHashScheme::Int64};
   const auto t = ds::model::engram_hash_tables(s);

@@ -67,11 +67,16 @@ void engram_hash_ids(int32_t* ids, const int32_t* c, int64_t rows, int64_t seq, 
     for (int64_t i = 0; i < seq; ++i) {
       // s_j: j tokens back; before the row, the history (its last entry is
       // the token just before), before that pad.
+      bool blocked = false;  // sticky: once a look-back is blocked, every longer one is
       auto back = [&](int64_t j) -> int64_t {
         const int64_t k = i - j;
-        if (k >= 0) return row[k];
-        if (hist && k >= -(N - 1)) return hist[N - 1 + k];
-        return pad;
+        int64_t v = kEngramDead;
+        if (k >= 0)
+          v = row[k];
+        else if (hist && k >= -(N - 1))
+          v = hist[N - 1 + k];
+        blocked = blocked || v == kEngramDead;
+        return blocked ? pad : v;
       };
       int64_t acc = back(0) * t.multipliers[0];
       int32_t* out = ids + (b * seq + i) * C;

@@ -53,6 +53,11 @@ std::vector<EngramLayerHash> engram_hash_tables(const EngramHashSpec& spec);
 // tokens c (each in [0, V')); `history` holds the N - 1 compressed tokens
 // before each row's first (oldest first, [rows, N - 1]; null: every row
 // starts its sequence, so earlier positions read pad).
+//
+// kEngramDead (DeepSeek-V4.1's image positions) blocks the look-back: an
+// n-gram that reaches a dead position reads pad there and at every position
+// further back (the block is sticky), as the start of a sequence does.
+inline constexpr int32_t kEngramDead = -1;
 void engram_hash_ids(int32_t* ids, const int32_t* c, int64_t rows, int64_t seq, const int32_t* history,
                      int32_t pad, const EngramLayerHash& t, int64_t max_ngram, int64_t heads);
 
