@@ -67,6 +67,15 @@ done
 gen=$("$bin" generate --model "$tmp/hf" --prompt "the model" --max-new-tokens 12 --seed 0 2>"$tmp/gen.err")
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the Engram export ($(tail -1 "$tmp/gen.err"))"
 echo "generated: $gen"
+# The prompt in chunks of 1 and 3 tokens (the history of each sequence's
+# n-grams and convolution rows carried between steps): the same greedy text.
+whole=$("$bin" generate --model "$tmp/hf" --prompt "the model and the data" --max-new-tokens 16 --temperature 0 \
+  --prefill-chunk 0 2>/dev/null)
+for chunk in 1 3; do
+  part=$("$bin" generate --model "$tmp/hf" --prompt "the model and the data" --max-new-tokens 16 --temperature 0 \
+    --prefill-chunk $chunk 2>/dev/null)
+  check '[ -n "$whole" ] && [ "$part" = "$whole" ]' "prefill in chunks of $chunk: the same greedy text"
+done
 
 # Round trip: the export as a run's starting point, kept unchanged (learning
 # rate 0), exported again: the same weights and logits. Its config.json alone
