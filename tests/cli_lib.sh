@@ -27,3 +27,11 @@ served_port() {
   done
   echo "$port"
 }
+
+# `logits_of MODEL OUT [ARGS...]` writes `deepseek logits` of the token file
+# $toks to OUT, reading MODEL from one fixed path ($tmp/same): the logits
+# file names its model folder, so two folders compare byte for byte.
+logits_of() {
+  rm -rf "$tmp/same" && cp -r "$1" "$tmp/same" &&
+    "$bin" logits --model "$tmp/same" --tokens "$toks" --out "$2" "${@:3}" >/dev/null 2>&1
+}

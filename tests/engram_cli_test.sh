@@ -89,10 +89,6 @@ check '[ $? -eq 0 ] && cmp -s "$tmp/hf/model.safetensors" "$tmp/hf2/model.safete
   "export, load, export: the same weights file"
 toks="$tmp/tokens.json"
 echo '[[5, 17, 42, 7, 99, 3, 250, 11, 64, 5, 17, 42], [1, 2, 3]]' >"$toks"
-logits_of() {
-  rm -rf "$tmp/same" && cp -r "$1" "$tmp/same" &&
-    "$bin" logits --model "$tmp/same" --tokens "$toks" --out "$2" "${@:3}" >/dev/null 2>&1
-}
 logits_of "$tmp/hf" "$tmp/a.safetensors"
 logits_of "$tmp/hf2" "$tmp/b.safetensors"
 check '[ -s "$tmp/a.safetensors" ] && cmp -s "$tmp/a.safetensors" "$tmp/b.safetensors"' \

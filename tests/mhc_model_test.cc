@@ -63,26 +63,10 @@ TEST(MhcModel, GenerationRunsTheTrainingForward) {
   // The engine's logits give the training forward's loss (one document).
   auto p = model::FlatParams::zeros(c, 0);
   model::load_hf_params(dir, c, 0, p);
-  model::TrainBatch b;
-  b.batch = 1;
-  b.seq = T;
-  b.inputs = in;
-  b.targets = target;
-  for (int64_t t = 0; t < T; ++t) b.positions.push_back(static_cast<int32_t>(t));
-  b.segment_ids.assign(T, 1);
-  b.target_segment_ids.assign(T, 1);
-  const double train_loss =
-      model::loss_and_grad(c, p.view, nullptr, b, model::LossOptions{}, model::RematPolicy::keep_all()).loss;
-  double ce = 0;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* z = &logits[t * V];
-    double mx = z[0], s = 0;
-    for (int64_t v = 1; v < V; ++v) mx = std::max(mx, double(z[v]));
-    for (int64_t v = 0; v < V; ++v) s += std::exp(double(z[v]) - mx);
-    ce += mx + std::log(s) - z[target[t]];
-  }
+  const double train_loss = test::one_document_train_loss(c, p.view, in, target);
+  const double ce = test::mean_cross_entropy(logits, target, V);
   // float32 along two different attention paths (absorbed MLA here).
-  EXPECT_NEAR(ce / T, train_loss, 2e-5 * train_loss);
+  EXPECT_NEAR(ce, train_loss, 2e-5 * train_loss);
 
   // Token by token through the cache: the same logits as the prefill.
   infer::KvCache cache(CacheKind::Latent, 1, c.num_hidden_layers);

@@ -4,6 +4,8 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -13,7 +15,9 @@
 #include "infer/engine.h"
 #include "io/safetensors.h"
 #include "model/config.h"
+#include "model/model.h"
 #include "model/params.h"
+#include "model/weights.h"
 
 namespace ds::test {
 
@@ -98,6 +102,35 @@ inline void write_random_model(const std::string& dir, const nlohmann::json& con
   });
   for (const auto& e : extra) ts.push_back(e);
   io::save_safetensors((fs::path(dir) / "model.safetensors").string(), ts);
+}
+
+// The training forward's loss of one document (one row, one segment, every
+// target counted), and the mean cross-entropy of the engine's logits [T, V]
+// on the same targets: the two must agree.
+inline double one_document_train_loss(const model::ModelConfig& c, const model::ParamsView& p,
+                                      const std::vector<int32_t>& in, const std::vector<int32_t>& target) {
+  const auto T = static_cast<int64_t>(in.size());
+  model::TrainBatch b;
+  b.batch = 1;
+  b.seq = T;
+  b.inputs = in;
+  b.targets = target;
+  for (int64_t t = 0; t < T; ++t) b.positions.push_back(static_cast<int32_t>(t));
+  b.segment_ids.assign(T, 1);
+  b.target_segment_ids.assign(T, 1);
+  return model::loss_and_grad(c, p, nullptr, b, model::LossOptions{}, model::RematPolicy::keep_all()).loss;
+}
+inline double mean_cross_entropy(const std::vector<float>& logits, const std::vector<int32_t>& target, int64_t V) {
+  const auto T = static_cast<int64_t>(target.size());
+  double ce = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* z = &logits[t * V];
+    double mx = z[0], s = 0;
+    for (int64_t v = 1; v < V; ++v) mx = std::max(mx, double(z[v]));
+    for (int64_t v = 0; v < V; ++v) s += std::exp(double(z[v]) - mx);
+    ce += mx + std::log(s) - z[target[t]];
+  }
+  return ce / static_cast<double>(T);
 }
 
 // Logits of every position of `ids`: the first `prefix` tokens in one step,

@@ -87,27 +87,27 @@ uint32_t NumpyPcg64::next_u32() {
   return static_cast<uint32_t>(v);
 }
 
+uint32_t NumpyPcg64::bounded_u32(uint32_t rng) {
+  // numpy's buffered_bounded_lemire_uint32 for the inclusive range [0, rng].
+  if (rng == 0) return 0;
+  if (rng == 0xFFFFFFFFu) return next_u32();
+  const uint32_t excl = rng + 1u;
+  uint64_t m = static_cast<uint64_t>(next_u32()) * excl;
+  uint32_t left = static_cast<uint32_t>(m);
+  if (left < excl) {
+    const uint32_t threshold = (UINT32_MAX - rng) % excl;
+    while (left < threshold) {
+      m = static_cast<uint64_t>(next_u32()) * excl;
+      left = static_cast<uint32_t>(m);
+    }
+  }
+  return static_cast<uint32_t>(m >> 32);
+}
+
 std::vector<int32_t> NumpyPcg64::integers_i32(int32_t high, int64_t n) {
   DS_CHECK(high > 0 && n >= 0, "integers_i32: high {} must be positive", high);
   std::vector<int32_t> out(static_cast<size_t>(n));
-  const uint32_t rng = static_cast<uint32_t>(high) - 1u;  // inclusive range
-  for (auto& o : out) {
-    if (rng == 0) {
-      o = 0;
-      continue;
-    }
-    const uint32_t excl = rng + 1u;
-    uint64_t m = static_cast<uint64_t>(next_u32()) * excl;
-    uint32_t left = static_cast<uint32_t>(m);
-    if (left < excl) {
-      const uint32_t threshold = (UINT32_MAX - rng) % excl;
-      while (left < threshold) {
-        m = static_cast<uint64_t>(next_u32()) * excl;
-        left = static_cast<uint32_t>(m);
-      }
-    }
-    o = static_cast<int32_t>(m >> 32);
-  }
+  for (auto& o : out) o = static_cast<int32_t>(bounded_u32(static_cast<uint32_t>(high) - 1u));
   return out;
 }
 
@@ -121,22 +121,7 @@ std::vector<int64_t> NumpyPcg64::integers_i64(int64_t high, int64_t n) {
       continue;
     }
     if (rng <= 0xFFFFFFFFULL) {  // numpy draws 32-bit words for a range that fits in them
-      const uint32_t r32 = static_cast<uint32_t>(rng);
-      if (r32 == 0xFFFFFFFFu) {
-        o = static_cast<int64_t>(next_u32());
-        continue;
-      }
-      const uint32_t excl = r32 + 1u;
-      uint64_t m = static_cast<uint64_t>(next_u32()) * excl;
-      uint32_t left = static_cast<uint32_t>(m);
-      if (left < excl) {
-        const uint32_t threshold = (UINT32_MAX - r32) % excl;
-        while (left < threshold) {
-          m = static_cast<uint64_t>(next_u32()) * excl;
-          left = static_cast<uint32_t>(m);
-        }
-      }
-      o = static_cast<int64_t>(m >> 32);
+      o = static_cast<int64_t>(bounded_u32(static_cast<uint32_t>(rng)));
       continue;
     }
     const uint64_t excl = rng + 1u;

@@ -23,6 +23,7 @@ class NumpyPcg64 {
   std::vector<int64_t> integers_i64(int64_t high, int64_t n);
 
  private:
+  uint32_t bounded_u32(uint32_t rng);  // uniform in [0, rng], numpy's way
   unsigned __int128 state_ = 0, inc_ = 0;
   bool has_u32_ = false;
   uint32_t u32_ = 0;
