@@ -9,6 +9,7 @@
 #include <cmath>
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <tuple>
 
 #include "core/error.h"
@@ -141,6 +142,47 @@ TEST_P(EngramModel, GenerationRunsTheTrainingForwardAndDecodingMatchesThePrefill
 INSTANTIATE_TEST_SUITE_P(Streams, EngramModel,
                          ::testing::Values(std::tuple<int64_t, bool>{1, false}, std::tuple<int64_t, bool>{2, false},
                                            std::tuple<int64_t, bool>{2, true}));
+
+TEST(EngramModelInit, ANonFiniteTableRowFailsGenerationNotLoading) {
+  // A NaN in the first row of layer 0's table (bf16 0x7fc0): the table is not
+  // scanned at load, so the folder loads; a token whose n-grams read that row
+  // gives non-finite logits, which generation refuses with one error.
+  const std::string dir = temp_dir("nan");
+  test::write_random_model(dir, engram_config(2), 5);
+  const std::string file = dir + "/model.safetensors";
+  uint64_t header = 0;
+  {
+    std::ifstream in(file, std::ios::binary);
+    in.read(reinterpret_cast<char*>(&header), 8);
+    std::string text(header, '\0');
+    in.read(text.data(), static_cast<std::streamsize>(header));
+    const auto j = nlohmann::json::parse(text);
+    const uint64_t begin = j["model.layers.0.engram.embedding.weight"]["data_offsets"][0];
+    std::fstream io(file, std::ios::binary | std::ios::in | std::ios::out);
+    io.seekp(static_cast<std::streamoff>(8 + header + begin));
+    const uint16_t nan = 0x7fc0;
+    for (int i = 0; i < 8; ++i) io.write(reinterpret_cast<const char*>(&nan), 2);
+  }
+  const auto m = infer::load_model(dir);
+  // Row 0 is column 0's first row: some token's 2-gram hashes there.
+  const auto t = model::engram_hash_tables(m->config.engram_hash_spec())[0];
+  int32_t hit = -1;
+  for (int32_t a = 0; a < 96 && hit < 0; ++a) {
+    std::vector<int32_t> ids(2 * 4);
+    const std::vector<int32_t> two = {a, a};
+    model::engram_hash_ids(ids.data(), two.data(), 1, 2, nullptr, 0, t, 3, 2);
+    if (ids[4] == 0) hit = a;
+  }
+  if (hit < 0) GTEST_SKIP() << "no token pair of this vocabulary hashes to row 0";
+  infer::KvCache cache(CacheKind::Latent, 1, m->config.num_hidden_layers);
+  try {
+    m->engine->step(cache, {{hit, hit}}, true);
+    ADD_FAILURE() << "non-finite logits were returned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("non-finite"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
 
 TEST(EngramModelInit, TokenClassesNeedTheTokenizer) {
   const std::string dir = temp_dir("classes");
