@@ -6,8 +6,8 @@
 // against the float64 reference in train_grad_test.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <tuple>
@@ -238,19 +238,28 @@ TEST(EngramModelInit, MaxTextInitialisationAndExportRoundTrip) {
 TEST(EngramModelInit, ImpossibleConfigsAreOneLineErrors) {
   const std::vector<std::pair<std::function<void(nlohmann::json&)>, const char*>> cases = {
       {[](nlohmann::json& j) { j["engram_layers"] = {3}; }, "engram_layers lists layer 3"},
-      {[](nlohmann::json& j) { j["engram_layers"] = {1, 1}; }, "twice"},
+      {[](nlohmann::json& j) {
+         j["engram_layers"] = {1, 1};
+       },
+       "twice"},
       {[](nlohmann::json& j) { j["engram_vocab_bases"] = {40}; }, "engram_vocab_bases needs 2 entries"},
       {[](nlohmann::json& j) { j["engram_head_dim"] = 0; }, "engram_head_dim must be in"},
       {[](nlohmann::json& j) { j["engram_max_ngram_size"] = 1; }, "engram_max_ngram_size must be in"},
       {[](nlohmann::json& j) { j["engram_pad_id"] = 96; }, "engram_pad_id 96 outside"},
-      {[](nlohmann::json& j) { j["engram_vocab_bases"] = {40, -2}; }, "engram_vocab_bases entry -2"},
+      {[](nlohmann::json& j) {
+         j["engram_vocab_bases"] = {40, -2};
+       },
+       "engram_vocab_bases entry -2"},
       {[](nlohmann::json& j) {
          j["engram_max_ngram_size"] = 5;
          j["engram_num_heads"] = 200;
          j["engram_vocab_bases"] = {40, 40, 40, 40};
        },
        "hash columns"},
-      {[](nlohmann::json& j) { j["engram_vocab_bases"] = {1 << 30, 40}; }, "table would have 2147483742 rows"},
+      {[](nlohmann::json& j) {
+         j["engram_vocab_bases"] = {1 << 30, 40};
+       },
+       "table would have 2147483742 rows"},
       {[](nlohmann::json& j) {
          j["engram_vocab_bases"] = {1 << 26, 40};
          j["engram_num_heads"] = 64;

@@ -116,8 +116,8 @@ TEST(Engram, ToyValuesFromTheSpecification) {
   x0 = x;
   EngramActs acts;
   ds::model::engram_forward(x.data(), ids.data(), L.view(), L.d, {{0, 5, nullptr}}, 5, &acts);
-  const double alpha[5][2] = {{.65431, .29466}, {.629127, .401097}, {.354612, .284117}, {.34173, .72511},
-                              {.311394, .610365}};
+  const double alpha[5][2] = {
+      {.65431, .29466}, {.629127, .401097}, {.354612, .284117}, {.34173, .72511}, {.311394, .610365}};
   for (int t = 0; t < 5; ++t)
     for (int g = 0; g < 2; ++g) EXPECT_NEAR(acts.alpha[t * 2 + g], alpha[t][g], 2e-6) << t << "," << g;
   const double o0[8] = {-.195096, -.049955, .109513, .059628, .059103, -.005306, .105264, .23184};
@@ -186,12 +186,11 @@ TEST_P(EngramGrad, ForwardAndEveryGradientMatchTheFloat64Reference) {
   gbuf.norm = zeros(r.norm), gbuf.table = zeros(r.table), gbuf.key = zeros(r.key), gbuf.key_bias = zeros(r.key_bias);
   gbuf.value = zeros(r.value), gbuf.value_bias = zeros(r.value_bias), gbuf.q_norm = zeros(r.q_norm);
   gbuf.k_norm = zeros(r.k_norm), gbuf.conv_norm = zeros(r.conv_norm), gbuf.conv = zeros(r.conv);
-  EngramParams<float*> g{gbuf.norm.data(),  gbuf.table.data(),  gbuf.key.data(),    gbuf.key_bias.data(),
-                         gbuf.value.data(), gbuf.value_bias.data(), gbuf.q_norm.data(), gbuf.k_norm.data(),
+  EngramParams<float*> g{gbuf.norm.data(),      gbuf.table.data(),      gbuf.key.data(),    gbuf.key_bias.data(),
+                         gbuf.value.data(),     gbuf.value_bias.data(), gbuf.q_norm.data(), gbuf.k_norm.data(),
                          gbuf.conv_norm.data(), gbuf.conv.data()};
   std::vector<float> x_in(k.x.begin(), k.x.end()), dx = dy;  // dx starts as the direct path's share
-  ds::model::engram_backward(dx.data(), g, dy.data(), x_in.data(), k.ids.data(), acts, k.L.view(), k.L.d, k.segs,
-                             k.T);
+  ds::model::engram_backward(dx.data(), g, dy.data(), x_in.data(), k.ids.data(), acts, k.L.view(), k.L.d, k.segs, k.T);
   auto check = [&](const char* name, std::vector<double> ds::test::EngramRef<double>::*field,
                    const std::vector<float>& got) {
     auto rr = k.L.ref;
@@ -278,7 +277,8 @@ TEST(Engram, HistoryRowsContinueASequence) {
                               &a1);
     std::copy(a1.n.begin(), a1.n.end(), rows.begin() + (H + t) * W);
     // One row against eight: the projections' kernels differ in rounding only.
-    for (int64_t i = 0; i < W; ++i) EXPECT_NEAR(one[i], full[t * W + i], 1e-5 * (1 + std::fabs(full[t * W + i]))) << t << "," << i;
+    for (int64_t i = 0; i < W; ++i)
+      EXPECT_NEAR(one[i], full[t * W + i], 1e-5 * (1 + std::fabs(full[t * W + i]))) << t << "," << i;
   }
 }
 

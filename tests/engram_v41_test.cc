@@ -21,7 +21,8 @@ struct Toy {
     for (int o = 0; o < 12; ++o)
       for (int i = 0; i < 4; ++i) wkv.push_back(static_cast<float>(0.2 * std::sin(o + 2 * i + 1)));
     for (int g = 0; g < 2; ++g)
-      for (int j = 0; j < 4; ++j) w_qk.push_back(static_cast<float>((1 + 0.1 * g - 0.05 * j) * (1 - 0.03 * j + 0.02 * g)));
+      for (int j = 0; j < 4; ++j)
+        w_qk.push_back(static_cast<float>((1 + 0.1 * g - 0.05 * j) * (1 - 0.03 * j + 0.02 * g)));
     for (int t = 0; t < 2; ++t)
       for (int j = 0; j < 4; ++j) e.push_back(static_cast<float>(0.1 * (j + 1) * std::cos(j + t)));
     for (int t = 0; t < 2; ++t)
@@ -37,8 +38,9 @@ TEST(EngramV41, GateAndUpdateMatchTheSpecification) {
                                 {2, 2, 4, 1e-20f}, nullptr, alpha.data());
   const double want_alpha[4] = {0.237043, 0.603348, 0.775015, 0.213111};
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(alpha[i], want_alpha[i], 2e-6) << i;
-  const double out[2][2][4] = {{{0.982136, 0.871796, 0.551914, 0.089071}, {0.025267, -0.430874, -0.771588, -0.943327}},
-                               {{0.510958, 0.039168, -0.420916, -0.774728}, {-0.809213, -0.998673, -0.937768, -0.646380}}};
+  const double out[2][2][4] = {
+      {{0.982136, 0.871796, 0.551914, 0.089071}, {0.025267, -0.430874, -0.771588, -0.943327}},
+      {{0.510958, 0.039168, -0.420916, -0.774728}, {-0.809213, -0.998673, -0.937768, -0.646380}}};
   for (int t = 0; t < 2; ++t)
     for (int g = 0; g < 2; ++g)
       for (int j = 0; j < 4; ++j) EXPECT_NEAR(k.x[(t * 2 + g) * 4 + j], out[t][g][j], 2e-6) << t << g << j;

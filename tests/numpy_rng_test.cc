@@ -33,7 +33,8 @@ TEST(NumpyRng, EngramMultiplierDraws) {
     return r;
   };
   EXPECT_EQ(odd32(ds::NumpyPcg64(10007).integers_i32(hb32, 3)), (std::vector<int32_t>{2516509, 13812727, 10401139}));
-  EXPECT_EQ(odd32(ds::NumpyPcg64(4 * 10007).integers_i32(hb32, 3)), (std::vector<int32_t>{16580071, 14827181, 6383963}));
+  EXPECT_EQ(odd32(ds::NumpyPcg64(4 * 10007).integers_i32(hb32, 3)),
+            (std::vector<int32_t>{16580071, 14827181, 6383963}));
   const int64_t hb64 = (INT64_MAX / 128) / 2;
   auto r = ds::NumpyPcg64(10007).integers_i64(hb64, 3);
   for (auto& v : r) v = 2 * v + 1;

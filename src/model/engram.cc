@@ -96,12 +96,13 @@ void engram_forward(float* x, const int32_t* ids, const EngramParams<ops::Weight
   const float* bv = vector_data(p.value_bias);
   const std::vector<float> w = widened(p.conv);  // [K, W]
   const int64_t rows = p.table.rows;
-  // The rows looked up.
+  // The rows looked up (checked first: nothing may throw inside the threads).
+  for (int64_t i = 0; i < T * C; ++i)
+    DS_CHECK(ids[i] >= 0 && ids[i] < rows, "internal: Engram row {} outside the table of {}", ids[i], rows);
   parallel_ranges(T, T * E >= (1 << 14), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < C; ++c) {
-        const int32_t id = ids[t * C + c];
-        DS_CHECK(id >= 0 && id < rows, "internal: Engram row {} outside the table of {}", id, rows);
+        const int64_t id = ids[t * C + c];
         ops::widen_rows(A.e.data() + t * E + c * Dh, p.table, id, id + 1);
       }
   });
@@ -219,8 +220,8 @@ void engram_backward(float* dx, EngramParams<float*>& g, const float* dy, const 
           dvt[j] += alpha * du[j];
         }
         const float a = A.a[r], fa = std::fabs(a);
-        const float da = fa > 1e-6f ? static_cast<float>(dalpha) * alpha * (1.0f - alpha) / (2.0f * std::sqrt(fa))
-                                    : 0.0f;
+        const float da =
+            fa > 1e-6f ? static_cast<float>(dalpha) * alpha * (1.0f - alpha) / (2.0f * std::sqrt(fa)) : 0.0f;
         const float* xn = A.xn.data() + o;
         const float* kap = A.kappa.data() + o;
         const float rq = A.q_rstd[r], rk = A.k_rstd[r];
@@ -253,8 +254,8 @@ void engram_backward(float* dx, EngramParams<float*>& g, const float* dy, const 
         double dalpha = 0;
         for (int64_t j = 0; j < D; ++j) dalpha += static_cast<double>(du[j] + dy[o + j]) * A.v[t * D + j];
         const float alpha = A.alpha[r], fa = std::fabs(A.a[r]);
-        const float da = fa > 1e-6f ? static_cast<float>(dalpha) * alpha * (1.0f - alpha) / (2.0f * std::sqrt(fa))
-                                    : 0.0f;
+        const float da =
+            fa > 1e-6f ? static_cast<float>(dalpha) * alpha * (1.0f - alpha) / (2.0f * std::sqrt(fa)) : 0.0f;
         for (int64_t j = 0; j < D; ++j) {
           qh[j] = xn[j] * rq * gq[gi * D + j];
           kh[j] = kap[j] * rk * gk[gi * D + j];

@@ -55,13 +55,13 @@ struct EngramSegment {
 
 // What a forward computed; a backward reads it (recomputed there, never kept).
 struct EngramActs {
-  Buffer<float> xn, x_rstd;          // x^ [T, G, D], rstd [T, G]
-  Buffer<float> e;                   // [T, C D_head]
-  Buffer<float> kappa, k_rstd;       // key before its norm [T, G, D], rstd [T, G]
-  Buffer<float> q_rstd;              // [T, G]
-  Buffer<float> a, alpha;            // [T, G]
-  Buffer<float> v;                   // [T, D]
-  Buffer<float> u, n, n_rstd, y;     // [T, G, D], n's rstd [T, G]
+  Buffer<float> xn, x_rstd;       // x^ [T, G, D], rstd [T, G]
+  Buffer<float> e;                // [T, C D_head]
+  Buffer<float> kappa, k_rstd;    // key before its norm [T, G, D], rstd [T, G]
+  Buffer<float> q_rstd;           // [T, G]
+  Buffer<float> a, alpha;         // [T, G]
+  Buffer<float> v;                // [T, D]
+  Buffer<float> u, n, n_rstd, y;  // [T, G, D], n's rstd [T, G]
 };
 
 // x [T, G, D] += the Engram output, from the rows ids [T, C] of p.table.

@@ -58,8 +58,8 @@ std::vector<EngramLayerHash> engram_hash_tables(const EngramHashSpec& spec);
 // n-gram that reaches a dead position reads pad there and at every position
 // further back (the block is sticky), as the start of a sequence does.
 inline constexpr int32_t kEngramDead = -1;
-void engram_hash_ids(int32_t* ids, const int32_t* c, int64_t rows, int64_t seq, const int32_t* history,
-                     int32_t pad, const EngramLayerHash& t, int64_t max_ngram, int64_t heads);
+void engram_hash_ids(int32_t* ids, const int32_t* c, int64_t rows, int64_t seq, const int32_t* history, int32_t pad,
+                     const EngramLayerHash& t, int64_t max_ngram, int64_t heads);
 
 // Whether n is prime (n < 2^62).
 bool is_prime(int64_t n);

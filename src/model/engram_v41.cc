@@ -24,8 +24,8 @@ void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const
   }
 }
 
-void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, const float* w_qk,
-                        const V41EngramDims& d, const uint8_t* image, float* alpha) {
+void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, const float* w_qk, const V41EngramDims& d,
+                        const uint8_t* image, float* alpha) {
   const int64_t T = d.tokens, n = d.streams, D = d.dim;
   DS_CHECK(wkv.rows == (n + 1) * D, "internal: V4.1 Engram wkv has {} rows, {} streams of {} need {}", wkv.rows, n, D,
            (n + 1) * D);
@@ -46,8 +46,8 @@ void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, co
           kk += static_cast<double>(key[j]) * key[j];
           dot += static_cast<double>(xg[j]) * w[j] * key[j];
         }
-        const double rho = 1.0 / std::sqrt(xx / static_cast<double>(D) + d.eps) /
-                           std::sqrt(kk / static_cast<double>(D) + d.eps);
+        const double rho =
+            1.0 / std::sqrt(xx / static_cast<double>(D) + d.eps) / std::sqrt(kk / static_cast<double>(D) + d.eps);
         const float s = static_cast<float>(dot * rho * inv_sqrt_d);
         const float a = std::copysign(std::sqrt(std::max(std::fabs(s), 1e-6f)), s);
         const float gate = image && image[t] ? 0.0f : 1.0f / (1.0f + std::exp(-a));

@@ -42,7 +42,7 @@ struct V41EngramDims {
 // x [T, n, d] += alpha v from e [T, wkv.cols] through wkv [(n + 1) d, C De]
 // and the folded weights w_qk [n, d]; `image` (null: none) marks positions
 // whose gate is 0. alpha [T, n] is written when not null.
-void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, const float* w_qk,
-                        const V41EngramDims& d, const uint8_t* image = nullptr, float* alpha = nullptr);
+void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, const float* w_qk, const V41EngramDims& d,
+                        const uint8_t* image = nullptr, float* alpha = nullptr);
 
 }  // namespace ds::model
