@@ -36,13 +36,15 @@ class SpeculativeTest : public ::testing::Test {
     char tmpl[] = "/tmp/ds_spec_XXXXXX";
     ASSERT_NE(mkdtemp(tmpl), nullptr);
     dir_ = tmpl;
-    auto cfg = ds::test::tiny_v3_config();
+    auto cfg = config();
     cfg["num_nextn_predict_layers"] = 1;
     ds::test::write_random_model(dir_, cfg, 17, {}, /*mtp=*/true);
     m_ = ds::infer::load_model(dir_, /*mtp=*/true);
     plain_ = ds::infer::load_model(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
+  virtual nlohmann::json config() const { return ds::test::tiny_v3_config(); }
+  void greedy_output_is_the_plain_loops(int64_t new_tokens);
 
   std::vector<std::vector<int32_t>> run(ds::infer::Decoder& d, GenerateOptions opt, GenerateStats* st = nullptr) {
     return ds::infer::generate(d, prompts_, opt, st);
@@ -109,9 +111,28 @@ class SlotOracleDecoder : public ds::test::ForwardingDecoder {
   std::vector<std::vector<int32_t>> prompts_, want_, fed_;
 };
 
-TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) {
+// With Engram layers: a rejected draft's rollback also drops its token and
+// its convolution rows from the Engram part of the cache.
+class SpeculativeEngramTest : public SpeculativeTest {
+ protected:
+  nlohmann::json config() const override {
+    auto j = ds::test::tiny_v3_config();
+    j["engram_layers"] = {0, 2};
+    j["engram_num_heads"] = 2;
+    j["engram_head_dim"] = 8;
+    j["engram_vocab_bases"] = {40, 50};
+    j["engram_kernel_size"] = 3;
+    return j;
+  }
+};
+
+TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(24); }
+// Long enough that the cache drops old Engram rows between rollbacks.
+TEST_F(SpeculativeEngramTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(48); }
+
+void SpeculativeTest::greedy_output_is_the_plain_loops(int64_t new_tokens) {
   GenerateOptions opt;
-  opt.max_new_tokens = 24;
+  opt.max_new_tokens = new_tokens;
   opt.prefill_chunk = 5;  // the long prompt over three steps
   auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
   const auto want = run(*plain, opt);
