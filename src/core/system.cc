@@ -1,6 +1,8 @@
 #include "core/system.h"
 
 #include <sys/mman.h>
+
+#include <algorithm>
 #include <unistd.h>
 
 #if defined(__GLIBC__)
@@ -37,6 +39,26 @@ void advise_random_reads(const void* p, size_t n) {
   const auto begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
   const auto end = reinterpret_cast<uintptr_t>(p) + n;
   madvise(reinterpret_cast<void*>(begin), end - begin, MADV_RANDOM);
+}
+
+void prefetch_pages(std::vector<std::pair<const void*, size_t>> ranges) {
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  std::vector<uintptr_t> pages;
+  for (const auto& [p, n] : ranges) {
+    if (!p || n == 0) continue;
+    const auto b = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+    const auto e = reinterpret_cast<uintptr_t>(p) + n;
+    for (uintptr_t a = b; a < e; a += page) pages.push_back(a);
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  // Runs of adjacent pages in one call.
+  for (size_t i = 0; i < pages.size();) {
+    size_t j = i + 1;
+    while (j < pages.size() && pages[j] == pages[j - 1] + page) ++j;
+    madvise(reinterpret_cast<void*>(pages[i]), (j - i) * page, MADV_WILLNEED);
+    i = j;
+  }
 }
 
 }  // namespace ds

@@ -3,6 +3,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace ds {
 
@@ -25,5 +27,12 @@ void keep_freed_memory_in_heap();
 // of a large mmapped table brings in that row's pages, not its neighbours'.
 // Best effort: a kernel that refuses changes nothing but the RSS.
 void advise_random_reads(const void* p, size_t n);
+
+// Asks the kernel to start reading the pages of the given byte ranges of a
+// file mapping now (madvise MADV_WILLNEED, each page once), so that the
+// faults of a gather that follows find them in memory: the reads overlap
+// instead of one fault waiting for each. ranges are (address, bytes) pairs.
+// Best effort, as above.
+void prefetch_pages(std::vector<std::pair<const void*, size_t>> ranges);
 
 }  // namespace ds

@@ -3,8 +3,10 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/system.h"
 #include "model/weights.h"
 
 namespace ds::model {
@@ -99,6 +101,17 @@ void engram_forward(float* x, const int32_t* ids, const EngramParams<ops::Weight
   // The rows looked up (checked first: nothing may throw inside the threads).
   for (int64_t i = 0; i < T * C; ++i)
     DS_CHECK(ids[i] >= 0 && ids[i] < rows, "internal: Engram row {} outside the table of {}", ids[i], rows);
+  // A table stays on disk: its rows' pages are read ahead together before
+  // the gather faults on them one by one.
+  if (T * C > 1) {
+    const size_t row_bytes = static_cast<size_t>(Dh) * dtype_size(p.table.dtype);
+    std::vector<std::pair<const void*, size_t>> rows_read;
+    rows_read.reserve(static_cast<size_t>(T * C));
+    for (int64_t i = 0; i < T * C; ++i)
+      rows_read.emplace_back(static_cast<const char*>(p.table.data) + static_cast<size_t>(ids[i]) * row_bytes,
+                             row_bytes);
+    prefetch_pages(std::move(rows_read));
+  }
   parallel_ranges(T, T * E >= (1 << 14), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < C; ++c) {
