@@ -85,8 +85,8 @@ struct ModelConfig {
   // tables of engram_head_dim columns whose sizes are primes from
   // engram_vocab_bases (one per order); a short conv of engram_kernel_size
   // taps. The hash multipliers come from engram_seed (MaxText's int32
-  // scheme), over the token ids themselves (the compressed vocabulary is the
-  // vocabulary); positions before a sequence read engram_pad_id.
+  // scheme); the n-grams are of token ids, or of their classes with
+  // engram_compress_tokens; positions before a sequence read engram_pad_id.
   std::vector<int64_t> engram_layers;
   int64_t engram_max_ngram_size = 3;
   int64_t engram_num_heads = 8;

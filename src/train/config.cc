@@ -364,7 +364,8 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
       const fs::path hf(t.hf_config);
       tok = ((fs::is_directory(hf, ec) ? hf : hf.parent_path()) / "tokenizer.json").string();
     }
-    if (tok.empty() && !t.load_parameters_path.empty()) tok = (fs::path(t.load_parameters_path) / "tokenizer.json").string();
+    if (tok.empty() && !t.load_parameters_path.empty())
+      tok = (fs::path(t.load_parameters_path) / "tokenizer.json").string();
     DS_CHECK(!tok.empty(), "{}: engram_compress_tokens needs tokenizer_path (its token classes)", source);
     rc.model.attach_engram_classes(tok, "engram_compress_tokens");
   }
