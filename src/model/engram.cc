@@ -213,8 +213,18 @@ void engram_backward(float* dx, EngramParams<float*>& g, const float* dy, const 
       }
   }
   // Per (token, stream): back through the conv's norm, the gate, the query
-  // and key norms. dkappa [T, W], dv [T, D], dxi = the input norm's share of dx.
+  // and key norms. dkappa [T, W], dv [T, D], dxi = the input norm's share of
+  // dx; with scale gradients wanted, each row's terms of them [T, W] (input
+  // norm, q_norm, k_norm, conv norm), summed below in token order.
   Buffer<float> dkappa(T * W), dv(T * D), dxi(T * W);
+  const bool scales = g.norm || g.q_norm || g.k_norm || g.conv_norm;
+  Buffer<float> t_in, t_q, t_k, t_c;
+  if (scales) {
+    t_in.resize(T * W);
+    t_q.resize(T * W);
+    t_k.resize(T * W);
+    t_c.resize(T * W);
+  }
   const float inv_sqrt_d = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   parallel_ranges(T, T * W >= (1 << 12), [&](int64_t t0, int64_t t1) {
     std::vector<float> du(D), qh(D), kh(D), dqh(D), dkh(D), dxn(D);
@@ -247,45 +257,26 @@ void engram_backward(float* dx, EngramParams<float*>& g, const float* dy, const 
         rms_backward_row(dxn.data(), dqh.data(), xn, gq + gi * D, rq, D);
         rms_backward_row(dkappa.data() + o, dkh.data(), kap, gk + gi * D, rk, D);
         rms_backward_row(dxi.data() + o, dxn.data(), x_in + o, g_in, A.x_rstd[r], D);
+        if (scales)
+          for (int64_t j = 0; j < D; ++j) {
+            t_in[o + j] = dxn[j] * x_in[o + j] * A.x_rstd[r];
+            t_q[o + j] = dqh[j] * xn[j] * rq;
+            t_k[o + j] = dkh[j] * kap[j] * rk;
+            t_c[o + j] = dn[o + j] * A.u[o + j] * A.n_rstd[r];
+          }
       }
     }
   });
-  // Scale gradients, summed in token order (deterministic), the per-row
-  // gradients recomputed (cheap next to the projections).
-  if (g.norm || g.q_norm || g.k_norm || g.conv_norm) {
-    std::vector<float> qh(D), kh(D), dqh(D), dkh(D), dxn(D), du(D);
-    for (int64_t t = 0; t < T; ++t) {
-      for (int64_t gi = 0; gi < G; ++gi) {
-        const int64_t r = t * G + gi, o = r * D;
-        const float* xn = A.xn.data() + o;
-        const float* kap = A.kappa.data() + o;
-        const float rq = A.q_rstd[r], rk = A.k_rstd[r];
-        if (g.conv_norm)
-          for (int64_t j = 0; j < D; ++j) g.conv_norm[gi * D + j] += dn[o + j] * A.u[o + j] * A.n_rstd[r];
-        if (!(g.norm || g.q_norm || g.k_norm)) continue;
-        rms_backward_row(du.data(), dn.data() + o, A.u.data() + o, gc + gi * D, A.n_rstd[r], D);
-        double dalpha = 0;
-        for (int64_t j = 0; j < D; ++j) dalpha += static_cast<double>(du[j] + dy[o + j]) * A.v[t * D + j];
-        const float alpha = A.alpha[r], fa = std::fabs(A.a[r]);
-        const float da =
-            fa > 1e-6f ? static_cast<float>(dalpha) * alpha * (1.0f - alpha) / (2.0f * std::sqrt(fa)) : 0.0f;
-        for (int64_t j = 0; j < D; ++j) {
-          qh[j] = xn[j] * rq * gq[gi * D + j];
-          kh[j] = kap[j] * rk * gk[gi * D + j];
-          dqh[j] = da * kh[j] * inv_sqrt_d;
-          dkh[j] = da * qh[j] * inv_sqrt_d;
-        }
-        if (g.q_norm)
-          for (int64_t j = 0; j < D; ++j) g.q_norm[gi * D + j] += dqh[j] * xn[j] * rq;
-        if (g.k_norm)
-          for (int64_t j = 0; j < D; ++j) g.k_norm[gi * D + j] += dkh[j] * kap[j] * rk;
-        if (g.norm) {
-          rms_backward_row(dxn.data(), dqh.data(), xn, gq + gi * D, rq, D);
-          for (int64_t j = 0; j < D; ++j) g.norm[j] += dxn[j] * x_in[o + j] * A.x_rstd[r];
-        }
+  if (scales)
+    for (int64_t r = 0; r < T * G; ++r) {
+      const int64_t o = r * D, s0 = (r % G) * D;  // the stream's scales
+      for (int64_t j = 0; j < D; ++j) {
+        if (g.norm) g.norm[j] += t_in[o + j];
+        if (g.q_norm) g.q_norm[s0 + j] += t_q[o + j];
+        if (g.k_norm) g.k_norm[s0 + j] += t_k[o + j];
+        if (g.conv_norm) g.conv_norm[s0 + j] += t_c[o + j];
       }
     }
-  }
   // Biases, projections, and the table's rows.
   for (int64_t t = 0; t < T; ++t) {
     if (g.key_bias)
