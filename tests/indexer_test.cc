@@ -182,6 +182,48 @@ TEST(Indexer, V4RoundingSimulationsMatchTheIndependentReference) {
   EXPECT_THROW(ds::ops::fp4_round_blocks(y.data(), x.data(), 48, 32), ds::Error);
 }
 
+// DeepSeek-V4.1's fp4 rounding of compressed entries (groups of 16, an
+// e4m3 scale, not a power of two) against a double-precision transcription
+// of its rule, on blocks of many magnitudes, under the scale floor and on
+// exact e2m1 midpoints.
+TEST(Indexer, V41EntryRoundingMatchesItsRule) {
+  const int64_t n = 16 * 40;
+  std::vector<float> x = ds::test::randn(n, 41, 2.0f);
+  for (int64_t i = 0; i < 16; ++i) x[static_cast<size_t>(i)] *= 1e-6f;  // under the 6 * 2^-9 floor
+  for (int64_t i = 16; i < 32; ++i) x[static_cast<size_t>(i)] *= 300.0f;
+  // A block whose scale is exactly 1 (amax 6), holding every e2m1 midpoint.
+  const float mids[16] = {6.0f, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, -0.25f, -0.75f, -1.25f, -1.75f,
+                          -2.5f, -3.5f, -5.0f, 0.1f};
+  std::copy(mids, mids + 16, x.begin() + 32);
+  std::vector<float> y(n);
+  ds::ops::fp4_round_blocks_e4m3(y.data(), x.data(), n, 16);
+  const double e2m1[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  auto nearest_even = [&](double v) {  // ties to the even code (codes 0, 2, 4, 6 are 0, 1, 2, 4)
+    const double a = std::fabs(v);
+    int best = 0;
+    for (int c = 1; c < 8; ++c) {
+      const double d = std::fabs(a - e2m1[c]), db = std::fabs(a - e2m1[best]);
+      if (d < db || (d == db && c % 2 == 0)) best = c;
+    }
+    return std::copysign(e2m1[best], v);
+  };
+  for (int64_t b = 0; b < n / 16; ++b) {
+    double amax = 6.0 * std::ldexp(1.0, -9);
+    for (int64_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(double(x[b * 16 + i])));
+    const double s = ds::e4m3_to_f32(ds::f32_to_e4m3(static_cast<float>(amax / 6.0)));
+    for (int64_t i = 0; i < 16; ++i) {
+      const double v = std::clamp(double(x[b * 16 + i]) / s, -6.0, 6.0);
+      EXPECT_EQ(y[b * 16 + i], static_cast<float>(nearest_even(v) * s)) << "block " << b << " value " << i;
+    }
+  }
+  EXPECT_EQ(y[32 + 1], 0.0f);   // 0.25 -> 0
+  EXPECT_EQ(y[32 + 2], 1.0f);   // 0.75 -> 1
+  EXPECT_EQ(y[32 + 5], 2.0f);   // 2.5 -> 2
+  EXPECT_EQ(y[32 + 6], 4.0f);   // 3.5 -> 4
+  EXPECT_EQ(y[32 + 7], 4.0f);   // 5 -> 4
+  EXPECT_THROW(ds::ops::fp4_round_blocks_e4m3(y.data(), x.data(), 24, 16), ds::Error);
+}
+
 TEST(Indexer, V4RoundingsKeptAsCodesDecodeToTheRoundedValues) {
   // Values of every magnitude (tiny blocks hit the scale floors), in blocks
   // of 64 (fp8) and 32 (fp4): decoding the codes gives the round functions'

@@ -84,6 +84,33 @@ TEST(Mhc, ForwardsMatchTheReference) {
                          1e-5, 0, "head");
 }
 
+// DeepSeek-V4.1's lagged mHC takes the pre weights out and collapses the
+// streams with another sub-layer's: the pre weights are those that give
+// mhc_pre's a, and the collapse is their weighted sum.
+TEST(Mhc, PreWeightsAndCollapse) {
+  const auto in = make_inputs(7);
+  const auto d = dims();
+  std::vector<float> a(kT * kD), post(kT * kN), comb(kT * kN * kN), pre(kT * kN), post2(kT * kN),
+      comb2(kT * kN * kN), a2(kT * kD);
+  ds::ops::mhc_pre_forward(a.data(), post.data(), comb.data(), in.x.data(), in.fn.data(), in.base.data(),
+                           in.scale.data(), d);
+  ds::ops::mhc_pre_forward(nullptr, post2.data(), comb2.data(), in.x.data(), in.fn.data(), in.base.data(),
+                           in.scale.data(), d, pre.data());
+  EXPECT_EQ(post2, post);
+  EXPECT_EQ(comb2, comb);
+  ds::ops::mhc_collapse(a2.data(), in.x.data(), pre.data(), kT, kN, kD);
+  EXPECT_EQ(a2, a);
+  // The collapse with weights of its own: the sum, in double.
+  const auto w = ds::test::randn(kT * kN, 9);
+  ds::ops::mhc_collapse(a2.data(), in.x.data(), w.data(), kT, kN, kD);
+  for (int64_t t = 0; t < kT; ++t)
+    for (int64_t i = 0; i < kD; ++i) {
+      double want = 0;
+      for (int64_t j = 0; j < kN; ++j) want += double(w[t * kN + j]) * in.x[(t * kN + j) * kD + i];
+      EXPECT_NEAR(a2[t * kD + i], want, 1e-5) << t << " " << i;
+    }
+}
+
 TEST(Mhc, PreBackwardMatchesCentralDifferences) {
   // L = sum(wa a) + sum(wp post) + sum(wc comb) for fixed random weights.
   const auto in = make_inputs(7);

@@ -43,6 +43,10 @@ void fp8_dequantize_rows(float* y, const uint8_t* codes, const float* scales, in
 //        V4's indexer queries and keys in blocks of 32.
 void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool ue8m0);
 void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block);
+// DeepSeek-V4.1's fp4 simulation of the compressed entries: an e4m3 scale
+// per block (not a power of two), s = e4m3(max(amax, 6 * 2^-9) / 6) rounded
+// to nearest even, y = e2m1(clamp(x / s, -6, 6)) s.
+void fp4_round_blocks_e4m3(float* y, const float* x, int64_t n, int64_t block);
 
 // The same roundings (fp8 with power-of-two scales) kept as codes: each
 // block's scale as an e8m0 byte (2^(e - 127)) in scales [n / block], and

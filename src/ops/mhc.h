@@ -52,8 +52,13 @@ struct MhcDims {
 
 // mhc_pre: a [T, d], post [T, n], comb [T, n, n] from x [T, n, d] and the
 // layer's fn [(2 + n) n, n d], base [(2 + n) n], scale [3].
+// With pre_out [T, n], also the pre weights; a may then be null (DeepSeek-V4.1's
+// lagged mHC collapses the streams with the previous sub-layer's pre).
 void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const float* fn, const float* base,
-                     const float* scale, const MhcDims& dims);
+                     const float* scale, const MhcDims& dims, float* pre_out = nullptr);
+
+// a [T, D] = sum_j w[t, j] x[t, j] for the streams x [T, n, D] and weights w [T, n].
+void mhc_collapse(float* a, const float* x, const float* w, int64_t T, int64_t n, int64_t D);
 
 // Gradients of mhc_pre given da [T, d], dpost [T, n], dcomb [T, n, n]:
 // dx [T, n, d] is accumulated into (+=), as are dfn, dbase and dscale. Any of

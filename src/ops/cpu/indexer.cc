@@ -152,6 +152,18 @@ void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block) {
   }
 }
 
+void fp4_round_blocks_e4m3(float* y, const float* x, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp4_round_blocks_e4m3: {} values in blocks of {}", n, block);
+  constexpr float kFp4Max = 6.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = kFp4Max * 0x1p-9f;  // the smallest e4m3 scale, 2^-9
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const float s = e4m3_to_f32(f32_to_e4m3(amax / kFp4Max));
+    for (int64_t c = b0; c < b0 + block; ++c)
+      y[c] = e2m1_to_f32(f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max))) * s;
+  }
+}
+
 namespace {
 
 // The e8m0 byte of a power of two.

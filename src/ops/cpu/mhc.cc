@@ -229,8 +229,23 @@ void sinkhorn_backward(float* dL, const float* dcomb, const float* states, int64
 
 }  // namespace
 
+void mhc_collapse(float* a, const float* x, const float* w, int64_t T, int64_t n, int64_t D) {
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* at = a + t * D;
+      const float* xt = x + t * n * D;
+      const float* wt = w + t * n;
+      for (int64_t i = 0; i < D; ++i) {
+        float acc = 0;
+        for (int64_t j = 0; j < n; ++j) acc += wt[j] * xt[j * D + i];
+        at[i] = acc;
+      }
+    }
+  });
+}
+
 void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const float* fn, const float* base,
-                     const float* scale, const MhcDims& d) {
+                     const float* scale, const MhcDims& d, float* pre_out) {
   check_dims(d);
   const int64_t T = d.tokens, n = d.streams, D = d.dim, m = d.mixes();
   if (T == 0) return;
@@ -250,6 +265,8 @@ void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const f
         pre[j] = sigmoid(z[j] * scale[0] + base[j]) + d.pre_eps();
         post[t * n + j] = 2.0f * sigmoid(z[n + j] * scale[1] + base[n + j]);
       }
+      if (pre_out) std::copy(pre.begin(), pre.end(), pre_out + t * n);
+      if (!a) continue;
       float* at = a + t * D;
       const float* xt = x + t * n * D;
       for (int64_t i = 0; i < D; ++i) {
