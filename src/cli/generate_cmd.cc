@@ -58,7 +58,7 @@ std::string mib(size_t bytes) {
 // ---- init -----------------------------------------------------------------
 
 struct InitArgs {
-  std::string config, out, dtype = "bf16";
+  std::string config, out, dtype = "bf16", tokenizer;
   std::vector<std::string> overrides;
   uint64_t seed = 0;
 };
@@ -88,10 +88,11 @@ int run_init(const InitArgs& a) {
     for (size_t i = 0; i < can.size(); ++i) list += (i == 0 ? "" : i + 1 == can.size() ? " or " : ", ") + can[i];
     DS_FAIL("init: --dtype {}: a {} model is written in {} only", a.dtype, family->name(), list);
   }
-  family->write_random(a.out, a.seed, model::InitOptions{}.init_std, dtype);
-  const nlohmann::json hf = family->hf_config();
+  family->write_random(a.out, a.seed, model::InitOptions{}.init_std, dtype, a.tokenizer);
+  const nlohmann::json root = family->hf_config();
+  const nlohmann::json& hf = root.contains("text_config") ? root["text_config"] : root;  // DeepSeek-V4.1 nests it
   fmt::print("wrote a randomly initialised {} model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
-             hf.value("model_type", ""), hf.value("num_hidden_layers", int64_t{0}), hf.value("hidden_size", int64_t{0}),
+             root.value("model_type", ""), hf.value("num_hidden_layers", int64_t{0}), hf.value("hidden_size", int64_t{0}),
              hf.value("n_routed_experts", int64_t{0}), a.out, mib(weight_file_bytes(a.out)));
   return 0;
 }
@@ -278,6 +279,10 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
                     "as DeepSeek-V3 ships)")
         ->check(CLI::IsMember({"bf16", "f16", "f32", "fp8"}));
     cmd->add_option("--set", args->overrides, "override a YAML key: key=value (repeatable)");
+    cmd->add_option("--tokenizer", args->tokenizer,
+                    "tokenizer.json to copy into the folder (needed by DeepSeek-V4.1's Engram layers, whose token "
+                    "classes come from it)")
+        ->check(CLI::ExistingFile);
     commands.emplace_back(cmd, [args] { return run_init(*args); });
   }
   {

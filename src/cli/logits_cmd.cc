@@ -34,6 +34,7 @@ struct LogitsArgs {
   int64_t incremental = 0;
   CLI::Option* incremental_opt = nullptr;  // given or not
   bool no_quant_sim = false;
+  bool late_index_keys = false;
 };
 
 // The checks every sequence passes before any weight is read, for a model
@@ -56,7 +57,10 @@ int run_logits(const LogitsArgs& a) {
   // The request is checked whole before any weight is read: the output
   // path, the token file against the config, the --incremental prefix.
   const std::string out = io::resolve_output_path(a.out);
-  const auto m = infer::open_model(a.model, infer::ModelOptions{!a.no_quant_sim});
+  infer::ModelOptions mo;
+  mo.quant_sim = !a.no_quant_sim;
+  mo.late_index_keys = a.late_index_keys;
+  const auto m = infer::open_model(a.model, mo);
   const int64_t V = m->vocab_size();
   const auto seqs = io::parse_token_lists(io::read_file(a.tokens, "token file"), V, a.tokens);
   const auto kind = infer::cache_kind(a.cache);
@@ -99,6 +103,10 @@ void add_logits_command(CLI::App& app, CommandList& commands) {
       ->check(CLI::IsMember({"latent", "naive"}));
   cmd->add_flag("--no-quant-sim", args->no_quant_sim,
                 "DeepSeek-V4: skip the fp8/fp4 roundings of DeepSeek's inference code (Hugging Face's arithmetic)");
+  cmd->add_flag("--late-index-keys", args->late_index_keys,
+                "DeepSeek-V4.1: decode as DeepSeek's released inference code does, where a ratio-2 layer whose pair is "
+                "still open scores the index keys another layer published last (default: each layer its own "
+                "source's keys, as the model was trained)");
   commands.emplace_back(cmd, [args] { return run_logits(*args); });
 }
 

@@ -23,6 +23,9 @@ struct ModelOptions {
   bool quant_sim = true;
   // Load the checkpoint's MTP layer for speculative decoding (infer/speculative.h).
   bool mtp = false;
+  // DeepSeek-V4.1: decode as DeepSeek's released inference code does
+  // (model/v4_model.h, V4Options::late_index_keys), not as the model was trained.
+  bool late_index_keys = false;
 };
 
 class Model {

@@ -15,6 +15,7 @@ class V3Model final : public Model {
  public:
   V3Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), cfg_(model::load_config(dir)), mtp_(opt.mtp) {
     DS_CHECK(opt.quant_sim, "--no-quant-sim applies to DeepSeek-V4 models only");
+    DS_CHECK(!opt.late_index_keys, "--late-index-keys applies to DeepSeek-V4.1 models only");
     DS_CHECK(!mtp_ || cfg_.num_nextn_predict_layers > 0,
              "--speculative mtp drafts with the model's MTP layer, and this model has none (num_nextn_predict_layers "
              "0)");

@@ -12,12 +12,20 @@ namespace fs = std::filesystem;
 
 bool is_v4_folder(const std::string& dir) {
   const fs::path p = fs::path(dir) / "config.json";
-  return fs::is_regular_file(p) && model::config_model_type(p.string()) == "deepseek_v4";
+  return fs::is_regular_file(p) && model::is_v4_model_type(model::config_model_type(p.string()));
 }
 
 model::V4Config load_v4_config(const std::string& dir) {
   DS_CHECK(fs::is_directory(dir), "model folder '{}' does not exist or is not a folder", dir);
-  return model::V4Config::from_hf_json_file((fs::path(dir) / "config.json").string());
+  model::V4Config c = model::V4Config::from_hf_json_file((fs::path(dir) / "config.json").string());
+  if (!c.engram_layers.empty()) {  // V4.1's Engram hashes the tokenizer's token classes
+    const fs::path tok = fs::path(dir) / "tokenizer.json";
+    DS_CHECK(fs::is_regular_file(tok),
+             "model folder '{}': its Engram layers hash the tokenizer's token classes, and it has no tokenizer.json",
+             dir);
+    c.attach_engram_classes(tok.string());
+  }
+  return c;
 }
 
 std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Options opt) {

@@ -14,6 +14,7 @@ class V4Model final : public Model {
  public:
   V4Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), opt_(opt), cfg_(load_v4_config(dir)) {
     DS_CHECK(!opt.mtp, "--speculative mtp is not supported for DeepSeek-V4 models yet (DeepSeek-V2/V3 only)");
+    DS_CHECK(!opt.late_index_keys || cfg_.v41(), "--late-index-keys applies to DeepSeek-V4.1 models only");
   }
 
   int64_t vocab_size() const override { return cfg_.vocab_size; }
@@ -22,8 +23,8 @@ class V4Model final : public Model {
   void check(const std::vector<int64_t>& lengths, const GenerateOptions& opt) const override {
     check_v4_request(cfg_, lengths, opt, /*codes=*/opt_.quant_sim);
   }
-  std::string cache_name(CacheKind) const override { return "deepseek_v4"; }
-  std::string attention_name() const override { return "deepseek_v4"; }
+  std::string cache_name(CacheKind) const override { return cfg_.v41() ? "deepseek_v41" : "deepseek_v4"; }
+  std::string attention_name() const override { return cfg_.v41() ? "deepseek_v41" : "deepseek_v4"; }
   double forward_flops(int64_t batch, int64_t seq, int64_t head_rows) const override {
     return model::v4_forward_flops(cfg_, batch, seq, head_rows);
   }
@@ -34,7 +35,10 @@ class V4Model final : public Model {
   }
 
   void load() override {
-    m_ = load_v4_model(dir_, model::V4Options{opt_.quant_sim});
+    model::V4Options o;
+    o.qat = opt_.quant_sim;
+    o.late_index_keys = opt_.late_index_keys;
+    m_ = load_v4_model(dir_, o);
     decoder_ = std::make_unique<V4Decoder>(v4());
   }
   std::unique_ptr<Decoder> new_decoder(CacheKind) override { return std::make_unique<V4Decoder>(v4()); }

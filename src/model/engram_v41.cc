@@ -1,5 +1,6 @@
 #include "model/engram_v41.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -21,6 +22,22 @@ void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const
     const uint8_t* codes = t.codes + id * De;
     const uint8_t* scales = t.scales + id * groups;
     for (int64_t j = 0; j < De; ++j) out[j] = e4m3_to_f32(codes[j]) * e8m0_to_f32(scales[j / 32]);
+  }
+}
+
+void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const ops::WeightView& table) {
+  if (table.dtype == DType::F8E4M3) {
+    DS_CHECK(table.scale_e8m0 != nullptr, "internal: an fp8 Engram table without its e8m0 scales");
+    return v41_engram_gather(e, ids, T, C, V41EngramTable{static_cast<const uint8_t*>(table.data), table.scale_e8m0,
+                                                          table.rows, table.cols});
+  }
+  const int64_t De = table.cols;
+  for (int64_t i = 0; i < T * C; ++i) {
+    const int64_t id = ids[i];
+    if (id < 0 || id >= table.rows)
+      std::fill(e + i * De, e + (i + 1) * De, 0.0f);
+    else
+      ops::widen_rows(e + i * De, table, id, id + 1);
   }
 }
 

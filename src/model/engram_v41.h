@@ -12,8 +12,8 @@
 //   x_g  += alpha_g v                      (one value for every stream)
 //
 // The hash ids are model/engram_hash.h's int64 scheme with kEngramDead for
-// image positions. This is the layer alone; DeepSeek-V4.1's backbone is not
-// built yet.
+// image positions. DeepSeek-V4.1's model (model/v4_model.h) runs it before
+// each layer of its config's engram_layers.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +31,9 @@ struct V41EngramTable {
 
 // e [T, C cols] from ids [T, C].
 void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const V41EngramTable& table);
+// The same from a loaded table: fp8 (the view's scale_e8m0 holds the
+// scales) or a float dtype.
+void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const ops::WeightView& table);
 
 struct V41EngramDims {
   int64_t tokens = 0;

@@ -91,8 +91,11 @@ class Family {
   // A randomly initialised model folder, as `deepseek init` writes one
   // (matrices normal(0, std) from `seed`), its weights in `dtype`: one of
   // init_dtypes(), ds::Error for another. By default init, then export_hf.
+  // `tokenizer` (a tokenizer.json, or empty) is copied into the folder; a
+  // model whose Engram layers hash token classes needs one.
   virtual std::vector<DType> init_dtypes() const { return {DType::BF16, DType::F16, DType::F32}; }
-  virtual void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype) const;
+  virtual void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype,
+                            const std::string& tokenizer = "") const;
   // Model FLOPs of one training step (MaxText's accounting, model/flops.h).
   virtual double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const = 0;
 
@@ -132,5 +135,8 @@ std::unique_ptr<Family> family_from_hf_config(const nlohmann::json& config, cons
 std::unique_ptr<Family> v3_family(const ModelConfig& cfg, int64_t mtp_layers);
 // DeepSeek-V4 (model/v4/family.cc); its balancing rate is a training key.
 std::unique_ptr<Family> v4_family(const V4Config& cfg, double routed_bias_update_rate);
+
+// Copies a tokenizer.json (none when empty) into a model folder.
+void copy_tokenizer(const std::string& tokenizer, const std::string& out_dir);
 
 }  // namespace ds::model

@@ -49,14 +49,17 @@ double v4_forward_flops(const V4Config& c, int64_t batch, int64_t seq, int64_t h
     const int64_t m = c.compress_ratio(l);
     double w = d * ql + ql * H * Dh + d * Dh;  // q-LoRA, K=V latent
     w += H * Dh * static_cast<double>(c.o_lora_rank) + static_cast<double>(c.o_groups * c.o_lora_rank) * d;
-    if (m > 0) w += 2 * d * (m == 4 ? 2 : 1) * Dh;  // compressor projections
+    if (c.owns_compressor(l)) w += 2 * d * (m == 4 ? 2 : 1) * Dh;  // compressor projections
+    if (c.engram_slot(l) >= 0)  // V4.1's Engram: the fused key and value projection
+      w += static_cast<double>((c.hc_mult + 1) * c.hidden_size) *
+           static_cast<double>(c.engram_columns() * c.engram_head_dim);
     w += d * static_cast<double>(c.n_routed_experts) +
          static_cast<double>(c.n_shared_experts + c.num_experts_per_tok) * ffn;
     per_token += w;
     // Keys per query on average: the window, and the compressed entries
     // (all of them on HCA layers, the indexer's top-k on CSA ones).
     double keys = std::min(static_cast<double>(c.sliding_window), (T + 1) / 2);
-    if (m > 0) keys += m == 4 ? std::min(static_cast<double>(c.index_topk), T / 8) : T / (2 * m);
+    if (m > 0) keys += c.sparse_entries(l) ? std::min(static_cast<double>(c.index_topk), T / (2 * m)) : T / (2 * m);
     attn += 2.0 * tok * keys * H * Dh * 2;  // scores and the weighted sum (K = V)
   }
   const double head = d * static_cast<double>(c.vocab_size);  // unembedding, per row

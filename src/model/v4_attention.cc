@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -72,7 +73,7 @@ int64_t v4_carry_start(int64_t tokens, int64_t ratio) {
 
 void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
                        int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
-                       const std::pair<const float*, const float*>& proj) {
+                       const std::pair<const float*, const float*>& proj, const V4AttentionParams<ops::WeightView>* v41) {
   V4CompressorCarry& carry = index_keys ? st.index_carry : st.carry;
   const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
   const bool overlap = m == 4;
@@ -83,19 +84,22 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
   Buffer<float> P(static_cast<size_t>(total * width)), Z(static_cast<size_t>(total * width));
   std::copy(carry.P.begin(), carry.P.end(), P.begin());
   std::copy(carry.Z.begin(), carry.Z.end(), Z.begin());
+  // V4.1's ratio-1 compressor has no gate: one token's softmax weight is 1.
+  const bool gated = p.wgate.data != nullptr;
   if (proj.first) {
     std::copy(proj.first, proj.first + n * width, P.begin() + old * width);
-    std::copy(proj.second, proj.second + n * width, Z.begin() + old * width);
+    if (gated) std::copy(proj.second, proj.second + n * width, Z.begin() + old * width);
   } else {
     ops::linear_forward(P.data() + old * width, a, p.wkv, n);
-    ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
+    if (gated) ops::linear_forward(Z.data() + old * width, a, p.wgate, n);
   }
-  const float* ape = vector_data(p.ape);
-  for (int64_t i = 0; i < n; ++i) {
-    float* z = Z.data() + (old + i) * width;
-    const float* e = ape + ((p0 + i) % m) * width;
-    for (int64_t c = 0; c < width; ++c) z[c] += e[c];
-  }
+  if (!gated) std::fill(Z.begin() + old * width, Z.end(), 0.0f);
+  if (const float* ape = vector_data(p.ape))  // V4's position embedding (V4.1 has none)
+    for (int64_t i = 0; i < n; ++i) {
+      float* z = Z.data() + (old + i) * width;
+      const float* e = ape + ((p0 + i) % m) * width;
+      for (int64_t c = 0; c < width; ++c) z[c] += e[c];
+    }
   // The buffer's first window was emitted before when it is complete (the
   // previous window an overlapping entry still reads).
   const int64_t skip = start / m < p0 / m ? 1 : 0;
@@ -112,17 +116,18 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
     if (sv) sv->rstd.assign(rstd.begin(), rstd.end());
     std::vector<int32_t> pos(static_cast<size_t>(k));
     for (int64_t b = 0; b < k; ++b) pos[static_cast<size_t>(b)] = static_cast<int32_t>((b0 + b) * m);
+    if (v41) v41_index_keys(st, E, *v41, pos.data(), k);  // from the entries before their RoPE
     ops::rope_forward(E + dim - R, E + dim - R, pos.data(), freqs_compressed_.data(), k, 1, R, dim, dim,
                       ops::RopeLayout::Interleaved);
     if (index_keys) ops::hadamard_rows(E, k, dim);
-    if (!opt_.qat) {
+    if (v41) {  // V4.1: fp4 in groups of 16 with e4m3 scales, kept as the values
+      if (opt_.qat) ops::fp4_round_blocks_e4m3(E, E, k * dim, kV41EntryFp4Block);
+      st.entries.insert(st.entries.end(), E, E + k * dim);
+    } else if (!opt_.qat) {
       auto& rows = index_keys ? st.index_keys : st.entries;
       rows.insert(rows.end(), E, E + k * dim);
     } else if (index_keys) {  // fp4 in blocks of 32, kept as codes
-      const size_t c0 = st.key_codes.size(), s0 = st.key_scales.size();
-      st.key_codes.resize(c0 + static_cast<size_t>(k * dim / 2));
-      st.key_scales.resize(s0 + static_cast<size_t>(k * dim / kV4IndexFp4Block));
-      ops::fp4_encode_blocks(st.key_codes.data() + c0, st.key_scales.data() + s0, E, k * dim, kV4IndexFp4Block);
+      store_key_codes(st, E, k * dim);
     } else {  // the non-rope dims to fp8 in blocks of 64, kept as codes; the rope dims as they are
       const int64_t N = dim - R;
       for (int64_t b = 0; b < k; ++b) {
@@ -147,8 +152,31 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
   }
 }
 
+void V4Model::store_key_codes(V4LayerState& st, const float* keys, int64_t count) const {
+  const size_t c0 = st.key_codes.size(), s0 = st.key_scales.size();
+  st.key_codes.resize(c0 + static_cast<size_t>(count / 2));
+  st.key_scales.resize(s0 + static_cast<size_t>(count / kV4IndexFp4Block));
+  ops::fp4_encode_blocks(st.key_codes.data() + c0, st.key_scales.data() + s0, keys, count, kV4IndexFp4Block);
+}
+
+void V4Model::v41_index_keys(V4LayerState& st, const float* E, const V4AttentionParams<ops::WeightView>& p,
+                             const int32_t* pos, int64_t k) const {
+  const int64_t Di = cfg_.index_head_dim, R = cfg_.qk_rope_head_dim;
+  const ops::ScopedFloat32Products f32;
+  Buffer<float> K(static_cast<size_t>(k * Di)), rstd(static_cast<size_t>(k));
+  ops::linear_forward(K.data(), E, p.index_wk, k);
+  ops::rmsnorm_forward(K.data(), rstd.data(), K.data(), vector_data(p.index_k_norm), k, Di,
+                       static_cast<float>(cfg_.rms_norm_eps));
+  ops::rope_forward(K.data() + Di - R, K.data() + Di - R, pos, freqs_compressed_.data(), k, 1, R, Di, Di,
+                    ops::RopeLayout::Interleaved);
+  if (opt_.qat)
+    store_key_codes(st, K.data(), k * Di);
+  else
+    st.index_keys.insert(st.index_keys.end(), K.begin(), K.end());
+}
+
 void V4Model::attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs,
-                        const int32_t* positions, int64_t n, V4AttentionSaved* sv) {
+                        const int32_t* positions, int64_t n, V4AttentionSaved* sv, V4PassContext* cx) {
   DS_CHECK(!sv || !opt_.qat, "internal: a training forward runs without the fp8/fp4 roundings");
   V4AttentionSaved own;
   V4AttentionSaved& S = sv ? *sv : own;
@@ -159,7 +187,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   std::vector<int32_t> seg_of(static_cast<size_t>(n));
   for (size_t k = 0; k < segs.size(); ++k)
     std::fill(seg_of.begin() + segs[k].row, seg_of.begin() + segs[k].row + segs[k].n, static_cast<int32_t>(k));
-  const auto picked = index_stage(S.qr.data(), a, layer, segs, seg_of, positions, n);
+  const auto picked = index_stage(S.qr.data(), a, layer, segs, seg_of, positions, n, cx);
   attend_stage(S, layer, segs, seg_of, picked, positions, n, keep);
   output_stage(out, S, layer, positions, n, keep);
 }
@@ -179,7 +207,13 @@ void V4Model::query_stage(V4AttentionSaved& S, const float* a, int64_t layer, co
   if (!S.q.empty()) return;
   S.q_lin.resize(static_cast<size_t>(n * H * D));
   ops::linear_forward(S.q_lin.data(), S.qr.data(), p.wq_b, n);
-  normed(S.q, S.q_lin, S.rstd_q, ones(D), n * H, D, eps, keep);
+  if (cfg_.q_head_norm()) {
+    normed(S.q, S.q_lin, S.rstd_q, ones(D), n * H, D, eps, keep);
+  } else if (keep) {  // V4.1 has no per-head norm
+    S.q = S.q_lin;
+  } else {
+    S.q = std::move(S.q_lin);
+  }
   ops::rope_forward(S.q.data() + D - R, S.q.data() + D - R, pos, rope_frequencies(layer), n, H, R, H * D, D,
                     ops::RopeLayout::Interleaved);
 }
@@ -198,14 +232,17 @@ void V4Model::kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const
   normed(S.kv, S.kv_lin, S.rstd_kv, vector_data(p.kv_norm), n, D, static_cast<float>(cfg_.rms_norm_eps), keep);
   float* kv = S.kv.data();
   ops::rope_forward(kv + N, kv + N, pos, rope_frequencies(layer), n, 1, R, D, D, ops::RopeLayout::Interleaved);
+  // V4 rounds the non-rope dims in blocks of 64, V4.1 the whole vector in blocks of 32.
+  const int64_t rounded = cfg_.v41() ? D : N;
   if (opt_.qat)
-    for (int64_t i = 0; i < n; ++i) ops::fp8_round_blocks(kv + i * D, kv + i * D, N, kV4LatentFp8Block, /*ue8m0=*/true);
+    for (int64_t i = 0; i < n; ++i)
+      ops::fp8_round_blocks(kv + i * D, kv + i * D, rounded, cfg_.window_fp8_block(), /*ue8m0=*/true);
 }
 
 void V4Model::compress_stage(V4AttentionSaved& S, const float* a, int64_t layer, const std::vector<Segment>& segs,
                              int64_t n, bool keep) {
   const int64_t m = cfg_.compress_ratio(layer);
-  if (m == 0) return;
+  if (!cfg_.owns_compressor(layer)) return;
   const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
   const int64_t D = cfg_.head_dim, Di = cfg_.index_head_dim, d = cfg_.hidden_size;
   DS_CHECK(S.comp.empty(), "internal: layer {}'s compressors ran twice for one forward", layer);
@@ -219,7 +256,7 @@ void V4Model::compress_stage(V4AttentionSaved& S, const float* a, int64_t layer,
     cP.resize(static_cast<size_t>(n * cw));
     cZ.resize(cP.size());
     ops::linear_forward(cP.data(), a, p.compressor.wkv, n);
-    ops::linear_forward(cZ.data(), a, p.compressor.wgate, n);
+    if (p.compressor.wgate.data) ops::linear_forward(cZ.data(), a, p.compressor.wgate, n);
     if (m == 4) {
       iP.resize(static_cast<size_t>(n * iw));
       iZ.resize(iP.size());
@@ -234,7 +271,11 @@ void V4Model::compress_stage(V4AttentionSaved& S, const float* a, int64_t layer,
       return batched ? std::pair<const float*, const float*>{P.data() + g.row * width, Z.data() + g.row * width}
                      : std::pair<const float*, const float*>{nullptr, nullptr};
     };
-    compress(st, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs, rows_of(cP, cZ, cw));
+    const int64_t before = st.count;
+    compress(st, a + g.row * d, p.compressor, D, m, false, g.start, g.n, cs, rows_of(cP, cZ, cw),
+             cfg_.v41() ? &p : nullptr);
+    // The released code publishes an index source's keys when it made one.
+    if (cfg_.v41() && cfg_.owns_indexer(layer) && st.count > before) g.state->published_keys = layer;
     if (m == 4)
       compress(st, a + g.row * d, p.index_compressor, Di, 4, true, g.start, g.n, nullptr, rows_of(iP, iZ, iw));
   }
@@ -243,13 +284,19 @@ void V4Model::compress_stage(V4AttentionSaved& S, const float* a, int64_t layer,
 std::vector<std::vector<int32_t>> V4Model::index_stage(const float* qr, const float* a, int64_t layer,
                                                        const std::vector<Segment>& segs,
                                                        const std::vector<int32_t>& seg_of, const int32_t* pos,
-                                                       int64_t n) const {
+                                                       int64_t n, V4PassContext* cx) const {
   const int64_t m = cfg_.compress_ratio(layer);
   std::vector<std::vector<int32_t>> picked(static_cast<size_t>(n));
   if (m == 0) return picked;
   // The indexers stay float32 whatever the run's dtype and quantization (layer.cc).
   const ops::ScopedFloat32Products f32;
-  if (m != 4) {  // HCA: every entry whose window is complete
+  if (cfg_.v41() && !cfg_.owns_indexer(layer)) {  // V4.1's readers reuse their index source's choice
+    DS_CHECK(cx && cx->picked_layer == cfg_.index_source_of(layer),
+             "internal: layer {} reads layer {}'s top-k, which this pass has not chosen", layer,
+             cfg_.index_source_of(layer));
+    return cx->picked;
+  }
+  if (!cfg_.sparse_entries(layer)) {  // HCA: every entry whose window is complete
     for (int64_t i = 0; i < n; ++i) {
       auto& pk = picked[static_cast<size_t>(i)];
       pk.resize(static_cast<size_t>((pos[i] + 1) / m));
@@ -260,13 +307,32 @@ std::vector<std::vector<int32_t>> V4Model::index_stage(const float* qr, const fl
   // CSA: the lightning indexer's top index_topk (sum_h w_h relu(q_h . k_b)).
   const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
   const int64_t Hi = cfg_.index_n_heads, Di = cfg_.index_head_dim, R = cfg_.qk_rope_head_dim;
-  auto state = [&](const Segment& g) -> const V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
+  // The keys scored: the KV source's, or with late_index_keys the ones
+  // published last.
+  auto state = [&](const Segment& g) -> const V4LayerState& {
+    if (!opt_.late_index_keys || !cfg_.v41()) return entries_state(*g.state, layer);
+    const int64_t src = g.state->published_keys;
+    DS_CHECK(src >= 0, "internal: layer {} scores index keys nobody has published", layer);
+    return g.state->layers[static_cast<size_t>(src)];
+  };
+  for (const Segment& g : segs) {
+    const int64_t need = (pos[g.row + g.n - 1] + 1) / m;
+    DS_CHECK(need == 0 || state(g).count >= need,
+             "layer {} scores {} index keys, the ones published last hold {}", layer, need, state(g).count);
+  }
   Buffer<float> qi(static_cast<size_t>(n * Hi * Di)), wts(static_cast<size_t>(n * Hi));
   ops::linear_forward(qi.data(), qr, p.index_wq_b, n);
   ops::rope_forward(qi.data() + Di - R, qi.data() + Di - R, pos, rope_frequencies(layer), n, Hi, R, Hi * Di, Di,
                     ops::RopeLayout::Interleaved);
-  ops::hadamard_rows(qi.data(), n * Hi, Di);
+  if (!cfg_.v41()) ops::hadamard_rows(qi.data(), n * Hi, Di);  // V4.1 rotates nothing
   if (opt_.qat) ops::fp4_round_blocks(qi.data(), qi.data(), n * Hi * Di, kV4IndexFp4Block);
+  // V4.1's candidate source publishes each query's blocks; the index
+  // sources after it choose among them.
+  const bool candidate_source = cfg_.v41() && layer == cfg_.candidate_source_layer;
+  const bool restricted = cfg_.v41() && cfg_.candidate_source_layer >= 0 && layer > cfg_.candidate_source_layer;
+  DS_CHECK(!restricted || (cx && cx->have_candidates), "internal: layer {} needs the candidate blocks of layer {}",
+           layer, cfg_.candidate_source_layer);
+  std::vector<std::vector<int32_t>> cands(candidate_source ? static_cast<size_t>(n) : 0);
   ops::linear_forward(wts.data(), a, p.index_weights_proj, n);
   const float ws = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Di) * static_cast<double>(Hi)));
   for (auto& v : wts) v *= ws;
@@ -332,12 +398,58 @@ std::vector<std::vector<int32_t>> V4Model::index_stage(const float* qr, const fl
           for (int64_t b = 0; b < visible; ++b) score[static_cast<size_t>(b)] += wh * std::max(row[b], 0.0f);
         }
         auto& pk = picked[static_cast<size_t>(i)];
+        if (cfg_.v41()) {
+          v41_choose(pk, score, candidate_source ? &cands[static_cast<size_t>(i)] : nullptr,
+                     restricted ? &cx->candidates[static_cast<size_t>(i)] : nullptr);
+          continue;
+        }
         pk.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
         pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
       }
     }
   });
+  if (cfg_.v41()) {
+    if (candidate_source) {
+      cx->candidates = std::move(cands);
+      cx->have_candidates = true;
+    }
+    cx->picked = picked;
+    cx->picked_layer = layer;
+  }
   return picked;
+}
+
+void V4Model::v41_choose(std::vector<int32_t>& pk, std::vector<float>& score, std::vector<int32_t>* cand,
+                         const std::vector<int32_t>* allowed) const {
+  const int64_t visible = static_cast<int64_t>(score.size()), B = cfg_.candidate_block_size;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  if (cand) {
+    // Blocks of B entries scored by their best entry; the block holding the
+    // newest visible entry always kept; the best candidate_topk_blocks kept.
+    const int64_t blocks = (visible + B - 1) / B;
+    cand->clear();
+    if (blocks > cfg_.candidate_topk_blocks) {
+      std::vector<float> bs(static_cast<size_t>(blocks), ninf);
+      for (int64_t j = 0; j < visible; ++j)
+        bs[static_cast<size_t>(j / B)] = std::max(bs[static_cast<size_t>(j / B)], score[static_cast<size_t>(j)]);
+      bs.back() = std::numeric_limits<float>::infinity();
+      cand->resize(static_cast<size_t>(cfg_.candidate_topk_blocks));
+      cand->resize(static_cast<size_t>(ops::topk_indices(cand->data(), bs.data(), blocks, cfg_.candidate_topk_blocks)));
+    }
+  }
+  if (allowed && !allowed->empty()) {
+    std::vector<uint8_t> keep(static_cast<size_t>(visible), 0);
+    for (int32_t b : *allowed)
+      for (int64_t j = b * B; j < std::min(visible, (b + 1) * B); ++j) keep[static_cast<size_t>(j)] = 1;
+    for (int64_t j = 0; j < visible; ++j)
+      if (!keep[static_cast<size_t>(j)]) score[static_cast<size_t>(j)] = ninf;
+  }
+  pk.resize(static_cast<size_t>(std::min(visible, cfg_.index_topk)));
+  pk.resize(static_cast<size_t>(ops::topk_indices(pk.data(), score.data(), visible, cfg_.index_topk)));
+  // Entries outside the candidates are never picked, even when fewer than index_topk remain.
+  if (allowed && !allowed->empty())
+    pk.erase(std::remove_if(pk.begin(), pk.end(), [&](int32_t j) { return score[static_cast<size_t>(j)] == ninf; }),
+             pk.end());
 }
 
 void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector<Segment>& segs,
@@ -349,16 +461,18 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
   auto state = [&](const Segment& g) -> V4LayerState& { return g.state->layers[static_cast<size_t>(layer)]; };
   for (const Segment& g : segs)
     if (state(g).window.empty()) state(g).window.assign(static_cast<size_t>(W * D), 0.0f);
-  // Entries kept as codes: the picked ones decoded once for this call.
+  // The compressed entries (V4.1: its KV source's). Kept as codes: the
+  // picked ones decoded once for this call.
+  auto source = [&](const Segment& g) -> const V4LayerState& { return entries_state(*g.state, layer); };
   std::vector<std::vector<int64_t>> slot(segs.size());
   std::vector<std::vector<float>> decoded(segs.size());
-  if (m > 0 && opt_.qat) {
-    for (size_t k = 0; k < segs.size(); ++k) slot[k].assign(static_cast<size_t>(state(segs[k]).count), -1);
+  if (m > 0 && entry_codes()) {
+    for (size_t k = 0; k < segs.size(); ++k) slot[k].assign(static_cast<size_t>(source(segs[k]).count), -1);
     for (int64_t i = 0; i < n; ++i) {
       const size_t k = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
       for (int32_t b : picked[static_cast<size_t>(i)])
         if (slot[k][static_cast<size_t>(b)] < 0) {
-          const V4LayerState& st = state(segs[k]);
+          const V4LayerState& st = source(segs[k]);
           slot[k][static_cast<size_t>(b)] = static_cast<int64_t>(decoded[k].size()) / D;
           decoded[k].resize(decoded[k].size() + static_cast<size_t>(D));
           float* row = decoded[k].data() + decoded[k].size() - static_cast<size_t>(D);
@@ -387,9 +501,9 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
       }
     }
     for (int32_t b : picked[static_cast<size_t>(i)]) {
-      rows.push_back(opt_.qat ? decoded[static_cast<size_t>(k)].data() +
-                                    slot[static_cast<size_t>(k)][static_cast<size_t>(b)] * D
-                              : st.entries.data() + b * D);
+      rows.push_back(entry_codes() ? decoded[static_cast<size_t>(k)].data() +
+                                         slot[static_cast<size_t>(k)][static_cast<size_t>(b)] * D
+                                   : source(g).entries.data() + b * D);
       if (keep) {
         S.key_seg.push_back(k);
         S.key_idx.push_back(b);

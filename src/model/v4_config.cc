@@ -56,8 +56,12 @@ int64_t V4Config::parameter_count() const {
     add({D, d});
     add({o_groups * o_lora_rank, H * D / std::max<int64_t>(o_groups, 1) + d});
     const int64_t m = compress_ratio(l);
-    if (m > 0) add({(m == 4 ? 4 : 2) * D, d});
-    if (m == 4) add({index_n_heads * index_head_dim, q_lora_rank + d});
+    if (owns_compressor(l)) add({(m == 4 ? 4 : 2) * D, d});
+    if (owns_indexer(l)) add({index_n_heads * index_head_dim, q_lora_rank + d});
+    if (engram_slot(l) >= 0) {
+      add({engram_num_embeddings[static_cast<size_t>(engram_slot(l))], engram_head_dim});
+      add({(n + 1) * d, engram_columns() * engram_head_dim});
+    }
     add({n_routed_experts, d});
     add({3 * moe_intermediate_size, d, n_routed_experts + n_shared_experts});
   }
@@ -100,9 +104,13 @@ void V4Config::validate() const {
   finite(rms_norm_eps, "rms_norm_eps");
   finite(rope_scaling.factor, "rope_scaling.factor");
   DS_CHECK(qk_rope_head_dim % 2 == 0, "config: qk_rope_head_dim {} must be even (rotary pairs)", qk_rope_head_dim);
-  DS_CHECK(nope_dim() % 64 == 0,
-           "config: head_dim - qk_rope_head_dim = {} must be a multiple of 64 (the K=V latent's fp8 blocks)",
-           nope_dim());
+  if (v41())
+    DS_CHECK(head_dim % 32 == 0, "config: head_dim {} must be a multiple of 32 (the K=V vectors' fp8 blocks)",
+             head_dim);
+  else
+    DS_CHECK(nope_dim() % 64 == 0,
+             "config: head_dim - qk_rope_head_dim = {} must be a multiple of 64 (the K=V latent's fp8 blocks)",
+             nope_dim());
   DS_CHECK(num_attention_heads % o_groups == 0, "config: num_attention_heads {} must be a multiple of o_groups {}",
            num_attention_heads, o_groups);
   DS_CHECK(rope_theta > 1.0, "config: rope_theta must exceed 1, got {}", rope_theta);
@@ -122,24 +130,33 @@ void V4Config::validate() const {
   bool any_compressed = false, any_csa = false;
   for (size_t l = 0; l < compress_ratios.size(); ++l) {
     const int64_t m = compress_ratios[l];
-    DS_CHECK(m == 0 || m == 4 || m == 128 || (m > 1 && m <= 1024 && static_cast<int64_t>(l) < num_hidden_layers),
-             "config: compress_ratios[{}] = {} is not supported (0, 4, or a ratio in [2, 1024])", l, m);
+    if (v41())
+      DS_CHECK(m >= 0 && m <= 2, "config: compress_ratios[{}] = {} is not a DeepSeek-V4.1 ratio (0, 1, 2)", l, m);
+    else
+      DS_CHECK(m == 0 || m == 4 || m == 128 || (m > 1 && m <= 1024 && static_cast<int64_t>(l) < num_hidden_layers),
+               "config: compress_ratios[{}] = {} is not supported (0, 4, or a ratio in [2, 1024])", l, m);
     if (static_cast<int64_t>(l) >= num_hidden_layers) {
+      if (v41()) continue;  // the DSpark draft stages' entries, not loaded
       DS_CHECK(m == 0, "config: compress_ratios[{}] = {}: MTP layers attend over the sliding window only", l, m);
       continue;
     }
     any_compressed |= m > 0;
-    any_csa |= m == 4;
+    any_csa |= sparse_entries(static_cast<int64_t>(l));
   }
   if (any_compressed) DS_CHECK(compress_rope_theta > 1.0, "config: compress_rope_theta must exceed 1");
   if (any_csa) {
     in_range(index_n_heads, 1, kHeads, "index_n_heads");
     in_range(index_head_dim, qk_rope_head_dim, kHeadDim, "index_head_dim");
     in_range(index_topk, 1, kPositions, "index_topk");
-    DS_CHECK((index_head_dim & (index_head_dim - 1)) == 0 && index_head_dim % 32 == 0,
-             "config: index_head_dim {} must be a power of two and a multiple of 32 (Hadamard rotation, fp4 blocks)",
-             index_head_dim);
+    if (v41())
+      DS_CHECK(index_head_dim % 32 == 0, "config: index_head_dim {} must be a multiple of 32 (fp4 blocks)",
+               index_head_dim);
+    else
+      DS_CHECK((index_head_dim & (index_head_dim - 1)) == 0 && index_head_dim % 32 == 0,
+               "config: index_head_dim {} must be a power of two and a multiple of 32 (Hadamard rotation, fp4 blocks)",
+               index_head_dim);
   }
+  if (v41()) validate_v41();
   if (rope_scaling.enabled) {
     DS_CHECK(rope_scaling.factor >= 1.0, "config: rope_scaling.factor must be >= 1, got {}", rope_scaling.factor);
     in_range(rope_scaling.original_max_position_embeddings, 1, kPositions,
@@ -157,8 +174,14 @@ void V4Config::validate() const {
 
 V4Config V4Config::from_hf_json_text(const std::string& text, const std::string& src) {
   const json j = parse_object(text, src);
+  if (v41_flat_config(j) || get_or<std::string>(j, "model_type", "", src) == "deepseek_v41")
+    return from_v41_json(j, src);
   const std::string type = get<std::string>(j, "model_type", src);
   DS_CHECK(type == "deepseek_v4", "{}: model_type '{}' is not deepseek_v4", src, type);
+  return validated(read_hf_fields(j, src), src);
+}
+
+V4Config V4Config::read_hf_fields(const json& j, const std::string& src) {
   const std::string act = get_or<std::string>(j, "hidden_act", "silu", src);
   DS_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", src, act);
   V4Config c;
@@ -233,7 +256,7 @@ V4Config V4Config::from_hf_json_text(const std::string& text, const std::string&
     const std::string scale = get_or<std::string>(q, "scale_fmt", "ue8m0", src);
     DS_CHECK(scale == "ue8m0", "{}: scale_fmt '{}' is not supported (ue8m0)", src, scale);
   }
-  return validated(std::move(c), src);
+  return c;
 }
 
 V4Config V4Config::from_hf_json_file(const std::string& path) {
@@ -241,6 +264,7 @@ V4Config V4Config::from_hf_json_file(const std::string& path) {
 }
 
 json V4Config::to_hf_json() const {
+  if (v41()) return to_v41_json();
   json j = {{"model_type", "deepseek_v4"},
             {"architectures", {"DeepseekV4ForCausalLM"}},
             {"vocab_size", vocab_size},
@@ -398,8 +422,11 @@ V4Config V4Config::from_maxtext(const std::vector<std::pair<std::string, json>>&
   return from_hf_json_text(j.dump(), src);
 }
 
+bool is_v4_model_type(const std::string& t) { return t == "deepseek_v4" || t == "deepseek_v41"; }
+
 std::string config_model_type(const std::string& path) {
   const json j = parse_object(io::read_file(path, "config"), path);
+  if (v41_flat_config(j)) return "deepseek_v41";
   if (!j.contains("model_type") || !j["model_type"].is_string()) return "";
   return j["model_type"].get<std::string>();
 }

@@ -9,15 +9,26 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
+#include "model/engram_hash.h"
 
 namespace ds::model {
 
 enum class V4Scoring { SqrtSoftplus, Sigmoid, Softmax };
+
+// Which release's architecture: DeepSeek-V4, or DeepSeek-V4.1 (model_type
+// deepseek_v41), whose backbone differs in ways the fields below switch:
+// CSA2 (compressed KV and index keys shared from source layers, ratios 1
+// and 2, no HCA, no position embedding in the compressors), lagged
+// single-pass mHC without hc_head, no per-head query norm, the fp8 window
+// and fp4 entry roundings in blocks of 32 and 16, no Hadamard rotation in
+// the indexer, and Engram layers.
+enum class V4Generation { V4, V41 };
 
 struct V4Config {
   int64_t vocab_size = 0;
@@ -53,15 +64,69 @@ struct V4Config {
   int64_t bos_token_id = 0, eos_token_id = 1;
   int64_t fp8_block_rows = 128, fp8_block_cols = 128;
 
+  V4Generation generation = V4Generation::V4;
+  // CSA2 (V4.1): the layers that own a compressor (their entries and index
+  // keys are the compressed cache of every later layer up to the next
+  // source), the layers that run the indexer (their top-k serves the
+  // layers up to the next), and the one whose candidate blocks (the best
+  // candidate_topk_blocks blocks of candidate_block_size entries) restrict
+  // the index sources after it (-1: none).
+  std::vector<int64_t> kv_source_layers, index_source_layers;
+  int64_t candidate_source_layer = -1, candidate_topk_blocks = 0, candidate_block_size = 0;
+  // Engram (V4.1, model/engram_v41.h) before each layer of engram_layers:
+  // (N - 1) orders of engram_heads hashes (N = engram_max_ngram_size) into
+  // tables of engram_num_embeddings rows of engram_head_dim, primes from
+  // engram_vocab_base, int64 multipliers from the compressed vocabulary of
+  // engram_compressed_vocab classes (engram_token_classes, from the
+  // folder's tokenizer.json); missing history reads engram_pad_id's class.
+  std::vector<int64_t> engram_layers, engram_num_embeddings;
+  int64_t engram_max_ngram_size = 0, engram_heads = 0, engram_head_dim = 0, engram_vocab_base = 0;
+  int64_t engram_pad_id = 2, engram_compressed_vocab = 0;
+  std::shared_ptr<const std::vector<int32_t>> engram_token_classes;  // [vocab_size]
+  int64_t image_token_id = -1;
+
+  bool v41() const { return generation == V4Generation::V41; }
+  // The per-head RMS norm of the query (V4), the lagged mHC (V4.1).
+  bool q_head_norm() const { return !v41(); }
+  bool lagged_mhc() const { return v41(); }
+  // Whether layer l computes compressed entries (V4: every m > 0 layer) and
+  // runs the indexer (V4: m = 4), and the layers whose entries and top-k a
+  // compressed layer l reads (V4: itself).
+  bool owns_compressor(int64_t l) const;
+  bool owns_indexer(int64_t l) const;
+  int64_t kv_source_of(int64_t l) const;
+  int64_t index_source_of(int64_t l) const;
+  // Whether layer l's attention picks entries through an indexer (V4: CSA, m = 4; V4.1: every m > 0).
+  bool sparse_entries(int64_t l) const { return v41() ? compress_ratio(l) > 0 : compress_ratio(l) == 4; }
+  // Layer l's place in engram_layers (-1: no Engram before it).
+  int64_t engram_slot(int64_t l) const;
+  int64_t engram_columns() const { return (engram_max_ngram_size - 1) * engram_heads; }
+  // The fp8 rounding of the window's K=V vectors: over the non-rope dims in
+  // blocks of 64 (V4) or over all of them in blocks of 32 (V4.1).
+  int64_t window_fp8_block() const { return v41() ? 32 : 64; }
+  // DeepSeek-V4.1's token classes from a tokenizer.json (checked against
+  // engram_compressed_vocab); nothing to do without Engram layers.
+  void attach_engram_classes(const std::string& tokenizer_json);
+
   int64_t nope_dim() const { return head_dim - qk_rope_head_dim; }
   // m of main layer l (l < num_hidden_layers) or MTP layer l - num_hidden_layers.
   int64_t compress_ratio(int64_t layer) const;
   bool hash_routed(int64_t layer) const { return layer < num_hash_layers && layer < num_hidden_layers; }
   void validate() const;
+  void validate_v41() const;  // validate()'s part for V4.1's fields
+  nlohmann::json to_v41_json() const;
   // Weights of the main model (embedding, layers, head; MTP not counted).
   int64_t parameter_count() const;
 
   static V4Config from_hf_json_text(const std::string& text, const std::string& source = "config.json");
+  // DeepSeek-V4.1's config.json (model/v41_config.cc): the released layout
+  // (model_type deepseek_v41 with the text model's keys in text_config) or
+  // the official inference code's flat ModelArgs names.
+  static V4Config from_v41_json(const nlohmann::json& j, const std::string& source);
+  // The fields both releases name alike (from_hf_json_text's work, unchecked).
+  static V4Config read_hf_fields(const nlohmann::json& j, const std::string& source);
+  // Engram's hashing (model/engram_hash.h, DeepSeek's int64 scheme).
+  EngramHashSpec engram_hash_spec() const;
   static V4Config from_hf_json_file(const std::string& path);
   // config.json for this config (weights in float dtypes: no
   // quantization_config); from_hf_json_text reads it back to the same config.
@@ -91,8 +156,14 @@ struct V4Config {
   static bool is_maxtext_key(const std::string& key);
 };
 
+// Whether a config.json object is DeepSeek-V4.1's official flat one.
+bool v41_flat_config(const nlohmann::json& j);
+
 // The model_type of a config.json ("" when it has none): which loader a
-// folder needs.
+// folder needs. DeepSeek-V4.1's official flat config (no model_type, the
+// ModelArgs names with engram_layer_ids or kv_source_layers) reads as
+// deepseek_v41.
 std::string config_model_type(const std::string& config_json_path);
+bool is_v4_model_type(const std::string& model_type);  // deepseek_v4 or deepseek_v41
 
 }  // namespace ds::model

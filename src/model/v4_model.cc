@@ -10,6 +10,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "model/engram_v41.h"
 #include "model/model.h"
 #include "model/weights.h"
 #include "ops/activations.h"
@@ -100,9 +101,13 @@ size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     bytes += static_cast<size_t>(c.sliding_window * c.head_dim) * sizeof(float);
     const int64_t m = c.compress_ratio(l);
-    if (m == 0) continue;
+    if (!c.owns_compressor(l)) continue;
     const int64_t count = tokens / m;
     carry(m, c.head_dim);
+    if (c.v41()) {  // entries as float32 values, index keys as fp4 codes or float32
+      bytes += static_cast<size_t>(count * (c.head_dim * 4 + (codes ? Di / 2 + Di / kV4IndexFp4Block : Di * 4)));
+      continue;
+    }
     bytes += static_cast<size_t>(count * (codes ? N + N / kV4LatentFp8Block + R * 4 : c.head_dim * 4));
     if (m != 4) continue;
     carry(4, Di);
@@ -122,12 +127,65 @@ V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
   DS_CHECK(static_cast<int64_t>(w.layers.size()) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers &&
                static_cast<int64_t>(w.mtp.size()) == cfg.num_nextn_predict_layers,
            "V4 weights do not match the config");
+  if (cfg_.engram_layers.empty()) return;
+  DS_CHECK(cfg_.engram_token_classes && static_cast<int64_t>(cfg_.engram_token_classes->size()) == cfg_.vocab_size,
+           "a DeepSeek-V4.1 model with Engram layers needs its tokenizer's token classes (tokenizer.json in the "
+           "model folder)");
+  engram_hash_ = engram_hash_tables(cfg_.engram_hash_spec());
+  engram_pad_ = (*cfg_.engram_token_classes)[static_cast<size_t>(cfg_.engram_pad_id)];
+  const int64_t hc = cfg_.hc_mult, d = cfg_.hidden_size;
+  for (int64_t l : cfg_.engram_layers) {
+    const auto& e = w_.layers[static_cast<size_t>(l)].engram;
+    const float* q = vector_data(e.q_weight);
+    const float* k = vector_data(e.k_weight);
+    std::vector<float> wqk(static_cast<size_t>(hc * d));
+    for (size_t i = 0; i < wqk.size(); ++i) wqk[i] = q[i] * k[i];
+    engram_wqk_.push_back(std::move(wqk));
+  }
 }
 
 V4State V4Model::new_state() const {
   V4State s;
   s.layers.resize(static_cast<size_t>(cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers));
+  if (!cfg_.engram_layers.empty()) s.engram_history.assign(static_cast<size_t>(cfg_.engram_max_ngram_size - 1), engram_pad_);
   return s;
+}
+
+void V4Model::engram_ids(V4PassContext& cx, const std::vector<Segment>& segs, const int32_t* ids, int64_t n) const {
+  const int64_t C = cfg_.engram_columns(), N = cfg_.engram_max_ngram_size;
+  const auto& classes = *cfg_.engram_token_classes;
+  cx.engram.assign(engram_hash_.size(), std::vector<int32_t>(static_cast<size_t>(n * C)));
+  std::vector<int32_t> c;
+  for (const Segment& g : segs) {
+    DS_CHECK(static_cast<int64_t>(g.state->engram_history.size()) == N - 1,
+             "internal: a sequence's Engram history holds {} tokens", g.state->engram_history.size());
+    c.resize(static_cast<size_t>(g.n));
+    for (int64_t i = 0; i < g.n; ++i) c[static_cast<size_t>(i)] = classes[static_cast<size_t>(ids[g.row + i])];
+    for (size_t e = 0; e < engram_hash_.size(); ++e)
+      engram_hash_ids(cx.engram[e].data() + g.row * C, c.data(), 1, g.n, g.state->engram_history.data(), engram_pad_,
+                      engram_hash_[e], N, cfg_.engram_heads);
+  }
+}
+
+void V4Model::advance_engram_history(const std::vector<Segment>& segs) const {
+  if (cfg_.engram_layers.empty()) return;
+  const auto& classes = *cfg_.engram_token_classes;
+  for (const Segment& g : segs) {
+    auto& h = g.state->engram_history;
+    for (int64_t i = 0; i < g.n; ++i) {
+      h.erase(h.begin());
+      h.push_back(classes[static_cast<size_t>(g.ids[i])]);
+    }
+  }
+}
+
+void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) const {
+  const int64_t e = cfg_.engram_slot(l), C = cfg_.engram_columns(), De = cfg_.engram_head_dim;
+  const auto& p = w_.layers[static_cast<size_t>(l)].engram;
+  std::vector<float> rows(static_cast<size_t>(n * C * De));
+  v41_engram_gather(rows.data(), cx.engram[static_cast<size_t>(e)].data(), n, C, p.embed);
+  v41_engram_forward(X, rows.data(), p.wkv, engram_wqk_[static_cast<size_t>(e)].data(),
+                     {n, cfg_.hc_mult, cfg_.hidden_size, static_cast<float>(cfg_.rms_norm_eps)});
 }
 
 std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits) {
@@ -140,13 +198,17 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
 }
 
 Staged V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
-                              const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
-  co_await sublayer(X, X2, l, false, segs, ids, pos, n, ls);
-  co_await sublayer(X, X2, l, true, segs, ids, pos, n, ls);
+                              const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls,
+                              V4PassContext* cx) {
+  DS_CHECK(!ls || !cfg_.v41(), "training DeepSeek-V4.1 models is not supported yet");
+  DS_CHECK(cx || !cfg_.v41(), "internal: a DeepSeek-V4.1 layer without its pass context");
+  if (cfg_.engram_slot(l) >= 0) engram(X.data(), l, n, *cx);
+  co_await sublayer(X, X2, l, false, segs, ids, pos, n, ls, cx);
+  co_await sublayer(X, X2, l, true, segs, ids, pos, n, ls, cx);
 }
 
 Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
-                         const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls) {
+                         const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls, V4PassContext* cx) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const auto& L = w_.layers[static_cast<size_t>(l)];
@@ -164,8 +226,18 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
   const auto& base = ffn ? L.hc_ffn_base : L.hc_attn_base;
   const auto& scale = ffn ? L.hc_ffn_scale : L.hc_attn_scale;
   const auto& norm = ffn ? L.ffn_norm : L.attn_norm;
-  ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
-                       vector_data(scale), md);
+  if (cfg_.lagged_mhc()) {
+    // V4.1: the input is collapsed with the previous sub-layer's pre; this
+    // one's pre collapses the next.
+    std::vector<float> pre(nh);
+    ops::mhc_pre_forward(nullptr, post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
+                         vector_data(scale), md, pre.data());
+    ops::mhc_collapse(x0.data(), X.data(), cx->pin.data(), n, hc, d);
+    cx->pin = std::move(pre);
+  } else {
+    ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
+                         vector_data(scale), md);
+  }
   if (ls) {
     x.resize(nd);
     ops::rmsnorm_forward(x.data(), rstd.data(), x0.data(), vector_data(norm), n, d, eps);
@@ -176,7 +248,7 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
   if (ffn)
     co_await moe(y.data(), a, ids, l, n, ls ? &ls->moe : nullptr);
   else
-    attention(have_y ? nullptr : y.data(), a, l, segs, pos, n, ls ? &ls->attn : nullptr);
+    attention(have_y ? nullptr : y.data(), a, l, segs, pos, n, ls ? &ls->attn : nullptr, cx);
   X2.resize(X.size());
   ops::mhc_post_forward(X2.data(), have_y ? ls->o.data() : y.data(), X.data(), post.data(), comb.data(), md);
   std::swap(X, X2);
@@ -194,10 +266,14 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
 
 std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,
                                          const ops::WeightView& base, const ops::WeightView& scale,
-                                         const ops::WeightView& norm, V4HeadSaved* sv, bool logits) {
+                                         const ops::WeightView& norm, V4HeadSaved* sv, bool logits,
+                                         const float* pre) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
   Buffer<float> y(static_cast<size_t>(R * d)), rstd(static_cast<size_t>(R));
-  ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
+  if (pre)
+    ops::mhc_collapse(y.data(), Xr, pre, R, hc, d);
+  else
+    ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
   if (sv) {
     sv->X.assign(Xr, Xr + R * hc * d);
     sv->y.assign(y.begin(), y.end());
@@ -275,6 +351,11 @@ V4Model::Pass V4Model::begin_pass(const std::vector<V4Request>& batch, V4Saved* 
     saved->mtp.clear();
     saved->segs = p.segs;
   }
+  if (cfg_.lagged_mhc()) {  // the first layer's input is stream 0
+    p.cx.pin.assign(static_cast<size_t>(n * hc), 0.0f);
+    for (int64_t i = 0; i < n; ++i) p.cx.pin[static_cast<size_t>(i * hc)] = 1.0f;
+  }
+  if (!cfg_.engram_layers.empty()) engram_ids(p.cx, p.segs, p.ids.data(), n);
   // Embedding, copied into every stream.
   p.X = Buffer<float>(static_cast<size_t>(n * hc * d));
   p.X2 = Buffer<float>(static_cast<size_t>(n * hc * d));
@@ -297,15 +378,17 @@ std::vector<std::vector<float>> V4Model::run_passes(std::vector<Pass>& passes, b
     for (size_t i = 0; i < P; ++i) {
       Pass& p = passes[i];
       V4LayerSaved* ls = saved[i] ? &saved[i]->layers[static_cast<size_t>(l)] : nullptr;
-      tasks.push_back(layer_forward(p.X, p.X2, l, p.segs, p.ids.data(), p.pos.data(), p.n, ls));
+      tasks.push_back(layer_forward(p.X, p.X2, l, p.segs, p.ids.data(), p.pos.data(), p.n, ls, &p.cx));
     }
     run_interleaved(tasks, l, false);
     if (opt_.stream) opt_.stream->release(l, false);
     for (size_t i = 0; i < P; ++i)
       if (saved[i]) drop(saved[i]->layers[static_cast<size_t>(l)], *saved[i]);
   }
-  for (Pass& p : passes)
+  for (Pass& p : passes) {
+    advance_engram_history(p.segs);
     for (const Segment& g : p.segs) g.state->length += g.n;
+  }
 
   if (mtp_out) {
     mtp_out->assign(P, {});
@@ -326,12 +409,15 @@ std::vector<std::vector<float>> V4Model::run_passes(std::vector<Pass>& passes, b
       for (int64_t t = all_logits ? 0 : g.n - 1; t < g.n; ++t) rows.push_back(g.row + t);
     const int64_t R = static_cast<int64_t>(rows.size());
     Buffer<float> Xr(static_cast<size_t>(R * hc * d));
-    for (int64_t r = 0; r < R; ++r)
-      std::copy(p.X.begin() + rows[static_cast<size_t>(r)] * hc * d,
-                p.X.begin() + (rows[static_cast<size_t>(r)] + 1) * hc * d, Xr.begin() + r * hc * d);
+    std::vector<float> pre;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = rows[static_cast<size_t>(r)];
+      std::copy(p.X.begin() + row * hc * d, p.X.begin() + (row + 1) * hc * d, Xr.begin() + r * hc * d);
+      if (cfg_.lagged_mhc()) pre.insert(pre.end(), p.cx.pin.begin() + row * hc, p.cx.pin.begin() + (row + 1) * hc);
+    }
     if (saved[i]) saved[i]->logit_rows = rows;
     out.push_back(head_forward(Xr.data(), R, w_.hc_head_fn, w_.hc_head_base, w_.hc_head_scale, w_.norm,
-                               saved[i] ? &saved[i]->head : nullptr, logits));
+                               saved[i] ? &saved[i]->head : nullptr, logits, pre.empty() ? nullptr : pre.data()));
   }
   return out;
 }

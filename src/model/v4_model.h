@@ -40,6 +40,7 @@
 #include "model/remat.h"
 #include "model/staged.h"
 #include "model/stages.h"
+#include "model/engram_hash.h"
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
@@ -52,6 +53,13 @@ class LayerStream;
 
 struct V4Options {
   bool qat = true;  // the fp8 / fp4 roundings of DeepSeek's inference code
+  // DeepSeek-V4.1: DeepSeek's released inference code publishes a KV
+  // source's index keys only at a step that completes one of its entries,
+  // so at the other decode steps a ratio-2 index source scores the keys
+  // published last (another source's, their first rows). Off (the default),
+  // every index source scores its own KV source's keys, as a full forward,
+  // and so training, does; on, decoding follows the released code.
+  bool late_index_keys = false;
   // With the roundings, a sequence's indexer keys (kept as fp4 codes) are
   // widened once per forward while there are at most this many, and scored
   // by sgemm; beyond, every query scores them from the codes directly.
@@ -96,7 +104,27 @@ struct V4LayerState {
 struct V4State {
   int64_t length = 0;  // tokens seen
   std::vector<V4LayerState> layers;
+  // V4.1's Engram: the token classes of the last engram_max_ngram_size - 1
+  // positions, oldest first (the pad class before the sequence's start).
+  std::vector<int32_t> engram_history;
+  // V4.1 with late_index_keys: the index source whose keys were published last (-1: none yet).
+  int64_t published_keys = -1;
   size_t bytes() const;
+};
+
+// What one forward pass of a batch carries from layer to layer besides the
+// streams (DeepSeek-V4.1): the pre mix each token's next sub-layer collapses
+// its streams with (lagged mHC; [n, hc], one-hot before the first layer),
+// the Engram rows' ids, the last index source's top-k (its reader layers
+// reuse it) and the candidate source's blocks (the later index sources
+// choose only among their entries).
+struct V4PassContext {
+  std::vector<float> pin;                     // [n, hc]
+  std::vector<std::vector<int32_t>> engram;   // per Engram layer: [n, columns]
+  int64_t picked_layer = -1;
+  std::vector<std::vector<int32_t>> picked;   // per row: entries, ascending
+  bool have_candidates = false;
+  std::vector<std::vector<int32_t>> candidates;  // per row: allowed blocks, ascending (empty: every block)
 };
 
 // The router's selection rule of a V4 config (flat top-k, no groups).
@@ -110,6 +138,8 @@ ops::SparseMqaDims v4_attention_dims(const V4Config& c, int64_t queries);
 // indexer's fp4 (per 32).
 inline constexpr int64_t kV4LatentFp8Block = 64;
 inline constexpr int64_t kV4IndexFp4Block = 32;
+// DeepSeek-V4.1's compressed entries: fp4 in groups of 16 with e4m3 scales.
+inline constexpr int64_t kV41EntryFp4Block = 16;
 // The first row a compressor's carry holds after `tokens` tokens.
 int64_t v4_carry_start(int64_t tokens, int64_t ratio);
 
@@ -319,6 +349,7 @@ class V4Model {
     std::vector<int32_t> ids, pos;
     int64_t n = 0;
     Buffer<float> X, X2;
+    V4PassContext cx;
   };
   // The checks, the rows and the embedding of a batch (saved set up).
   Pass begin_pass(const std::vector<V4Request>& batch, V4Saved* saved, bool mtp) const;
@@ -332,11 +363,18 @@ class V4Model {
   // [n, hc, d], X2 scratch of the same size; a Staged task that pauses at
   // the expert exchange (model/staged.h).
   Staged layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
-                       const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+                       const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls,
+                       V4PassContext* cx = nullptr);
+  // V4.1: Engram's update of the streams X [n, hc, d] before layer l.
+  void engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) const;
+  // V4.1: the Engram ids of a pass's rows into cx, from each sequence's
+  // history (which the pass then advances: advance_engram_history).
+  void engram_ids(V4PassContext& cx, const std::vector<Segment>& segs, const int32_t* ids, int64_t n) const;
+  void advance_engram_history(const std::vector<Segment>& segs) const;
   // One of its sub-layers: X = mhc_post(f(rmsnorm(mhc_pre(X))), X), f the
   // attention or (ffn) the MoE; with ls, its residuals move there.
   Staged sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ffn, const std::vector<Segment>& segs,
-                  const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls);
+                  const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls, V4PassContext* cx = nullptr);
   // After a training forward's layer: what saved's keep flags drop.
   void drop(V4LayerSaved& ls, const V4Saved& saved) const;
   // Both public batch forwards: with logits the head's product, else the
@@ -344,9 +382,11 @@ class V4Model {
   std::vector<float> run(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
                          std::vector<float>* mtp_out, bool logits);
   // head(rmsnorm(mhc_head(Xr))) for R rows, or without logits rmsnorm(mhc_head(Xr)).
+  // V4.1 (lagged mHC): the streams are collapsed with pre [R, hc], the last
+  // layer's FFN mix, instead.
   std::vector<float> head_forward(const float* Xr, int64_t R, const ops::WeightView& fn, const ops::WeightView& base,
                                   const ops::WeightView& scale, const ops::WeightView& norm, V4HeadSaved* sv,
-                                  bool logits);
+                                  bool logits, const float* pre = nullptr);
   // The MTP layer over the main streams X of a pass: out its logits (or normed rows).
   Staged mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
                      const std::vector<int32_t>& ids, V4Saved* saved, bool logits);
@@ -358,7 +398,7 @@ class V4Model {
   // projection (into out unless null). keep: training (values before each
   // norm kept apart, no roundings), with sv; inference works in place.
   void attention(float* out, const float* a, int64_t layer, const std::vector<Segment>& segs, const int32_t* positions,
-                 int64_t n, V4AttentionSaved* sv);
+                 int64_t n, V4AttentionSaved* sv, V4PassContext* cx = nullptr);
   void query_stage(V4AttentionSaved& S, const float* a, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
   void kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
   void compress_stage(V4AttentionSaved& S, const float* a, int64_t layer, const std::vector<Segment>& segs, int64_t n,
@@ -367,7 +407,12 @@ class V4Model {
   // indexer's top index_topk.
   std::vector<std::vector<int32_t>> index_stage(const float* qr, const float* a, int64_t layer,
                                                 const std::vector<Segment>& segs, const std::vector<int32_t>& seg_of,
-                                                const int32_t* pos, int64_t n) const;
+                                                const int32_t* pos, int64_t n, V4PassContext* cx = nullptr) const;
+  // V4.1: one query's choice from its scores over the visible entries
+  // (score is changed): the candidate source's blocks kept into
+  // cand (when not null), the later index sources' restricted to allowed.
+  void v41_choose(std::vector<int32_t>& pk, std::vector<float>& score, std::vector<int32_t>* cand,
+                  const std::vector<int32_t>* allowed) const;
   void attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector<Segment>& segs,
                     const std::vector<int32_t>& seg_of, const std::vector<std::vector<int32_t>>& picked,
                     const int32_t* pos, int64_t n, bool keep);
@@ -376,9 +421,19 @@ class V4Model {
   // new tokens close, appended to st in its layout. proj, when given, holds
   // the n new rows' wkv and wgate projections ([n, width] each, computed for
   // a whole batch at once); otherwise they are computed here from a.
+  // With v41 (a V4.1 KV source's attention weights), also the index keys
+  // (v41_index_keys), and the entries kept as values.
   void compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
                 int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
-                const std::pair<const float*, const float*>& proj = {nullptr, nullptr});
+                const std::pair<const float*, const float*>& proj = {nullptr, nullptr},
+                const V4AttentionParams<ops::WeightView>* v41 = nullptr);
+  // V4.1: k = k_norm(wk E) of k new entries E [k, head_dim] (normed, before
+  // their RoPE), RoPE at the entries' positions, appended to st (fp4 codes
+  // with the roundings, else float32).
+  void v41_index_keys(V4LayerState& st, const float* E, const V4AttentionParams<ops::WeightView>& p,
+                      const int32_t* pos, int64_t k) const;
+  // count values of indexer keys appended to st as fp4 codes (blocks of 32).
+  void store_key_codes(V4LayerState& st, const float* keys, int64_t count) const;
   Staged moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);
   // The routed experts' rows ys [n K, d] (expert-major: r's sorted order,
   // et's tasks) and the shared expert's output into out, computed here, or
@@ -389,10 +444,21 @@ class V4Model {
   Staged experts_exchanged(float* out, Buffer<float>& ys, const float* x, int64_t layer, const Routing& r,
                            Buffer<float>* inner, V4MoeSaved* sv);
 
+  // The state's layer whose compressed entries (and index keys) layer l reads.
+  const V4LayerState& entries_state(const V4State& st, int64_t l) const {
+    return st.layers[static_cast<size_t>(cfg_.kv_source_of(l))];
+  }
+  // Whether compressed entries are kept as fp8 codes (V4 with the roundings).
+  bool entry_codes() const { return opt_.qat && !cfg_.v41(); }
+
   const V4Config& cfg_;
   const V4View& w_;
   V4Options opt_;
   std::vector<float> freqs_window_, freqs_compressed_;  // [qk_rope_head_dim / 2]
+  // V4.1's Engram: each layer's hashing, the pad's class, q_weight * k_weight [hc, d].
+  std::vector<EngramLayerHash> engram_hash_;
+  int32_t engram_pad_ = 0;
+  std::vector<std::vector<float>> engram_wqk_;
 };
 
 }  // namespace ds::model

@@ -26,6 +26,7 @@ enum class V4Role {
   Vector,      // norms, biases, the sink, mHC mixes and position embeddings: float32 copies
   HashTable,   // ffn.gate.tid2eid: token id -> experts
   LmHead,      // head.weight
+  EngramTable, // engram.embed.weight (V4.1): fp8 rows with an e8m0 scale per 32 columns, or a float dtype
 };
 
 struct V4ParamInfo {
@@ -52,6 +53,14 @@ struct V4AttentionParams {
   V4CompressorParams<T> compressor;  // m > 0
   T index_wq_b{}, index_weights_proj{};
   V4CompressorParams<T> index_compressor;  // m == 4
+  T index_wk{}, index_k_norm{};            // V4.1's KV sources: the index keys from the entries
+};
+
+// DeepSeek-V4.1's Engram (model/engram_v41.h): the table, the fused key and
+// value projection, and the per-stream weights whose product is the gate's.
+template <class T>
+struct V4EngramParams {
+  T embed{}, wkv{}, q_weight{}, k_weight{};
 };
 
 template <class T>
@@ -60,6 +69,8 @@ struct V4LayerParams {
   T hc_attn_fn{}, hc_attn_base{}, hc_attn_scale{}, hc_ffn_fn{}, hc_ffn_base{}, hc_ffn_scale{};
   V4AttentionParams<T> attn;
   T gate{}, gate_bias{}, tid2eid{};  // gate_bias on score-routed layers, tid2eid on hash-routed ones
+  T gate_bias_vl{};                  // V4.1: the selection bias of image tokens (text never reads it)
+  V4EngramParams<T> engram;          // V4.1's Engram layers
   std::vector<V4MlpParams<T>> experts;
   V4MlpParams<T> shared;  // n_shared_experts == 1
 };
@@ -115,6 +126,14 @@ void visit_v4_layer(const V4Config& c, int64_t l, const std::string& p, F& f, La
   };
   f(info("attn_norm.weight", {d}, V4Role::Vector), L.attn_norm...);
   f(info("ffn_norm.weight", {d}, V4Role::Vector), L.ffn_norm...);
+  if (const int64_t e = c.engram_slot(l); e >= 0) {
+    const int64_t De = c.engram_head_dim;
+    f(info("engram.embed.weight", {c.engram_num_embeddings[static_cast<size_t>(e)], De}, V4Role::EngramTable),
+      L.engram.embed...);
+    f(info("engram.wkv.weight", {(n + 1) * d, c.engram_columns() * De}, V4Role::Projection), L.engram.wkv...);
+    f(info("engram.q_weight", {n, d}, V4Role::Vector), L.engram.q_weight...);
+    f(info("engram.k_weight", {n, d}, V4Role::Vector), L.engram.k_weight...);
+  }
   f(info("hc_attn_fn", {mix, n * d}, V4Role::Vector), L.hc_attn_fn...);
   f(info("hc_attn_base", {mix}, V4Role::Vector), L.hc_attn_base...);
   f(info("hc_attn_scale", {3}, V4Role::Vector), L.hc_attn_scale...);
@@ -129,8 +148,23 @@ void visit_v4_layer(const V4Config& c, int64_t l, const std::string& p, F& f, La
   f(info("attn.wo_a.weight", {c.o_groups * c.o_lora_rank, H * D / c.o_groups}, V4Role::Projection), L.attn.wo_a...);
   f(info("attn.wo_b.weight", {d, c.o_groups * c.o_lora_rank}, V4Role::Projection), L.attn.wo_b...);
   f(info("attn.attn_sink", {H}, V4Role::Vector), L.attn.sink...);
-  if (m > 0) visit_v4_compressor(p + "attn.compressor.", l, d, D, m, f, L.attn.compressor...);
-  if (m == 4) {
+  if (c.v41()) {
+    const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
+    if (c.owns_compressor(l)) {  // no position embedding; the gate pools pairs only
+      f(info("attn.compressor.wkv.weight", {D, d}, V4Role::Projection), L.attn.compressor.wkv...);
+      if (m == 2) f(info("attn.compressor.wgate.weight", {D, d}, V4Role::Projection), L.attn.compressor.wgate...);
+      f(info("attn.compressor.norm.weight", {D}, V4Role::Vector), L.attn.compressor.norm...);
+      f(info("attn.indexer.wk.weight", {Di, D}, V4Role::Projection), L.attn.index_wk...);
+      f(info("attn.indexer.k_norm.weight", {Di}, V4Role::Vector), L.attn.index_k_norm...);
+    }
+    if (c.owns_indexer(l)) {
+      f(info("attn.indexer.wq_b.weight", {Hi * Di, c.q_lora_rank}, V4Role::Projection), L.attn.index_wq_b...);
+      f(info("attn.indexer.weights_proj.weight", {Hi, d}, V4Role::Projection), L.attn.index_weights_proj...);
+    }
+  } else if (m > 0) {
+    visit_v4_compressor(p + "attn.compressor.", l, d, D, m, f, L.attn.compressor...);
+  }
+  if (!c.v41() && m == 4) {
     const int64_t Hi = c.index_n_heads, Di = c.index_head_dim;
     f(info("attn.indexer.wq_b.weight", {Hi * Di, c.q_lora_rank}, V4Role::Projection), L.attn.index_wq_b...);
     f(info("attn.indexer.weights_proj.weight", {Hi, d}, V4Role::Projection), L.attn.index_weights_proj...);
@@ -143,6 +177,7 @@ void visit_v4_layer(const V4Config& c, int64_t l, const std::string& p, F& f, La
     f(info("ffn.gate.tid2eid", {c.vocab_size, c.num_experts_per_tok}, V4Role::HashTable), L.tid2eid...);
   else
     f(info("ffn.gate.bias", {E}, V4Role::Vector), L.gate_bias...);
+  if (c.v41()) f(info("ffn.gate.bias_vl", {E}, V4Role::Vector), L.gate_bias_vl...);
   for (int64_t e = 0; e < E; ++e)
     visit_v4_mlp(p + "ffn.experts." + std::to_string(e) + ".", l, d, c.moe_intermediate_size, true, f,
                  L.experts[static_cast<size_t>(e)]...);
@@ -166,9 +201,11 @@ void for_each_v4_param(const V4Config& c, F&& f, Tree&&... trees) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     detail::visit_v4_layer(c, l, "layers." + std::to_string(l) + ".", f, trees.layers[static_cast<size_t>(l)]...);
   f(V4ParamInfo{"norm.weight", {d}, V4Role::Vector}, trees.norm...);
-  f(V4ParamInfo{"hc_head_fn", {n, n * d}, V4Role::Vector}, trees.hc_head_fn...);
-  f(V4ParamInfo{"hc_head_base", {n}, V4Role::Vector}, trees.hc_head_base...);
-  f(V4ParamInfo{"hc_head_scale", {1}, V4Role::Vector}, trees.hc_head_scale...);
+  if (!c.lagged_mhc()) {  // V4.1 collapses the streams with the last layer's mix
+    f(V4ParamInfo{"hc_head_fn", {n, n * d}, V4Role::Vector}, trees.hc_head_fn...);
+    f(V4ParamInfo{"hc_head_base", {n}, V4Role::Vector}, trees.hc_head_base...);
+    f(V4ParamInfo{"hc_head_scale", {1}, V4Role::Vector}, trees.hc_head_scale...);
+  }
   if (!c.tie_word_embeddings) f(V4ParamInfo{"head.weight", {c.vocab_size, d}, V4Role::LmHead}, trees.head...);
   for (int64_t k = 0; k < M; ++k) {
     const std::string p = "mtp." + std::to_string(k) + ".";

@@ -6,6 +6,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/system.h"
 #include "model/weights.h"
 
 namespace ds::model {
@@ -73,6 +74,7 @@ class V4Loader {
     if (p.routed_expert && find(p.name).empty() && load_fused_expert(p, w)) return;
     const std::string stored = require(p.name, p.shape);
     if (p.role == V4Role::HashTable) return load_table(p, stored, w);
+    if (p.role == V4Role::EngramTable) return load_engram_table(p, stored, w);
     if (p.role == V4Role::Vector) {
       Tensor t = float_tensor(stored, p.shape);
       w.f32 = t.to_vector();
@@ -140,6 +142,32 @@ class V4Loader {
     return true;
   }
 
+  // V4.1's Engram table stays where the file is mapped: e4m3 codes with
+  // their e8m0 scale bytes (one per 32 columns of a row), or a float dtype.
+  // It is never scanned (only the rows a token looks up are read; a bad row
+  // shows as non-finite logits, which generation refuses) and the kernel is
+  // told the reads are random.
+  void load_engram_table(const V4ParamInfo& p, const std::string& stored, V4Weight& w) {
+    const io::TensorInfo& i = info(stored);
+    const int64_t rows = p.shape[0], cols = p.shape[1];
+    DS_CHECK(i.shape == p.shape, "tensor '{}' has shape {}, the config implies {}", stored, shape_str(i.shape),
+             shape_str(p.shape));
+    Tensor t = st_.tensor(stored);
+    DS_CHECK(dtype_is_float(t.dtype()), "tensor '{}' has non-float dtype {}", stored, dtype_name(t.dtype()));
+    advise_random_reads(t.raw(), t.nbytes());
+    w.view = {t.raw(), t.dtype(), rows, cols, nullptr, 128, 128};
+    if (t.dtype() == DType::F8E5M2) DS_FAIL("tensor '{}': an Engram table is e4m3 (got e5m2)", stored);
+    if (t.dtype() != DType::F8E4M3) return;
+    const std::string sn = scale_name(stored);
+    const io::TensorInfo& si = info(sn);
+    const int64_t groups = (cols + 31) / 32;
+    DS_CHECK(si.dtype_name == "F8_E8M0" && si.shape == (Shape{rows, groups}),
+             "scale '{}' of the Engram table must be F8_E8M0 [{}, {}], got {} {}", sn, rows, groups, si.dtype_name,
+             shape_str(si.shape));
+    advise_random_reads(st_.bytes(sn), static_cast<size_t>(rows * groups));
+    w.view.scale_e8m0 = st_.bytes(sn);
+  }
+
   void load_table(const V4ParamInfo& p, const std::string& stored, V4Weight& w) {
     const io::TensorInfo& i = info(stored);
     DS_CHECK(i.shape == p.shape, "tensor '{}' has shape {}, the config implies {}", stored, shape_str(i.shape),
@@ -172,11 +200,16 @@ class V4Loader {
     for (const auto& name : st_.names()) {
       if (used_.count(name)) continue;
       const std::string bare = name.rfind("model.", 0) == 0 ? name.substr(6) : name;
+      // V4.1's DSpark draft stages and vision tower are not part of the text model.
+      if (cfg_.v41() && (bare.rfind("mtp.", 0) == 0 || bare.rfind("vision.", 0) == 0 ||
+                         bare.rfind("aligner.", 0) == 0 || bare.rfind("image_start", 0) == 0 ||
+                         bare.rfind("image_end", 0) == 0 || bare.rfind("image_newline", 0) == 0))
+        continue;
       if (bare.rfind("mtp.", 0) == 0 && (bare.find("emb") != std::string::npos || bare.ends_with("head.weight") ||
                                          cfg_.num_nextn_predict_layers == 0))
         continue;
-      DS_FAIL("checkpoint tensor '{}' is not part of a deepseek_v4 model with this config (wrong config.json?)",
-              name.size() > 200 ? name.substr(0, 200) + "..." : name);
+      DS_FAIL("checkpoint tensor '{}' is not part of a {} model with this config (wrong config.json?)",
+              name.size() > 200 ? name.substr(0, 200) + "..." : name, cfg_.v41() ? "deepseek_v41" : "deepseek_v4");
     }
   }
 

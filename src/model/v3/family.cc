@@ -76,12 +76,14 @@ class V3Family final : public Family {
   }
   // Also fp8, as DeepSeek-V3 ships: e4m3 projections with 128 x 128 block scales.
   std::vector<DType> init_dtypes() const override { return {DType::BF16, DType::F16, DType::F32, DType::F8E4M3}; }
-  void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype) const override {
+  void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype,
+                    const std::string& tokenizer) const override {
     InitOptions opt;
     opt.seed = seed;
     opt.init_std = std;
     opt.dtype = dtype;
     write_random_checkpoint(cfg_, out_dir, opt);
+    copy_tokenizer(tokenizer, out_dir);
   }
 
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {

@@ -17,6 +17,7 @@
 #include "model/flops.h"
 #include "model/hf_params.h"
 #include "model/v4_train.h"
+#include "model/v41_init.h"
 
 namespace ds::model {
 
@@ -64,6 +65,7 @@ class V4Bound final : public BoundModel {
   LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy& remat,
                           bool grads) override {
     DS_CHECK(!grads || has_grads_, "internal: a gradient asked of a model bound without a gradient buffer");
+    DS_CHECK(!cfg_.v41(), "training DeepSeek-V4.1 models is not supported yet (generation is)");
     V4LossOptions o;
     o.remat = remat;
     o.exchange = opt.exchange;
@@ -108,7 +110,7 @@ class V4Family final : public Family {
  public:
   V4Family(const V4Config& cfg, double rate) : cfg_(cfg), rate_(rate) {}
 
-  std::string name() const override { return "DeepSeek-V4"; }
+  std::string name() const override { return cfg_.v41() ? "DeepSeek-V4.1" : "DeepSeek-V4"; }
   nlohmann::json hf_config() const override { return cfg_.to_hf_json(); }
   int64_t vocab_size() const override { return cfg_.vocab_size; }
   int64_t max_positions() const override { return cfg_.max_position_embeddings; }
@@ -136,7 +138,21 @@ class V4Family final : public Family {
     load_v4_hf_params(dir, cfg_, p);
   }
   void export_hf(const std::string& out_dir, const float* params, DType dtype, const char* who) const override {
+    DS_CHECK(!cfg_.v41(), "{}: DeepSeek-V4.1 models are written only in their checkpoint's formats (deepseek init)",
+             who);
     export_v4_hf(out_dir, cfg_, params, dtype, who);
+  }
+  // DeepSeek-V4.1 in its release's formats (fp8 32 x 32 blocks with e8m0
+  // scales, packed fp4 experts, fp8 Engram tables): model/v41_init.h.
+  std::vector<DType> init_dtypes() const override {
+    if (cfg_.v41()) return {DType::F8E4M3};
+    return Family::init_dtypes();
+  }
+  void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype,
+                    const std::string& tokenizer) const override {
+    if (!cfg_.v41()) return Family::write_random(out_dir, seed, std, dtype, tokenizer);
+    DS_CHECK(dtype == DType::F8E4M3, "init: a DeepSeek-V4.1 model is written in its checkpoint's formats (--dtype fp8)");
+    write_random_v41(cfg_, out_dir, seed, tokenizer);
   }
 
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {

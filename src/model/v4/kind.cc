@@ -19,7 +19,7 @@ class V4Kind final : public FamilyKind {
   bool claims_decoder_block(const std::string& value) const override {
     return value == "deepseek4" || value == "deepseek_v4";
   }
-  bool claims_model_type(const std::string& t) const override { return t == "deepseek_v4"; }
+  bool claims_model_type(const std::string& t) const override { return is_v4_model_type(t); }
   bool is_model_key(const std::string& key) const override {
     return training_key(key) || V4Config::is_maxtext_key(key);
   }
