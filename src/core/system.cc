@@ -41,6 +41,14 @@ void advise_random_reads(const void* p, size_t n) {
   madvise(reinterpret_cast<void*>(begin), end - begin, MADV_RANDOM);
 }
 
+void release_file_pages(const void* p, size_t n) {
+  if (!p || n == 0) return;
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
+  const auto end = reinterpret_cast<uintptr_t>(p) + n;
+  madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 void prefetch_pages(std::vector<std::pair<const void*, size_t>> ranges) {
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   std::vector<uintptr_t> pages;

@@ -28,6 +28,13 @@ void keep_freed_memory_in_heap();
 // Best effort: a kernel that refuses changes nothing but the RSS.
 void advise_random_reads(const void* p, size_t n);
 
+// Unmaps from this process the pages of [p, p + n) of a read-only file
+// mapping that it has touched (madvise MADV_DONTNEED): they stay in the
+// kernel's page cache, and a later read faults them back in from there,
+// but they no longer count in the process's resident memory. For a table
+// much larger than what one step reads. Best effort, as above.
+void release_file_pages(const void* p, size_t n);
+
 // Asks the kernel to start reading the pages of the given byte ranges of a
 // file mapping now (madvise MADV_WILLNEED, each page once), so that the
 // faults of a gather that follows find them in memory: the reads overlap

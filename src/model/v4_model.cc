@@ -8,8 +8,10 @@
 #include <utility>
 
 #include "core/buffer.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "core/system.h"
 #include "model/engram_v41.h"
 #include "model/model.h"
 #include "model/weights.h"
@@ -184,6 +186,12 @@ void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) co
   const auto& p = w_.layers[static_cast<size_t>(l)].engram;
   std::vector<float> rows(static_cast<size_t>(n * C * De));
   v41_engram_gather(rows.data(), cx.engram[static_cast<size_t>(e)].data(), n, C, p.embed);
+  // The rows read leave this process's mapping again: the table's use does
+  // not grow the resident memory (the page cache keeps the hot rows).
+  const ops::WeightView& t = p.embed;
+  const bool fp8 = t.dtype == DType::F8E4M3;
+  release_file_pages(t.data, static_cast<size_t>(t.rows * t.cols) * (fp8 ? 1 : dtype_size(t.dtype)));
+  if (fp8) release_file_pages(t.scale_e8m0, static_cast<size_t>(t.rows * ((t.cols + 31) / 32)));
   v41_engram_forward(X, rows.data(), p.wkv, engram_wqk_[static_cast<size_t>(e)].data(),
                      {n, cfg_.hc_mult, cfg_.hidden_size, static_cast<float>(cfg_.rms_norm_eps)});
 }
