@@ -48,6 +48,15 @@ echo '[[5, 17, 42, 7, 99, 3, 250, 11, 64, 5, 17, 42, 8, 9, 10, 11, 12, 13, 14, 1
 check '[ $? -eq 0 ] && [ -s "$tmp/a.safetensors" ]' "logits"
 "$bin" logits --model "$tmp/m" --tokens "$toks" --out "$tmp/b.safetensors" --incremental 3 >/dev/null 2>&1
 check '[ $? -eq 0 ] && [ -s "$tmp/b.safetensors" ]' "logits through the cache"
+"$bin" logits --model "$tmp/m" --tokens "$toks" --out "$tmp/d.safetensors" --incremental 3 --late-index-keys \
+  >/dev/null 2>&1
+check '[ $? -eq 0 ] && ! cmp -s "$tmp/b.safetensors" "$tmp/d.safetensors"' \
+  "logits through the cache with the released code's late index keys differ"
+shipped=$("$bin" generate --model "$tmp/m" --prompt "$prompt" --max-new-tokens 4 --temperature 0 --late-index-keys \
+  2>/dev/null)
+check '[ $? -eq 0 ] && [ -n "$shipped" ]' "generate with --late-index-keys"
+expect_error generate --model "$src/tests/data/models/v3_qlora_yarn" --prompt hello --late-index-keys \
+  --tokenizer "$tok"
 "$bin" logits --model "$tmp/m" --tokens "$toks" --out "$tmp/c.safetensors" --no-quant-sim >/dev/null 2>&1
 check '[ $? -eq 0 ] && ! cmp -s "$tmp/a.safetensors" "$tmp/c.safetensors"' "logits without the roundings differ"
 

@@ -109,6 +109,7 @@ struct GenerateArgs {
   bool raw = false;
   std::string speculative = "none";
   int64_t draft_tokens = 1;
+  bool late_index_keys = false;
 };
 
 // --speculative none | mtp: the model options and the generation's draft tokens.
@@ -127,7 +128,8 @@ int run_generate(const GenerateArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.sampler = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.cache = infer::cache_kind(a.cache);
-  const auto mo = speculative_options(a.speculative);
+  auto mo = speculative_options(a.speculative);
+  mo.late_index_keys = a.late_index_keys;
   DS_CHECK(a.draft_tokens >= 1, "--draft-tokens must be >= 1, got {}", a.draft_tokens);
   opt.draft_tokens = mo.mtp ? a.draft_tokens : 0;
   const auto g = infer::open_model(a.model, mo);
@@ -307,6 +309,8 @@ void add_model_commands(CLI::App& app, CommandList& commands) {
     cmd->add_option("--speculative", args->speculative,
                     "speculative decoding: none (default) or mtp (the model's MTP layer drafts, one step checks)");
     cmd->add_option("--draft-tokens", args->draft_tokens, "tokens the MTP layer drafts a step (default 1)");
+    cmd->add_flag("--late-index-keys", args->late_index_keys,
+                  "DeepSeek-V4.1: decode as DeepSeek's released inference code does (see deepseek logits --help)");
     commands.emplace_back(cmd, [args] { return run_generate(*args); });
   }
   {
