@@ -2,7 +2,8 @@
 // specification computes in float64 from DeepSeek's code (its gate and
 // update test), the copysign gate at a zero key, the image mask, and the
 // fp8 table's rows (e4m3 codes times their e8m0 scale per 32 columns; ids
-// outside the table read zeros).
+// outside the table read zeros), and the backward against central
+// differences.
 #include "model/engram_v41.h"
 
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 
 #include "core/dtype.h"
 #include "model/weights.h"
+#include "test_util.h"
 
 namespace {
 
@@ -81,3 +83,45 @@ TEST(EngramV41, Fp8TableRowsAndIdsOutsideIt) {
 }
 
 }  // namespace
+
+// The backward of x += alpha v against central differences of a double
+// transcription of the forward: the streams (through the gate's dot and both
+// norms), the key and value rows of kv, the folded weights; an image
+// position's gate is constant.
+TEST(EngramV41, BackwardMatchesCentralDifferences) {
+  const int64_t T = 3, n = 2, D = 8;
+  const auto x = ds::test::randn(T * n * D, 51), kv = ds::test::randn(T * (n + 1) * D, 52),
+             wqk = ds::test::randn(n * D, 53, 0.5f), r = ds::test::randn(T * n * D, 54);
+  const uint8_t image[T] = {0, 0, 1};
+  // L = sum(r * out), out = x + alpha v, in double.
+  auto loss = [&](const std::vector<double>& X, const std::vector<double>& KV, const std::vector<double>& W) {
+    double l = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < n; ++g) {
+        double xx = 0, kk = 0, dot = 0;
+        for (int64_t j = 0; j < D; ++j) {
+          const double xv = X[(t * n + g) * D + j], k = KV[(t * (n + 1) + g) * D + j];
+          xx += xv * xv;
+          kk += k * k;
+          dot += xv * W[g * D + j] * k;
+        }
+        const double s = dot / std::sqrt(xx / D + 1e-20) / std::sqrt(kk / D + 1e-20) / std::sqrt(double(D));
+        const double a = std::copysign(std::sqrt(std::max(std::fabs(s), 1e-6)), s);
+        const double alpha = image[t] ? 0.0 : 1.0 / (1.0 + std::exp(-a));
+        for (int64_t j = 0; j < D; ++j)
+          l += r[(t * n + g) * D + j] * (X[(t * n + g) * D + j] + alpha * KV[(t * (n + 1) + n) * D + j]);
+      }
+    return l;
+  };
+  std::vector<float> dx = r, dkv(kv.size()), dw(n * D, 0.0f);
+  ds::model::v41_engram_backward(dx.data(), dkv.data(), dw.data(), r.data(), x.data(), kv.data(), wqk.data(),
+                                 {T, n, D, 1e-20f}, image);  // dx aliases dout: the direct path is already there
+  using ds::test::to_double;
+  const auto X = to_double(x), KV = to_double(kv), W = to_double(wqk);
+  ds::test::expect_close(dx, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, KV, W); }, X),
+                         1e-4, 1e-6, "dx");
+  ds::test::expect_close(dkv, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, W); }, KV),
+                         1e-4, 1e-6, "dkv");
+  ds::test::expect_close(dw, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, KV, v); }, W),
+                         1e-4, 1e-6, "dw_qk");
+}

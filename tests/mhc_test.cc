@@ -144,6 +144,73 @@ TEST(Mhc, PreBackwardMatchesCentralDifferences) {
   ds::test::expect_close(dscale, gs, 2e-4, 1e-6, "dscale");
 }
 
+// DeepSeek-V4.1's lagged mHC: a sub-layer's pre weights collapse other
+// streams y (the next sub-layer's). L = sum(wa collapse(y, pre(x))) +
+// sum(wp post(x)) + sum(wc comb(x)); the pre weights' gradient comes from
+// the collapse's backward and enters mhc_pre_backward with no da.
+TEST(Mhc, LaggedPreBackwardMatchesCentralDifferences) {
+  const auto in = make_inputs(11);
+  const auto d = dims();
+  const auto y = ds::test::randn(kT * kN * kD, 30), wa = ds::test::randn(kT * kD, 31),
+             wp = ds::test::randn(kT * kN, 32), wc = ds::test::randn(kT * kN * kN, 33);
+  using ds::test::to_double;
+  const int64_t m = (2 + kN) * kN, nd = kN * kD;
+  // pre(x) in double: sigmoid(mix_j scale_0 + base_j) + eps, mix = (fn v) rsqrt(mean(v^2) + eps).
+  auto pre_of = [&](const std::vector<double>& x, const std::vector<double>& fn, const std::vector<double>& base,
+                    const std::vector<double>& scale) {
+    std::vector<double> pre(kT * kN);
+    for (int64_t t = 0; t < kT; ++t) {
+      double ss = 0;
+      for (int64_t i = 0; i < nd; ++i) ss += x[t * nd + i] * x[t * nd + i];
+      const double r = 1.0 / std::sqrt(ss / double(nd) + 1e-6);
+      for (int64_t j = 0; j < kN; ++j) {
+        double mix = 0;
+        for (int64_t i = 0; i < nd; ++i) mix += fn[j * nd + i] * x[t * nd + i];
+        pre[t * kN + j] = 1.0 / (1.0 + std::exp(-(mix * r * scale[0] + base[j]))) + 1e-6;
+      }
+    }
+    return pre;
+  };
+  auto loss = [&](const std::vector<double>& x, const std::vector<double>& fn, const std::vector<double>& base,
+                  const std::vector<double>& scale, const std::vector<double>& yy) {
+    std::vector<double> a, post, comb;
+    ds::ref::mhc_pre(a, post, comb, x, fn, base, scale, kT, kN, kD, kIters, 1e-6, 1e-6);
+    const auto pre = pre_of(x, fn, base, scale);
+    double l = 0;
+    for (int64_t t = 0; t < kT; ++t)
+      for (int64_t j = 0; j < kN; ++j)
+        for (int64_t i = 0; i < kD; ++i) l += wa[t * kD + i] * pre[t * kN + j] * yy[(t * kN + j) * kD + i];
+    for (size_t i = 0; i < post.size(); ++i) l += wp[i] * post[i];
+    for (size_t i = 0; i < comb.size(); ++i) l += wc[i] * comb[i];
+    return l;
+  };
+  std::vector<float> pre(kT * kN), post(kT * kN), comb(kT * kN * kN);
+  ds::ops::mhc_pre_forward(nullptr, post.data(), comb.data(), in.x.data(), in.fn.data(), in.base.data(),
+                           in.scale.data(), d, pre.data());
+  std::vector<float> dy(kT * kN * kD, 0.0f), dpre(kT * kN), dx(kT * kN * kD, 0.0f), dfn(m * nd, 0.0f), dbase(m, 0.0f),
+      dscale(3, 0.0f);
+  ds::ops::mhc_collapse_backward(dy.data(), dpre.data(), wa.data(), y.data(), pre.data(), kT, kN, kD);
+  ds::ops::mhc_pre_backward(dx.data(), dfn.data(), dbase.data(), dscale.data(), nullptr, wp.data(), wc.data(),
+                            in.x.data(), in.fn.data(), in.base.data(), in.scale.data(), d, dpre.data());
+  const auto X = to_double(in.x), F = to_double(in.fn), B = to_double(in.base), S = to_double(in.scale),
+             Y = to_double(y);
+  ds::test::expect_close(
+      dx, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, F, B, S, Y); }, X), 2e-4, 1e-6,
+      "dx");
+  ds::test::expect_close(
+      dfn, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S, Y); }, F), 2e-4, 1e-6,
+      "dfn");
+  ds::test::expect_close(
+      dbase, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, v, S, Y); }, B), 2e-4, 1e-6,
+      "dbase");
+  ds::test::expect_close(
+      dscale, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, v, Y); }, S), 2e-4, 1e-6,
+      "dscale");
+  ds::test::expect_close(
+      dy, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, S, v); }, Y), 2e-4, 1e-6,
+      "dy");
+}
+
 TEST(Mhc, PostBackwardMatchesCentralDifferences) {
   const auto in = make_inputs(11);
   const auto d = dims();

@@ -45,7 +45,19 @@ struct V41EngramDims {
 // x [T, n, d] += alpha v from e [T, wkv.cols] through wkv [(n + 1) d, C De]
 // and the folded weights w_qk [n, d]; `image` (null: none) marks positions
 // whose gate is 0. alpha [T, n] is written when not null.
+// With kv_out [T, (n + 1) d], also the projection wkv e (training keeps it).
 void v41_engram_forward(float* x, const float* e, const ops::WeightView& wkv, const float* w_qk, const V41EngramDims& d,
-                        const uint8_t* image = nullptr, float* alpha = nullptr);
+                        const uint8_t* image = nullptr, float* alpha = nullptr, float* kv_out = nullptr);
+
+// The backward of x += alpha v given dout [T, n, d] (the updated streams'
+// gradient), the streams x before the update and kv [T, (n + 1) d]:
+// dx [T, n, d] `+=` the gate's path (the direct path, dout itself, is the
+// caller's; dx may alias dout), dkv [T, (n + 1) d] `=` (the caller takes
+// wkv's and the table rows' gradients from it), dw_qk [n, d] `+=` (the
+// folded weights': q_weight's is dw_qk * k_weight, k_weight's dw_qk *
+// q_weight). Where |s| <= 1e-6 the gate is constant (its square root is
+// floored), as are image positions'.
+void v41_engram_backward(float* dx, float* dkv, float* dw_qk, const float* dout, const float* x, const float* kv,
+                         const float* w_qk, const V41EngramDims& d, const uint8_t* image = nullptr);
 
 }  // namespace ds::model

@@ -63,9 +63,16 @@ void mhc_collapse(float* a, const float* x, const float* w, int64_t T, int64_t n
 // Gradients of mhc_pre given da [T, d], dpost [T, n], dcomb [T, n, n]:
 // dx [T, n, d] is accumulated into (+=), as are dfn, dbase and dscale. Any of
 // dfn, dbase, dscale may be null. Recomputes the forward's intermediates.
+// dpre_in [T, n] (or null) is a gradient of the pre weights from elsewhere
+// (V4.1: the next sub-layer's collapse); da may then be null (this
+// sub-layer's input was not collapsed with its own pre).
 void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const float* da, const float* dpost,
                       const float* dcomb, const float* x, const float* fn, const float* base, const float* scale,
-                      const MhcDims& dims);
+                      const MhcDims& dims, const float* dpre_in = nullptr);
+
+// mhc_collapse's backward given da [T, D]: dx += w da, dw [T, n] `=` x . da.
+void mhc_collapse_backward(float* dx, float* dw, const float* da, const float* x, const float* w, int64_t T, int64_t n,
+                           int64_t D);
 
 // mhc_post: x_out [T, n, d] = post_k o + sum_j comb[j][k] x_j. x_out must not
 // alias x.

@@ -278,9 +278,29 @@ void mhc_pre_forward(float* a, float* post, float* comb, const float* x, const f
   });
 }
 
+void mhc_collapse_backward(float* dx, float* dw, const float* da, const float* x, const float* w, int64_t T, int64_t n,
+                           int64_t D) {
+  parallel_ranges(T, T * n * D >= (int64_t{1} << 15), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* dat = da + t * D;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* xj = x + (t * n + j) * D;
+        float* dxj = dx + (t * n + j) * D;
+        const float wj = w[t * n + j];
+        float acc = 0;
+        for (int64_t i = 0; i < D; ++i) {
+          acc += xj[i] * dat[i];
+          dxj[i] += wj * dat[i];
+        }
+        dw[t * n + j] = acc;
+      }
+    }
+  });
+}
+
 void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const float* da, const float* dpost,
                       const float* dcomb, const float* x, const float* fn, const float* base, const float* scale,
-                      const MhcDims& d) {
+                      const MhcDims& d, const float* dpre_in) {
   check_dims(d);
   const int64_t T = d.tokens, n = d.streams, D = d.dim, m = d.mixes(), nd = n * D;
   if (T == 0) return;
@@ -303,11 +323,12 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
     for (int64_t t = t0; t < t1; ++t) {
       const float* z = mix.data() + t * m;
       const float* xt = x + t * nd;
-      const float* dat = da + t * D;
+      const float* dat = da ? da + t * D : nullptr;
       float* dz = dz_all.data() + t * m;
       for (int64_t j = 0; j < n; ++j) {
-        float dpre = 0;
-        for (int64_t i = 0; i < D; ++i) dpre += xt[j * D + i] * dat[i];
+        float dpre = dpre_in ? dpre_in[t * n + j] : 0.0f;
+        if (dat)
+          for (int64_t i = 0; i < D; ++i) dpre += xt[j * D + i] * dat[i];
         const float sp = sigmoid(z[j] * scale[0] + base[j]);
         dz[j] = dpre * sp * (1.0f - sp);
         const float sq = sigmoid(z[n + j] * scale[1] + base[n + j]);
@@ -323,6 +344,7 @@ void mhc_pre_backward(float* dx, float* dfn, float* dbase, float* dscale, const 
       }
       ds_all[t] = ds;
       // a = sum_j pre_j x_j.
+      if (!dat) continue;
       float* dxt = dx + t * nd;
       for (int64_t j = 0; j < n; ++j) {
         const float pre = sigmoid(z[j] * scale[0] + base[j]) + d.pre_eps();
