@@ -32,7 +32,8 @@ void advise_random_reads(const void* p, size_t n);
 // mapping that it has touched (madvise MADV_DONTNEED): they stay in the
 // kernel's page cache, and a later read faults them back in from there,
 // but they no longer count in the process's resident memory. For a table
-// much larger than what one step reads. Best effort, as above.
+// much larger than what one step reads. Best effort, as above. Only ever
+// for a file mapping: on ordinary (anonymous) memory it would zero the pages.
 void release_file_pages(const void* p, size_t n);
 
 // Asks the kernel to start reading the pages of the given byte ranges of a

@@ -34,6 +34,7 @@ std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Op
   m->files = io::SafetensorsSet::open_dir(dir);
   m->config.num_nextn_predict_layers = model::v4_stored_mtp_layers(m->files, m->config);
   m->weights = model::V4Weights::load(m->files, m->config);
+  opt.release_engram_pages = true;  // the tables are the folder's file mappings
   m->model = std::make_unique<model::V4Model>(m->config, m->weights.view, opt);
   return m;
 }

@@ -1,12 +1,15 @@
 #include "model/hf_params.h"
 
 #include <algorithm>
+#include <cmath>
+#include <numeric>
 #include <filesystem>
 
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/atomic_file.h"
 #include "io/safetensors.h"
+#include "model/engram_v41.h"
 #include "model/init.h"
 #include "model/v4_weights.h"
 #include "model/weights.h"
@@ -109,6 +112,10 @@ void init_v4_params(const V4Config& c, V4FlatParams& p, uint64_t seed, float std
               } while (taken);
               x[t * k + j] = e;
             }
+        } else if (i.name.ends_with("engram.q_weight") || i.name.ends_with("engram.k_weight")) {
+          std::fill(x, x + n, 1.0f);  // V4.1's folded gate weights: the plain normalised dot at first
+        } else if (i.role == V4Role::EngramTable) {  // N(0, 1 / head dim), as MaxText starts its Engram tables
+          fill_normal(x, n, 1.0f / std::sqrt(static_cast<float>(i.shape[1])), seed, stream++);
         } else if (i.shape.size() >= 2) {
           fill_normal(x, n, std, seed, stream++);
         } else {
@@ -128,7 +135,15 @@ void load_v4_hf_params(const std::string& dir, const V4Config& c, V4FlatParams& 
   for_each_v4_param(
       c,
       [](const V4ParamInfo& i, const ops::WeightView& v, float* const& x) {
-        if (i.role == V4Role::HashTable) {
+        if (i.role == V4Role::EngramTable) {  // V4.1's: fp8 rows with e8m0 scales, or floats
+          std::vector<int32_t> ids;
+          for (int64_t r0 = 0; r0 < v.rows; r0 += 4096) {
+            const int64_t r1 = std::min(v.rows, r0 + 4096);
+            ids.resize(static_cast<size_t>(r1 - r0));
+            std::iota(ids.begin(), ids.end(), static_cast<int32_t>(r0));
+            v41_engram_gather(x + r0 * v.cols, ids.data(), r1 - r0, 1, v);
+          }
+        } else if (i.role == V4Role::HashTable) {
           const auto* t = static_cast<const int32_t*>(v.data);
           for (int64_t k = 0; k < shape_numel(i.shape); ++k) x[k] = static_cast<float>(t[k]);
         } else {
@@ -160,6 +175,7 @@ void export_v4_hf(const std::string& out_dir, const V4Config& c, const float* pa
   // Float weights: no quantization_config, and the routed experts are not packed fp4.
   auto j = c.to_hf_json();
   j.erase("expert_dtype");
+  if (j.contains("text_config")) j["text_config"].erase("expert_dtype");  // V4.1 nests the text model
   j["torch_dtype"] = dtype == DType::F32 ? "float32" : dtype == DType::BF16 ? "bfloat16" : "float16";
   io::write_file_atomic((fs::path(out_dir) / "config.json").string(), j.dump(2) + "\n");
 }

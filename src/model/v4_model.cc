@@ -181,7 +181,7 @@ void V4Model::advance_engram_history(const std::vector<Segment>& segs) const {
   }
 }
 
-void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) const {
+void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx, V4LayerSaved* ls) const {
   const int64_t e = cfg_.engram_slot(l), C = cfg_.engram_columns(), De = cfg_.engram_head_dim;
   const auto& p = w_.layers[static_cast<size_t>(l)].engram;
   std::vector<float> rows(static_cast<size_t>(n * C * De));
@@ -190,10 +190,24 @@ void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) co
   // not grow the resident memory (the page cache keeps the hot rows).
   const ops::WeightView& t = p.embed;
   const bool fp8 = t.dtype == DType::F8E4M3;
-  release_file_pages(t.data, static_cast<size_t>(t.rows * t.cols) * (fp8 ? 1 : dtype_size(t.dtype)));
-  if (fp8) release_file_pages(t.scale_e8m0, static_cast<size_t>(t.rows * ((t.cols + 31) / 32)));
+  if (opt_.release_engram_pages) {
+    release_file_pages(t.data, static_cast<size_t>(t.rows * t.cols) * (fp8 ? 1 : dtype_size(t.dtype)));
+    if (fp8) release_file_pages(t.scale_e8m0, static_cast<size_t>(t.rows * ((t.cols + 31) / 32)));
+  }
+  const int64_t hc = cfg_.hc_mult, d = cfg_.hidden_size;
+  float* kv = nullptr;
+  if (ls) {  // training: the streams before, the rows and their projection
+    ls->eX = Buffer<float>(static_cast<size_t>(n * hc * d));
+    std::copy(X, X + n * hc * d, ls->eX.begin());
+    ls->e_kv = Buffer<float>(static_cast<size_t>(n * (hc + 1) * d));
+    kv = ls->e_kv.data();
+  }
   v41_engram_forward(X, rows.data(), p.wkv, engram_wqk_[static_cast<size_t>(e)].data(),
-                     {n, cfg_.hc_mult, cfg_.hidden_size, static_cast<float>(cfg_.rms_norm_eps)});
+                     {n, hc, d, static_cast<float>(cfg_.rms_norm_eps)}, nullptr, nullptr, kv);
+  if (ls) {
+    ls->e_rows = Buffer<float>(rows.size());
+    std::copy(rows.begin(), rows.end(), ls->e_rows.begin());
+  }
 }
 
 std::vector<float> V4Model::forward(V4State& st, const int32_t* ids, int64_t n, bool all_logits) {
@@ -208,9 +222,8 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
 Staged V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
                               const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls,
                               V4PassContext* cx) {
-  DS_CHECK(!ls || !cfg_.v41(), "training DeepSeek-V4.1 models is not supported yet");
   DS_CHECK(cx || !cfg_.v41(), "internal: a DeepSeek-V4.1 layer without its pass context");
-  if (cfg_.engram_slot(l) >= 0) engram(X.data(), l, n, *cx);
+  if (cfg_.engram_slot(l) >= 0) engram(X.data(), l, n, *cx, ls);
   co_await sublayer(X, X2, l, false, segs, ids, pos, n, ls, cx);
   co_await sublayer(X, X2, l, true, segs, ids, pos, n, ls, cx);
 }
@@ -241,6 +254,11 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
     ops::mhc_pre_forward(nullptr, post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
                          vector_data(scale), md, pre.data());
     ops::mhc_collapse(x0.data(), X.data(), cx->pin.data(), n, hc, d);
+    if (ls) {
+      Buffer<float>& kept = ffn ? ls->f_pin : ls->a_pin;
+      kept = Buffer<float>(nh);
+      std::copy(cx->pin.begin(), cx->pin.end(), kept.begin());
+    }
     cx->pin = std::move(pre);
   } else {
     ops::mhc_pre_forward(x0.data(), post.data(), comb.data(), X.data(), vector_data(fn), vector_data(base),
@@ -278,8 +296,10 @@ std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::
                                          const float* pre) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
   Buffer<float> y(static_cast<size_t>(R * d)), rstd(static_cast<size_t>(R));
-  if (pre)
+  if (pre) {
     ops::mhc_collapse(y.data(), Xr, pre, R, hc, d);
+    if (sv) sv->pre.assign(pre, pre + R * hc);
+  }
   else
     ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
   if (sv) {
@@ -363,7 +383,10 @@ V4Model::Pass V4Model::begin_pass(const std::vector<V4Request>& batch, V4Saved* 
     p.cx.pin.assign(static_cast<size_t>(n * hc), 0.0f);
     for (int64_t i = 0; i < n; ++i) p.cx.pin[static_cast<size_t>(i * hc)] = 1.0f;
   }
-  if (!cfg_.engram_layers.empty()) engram_ids(p.cx, p.segs, p.ids.data(), n);
+  if (!cfg_.engram_layers.empty()) {
+    engram_ids(p.cx, p.segs, p.ids.data(), n);
+    if (saved) saved->engram = p.cx.engram;
+  }
   // Embedding, copied into every stream.
   p.X = Buffer<float>(static_cast<size_t>(n * hc * d));
   p.X2 = Buffer<float>(static_cast<size_t>(n * hc * d));

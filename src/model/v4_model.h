@@ -60,6 +60,10 @@ struct V4Options {
   // every index source scores its own KV source's keys, as a full forward,
   // and so training, does; on, decoding follows the released code.
   bool late_index_keys = false;
+  // V4.1: the Engram tables are file mappings (a loaded folder, not a
+  // trainer's buffers): the pages of the rows each step reads are released
+  // from the process again (core/system.h, release_file_pages).
+  bool release_engram_pages = false;
   // With the roundings, a sequence's indexer keys (kept as fp4 codes) are
   // widened once per forward while there are at most this many, and scored
   // by sgemm; beyond, every query scores them from the codes directly.
@@ -249,10 +253,18 @@ struct V4LayerSaved {
   Buffer<float> X1;                               // streams between the two sub-layers
   Buffer<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
   V4MoeSaved moe;
+  // V4.1: the weights that collapsed each sub-layer's input (lagged mHC:
+  // the sub-layer before's pre, one-hot before the first layer) [N, hc],
+  // and around Engram the streams before it [N, hc, d], the rows looked
+  // up [N, columns x head dim] and their projection kv [N, (hc + 1) d].
+  // Always kept (small next to the streams, or what rebuilds them).
+  Buffer<float> a_pin, f_pin;
+  Buffer<float> eX, e_rows, e_kv;
 };
-// Around a head: the streams it contracts, the mhc_head output, its norm.
+// Around a head: the streams it contracts, the mhc_head output, its norm;
+// V4.1's lagged mHC collapses with pre [R, hc] (the last layer's FFN mix).
 struct V4HeadSaved {
-  std::vector<float> X, y, rstd_y;
+  std::vector<float> X, y, rstd_y, pre;
 };
 // The MTP layer (depth 1): row r is token rows[r] of the batch with the
 // next token ids[r] at position pos[r] of its sequence.
@@ -272,6 +284,7 @@ struct V4Saved {
   // forward's own code, so the backward's result does not change.
   RematPolicy keep = RematPolicy::keep_all();
   std::vector<int32_t> ids, pos;
+  std::vector<std::vector<int32_t>> engram;  // V4.1: each Engram layer's row ids [n, columns]
   std::vector<V4Segment> segs;       // the batch's sequences (their states hold the compressed entries)
   std::vector<V4LayerSaved> layers;  // the main layers (then the MTP block)
   V4HeadSaved head;                  // the last layer's output streams of logit_rows
@@ -366,7 +379,7 @@ class V4Model {
                        const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls,
                        V4PassContext* cx = nullptr);
   // V4.1: Engram's update of the streams X [n, hc, d] before layer l.
-  void engram(float* X, int64_t l, int64_t n, const V4PassContext& cx) const;
+  void engram(float* X, int64_t l, int64_t n, const V4PassContext& cx, V4LayerSaved* ls = nullptr) const;
   // V4.1: the Engram ids of a pass's rows into cx, from each sequence's
   // history (which the pass then advances: advance_engram_history).
   void engram_ids(V4PassContext& cx, const std::vector<Segment>& segs, const int32_t* ids, int64_t n) const;

@@ -37,6 +37,11 @@ size_t V4LayerSaved::bytes() const {
                                  &fpost,
                                  &fcomb,
                                  &fo,
+                                 &a_pin,
+                                 &f_pin,
+                                 &eX,
+                                 &e_rows,
+                                 &e_kv,
                                  &attn.qr_lin,
                                  &attn.qr,
                                  &attn.rstd_qr,
@@ -98,7 +103,7 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
                          {&A.lse, R::context},
                          {&A.o2, R::attention_out},
                          {&ls.o, R::out_proj}})
-    lost |= drop_unless(*b, keep.kept(name));
+    lost |= drop_unless(*b, keep.kept(name) || cfg_.v41());  // V4.1's readers take their choice from other layers
   // A sub-layer that lost a residual is rerun: its unnamed ones go too,
   // and the attention's output streams X1 (the rerun rebuilds them).
   if (lost) {
@@ -165,7 +170,9 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   if (!ls.has_moe()) {
     // The MoE's expert products are recomputed together.
     V4LayerSaved fresh;
-    co_await sublayer(X, X2, l, true, segs, ids, pos, n, &fresh);
+    V4PassContext cx;  // V4.1: the FFN input's collapse weights, as the forward had them
+    cx.pin.assign(ls.f_pin.begin(), ls.f_pin.end());
+    co_await sublayer(X, X2, l, true, segs, ids, pos, n, &fresh, cfg_.lagged_mhc() ? &cx : nullptr);
     ls.X1 = std::move(fresh.X1), ls.f0 = std::move(fresh.f0), ls.rstd_f = std::move(fresh.rstd_f);
     ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
     ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <tuple>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "core/error.h"
 #include "core/parallel.h"
 #include "model/stages.h"
+#include "model/engram_v41.h"
 #include "model/v4_balance.h"
 #include "model/v4_model.h"
 #include "model/weights.h"
@@ -151,6 +153,11 @@ class Backward {
     const int64_t d = c_.hidden_size;
     Buffer<float> dy(static_cast<size_t>(R * d));
     ops::rmsnorm_backward(dy.data(), gnorm, dyn, hs.y.data(), vector_data(norm), hs.rstd_y.data(), R, d);
+    if (!hs.pre.empty()) {  // V4.1: the last layer's FFN mix collapsed the streams
+      dpin_ = zeros(R * c_.hc_mult);
+      ops::mhc_collapse_backward(dX, dpin_.data(), dy.data(), hs.X.data(), hs.pre.data(), R, c_.hc_mult, d);
+      return;
+    }
     ops::mhc_head_backward(dX, gfn, gbase, gscale, dy.data(), hs.X.data(), vector_data(fn), vector_data(base),
                            vector_data(scale), v4_mhc_dims(c_, R));
   }
@@ -218,15 +225,21 @@ class Backward {
     auto& G = g_.layers[static_cast<size_t>(l)];
     Buffer<float> dsub = zeros(n_ * d), dX1 = zeros(n_ * hc * d), dpost = zeros(n_ * hc), dcomb = zeros(n_ * hc * hc),
                   da(static_cast<size_t>(n_ * d));
+    // V4.1's lagged mHC: a sub-layer's input is collapsed with the pre of
+    // the one before (its gradient goes there), its own pre collapses the
+    // next's (whose gradient dpin_ brings).
+    const bool lagged = c_.lagged_mhc();
+    Buffer<float> dpa = zeros(lagged ? n_ * hc : 0);
     // The MoE sub-layer.
     ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), s.X1.data(),
                            s.fpost.data(), s.fcomb.data(), md_);
     co_await moe(da.data(), dsub.data(), s.moe, s.f.data(), l);
     ops::rmsnorm_backward(da.data(), G.ffn_norm, da.data(), s.f0.data(), vector_data(L.ffn_norm), s.rstd_f.data(), n_,
                           d);
-    ops::mhc_pre_backward(dX1.data(), G.hc_ffn_fn, G.hc_ffn_base, G.hc_ffn_scale, da.data(), dpost.data(), dcomb.data(),
-                          s.X1.data(), vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
-                          vector_data(L.hc_ffn_scale), md_);
+    if (lagged) ops::mhc_collapse_backward(dX1.data(), dpa.data(), da.data(), s.X1.data(), s.f_pin.data(), n_, hc, d);
+    ops::mhc_pre_backward(dX1.data(), G.hc_ffn_fn, G.hc_ffn_base, G.hc_ffn_scale, lagged ? nullptr : da.data(),
+                          dpost.data(), dcomb.data(), s.X1.data(), vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
+                          vector_data(L.hc_ffn_scale), md_, lagged ? dpin_.data() : nullptr);
     // The attention sub-layer.
     for (Buffer<float>* b : {&dsub, &dpost, &dcomb, &dX}) zero(*b);
     ops::mhc_post_backward(dsub.data(), dX.data(), dpost.data(), dcomb.data(), dX1.data(), s.o.data(), s.X.data(),
@@ -235,9 +248,43 @@ class Backward {
     attention(da.data(), dsub.data(), s.attn, s.a.data(), l);
     ops::rmsnorm_backward(da.data(), G.attn_norm, da.data(), s.a0.data(), vector_data(L.attn_norm), s.rstd_a.data(), n_,
                           d);
-    ops::mhc_pre_backward(dX.data(), G.hc_attn_fn, G.hc_attn_base, G.hc_attn_scale, da.data(), dpost.data(),
-                          dcomb.data(), s.X.data(), vector_data(L.hc_attn_fn), vector_data(L.hc_attn_base),
-                          vector_data(L.hc_attn_scale), md_);
+    if (lagged) ops::mhc_collapse_backward(dX.data(), dpin_.data(), da.data(), s.X.data(), s.a_pin.data(), n_, hc, d);
+    ops::mhc_pre_backward(dX.data(), G.hc_attn_fn, G.hc_attn_base, G.hc_attn_scale, lagged ? nullptr : da.data(),
+                          dpost.data(), dcomb.data(), s.X.data(), vector_data(L.hc_attn_fn),
+                          vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md_, lagged ? dpa.data() : nullptr);
+    if (c_.engram_slot(l) >= 0) engram(dX, s, l);
+  }
+
+  // V4.1's Engram before layer l: dX, the gradient of the updated streams,
+  // becomes that of the streams before it; the table rows looked up, wkv
+  // and the folded q/k weights get theirs.
+  void engram(Buffer<float>& dX, const V4LayerSaved& s, int64_t l) {
+    const int64_t d = c_.hidden_size, hc = c_.hc_mult, C = c_.engram_columns(), De = c_.engram_head_dim;
+    const auto& p = w_.layers[static_cast<size_t>(l)].engram;
+    auto& g = g_.layers[static_cast<size_t>(l)].engram;
+    const float* q = vector_data(p.q_weight);
+    const float* k = vector_data(p.k_weight);
+    std::vector<float> wqk(static_cast<size_t>(hc * d)), dwqk(wqk.size(), 0.0f);
+    for (size_t i = 0; i < wqk.size(); ++i) wqk[i] = q[i] * k[i];
+    Buffer<float> dkv(static_cast<size_t>(n_ * (hc + 1) * d)), de(static_cast<size_t>(n_ * C * De));
+    v41_engram_backward(dX.data(), dkv.data(), dwqk.data(), dX.data(), s.eX.data(), s.e_kv.data(), wqk.data(),
+                        {n_, hc, d, static_cast<float>(c_.rms_norm_eps)});
+    for (size_t i = 0; i < wqk.size(); ++i) {
+      if (g.q_weight) g.q_weight[i] += dwqk[i] * k[i];
+      if (g.k_weight) g.k_weight[i] += dwqk[i] * q[i];
+    }
+    need_vector_data(p.wkv, "engram.wkv");
+    ops::linear_backward(de.data(), g.wkv, dkv.data(), s.e_rows.data(), p.wkv, n_);
+    if (!g.embed) return;
+    // Only the rows looked up get a gradient.
+    const auto& ids = sv_.engram[static_cast<size_t>(c_.engram_slot(l))];
+    for (int64_t i = 0; i < n_ * C; ++i) {
+      const int64_t id = ids[static_cast<size_t>(i)];
+      if (id < 0 || id >= p.embed.rows) continue;
+      float* row = g.embed + id * De;
+      const float* src = de.data() + i * De;
+      for (int64_t j = 0; j < De; ++j) row[j] += src[j];
+    }
   }
 
   // da += the attention's input gradient, given dout [n, d].
@@ -259,17 +306,23 @@ class Backward {
     // o2 = o rotated by -t: do = do2 rotated by +t.
     ops::rope_forward(dO.data() + N, dO.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
     Buffer<float> dq(dO.size());  // written whole by the attention's backward
-    // The sparse attention: its keys are rows of kv or compressed entries.
+    // The sparse attention: its keys are rows of kv or compressed entries
+    // (V4.1: its KV source's, whose gradient gathers every reader's until
+    // the source's own backward).
     Buffer<float> dkv = zeros(n_ * D);
-    const int64_t S = static_cast<int64_t>(len_.size());
-    std::vector<Buffer<float>> dent(static_cast<size_t>(S));
-    for (int64_t k = 0; k < S; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, l).size()));
+    const int64_t S = static_cast<int64_t>(len_.size()), src = c_.kv_source_of(l);
+    std::vector<Buffer<float>> none(static_cast<size_t>(S));
+    std::vector<Buffer<float>>& dent = m > 0 ? dent_[src] : none;
+    if (dent.empty()) {
+      dent.resize(static_cast<size_t>(S));
+      for (int64_t k = 0; k < S; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, src).size()));
+    }
     std::vector<const float*> rows(s.key_idx.size());
     std::vector<float*> drows(s.key_idx.size());
     for (size_t j = 0; j < rows.size(); ++j) {
       const int32_t seg = s.key_seg[j];
       const int64_t idx = s.key_idx[j];
-      rows[j] = seg < 0 ? s.kv.data() + idx * D : entries(seg, l).data() + idx * D;
+      rows[j] = seg < 0 ? s.kv.data() + idx * D : entries(seg, src).data() + idx * D;
       drows[j] = seg < 0 ? dkv.data() + idx * D : dent[static_cast<size_t>(seg)].data() + idx * D;
     }
     const ops::SparseMqaDims sd = v4_attention_dims(c_, n_);
@@ -278,7 +331,8 @@ class Backward {
     // q: RoPE, the weightless head norm, wq_b, q_norm, wq_a.
     const std::vector<float> ones(static_cast<size_t>(D), 1.0f);
     ops::rope_backward(dq.data() + N, dq.data() + N, pos, freqs, n_, H, R, H * D, D, ops::RopeLayout::Interleaved);
-    ops::rmsnorm_backward(dq.data(), nullptr, dq.data(), s.q_lin.data(), ones.data(), s.rstd_q.data(), n_ * H, D);
+    if (c_.q_head_norm())
+      ops::rmsnorm_backward(dq.data(), nullptr, dq.data(), s.q_lin.data(), ones.data(), s.rstd_q.data(), n_ * H, D);
     Buffer<float> dqr(static_cast<size_t>(n_ * Lq));
     ops::linear_backward(dqr.data(), g.wq_b, dq.data(), s.qr.data(), p.wq_b, n_);
     ops::rmsnorm_backward(dqr.data(), g.q_norm, dqr.data(), s.qr_lin.data(), vector_data(p.q_norm), s.rstd_qr.data(),
@@ -289,13 +343,14 @@ class Backward {
     ops::rmsnorm_backward(dkv.data(), g.kv_norm, dkv.data(), s.kv_lin.data(), vector_data(p.kv_norm), s.rstd_kv.data(),
                           n_, D);
     ops::linear_backward(da, g.wkv, dkv.data(), a, p.wkv, n_, true);
-    if (m > 0) {
+    if (c_.owns_compressor(l)) {
       // Every sequence's projection gradients, then the two projections'
-      // backward over all rows at once.
+      // backward over all rows at once (V4.1's ratio-1 compressor has no gate).
       const auto& cp = p.compressor;
       auto& cg = g.compressor;
+      const bool gated = cp.wgate.data != nullptr;
       need_vector_data(cp.wkv, "compressor.wkv");
-      need_vector_data(cp.wgate, "compressor.wgate");
+      if (gated) need_vector_data(cp.wgate, "compressor.wgate");
       const int64_t width = (m == 4 ? 2 : 1) * D;
       Buffer<float> dP(static_cast<size_t>(n_ * width)), dZ(dP.size());
       for (int64_t k = 0; k < S; ++k) {
@@ -303,8 +358,9 @@ class Backward {
         compressor(dP.data() + first_[ks] * width, dZ.data() + first_[ks] * width, dent[ks], s.comp[ks], len_[ks], l);
       }
       ops::linear_backward(da, cg.wkv, dP.data(), a, cp.wkv, n_, true);
-      ops::linear_backward(da, cg.wgate, dZ.data(), a, cp.wgate, n_, true);
+      if (gated) ops::linear_backward(da, cg.wgate, dZ.data(), a, cp.wgate, n_, true);
     }
+    if (c_.owns_compressor(l)) dent_.erase(src);
   }
 
   // One sequence's compressed entries' gradient dE [entries, D] (consumed)
@@ -442,6 +498,11 @@ class Backward {
   const std::vector<int64_t>& len_;
   std::vector<int64_t> first_;
   Buffer<float> dX_;  // the main streams' gradient, from the head down
+  // V4.1: the gradient of the pre weights the next sub-layer's input was
+  // collapsed with [n, hc], and each KV source's entries' gradients [seq]
+  // gathered from its readers.
+  Buffer<float> dpin_;
+  std::map<int64_t, std::vector<Buffer<float>>> dent_;
   int64_t n_;         // rows of the pass (the batch's tokens, or the MTP layer's rows)
   ops::MhcDims md_;
   const int32_t* pos_;  // their positions

@@ -65,7 +65,6 @@ class V4Bound final : public BoundModel {
   LossTerms loss_and_grad(const TrainBatch& batch, const LossOptions& opt, const RematPolicy& remat,
                           bool grads) override {
     DS_CHECK(!grads || has_grads_, "internal: a gradient asked of a model bound without a gradient buffer");
-    DS_CHECK(!cfg_.v41(), "training DeepSeek-V4.1 models is not supported yet (generation is)");
     V4LossOptions o;
     o.remat = remat;
     o.exchange = opt.exchange;
@@ -138,8 +137,6 @@ class V4Family final : public Family {
     load_v4_hf_params(dir, cfg_, p);
   }
   void export_hf(const std::string& out_dir, const float* params, DType dtype, const char* who) const override {
-    DS_CHECK(!cfg_.v41(), "{}: DeepSeek-V4.1 models are written only in their checkpoint's formats (deepseek init)",
-             who);
     export_v4_hf(out_dir, cfg_, params, dtype, who);
   }
   // DeepSeek-V4.1 in its release's formats (fp8 32 x 32 blocks with e8m0
@@ -169,6 +166,11 @@ class V4Family final : public Family {
              "(its CSA layers always attend through it)");
   }
   std::string training_note(const LossOptions&) const override {
+    if (cfg_.v41())
+      return "each document piece its own sequence; the lightning indexer stays as it is (its choices are the "
+             "step's constants); Engram's tables get gradients at the rows looked up; the attention keeps its "
+             "residuals under every remat_policy (its readers take their entries and choices from other layers), "
+             "the MoE's are recomputed when the policy drops them";
     return "each document piece its own sequence; the lightning indexer and the hash table stay as they are; the "
            "backward recomputes the residuals remat_policy drops (the attention's stages skip the kept ones, the "
            "MoE's expert products are recomputed together)";
