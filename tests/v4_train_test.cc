@@ -21,6 +21,7 @@
 #include "ops/adamw.h"
 #include "ops/matmul.h"
 #include "test_util.h"
+#include "v4_train_util.h"
 
 using namespace ds::model;
 
@@ -115,38 +116,7 @@ TEST(V4Train, GradientMatchesCentralDifferencesOfTheEngine) {
                                                                {"hc_head_base", 2},
                                                                {"layers.2.attn.wo_a.weight", 3},
                                                                {"layers.3.ffn.shared_experts.w2.weight", 3}};
-  V4View view = f->weights.view;
-  for (const auto& [name, count] : probes) {
-    ds::ops::WeightView* leaf = nullptr;
-    for_each_v4_param(
-        f->cfg,
-        [&](const V4ParamInfo& i, ds::ops::WeightView& v) {
-          if (i.name == name) leaf = &v;
-        },
-        view);
-    ASSERT_NE(leaf, nullptr) << name;
-    const ds::ops::WeightView orig = *leaf;
-    std::vector<float> copy(static_cast<const float*>(orig.data),
-                            static_cast<const float*>(orig.data) + orig.rows * orig.cols);
-    leaf->data = copy.data();
-    const auto& grad = g.by_name.at(name);
-    for (int64_t k = 0; k < count; ++k) {
-      // The entries with the largest gradients, spread over the tensor.
-      const size_t stride = copy.size() / static_cast<size_t>(count);
-      size_t at = static_cast<size_t>(k) * stride;
-      for (size_t i = at; i < std::min(copy.size(), at + stride); ++i)
-        if (std::fabs(grad[i]) > std::fabs(grad[at])) at = i;
-      const float x0 = copy[at], h = 1e-3f * std::max(1.0f, std::fabs(x0));
-      copy[at] = x0 + h;
-      const double lp = v4_loss_and_grad(f->cfg, view, nullptr, f->batch).loss;
-      copy[at] = x0 - h;
-      const double lm = v4_loss_and_grad(f->cfg, view, nullptr, f->batch).loss;
-      copy[at] = x0;
-      const double fd = (lp - lm) / (2.0 * h);
-      EXPECT_NEAR(grad[at], fd, 5e-3 * std::fabs(fd) + 2e-4) << name << "[" << at << "]";
-    }
-    *leaf = orig;
-  }
+  ds::test::expect_central_differences(f->cfg, f->weights.view, g.by_name, f->batch, probes);
 }
 
 // dtype=bfloat16: every matmul's operands rounded to bf16 (ops/matmul.h).

@@ -1,0 +1,59 @@
+// Shared by the DeepSeek-V4 and V4.1 training tests: central differences of
+// the engine's own float32 loss against its gradient on sampled entries.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model/v4_train.h"
+
+namespace ds::test {
+
+// For each (tensor name, count): `count` entries, the largest gradient of
+// each of `count` equal stretches of the tensor, perturbed by +-1e-3
+// (relative above 1); the loss's central difference must match the
+// gradient to 5e-3 of it plus 2e-4. The weights are views into the mapped
+// file, so each probed tensor is copied and its view redirected.
+inline void expect_central_differences(const model::V4Config& cfg, const model::V4View& weights,
+                                       const std::map<std::string, std::vector<float>>& grads,
+                                       const model::V4TrainBatch& batch,
+                                       const std::vector<std::pair<std::string, int64_t>>& probes) {
+  model::V4View view = weights;
+  for (const auto& [name, count] : probes) {
+    ops::WeightView* leaf = nullptr;
+    model::for_each_v4_param(
+        cfg,
+        [&](const model::V4ParamInfo& i, ops::WeightView& v) {
+          if (i.name == name) leaf = &v;
+        },
+        view);
+    ASSERT_NE(leaf, nullptr) << name;
+    const ops::WeightView orig = *leaf;
+    std::vector<float> copy(static_cast<const float*>(orig.data),
+                            static_cast<const float*>(orig.data) + orig.rows * orig.cols);
+    leaf->data = copy.data();
+    const auto& grad = grads.at(name);
+    for (int64_t k = 0; k < count; ++k) {
+      const size_t stride = copy.size() / static_cast<size_t>(count);
+      size_t at = static_cast<size_t>(k) * stride;
+      for (size_t i = at; i < std::min(copy.size(), at + stride); ++i)
+        if (std::fabs(grad[i]) > std::fabs(grad[at])) at = i;
+      const float x0 = copy[at], h = 1e-3f * std::max(1.0f, std::fabs(x0));
+      copy[at] = x0 + h;
+      const double lp = model::v4_loss_and_grad(cfg, view, nullptr, batch).loss;
+      copy[at] = x0 - h;
+      const double lm = model::v4_loss_and_grad(cfg, view, nullptr, batch).loss;
+      copy[at] = x0;
+      const double fd = (lp - lm) / (2.0 * h);
+      EXPECT_NEAR(grad[at], fd, 5e-3 * std::fabs(fd) + 2e-4) << name << "[" << at << "]";
+    }
+    *leaf = orig;
+  }
+}
+
+}  // namespace ds::test
