@@ -196,6 +196,23 @@ ranks 4 run_name=engram-f2e2 "${engram[@]}" ici_expert_parallelism=2 use_batch_s
 check '[ $? -eq 0 ] && loss_tol=2e-4 same_losses engram-one8 engram-f2e2' \
   "Engram: batch-split, fsdp=2 x expert=2 matches one process"
 
+# DeepSeek-V4.1 (configs/v41-tiny.json: CSA2 sources and readers, lagged
+# mHC, Engram on layers 0 and 2): under FSDP each layer's weights, its
+# Engram table's included, are there only while it runs; expert=2 computes
+# each routed row on its expert's rank. 10 steps: the summation orders'
+# rounding grows as the model memorises the synthetic rows (4e-6 of the loss
+# at step 10, 5e-4 by step 20, where the loss is 0.36).
+"$bin" init --config "$src/configs/v41-tiny.json" --out "$tmp/v41" --dtype fp8 \
+  --tokenizer "$src/tests/data/tokenizer/tiny/tokenizer.json" >/dev/null
+v41=(model_name= "hf_config=$tmp/v41/config.json" "load_parameters_path=$tmp/v41" mtp_num_layers=0
+  dataset_type=synthetic steps=10)
+one run_name=v41-one "${v41[@]}"
+check '[ $? -eq 0 ] && falls v41-one' "V4.1: one process, the loss falls ($(tail -1 "$tmp/err"))"
+ranks 2 run_name=v41-fsdp2 "${v41[@]}"
+check '[ $? -eq 0 ] && loss_tol=1e-4 same_losses v41-one v41-fsdp2' "V4.1: fsdp=2 matches one process"
+ranks 2 run_name=v41-ep2 "${v41[@]}" ici_expert_parallelism=2 ici_fsdp_parallelism=1
+check '[ $? -eq 0 ] && loss_tol=1e-4 same_losses v41-one v41-ep2' "V4.1: expert=2 matches one process"
+
 # fp8 expert gradients: close to, but not the same as, float32 (the loss of
 # step 0 is exact; later ones move by the quantization).
 ranks 2 run_name=ep2-fp8 dataset_type=synthetic ici_expert_parallelism=2 ici_fsdp_parallelism=1 \

@@ -135,15 +135,6 @@ V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
            "model folder)");
   engram_hash_ = engram_hash_tables(cfg_.engram_hash_spec());
   engram_pad_ = (*cfg_.engram_token_classes)[static_cast<size_t>(cfg_.engram_pad_id)];
-  const int64_t hc = cfg_.hc_mult, d = cfg_.hidden_size;
-  for (int64_t l : cfg_.engram_layers) {
-    const auto& e = w_.layers[static_cast<size_t>(l)].engram;
-    const float* q = vector_data(e.q_weight);
-    const float* k = vector_data(e.k_weight);
-    std::vector<float> wqk(static_cast<size_t>(hc * d));
-    for (size_t i = 0; i < wqk.size(); ++i) wqk[i] = q[i] * k[i];
-    engram_wqk_.push_back(std::move(wqk));
-  }
 }
 
 V4State V4Model::new_state() const {
@@ -202,8 +193,14 @@ void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx, V4
     ls->e_kv = Buffer<float>(static_cast<size_t>(n * (hc + 1) * d));
     kv = ls->e_kv.data();
   }
-  v41_engram_forward(X, rows.data(), p.wkv, engram_wqk_[static_cast<size_t>(e)].data(),
-                     {n, hc, d, static_cast<float>(cfg_.rms_norm_eps)}, nullptr, nullptr, kv);
+  // q_weight * k_weight, folded here: under FSDP the weights are there only
+  // while the layer is.
+  const float* q = vector_data(p.q_weight);
+  const float* k = vector_data(p.k_weight);
+  std::vector<float> wqk(static_cast<size_t>(hc * d));
+  for (size_t i = 0; i < wqk.size(); ++i) wqk[i] = q[i] * k[i];
+  v41_engram_forward(X, rows.data(), p.wkv, wqk.data(), {n, hc, d, static_cast<float>(cfg_.rms_norm_eps)}, nullptr,
+                     nullptr, kv);
   if (ls) {
     ls->e_rows = Buffer<float>(rows.size());
     std::copy(rows.begin(), rows.end(), ls->e_rows.begin());

@@ -468,10 +468,9 @@ class V4Model {
   const V4View& w_;
   V4Options opt_;
   std::vector<float> freqs_window_, freqs_compressed_;  // [qk_rope_head_dim / 2]
-  // V4.1's Engram: each layer's hashing, the pad's class, q_weight * k_weight [hc, d].
+  // V4.1's Engram: each layer's hashing, the pad's class.
   std::vector<EngramLayerHash> engram_hash_;
   int32_t engram_pad_ = 0;
-  std::vector<std::vector<float>> engram_wqk_;
 };
 
 }  // namespace ds::model
