@@ -222,6 +222,13 @@ TEST(Indexer, V41EntryRoundingMatchesItsRule) {
   EXPECT_EQ(y[32 + 6], 4.0f);   // 3.5 -> 4
   EXPECT_EQ(y[32 + 7], 4.0f);   // 5 -> 4
   EXPECT_THROW(ds::ops::fp4_round_blocks_e4m3(y.data(), x.data(), 24, 16), ds::Error);
+  // Kept as codes (packed e2m1, an e4m3 scale byte a block): decoding gives
+  // the rounded values bit for bit.
+  std::vector<uint8_t> packed(n / 2), scales(n / 16);
+  std::vector<float> back(n);
+  ds::ops::fp4_encode_blocks_e4m3(packed.data(), scales.data(), x.data(), n, 16);
+  ds::ops::fp4_decode_blocks_e4m3(back.data(), packed.data(), scales.data(), n, 16);
+  EXPECT_EQ(back, y);
 }
 
 TEST(Indexer, V4RoundingsKeptAsCodesDecodeToTheRoundedValues) {

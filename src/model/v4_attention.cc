@@ -120,10 +120,13 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
     ops::rope_forward(E + dim - R, E + dim - R, pos.data(), freqs_compressed_.data(), k, 1, R, dim, dim,
                       ops::RopeLayout::Interleaved);
     if (index_keys) ops::hadamard_rows(E, k, dim);
-    if (v41) {  // V4.1: fp4 in groups of 16 with e4m3 scales, kept as the values
-      if (opt_.qat) ops::fp4_round_blocks_e4m3(E, E, k * dim, kV41EntryFp4Block);
-      st.entries.insert(st.entries.end(), E, E + k * dim);
-    } else if (!opt_.qat) {
+    if (v41 && opt_.qat) {  // V4.1: fp4 in groups of 16 with e4m3 scales, kept as codes
+      const size_t c0 = st.entry_fp4.size(), s0 = st.entry_fp4_scales.size();
+      st.entry_fp4.resize(c0 + static_cast<size_t>(k * dim / 2));
+      st.entry_fp4_scales.resize(s0 + static_cast<size_t>(k * dim / kV41EntryFp4Block));
+      ops::fp4_encode_blocks_e4m3(st.entry_fp4.data() + c0, st.entry_fp4_scales.data() + s0, E, k * dim,
+                                  kV41EntryFp4Block);
+    } else if (!opt_.qat) {  // float32 rows (V4.1's entries too)
       auto& rows = index_keys ? st.index_keys : st.entries;
       rows.insert(rows.end(), E, E + k * dim);
     } else if (index_keys) {  // fp4 in blocks of 32, kept as codes
@@ -188,7 +191,7 @@ void V4Model::attention(float* out, const float* a, int64_t layer, const std::ve
   for (size_t k = 0; k < segs.size(); ++k)
     std::fill(seg_of.begin() + segs[k].row, seg_of.begin() + segs[k].row + segs[k].n, static_cast<int32_t>(k));
   const auto picked = index_stage(S.qr.data(), a, layer, segs, seg_of, positions, n, cx);
-  attend_stage(S, layer, segs, seg_of, picked, positions, n, keep);
+  attend_stage(S, layer, segs, seg_of, picked, positions, n, keep, cx);
   output_stage(out, S, layer, positions, n, keep);
 }
 
@@ -454,7 +457,7 @@ void V4Model::v41_choose(std::vector<int32_t>& pk, std::vector<float>& score, st
 
 void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector<Segment>& segs,
                            const std::vector<int32_t>& seg_of, const std::vector<std::vector<int32_t>>& picked,
-                           const int32_t* pos, int64_t n, bool keep) {
+                           const int32_t* pos, int64_t n, bool keep, V4PassContext* cx) {
   const auto& p = w_.layers[static_cast<size_t>(layer)].attn;
   const int64_t H = cfg_.num_attention_heads, D = cfg_.head_dim, R = cfg_.qk_rope_head_dim, N = D - R;
   const int64_t W = cfg_.sliding_window, m = cfg_.compress_ratio(layer);
@@ -462,11 +465,23 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
   for (const Segment& g : segs)
     if (state(g).window.empty()) state(g).window.assign(static_cast<size_t>(W * D), 0.0f);
   // The compressed entries (V4.1: its KV source's). Kept as codes: the
-  // picked ones decoded once for this call.
+  // picked ones decoded once for this call, or with V4.1 once for every
+  // layer that reads the same source with the same choice (the pass keeps
+  // them).
   auto source = [&](const Segment& g) -> const V4LayerState& { return entries_state(*g.state, layer); };
-  std::vector<std::vector<int64_t>> slot(segs.size());
-  std::vector<std::vector<float>> decoded(segs.size());
-  if (m > 0 && entry_codes()) {
+  std::vector<std::vector<int64_t>> own_slot(segs.size());
+  std::vector<std::vector<float>> own_decoded(segs.size());
+  const std::pair<int64_t, int64_t> key{cfg_.kv_source_of(layer), cfg_.index_source_of(layer)};
+  const bool shared = cx && cfg_.v41();
+  const bool reuse = shared && cx->decoded_for == key;
+  if (shared && !reuse) {
+    cx->decoded_for = key;
+    cx->slot.assign(segs.size(), {});
+    cx->decoded.assign(segs.size(), {});
+  }
+  std::vector<std::vector<int64_t>>& slot = shared ? cx->slot : own_slot;
+  std::vector<std::vector<float>>& decoded = shared ? cx->decoded : own_decoded;
+  if (m > 0 && entry_codes() && !reuse) {
     for (size_t k = 0; k < segs.size(); ++k) slot[k].assign(static_cast<size_t>(source(segs[k]).count), -1);
     for (int64_t i = 0; i < n; ++i) {
       const size_t k = static_cast<size_t>(seg_of[static_cast<size_t>(i)]);
@@ -476,6 +491,12 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
           slot[k][static_cast<size_t>(b)] = static_cast<int64_t>(decoded[k].size()) / D;
           decoded[k].resize(decoded[k].size() + static_cast<size_t>(D));
           float* row = decoded[k].data() + decoded[k].size() - static_cast<size_t>(D);
+          if (cfg_.v41()) {
+            ops::fp4_decode_blocks_e4m3(row, st.entry_fp4.data() + b * (D / 2),
+                                        st.entry_fp4_scales.data() + b * (D / kV41EntryFp4Block), D,
+                                        kV41EntryFp4Block);
+            continue;
+          }
           ops::fp8_decode_blocks(row, st.entry_codes.data() + b * N,
                                  st.entry_scales.data() + b * (N / kV4LatentFp8Block), N, kV4LatentFp8Block);
           std::copy(st.entry_rope.begin() + b * R, st.entry_rope.begin() + (b + 1) * R, row + N);

@@ -83,7 +83,8 @@ size_t V4LayerState::bytes() const {
   return (window.size() + carry.P.size() + carry.Z.size() + entries.size() + index_carry.P.size() +
           index_carry.Z.size() + index_keys.size() + entry_rope.size()) *
              sizeof(float) +
-         entry_codes.size() + entry_scales.size() + key_codes.size() + key_scales.size();
+         entry_codes.size() + entry_scales.size() + key_codes.size() + key_scales.size() + entry_fp4.size() +
+         entry_fp4_scales.size();
 }
 
 size_t V4State::bytes() const {
@@ -106,8 +107,10 @@ size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes) {
     if (!c.owns_compressor(l)) continue;
     const int64_t count = tokens / m;
     carry(m, c.head_dim);
-    if (c.v41()) {  // entries as float32 values, index keys as fp4 codes or float32
-      bytes += static_cast<size_t>(count * (c.head_dim * 4 + (codes ? Di / 2 + Di / kV4IndexFp4Block : Di * 4)));
+    if (c.v41()) {  // entries and index keys as fp4 codes, or float32
+      const int64_t D = c.head_dim;
+      bytes += static_cast<size_t>(
+          count * (codes ? D / 2 + D / kV41EntryFp4Block + Di / 2 + Di / kV4IndexFp4Block : (D + Di) * 4));
       continue;
     }
     bytes += static_cast<size_t>(count * (codes ? N + N / kV4LatentFp8Block + R * 4 : c.head_dim * 4));

@@ -102,6 +102,9 @@ struct V4LayerState {
   std::vector<uint8_t> entry_codes, entry_scales;  // code layout: [count, nope], [count, nope / 64]
   std::vector<float> entry_rope;                   // code layout: [count, qk_rope_head_dim]
   std::vector<uint8_t> key_codes, key_scales;      // code layout: [count, index_head_dim / 2], [count, / 32]
+  // V4.1's entries in the code layout: packed e2m1 [count, head_dim / 2] and
+  // an e4m3 scale per 16 values [count, head_dim / 16].
+  std::vector<uint8_t> entry_fp4, entry_fp4_scales;
   size_t bytes() const;
 };
 
@@ -129,6 +132,11 @@ struct V4PassContext {
   std::vector<std::vector<int32_t>> picked;   // per row: entries, ascending
   bool have_candidates = false;
   std::vector<std::vector<int32_t>> candidates;  // per row: allowed blocks, ascending (empty: every block)
+  // The picked entries widened from their codes, for the layers that read
+  // the same (KV source, index source): per sequence, entry -> row of decoded.
+  std::pair<int64_t, int64_t> decoded_for{-1, -1};
+  std::vector<std::vector<int64_t>> slot;
+  std::vector<std::vector<float>> decoded;
 };
 
 // The router's selection rule of a V4 config (flat top-k, no groups).
@@ -428,7 +436,7 @@ class V4Model {
                   const std::vector<int32_t>* allowed) const;
   void attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector<Segment>& segs,
                     const std::vector<int32_t>& seg_of, const std::vector<std::vector<int32_t>>& picked,
-                    const int32_t* pos, int64_t n, bool keep);
+                    const int32_t* pos, int64_t n, bool keep, V4PassContext* cx = nullptr);
   void output_stage(float* out, V4AttentionSaved& S, int64_t layer, const int32_t* pos, int64_t n, bool keep) const;
   // The entries (or with index_keys the indexer's keys) whose windows the
   // new tokens close, appended to st in its layout. proj, when given, holds
@@ -461,8 +469,9 @@ class V4Model {
   const V4LayerState& entries_state(const V4State& st, int64_t l) const {
     return st.layers[static_cast<size_t>(cfg_.kv_source_of(l))];
   }
-  // Whether compressed entries are kept as fp8 codes (V4 with the roundings).
-  bool entry_codes() const { return opt_.qat && !cfg_.v41(); }
+  // Whether compressed entries are kept as codes (with the roundings: V4's
+  // fp8 with the rope dims as floats, V4.1's fp4 with e4m3 scales).
+  bool entry_codes() const { return opt_.qat; }
 
   const V4Config& cfg_;
   const V4View& w_;

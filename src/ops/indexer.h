@@ -47,6 +47,11 @@ void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block);
 // per block (not a power of two), s = e4m3(max(amax, 6 * 2^-9) / 6) rounded
 // to nearest even, y = e2m1(clamp(x / s, -6, 6)) s.
 void fp4_round_blocks_e4m3(float* y, const float* x, int64_t n, int64_t block);
+// The same rounding kept as codes: e2m1 packed two a byte (element 2j in
+// the low nibble of byte j) [n / 2] and each block's e4m3 scale byte
+// [n / block]; decoding gives fp4_round_blocks_e4m3's values exactly.
+void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block);
+void fp4_decode_blocks_e4m3(float* y, const uint8_t* packed, const uint8_t* scales, int64_t n, int64_t block);
 
 // The same roundings (fp8 with power-of-two scales) kept as codes: each
 // block's scale as an e8m0 byte (2^(e - 127)) in scales [n / block], and

@@ -180,6 +180,36 @@ void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t 
   }
 }
 
+void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0,
+           "fp4_encode_blocks_e4m3: {} values in blocks of {}", n, block);
+  constexpr float kFp4Max = 6.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = kFp4Max * 0x1p-9f;
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    const uint8_t sc = f32_to_e4m3(amax / kFp4Max);
+    const float s = e4m3_to_f32(sc);
+    scales[b0 / block] = sc;
+    for (int64_t c = b0; c < b0 + block; c += 2) {
+      const uint8_t lo = f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max));
+      const uint8_t hi = f32_to_e2m1(std::clamp(x[c + 1] / s, -kFp4Max, kFp4Max));
+      packed[c / 2] = static_cast<uint8_t>((lo & 0x0F) | (hi << 4));
+    }
+  }
+}
+
+void fp4_decode_blocks_e4m3(float* y, const uint8_t* packed, const uint8_t* scales, int64_t n, int64_t block) {
+  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0,
+           "fp4_decode_blocks_e4m3: {} values in blocks of {}", n, block);
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const float s = e4m3_to_f32(scales[b0 / block]);
+    for (int64_t c = b0; c < b0 + block; c += 2) {
+      y[c] = e2m1_to_f32(packed[c / 2]) * s;
+      y[c + 1] = e2m1_to_f32(static_cast<uint8_t>(packed[c / 2] >> 4)) * s;
+    }
+  }
+}
+
 void fp8_decode_blocks(float* y, const uint8_t* codes, const uint8_t* scales, int64_t n, int64_t block) {
   DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_decode_blocks: {} values in blocks of {}", n, block);
   for (int64_t b0 = 0; b0 < n; b0 += block) {
