@@ -107,6 +107,13 @@ last=$(metric loss 30)
 echo "V4.1 training loss: step 1 $first, step 30 $last"
 check 'awk -v a="$first" -v b="$last" "BEGIN { exit !(a > 0 && b < a - 1.0) }"' \
   "the loss goes down by more than 1 nat in 30 steps: $first -> $last"
+# Stopped at step 15 and resumed: the uninterrupted run's losses.
+"$bin" train "$tmp/run.yml" hf_config="$tmp/m/config.json" run_name=r steps=15 learning_rate_schedule_steps=30 \
+  checkpoint_period=15 >/dev/null 2>&1 &&
+  "$bin" train "$tmp/run.yml" hf_config="$tmp/m/config.json" run_name=r learning_rate_schedule_steps=30 \
+    checkpoint_period=15 resume=true >/dev/null 2>&1
+check '[ $? -eq 0 ] && diff <(grep -o "\"loss\":[0-9.e+-]*" "$tmp/runs/t/metrics.jsonl") \
+  <(grep -o "\"loss\":[0-9.e+-]*" "$tmp/runs/r/metrics.jsonl") >/dev/null' "stopped at step 15 and resumed: the same losses"
 "$bin" export --checkpoint "$tmp/runs/t/checkpoints/step_30" --out "$tmp/hf" >/dev/null
 check '[ $? -eq 0 ] && grep -q "\"deepseek_v41\"" "$tmp/hf/config.json" && [ -s "$tmp/hf/tokenizer.json" ]' \
   "export the trained V4.1 model"
