@@ -192,8 +192,8 @@ TEST(Indexer, V41EntryRoundingMatchesItsRule) {
   for (int64_t i = 0; i < 16; ++i) x[static_cast<size_t>(i)] *= 1e-6f;  // under the 6 * 2^-9 floor
   for (int64_t i = 16; i < 32; ++i) x[static_cast<size_t>(i)] *= 300.0f;
   // A block whose scale is exactly 1 (amax 6), holding every e2m1 midpoint.
-  const float mids[16] = {6.0f, 0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, -0.25f, -0.75f, -1.25f, -1.75f,
-                          -2.5f, -3.5f, -5.0f, 0.1f};
+  const float mids[16] = {6.0f,   0.25f,  0.75f,  1.25f,  1.75f, 2.5f,  3.5f,  5.0f,
+                          -0.25f, -0.75f, -1.25f, -1.75f, -2.5f, -3.5f, -5.0f, 0.1f};
   std::copy(mids, mids + 16, x.begin() + 32);
   std::vector<float> y(n);
   ds::ops::fp4_round_blocks_e4m3(y.data(), x.data(), n, 16);
@@ -216,11 +216,11 @@ TEST(Indexer, V41EntryRoundingMatchesItsRule) {
       EXPECT_EQ(y[b * 16 + i], static_cast<float>(nearest_even(v) * s)) << "block " << b << " value " << i;
     }
   }
-  EXPECT_EQ(y[32 + 1], 0.0f);   // 0.25 -> 0
-  EXPECT_EQ(y[32 + 2], 1.0f);   // 0.75 -> 1
-  EXPECT_EQ(y[32 + 5], 2.0f);   // 2.5 -> 2
-  EXPECT_EQ(y[32 + 6], 4.0f);   // 3.5 -> 4
-  EXPECT_EQ(y[32 + 7], 4.0f);   // 5 -> 4
+  EXPECT_EQ(y[32 + 1], 0.0f);  // 0.25 -> 0
+  EXPECT_EQ(y[32 + 2], 1.0f);  // 0.75 -> 1
+  EXPECT_EQ(y[32 + 5], 2.0f);  // 2.5 -> 2
+  EXPECT_EQ(y[32 + 6], 4.0f);  // 3.5 -> 4
+  EXPECT_EQ(y[32 + 7], 4.0f);  // 5 -> 4
   EXPECT_THROW(ds::ops::fp4_round_blocks_e4m3(y.data(), x.data(), 24, 16), ds::Error);
   // Kept as codes (packed e2m1, an e4m3 scale byte a block): decoding gives
   // the rounded values bit for bit.

@@ -90,8 +90,8 @@ TEST(Mhc, ForwardsMatchTheReference) {
 TEST(Mhc, PreWeightsAndCollapse) {
   const auto in = make_inputs(7);
   const auto d = dims();
-  std::vector<float> a(kT * kD), post(kT * kN), comb(kT * kN * kN), pre(kT * kN), post2(kT * kN),
-      comb2(kT * kN * kN), a2(kT * kD);
+  std::vector<float> a(kT * kD), post(kT * kN), comb(kT * kN * kN), pre(kT * kN), post2(kT * kN), comb2(kT * kN * kN),
+      a2(kT * kD);
   ds::ops::mhc_pre_forward(a.data(), post.data(), comb.data(), in.x.data(), in.fn.data(), in.base.data(),
                            in.scale.data(), d);
   ds::ops::mhc_pre_forward(nullptr, post2.data(), comb2.data(), in.x.data(), in.fn.data(), in.base.data(),
@@ -194,21 +194,21 @@ TEST(Mhc, LaggedPreBackwardMatchesCentralDifferences) {
                             in.x.data(), in.fn.data(), in.base.data(), in.scale.data(), d, dpre.data());
   const auto X = to_double(in.x), F = to_double(in.fn), B = to_double(in.base), S = to_double(in.scale),
              Y = to_double(y);
-  ds::test::expect_close(
-      dx, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, F, B, S, Y); }, X), 2e-4, 1e-6,
-      "dx");
-  ds::test::expect_close(
-      dfn, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S, Y); }, F), 2e-4, 1e-6,
-      "dfn");
-  ds::test::expect_close(
-      dbase, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, v, S, Y); }, B), 2e-4, 1e-6,
-      "dbase");
-  ds::test::expect_close(
-      dscale, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, v, Y); }, S), 2e-4, 1e-6,
-      "dscale");
-  ds::test::expect_close(
-      dy, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, S, v); }, Y), 2e-4, 1e-6,
-      "dy");
+  ds::test::expect_close(dx,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(v, F, B, S, Y); }, X),
+                         2e-4, 1e-6, "dx");
+  ds::test::expect_close(dfn,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, v, B, S, Y); }, F),
+                         2e-4, 1e-6, "dfn");
+  ds::test::expect_close(dbase,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, v, S, Y); }, B),
+                         2e-4, 1e-6, "dbase");
+  ds::test::expect_close(dscale,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, v, Y); }, S),
+                         2e-4, 1e-6, "dscale");
+  ds::test::expect_close(dy,
+                         ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, F, B, S, v); }, Y),
+                         2e-4, 1e-6, "dy");
 }
 
 TEST(Mhc, PostBackwardMatchesCentralDifferences) {

@@ -72,8 +72,7 @@ void expect_close(const std::vector<float>& got, const std::vector<float>& want,
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t r = 0; r < want.size() / static_cast<size_t>(V); ++r) {
     double worst = 0;
-    for (int64_t v = 0; v < V; ++v)
-      worst = std::max(worst, std::fabs(double(got[r * V + v]) - want[r * V + v]));
+    for (int64_t v = 0; v < V; ++v) worst = std::max(worst, std::fabs(double(got[r * V + v]) - want[r * V + v]));
     EXPECT_LE(worst, tol + (slack.empty() ? 0.0 : double(slack[r]))) << what << " row " << r;
   }
 }
@@ -149,8 +148,7 @@ TEST_P(V41Reference, DecodeAndBatchEqualTheFullForward) {
           got.insert(got.end(), one.begin(), one.end());
         }
         expect_close(got, full, V, tol * max_abs(full),
-                     fmt::format("{} {} seq {} decode after {}", GetParam(), qat ? "qat" : "no-qat", s, prefix),
-                     slack);
+                     fmt::format("{} {} seq {} decode after {}", GetParam(), qat ? "qat" : "no-qat", s, prefix), slack);
       }
     }
     const auto together = model.forward(batch, true);
@@ -293,8 +291,11 @@ TEST(V41Config, ImpossibleLayoutsAreRefused) {
   expect_error([&] { V4Config::from_hf_json_text(with("kv_source_layer_ids", {3})); }, "no KV source layer");
   expect_error([&] { V4Config::from_hf_json_text(with("index_source_layer_ids", {3, 5})); }, "index source");
   expect_error([&] { V4Config::from_hf_json_text(with("candidate_source_layer_id", 4)); }, "not an index source");
-  expect_error([&] { V4Config::from_hf_json_text(with("compress_ratios", {0, 4, 4, 1, 1, 1})); },
-               "not a DeepSeek-V4.1 ratio");
+  expect_error(
+      [&] {
+        V4Config::from_hf_json_text(with("compress_ratios", {0, 4, 4, 1, 1, 1}));
+      },
+      "not a DeepSeek-V4.1 ratio");
   expect_error([&] { V4Config::from_hf_json_text(with("engram_layer_ids", {0, 9})); }, "engram_layer_ids");
   expect_error([&] { V4Config::from_hf_json_text(with("engram_num_embeddings", {5})); }, "engram_num_embeddings");
   expect_error([&] { V4Config::from_hf_json_text(with("engram_max_ngram_size", 1)); }, "engram_max_ngram_size");

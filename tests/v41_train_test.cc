@@ -131,8 +131,7 @@ TEST(V41Train, AdamWStepsLowerTheLoss) {
       f->cfg,
       [&](const V4ParamInfo& i, ds::ops::WeightView& leaf) {
         auto& x = w[i.name];
-        x.assign(static_cast<const float*>(leaf.data),
-                 static_cast<const float*>(leaf.data) + ds::shape_numel(i.shape));
+        x.assign(static_cast<const float*>(leaf.data), static_cast<const float*>(leaf.data) + ds::shape_numel(i.shape));
         leaf.data = x.data();
         m[i.name].assign(x.size(), 0.0f);
         v[i.name].assign(x.size(), 0.0f);

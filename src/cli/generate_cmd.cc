@@ -92,8 +92,9 @@ int run_init(const InitArgs& a) {
   const nlohmann::json root = family->hf_config();
   const nlohmann::json& hf = root.contains("text_config") ? root["text_config"] : root;  // DeepSeek-V4.1 nests it
   fmt::print("wrote a randomly initialised {} model ({} layers, hidden {}, {} routed experts) to {} ({})\n",
-             root.value("model_type", ""), hf.value("num_hidden_layers", int64_t{0}), hf.value("hidden_size", int64_t{0}),
-             hf.value("n_routed_experts", int64_t{0}), a.out, mib(weight_file_bytes(a.out)));
+             root.value("model_type", ""), hf.value("num_hidden_layers", int64_t{0}),
+             hf.value("hidden_size", int64_t{0}), hf.value("n_routed_experts", int64_t{0}), a.out,
+             mib(weight_file_bytes(a.out)));
   return 0;
 }
 

@@ -28,8 +28,9 @@ void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const
 void v41_engram_gather(float* e, const int32_t* ids, int64_t T, int64_t C, const ops::WeightView& table) {
   if (table.dtype == DType::F8E4M3) {
     DS_CHECK(table.scale_e8m0 != nullptr, "internal: an fp8 Engram table without its e8m0 scales");
-    return v41_engram_gather(e, ids, T, C, V41EngramTable{static_cast<const uint8_t*>(table.data), table.scale_e8m0,
-                                                          table.rows, table.cols});
+    return v41_engram_gather(
+        e, ids, T, C,
+        V41EngramTable{static_cast<const uint8_t*>(table.data), table.scale_e8m0, table.rows, table.cols});
   }
   const int64_t De = table.cols;
   for (int64_t i = 0; i < T * C; ++i) {
@@ -121,7 +122,8 @@ void v41_engram_backward(float* dx, float* dkv, float* dw_qk, const float* dout,
         const float* dg = dout + (t * n + g) * D;
         for (int64_t j = 0; j < D; ++j) dv[j] += static_cast<float>(alpha * dg[j]);
         // ds = dalpha sigma' / (2 sqrt|s|); s's gradients through the dot and both norms.
-        const double ds = floored ? 0.0 : dalpha[static_cast<size_t>(g)] * sg * (1 - sg) / (2 * std::sqrt(std::fabs(s)));
+        const double ds =
+            floored ? 0.0 : dalpha[static_cast<size_t>(g)] * sg * (1 - sg) / (2 * std::sqrt(std::fabs(s)));
         const double c = ds * rx * rk * inv_sqrt_d;
         const double cx = ds * s * rx * rx / static_cast<double>(D), ck = ds * s * rk * rk / static_cast<double>(D);
         float* dxg = dx + (t * n + g) * D;

@@ -50,7 +50,8 @@ double v4_forward_flops(const V4Config& c, int64_t batch, int64_t seq, int64_t h
     double w = d * ql + ql * H * Dh + d * Dh;  // q-LoRA, K=V latent
     w += H * Dh * static_cast<double>(c.o_lora_rank) + static_cast<double>(c.o_groups * c.o_lora_rank) * d;
     if (c.owns_compressor(l)) w += 2 * d * (m == 4 ? 2 : 1) * Dh;  // compressor projections
-    if (c.engram_slot(l) >= 0)  // V4.1's Engram: the fused key and value projection
+    // V4.1's Engram: the fused key and value projection.
+    if (c.engram_slot(l) >= 0)
       w += static_cast<double>((c.hc_mult + 1) * c.hidden_size) *
            static_cast<double>(c.engram_columns() * c.engram_head_dim);
     w += d * static_cast<double>(c.n_routed_experts) +

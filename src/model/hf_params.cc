@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <filesystem>
+#include <numeric>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -113,7 +113,8 @@ void init_v4_params(const V4Config& c, V4FlatParams& p, uint64_t seed, float std
               x[t * k + j] = e;
             }
         } else if (i.name.ends_with("engram.q_weight") || i.name.ends_with("engram.k_weight")) {
-          std::fill(x, x + n, 1.0f);  // V4.1's folded gate weights: the plain normalised dot at first
+          // V4.1's folded gate weights: the plain normalised dot at first.
+          std::fill(x, x + n, 1.0f);
         } else if (i.role == V4Role::EngramTable) {  // N(0, 1 / head dim), as MaxText starts its Engram tables
           fill_normal(x, n, 1.0f / std::sqrt(static_cast<float>(i.shape[1])), seed, stream++);
         } else if (i.shape.size() >= 2) {

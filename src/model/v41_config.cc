@@ -55,9 +55,8 @@ json from_flat(const json& f) {
       t[it->second] = v;
   }
   if (f.contains("rope_factor") && f.contains("original_seq_len")) {
-    t["rope_scaling"] = {{"type", "yarn"},
-                         {"factor", f["rope_factor"]},
-                         {"original_max_position_embeddings", f["original_seq_len"]}};
+    t["rope_scaling"] = {
+        {"type", "yarn"}, {"factor", f["rope_factor"]}, {"original_max_position_embeddings", f["original_seq_len"]}};
     if (f.contains("beta_fast")) t["rope_scaling"]["beta_fast"] = f["beta_fast"];
     if (f.contains("beta_slow")) t["rope_scaling"]["beta_slow"] = f["beta_slow"];
   }
@@ -67,8 +66,8 @@ json from_flat(const json& f) {
 
 std::vector<int64_t> ints(const json& t, const char* key, const std::string& src) {
   if (!t.contains(key) || t[key].is_null()) return {};
-  DS_CHECK(t[key].is_array() && t[key].size() <= static_cast<size_t>(1 << 12), "{}: key '{}' must be an array of integers",
-           src, key);
+  DS_CHECK(t[key].is_array() && t[key].size() <= static_cast<size_t>(1 << 12),
+           "{}: key '{}' must be an array of integers", src, key);
   std::vector<int64_t> out;
   for (const json& e : t[key]) out.push_back(strict_int(e, key, src));
   return out;
@@ -144,13 +143,9 @@ bool V4Config::owns_indexer(int64_t l) const {
   return v41() ? contains(index_source_layers, l) : compress_ratio(l) == 4;
 }
 
-int64_t V4Config::kv_source_of(int64_t l) const {
-  return v41() ? last_at_or_before(kv_source_layers, l) : l;
-}
+int64_t V4Config::kv_source_of(int64_t l) const { return v41() ? last_at_or_before(kv_source_layers, l) : l; }
 
-int64_t V4Config::index_source_of(int64_t l) const {
-  return v41() ? last_at_or_before(index_source_layers, l) : l;
-}
+int64_t V4Config::index_source_of(int64_t l) const { return v41() ? last_at_or_before(index_source_layers, l) : l; }
 
 int64_t V4Config::engram_slot(int64_t l) const {
   for (size_t i = 0; i < engram_layers.size(); ++i)
@@ -191,8 +186,9 @@ void V4Config::validate_v41() const {
     DS_CHECK(compress_ratio(k) == m, "config: layer {} has compress ratio {}, its KV source layer {} has {}", l, m, k,
              compress_ratio(k));
     DS_CHECK(i >= 0, "config: layer {} (compress ratio {}) has no index source layer at or before it", l, m);
-    DS_CHECK(kv_source_of(i) == k, "config: layer {} reads layer {}'s entries but layer {}'s top-k, chosen over layer {}'s",
-             l, k, i, kv_source_of(i));
+    DS_CHECK(kv_source_of(i) == k,
+             "config: layer {} reads layer {}'s entries but layer {}'s top-k, chosen over layer {}'s", l, k, i,
+             kv_source_of(i));
   }
   if (candidate_source_layer >= 0) {
     DS_CHECK(owns_indexer(candidate_source_layer), "config: candidate_source_layer_id {} is not an index source layer",
@@ -217,8 +213,8 @@ void V4Config::validate_v41() const {
            engram_heads, kEngramColumns);
   DS_CHECK(engram_head_dim >= 1 && engram_head_dim <= (1 << 14), "config: engram_head_dim {} (1 .. 16384)",
            engram_head_dim);
-  DS_CHECK(engram_vocab_base >= 2 && engram_vocab_base <= (int64_t{1} << 40), "config: engram_vocab_size {} (2 .. 2^40)",
-           engram_vocab_base);
+  DS_CHECK(engram_vocab_base >= 2 && engram_vocab_base <= (int64_t{1} << 40),
+           "config: engram_vocab_size {} (2 .. 2^40)", engram_vocab_base);
   DS_CHECK(engram_compressed_vocab >= 1 && engram_compressed_vocab <= vocab_size,
            "config: engram_compressed_vocab_size {} must be in [1, vocab_size {}]", engram_compressed_vocab,
            vocab_size);

@@ -108,8 +108,12 @@ class Writer {
       const int64_t rows = i.shape[0], cols = i.shape.size() > 1 ? i.shape[1] : 1;
       const bool table = i.role == V4Role::EngramTable;
       switch (s) {
-        case Store::BF16: add(i.name, "BF16", i.shape, 2); break;
-        case Store::F32: add(i.name, "F32", i.shape, 4); break;
+        case Store::BF16:
+          add(i.name, "BF16", i.shape, 2);
+          break;
+        case Store::F32:
+          add(i.name, "F32", i.shape, 4);
+          break;
         case Store::Fp4:
           add(i.name, "I8", {rows, cols / 2}, 1);
           add(base(i.name) + ".scale", "F8_E8M0", {rows, cols / 32}, 1);
@@ -143,7 +147,9 @@ class Writer {
   }
 
  private:
-  static std::string base(const std::string& name) { return name.substr(0, name.size() - std::string(".weight").size()); }
+  static std::string base(const std::string& name) {
+    return name.substr(0, name.size() - std::string(".weight").size());
+  }
   void add(const std::string& name, const char* dtype, const Shape& shape, uint64_t size) {
     entries_.push_back({name, dtype, shape, static_cast<uint64_t>(shape_numel(shape)) * size});
   }
@@ -174,8 +180,7 @@ class Writer {
       return f.write(scales.data(), scales.size());
     }
     const int64_t br = c_.fp8_block_rows, bc = c_.fp8_block_cols;
-    std::vector<uint8_t> codes(x.size()),
-        scales(static_cast<size_t>(((rows + br - 1) / br) * ((cols + bc - 1) / bc)));
+    std::vector<uint8_t> codes(x.size()), scales(static_cast<size_t>(((rows + br - 1) / br) * ((cols + bc - 1) / bc)));
     encode_fp8(codes.data(), scales.data(), x.data(), rows, cols, br, bc);
     f.write(codes.data(), codes.size());
     f.write(scales.data(), scales.size());
@@ -195,8 +200,7 @@ class Writer {
       codes.resize(x.size());
       parallel_ranges(n, n > 64, [&](int64_t a, int64_t b) {
         fill(x.data() + a * cols, (b - a) * cols, i, seed_, stream, (r0 + a) * cols);
-        encode_fp8(codes.data() + a * cols, scales.data() + (r0 + a) * groups, x.data() + a * cols, b - a, cols, 1,
-                   32);
+        encode_fp8(codes.data() + a * cols, scales.data() + (r0 + a) * groups, x.data() + a * cols, b - a, cols, 1, 32);
       });
       f.write(codes.data(), codes.size());
     }

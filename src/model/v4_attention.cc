@@ -73,7 +73,8 @@ int64_t v4_carry_start(int64_t tokens, int64_t ratio) {
 
 void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParams<ops::WeightView>& p, int64_t dim,
                        int64_t ratio, bool index_keys, int64_t p0, int64_t n, V4CompressorSaved* sv,
-                       const std::pair<const float*, const float*>& proj, const V4AttentionParams<ops::WeightView>* v41) {
+                       const std::pair<const float*, const float*>& proj,
+                       const V4AttentionParams<ops::WeightView>* v41) {
   V4CompressorCarry& carry = index_keys ? st.index_carry : st.carry;
   const int64_t R = cfg_.qk_rope_head_dim, m = ratio;
   const bool overlap = m == 4;
@@ -320,8 +321,8 @@ std::vector<std::vector<int32_t>> V4Model::index_stage(const float* qr, const fl
   };
   for (const Segment& g : segs) {
     const int64_t need = (pos[g.row + g.n - 1] + 1) / m;
-    DS_CHECK(need == 0 || state(g).count >= need,
-             "layer {} scores {} index keys, the ones published last hold {}", layer, need, state(g).count);
+    DS_CHECK(need == 0 || state(g).count >= need, "layer {} scores {} index keys, the ones published last hold {}",
+             layer, need, state(g).count);
   }
   Buffer<float> qi(static_cast<size_t>(n * Hi * Di)), wts(static_cast<size_t>(n * Hi));
   ops::linear_forward(qi.data(), qr, p.index_wq_b, n);
@@ -493,8 +494,7 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
           float* row = decoded[k].data() + decoded[k].size() - static_cast<size_t>(D);
           if (cfg_.v41()) {
             ops::fp4_decode_blocks_e4m3(row, st.entry_fp4.data() + b * (D / 2),
-                                        st.entry_fp4_scales.data() + b * (D / kV41EntryFp4Block), D,
-                                        kV41EntryFp4Block);
+                                        st.entry_fp4_scales.data() + b * (D / kV41EntryFp4Block), D, kV41EntryFp4Block);
             continue;
           }
           ops::fp8_decode_blocks(row, st.entry_codes.data() + b * N,

@@ -143,7 +143,8 @@ V4Model::V4Model(const V4Config& cfg, const V4View& w, V4Options opt)
 V4State V4Model::new_state() const {
   V4State s;
   s.layers.resize(static_cast<size_t>(cfg_.num_hidden_layers + cfg_.num_nextn_predict_layers));
-  if (!cfg_.engram_layers.empty()) s.engram_history.assign(static_cast<size_t>(cfg_.engram_max_ngram_size - 1), engram_pad_);
+  if (!cfg_.engram_layers.empty())
+    s.engram_history.assign(static_cast<size_t>(cfg_.engram_max_ngram_size - 1), engram_pad_);
   return s;
 }
 
@@ -220,8 +221,7 @@ std::vector<float> V4Model::forward(const std::vector<V4Request>& batch, bool al
 }
 
 Staged V4Model::layer_forward(Buffer<float>& X, Buffer<float>& X2, int64_t l, const std::vector<Segment>& segs,
-                              const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls,
-                              V4PassContext* cx) {
+                              const int32_t* ids, const int32_t* pos, int64_t n, V4LayerSaved* ls, V4PassContext* cx) {
   DS_CHECK(cx || !cfg_.v41(), "internal: a DeepSeek-V4.1 layer without its pass context");
   if (cfg_.engram_slot(l) >= 0) engram(X.data(), l, n, *cx, ls);
   co_await sublayer(X, X2, l, false, segs, ids, pos, n, ls, cx);
@@ -292,15 +292,13 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
 
 std::vector<float> V4Model::head_forward(const float* Xr, int64_t R, const ops::WeightView& fn,
                                          const ops::WeightView& base, const ops::WeightView& scale,
-                                         const ops::WeightView& norm, V4HeadSaved* sv, bool logits,
-                                         const float* pre) {
+                                         const ops::WeightView& norm, V4HeadSaved* sv, bool logits, const float* pre) {
   const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, V = cfg_.vocab_size;
   Buffer<float> y(static_cast<size_t>(R * d)), rstd(static_cast<size_t>(R));
   if (pre) {
     ops::mhc_collapse(y.data(), Xr, pre, R, hc, d);
     if (sv) sv->pre.assign(pre, pre + R * hc);
-  }
-  else
+  } else
     ops::mhc_head_forward(y.data(), Xr, vector_data(fn), vector_data(base), vector_data(scale), v4_mhc_dims(cfg_, R));
   if (sv) {
     sv->X.assign(Xr, Xr + R * hc * d);

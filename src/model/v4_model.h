@@ -37,10 +37,10 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "model/engram_hash.h"
 #include "model/remat.h"
 #include "model/staged.h"
 #include "model/stages.h"
-#include "model/engram_hash.h"
 #include "model/v4_config.h"
 #include "model/v4_weights.h"
 #include "ops/expert_selection.h"
@@ -126,10 +126,10 @@ struct V4State {
 // reuse it) and the candidate source's blocks (the later index sources
 // choose only among their entries).
 struct V4PassContext {
-  std::vector<float> pin;                     // [n, hc]
-  std::vector<std::vector<int32_t>> engram;   // per Engram layer: [n, columns]
+  std::vector<float> pin;                    // [n, hc]
+  std::vector<std::vector<int32_t>> engram;  // per Engram layer: [n, columns]
   int64_t picked_layer = -1;
-  std::vector<std::vector<int32_t>> picked;   // per row: entries, ascending
+  std::vector<std::vector<int32_t>> picked;  // per row: entries, ascending
   bool have_candidates = false;
   std::vector<std::vector<int32_t>> candidates;  // per row: allowed blocks, ascending (empty: every block)
   // The picked entries widened from their codes, for the layers that read
@@ -451,8 +451,8 @@ class V4Model {
   // V4.1: k = k_norm(wk E) of k new entries E [k, head_dim] (normed, before
   // their RoPE), RoPE at the entries' positions, appended to st (fp4 codes
   // with the roundings, else float32).
-  void v41_index_keys(V4LayerState& st, const float* E, const V4AttentionParams<ops::WeightView>& p,
-                      const int32_t* pos, int64_t k) const;
+  void v41_index_keys(V4LayerState& st, const float* E, const V4AttentionParams<ops::WeightView>& p, const int32_t* pos,
+                      int64_t k) const;
   // count values of indexer keys appended to st as fp4 codes (blocks of 32).
   void store_key_codes(V4LayerState& st, const float* keys, int64_t count) const;
   Staged moe(float* out, const float* x, const int32_t* ids, int64_t layer, int64_t n, V4MoeSaved* sv);

@@ -20,13 +20,13 @@
 namespace ds::model {
 
 enum class V4Role {
-  Embedding,   // embed.weight
-  Projection,  // linear weights (fp8 with block scales, packed fp4 experts, or bf16)
-  Router,      // ffn.gate.weight
-  Vector,      // norms, biases, the sink, mHC mixes and position embeddings: float32 copies
-  HashTable,   // ffn.gate.tid2eid: token id -> experts
-  LmHead,      // head.weight
-  EngramTable, // engram.embed.weight (V4.1): fp8 rows with an e8m0 scale per 32 columns, or a float dtype
+  Embedding,    // embed.weight
+  Projection,   // linear weights (fp8 with block scales, packed fp4 experts, or bf16)
+  Router,       // ffn.gate.weight
+  Vector,       // norms, biases, the sink, mHC mixes and position embeddings: float32 copies
+  HashTable,    // ffn.gate.tid2eid: token id -> experts
+  LmHead,       // head.weight
+  EngramTable,  // engram.embed.weight (V4.1): fp8 rows with an e8m0 scale per 32 columns, or a float dtype
 };
 
 struct V4ParamInfo {

@@ -10,8 +10,8 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
-#include "model/stages.h"
 #include "model/engram_v41.h"
+#include "model/stages.h"
 #include "model/v4_balance.h"
 #include "model/v4_model.h"
 #include "model/weights.h"
@@ -251,7 +251,8 @@ class Backward {
     if (lagged) ops::mhc_collapse_backward(dX.data(), dpin_.data(), da.data(), s.X.data(), s.a_pin.data(), n_, hc, d);
     ops::mhc_pre_backward(dX.data(), G.hc_attn_fn, G.hc_attn_base, G.hc_attn_scale, lagged ? nullptr : da.data(),
                           dpost.data(), dcomb.data(), s.X.data(), vector_data(L.hc_attn_fn),
-                          vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md_, lagged ? dpa.data() : nullptr);
+                          vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md_,
+                          lagged ? dpa.data() : nullptr);
     if (c_.engram_slot(l) >= 0) engram(dX, s, l);
   }
 
@@ -315,7 +316,8 @@ class Backward {
     std::vector<Buffer<float>>& dent = m > 0 ? dent_[src] : none;
     if (dent.empty()) {
       dent.resize(static_cast<size_t>(S));
-      for (int64_t k = 0; k < S; ++k) dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, src).size()));
+      for (int64_t k = 0; k < S; ++k)
+        dent[static_cast<size_t>(k)] = zeros(static_cast<int64_t>(entries(k, src).size()));
     }
     std::vector<const float*> rows(s.key_idx.size());
     std::vector<float*> drows(s.key_idx.size());

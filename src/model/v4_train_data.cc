@@ -87,9 +87,9 @@ std::vector<ParamInfo> v4_param_infos(const V4Config& c) {
     // Vectors (norms, the sink, mHC mixes, position embeddings) are Norm:
     // no weight decay when 1-D.
     static const std::map<V4Role, ParamRole> role_of = {
-        {V4Role::Embedding, ParamRole::Embedding}, {V4Role::Projection, ParamRole::Projection},
-        {V4Role::Router, ParamRole::Router},       {V4Role::LmHead, ParamRole::LmHead},
-        {V4Role::HashTable, ParamRole::Untrained}, {V4Role::Vector, ParamRole::Norm},
+        {V4Role::Embedding, ParamRole::Embedding},    {V4Role::Projection, ParamRole::Projection},
+        {V4Role::Router, ParamRole::Router},          {V4Role::LmHead, ParamRole::LmHead},
+        {V4Role::HashTable, ParamRole::Untrained},    {V4Role::Vector, ParamRole::Norm},
         {V4Role::EngramTable, ParamRole::EngramTable}};
     ParamRole role = role_of.at(i.role);
     if (i.name.ends_with(".ffn.gate.bias")) role = ParamRole::RoutingBias;

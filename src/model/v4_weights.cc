@@ -201,9 +201,9 @@ class V4Loader {
       if (used_.count(name)) continue;
       const std::string bare = name.rfind("model.", 0) == 0 ? name.substr(6) : name;
       // V4.1's DSpark draft stages and vision tower are not part of the text model.
-      if (cfg_.v41() && (bare.rfind("mtp.", 0) == 0 || bare.rfind("vision.", 0) == 0 ||
-                         bare.rfind("aligner.", 0) == 0 || bare.rfind("image_start", 0) == 0 ||
-                         bare.rfind("image_end", 0) == 0 || bare.rfind("image_newline", 0) == 0))
+      if (cfg_.v41() &&
+          (bare.rfind("mtp.", 0) == 0 || bare.rfind("vision.", 0) == 0 || bare.rfind("aligner.", 0) == 0 ||
+           bare.rfind("image_start", 0) == 0 || bare.rfind("image_end", 0) == 0 || bare.rfind("image_newline", 0) == 0))
         continue;
       if (bare.rfind("mtp.", 0) == 0 && (bare.find("emb") != std::string::npos || bare.ends_with("head.weight") ||
                                          cfg_.num_nextn_predict_layers == 0))

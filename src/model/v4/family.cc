@@ -16,8 +16,8 @@
 #include "core/error.h"
 #include "model/flops.h"
 #include "model/hf_params.h"
-#include "model/v4_train.h"
 #include "model/v41_init.h"
+#include "model/v4_train.h"
 
 namespace ds::model {
 
@@ -148,7 +148,8 @@ class V4Family final : public Family {
   void write_random(const std::string& out_dir, uint64_t seed, float std, DType dtype,
                     const std::string& tokenizer) const override {
     if (!cfg_.v41()) return Family::write_random(out_dir, seed, std, dtype, tokenizer);
-    DS_CHECK(dtype == DType::F8E4M3, "init: a DeepSeek-V4.1 model is written in its checkpoint's formats (--dtype fp8)");
+    DS_CHECK(dtype == DType::F8E4M3,
+             "init: a DeepSeek-V4.1 model is written in its checkpoint's formats (--dtype fp8)");
     write_random_v41(cfg_, out_dir, seed, tokenizer);
   }
 

@@ -181,8 +181,8 @@ void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t 
 }
 
 void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0,
-           "fp4_encode_blocks_e4m3: {} values in blocks of {}", n, block);
+  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0, "fp4_encode_blocks_e4m3: {} values in blocks of {}",
+           n, block);
   constexpr float kFp4Max = 6.0f;
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     float amax = kFp4Max * 0x1p-9f;
@@ -199,8 +199,8 @@ void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, in
 }
 
 void fp4_decode_blocks_e4m3(float* y, const uint8_t* packed, const uint8_t* scales, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0,
-           "fp4_decode_blocks_e4m3: {} values in blocks of {}", n, block);
+  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0, "fp4_decode_blocks_e4m3: {} values in blocks of {}",
+           n, block);
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const float s = e4m3_to_f32(scales[b0 / block]);
     for (int64_t c = b0; c < b0 + block; c += 2) {
