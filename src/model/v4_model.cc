@@ -180,11 +180,25 @@ void V4Model::engram(float* X, int64_t l, int64_t n, const V4PassContext& cx, V4
   const int64_t e = cfg_.engram_slot(l), C = cfg_.engram_columns(), De = cfg_.engram_head_dim;
   const auto& p = w_.layers[static_cast<size_t>(l)].engram;
   std::vector<float> rows(static_cast<size_t>(n * C * De));
-  v41_engram_gather(rows.data(), cx.engram[static_cast<size_t>(e)].data(), n, C, p.embed);
-  // The rows read leave this process's mapping again: the table's use does
-  // not grow the resident memory (the page cache keeps the hot rows).
   const ops::WeightView& t = p.embed;
   const bool fp8 = t.dtype == DType::F8E4M3;
+  const int32_t* ids = cx.engram[static_cast<size_t>(e)].data();
+  if (opt_.release_engram_pages && n * C > 1) {
+    // The table stays on disk: its rows' pages (codes and scales) are read
+    // ahead together before the gather faults on them one by one.
+    const size_t row = static_cast<size_t>(t.cols) * (fp8 ? 1 : dtype_size(t.dtype));
+    const size_t srow = static_cast<size_t>((t.cols + 31) / 32);
+    std::vector<std::pair<const void*, size_t>> ranges;
+    for (int64_t i = 0; i < n * C; ++i) {
+      if (ids[i] < 0 || ids[i] >= t.rows) continue;
+      ranges.emplace_back(static_cast<const char*>(t.data) + static_cast<size_t>(ids[i]) * row, row);
+      if (fp8) ranges.emplace_back(t.scale_e8m0 + static_cast<size_t>(ids[i]) * srow, srow);
+    }
+    prefetch_pages(std::move(ranges));
+  }
+  v41_engram_gather(rows.data(), ids, n, C, t);
+  // The rows read leave this process's mapping again: the table's use does
+  // not grow the resident memory (the page cache keeps the hot rows).
   if (opt_.release_engram_pages) {
     release_file_pages(t.data, static_cast<size_t>(t.rows * t.cols) * (fp8 ? 1 : dtype_size(t.dtype)));
     if (fp8) release_file_pages(t.scale_e8m0, static_cast<size_t>(t.rows * ((t.cols + 31) / 32)));
