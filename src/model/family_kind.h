@@ -80,6 +80,12 @@ class FamilyKind {
 
   // The family of a model this kind built.
   virtual std::unique_ptr<Family> family(const ModelSpec& spec) const = 0;
+
+  // Whether the model hashes the tokenizer's token classes (an Engram over
+  // them), and attaching them to it from a tokenizer.json (ds::Error when
+  // that is not a file, or gives another class count than the config says).
+  virtual bool hashes_token_classes(const ModelSpec&) const { return false; }
+  virtual void attach_token_classes(ModelSpec&, const std::string& /*tokenizer_json*/) const {}
 };
 
 // The kinds, each once; the first is the default.

@@ -355,10 +355,9 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
 
   std::vector<std::pair<std::string, std::string>> custom_remat;
   read_model(rc, rest, source, custom_remat);
-  // Engram over token classes (MaxText's with engram_compress_tokens,
-  // DeepSeek-V4.1's always): from tokenizer_path, else the Hugging Face
-  // folder's tokenizer.json.
-  auto classes_from = [&]() {
+  // A model whose Engram hashes token classes takes them from
+  // tokenizer_path, else the Hugging Face folder's tokenizer.json.
+  if (rc.family_kind().hashes_token_classes(rc)) {
     std::string tok = t.tokenizer_path;
     if (tok.empty() && !t.hf_config.empty()) {
       std::error_code ec;
@@ -368,15 +367,7 @@ RunConfig build_run_config(const std::string& yaml_text, const std::vector<std::
     if (tok.empty() && !t.load_parameters_path.empty())
       tok = (fs::path(t.load_parameters_path) / "tokenizer.json").string();
     DS_CHECK(!tok.empty(), "{}: Engram over token classes needs tokenizer_path (its token classes)", source);
-    return tok;
-  };
-  if (rc.model.has_engram() && rc.model.engram_compress_tokens)
-    rc.model.attach_engram_classes(classes_from(), "engram_compress_tokens");
-  if (rc.v4 && !rc.v4->engram_layers.empty()) {
-    const std::string tok = classes_from();
-    DS_CHECK(fs::is_regular_file(tok), "{}: DeepSeek-V4.1's Engram hashes token classes, and '{}' is not a file",
-             source, tok);
-    rc.v4->attach_engram_classes(tok);
+    rc.family_kind().attach_token_classes(rc, tok);
   }
   DS_CHECK(t.remat_policy == "custom" || custom_remat.empty(),
            "per-name remat settings ('{}') need remat_policy=custom",

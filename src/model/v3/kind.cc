@@ -67,6 +67,14 @@ class V3Kind final : public FamilyKind {
     return s;
   }
 
+  // MaxText's Engram with engram_compress_tokens.
+  bool hashes_token_classes(const ModelSpec& s) const override {
+    return s.model.has_engram() && s.model.engram_compress_tokens;
+  }
+  void attach_token_classes(ModelSpec& s, const std::string& tokenizer_json) const override {
+    s.model.attach_engram_classes(tokenizer_json, "engram_compress_tokens");
+  }
+
   std::unique_ptr<Family> family(const ModelSpec& s) const override {
     return v3_family(s.model, s.model.num_nextn_predict_layers);
   }

@@ -3,6 +3,8 @@
 // (V4Config::from_maxtext) and two training keys: routed_bias_update_rate
 // (the balancing rate, which V4's config.json does not carry) and
 // mtp_num_layers (0 or 1: the V4 loss chains no second MTP depth).
+#include <filesystem>
+
 #include "core/error.h"
 #include "io/text_input.h"
 #include "model/family_kind.h"
@@ -79,6 +81,16 @@ class V4Kind final : public FamilyKind {
     s.v4 = V4Config::from_maxtext(all, path);
     s.v4->validate();
     return s;
+  }
+
+  // DeepSeek-V4.1's Engram layers.
+  bool hashes_token_classes(const ModelSpec& s) const override {
+    return s.v4.has_value() && !s.v4->engram_layers.empty();
+  }
+  void attach_token_classes(ModelSpec& s, const std::string& tokenizer_json) const override {
+    DS_CHECK(std::filesystem::is_regular_file(tokenizer_json),
+             "DeepSeek-V4.1's Engram hashes the tokenizer's token classes, and '{}' is not a file", tokenizer_json);
+    s.v4->attach_engram_classes(tokenizer_json);
   }
 
   std::unique_ptr<Family> family(const ModelSpec& s) const override {
