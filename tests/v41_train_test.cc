@@ -8,11 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 
-#include "infer/v4_engine.h"
 #include "io/safetensors.h"
 #include "model/v4_train.h"
 #include "ops/adamw.h"
@@ -25,47 +22,8 @@ namespace {
 
 const std::string kDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v41/train/v41_train_tiny";
 
-struct Fixture {
-  V4Config cfg;
-  ds::io::SafetensorsSet files;
-  V4Weights weights;
-  V4TrainBatch batch;
-};
-
-std::unique_ptr<Fixture> load() {
-  auto f = std::make_unique<Fixture>();
-  f->cfg = ds::infer::load_v4_config(kDir);  // with the tokenizer's token classes
-  f->files = ds::io::SafetensorsSet::open_dir(kDir);
-  f->weights = V4Weights::load(f->files, f->cfg);
-  std::ifstream in(kDir + "/batch.json");
-  const auto j = nlohmann::json::parse(in);
-  const auto inputs = j["inputs"].get<std::vector<std::vector<int32_t>>>();
-  const auto targets = j["targets"].get<std::vector<std::vector<int32_t>>>();
-  std::vector<int32_t> ins, tg;
-  for (size_t r = 0; r < inputs.size(); ++r) {
-    ins.insert(ins.end(), inputs[r].begin(), inputs[r].end());
-    tg.insert(tg.end(), targets[r].begin(), targets[r].end());
-  }
-  f->batch = V4TrainBatch::rows(static_cast<int64_t>(inputs.size()), static_cast<int64_t>(inputs[0].size()),
-                                std::move(ins), std::move(tg));
-  return f;
-}
-
-// Zeroed gradient buffers for every parameter, by name.
-struct Grads {
-  std::map<std::string, std::vector<float>> by_name;
-  V4Params<float*> tree;
-  explicit Grads(const V4Config& c) : tree(make_v4_params<float*>(c)) {
-    for_each_v4_param(
-        c,
-        [&](const V4ParamInfo& i, float*& leaf) {
-          auto& v = by_name[i.name];
-          v.assign(static_cast<size_t>(ds::shape_numel(i.shape)), 0.0f);
-          leaf = v.data();
-        },
-        tree);
-  }
-};
+std::unique_ptr<ds::test::V4TrainFixture> load() { return ds::test::load_v4_train_fixture(kDir); }
+using Grads = ds::test::V4Grads;
 
 double max_abs(const std::vector<float>& v) {
   double m = 0;

@@ -29,48 +29,8 @@ namespace {
 
 const std::string kDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/train/v4_train_tiny";
 
-struct Fixture {
-  V4Config cfg;
-  ds::io::SafetensorsSet files;
-  V4Weights weights;
-  V4TrainBatch batch;
-};
-
-std::unique_ptr<Fixture> load() {
-  auto f = std::make_unique<Fixture>();
-  f->cfg = V4Config::from_hf_json_file(kDir + "/config.json");
-  f->files = ds::io::SafetensorsSet::open_dir(kDir);
-  f->weights = V4Weights::load(f->files, f->cfg);
-  std::ifstream in(kDir + "/batch.json");
-  const auto j = nlohmann::json::parse(in);
-  const auto inputs = j["inputs"].get<std::vector<std::vector<int32_t>>>();
-  const auto targets = j["targets"].get<std::vector<std::vector<int32_t>>>();
-  std::vector<int32_t> ins, tg;
-  for (size_t r = 0; r < inputs.size(); ++r) {
-    ins.insert(ins.end(), inputs[r].begin(), inputs[r].end());
-    tg.insert(tg.end(), targets[r].begin(), targets[r].end());
-  }
-  f->batch = V4TrainBatch::rows(static_cast<int64_t>(inputs.size()), static_cast<int64_t>(inputs[0].size()),
-                                std::move(ins), std::move(tg));
-  return f;
-}
-
-// Zeroed gradient buffers for every float parameter, by name.
-struct Grads {
-  std::map<std::string, std::vector<float>> by_name;
-  V4Params<float*> tree;
-  explicit Grads(const V4Config& c) : tree(make_v4_params<float*>(c)) {
-    for_each_v4_param(
-        c,
-        [&](const V4ParamInfo& i, float*& leaf) {
-          if (i.role == V4Role::HashTable) return;
-          auto& v = by_name[i.name];
-          v.assign(static_cast<size_t>(ds::shape_numel(i.shape)), 0.0f);
-          leaf = v.data();
-        },
-        tree);
-  }
-};
+std::unique_ptr<ds::test::V4TrainFixture> load() { return ds::test::load_v4_train_fixture(kDir); }
+using Grads = ds::test::V4Grads;
 
 double max_abs(const std::vector<float>& v) {
   double m = 0;

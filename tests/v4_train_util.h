@@ -1,18 +1,70 @@
-// Shared by the DeepSeek-V4 and V4.1 training tests: central differences of
-// the engine's own float32 loss against its gradient on sampled entries.
+// Shared by the DeepSeek-V4 and V4.1 training tests: a training fixture
+// folder, gradient buffers by name, and central differences of the
+// engine's own float32 loss against its gradient on sampled entries.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "infer/v4_engine.h"
+#include "io/safetensors.h"
 #include "model/v4_train.h"
 
 namespace ds::test {
+
+// A folder of make_v4_train_fixtures.py or make_v41_train_fixtures.py: the
+// config (with a V4.1 tokenizer's token classes), the weights and the
+// batch of batch.json (rows of equal length, each its own sequence).
+struct V4TrainFixture {
+  model::V4Config cfg;
+  io::SafetensorsSet files;
+  model::V4Weights weights;
+  model::V4TrainBatch batch;
+};
+
+inline std::unique_ptr<V4TrainFixture> load_v4_train_fixture(const std::string& dir) {
+  auto f = std::make_unique<V4TrainFixture>();
+  f->cfg = infer::load_v4_config(dir);
+  f->files = io::SafetensorsSet::open_dir(dir);
+  f->weights = model::V4Weights::load(f->files, f->cfg);
+  std::ifstream in(dir + "/batch.json");
+  const auto j = nlohmann::json::parse(in);
+  const auto inputs = j["inputs"].get<std::vector<std::vector<int32_t>>>();
+  const auto targets = j["targets"].get<std::vector<std::vector<int32_t>>>();
+  std::vector<int32_t> ins, tg;
+  for (size_t r = 0; r < inputs.size(); ++r) {
+    ins.insert(ins.end(), inputs[r].begin(), inputs[r].end());
+    tg.insert(tg.end(), targets[r].begin(), targets[r].end());
+  }
+  f->batch = model::V4TrainBatch::rows(static_cast<int64_t>(inputs.size()), static_cast<int64_t>(inputs[0].size()),
+                                       std::move(ins), std::move(tg));
+  return f;
+}
+
+// Zeroed gradient buffers for every float parameter (not tid2eid), by name.
+struct V4Grads {
+  std::map<std::string, std::vector<float>> by_name;
+  model::V4Params<float*> tree;
+  explicit V4Grads(const model::V4Config& c) : tree(model::make_v4_params<float*>(c)) {
+    model::for_each_v4_param(
+        c,
+        [&](const model::V4ParamInfo& i, float*& leaf) {
+          if (i.role == model::V4Role::HashTable) return;
+          auto& v = by_name[i.name];
+          v.assign(static_cast<size_t>(shape_numel(i.shape)), 0.0f);
+          leaf = v.data();
+        },
+        tree);
+  }
+};
 
 // For each (tensor name, count): `count` entries, the largest gradient of
 // each of `count` equal stretches of the tensor, perturbed by +-1e-3
