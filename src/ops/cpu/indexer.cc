@@ -140,36 +140,60 @@ void fp8_round_blocks(float* y, const float* x, int64_t n, int64_t block, bool u
   }
 }
 
-void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp4_round_blocks: {} values in blocks of {}", n, block);
-  constexpr float kFp4Max = 6.0f;
-  for (int64_t b0 = 0; b0 < n; b0 += block) {
-    float amax = kFp4Max * 0x1p-126f;
-    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const float s = pow2_ceil(amax / kFp4Max);
-    for (int64_t c = b0; c < b0 + block; ++c)
-      y[c] = e2m1_to_f32(f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max))) * s;
-  }
-}
-
-void fp4_round_blocks_e4m3(float* y, const float* x, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp4_round_blocks_e4m3: {} values in blocks of {}", n, block);
-  constexpr float kFp4Max = 6.0f;
-  for (int64_t b0 = 0; b0 < n; b0 += block) {
-    float amax = kFp4Max * 0x1p-9f;  // the smallest e4m3 scale, 2^-9
-    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const float s = e4m3_to_f32(f32_to_e4m3(amax / kFp4Max));
-    for (int64_t c = b0; c < b0 + block; ++c)
-      y[c] = e2m1_to_f32(f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max))) * s;
-  }
-}
-
 namespace {
 
 // The e8m0 byte of a power of two.
 uint8_t e8m0_of(float pow2) { return static_cast<uint8_t>(std::ilogb(pow2) + 127); }
 
+// fp4 (e2m1, max 6) in blocks: a block's scale from its amax, either the
+// power of two 2^ceil(log2(max(amax, 6 2^-126) / 6)) (an e8m0 byte) or
+// e4m3(max(amax, 6 2^-9) / 6) (an e4m3 byte); each value e2m1(clamp(x / s)).
+// Writes the rounded values y, and / or the codes packed two a byte with
+// each block's scale byte (any of y, packed + scales may be null).
+enum class Fp4Scale { Pow2, E4m3 };
+void fp4_blocks(float* y, uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block, Fp4Scale kind,
+                const char* who) {
+  DS_CHECK(block > 0 && (!packed || block % 2 == 0) && n >= 0 && n % block == 0, "{}: {} values in blocks of {}", who,
+           n, block);
+  constexpr float kFp4Max = 6.0f;
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    float amax = kFp4Max * (kind == Fp4Scale::Pow2 ? 0x1p-126f : 0x1p-9f);  // the scale's smallest
+    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
+    float s;
+    uint8_t byte;
+    if (kind == Fp4Scale::Pow2) {
+      s = pow2_ceil(amax / kFp4Max);
+      byte = e8m0_of(s);
+    } else {
+      byte = f32_to_e4m3(amax / kFp4Max);
+      s = e4m3_to_f32(byte);
+    }
+    if (scales) scales[b0 / block] = byte;
+    for (int64_t c = b0; c < b0 + block; ++c) {
+      const uint8_t code = f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max));
+      if (y) y[c] = e2m1_to_f32(code) * s;
+      if (packed) packed[c / 2] = static_cast<uint8_t>(c % 2 ? (packed[c / 2] & 0x0F) | (code << 4) : code & 0x0F);
+    }
+  }
+}
+
 }  // namespace
+
+void fp4_round_blocks(float* y, const float* x, int64_t n, int64_t block) {
+  fp4_blocks(y, nullptr, nullptr, x, n, block, Fp4Scale::Pow2, "fp4_round_blocks");
+}
+
+void fp4_round_blocks_e4m3(float* y, const float* x, int64_t n, int64_t block) {
+  fp4_blocks(y, nullptr, nullptr, x, n, block, Fp4Scale::E4m3, "fp4_round_blocks_e4m3");
+}
+
+void fp4_encode_blocks(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
+  fp4_blocks(nullptr, packed, scales, x, n, block, Fp4Scale::Pow2, "fp4_encode_blocks");
+}
+
+void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
+  fp4_blocks(nullptr, packed, scales, x, n, block, Fp4Scale::E4m3, "fp4_encode_blocks_e4m3");
+}
 
 void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t n, int64_t block) {
   DS_CHECK(block > 0 && n >= 0 && n % block == 0, "fp8_encode_blocks: {} values in blocks of {}", n, block);
@@ -177,24 +201,6 @@ void fp8_encode_blocks(uint8_t* codes, uint8_t* scales, const float* x, int64_t 
     const float s = fp8_block_scale(x + b0, block, /*ue8m0=*/true);
     scales[b0 / block] = e8m0_of(s);
     for (int64_t c = b0; c < b0 + block; ++c) codes[c] = f32_to_e4m3(std::clamp(x[c] / s, -kFp8Max, kFp8Max));
-  }
-}
-
-void fp4_encode_blocks_e4m3(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0, "fp4_encode_blocks_e4m3: {} values in blocks of {}",
-           n, block);
-  constexpr float kFp4Max = 6.0f;
-  for (int64_t b0 = 0; b0 < n; b0 += block) {
-    float amax = kFp4Max * 0x1p-9f;
-    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const uint8_t sc = f32_to_e4m3(amax / kFp4Max);
-    const float s = e4m3_to_f32(sc);
-    scales[b0 / block] = sc;
-    for (int64_t c = b0; c < b0 + block; c += 2) {
-      const uint8_t lo = f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max));
-      const uint8_t hi = f32_to_e2m1(std::clamp(x[c + 1] / s, -kFp4Max, kFp4Max));
-      packed[c / 2] = static_cast<uint8_t>((lo & 0x0F) | (hi << 4));
-    }
   }
 }
 
@@ -215,23 +221,6 @@ void fp8_decode_blocks(float* y, const uint8_t* codes, const uint8_t* scales, in
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const float s = e8m0_to_f32(scales[b0 / block]);
     for (int64_t c = b0; c < b0 + block; ++c) y[c] = e4m3_to_f32(codes[c]) * s;
-  }
-}
-
-void fp4_encode_blocks(uint8_t* packed, uint8_t* scales, const float* x, int64_t n, int64_t block) {
-  DS_CHECK(block > 0 && block % 2 == 0 && n >= 0 && n % block == 0, "fp4_encode_blocks: {} values in blocks of {}",
-           n, block);
-  constexpr float kFp4Max = 6.0f;
-  for (int64_t b0 = 0; b0 < n; b0 += block) {
-    float amax = kFp4Max * 0x1p-126f;
-    for (int64_t c = b0; c < b0 + block; ++c) amax = std::max(amax, std::fabs(x[c]));
-    const float s = pow2_ceil(amax / kFp4Max);
-    scales[b0 / block] = e8m0_of(s);
-    for (int64_t c = b0; c < b0 + block; c += 2) {
-      const uint8_t lo = f32_to_e2m1(std::clamp(x[c] / s, -kFp4Max, kFp4Max));
-      const uint8_t hi = f32_to_e2m1(std::clamp(x[c + 1] / s, -kFp4Max, kFp4Max));
-      packed[c / 2] = static_cast<uint8_t>((lo & 0x0F) | (hi << 4));
-    }
   }
 }
 
