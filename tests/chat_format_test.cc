@@ -3,7 +3,8 @@
 // description), DeepSeek-V3.2's encoding README example, DeepSeek-V4's
 // encoding README example and the encoder's own test cases
 // (encoding/tests/test_input_{1,2}.json -> test_output_{1,2}.txt), each to
-// the exact text; the V3 format to exact token ids with DeepSeek-V3's
+// the exact text; DeepSeek-V4.1's to the text its reference encoder writes
+// for the conversations of tests/data/chat/v41_cases.json; the V3 format to exact token ids with DeepSeek-V3's
 // tokenizer (skipped without it, as tokenizer_test skips). That tokenizer
 // has no <think> or </think> token (its ids 128798 and 128799 are
 // placeholders), so the other formats are checked as text only. Then the
@@ -401,6 +402,111 @@ TEST(ChatFormat, DsmlForcedCalls) {
                   .ends_with("<｜Assistant｜></think>\n\n<｜DSML｜function_calls>\n"));
 }
 
+// ---- deepseek-v4.1 ----------------------------------------------------------------
+
+json read_json(const std::string& name) {
+  std::ifstream in(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/chat/" + name);
+  return json::parse(in);
+}
+
+// Every conversation of v41_cases.json against the text DeepSeek-V4.1's
+// reference encoder wrote for it (tests/reference/chat_v41_expected.py), and
+// every conversation the encoder refuses refused here too, the field named.
+TEST(ChatFormat, V41MatchesTheReferenceEncoder) {
+  const json cases = read_json("v41_cases.json"), expected = read_json("v41_expected.json");
+  const chat::ojson ordered = chat::ojson::parse(std::ifstream(std::string(DEEPSEEK_SOURCE_DIR) +
+                                                               "/tests/data/chat/v41_cases.json"));
+  ASSERT_EQ(expected["render"].size(), cases["render"].size());
+  size_t refused = 0;
+  for (const auto& c : ordered["render"]) {
+    const std::string name = c["name"].get<std::string>();
+    SCOPED_TRACE(name);
+    const json& want = expected["render"].at(name);
+    const std::string body = c["body"].dump();
+    const bool transcript = c.value("transcript", false);
+    if (want.contains("error")) {
+      ++refused;
+      std::string got;
+      try {
+        chat::Conversation conversation = conv(body, Format::V41);
+        conversation.for_answer = !transcript;
+        got = chat::render(Format::V41, conversation).text;
+      } catch (const chat::Invalid& e) {
+        got = "refused";
+        EXPECT_TRUE(e.param == "reasoning_effort" || e.param.starts_with("messages")) << e.param;
+      }
+      EXPECT_EQ(got, "refused") << want["error"];
+      continue;
+    }
+    EXPECT_EQ(render(Format::V41, body, !transcript), want["text"].get<std::string>());
+  }
+  EXPECT_EQ(refused, 8u);
+}
+
+// The encoder's parser on model answers; the server's parser gets the text
+// without the EOS (generation stops at it).
+TEST(ChatFormat, V41ParsesAsTheReferenceParser) {
+  const json cases = read_json("v41_cases.json"), expected = read_json("v41_expected.json");
+  for (const auto& c : cases["parse"]) {
+    const std::string name = c["name"].get<std::string>();
+    SCOPED_TRACE(name);
+    chat::Prompt asked;
+    asked.reasoning_first = c["thinking"].get<bool>();
+    if (c.contains("tools")) asked.tool_names = c["tools"].get<std::vector<std::string>>();
+    asked.parse_tools = !asked.tool_names.empty();
+    std::string text = c["text"].get<std::string>();
+    ASSERT_TRUE(text.ends_with(EOS));
+    text.resize(text.size() - EOS.size());
+    const chat::Piece got = chat::parse_answer(Format::V41, asked, text);
+    const json& want = expected["parse"].at(name);
+    EXPECT_EQ(got.reasoning, want["reasoning"].get<std::string>());
+    EXPECT_EQ(got.content, want["content"].get<std::string>());
+    ASSERT_EQ(got.calls.size(), want["calls"].size());
+    for (size_t i = 0; i < got.calls.size(); ++i) {
+      EXPECT_EQ(got.calls[i].name, want["calls"][i]["name"].get<std::string>());
+      EXPECT_EQ(got.calls[i].arguments, want["calls"][i]["arguments"].get<std::string>());
+    }
+    // Streamed a byte at a time: the same calls and text.
+    chat::AnswerParser stream(Format::V41, asked);
+    chat::Piece pieces;
+    for (char ch : text) pieces.append(stream.push(std::string_view(&ch, 1)));
+    pieces.append(stream.finish());
+    EXPECT_EQ(pieces.content, got.content);
+    EXPECT_EQ(pieces.reasoning, got.reasoning);
+    EXPECT_EQ(pieces.calls.size(), got.calls.size());
+  }
+}
+
+TEST(ChatFormat, V41ForcedCallsAndOtherTags) {
+  const std::string head = R"({"messages": [{"role": "user", "content": "Q"}], "tools": [)" + kWeatherTool + "]";
+  const std::string named = head + R"(, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})";
+  EXPECT_TRUE(render(Format::V41, named)
+                  .ends_with("<｜Assistant｜></think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"get_weather\">\n"));
+  // A forced call is parsed on from the prompt's opening.
+  chat::Conversation c = conv(named, Format::V41);
+  const chat::Prompt p = chat::render(Format::V41, c);
+  const chat::Piece got = chat::parse_answer(
+      Format::V41, p,
+      "<｜DSML｜ parameter name=\"city\" string=\"true\">Oslo</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>");
+  ASSERT_EQ(got.calls.size(), 1u);
+  EXPECT_EQ(got.calls[0].arguments, R"({"city": "Oslo"})");
+  // V4's tags are another format's: plain content in a V4.1 answer.
+  const std::string v4_call =
+      "\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+  chat::Prompt asked;
+  asked.parse_tools = true;
+  asked.tool_names = {"get_weather"};
+  const chat::Piece other = chat::parse_answer(Format::V41, asked, v4_call);
+  EXPECT_TRUE(other.calls.empty());
+  EXPECT_EQ(other.content, v4_call);
+  // "medium" is the OpenAI SDK's word but not the encoder's; deepseek-v4 takes it.
+  const std::string medium = R"({"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": "medium"})";
+  EXPECT_EQ(refusal(Format::V41, medium).substr(0, 17), "reasoning_effort:");
+  EXPECT_EQ(refusal(Format::V4, medium), "ok");
+  EXPECT_EQ(refusal(Format::V4, R"({"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": 5})").substr(0, 17),
+            "reasoning_effort:");
+}
+
 // ---- token ids with DeepSeek-V3's tokenizer -----------------------------------------
 
 std::string v3_tokenizer_path() {
@@ -436,7 +542,14 @@ TEST(ChatFormatTokens, V3WithDeepSeekV3Tokenizer) {
 
 TEST(ChatFormat, RequiredTokens) {
   const std::vector<std::string> chat_tokens = {"<｜User｜>", "<｜Assistant｜>", EOS};
-  for (Format f : chat::kFormats) EXPECT_EQ(chat::required_tokens(f, false), chat_tokens);
+  for (Format f : chat::kFormats)
+    if (f != Format::V41) {
+      EXPECT_EQ(chat::required_tokens(f, false), chat_tokens);
+    }
+  // V4.1's system turns have a token of their own.
+  std::vector<std::string> v41_tokens = chat_tokens;
+  v41_tokens.push_back("<｜System｜>");
+  EXPECT_EQ(chat::required_tokens(Format::V41, false), v41_tokens);
   // DSML is text; V3's and V3.1's call markers are tokens.
   EXPECT_EQ(chat::required_tokens(Format::V4, true), chat_tokens);
   const auto v31 = chat::required_tokens(Format::V31, true);
@@ -519,8 +632,16 @@ TEST(ChatFormat, DetectsTheFormatOfAFolder) {
   write(dir / "tokenizer_config.json", "{not json");  // unreadable files tell nothing
   fs::remove(dir / "encoding" / "encoding_dsv4.py");
   EXPECT_EQ(chat::detect_format(dir.string()).format, Format::V32);
+  // DeepSeek-V4.1's folder: its model type (its encoder, if named so).
+  write(dir / "config.json", R"({"model_type": "deepseek_v41", "text_config": {}})");
+  EXPECT_EQ(chat::detect_format(dir.string()).format, Format::V41);
+  write(dir / "config.json", R"({"model_type": "deepseek_v4"})");
+  write(dir / "tokenizer_config.json", json{{"chat_template", "{{'<｜DSML｜ calls>'}}"}}.dump());
+  EXPECT_EQ(chat::detect_format(dir.string()).format, Format::V41);
+  write(dir / "encoding" / "encoding_dsv41.py", "# DeepSeek-V4.1's encoder\n");
+  EXPECT_EQ(chat::detect_format(dir.string()).format, Format::V41);
   fs::remove_all(dir);
-  for (Format f : {Format::V3, Format::V31, Format::V32, Format::V4})
+  for (Format f : chat::kFormats)
     EXPECT_EQ(chat::format_named(chat::format_name(f)), f);
   EXPECT_FALSE(chat::format_named("deepseek-v5"));
 }

@@ -20,7 +20,11 @@
 
 namespace ds::infer::chat {
 
-std::string_view dsml_block(Format f) { return f == Format::V32 ? "function_calls" : "tool_calls"; }
+DsmlTags dsml_tags(Format f) {
+  if (f == Format::V32) return {"function_calls", "invoke", "parameter"};
+  if (f == Format::V41) return {" calls", " invoke", " parameter"};
+  return {"tool_calls", "invoke", "parameter"};
+}
 
 namespace {
 
@@ -57,21 +61,22 @@ constexpr std::string_view kV32Tools =
     "{schemas}\n"
     "</functions>\n";
 
+// V4.1 prints the same text with its own tag names.
 constexpr std::string_view kV4Tools =
     "## Tools\n"
     "\n"
     "You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
-    "\"<{dsml}tool_calls>\" block like the following:\n"
+    "\"<{dsml}{block}>\" block like the following:\n"
     "\n"
-    "<{dsml}tool_calls>\n"
-    "<{dsml}invoke name=\"$TOOL_NAME\">\n"
-    "<{dsml}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{dsml}parameter>\n"
+    "<{dsml}{block}>\n"
+    "<{dsml}{invoke} name=\"$TOOL_NAME\">\n"
+    "<{dsml}{param} name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{dsml}{param}>\n"
     "...\n"
-    "</{dsml}invoke>\n"
-    "<{dsml}invoke name=\"$TOOL_NAME2\">\n"
+    "</{dsml}{invoke}>\n"
+    "<{dsml}{invoke} name=\"$TOOL_NAME2\">\n"
     "...\n"
-    "</{dsml}invoke>\n"
-    "</{dsml}tool_calls>\n"
+    "</{dsml}{invoke}>\n"
+    "</{dsml}{block}>\n"
     "\n"
     "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, booleans, "
     "arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n"
@@ -98,38 +103,41 @@ constexpr std::string_view kV4EffortMax =
 std::string tools_text(Format f, const Conversation& c) {
   std::string schemas;
   for (const auto& t : c.tools) schemas += (schemas.empty() ? "" : "\n") + python_json(t.function, false);
+  const DsmlTags tags = dsml_tags(f);
   return fmt::format(fmt::runtime(f == Format::V32 ? kV32Tools : kV4Tools), fmt::arg("dsml", kDsml),
+                     fmt::arg("block", tags.block), fmt::arg("invoke", tags.invoke), fmt::arg("param", tags.parameter),
                      fmt::arg("schemas", schemas));
 }
 
 // One call as DSML. Its arguments must be a JSON object; V4's encoder
-// passes text that is not JSON at all as {"arguments": text}, V3.2's refuses
-// it.
+// passes text that is not JSON at all as {"arguments": text}, V3.2's and
+// V4.1's refuse it.
 std::string invoke(Format f, const ToolCall& call, const std::string& where) {
   ojson args;
   try {
     args = ojson::parse(call.arguments);
   } catch (const ojson::exception&) {
-    if (f == Format::V32)
+    if (f != Format::V4)
       invalid(where,
               fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, quote(call.arguments)));
     args = {{"arguments", call.arguments}};
   }
   if (!args.is_object())
     invalid(where, fmt::format("'{}' tool call arguments must be a JSON object, got {}", where, quote(call.arguments)));
+  const DsmlTags tags = dsml_tags(f);
   std::string params;
   for (const auto& [k, v] : args.items())
-    params += fmt::format("{}<{}parameter name=\"{}\" string=\"{}\">{}</{}parameter>", params.empty() ? "" : "\n",
-                          kDsml, k, v.is_string() ? "true" : "false",
-                          v.is_string() ? v.get<std::string>() : python_json(v, false), kDsml);
-  return fmt::format("<{}invoke name=\"{}\">\n{}\n</{}invoke>", kDsml, call.name, params, kDsml);
+    params += fmt::format("{}<{}{} name=\"{}\" string=\"{}\">{}</{}{}>", params.empty() ? "" : "\n", kDsml,
+                          tags.parameter, k, v.is_string() ? "true" : "false",
+                          v.is_string() ? v.get<std::string>() : python_json(v, false), kDsml, tags.parameter);
+  return fmt::format("<{0}{1} name=\"{2}\">\n{3}\n</{0}{1}>", kDsml, tags.invoke, call.name, params);
 }
 
 std::string calls_text(Format f, const Message& m, const std::string& where) {
   if (m.tool_calls.empty()) return "";
   std::string list;
   for (const auto& call : m.tool_calls) list += (list.empty() ? "" : "\n") + invoke(f, call, where);
-  return fmt::format("\n\n<{0}{1}>\n{2}\n</{0}{1}>", kDsml, dsml_block(f), list);
+  return fmt::format("\n\n<{0}{1}>\n{2}\n</{0}{1}>", kDsml, dsml_tags(f).block, list);
 }
 
 // The call the prompt starts for tool_choice "required" or a named function,
@@ -137,8 +145,9 @@ std::string calls_text(Format f, const Message& m, const std::string& where) {
 std::string forced_prefill(Format f, const Conversation& c) {
   if (!c.for_answer || !tools_on(c) || (c.tool_choice != ToolChoice::Required && c.tool_choice != ToolChoice::Named))
     return "";
-  std::string s = fmt::format("\n\n<{}{}>\n", kDsml, dsml_block(f));
-  if (c.tool_choice == ToolChoice::Named) s += fmt::format("<{}invoke name=\"{}\">\n", kDsml, c.forced);
+  std::string s = fmt::format("\n\n<{}{}>\n", kDsml, dsml_tags(f).block);
+  if (c.tool_choice == ToolChoice::Named)
+    s += fmt::format("<{}{} name=\"{}\">\n", kDsml, dsml_tags(f).invoke, c.forced);
   return s;
 }
 
@@ -255,26 +264,12 @@ struct Turn {
   std::vector<Block> blocks;
   bool tools = false;
   std::string where;  // the request's message, for errors
+  std::string text;   // V4.1: a system, developer or assistant turn's text
 };
 
-std::vector<Turn> v4_turns(const Listed& l) {
-  std::vector<Turn> turns;
-  for (size_t i = 0; i < l.msgs.size(); ++i) {
-    const Message& m = *l.msgs[i];
-    if (m.role == Role::User || m.role == Role::Tool) {
-      Block b;
-      b.result = m.role == Role::Tool;
-      b.id = m.tool_call_id;
-      for (const auto& part : m.parts) b.text += (b.result && !b.text.empty() ? "\n\n" : "") + part;
-      if (turns.empty() || turns.back().role != Role::User)
-        turns.push_back({Role::User, &m, {}, false, where_of(l, i)});
-      turns.back().blocks.push_back(std::move(b));
-    } else {
-      turns.push_back({m.role, &m, {}, static_cast<int>(i) == l.tools_at, where_of(l, i)});
-    }
-  }
-  // Results in the order of the calls of the last assistant turn with calls
-  // (by id; unknown ids count as the first call), the sort stable.
+// Results in the order of the calls of the last assistant turn with calls
+// (by id; unknown ids count as the first call), the sort stable.
+void sort_results(std::vector<Turn>& turns) {
   std::map<std::string, size_t> order;
   for (auto& t : turns) {
     if (t.role == Role::Assistant && !t.m->tool_calls.empty()) {
@@ -295,6 +290,25 @@ std::vector<Turn> v4_turns(const Listed& l) {
     for (auto& b : t.blocks)
       if (b.result) b = results[r++];
   }
+}
+
+std::vector<Turn> v4_turns(const Listed& l) {
+  std::vector<Turn> turns;
+  for (size_t i = 0; i < l.msgs.size(); ++i) {
+    const Message& m = *l.msgs[i];
+    if (m.role == Role::User || m.role == Role::Tool) {
+      Block b;
+      b.result = m.role == Role::Tool;
+      b.id = m.tool_call_id;
+      for (const auto& part : m.parts) b.text += (b.result && !b.text.empty() ? "\n\n" : "") + part;
+      if (turns.empty() || turns.back().role != Role::User)
+        turns.push_back({Role::User, &m, {}, false, where_of(l, i), ""});
+      turns.back().blocks.push_back(std::move(b));
+    } else {
+      turns.push_back({m.role, &m, {}, static_cast<int>(i) == l.tools_at, where_of(l, i), ""});
+    }
+  }
+  sort_results(turns);
   return turns;
 }
 
@@ -351,6 +365,135 @@ Prompt render_v4(const Conversation& c) {
   p.parse_tools = tools_on(c);
   p.tool_markup = true;
   p.prefill = forced_prefill(Format::V4, c);
+  out += p.prefill;
+  return p;
+}
+
+namespace {
+
+std::string joined(const std::vector<std::string>& parts) {
+  std::string s;
+  for (size_t i = 0; i < parts.size(); ++i) s += (i ? "\n\n" : "") + parts[i];
+  return s;
+}
+
+// DeepSeek-V4.1's turns: V4's (user and tool messages next to each other
+// make one user turn, results sorted by call), with every text part a block
+// of its own and a developer message a turn of its own kind; text parts of
+// other messages joined by a blank line. The image placeholder is refused in
+// any text, as the encoder refuses it.
+std::vector<Turn> v41_turns(const Listed& l) {
+  std::vector<Turn> turns;
+  for (size_t i = 0; i < l.msgs.size(); ++i) {
+    const Message& m = *l.msgs[i];
+    const std::string where = where_of(l, i);
+    for (const auto* text : {&m.content, &m.reasoning})
+      if (text->find(kImage) != std::string::npos)
+        invalid(where, fmt::format("'{}' holds the image placeholder {}: images are not supported", where, kImage));
+    if (m.role == Role::User || m.role == Role::Tool) {
+      if (turns.empty() || turns.back().role != Role::User) turns.push_back({Role::User, &m, {}, false, where, ""});
+      if (m.role == Role::Tool || !m.parts.empty())
+        turns.back().blocks.push_back({m.role == Role::Tool, joined(m.parts), m.tool_call_id});
+    } else {
+      if (m.developer && joined(m.parts).empty())
+        invalid(where, fmt::format("'{}' is a developer message with no content", where));
+      turns.push_back({m.role, &m, {}, static_cast<int>(i) == l.tools_at, where, joined(m.parts)});
+    }
+  }
+  sort_results(turns);
+  return turns;
+}
+
+// A turn that opens the assistant's answer when one follows it: a user or
+// developer turn, or a system message after the first.
+bool asks(const std::vector<Turn>& turns, size_t i) {
+  return turns[i].role == Role::User || (turns[i].role == Role::System && (turns[i].m->developer || i > 0));
+}
+
+int last_asking(const std::vector<Turn>& turns) {
+  for (size_t i = turns.size(); i-- > 0;)
+    if (asks(turns, i)) return static_cast<int>(i);
+  return -1;
+}
+
+// The effort of a thinking answer: 1-100, or low 25, high 50 (the default),
+// xhigh 75, max 100.
+int v41_effort(const Conversation& c) {
+  const std::string& e = c.reasoning_effort;
+  if (e.empty() || e == "high") return 50;
+  if (c.effort_number) {
+    const long v = std::strtol(e.c_str(), nullptr, 10);
+    if (e.size() <= 3 && v >= 1 && v <= 100) return static_cast<int>(v);
+  } else if (e == "low" || e == "xhigh" || e == "max") {
+    return e == "low" ? 25 : e == "xhigh" ? 75 : 100;
+  }
+  invalid("reasoning_effort",
+          "'reasoning_effort' must be an integer from 1 to 100 or \"low\", \"high\", \"xhigh\" or \"max\" in the "
+          "deepseek-v4.1 chat format");
+}
+
+}  // namespace
+
+// DeepSeek-V4.1: the BOS; in thinking mode "<｜System｜>" and the effort line
+// first; a system message "<｜System｜>" + its text (+ "\n\n" + the tools); a
+// developer message "<｜User｜>" + its text; a user turn "<｜User｜>" + its
+// blocks joined by a blank line; an assistant turn as V4's. A user or
+// developer turn, or a system message after the first, followed by an
+// assistant turn (or last) gets "<｜Assistant｜>" and <think> or </think> as
+// V4's. Thinking without tools drops developer messages before the last
+// turn that asks.
+Prompt render_v41(const Conversation& c) {
+  Message empty_system;
+  empty_system.role = Role::System;
+  const Listed l = listed(c, empty_system);
+  std::vector<Turn> turns = v41_turns(l);
+  const bool drop = !tools_on(c);
+  const int effort = v41_effort(c);
+  if (c.thinking && drop) {
+    const int last = last_asking(turns);
+    std::vector<Turn> kept;
+    for (size_t i = 0; i < turns.size(); ++i)
+      if (!turns[i].m->developer || static_cast<int>(i) >= last) kept.push_back(std::move(turns[i]));
+    turns = std::move(kept);
+  }
+  const int last_user = last_asking(turns);
+  Prompt p;
+  std::string& out = p.text;
+  out = kBos;
+  for (size_t i = 0; i < turns.size(); ++i) {
+    const Turn& t = turns[i];
+    const int at = static_cast<int>(i);
+    const bool system = t.role == Role::System && !t.m->developer;
+    if (i == 0 && (c.thinking || system)) out += kSystem;
+    if (i == 0 && c.thinking)
+      out += fmt::format("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n",
+                         effort);
+    if (t.role == Role::System) {
+      out += system ? (i > 0 ? std::string(kSystem) : std::string()) : std::string(kUser);
+      out += t.text;
+      if (t.tools) out += "\n\n" + tools_text(Format::V41, c);
+    } else if (t.role == Role::User) {
+      out += kUser;
+      for (size_t b = 0; b < t.blocks.size(); ++b)
+        out += (b ? "\n\n" : "") +
+               (t.blocks[b].result ? "<tool_result>" + t.blocks[b].text + "</tool_result>" : t.blocks[b].text);
+    } else {
+      const std::string think =
+          c.thinking && (!drop || at > last_user) ? t.m->reasoning + std::string(kThinkEnd) : std::string();
+      out += think + t.text + calls_text(Format::V41, *t.m, t.where) + std::string(kEos);
+    }
+    const bool answered = i + 1 == turns.size() || turns[i + 1].role == Role::Assistant;
+    if (answered && asks(turns, i))
+      out += std::string(kAssistant) + std::string(c.thinking && (!drop || at >= last_user) ? kThinkBegin : kThinkEnd);
+  }
+  if (c.for_answer && (turns.empty() || !asks(turns, turns.size() - 1)))
+    invalid("messages",
+            "the deepseek-v4.1 chat format answers a conversation that ends with a user, developer or later system "
+            "message or with tool results");
+  p.reasoning_first = c.thinking;
+  p.parse_tools = tools_on(c);
+  p.tool_markup = true;
+  p.prefill = forced_prefill(Format::V41, c);
   out += p.prefill;
   return p;
 }

@@ -1,7 +1,7 @@
 // Chat formats: names, the choice for a model folder, and the request's
 // conversation read from OpenAI's fields. The renderers are in
 // chat_render.cc (deepseek-v3, deepseek-v3.1) and chat_dsml.cc
-// (deepseek-v3.2, deepseek-v4).
+// (deepseek-v3.2, deepseek-v4, deepseek-v4.1).
 #include "infer/chat_format.h"
 
 #include <fmt/format.h>
@@ -20,10 +20,11 @@ using json = nlohmann::json;
 
 namespace {
 
-constexpr std::array<std::pair<Format, std::string_view>, 4> kNames = {{{Format::V3, "deepseek-v3"},
+constexpr std::array<std::pair<Format, std::string_view>, 5> kNames = {{{Format::V3, "deepseek-v3"},
                                                                         {Format::V31, "deepseek-v3.1"},
                                                                         {Format::V32, "deepseek-v3.2"},
-                                                                        {Format::V4, "deepseek-v4"}}};
+                                                                        {Format::V4, "deepseek-v4"},
+                                                                        {Format::V41, "deepseek-v4.1"}}};
 
 }  // namespace
 
@@ -64,6 +65,7 @@ json read_object(const fs::path& p) {
 // The format a Jinja chat template renders, told by the strings each of
 // DeepSeek's templates alone contains.
 std::optional<Format> format_of_template(const std::string& t) {
+  if (t.find("｜DSML｜ calls") != std::string::npos) return Format::V41;
   if (t.find("｜DSML｜tool_calls") != std::string::npos) return Format::V4;
   if (t.find("｜DSML｜function_calls") != std::string::npos) return Format::V32;
   // V3.1's template prints a call as name<｜tool▁sep｜>arguments and opens
@@ -80,7 +82,9 @@ std::optional<Format> format_of_template(const std::string& t) {
 Detection detect_format(const std::string& model_dir) {
   const fs::path dir(model_dir);
   std::error_code ec;
-  // V3.2 and V4 ship no template: their folders hold a reference encoder.
+  // V3.2 and later ship no template: their folders hold a reference encoder.
+  if (fs::is_regular_file(dir / "encoding" / "encoding_dsv41.py", ec))
+    return {Format::V41, "the folder's encoding/encoding_dsv41.py"};
   if (fs::is_regular_file(dir / "encoding" / "encoding_dsv4.py", ec))
     return {Format::V4, "the folder's encoding/encoding_dsv4.py"};
   if (fs::is_regular_file(dir / "encoding" / "encoding_dsv32.py", ec))
@@ -93,6 +97,7 @@ Detection detect_format(const std::string& model_dir) {
   const std::string type = cfg.is_object() && cfg.contains("model_type") && cfg["model_type"].is_string()
                                ? cfg["model_type"].get<std::string>()
                                : "";
+  if (type == "deepseek_v41") return {Format::V41, "config.json's model_type deepseek_v41"};
   if (type == "deepseek_v4") return {Format::V4, "config.json's model_type deepseek_v4"};
   if (type == "deepseek_v32") return {Format::V32, "config.json's model_type deepseek_v32"};
   return {Format::V3, type.empty() ? "the default" : fmt::format("config.json's model_type {}", type)};
@@ -190,6 +195,7 @@ Message read_message(const json& m, size_t i) {
   Message out;
   if (role == "system" || role == "developer") {
     out.role = Role::System;
+    out.developer = role == "developer";
   } else if (role == "user") {
     out.role = Role::User;
   } else if (role == "assistant") {
@@ -201,9 +207,8 @@ Message read_message(const json& m, size_t i) {
     out.role = Role::Tool;
     out.tool_call_id = string_in(m, "tool_call_id", where, where, false);
   } else {
-    invalid(where, fmt::format("'{}.role' must be system, user or assistant (or tool; developer is read as system), "
-                               "got {}",
-                               where, quote(role)));
+    invalid(where, fmt::format("'{}.role' must be system, developer, user, assistant or tool, got {}", where,
+                               quote(role)));
   }
   read_content(m, where, out, out.role == Role::Assistant);
   return out;
@@ -308,10 +313,16 @@ Conversation read_conversation(const json& body, const ojson& tools, Format f) {
     c.parallel_calls = p->get<bool>();
   }
   read_thinking(body, c);
+  // Each format says which values it takes (render).
   if (const json* e = field(body, "reasoning_effort")) {
-    if (!e->is_string() || !(*e == "low" || *e == "medium" || *e == "high" || *e == "max"))
-      invalid("reasoning_effort", "'reasoning_effort' must be \"low\", \"medium\", \"high\" or \"max\"");
-    c.reasoning_effort = e->get<std::string>();
+    if (e->is_number_integer()) {
+      c.reasoning_effort = e->dump();
+      c.effort_number = true;
+    } else if (e->is_string()) {
+      c.reasoning_effort = e->get<std::string>();
+    } else {
+      invalid("reasoning_effort", "'reasoning_effort' must be a string or an integer");
+    }
   }
   return c;
 }
@@ -319,10 +330,14 @@ Conversation read_conversation(const json& body, const ojson& tools, Format f) {
 // ---- rendering -----------------------------------------------------------------
 
 Prompt render(Format f, const Conversation& c) {
-  if (!c.reasoning_effort.empty() && f != Format::V4)
-    invalid(
-        "reasoning_effort",
-        fmt::format("'reasoning_effort' is not supported by the {} chat format (only deepseek-v4)", format_name(f)));
+  if (!c.reasoning_effort.empty() && f != Format::V4 && f != Format::V41)
+    invalid("reasoning_effort",
+            fmt::format("'reasoning_effort' is not supported by the {} chat format (only deepseek-v4 and deepseek-v4.1)",
+                        format_name(f)));
+  const std::string& e = c.reasoning_effort;
+  if (f == Format::V4 && !e.empty() && (c.effort_number || !(e == "low" || e == "medium" || e == "high" || e == "max")))
+    invalid("reasoning_effort",
+            "'reasoning_effort' must be \"low\", \"medium\", \"high\" or \"max\" in the deepseek-v4 chat format");
   if (c.thinking && (c.tool_choice == ToolChoice::Required || c.tool_choice == ToolChoice::Named))
     invalid("tool_choice",
             "'tool_choice' \"required\" or a named function needs thinking off: the server forces the call by "
@@ -341,6 +356,9 @@ Prompt render(Format f, const Conversation& c) {
     case Format::V4:
       p = render_v4(c);
       break;
+    case Format::V41:
+      p = render_v41(c);
+      break;
   }
   if (p.parse_tools)
     for (const auto& t : c.tools) p.tool_names.push_back(t.name);
@@ -350,6 +368,7 @@ Prompt render(Format f, const Conversation& c) {
 
 std::vector<std::string> required_tokens(Format f, bool tools) {
   std::vector<std::string> t = {std::string(kUser), std::string(kAssistant), std::string(kEos)};
+  if (f == Format::V41) t.emplace_back(kSystem);
   if (!tools || (f != Format::V3 && f != Format::V31)) return t;
   for (const auto* m : {kCallsBegin, kCallsEnd, kCallBegin, kCallEnd, kCallSep}) t.emplace_back(m);
   for (const auto m : {kOutputBegin, kOutputEnd}) t.emplace_back(m);

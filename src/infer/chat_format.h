@@ -12,6 +12,9 @@
 //   deepseek-v4    DeepSeek-V4's reference encoder: DSML calls in a
 //                  <｜DSML｜tool_calls> block, results as <tool_result> in a
 //                  user turn
+//   deepseek-v4.1  DeepSeek-V4.1's reference encoder: V4's turns with a
+//                  <｜System｜> token, DSML tags with a leading space
+//                  (<｜DSML｜ calls>) and a numeric reasoning effort
 //
 // Every rule, and where it comes from, is written down in
 // docs/chat_formats.md; the tests render DeepSeek's published examples to
@@ -29,13 +32,13 @@ namespace ds::infer::chat {
 
 using ojson = nlohmann::ordered_json;
 
-enum class Format { V3, V31, V32, V4 };
-inline constexpr Format kFormats[] = {Format::V3, Format::V31, Format::V32, Format::V4};
+enum class Format { V3, V31, V32, V4, V41 };
+inline constexpr Format kFormats[] = {Format::V3, Format::V31, Format::V32, Format::V4, Format::V41};
 
 // The BOS every format's prompt text begins with.
 inline constexpr std::string_view kBos = "<｜begin▁of▁sentence｜>";
 
-// "deepseek-v3", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4".
+// "deepseek-v3", "deepseek-v3.1", "deepseek-v3.2", "deepseek-v4", "deepseek-v4.1".
 std::string_view format_name(Format f);
 std::optional<Format> format_named(std::string_view name);
 // Every name, comma-separated, for help texts and errors.
@@ -63,9 +66,11 @@ struct ToolCall {
   std::string arguments;  // JSON text, as OpenAI's messages carry it
 };
 
-// One message, checked: text parts joined, "developer" read as "system".
+// One message, checked: text parts joined, "developer" read as "system"
+// (deepseek-v4.1 alone renders it as its own kind of turn).
 struct Message {
   Role role = Role::User;
+  bool developer = false;
   std::string content;
   std::vector<std::string> parts;  // content's text parts (one for a string)
   bool has_content = true;         // an assistant's content may be null
@@ -90,7 +95,10 @@ struct Conversation {
   std::string forced;          // ToolChoice::Named: the function's name
   bool parallel_calls = true;  // false: the answer keeps its first call only
   bool thinking = false;
-  std::string reasoning_effort;  // deepseek-v4: "max" asks for the most
+  // deepseek-v4: "max" asks for the most; deepseek-v4.1: 1-100 (an integer
+  // in the request, kept as its digits) or "low", "high", "xhigh", "max".
+  std::string reasoning_effort;
+  bool effort_number = false;  // the request gave reasoning_effort as a number
   // false: render the messages as a transcript, with no turn opened for an
   // answer (a template's add_generation_prompt false), whatever ends them.
   bool for_answer = true;

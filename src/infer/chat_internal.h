@@ -13,6 +13,9 @@ namespace ds::infer::chat {
 inline constexpr std::string_view kEos = "<｜end▁of▁sentence｜>";
 inline constexpr std::string_view kUser = "<｜User｜>";
 inline constexpr std::string_view kAssistant = "<｜Assistant｜>";
+// DeepSeek-V4.1's system turn and its image placeholder.
+inline constexpr std::string_view kSystem = "<｜System｜>";
+inline constexpr std::string_view kImage = "<｜deepseek_image｜>";
 inline constexpr std::string_view kThinkBegin = "<think>";
 inline constexpr std::string_view kThinkEnd = "</think>";
 // DeepSeek-V3's and V3.1's tool-call tokens.
@@ -33,10 +36,18 @@ Prompt render_v3(const Conversation& c);
 Prompt render_v31(const Conversation& c);
 Prompt render_v32(const Conversation& c);
 Prompt render_v4(const Conversation& c);
+Prompt render_v41(const Conversation& c);
 
-// The name of a DSML format's call block: "function_calls" (V3.2) or
-// "tool_calls" (V4).
-std::string_view dsml_block(Format f);
+// Whether f writes its calls in DSML (V3.2, V4, V4.1).
+inline bool dsml_format(Format f) { return f == Format::V32 || f == Format::V4 || f == Format::V41; }
+
+// The tag names of a DSML format: "function_calls" / "invoke" / "parameter"
+// (V3.2), "tool_calls" / ... (V4), " calls" / " invoke" / " parameter"
+// (V4.1, each after a space).
+struct DsmlTags {
+  std::string_view block, invoke, parameter;
+};
+DsmlTags dsml_tags(Format f);
 
 // Whether the conversation's tools are printed into the prompt (and calls
 // read back from the answer): there are tools and tool_choice is not "none".

@@ -98,12 +98,13 @@ std::optional<std::string_view> attribute(std::string_view& s, std::string_view 
 }
 
 // One <｜DSML｜invoke name="...">...</｜DSML｜invoke> (the opening tag's
-// "<｜DSML｜invoke" already read): its name and its arguments as a JSON
-// object, built as DeepSeek's decoder builds it (string="true" values as
-// JSON strings, the others as written).
-std::optional<Call> dsml_invoke(std::string_view& s, const std::set<std::string_view>& names) {
-  const std::string param_open = fmt::format("<{}parameter", kDsml), param_close = fmt::format("</{}parameter>", kDsml),
-                    invoke_close = fmt::format("</{}invoke>", kDsml);
+// "<｜DSML｜invoke" already read; V4.1 spells the tags "<｜DSML｜ invoke"):
+// its name and its arguments as a JSON object, built as DeepSeek's decoder
+// builds it (string="true" values as JSON strings, the others as written).
+std::optional<Call> dsml_invoke(const DsmlTags& tags, std::string_view& s, const std::set<std::string_view>& names) {
+  const std::string param_open = fmt::format("<{}{}", kDsml, tags.parameter),
+                    param_close = fmt::format("</{}{}>", kDsml, tags.parameter),
+                    invoke_close = fmt::format("</{}{}>", kDsml, tags.invoke);
   const auto name = attribute(s, "name");
   skip_space(s);
   if (!name || !eat(s, ">") || !names.contains(*name)) return std::nullopt;
@@ -125,15 +126,16 @@ std::optional<Call> dsml_invoke(std::string_view& s, const std::set<std::string_
   return Call{std::string(*name), "{" + args + "}"};
 }
 
-std::optional<std::vector<Call>> dsml_block(Format f, std::string_view s, const std::set<std::string_view>& names) {
-  const std::string open = fmt::format("<{}{}>", kDsml, dsml_block(f)),
-                    close = fmt::format("</{}{}>", kDsml, dsml_block(f)), invoke = fmt::format("<{}invoke", kDsml);
+std::optional<std::vector<Call>> dsml_calls(Format f, std::string_view s, const std::set<std::string_view>& names) {
+  const DsmlTags tags = dsml_tags(f);
+  const std::string open = fmt::format("<{}{}>", kDsml, tags.block), close = fmt::format("</{}{}>", kDsml, tags.block),
+                    invoke = fmt::format("<{}{}", kDsml, tags.invoke);
   if (!eat(s, open) || !s.ends_with(close)) return std::nullopt;
   s.remove_suffix(close.size());
   std::vector<Call> calls;
   for (skip_space(s); !s.empty(); skip_space(s)) {
     if (!eat(s, invoke)) return std::nullopt;
-    auto call = dsml_invoke(s, names);
+    auto call = dsml_invoke(tags, s, names);
     if (!call) return std::nullopt;
     calls.push_back(std::move(*call));
   }
@@ -146,21 +148,21 @@ std::optional<std::vector<Call>> dsml_block(Format f, std::string_view s, const 
 std::optional<std::vector<Call>> parse_block(Format f, std::string_view block, const std::vector<std::string>& names) {
   const std::set<std::string_view> known(names.begin(), names.end());
   if (f == Format::V31) return v31_block(block, known);
-  if (f == Format::V32 || f == Format::V4) return dsml_block(f, block, known);
+  if (dsml_format(f)) return dsml_calls(f, block, known);
   return std::nullopt;
 }
 
 AnswerParser::AnswerParser(Format f, const Prompt& prompt)
     : think_end_(kThinkEnd),
-      dsml_(f == Format::V32 || f == Format::V4),
+      dsml_(dsml_format(f)),
       tools_(prompt.parse_tools && f != Format::V3),
       parallel_(prompt.parallel_calls),
       names_(prompt.tool_names),
       format_(f),
       state_(prompt.reasoning_first ? State::Reasoning : State::Content) {
   if (dsml_) {
-    begin_ = fmt::format("<{}{}>", kDsml, dsml_block(f));
-    end_ = fmt::format("</{}{}>", kDsml, dsml_block(f));
+    begin_ = fmt::format("<{}{}>", kDsml, dsml_tags(f).block);
+    end_ = fmt::format("</{}{}>", kDsml, dsml_tags(f).block);
   } else {
     begin_ = kCallsBegin;
     end_ = kCallsEnd;
