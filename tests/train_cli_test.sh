@@ -80,6 +80,10 @@ exp=$("$bin" export --checkpoint "$run/checkpoints/step_6" --out "$tmp/hf")
 check '[ $? -eq 0 ] && [ -f "$tmp/hf/config.json" ] && [ -f "$tmp/hf/model.safetensors" ] && [ -f "$tmp/hf/tokenizer.json" ]' \
   "export writes config, weights and tokenizer: $exp"
 check 'grep -q "\"num_nextn_predict_layers\": 1" "$tmp/hf/config.json"' "export keeps the MTP layer"
+# The tiny tokenizer's BOS and EOS are ids 285 and 286: generation must stop
+# at the EOS the documents were trained with, not the config default of 1.
+check 'grep -q "\"bos_token_id\": 285" "$tmp/hf/config.json" && grep -q "\"eos_token_id\": 286" "$tmp/hf/config.json"' \
+  "export takes BOS and EOS from the run's tokenizer"
 gen=$("$bin" generate --model "$tmp/hf" --prompt "the model" --max-new-tokens 8 --seed 0 2>/dev/null)
 check '[ $? -eq 0 ] && [ -n "$gen" ]' "generate from the exported folder"
 

@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "dist/communicator.h"
 #include "io/atomic_file.h"
 #include "io/text_input.h"
+#include "io/tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -49,6 +52,22 @@ int run_train(const TrainArgs& a) {
   return s.interrupted ? 130 : 0;
 }
 
+// The BOS and EOS ids of the run's tokenizer in the exported config.json
+// (its root, and text_config's when it has its own): the model was trained
+// on documents that begin and end with them (`deepseek prepare`), and
+// generation stops at the config's EOS. A tokenizer without them leaves the
+// config's.
+void set_special_ids(const fs::path& config, std::optional<int32_t> bos, std::optional<int32_t> eos, int64_t vocab) {
+  if (!bos && !eos) return;
+  nlohmann::ordered_json j = nlohmann::ordered_json::parse(io::read_file(config.string(), "config"));
+  for (auto* o : {&j, j.contains("text_config") ? &j["text_config"] : nullptr}) {
+    if (!o) continue;
+    for (const auto& [key, id] : {std::pair{"bos_token_id", bos}, {"eos_token_id", eos}})
+      if (id && *id < vocab && (o == &j || o->contains(key))) (*o)[key] = *id;
+  }
+  io::write_file_atomic(config.string(), j.dump(2) + "\n");
+}
+
 int run_export(const ExportArgs& a) {
   DType dt;
   if (a.dtype == "bf16")
@@ -74,12 +93,16 @@ int run_export(const ExportArgs& a) {
   if (fs::is_directory(out, ec))
     for (const char* o : outputs) io::resolve_output_path((out / o).string());
   std::string tok_note = "no tokenizer recorded", tok_text, tok_config;
+  std::optional<int32_t> bos, eos;
   if (!st.tokenizer.empty()) {
     const fs::path t(st.tokenizer);
     if (fs::is_regular_file(t, ec)) {
       tok_text = io::read_file(t.string(), "tokenizer");
       const fs::path tc = t.parent_path() / "tokenizer_config.json";
       if (fs::is_regular_file(tc, ec)) tok_config = io::read_file(tc.string(), "tokenizer config");
+      const io::Tokenizer tok = io::Tokenizer::from_json(tok_text, tok_config, t.string());
+      bos = tok.bos_id();
+      eos = tok.token_to_id("<｜end▁of▁sentence｜>");
       tok_note = "tokenizer from " + t.string();
     } else {
       tok_note = "tokenizer " + t.string() + " no longer exists";
@@ -90,6 +113,7 @@ int run_export(const ExportArgs& a) {
   train::load_checkpoint(a.checkpoint, family->layout(), params.data(), nullptr, nullptr);
   family->bind(params.data(), nullptr)->params_changed();  // checks what the family derives (hash tables)
   family->export_hf(a.out, params.data(), dt, "export");
+  set_special_ids(out / "config.json", bos, eos, family->vocab_size());
   // The folder's tokenizer files are this run's or none: another model's
   // would silently mistranslate its ids.
   for (const auto& [name, text] : {std::pair{"tokenizer.json", &tok_text}, {"tokenizer_config.json", &tok_config}}) {
