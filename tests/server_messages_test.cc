@@ -211,6 +211,20 @@ TEST(MessagesToChat, TurnsToolsAndThinkingBecomeTheChatBody) {
   EXPECT_EQ(ds::infer::api::messages_to_chat(body), want) << ds::infer::api::messages_to_chat(body).dump(1);
 }
 
+// The chat formats print tool schemas as JSON, so the prompt depends on
+// their key order: the client's, as on the chat route, with the function's
+// keys in OpenAI's order (name, description, parameters).
+TEST(MessagesToChat, ToolsKeepTheClientsKeyOrder) {
+  const std::string body = R"({"model": "m", "max_tokens": 1, "messages": [], "tools": [
+      {"input_schema": {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}},
+       "name": "f", "description": "d"}, {"name": "g", "input_schema": {"type": "object"}}]})";
+  EXPECT_EQ(ds::infer::api::messages_tools_text(body),
+            R"({"tools":[{"type":"function","function":{"name":"f","description":"d","parameters":)"
+            R"({"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}}}}},)"
+            R"({"type":"function","function":{"name":"g","parameters":{"type":"object"}}}]})");
+  EXPECT_EQ(ds::infer::api::messages_tools_text(R"({"model": "m", "tools": []})"), "");
+}
+
 TEST(MessagesToChat, RefusalsOfTheChatPathNameTheMessagesField) {
   using ds::infer::api::Refusal;
   const Refusal r = ds::infer::api::messages_refusal({400, "'stop' strings must not be empty", "stop"});

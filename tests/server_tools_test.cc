@@ -116,8 +116,12 @@ class ServerToolsTest : public ::testing::Test {
 
   // The prompt ids the server should send for `body`: its chat format's
   // text, encoded, the tokenizer's BOS first.
-  std::vector<int32_t> prompt_ids(const json& body) {
-    const chat::ojson tools = body.contains("tools") ? chat::ojson::parse(body["tools"].dump()) : chat::ojson();
+  // The prompt of a chat body; `tools_text` holds its tools in the order
+  // the server reads them (default: the body's).
+  std::vector<int32_t> prompt_ids(const json& body, const std::string& tools_text = "") {
+    const chat::ojson tools = !tools_text.empty()     ? chat::ojson::parse(tools_text)["tools"]
+                              : body.contains("tools") ? chat::ojson::parse(body["tools"].dump())
+                                                       : chat::ojson();
     const std::string text = chat::render(format_, chat::read_conversation(body, tools, format_)).text;
     std::vector<int32_t> ids = tok_->encode(text.substr(chat::kBos.size()));
     ids.insert(ids.begin(), 285);
@@ -298,11 +302,13 @@ TEST_F(ServerToolsTest, V31ThinkingAndAForcedCall) {
 }
 
 // A Messages body's answer: the prompt is the chat path's for the same
-// turns (api::messages_to_chat), whole and streamed.
+// turns (api::messages_to_chat), its tools in the client's key order
+// (api::messages_tools_text), whole and streamed.
 class MessagesToolsTest : public ServerToolsTest {
  protected:
   std::pair<int, std::string> ask_messages(const json& body, const std::string& answer) {
-    const auto prompt = prompt_ids(ds::infer::api::messages_to_chat(body));
+    const auto prompt =
+        prompt_ids(ds::infer::api::messages_to_chat(body), ds::infer::api::messages_tools_text(body.dump()));
     dec_.expect(prompt.size(), tok_->encode(answer));
     auto [status, text] = post("/v1/messages", body.dump());
     if (status == 200) {

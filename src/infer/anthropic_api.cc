@@ -226,6 +226,20 @@ json messages_to_chat(const json& body) {
   return chat;
 }
 
+std::string messages_tools_text(std::string_view body_text) {
+  using ojson = chat::ojson;
+  const ojson b = ojson::parse(body_text);
+  if (!b.contains("tools") || !b["tools"].is_array() || b["tools"].empty()) return "";
+  ojson tools = ojson::array();
+  for (const auto& d : b["tools"]) {
+    ojson f = {{"name", d["name"]}};
+    if (d.contains("description") && !d["description"].is_null()) f["description"] = d["description"];
+    f["parameters"] = d["input_schema"];
+    tools.push_back({{"type", "function"}, {"function", std::move(f)}});
+  }
+  return ojson{{"tools", std::move(tools)}}.dump();
+}
+
 Refusal messages_refusal(Refusal r) {
   auto rename = [&](const std::string& from, const std::string& to) {
     if (r.param != from) return;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "infer/chat_parse.h"
@@ -21,6 +22,14 @@ namespace ds::infer::api {
 // The OpenAI chat body for a Messages body; throws Refusal (param: the
 // Messages field at fault).
 json messages_to_chat(const json& body);
+
+// The chat body's "tools" in the client's order, for read_request's
+// body_text: {"tools": [{"type": "function", "function": {"name",
+// "description", "parameters"}}]} with input_schema's keys as the client
+// wrote them (the chat formats print the schemas, so their order is part of
+// the prompt); "" when the body has none. `body_text` is the Messages body
+// that messages_to_chat accepted.
+std::string messages_tools_text(std::string_view body_text);
 
 // A refusal of the translated body (read_request's), its param renamed to
 // the Messages field it came from (stop -> stop_sequences, ...).

@@ -514,12 +514,13 @@ struct Server::Impl {
         json b = api::parse_body(body, opt.max_json_depth);
         if (count && !b.contains("max_tokens")) b["max_tokens"] = 1;  // counting generates nothing
         chat = api::messages_to_chat(b);
+        const std::string tools = api::messages_tools_text(body);
         if (count) {
-          const api::Request q = api::read_request(chat, true, limits());
+          const api::Request q = api::read_request(chat, true, limits(), tools);
           return out.send(200, wire(json{{"input_tokens", q.batch.prompt.size()}}));
         }
         chat["n"] = 1;
-        Job job = start(chat, {}, true);
+        Job job = start(chat, tools, true);
         job.messages = true;
         job.id = fmt::format("msg_{:x}", next_id++);
         return run(std::move(job), out);
