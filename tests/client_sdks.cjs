@@ -2,8 +2,12 @@
 // (run by client_sdks_test.sh): completions, chat and messages, whole and
 // streamed, log-probabilities, n, stop sequences, token counting, and the
 // SDKs' own error types for a bad request. Greedy decoding makes the routes
-// comparable: the same turns give the same text on chat and messages.
+// comparable: the same turns give the same text on chat and messages. The
+// second server's model was trained to answer TOOL_REQUEST with a call in
+// DeepSeek-V4.1's format: both SDKs must receive it as their tool call,
+// whole and streamed, and send its result back.
 "use strict";
+const fs = require("fs");
 const path = require("path");
 const sdk = (name) => require(path.join(process.env.SDK_DIR, name));
 const OpenAI = sdk("openai").default;
@@ -130,9 +134,68 @@ async function anthropic(chatText) {
         `a bad field is the SDK's BadRequestError: ${bad && bad.message}`);
 }
 
+async function toolCalls(base2) {
+  const req = JSON.parse(fs.readFileSync(process.env.TOOL_REQUEST, "utf8"));
+  const client = new OpenAI({ baseURL: `${base2}/v1`, apiKey: "none", maxRetries: 0, timeout: 120000 });
+  const ask = { model: "caller", messages: req.messages, tools: req.tools, max_tokens: 200, temperature: 0 };
+  const r = await client.chat.completions.create(ask);
+  const m = r.choices[0].message;
+  check(r.choices[0].finish_reason === "tool_calls" && m.content === null && m.tool_calls?.length === 1,
+        `the model's call is OpenAI's tool_calls: ${JSON.stringify(r.choices[0])}`);
+  const ids = JSON.parse(fs.readFileSync(process.env.PROMPT_IDS, "utf8"));
+  check(r.usage.prompt_tokens === ids.length,
+        `\`deepseek chat-template --ids\` gave the server's prompt: ${ids.length} ids, ${r.usage.prompt_tokens} used`);
+  const call = m.tool_calls?.[0];
+  check(call?.type === "function" && call.function.name === "get_weather" && typeof call.id === "string" &&
+          JSON.stringify(JSON.parse(call.function.arguments)) === JSON.stringify({ city: "Paris" }),
+        `get_weather({"city": "Paris"}): ${JSON.stringify(call)}`);
+  const deltas = {};
+  let finish = null;
+  for await (const chunk of await client.chat.completions.create({ ...ask, stream: true })) {
+    for (const d of chunk.choices[0]?.delta?.tool_calls ?? []) {
+      const t = (deltas[d.index] ??= { name: "", arguments: "" });
+      t.name += d.function?.name ?? "";
+      t.arguments += d.function?.arguments ?? "";
+    }
+    finish = chunk.choices[0]?.finish_reason ?? finish;
+  }
+  check(finish === "tool_calls" && Object.keys(deltas).length === 1 && deltas[0].name === "get_weather" &&
+          deltas[0].arguments === call?.function.arguments,
+        `streamed, the call arrives as tool_calls deltas: ${JSON.stringify(deltas)}`);
+  const after = await client.chat.completions.create({
+    ...ask, max_tokens: 4,
+    messages: [...req.messages, m, { role: "tool", tool_call_id: call?.id, content: "sunny, 21 C" }] });
+  check(after.choices[0].message.role === "assistant" && after.usage.prompt_tokens > r.usage.prompt_tokens,
+        `the call's result goes back as a tool message (${after.usage.prompt_tokens} prompt tokens)`);
+
+  const anthropic = new Anthropic({ baseURL: base2, apiKey: "none", maxRetries: 0, timeout: 120000 });
+  const tools = req.tools.map((t) => ({ name: t.function.name, description: t.function.description,
+                                        input_schema: t.function.parameters }));
+  const mreq = { model: "caller", max_tokens: 200, temperature: 0, messages: req.messages, tools };
+  const counted = await anthropic.messages.countTokens({ model: "caller", messages: req.messages, tools });
+  check(counted.input_tokens === r.usage.prompt_tokens,
+        `the Messages API's prompt is as long as the chat route's (${counted.input_tokens} tokens against ${r.usage.prompt_tokens})`);
+  const msg = await anthropic.messages.create(mreq);
+  const use = msg.content.find((b) => b.type === "tool_use");
+  check(msg.stop_reason === "tool_use" && use?.name === "get_weather" &&
+          JSON.stringify(use.input) === JSON.stringify({ city: "Paris" }),
+        `the model's call is Anthropic's tool_use block: ${JSON.stringify(msg.content)} (${msg.stop_reason})`);
+  const final = await anthropic.messages.stream(mreq).finalMessage();
+  const streamed = final.content.find((b) => b.type === "tool_use");
+  check(final.content.length === msg.content.length && final.stop_reason === "tool_use" &&
+          streamed?.name === use?.name && JSON.stringify(streamed?.input) === JSON.stringify(use?.input),
+        `messages.stream gives the same tool_use: ${JSON.stringify(final.content)}`);
+  const back = await anthropic.messages.create({ ...mreq, max_tokens: 4, messages: [...req.messages,
+    { role: "assistant", content: msg.content },
+    { role: "user", content: [{ type: "tool_result", tool_use_id: use?.id, content: "sunny, 21 C" }] }] });
+  check(back.type === "message" && back.usage.input_tokens > msg.usage.input_tokens,
+        `the tool_result goes back (${back.usage.input_tokens} input tokens)`);
+}
+
 (async () => {
   const chatText = await openai();
   await anthropic(chatText);
+  await toolCalls(process.argv[3]);
   console.log(failed ? `${failed} checks failed` : "every check passed");
   process.exit(failed ? 1 : 0);
 })().catch((e) => {

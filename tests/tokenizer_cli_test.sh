@@ -46,5 +46,15 @@ expect_error '[[-1]]' detokenize --tokenizer "$tok"
 expect_error '[[1.5]]' detokenize --tokenizer "$tok"
 expect_error '[["7"]]' detokenize --tokenizer "$tok"
 expect_error '[[18446744073709551615]]' detokenize --tokenizer "$tok"
+# chat-template reads a chat request as the server does (its successes are
+# in client_sdks_test.sh, which has a tokenizer with chat tokens).
+tmpd=$(mktemp -d)
+cp "$tok" "$tmpd/tokenizer.json"
+expect_error '{"messages": [{"role": "user", "content": "hi"}]}' chat-template --model "$tmpd"  # no <｜User｜>
+expect_error '{"messages": [' chat-template --model "$tmpd"
+expect_error '{"messages": 5}' chat-template --model "$tmpd"
+expect_error '{}' chat-template --model "$tmpd" --chat-format deepseek-v9
+expect_error '{}' chat-template --model "$tmpd/missing"
+rm -rf "$tmpd"
 [ "$fail" -eq 0 ] && echo "tokenizer cli: all checks passed"
 exit "$fail"

@@ -3,8 +3,14 @@
 // string.
 // `deepseek detokenize --tokenizer FILE`: stdin holds a JSON array of token-id
 // arrays; stdout gets a JSON array of the decoded strings.
+// `deepseek chat-template --model DIR [--chat-format F] [--ids]`: stdin
+// holds a chat request body (OpenAI's messages, tools, tool_choice,
+// thinking, reasoning_effort, ...); stdout gets the prompt text that
+// `deepseek serve` builds from it for the model folder, or with --ids the
+// token ids it would generate from (the same code reads the request).
 // Bad JSON, wrong types, invalid UTF-8 and unknown ids are ds::Errors (one
-// line on stderr, exit code 2).
+// line on stderr, exit code 2); a request the server would refuse is
+// refused with the server's message.
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -16,6 +22,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "infer/chat_format.h"
+#include "infer/server_api.h"
 #include "io/tokenizer.h"
 
 namespace ds::cli {
@@ -29,9 +37,14 @@ struct TokenizerArgs {
   bool add_special_tokens = false;
 };
 
-json read_stdin_json() {
+std::string read_stdin() {
   std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
   DS_CHECK(!std::cin.bad(), "error reading standard input");
+  return text;
+}
+
+json read_stdin_json() {
+  const std::string text = read_stdin();
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
@@ -84,6 +97,42 @@ int run_detokenize(const TokenizerArgs& a) {
   return 0;
 }
 
+struct TemplateArgs {
+  std::string model, chat_format = "auto";
+  bool ids = false;
+};
+
+int run_chat_template(const TemplateArgs& a) {
+  namespace chat = infer::chat;
+  namespace api = infer::api;
+  const auto tok = io::Tokenizer::from_file(a.model + "/tokenizer.json");
+  chat::Format format = chat::detect_format(a.model).format;
+  if (a.chat_format != "auto") {
+    const auto f = chat::format_named(a.chat_format);
+    DS_CHECK(f, "--chat-format '{}' is not one of auto, {}", a.chat_format, chat::format_names());
+    format = *f;
+  }
+  api::Limits lim;
+  lim.tokenizer = &tok;
+  lim.max_positions = INT32_MAX;  // the prompt alone: the model's length is the server's check
+  lim.vocab = tok.vocab_size();
+  lim.chat_format = format;
+  const std::string text = read_stdin();
+  api::Request r;
+  try {
+    r = api::read_request(api::parse_body(text), /*chat=*/true, lim, text);
+  } catch (const api::Refusal& e) {
+    DS_FAIL("chat-template: {}{}", e.param.empty() ? "" : e.param + ": ", e.message);
+  }
+  if (a.ids) {
+    print_json(json(r.batch.prompt));
+  } else {
+    std::fwrite(r.chat_prompt.text.data(), 1, r.chat_prompt.text.size(), stdout);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 }  // namespace
 
 void add_tokenizer_commands(CLI::App& app, CommandList& commands) {
@@ -96,6 +145,16 @@ void add_tokenizer_commands(CLI::App& app, CommandList& commands) {
   auto* dec = app.add_subcommand("detokenize", "JSON array of token-id arrays on stdin -> JSON array of strings");
   dec->add_option("--tokenizer", args->tokenizer, "tokenizer.json")->required();
   commands.emplace_back(dec, [args] { return run_detokenize(*args); });
+
+  auto targs = std::make_shared<TemplateArgs>();
+  auto* tpl = app.add_subcommand("chat-template",
+                                 "chat request body on stdin -> the prompt text `serve` builds from it (or its ids)");
+  tpl->add_option("--model", targs->model, "model folder (its tokenizer.json, and its files for --chat-format auto)")
+      ->required();
+  tpl->add_option("--chat-format", targs->chat_format,
+                  "auto (default: from the model folder), " + infer::chat::format_names());
+  tpl->add_flag("--ids", targs->ids, "print the token ids the server generates from, as a JSON array");
+  commands.emplace_back(tpl, [targs] { return run_chat_template(*targs); });
 }
 
 }  // namespace ds::cli
