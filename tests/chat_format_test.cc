@@ -414,8 +414,8 @@ json read_json(const std::string& name) {
 // every conversation the encoder refuses refused here too, the field named.
 TEST(ChatFormat, V41MatchesTheReferenceEncoder) {
   const json cases = read_json("v41_cases.json"), expected = read_json("v41_expected.json");
-  const chat::ojson ordered = chat::ojson::parse(std::ifstream(std::string(DEEPSEEK_SOURCE_DIR) +
-                                                               "/tests/data/chat/v41_cases.json"));
+  const chat::ojson ordered =
+      chat::ojson::parse(std::ifstream(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/chat/v41_cases.json"));
   ASSERT_EQ(expected["render"].size(), cases["render"].size());
   size_t refused = 0;
   for (const auto& c : ordered["render"]) {
@@ -485,9 +485,9 @@ TEST(ChatFormat, V41ForcedCallsAndOtherTags) {
   // A forced call is parsed on from the prompt's opening.
   chat::Conversation c = conv(named, Format::V41);
   const chat::Prompt p = chat::render(Format::V41, c);
-  const chat::Piece got = chat::parse_answer(
-      Format::V41, p,
-      "<｜DSML｜ parameter name=\"city\" string=\"true\">Oslo</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>");
+  const chat::Piece got = chat::parse_answer(Format::V41, p,
+                                             "<｜DSML｜ parameter name=\"city\" string=\"true\">Oslo</｜DSML｜ "
+                                             "parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>");
   ASSERT_EQ(got.calls.size(), 1u);
   EXPECT_EQ(got.calls[0].arguments, R"({"city": "Oslo"})");
   // V4's tags are another format's: plain content in a V4.1 answer.
@@ -503,8 +503,9 @@ TEST(ChatFormat, V41ForcedCallsAndOtherTags) {
   const std::string medium = R"({"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": "medium"})";
   EXPECT_EQ(refusal(Format::V41, medium).substr(0, 17), "reasoning_effort:");
   EXPECT_EQ(refusal(Format::V4, medium), "ok");
-  EXPECT_EQ(refusal(Format::V4, R"({"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": 5})").substr(0, 17),
-            "reasoning_effort:");
+  EXPECT_EQ(
+      refusal(Format::V4, R"({"messages": [{"role": "user", "content": "Q"}], "reasoning_effort": 5})").substr(0, 17),
+      "reasoning_effort:");
 }
 
 // ---- token ids with DeepSeek-V3's tokenizer -----------------------------------------
@@ -641,8 +642,7 @@ TEST(ChatFormat, DetectsTheFormatOfAFolder) {
   write(dir / "encoding" / "encoding_dsv41.py", "# DeepSeek-V4.1's encoder\n");
   EXPECT_EQ(chat::detect_format(dir.string()).format, Format::V41);
   fs::remove_all(dir);
-  for (Format f : chat::kFormats)
-    EXPECT_EQ(chat::format_named(chat::format_name(f)), f);
+  for (Format f : chat::kFormats) EXPECT_EQ(chat::format_named(chat::format_name(f)), f);
   EXPECT_FALSE(chat::format_named("deepseek-v5"));
 }
 

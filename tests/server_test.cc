@@ -261,8 +261,8 @@ TEST_F(ServerTest, BadRequestsGetOneLineErrors) {
                  "would not fit; set 'max_tokens' to ask for fewer tokens", "max_tokens");
   expect_refused(Chat, R"({"messages": []})", 400, "'messages' must be", "messages");
   expect_refused(Chat, R"({"messages": [{"content": "hi"}]})", 400, "string 'role'", "messages[0]");
-  expect_refused(Chat, R"({"messages": [{"role": "robot", "content": "hi"}]})", 400, "system, developer, user, assistant or tool",
-                 "messages[0]");
+  expect_refused(Chat, R"({"messages": [{"role": "robot", "content": "hi"}]})", 400,
+                 "system, developer, user, assistant or tool", "messages[0]");
   expect_refused(Chat, R"({"messages": [{"role": "user", "content": 5}]})", 400, "must be a string", "messages[0]");
   expect_refused(Chat, R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})", 400, "parts must be",
                  "messages[0]");

@@ -119,7 +119,7 @@ class ServerToolsTest : public ::testing::Test {
   // The prompt of a chat body; `tools_text` holds its tools in the order
   // the server reads them (default: the body's).
   std::vector<int32_t> prompt_ids(const json& body, const std::string& tools_text = "") {
-    const chat::ojson tools = !tools_text.empty()     ? chat::ojson::parse(tools_text)["tools"]
+    const chat::ojson tools = !tools_text.empty()      ? chat::ojson::parse(tools_text)["tools"]
                               : body.contains("tools") ? chat::ojson::parse(body["tools"].dump())
                                                        : chat::ojson();
     const std::string text = chat::render(format_, chat::read_conversation(body, tools, format_)).text;

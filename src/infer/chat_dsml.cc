@@ -466,8 +466,8 @@ Prompt render_v41(const Conversation& c) {
     const bool system = t.role == Role::System && !t.m->developer;
     if (i == 0 && (c.thinking || system)) out += kSystem;
     if (i == 0 && c.thinking)
-      out += fmt::format("Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n",
-                         effort);
+      out += fmt::format(
+          "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n", effort);
     if (t.role == Role::System) {
       out += system ? (i > 0 ? std::string(kSystem) : std::string()) : std::string(kUser);
       out += t.text;

@@ -207,8 +207,8 @@ Message read_message(const json& m, size_t i) {
     out.role = Role::Tool;
     out.tool_call_id = string_in(m, "tool_call_id", where, where, false);
   } else {
-    invalid(where, fmt::format("'{}.role' must be system, developer, user, assistant or tool, got {}", where,
-                               quote(role)));
+    invalid(where,
+            fmt::format("'{}.role' must be system, developer, user, assistant or tool, got {}", where, quote(role)));
   }
   read_content(m, where, out, out.role == Role::Assistant);
   return out;
@@ -331,9 +331,10 @@ Conversation read_conversation(const json& body, const ojson& tools, Format f) {
 
 Prompt render(Format f, const Conversation& c) {
   if (!c.reasoning_effort.empty() && f != Format::V4 && f != Format::V41)
-    invalid("reasoning_effort",
-            fmt::format("'reasoning_effort' is not supported by the {} chat format (only deepseek-v4 and deepseek-v4.1)",
-                        format_name(f)));
+    invalid(
+        "reasoning_effort",
+        fmt::format("'reasoning_effort' is not supported by the {} chat format (only deepseek-v4 and deepseek-v4.1)",
+                    format_name(f)));
   const std::string& e = c.reasoning_effort;
   if (f == Format::V4 && !e.empty() && (c.effort_number || !(e == "low" || e == "medium" || e == "high" || e == "max")))
     invalid("reasoning_effort",
