@@ -8,7 +8,9 @@
 //  - sampled generation is reproducible from its seed, and bad options are
 //    refused;
 //  - the server's batcher drafts too: each request, greedy, makes what it
-//    makes alone, with drafts kept and dropped while others run beside it.
+//    makes alone, with drafts kept and dropped while others run beside it;
+//  - on DeepSeek-V3.2 (sparse attention, an indexer in the MTP layer too)
+//    and with Engram layers, whose caches the rollback must also cut.
 #include "infer/speculative.h"
 
 #include <gtest/gtest.h>
@@ -45,6 +47,7 @@ class SpeculativeTest : public ::testing::Test {
   void TearDown() override { fs::remove_all(dir_); }
   virtual nlohmann::json config() const { return ds::test::tiny_v3_config(); }
   void greedy_output_is_the_plain_loops(int64_t new_tokens);
+  void the_servers_batcher_drafts_too();
 
   std::vector<std::vector<int32_t>> run(ds::infer::Decoder& d, GenerateOptions opt, GenerateStats* st = nullptr) {
     return ds::infer::generate(d, prompts_, opt, st);
@@ -126,7 +129,23 @@ class SpeculativeEngramTest : public SpeculativeTest {
   }
 };
 
+// DeepSeek-V3.2 (sparse attention): the MTP layer has its own indexer, and a
+// rejected draft's rollback also drops its indexer keys and scales; index_topk
+// 4 is below every sequence's length, so the selection is sparse throughout.
+class SpeculativeV32Test : public SpeculativeTest {
+ protected:
+  nlohmann::json config() const override {
+    auto j = ds::test::tiny_v3_config();
+    j["model_type"] = "deepseek_v32";
+    j["index_n_heads"] = 2;
+    j["index_head_dim"] = 16;
+    j["index_topk"] = 4;
+    return j;
+  }
+};
+
 TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(24); }
+TEST_F(SpeculativeV32Test, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(32); }
 // Long enough that the cache drops old Engram rows between rollbacks.
 TEST_F(SpeculativeEngramTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(48); }
 
@@ -240,7 +259,10 @@ TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
   fs::remove_all(tmpl);
 }
 
-TEST_F(SpeculativeTest, TheServersBatcherDraftsToo) {
+TEST_F(SpeculativeTest, TheServersBatcherDraftsToo) { the_servers_batcher_drafts_too(); }
+TEST_F(SpeculativeV32Test, TheServersBatcherDraftsToo) { the_servers_batcher_drafts_too(); }
+
+void SpeculativeTest::the_servers_batcher_drafts_too() {
   // Alone, without drafts: what each request must make.
   GenerateOptions opt;
   opt.max_new_tokens = 20;

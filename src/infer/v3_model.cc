@@ -19,8 +19,6 @@ class V3Model final : public Model {
     DS_CHECK(!mtp_ || cfg_.num_nextn_predict_layers > 0,
              "--speculative mtp drafts with the model's MTP layer, and this model has none (num_nextn_predict_layers "
              "0)");
-    DS_CHECK(!mtp_ || cfg_.index_n_heads == 0,
-             "--speculative mtp: the MTP layer of a DeepSeek-V3.2 model (sparse attention) is not supported yet");
     DS_CHECK(!mtp_ || cfg_.mhc_expansion_rate <= 1, "--speculative mtp: an mHC model has no MTP layer");
   }
 
