@@ -26,6 +26,8 @@ class ForwardingDecoder : public infer::Decoder {
     return d_.step_keep(tokens, all_logits);
   }
   std::vector<float> draft(const std::vector<std::vector<int32_t>>& next) override { return d_.draft(next); }
+  std::vector<float> draft_more(const std::vector<int32_t>& tokens) override { return d_.draft_more(tokens); }
+  void drop_links() override { d_.drop_links(); }
   void truncate(int64_t sequence, int64_t length) override { d_.truncate(sequence, length); }
 
  private:

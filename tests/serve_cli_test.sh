@@ -68,5 +68,28 @@ pid=""
 check '[ "$rc" -eq 0 ]' "serve exits 0 on SIGTERM (got $rc)"
 check 'grep -q "SIGTERM, stopping" "$tmp/log"' "serve says why it stops"
 
+# Speculative decoding with a chain of three drafts: the same greedy text,
+# and /metrics counts each draft position.
+"$bin" init --config "$src/configs/tiny.yml" --out "$tmp/mtp" --seed 3 --set mtp_num_layers=1 >/dev/null
+cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$tmp/mtp/"
+expect_error serve --model "$tmp/mtp" --speculative mtp --draft-tokens 9
+"$bin" serve --model "$tmp/mtp" --port 0 --speculative mtp --draft-tokens 3 2>"$tmp/log3" &
+pid=$!
+port=$(served_port "$tmp/log3")
+check '[ -n "$port" ]' "serve --speculative mtp --draft-tokens 3 starts: $(cat "$tmp/log3")"
+if [ -n "$port" ]; then
+  resp=$(http POST /v1/completions '{"prompt": "hello world", "max_tokens": 12, "temperature": 0}')
+  text=$(printf '%b' "$(printf '%s' "$resp" | sed -n 's/.*"text":"\([^"]*\)".*/\1/p')")
+  want=$("$bin" generate --model "$tmp/mtp" --prompt "hello world" --max-new-tokens 12 --temperature 0 2>/dev/null)
+  check '[ "hello world$text" == "$want" ]' "drafting three a step changes no greedy token ('$text' against '$want')"
+  metrics=$(http GET /metrics "")
+  check '[[ "$metrics" == *"deepseek_draft_tokens_by_position_total{position=\"3\"}"* ]] &&
+    [[ "$metrics" == *"deepseek_draft_accepted_by_position_total{position=\"1\"}"* ]]' \
+    "GET /metrics counts drafts by position: $(grep -a by_position <<<"$metrics")"
+fi
+kill -TERM "$pid" 2>/dev/null
+wait "$pid"
+pid=""
+
 [ "$fail" -eq 0 ] && echo "serve_cli: all checks passed"
 exit "$fail"

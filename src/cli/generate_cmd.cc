@@ -121,6 +121,23 @@ infer::ModelOptions speculative_options(const std::string& mode) {
   return o;
 }
 
+// Each draft position's share kept (position 1: the first draft of a step).
+std::vector<double> acceptance_by_position(const infer::GenerateStats& st) {
+  std::vector<double> r;
+  for (size_t j = 0; j < st.drafted_at.size(); ++j)
+    r.push_back(st.drafted_at[j] > 0 ? static_cast<double>(st.accepted_at[j]) / static_cast<double>(st.drafted_at[j])
+                                     : 0.0);
+  return r;
+}
+
+std::string by_position(const infer::GenerateStats& st) {
+  if (st.drafted_at.size() < 2) return "";
+  std::string s = "; by position";
+  const auto r = acceptance_by_position(st);
+  for (size_t j = 0; j < r.size(); ++j) s += fmt::format(" {}: {:.1f}%", j + 1, 100 * r[j]);
+  return s;
+}
+
 int run_generate(const GenerateArgs& a) {
   // Everything that can be wrong with the request is found before the
   // weights are read: options, tokenizer, prompt length.
@@ -131,7 +148,8 @@ int run_generate(const GenerateArgs& a) {
   opt.cache = infer::cache_kind(a.cache);
   auto mo = speculative_options(a.speculative);
   mo.late_index_keys = a.late_index_keys;
-  DS_CHECK(a.draft_tokens >= 1, "--draft-tokens must be >= 1, got {}", a.draft_tokens);
+  DS_CHECK(a.draft_tokens >= 1 && a.draft_tokens <= infer::kMaxDraftTokens, "--draft-tokens must be in [1, {}], got {}",
+           infer::kMaxDraftTokens, a.draft_tokens);
   opt.draft_tokens = mo.mtp ? a.draft_tokens : 0;
   const auto g = infer::open_model(a.model, mo);
   const std::string tok_path = a.tokenizer.empty() ? (fs::path(a.model) / "tokenizer.json").string() : a.tokenizer;
@@ -171,8 +189,8 @@ int run_generate(const GenerateArgs& a) {
           .c_str());
   if (opt.draft_tokens > 0)
     std::fprintf(stderr, "%s",
-                 fmt::format("speculative (mtp): {} of {} drafts accepted ({:.1f}%)\n", st.accepted, st.drafted,
-                             100.0 * st.acceptance())
+                 fmt::format("speculative (mtp): {} of {} drafts accepted ({:.1f}%){}\n", st.accepted, st.drafted,
+                             100.0 * st.acceptance(), by_position(st))
                      .c_str());
   return 0;
 }
@@ -192,7 +210,8 @@ struct BenchArgs {
 int run_bench(const BenchArgs& a) {
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
   const auto mo = speculative_options(a.speculative);
-  DS_CHECK(a.draft_tokens >= 1, "--draft-tokens must be >= 1, got {}", a.draft_tokens);
+  DS_CHECK(a.draft_tokens >= 1 && a.draft_tokens <= infer::kMaxDraftTokens, "--draft-tokens must be in [1, {}], got {}",
+           infer::kMaxDraftTokens, a.draft_tokens);
   const auto g = infer::open_model(a.model, mo);
   DS_CHECK(a.prompt_len + a.new_tokens + 1 <= g->max_positions(),
            "--prompt-len {} + --new-tokens {} exceed max_position_embeddings {}", a.prompt_len, a.new_tokens,
@@ -258,6 +277,8 @@ int run_bench(const BenchArgs& a) {
       {"decode_tokens_per_s", median(decode)},
       {"speculative", a.speculative},
       {"draft_acceptance", st.acceptance()},
+      {"draft_tokens", opt.draft_tokens},
+      {"draft_acceptance_by_position", acceptance_by_position(st)},
       {"cache_bytes", st.cache_bytes},
       {"weight_file_bytes", weight_file_bytes(a.model)},
       {"base_rss_bytes", base_rss},

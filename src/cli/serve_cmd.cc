@@ -36,6 +36,7 @@ struct ServeArgs {
   int max_connections = infer::ServerOptions{}.max_connections;
   double request_timeout = infer::ServerOptions{}.request_timeout_s;
   std::string speculative = "none";
+  int64_t draft_tokens = 1;
 };
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
@@ -45,6 +46,8 @@ int run_serve(const ServeArgs& a) {
            a.speculative);
   infer::ModelOptions mo;
   mo.mtp = a.speculative == "mtp";
+  DS_CHECK(a.draft_tokens >= 1 && a.draft_tokens <= infer::kMaxDraftTokens, "--draft-tokens must be in [1, {}], got {}",
+           infer::kMaxDraftTokens, a.draft_tokens);
   const auto g = infer::open_model(a.model, mo);
   // The tokenizer is optional: without one, prompts are token ids.
   std::optional<io::Tokenizer> tok;
@@ -79,7 +82,7 @@ int run_serve(const ServeArgs& a) {
   auto decoder = g->new_decoder(kind);
   infer::Batcher batcher(*decoder,
                          infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk, g->eos_token_id(),
-                                               tok ? tok->vocab_size() : 0, mo.mtp ? 1 : 0});
+                                               tok ? tok->vocab_size() : 0, mo.mtp ? a.draft_tokens : 0});
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
@@ -142,7 +145,9 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
                   "prompt tokens per step over all sequences; 0: no limit (default 512)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_option("--speculative", args->speculative,
-                  "speculative decoding: none (default) or mtp (the model's MTP layer drafts a token a step)");
+                  "speculative decoding: none (default) or mtp (the model's MTP layer drafts, one step checks)");
+  cmd->add_option("--draft-tokens", args->draft_tokens,
+                  "tokens the MTP layer drafts a step with --speculative mtp (default 1; above 1 it is chained)");
   cmd->add_option(
          "--chat-format", args->chat_format,
          "how chat messages become a prompt: auto (default: from the model folder), " + infer::chat::format_names())

@@ -1,4 +1,5 @@
 #include "infer/batcher.h"
+#include "infer/speculative.h"
 
 #include <algorithm>
 #include <exception>
@@ -103,9 +104,8 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
   DS_CHECK(opt_.prefill_chunk >= 0, "batcher: prefill_chunk must be >= 0, got {}", opt_.prefill_chunk);
   DS_CHECK(opt_.sample_vocab >= 0 && opt_.sample_vocab <= vocab_, "batcher: sample_vocab {} outside [0, {}]",
            opt_.sample_vocab, vocab_);
-  DS_CHECK(opt_.draft_tokens >= 0 && opt_.draft_tokens <= 1,
-           "batcher: {} draft tokens; speculative decoding drafts one token a step (the MTP layer's one depth)",
-           opt_.draft_tokens);
+  DS_CHECK(opt_.draft_tokens >= 0 && opt_.draft_tokens <= kMaxDraftTokens,
+           "batcher: {} draft tokens; speculative decoding drafts 1 to {} a step", opt_.draft_tokens, kMaxDraftTokens);
   DS_CHECK(opt_.draft_tokens == 0 || decoder.can_draft(),
            "batcher: speculative decoding needs the model's MTP layer, which is not loaded");
   decoder_.start(opt_.max_sequences);

@@ -19,6 +19,7 @@
 // tokens and latencies for the server's /metrics.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -44,7 +45,8 @@ struct BatcherOptions {
   int64_t eos_token_id = -1;    // < 0: none
   int64_t sample_vocab = 0;     // sample only ids below this (0: every id)
   // Speculative decoding with the decoder's MTP layer (infer/speculative.h):
-  // draft tokens a step (0: off; 1 is the one depth supported).
+  // draft tokens a step (0: off; at most kMaxDraftTokens, the MTP layer
+  // chained past the first).
   int64_t draft_tokens = 0;
 };
 
@@ -86,8 +88,10 @@ struct BatcherCounters {
   // From submit() to the first new token; between one new token and the next.
   metrics::Histogram time_to_first_token{metrics::latency_bounds()};
   metrics::Histogram time_per_output_token{metrics::latency_bounds()};
-  // Speculative decoding: drafts checked, and kept.
+  // Speculative decoding: drafts checked, and kept; by position in a step's
+  // chain (0: the first draft).
   std::atomic<uint64_t> drafted{0}, accepted{0};
+  std::array<std::atomic<uint64_t>, kMaxDraftTokens> drafted_at{}, accepted_at{};
 };
 
 // What submit() throws when it cannot take a request now: max_waiting
@@ -227,8 +231,8 @@ class Batcher {
   // A step with speculative decoding (infer/batcher_speculative.cc).
   void run_speculative_step();
   void fail_slots(const std::vector<std::vector<int32_t>>& tokens, const std::exception& e);
-  void decide_draft(size_t i, float* rows, int32_t draft, const std::vector<double>& q,
-                    std::chrono::steady_clock::time_point now);
+  void decide_drafts(size_t i, float* rows, const std::vector<int32_t>& drafts,
+                     const std::vector<std::vector<double>>& q, std::chrono::steady_clock::time_point now);
   void share_prompt(size_t i, const float* row, std::chrono::steady_clock::time_point now);
   void admit_waiting();
   void admit(Slot& s);

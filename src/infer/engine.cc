@@ -537,7 +537,8 @@ std::vector<float> Engine::head(const float* h, const std::vector<int64_t>& rows
 }
 
 std::vector<float> Engine::mtp_step(KvCache& cache, const std::vector<std::vector<int32_t>>& next,
-                                    const std::vector<const float*>& hidden) {
+                                    const std::vector<const float*>& hidden, int64_t ahead,
+                                    std::vector<float>* out_hidden) {
   DS_CHECK(has_mtp(), "this model's MTP layer is not loaded");
   DS_CHECK(next.size() == cache.seqs.size() && hidden.size() == next.size(),
            "mtp_step: {} token lists and {} hidden states for a cache of {} sequences", next.size(), hidden.size(),
@@ -546,8 +547,9 @@ std::vector<float> Engine::mtp_step(KvCache& cache, const std::vector<std::vecto
   const Batch b = pack(next, V, [&](size_t s, int64_t n) {
     const SequenceCache& sc = cache.seqs[s];
     DS_CHECK(static_cast<int64_t>(sc.c_kv.size()) > L, "mtp_step: a cache without the MTP layer's");
-    DS_CHECK(sc.draft_length + n <= sc.length, "mtp_step: sequence {} has {} positions, {} drafted from, {} more asked",
-             s, sc.length, sc.draft_length, n);
+    DS_CHECK(sc.draft_length + n <= sc.length + ahead,
+             "mtp_step: sequence {} has {} positions, {} drafted from, {} more asked ({} ahead allowed)", s, sc.length,
+             sc.draft_length, n, ahead);
     return sc.draft_length;
   });
   if (b.n == 0) return {};
@@ -572,6 +574,11 @@ std::vector<float> Engine::mtp_step(KvCache& cache, const std::vector<std::vecto
   for (const auto& sq : b.seqs) {
     cache.seqs[sq.index].draft_length += sq.count;
     rows.push_back(sq.row0 + sq.count - 1);
+  }
+  if (out_hidden) {
+    out_hidden->resize(rows.size() * static_cast<size_t>(D));
+    for (size_t r = 0; r < rows.size(); ++r)
+      std::memcpy(out_hidden->data() + r * D, h.data() + rows[r] * D, D * sizeof(float));
   }
   return head(h.data(), rows, p.head_norm, b.pos.data());
 }

@@ -46,9 +46,14 @@ class Engine {
   // to the MTP layer's cache (layer num_hidden_layers of a cache made with
   // one more layer) and returns the MTP logits of each sequence's last new
   // position (one row per sequence with positions, in order): its guess at
-  // the token after next.
+  // the token after next. `ahead`: how far past the main model's length the
+  // MTP layer may go (a chained draft reads its own last hidden state in
+  // place of the main model's, at a position the model has not read yet);
+  // `out_hidden`, when given, gets each such sequence's last new hidden
+  // state [rows, hidden_size] (before the head's norm), for the next link.
   std::vector<float> mtp_step(KvCache& cache, const std::vector<std::vector<int32_t>>& next,
-                              const std::vector<const float*>& hidden);
+                              const std::vector<const float*>& hidden, int64_t ahead = 0,
+                              std::vector<float>* out_hidden = nullptr);
   // Whether the MTP layer's weights are loaded (load_model with mtp).
   bool has_mtp() const { return !w_.mtp.empty(); }
 

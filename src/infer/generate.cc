@@ -70,6 +70,10 @@ std::vector<float> Decoder::step_keep(const std::vector<std::vector<int32_t>>&, 
 std::vector<float> Decoder::draft(const std::vector<std::vector<int32_t>>&) {
   throw Error("this model's decoder has no MTP layer to draft with");
 }
+std::vector<float> Decoder::draft_more(const std::vector<int32_t>&) {
+  throw Error("this model's decoder has no MTP layer to draft with");
+}
+void Decoder::drop_links() {}
 void Decoder::truncate(int64_t, int64_t) { throw Error("this model's decoder cannot drop tokens"); }
 
 namespace {
@@ -84,11 +88,15 @@ class KvDecoder : public Decoder {
   void start(int64_t sequences) override {
     cache_ = std::make_unique<KvCache>(kind_, sequences, layers());
     kept_.assign(static_cast<size_t>(sequences), {});
+    link_.assign(static_cast<size_t>(sequences), {});
+    links_.assign(static_cast<size_t>(sequences), 0);
   }
   void reset(int64_t s) override {
     DS_CHECK(cache_ && s >= 0 && s < static_cast<int64_t>(cache_->seqs.size()), "reset: no sequence {}", s);
     cache_->seqs[static_cast<size_t>(s)] = SequenceCache(layers());
     kept_[static_cast<size_t>(s)].clear();
+    link_[static_cast<size_t>(s)].clear();
+    links_[static_cast<size_t>(s)] = 0;
   }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
     return e_.step(*cache_, tokens, false);
@@ -104,6 +112,8 @@ class KvDecoder : public Decoder {
     if (from == to) return;
     cache_->seqs[static_cast<size_t>(to)] = cache_->seqs[static_cast<size_t>(from)];
     kept_[static_cast<size_t>(to)] = kept_[static_cast<size_t>(from)];
+    link_[static_cast<size_t>(to)] = link_[static_cast<size_t>(from)];
+    links_[static_cast<size_t>(to)] = links_[static_cast<size_t>(from)];
   }
 
   bool can_draft() const override { return e_.has_mtp(); }
@@ -128,10 +138,51 @@ class KvDecoder : public Decoder {
                kept_[s].size() / D, next[s].size());
       hidden[s] = kept_[s].data();
     }
-    auto logits = e_.mtp_step(*cache_, next, hidden);
-    for (size_t s = 0; s < next.size(); ++s)
+    drop_links();
+    std::vector<float> last;
+    auto logits = e_.mtp_step(*cache_, next, hidden, 0, &last);
+    size_t r = 0;
+    for (size_t s = 0; s < next.size(); ++s) {
       kept_[s].erase(kept_[s].begin(), kept_[s].begin() + static_cast<std::ptrdiff_t>(next[s].size() * D));
+      if (next[s].empty()) continue;
+      link_[s].assign(last.begin() + r * D, last.begin() + (r + 1) * D);
+      ++r;
+    }
     return logits;
+  }
+  std::vector<float> draft_more(const std::vector<int32_t>& tokens) override {
+    const size_t D = static_cast<size_t>(e_.config().hidden_size);
+    DS_CHECK(tokens.size() == link_.size(), "draft_more: {} tokens for {} sequences", tokens.size(), link_.size());
+    std::vector<std::vector<int32_t>> next(tokens.size());
+    std::vector<const float*> hidden(tokens.size(), nullptr);
+    int64_t ahead = 0;
+    for (size_t s = 0; s < tokens.size(); ++s) {
+      if (tokens[s] < 0) continue;
+      DS_CHECK(link_[s].size() == D, "draft_more: sequence {} has no draft to chain from", s);
+      next[s] = {tokens[s]};
+      hidden[s] = link_[s].data();
+      ahead = std::max(ahead, links_[s] + 1);
+    }
+    std::vector<float> last;
+    auto logits = e_.mtp_step(*cache_, next, hidden, ahead, &last);
+    size_t r = 0;
+    for (size_t s = 0; s < tokens.size(); ++s) {
+      if (tokens[s] < 0) continue;
+      link_[s].assign(last.begin() + r * D, last.begin() + (r + 1) * D);
+      ++links_[s];
+      ++r;
+    }
+    return logits;
+  }
+  void drop_links() override {
+    const int64_t L = e_.config().num_hidden_layers;
+    for (size_t s = 0; s < links_.size(); ++s) {
+      if (links_[s] == 0) continue;
+      SequenceCache& sc = cache_->seqs[s];
+      truncate_layer(sc, L, sc.draft_length, sc.draft_length - links_[s]);
+      sc.draft_length -= links_[s];
+      links_[s] = 0;
+    }
   }
   void truncate(int64_t s, int64_t length) override {
     SequenceCache& sc = cache_->seqs[static_cast<size_t>(s)];
@@ -151,6 +202,10 @@ class KvDecoder : public Decoder {
   CacheKind kind_;
   std::unique_ptr<KvCache> cache_;
   std::vector<std::vector<float>> kept_;  // per sequence: hidden states [positions, hidden_size] draft() has not read
+  // Per sequence: the MTP layer's last hidden state (what the next link
+  // reads) and the links in its cache since the last draft().
+  std::vector<std::vector<float>> link_;
+  std::vector<int64_t> links_;
 };
 
 }  // namespace

@@ -18,6 +18,9 @@ namespace ds::infer {
 // Sequences one generate() call takes at most.
 inline constexpr int64_t kMaxSequences = int64_t{1} << 16;
 
+// Draft tokens a speculative step at most (--draft-tokens).
+inline constexpr int64_t kMaxDraftTokens = 8;
+
 struct GenerateOptions {
   int64_t max_new_tokens = 64;
   SamplerConfig sampler;
@@ -45,6 +48,8 @@ struct GenerateStats {
   double decode_tokens_per_second() const;
   int64_t decode_steps_tokens = 0;    // tokens produced by decode steps (excludes the first, from prefill)
   int64_t drafted = 0, accepted = 0;  // speculative decoding: draft tokens checked, and kept
+  // ... by position in the chain (index 0: the first draft of a step).
+  std::vector<int64_t> drafted_at, accepted_at;
   double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0; }
 };
 
@@ -100,6 +105,15 @@ class Decoder {
   // tokens that follow them (at most as many as are kept), which it then
   // drops. One row of MTP logits per sequence with tokens, in order.
   virtual std::vector<float> draft(const std::vector<std::vector<int32_t>>& next);
+  // The next link of a chain of drafts: the MTP layer once more, over
+  // tokens[s] (the draft just made; -1: none) and its own last hidden state
+  // in place of the model's, one position past the last. One row of MTP
+  // logits per sequence with a token, in order. The links stay in the MTP
+  // layer's cache until drop_links().
+  virtual std::vector<float> draft_more(const std::vector<int32_t>& tokens);
+  // Drops every chained link from the MTP layer's cache: the model's own
+  // hidden states replace them at the next draft().
+  virtual void drop_links();
   // Drops sequence s's tokens from `length` on (a rejected draft) and their
   // kept hidden states.
   virtual void truncate(int64_t sequence, int64_t length);

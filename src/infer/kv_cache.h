@@ -75,6 +75,22 @@ inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
   s.length = length;
 }
 
+// Keeps the first `length` of the `rows` positions of one layer (the MTP
+// layer's chained drafts go; its cache holds draft_length positions).
+inline void truncate_layer(SequenceCache& s, int64_t layer, int64_t rows, int64_t length) {
+  if (length >= rows) return;
+  auto cut = [&](auto& per_layer) {
+    auto& r = per_layer[static_cast<size_t>(layer)];
+    if (!r.empty()) r.resize(r.size() / static_cast<size_t>(rows) * static_cast<size_t>(length));
+  };
+  cut(s.c_kv);
+  cut(s.k_pe);
+  cut(s.k);
+  cut(s.v);
+  cut(s.index_k);
+  cut(s.index_scale);
+}
+
 struct KvCache {
   CacheKind kind = CacheKind::Latent;
   std::vector<SequenceCache> seqs;

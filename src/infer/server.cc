@@ -637,6 +637,19 @@ struct Server::Impl {
     metrics::scalar(out, "deepseek_draft_accepted_total", "counter",
                     "Speculative decoding: drafted tokens kept (their share is the acceptance rate).",
                     static_cast<double>(k.accepted.load()));
+    const int64_t K = b.options().draft_tokens;
+    if (K > 0) {
+      metrics::header(out, "deepseek_draft_tokens_by_position_total", "counter",
+                      "Speculative decoding: drafts checked at each position of a step's chain (1: the first).");
+      for (int64_t j = 0; j < K; ++j)
+        metrics::sample(out, "deepseek_draft_tokens_by_position_total", fmt::format("position=\"{}\"", j + 1),
+                        static_cast<double>(k.drafted_at[static_cast<size_t>(j)].load()));
+      metrics::header(out, "deepseek_draft_accepted_by_position_total", "counter",
+                      "Speculative decoding: drafts kept at each position of a step's chain.");
+      for (int64_t j = 0; j < K; ++j)
+        metrics::sample(out, "deepseek_draft_accepted_by_position_total", fmt::format("position=\"{}\"", j + 1),
+                        static_cast<double>(k.accepted_at[static_cast<size_t>(j)].load()));
+    }
     metrics::scalar(out, "deepseek_running_sequences", "gauge", "Sequences in batch slots.",
                     static_cast<double>(b.running()));
     metrics::scalar(out, "deepseek_waiting_sequences", "gauge", "Sequences waiting for a slot.",

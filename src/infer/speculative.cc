@@ -40,10 +40,8 @@ constexpr uint64_t kStreamSalt = 0x9e3779b97f4a7c15ULL;
 std::vector<std::vector<int32_t>> generate_speculative(Decoder& model, const std::vector<std::vector<int32_t>>& prompts,
                                                        const GenerateOptions& opt, GenerateStats* stats) {
   DS_CHECK(model.can_draft(), "speculative decoding needs the model's MTP layer, which is not loaded");
-  DS_CHECK(opt.draft_tokens == 1,
-           "speculative decoding drafts one token a step (the MTP layer's one depth); {} draft tokens are not "
-           "supported",
-           opt.draft_tokens);
+  DS_CHECK(opt.draft_tokens >= 1 && opt.draft_tokens <= kMaxDraftTokens,
+           "speculative decoding drafts 1 to {} tokens a step, not {}", kMaxDraftTokens, opt.draft_tokens);
   const int64_t V = model.vocab_size(), S = static_cast<int64_t>(prompts.size());
   const int64_t draw_vocab = opt.sample_vocab > 0 ? opt.sample_vocab : V;
   const bool greedy = opt.sampler.temperature <= 0.0f;
@@ -106,8 +104,13 @@ std::vector<std::vector<int32_t>> generate_speculative(Decoder& model, const std
     push(s, tok);
   }
 
-  // Each step: the MTP layer drafts from the newest kept positions, the
-  // model checks [newest token, draft] and the rule keeps or replaces it.
+  // Each step: the MTP layer drafts a chain of up to K tokens from the
+  // newest kept positions (the first from the model's hidden state, each
+  // next from its own), the model checks [newest token, drafts] in one step
+  // and the rule keeps drafts up to the first it replaces.
+  const int64_t K = opt.draft_tokens;
+  st.drafted_at.assign(static_cast<size_t>(K), 0);
+  st.accepted_at.assign(static_cast<size_t>(K), 0);
   auto t1 = clock::now();
   for (;;) {
     std::vector<int64_t> live;
@@ -119,40 +122,64 @@ std::vector<std::vector<int32_t>> generate_speculative(Decoder& model, const std
     }
     if (live.empty()) break;
     const auto dl = model.draft(next);
-    std::vector<std::vector<int32_t>> tokens(S);
-    std::vector<int32_t> drafted(S, -1);
-    std::vector<std::vector<double>> q(S);
+    std::vector<std::vector<int32_t>> tokens(S), drafts(S);
+    std::vector<std::vector<std::vector<double>>> q(S);
+    std::vector<int64_t> want(S, 0);  // drafts sequence s makes this step
+    auto take = [&](int64_t s, const float* row, int64_t j) {
+      const int64_t index = static_cast<int64_t>(out[s].size()) + j;
+      q[s].push_back(sampling_probs(row, draw_vocab, opt.sampler));
+      drafts[s].push_back(greedy ? sample_token(row, draw_vocab, opt.sampler, 0, 0)
+                                 : draw_from(q[s].back(), draws[s].u(index, kDraft)));
+    };
     for (size_t k = 0; k < live.size(); ++k) {
-      const int64_t s = live[k], index = static_cast<int64_t>(out[s].size());
+      const int64_t s = live[k];
       tokens[s] = {out[s].back()};
-      if (model.length(s) + 2 > model.max_positions()) continue;  // no room for the draft
-      q[s] = sampling_probs(&dl[k * V], draw_vocab, opt.sampler);
-      drafted[s] =
-          greedy ? sample_token(&dl[k * V], draw_vocab, opt.sampler, 0, 0) : draw_from(q[s], draws[s].u(index, kDraft));
-      tokens[s].push_back(drafted[s]);
+      // Room for the drafts' positions, and no draft past the last token.
+      want[s] = std::min({K, model.max_positions() - model.length(s) - 1,
+                          opt.max_new_tokens - static_cast<int64_t>(out[s].size()) - 1});
+      if (want[s] > 0) take(s, &dl[k * V], 0);
     }
+    for (int64_t j = 1; j < K; ++j) {
+      std::vector<int32_t> link(S, -1);
+      bool any = false;
+      for (const int64_t s : live) {
+        if (want[s] <= j) continue;
+        link[s] = drafts[s].back();
+        any = true;
+      }
+      if (!any) break;
+      const auto rows = model.draft_more(link);
+      int64_t r = 0;
+      for (const int64_t s : live)
+        if (link[s] >= 0) take(s, &rows[r++ * V], j);
+    }
+    model.drop_links();
+    for (const int64_t s : live) tokens[s].insert(tokens[s].end(), drafts[s].begin(), drafts[s].end());
     const auto lg = model.step_keep(tokens, true);
     int64_t row = 0;
     for (const int64_t s : live) {
-      const int64_t index = static_cast<int64_t>(out[s].size());
-      const float* p0 = &lg[row * V];
+      const int64_t index = static_cast<int64_t>(out[s].size()), k = static_cast<int64_t>(drafts[s].size());
+      const float* rows = &lg[row * V];
       row += static_cast<int64_t>(tokens[s].size());
       std::vector<int32_t> made;
-      if (drafted[s] < 0) {
-        made = {draw(p0, s, index, kResample)};
-      } else {
+      int64_t kept_n = 0;
+      for (int64_t j = 0; j < k; ++j) {
         ++st.drafted;
-        bool kept = false;
-        const auto p = sampling_probs(p0, draw_vocab, opt.sampler);
-        made = {
-            accept_or_resample(p, q[s], drafted[s], draws[s].u(index, kAccept), draws[s].u(index, kResample), &kept)};
-        if (kept) {
-          ++st.accepted;
-          made.push_back(draw(p0 + V, s, index + 1, kBonus));
-        } else {
-          model.truncate(s, model.length(s) - 1);  // the draft's row goes
-        }
+        ++st.drafted_at[static_cast<size_t>(j)];
       }
+      for (int64_t j = 0; j < k; ++j) {
+        bool kept = false;
+        const auto p = sampling_probs(rows + j * V, draw_vocab, opt.sampler);
+        made.push_back(accept_or_resample(p, q[s][static_cast<size_t>(j)], drafts[s][static_cast<size_t>(j)],
+                                          draws[s].u(index + j, kAccept), draws[s].u(index + j, kResample), &kept));
+        if (!kept) break;
+        ++kept_n;
+        ++st.accepted;
+        ++st.accepted_at[static_cast<size_t>(j)];
+      }
+      // Every draft kept (or none made): the next token from the last row.
+      if (kept_n == k) made.push_back(draw(rows + k * V, s, index + k, k == 0 ? kResample : kBonus));
+      if (kept_n < k) model.truncate(s, model.length(s) - (k - kept_n));  // the replaced drafts' rows go
       next[s] = made;
       for (const int32_t t : made) {
         ++st.decode_steps_tokens;

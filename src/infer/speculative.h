@@ -6,6 +6,14 @@
 // two tokens for one read of the weights; a rejected one is dropped from
 // the cache (Decoder::truncate).
 //
+// With K draft tokens (--draft-tokens) the MTP layer is chained as vLLM and
+// SGLang chain DeepSeek's one module: draft j + 1 reads draft j and the MTP
+// layer's own hidden state there in place of the model's (Decoder::
+// draft_more); the model checks [next, d1 .. dK] in one step, the rule
+// keeps drafts in order up to the first it replaces, and the chain's rows
+// leave the MTP layer's cache (Decoder::drop_links) before the model's own
+// hidden states of the kept positions replace them.
+//
 // The acceptance rule is the standard speculative-sampling one (Leviathan
 // et al. 2023; Chen et al. 2023): with p the model's sampling distribution
 // at the draft's position and q the MTP layer's, the draft d (drawn from q)
@@ -19,7 +27,7 @@
 //
 // The MTP layer reads every position the model keeps: the prompt's (as it
 // is read) and each accepted token's, so its own cache never holds a
-// rejected draft.
+// rejected draft (nor, past a step, a chained one).
 #pragma once
 
 #include <cstdint>
