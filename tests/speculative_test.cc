@@ -278,8 +278,8 @@ TEST(SpeculativeRule, AChainKeepsTheJointDistribution) {
     const int32_t d1 = ds::infer::draw_from(q1, u(0)), d2 = ds::infer::draw_from(q2[d1], u(1));
     bool kept = false;
     const int32_t x1 = ds::infer::accept_or_resample(p1, q1, d1, u(2), u(3), &kept);
-    const int32_t x2 =
-        kept ? ds::infer::accept_or_resample(p2[x1], q2[d1], d2, u(4), u(5), &kept) : ds::infer::draw_from(p2[x1], u(6));
+    const int32_t x2 = kept ? ds::infer::accept_or_resample(p2[x1], q2[d1], d2, u(4), u(5), &kept)
+                            : ds::infer::draw_from(p2[x1], u(6));
     ++count[static_cast<size_t>(4 * x1 + x2)];
   }
   double chi2 = 0;

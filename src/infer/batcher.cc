@@ -1,5 +1,4 @@
 #include "infer/batcher.h"
-#include "infer/speculative.h"
 
 #include <algorithm>
 #include <exception>
@@ -7,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "infer/speculative.h"
 
 namespace ds::infer {
 

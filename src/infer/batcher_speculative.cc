@@ -46,8 +46,9 @@ void Batcher::run_speculative_step() {
     const int64_t index = s.made + static_cast<int64_t>(drafts[i].size());
     adjust_row(s, row);
     q[i].push_back(sampling_probs(row, draw_vocab, s.req.sampler));
-    drafts[i].push_back(s.req.sampler.temperature <= 0.0f ? sample_token(row, draw_vocab, s.req.sampler, 0, 0)
-                                                          : draw_from(q[i].back(), draw_u(s.req.sampler, index, kDraft)));
+    drafts[i].push_back(s.req.sampler.temperature <= 0.0f
+                            ? sample_token(row, draw_vocab, s.req.sampler, 0, 0)
+                            : draw_from(q[i].back(), draw_u(s.req.sampler, index, kDraft)));
   };
   if (std::any_of(next.begin(), next.end(), [](const auto& n) { return !n.empty(); })) {
     std::vector<float> dl;
@@ -63,8 +64,8 @@ void Batcher::run_speculative_step() {
       Slot& s = slots_[i];
       if (s.fed < s.req.prompt.size()) continue;  // still reading its prompt
       // Room for the drafts' positions, and no draft past the last token.
-      want[i] = std::min({K, max_positions_ - decoder_.length(static_cast<int64_t>(i)) - 1,
-                          s.req.max_new_tokens - s.made - 1});
+      want[i] = std::min(
+          {K, max_positions_ - decoder_.length(static_cast<int64_t>(i)) - 1, s.req.max_new_tokens - s.made - 1});
       if (want[i] > 0) take(i, row);
     }
     std::vector<std::vector<int32_t>> chained(S);
@@ -145,7 +146,8 @@ void Batcher::decide_drafts(size_t i, float* rows, const std::vector<int32_t>& d
       counters_.accepted_at[j].fetch_add(1, std::memory_order_relaxed);
     } else {
       // Drafts j .. k - 1 go.
-      decoder_.truncate(static_cast<int64_t>(i), decoder_.length(static_cast<int64_t>(i)) - static_cast<int64_t>(k - j));
+      decoder_.truncate(static_cast<int64_t>(i),
+                        decoder_.length(static_cast<int64_t>(i)) - static_cast<int64_t>(k - j));
     }
     made.push_back(tok);
     if (!emit(i, tok, before, now)) return;
