@@ -122,7 +122,7 @@ TEST_P(V41Reference, DecodeAndBatchEqualTheFullForward) {
     std::vector<V4Request> batch;
     std::vector<float> all_full, all_slack;
     const double tol = qat && std::string(GetParam()) == "v41_tiny" ? 5e-5 : 1e-5;
-    for (const auto& ids : f->tokens) states.push_back(model.new_state());
+    for (size_t s = 0; s < f->tokens.size(); ++s) states.push_back(model.new_state());
     for (size_t s = 0; s < f->tokens.size(); ++s) {
       const auto& ids = f->tokens[s];
       const int64_t T = static_cast<int64_t>(ids.size());

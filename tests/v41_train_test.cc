@@ -51,8 +51,11 @@ TEST(V41Train, LossAndGradientsMatchTheReference) {
     ds::test::expect_close(got, ds::test::to_double(want), 0.0, 2e-4 * max_abs(want) + 1e-9, name.c_str());
     if (name.find("engram.embed") != std::string::npos) {
       // Only the rows looked up: zero rows stay zero.
-      for (size_t i = 0; i < want.size(); ++i)
-        if (want[i] == 0.0f) EXPECT_EQ(got[i], 0.0f) << name << "[" << i << "]";
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (want[i] == 0.0f) {
+          EXPECT_EQ(got[i], 0.0f) << name << "[" << i << "]";
+        }
+      }
     }
     ++checked;
   }
