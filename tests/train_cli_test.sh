@@ -111,6 +111,13 @@ expect_error train "$tmp/run.yml" run_name=u per_device_batch_size=1.5
 expect_error train "$tmp/missing.yml"
 expect_error train "$tmp/run.yml"  # the run exists: resume=true or another run_name
 expect_error export --checkpoint "$tmp/missing" --out "$tmp/hf2"
+# GGUF: the tiny tokenizer's pre-tokenizer is not one llama.cpp has, so the
+# export is refused (model/gguf_export.h; tests/gguf_export_test.cc writes
+# one), leaving nothing behind; so are an unknown format and type.
+expect_error export --checkpoint "$run/checkpoints/step_6" --out "$tmp/m.gguf" --format gguf
+check '[ ! -e "$tmp/m.gguf" ] && [ ! -e "$tmp/m.gguf.hf-export" ]' "a refused GGUF export leaves no file"
+expect_error export --checkpoint "$run/checkpoints/step_6" --out "$tmp/m.gguf" --format ggml
+expect_error export --checkpoint "$run/checkpoints/step_6" --out "$tmp/m.gguf" --format gguf --dtype q4_k
 # A corrupt newest checkpoint: resume refuses it and both checkpoints stay.
 head -c 100 "$run/checkpoints/step_6/params.safetensors" >"$tmp/cut" && mv "$tmp/cut" "$run/checkpoints/step_6/params.safetensors"
 expect_error train "$tmp/run.yml" resume=true steps=8

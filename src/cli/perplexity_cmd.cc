@@ -2,7 +2,8 @@
 //  --corpus DIR [--split eval]) [--ctx 512] [--chunks N] [--json]`
 //
 // Token-level perplexity over a text (tokenized whole with the model's
-// tokenizer, its BOS first when it has one), a token file (a JSON array of
+// tokenizer, its BOS first when it has one, one final newline dropped as
+// llama-perplexity's -f drops it), a token file (a JSON array of
 // token-id arrays, joined in order) or a corpus written by `deepseek
 // prepare` (one split's documents joined in order), computed as llama.cpp's
 // llama-perplexity computes it (infer/perplexity.h): chunks of --ctx tokens,
@@ -48,8 +49,11 @@ std::vector<int32_t> read_stream(const PerplexityArgs& a, int64_t vocab, std::op
   std::vector<int32_t> ids;
   if (!a.data.empty()) {
     DS_CHECK(std::filesystem::is_regular_file(tok_path, ec), "perplexity: --data needs the model folder's tokenizer.json");
-    const std::string text = io::read_file(a.data, "data file");
+    std::string text = io::read_file(a.data, "data file");
     io::check_utf8(text, a.data.c_str());
+    // llama-perplexity's -f drops one final newline: the same file gives the
+    // same tokens in both.
+    if (!text.empty() && text.back() == '\n') text.pop_back();
     ids = io::Tokenizer::from_file(tok_path).encode(text, /*add_special_tokens=*/true);
   } else if (!a.tokens.empty()) {
     for (const auto& seq : io::parse_token_lists(io::read_file(a.tokens, "token file"), vocab, a.tokens))

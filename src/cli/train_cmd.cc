@@ -21,6 +21,7 @@
 #include "io/atomic_file.h"
 #include "io/text_input.h"
 #include "io/tokenizer.h"
+#include "model/gguf_export.h"
 #include "train/checkpoint.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -37,7 +38,8 @@ struct TrainArgs {
 };
 
 struct ExportArgs {
-  std::string checkpoint, out, dtype = "bf16";
+  std::string checkpoint, out, dtype = "bf16", format = "hf";
+  bool quiet = false;  // no line of its own (the folder is a step of --format gguf)
 };
 
 int run_train(const TrainArgs& a) {
@@ -68,7 +70,46 @@ void set_special_ids(const fs::path& config, std::optional<int32_t> bos, std::op
   io::write_file_atomic(config.string(), j.dump(2) + "\n");
 }
 
+int run_export_hf(const ExportArgs& a);
+
+// --format gguf: the Hugging Face folder in float32 beside the output, then
+// one GGUF file of it (model/gguf_export.h), the folder removed.
+int run_export_gguf(const ExportArgs& a) {
+  const std::string out = io::resolve_output_path(a.out);
+  const fs::path tmp = fs::path(out).parent_path() / (fs::path(out).filename().string() + ".hf-export");
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  ExportArgs hf = a;
+  hf.out = tmp.string();
+  hf.dtype = "f32";
+  hf.format = "hf";
+  hf.quiet = true;
+  struct Cleanup {
+    fs::path p;
+    ~Cleanup() {
+      std::error_code e;
+      fs::remove_all(p, e);
+    }
+  } cleanup{tmp};
+  {
+    // The folder's own line is not the user's output.
+    const int rc = run_export_hf(hf);
+    if (rc != 0) return rc;
+  }
+  const uint64_t bytes = model::export_gguf(tmp.string(), out, a.dtype);
+  fmt::print("exported {} to {} (GGUF, {}, {:.1f} MiB)\n", a.checkpoint, a.out, a.dtype,
+             static_cast<double>(bytes) / (1 << 20));
+  check_stdout();
+  return 0;
+}
+
 int run_export(const ExportArgs& a) {
+  if (a.format == "gguf") return run_export_gguf(a);
+  DS_CHECK(a.format == "hf", "export: --format must be hf or gguf, got '{}'", a.format);
+  return run_export_hf(a);
+}
+
+int run_export_hf(const ExportArgs& a) {
   DType dt;
   if (a.dtype == "bf16")
     dt = DType::BF16;
@@ -125,6 +166,7 @@ int run_export(const ExportArgs& a) {
       tok_note += fmt::format("; removed the folder's old {}", name);
     }
   }
+  if (a.quiet) return 0;
   fmt::print("exported {} (step {}, {} MTP layers, {}) to {}; {}\n", a.checkpoint, st.step, mtp, a.dtype, a.out,
              tok_note);
   check_stdout();
@@ -141,10 +183,12 @@ void add_train_commands(CLI::App& app, CommandList& commands) {
   commands.emplace_back(t, [ta] { return run_train(*ta); });
 
   auto ea = std::make_shared<ExportArgs>();
-  auto* e = app.add_subcommand("export", "write a training checkpoint as a Hugging Face model folder");
+  auto* e = app.add_subcommand("export", "write a training checkpoint as a Hugging Face model folder or a GGUF file");
   e->add_option("--checkpoint", ea->checkpoint, "checkpoint folder (RUN/checkpoints/step_N)")->required();
   e->add_option("--out", ea->out, "output folder")->required();
-  e->add_option("--dtype", ea->dtype, "weight dtype: bf16 (default), f16, f32");
+  e->add_option("--dtype", ea->dtype, "weight dtype: bf16 (default), f16, f32; with --format gguf also q8_0");
+  e->add_option("--format", ea->format,
+                "hf (default: a Hugging Face folder) or gguf (one file llama.cpp loads; DeepSeek-V2/V3 models)");
   commands.emplace_back(e, [ea] { return run_export(*ea); });
 }
 

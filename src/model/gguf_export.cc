@@ -1,0 +1,302 @@
+#include "model/gguf_export.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "io/gguf.h"
+#include "io/safetensors.h"
+#include "io/text_input.h"
+#include "model/load.h"
+
+namespace ds::model {
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace gguf = io::gguf;
+using gguf::TensorType;
+using json = nlohmann::json;
+
+// DeepSeek-V3's pre-tokenizer (tokenizer.json's Split regexes, in order),
+// which llama.cpp knows as "deepseek-v3".
+const char* const kDeepSeekV3Splits[] = {
+    "\\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
+    "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+};
+
+// The llama.cpp pre-tokenizer name for a tokenizer.json's pre_tokenizer.
+std::string pre_tokenizer_name(const json& pre, const std::string& path) {
+  if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers")) {
+    std::vector<std::string> splits;
+    bool byte_level = false;
+    for (const auto& p : pre["pretokenizers"]) {
+      const std::string t = p.value("type", "");
+      if (t == "Split" && p.contains("pattern") && p["pattern"].contains("Regex"))
+        splits.push_back(p["pattern"]["Regex"].get<std::string>());
+      else if (t == "ByteLevel")
+        byte_level = !p.value("use_regex", true);
+    }
+    if (byte_level && splits == std::vector<std::string>(std::begin(kDeepSeekV3Splits), std::end(kDeepSeekV3Splits)))
+      return "deepseek-v3";
+  }
+  if (pre.is_object() && pre.value("type", "") == "ByteLevel" && pre.value("use_regex", false)) return "gpt-2";
+  DS_FAIL("gguf export: {}: its pre-tokenizer is neither DeepSeek-V3's nor GPT-2's, so llama.cpp would split text "
+          "differently",
+          path);
+}
+
+// tokenizer.ggml.* from tokenizer.json (byte-level BPE).
+void write_tokenizer(gguf::Writer& w, const std::string& dir, const ModelConfig& c) {
+  const std::string path = (fs::path(dir) / "tokenizer.json").string();
+  const json t = json::parse(io::read_file(path, "tokenizer"));
+  DS_CHECK(t.contains("model") && t["model"].value("type", "") == "BPE" && t["model"].contains("vocab"),
+           "gguf export: {} is not a byte-level BPE tokenizer", path);
+  std::vector<std::string> tokens(static_cast<size_t>(c.vocab_size));
+  std::vector<int32_t> types(tokens.size(), 5);  // UNUSED: ids no token has
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = fmt::format("[PAD{}]", i);
+  auto put = [&](int64_t id, const std::string& text, int32_t type) {
+    DS_CHECK(id >= 0 && id < c.vocab_size, "gguf export: {}: token id {} outside the model's vocabulary of {}", path,
+             id, c.vocab_size);
+    tokens[static_cast<size_t>(id)] = text;
+    types[static_cast<size_t>(id)] = type;
+  };
+  for (const auto& [text, id] : t["model"]["vocab"].items()) put(id.get<int64_t>(), text, 1);  // NORMAL
+  if (t.contains("added_tokens"))
+    for (const auto& a : t["added_tokens"])
+      put(a["id"].get<int64_t>(), a["content"].get<std::string>(), a.value("special", false) ? 3 : 4);  // CONTROL, USER
+  std::vector<std::string> merges;
+  for (const auto& m : t["model"].value("merges", json::array())) {
+    if (m.is_string()) {
+      merges.push_back(m.get<std::string>());
+    } else {
+      DS_CHECK(m.is_array() && m.size() == 2, "gguf export: {}: a merge that is neither \"a b\" nor [a, b]", path);
+      merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+    }
+  }
+  w.set("tokenizer.ggml.model", gguf::Value::str("gpt2"));
+  w.set("tokenizer.ggml.pre", gguf::Value::str(pre_tokenizer_name(t.value("pre_tokenizer", json()), path)));
+  w.set("tokenizer.ggml.tokens", gguf::Value::strings(std::move(tokens)));
+  w.set("tokenizer.ggml.token_type", gguf::Value::i32s(types));
+  w.set("tokenizer.ggml.merges", gguf::Value::strings(std::move(merges)));
+  w.set("tokenizer.ggml.bos_token_id", gguf::Value::u32(static_cast<uint32_t>(c.bos_token_id)));
+  w.set("tokenizer.ggml.eos_token_id", gguf::Value::u32(static_cast<uint32_t>(c.eos_token_id)));
+  w.set("tokenizer.ggml.add_bos_token", gguf::Value::boolean(true));
+  w.set("tokenizer.ggml.add_eos_token", gguf::Value::boolean(false));
+}
+
+void write_hparams(gguf::Writer& w, const ModelConfig& c, uint32_t file_type) {
+  const std::string a = "deepseek2.";
+  auto u32 = [](int64_t v) { return gguf::Value::u32(static_cast<uint32_t>(v)); };
+  auto f32 = [](double v) { return gguf::Value::f32(static_cast<float>(v)); };
+  w.set("general.architecture", gguf::Value::str("deepseek2"));
+  w.set("general.type", gguf::Value::str("model"));
+  w.set("general.name", gguf::Value::str("deepseek.cpp export"));
+  w.set("general.file_type", gguf::Value::u32(file_type));
+  w.set("general.quantization_version", gguf::Value::u32(2));
+  w.set(a + "block_count", u32(c.num_hidden_layers));
+  w.set(a + "context_length", u32(c.max_position_embeddings));
+  w.set(a + "embedding_length", u32(c.hidden_size));
+  w.set(a + "feed_forward_length", u32(c.intermediate_size));
+  w.set(a + "attention.head_count", u32(c.num_attention_heads));
+  w.set(a + "attention.head_count_kv", u32(1));
+  w.set(a + "rope.freq_base", f32(c.rope_theta));
+  w.set(a + "attention.layer_norm_rms_epsilon", f32(c.rms_norm_eps));
+  w.set(a + "leading_dense_block_count", u32(c.first_k_dense_replace));
+  w.set(a + "vocab_size", u32(c.vocab_size));
+  if (c.q_lora_rank > 0) w.set(a + "attention.q_lora_rank", u32(c.q_lora_rank));
+  w.set(a + "attention.kv_lora_rank", u32(c.kv_lora_rank));
+  w.set(a + "attention.key_length", u32(c.kv_lora_rank + c.qk_rope_head_dim));
+  w.set(a + "attention.value_length", u32(c.kv_lora_rank));
+  w.set(a + "attention.key_length_mla", u32(c.qk_nope_head_dim + c.qk_rope_head_dim));
+  w.set(a + "attention.value_length_mla", u32(c.v_head_dim));
+  w.set(a + "rope.dimension_count", u32(c.qk_rope_head_dim));
+  if (c.n_routed_experts > 0) {
+    w.set(a + "expert_feed_forward_length", u32(c.moe_intermediate_size));
+    w.set(a + "expert_count", u32(c.n_routed_experts));
+    w.set(a + "expert_used_count", u32(c.num_experts_per_tok));
+    w.set(a + "expert_shared_count", u32(c.n_shared_experts));
+    w.set(a + "expert_weights_scale", f32(c.routed_scaling_factor));
+    if (c.norm_topk_prob) w.set(a + "expert_weights_norm", gguf::Value::boolean(true));
+    w.set(a + "expert_gating_func", u32(c.scoring_func == ScoringFunc::Sigmoid ? 2 : 1));
+    // llama.cpp asserts topk_group < n_group when it routes by groups.
+    if (c.n_group > 1 && c.topk_group < c.n_group) {
+      w.set(a + "expert_group_count", u32(c.n_group));
+      w.set(a + "expert_group_used_count", u32(c.topk_group));
+    }
+  }
+  if (c.rope_scaling.enabled) {
+    w.set(a + "rope.scaling.type", gguf::Value::str("yarn"));
+    w.set(a + "rope.scaling.factor", f32(c.rope_scaling.factor));
+    w.set(a + "rope.scaling.original_context_length", u32(c.rope_scaling.original_max_position_embeddings));
+    w.set(a + "rope.scaling.yarn_beta_fast", f32(c.rope_scaling.beta_fast));
+    w.set(a + "rope.scaling.yarn_beta_slow", f32(c.rope_scaling.beta_slow));
+    w.set(a + "rope.scaling.yarn_log_multiplier", f32(0.1 * c.rope_scaling.mscale_all_dim));
+  }
+}
+
+// One tensor's bytes in `type` from float32 rows of `ne0` values.
+std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
+  std::string out;
+  if (type == TensorType::F32) {
+    out.assign(reinterpret_cast<const char*>(x.data()), x.size() * sizeof(float));
+  } else if (type == TensorType::BF16 || type == TensorType::F16) {
+    out.resize(x.size() * 2);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const uint16_t h = type == TensorType::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+      std::memcpy(&out[2 * i], &h, 2);
+    }
+  } else {
+    // Q8_0, as ggml's quantize_row_q8_0_ref: d = amax / 127 (stored as f16),
+    // q = round(x / d) half away from zero with the unrounded 1 / d.
+    DS_CHECK(type == TensorType::Q8_0 && ne0 % 32 == 0, "gguf export: cannot encode {}", gguf::type_name(type));
+    out.resize(x.size() / 32 * 34);
+    for (size_t b = 0; b < x.size() / 32; ++b) {
+      const float* v = &x[32 * b];
+      float amax = 0;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      const uint16_t dh = f32_to_f16(d);
+      char* blk = &out[34 * b];
+      std::memcpy(blk, &dh, 2);
+      for (int i = 0; i < 32; ++i) blk[2 + i] = static_cast<char>(static_cast<int8_t>(std::roundf(v[i] * id)));
+    }
+  }
+  return out;
+}
+
+class Exporter {
+ public:
+  Exporter(const std::string& dir, TensorType type) : files_(io::SafetensorsSet::open_dir(dir)), type_(type) {}
+
+  // An HF tensor as float32 in its row-major order (ne0 its last dim).
+  std::vector<float> get(const std::string& name) const {
+    DS_CHECK(files_.contains(name), "gguf export: the folder has no tensor '{}'", name);
+    const DType dt = files_.tensor(name).dtype();
+    DS_CHECK(dt == DType::F32 || dt == DType::BF16 || dt == DType::F16,
+             "gguf export: tensor '{}' is {}; export float folders (fp8 checkpoints are not converted)", name,
+             dtype_name(dt));
+    return files_.tensor(name).to_vector();
+  }
+  // Adds a tensor of ggml shape ne (fastest first); `keep_f32` for norms,
+  // biases and the router.
+  void add(gguf::Writer& w, const std::string& name, std::vector<float> x, std::vector<int64_t> ne, bool keep_f32) {
+    TensorType t = keep_f32 || ne.size() == 1 ? TensorType::F32 : type_;
+    if (t == TensorType::Q8_0 && ne[0] % 32 != 0) t = TensorType::F16;
+    auto bytes = std::make_shared<std::string>(encode(x, ne[0], t));
+    w.add_tensor(name, t, std::move(ne), [bytes](auto put) { put(bytes->data(), bytes->size()); });
+  }
+  void matrix(gguf::Writer& w, const std::string& name, const std::string& hf, bool keep_f32 = false) {
+    const auto shape = files_.tensor(hf).shape();
+    DS_CHECK(shape.size() <= 2, "gguf export: tensor '{}' has {} dims", hf, shape.size());
+    std::vector<int64_t> ne(shape.rbegin(), shape.rend());
+    add(w, name, get(hf), ne, keep_f32);
+  }
+
+ private:
+  io::SafetensorsSet files_;
+  TensorType type_;
+};
+
+void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) {
+  const std::string b = fmt::format("blk.{}.", l), h = fmt::format("model.layers.{}.", l);
+  e.matrix(w, b + "attn_norm.weight", h + "input_layernorm.weight", true);
+  e.matrix(w, b + "ffn_norm.weight", h + "post_attention_layernorm.weight", true);
+  if (c.q_lora_rank > 0) {
+    e.matrix(w, b + "attn_q_a.weight", h + "self_attn.q_a_proj.weight");
+    e.matrix(w, b + "attn_q_a_norm.weight", h + "self_attn.q_a_layernorm.weight", true);
+    e.matrix(w, b + "attn_q_b.weight", h + "self_attn.q_b_proj.weight");
+  } else {
+    e.matrix(w, b + "attn_q.weight", h + "self_attn.q_proj.weight");
+  }
+  e.matrix(w, b + "attn_kv_a_mqa.weight", h + "self_attn.kv_a_proj_with_mqa.weight");
+  e.matrix(w, b + "attn_kv_a_norm.weight", h + "self_attn.kv_a_layernorm.weight", true);
+  // kv_b_proj [H (nope + v), kvl]: per head, k_b transposed to [kvl, nope]
+  // rows (ggml ne (nope, kvl, H)) and v_b as it is (ne (kvl, v, H)).
+  const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, vd = c.v_head_dim, kvl = c.kv_lora_rank;
+  const auto kvb = e.get(h + "self_attn.kv_b_proj.weight");
+  DS_CHECK(static_cast<int64_t>(kvb.size()) == H * (nope + vd) * kvl, "gguf export: {} has {} values, not {}",
+           h + "self_attn.kv_b_proj.weight", kvb.size(), H * (nope + vd) * kvl);
+  std::vector<float> kb(static_cast<size_t>(H * kvl * nope)), vb(static_cast<size_t>(H * vd * kvl));
+  for (int64_t hh = 0; hh < H; ++hh)
+    for (int64_t r = 0; r < nope + vd; ++r)
+      for (int64_t col = 0; col < kvl; ++col) {
+        const float v = kvb[static_cast<size_t>((hh * (nope + vd) + r) * kvl + col)];
+        if (r < nope)
+          kb[static_cast<size_t>((hh * kvl + col) * nope + r)] = v;
+        else
+          vb[static_cast<size_t>((hh * vd + (r - nope)) * kvl + col)] = v;
+      }
+  e.add(w, b + "attn_k_b.weight", std::move(kb), {nope, kvl, H}, false);
+  e.add(w, b + "attn_v_b.weight", std::move(vb), {kvl, vd, H}, false);
+  e.matrix(w, b + "attn_output.weight", h + "self_attn.o_proj.weight");
+  if (l < c.first_k_dense_replace || c.n_routed_experts == 0) {
+    for (const char* p : {"gate", "up", "down"})
+      e.matrix(w, b + fmt::format("ffn_{}.weight", p), h + fmt::format("mlp.{}_proj.weight", p));
+    return;
+  }
+  e.matrix(w, b + "ffn_gate_inp.weight", h + "mlp.gate.weight", true);
+  e.add(w, b + "exp_probs_b.bias", e.get(h + "mlp.gate.e_score_correction_bias"), {c.n_routed_experts}, true);
+  const int64_t X = c.n_routed_experts, D = c.hidden_size, F = c.moe_intermediate_size;
+  for (const char* p : {"gate", "up", "down"}) {
+    std::vector<float> all;
+    all.reserve(static_cast<size_t>(X * D * F));
+    for (int64_t x = 0; x < X; ++x) {
+      const auto one = e.get(h + fmt::format("mlp.experts.{}.{}_proj.weight", x, p));
+      all.insert(all.end(), one.begin(), one.end());
+    }
+    const bool down = std::string(p) == "down";
+    e.add(w, b + fmt::format("ffn_{}_exps.weight", p), std::move(all), down ? std::vector<int64_t>{F, D, X}
+                                                                              : std::vector<int64_t>{D, F, X},
+          false);
+  }
+  if (c.n_shared_experts > 0)
+    for (const char* p : {"gate", "up", "down"})
+      e.matrix(w, b + fmt::format("ffn_{}_shexp.weight", p), h + fmt::format("mlp.shared_experts.{}_proj.weight", p));
+}
+
+}  // namespace
+
+uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const std::string& type) {
+  TensorType t;
+  uint32_t file_type;
+  if (type == "f32") {
+    t = TensorType::F32, file_type = 0;
+  } else if (type == "f16") {
+    t = TensorType::F16, file_type = 1;
+  } else if (type == "bf16") {
+    t = TensorType::BF16, file_type = 32;
+  } else if (type == "q8_0") {
+    t = TensorType::Q8_0, file_type = 7;
+  } else {
+    DS_FAIL("gguf export: type '{}' is not f32, f16, bf16 or q8_0", type);
+  }
+  const ModelConfig c = load_config(hf_dir);
+  DS_CHECK(c.model_type == "deepseek_v3" || c.model_type == "deepseek_v2",
+           "gguf export: {} is a {} model; GGUF export writes DeepSeek-V2/V3 models (llama.cpp's deepseek2)", hf_dir,
+           c.model_type);
+  DS_CHECK(c.index_n_heads == 0 && c.mhc_expansion_rate <= 1 && c.engram_layers.empty(),
+           "gguf export: {}: sparse attention, mHC and Engram layers have no deepseek2 tensors in llama.cpp", hf_dir);
+  DS_CHECK(c.moe_layer_freq == 1, "gguf export: {}: moe_layer_freq {} (llama.cpp's deepseek2 has every layer after "
+                                  "the dense ones routed)",
+           hf_dir, c.moe_layer_freq);
+  gguf::Writer w;
+  write_hparams(w, c, file_type);
+  write_tokenizer(w, hf_dir, c);
+  Exporter e(hf_dir, t);
+  e.matrix(w, "token_embd.weight", "model.embed_tokens.weight");
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) write_layer(w, e, c, l);
+  e.matrix(w, "output_norm.weight", "model.norm.weight", true);
+  if (!c.tie_word_embeddings) e.matrix(w, "output.weight", "lm_head.weight");
+  return w.write(out);
+}
+
+}  // namespace ds::model

@@ -1,0 +1,32 @@
+// A DeepSeek-V2/V3 Hugging Face folder (config.json, safetensors weights,
+// tokenizer.json) as one GGUF file that llama.cpp loads as its "deepseek2"
+// architecture, written as llama.cpp's own convert_hf_to_gguf.py writes it:
+//
+//  - MLA stored as one-head MQA (head_count_kv 1, key_length kv_lora_rank +
+//    qk_rope_head_dim, value_length kv_lora_rank) with kv_b_proj split per
+//    head into attn_k_b (transposed) and attn_v_b;
+//  - routed experts stacked into ffn_{gate,up,down}_exps, the aux-loss-free
+//    bias as exp_probs_b.bias, sigmoid gating (expert_gating_func 2), group
+//    routing (expert_group_count, expert_group_used_count);
+//  - YaRN as rope.scaling.* with yarn_log_multiplier = 0.1 * mscale_all_dim
+//    (llama.cpp divides it by 0.1 again);
+//  - the MTP layer left out (llama.cpp's trunk does not read it);
+//  - norms, biases and the router in F32; every other matrix in the type
+//    asked for (f32, f16, bf16, q8_0; a q8_0 tensor whose rows do not divide
+//    into blocks of 32 is written in f16, as the converter does);
+//  - the byte-level BPE tokenizer as tokenizer.ggml.* ("gpt2", the
+//    pre-tokenizer named by its regexes: "deepseek-v3" for DeepSeek-V3's).
+//
+// Refused with one error: other families (V3.2's indexer, V4, mHC,
+// Engram), fp8 folders, tokenizers llama.cpp would split differently.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ds::model {
+
+// Writes `out`; returns its size in bytes. `type`: f32, f16, bf16 or q8_0.
+uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const std::string& type);
+
+}  // namespace ds::model
