@@ -8,7 +8,7 @@
 # Targets (fuzz/<target>.cc, seeds in fuzz/corpus/<name without _fuzz>/):
 # safetensors_header_fuzz, config_json_fuzz, tokenizer_json_fuzz,
 # token_lists_fuzz, token_shard_fuzz, token_meta_fuzz, train_config_fuzz,
-# json_dataset_fuzz, server_request_fuzz. Arguments name the targets to run (default: all). Each
+# json_dataset_fuzz, server_request_fuzz, gguf_fuzz. Arguments name the targets to run (default: all). Each
 # target gets a libFuzzer dictionary: fuzz/<name without _fuzz>.dict where
 # there is one (train_config: YAML and the run config's keys; token_shard:
 # the shard header's magic and edge-case integers; server_request: HTTP
@@ -43,7 +43,7 @@ KEEP_GOING=()
 JOBS="${DEEPSEEK_JOBS:-2}"
 BUILD=build-fuzz
 ALL_TARGETS=(safetensors_header_fuzz config_json_fuzz tokenizer_json_fuzz token_lists_fuzz token_shard_fuzz
-  token_meta_fuzz train_config_fuzz json_dataset_fuzz server_request_fuzz)
+  token_meta_fuzz train_config_fuzz json_dataset_fuzz server_request_fuzz gguf_fuzz)
 TARGETS=("$@")
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${ALL_TARGETS[@]}")
 

@@ -141,7 +141,9 @@ TEST_F(GgufExportTest, KeysAreLlamaCppsWithTheirTypes) {
   for (const auto& a : tok_["added_tokens"]) added[a["id"].get<size_t>()] = a.value("special", false) ? 3 : 4;
   for (const auto& [text, id] : tok_["model"]["vocab"].items()) {
     const size_t i = id.get<size_t>();
-    if (!added.count(i)) EXPECT_EQ(std::get<std::string>(tokens->array[i]), text);
+    if (!added.count(i)) {
+      EXPECT_EQ(std::get<std::string>(tokens->array[i]), text);
+    }
     EXPECT_EQ(std::get<int64_t>(types->array[i]), added.count(i) ? added[i] : 1) << text;
   }
   for (const auto& a : tok_["added_tokens"])

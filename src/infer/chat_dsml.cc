@@ -292,6 +292,22 @@ void sort_results(std::vector<Turn>& turns) {
   }
 }
 
+// A user turn: "<｜User｜>" + its blocks (results as <tool_result>text
+// </tool_result>) joined by a blank line.
+std::string user_turn(const Turn& t) {
+  std::string out(kUser);
+  for (size_t b = 0; b < t.blocks.size(); ++b)
+    out += (b ? "\n\n" : "") +
+           (t.blocks[b].result ? "<tool_result>" + t.blocks[b].text + "</tool_result>" : t.blocks[b].text);
+  return out;
+}
+
+// An assistant turn: its reasoning + "</think>" (think), text, calls, EOS.
+std::string assistant_turn(Format f, const Turn& t, bool think, const std::string& text) {
+  return (think ? t.m->reasoning + std::string(kThinkEnd) : std::string()) + text + calls_text(f, *t.m, t.where) +
+         std::string(kEos);
+}
+
 std::vector<Turn> v4_turns(const Listed& l) {
   std::vector<Turn> turns;
   for (size_t i = 0; i < l.msgs.size(); ++i) {
@@ -344,14 +360,9 @@ Prompt render_v4(const Conversation& c) {
       out += t.m->content;
       if (t.tools) out += "\n\n" + tools_text(Format::V4, c);
     } else if (t.role == Role::User) {
-      out += kUser;
-      for (size_t b = 0; b < t.blocks.size(); ++b)
-        out += (b ? "\n\n" : "") +
-               (t.blocks[b].result ? "<tool_result>" + t.blocks[b].text + "</tool_result>" : t.blocks[b].text);
+      out += user_turn(t);
     } else {
-      const std::string think =
-          c.thinking && (!drop || at > last_user) ? t.m->reasoning + std::string(kThinkEnd) : std::string();
-      out += think + t.m->content + calls_text(Format::V4, *t.m, t.where) + std::string(kEos);
+      out += assistant_turn(Format::V4, t, c.thinking && (!drop || at > last_user), t.m->content);
     }
     // A user turn answered next (or last) opens the assistant's turn.
     const bool answered = i + 1 == turns.size() || turns[i + 1].role == Role::Assistant;
@@ -473,14 +484,9 @@ Prompt render_v41(const Conversation& c) {
       out += t.text;
       if (t.tools) out += "\n\n" + tools_text(Format::V41, c);
     } else if (t.role == Role::User) {
-      out += kUser;
-      for (size_t b = 0; b < t.blocks.size(); ++b)
-        out += (b ? "\n\n" : "") +
-               (t.blocks[b].result ? "<tool_result>" + t.blocks[b].text + "</tool_result>" : t.blocks[b].text);
+      out += user_turn(t);
     } else {
-      const std::string think =
-          c.thinking && (!drop || at > last_user) ? t.m->reasoning + std::string(kThinkEnd) : std::string();
-      out += think + t.text + calls_text(Format::V41, *t.m, t.where) + std::string(kEos);
+      out += assistant_turn(Format::V41, t, c.thinking && (!drop || at > last_user), t.text);
     }
     const bool answered = i + 1 == turns.size() || turns[i + 1].role == Role::Assistant;
     if (answered && asks(turns, i))

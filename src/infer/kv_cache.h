@@ -47,21 +47,27 @@ struct SequenceCache {
   int64_t engram_first = 0;
 };
 
+// f(rows) for each per-layer row list of one position per row: the latent
+// and naive caches and V3.2's indexer keys and scales.
+template <class F>
+void for_each_row_list(SequenceCache& s, F f) {
+  f(s.c_kv);
+  f(s.k_pe);
+  f(s.k);
+  f(s.v);
+  f(s.index_k);
+  f(s.index_scale);
+}
+
 // Keeps the first `length` tokens of the layers below `layers` (a rejected
 // draft's rows go; the MTP layer's own rows, if any, stay).
 inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
   if (length >= s.length) return;
-  auto cut = [&](auto& rows) {
+  for_each_row_list(s, [&](auto& rows) {
     for (int64_t l = 0; l < layers && l < static_cast<int64_t>(rows.size()); ++l)
       if (!rows[l].empty())
         rows[l].resize(rows[l].size() / static_cast<size_t>(s.length) * static_cast<size_t>(length));
-  };
-  cut(s.c_kv);
-  cut(s.k_pe);
-  cut(s.k);
-  cut(s.v);
-  cut(s.index_k);
-  cut(s.index_scale);
+  });
   // Engram's rows start at engram_first: the conv still needs the rows
   // before the new length, so they must not have been dropped.
   for (int64_t l = 0; l < layers && l < static_cast<int64_t>(s.engram.size()); ++l) {
@@ -79,16 +85,10 @@ inline void truncate(SequenceCache& s, int64_t length, int64_t layers) {
 // layer's chained drafts go; its cache holds draft_length positions).
 inline void truncate_layer(SequenceCache& s, int64_t layer, int64_t rows, int64_t length) {
   if (length >= rows) return;
-  auto cut = [&](auto& per_layer) {
+  for_each_row_list(s, [&](auto& per_layer) {
     auto& r = per_layer[static_cast<size_t>(layer)];
     if (!r.empty()) r.resize(r.size() / static_cast<size_t>(rows) * static_cast<size_t>(length));
-  };
-  cut(s.c_kv);
-  cut(s.k_pe);
-  cut(s.k);
-  cut(s.v);
-  cut(s.index_k);
-  cut(s.index_scale);
+  });
 }
 
 struct KvCache {
