@@ -11,6 +11,11 @@
 
 #include <gtest/gtest.h>
 
+#include "infer/model.h"
+#include "io/tokenizer.h"
+#include "model/gguf_import.h"
+#include "model/load.h"
+
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -272,6 +277,77 @@ TEST_F(GgufExportTest, WhatDeepseek2CannotHoldIsRefused) {
   std::ofstream(dir_ + "/v32/tokenizer.json") << tok_.dump();
   EXPECT_THROW(ds::model::export_gguf(dir_ + "/v32", dir_ + "/x.gguf", "f32"), ds::Error);
   EXPECT_FALSE(fs::exists(dir_ + "/x.gguf"));
+}
+
+// The way back (model/gguf_import.h): an f32 file gives the folder's
+// weights exactly, config and tokenizer included; a q8_0 one within its
+// rounding; a .gguf path names a model for every command (infer::
+// model_folder), with the folder's logits.
+TEST_F(GgufExportTest, ImportIsTheInverseOfExport) {
+  exported("f32");
+  ASSERT_TRUE(ds::model::is_gguf_file(dir_ + "/m-f32.gguf"));
+  EXPECT_FALSE(ds::model::is_gguf_file(dir_ + "/hf/config.json"));
+  ds::model::import_gguf(dir_ + "/m-f32.gguf", dir_ + "/back");
+  const auto a = ds::io::SafetensorsSet::open_dir(dir_ + "/hf"), b = ds::io::SafetensorsSet::open_dir(dir_ + "/back");
+  EXPECT_EQ(a.names(), b.names());
+  for (const auto& n : a.names()) {
+    ASSERT_TRUE(b.contains(n)) << n;
+    EXPECT_EQ(a.tensor(n).shape(), b.tensor(n).shape()) << n;
+    EXPECT_EQ(a.tensor(n).to_vector(), b.tensor(n).to_vector()) << n;
+  }
+  const auto ca = ds::model::load_config(dir_ + "/hf"), cb = ds::model::load_config(dir_ + "/back");
+  EXPECT_EQ(cb.hidden_size, ca.hidden_size);
+  EXPECT_EQ(cb.q_lora_rank, ca.q_lora_rank);
+  EXPECT_EQ(cb.qk_nope_head_dim, ca.qk_nope_head_dim);
+  EXPECT_EQ(cb.v_head_dim, ca.v_head_dim);
+  EXPECT_EQ(cb.n_group, ca.n_group);
+  EXPECT_EQ(cb.topk_group, ca.topk_group);
+  EXPECT_EQ(cb.first_k_dense_replace, ca.first_k_dense_replace);
+  EXPECT_DOUBLE_EQ(cb.routed_scaling_factor, ca.routed_scaling_factor);
+  EXPECT_NEAR(cb.softmax_scale(), ca.softmax_scale(), 1e-7);
+  EXPECT_EQ(cb.rope_scaling.original_max_position_embeddings, ca.rope_scaling.original_max_position_embeddings);
+  EXPECT_EQ(cb.bos_token_id, 285);
+  EXPECT_EQ(cb.eos_token_id, 286);
+  // The tokenizer splits text as the folder's does.
+  const auto ta = ds::io::Tokenizer::from_file(dir_ + "/hf/tokenizer.json");
+  const auto tb = ds::io::Tokenizer::from_file(dir_ + "/back/tokenizer.json");
+  for (const std::string text : {"the hello world", "aaaa <sep>x 123 4567", "héllo\n\n  x<｜end▁of▁sentence｜>"})
+    EXPECT_EQ(tb.encode(text, true), ta.encode(text, true)) << text;
+  // A .gguf path as --model: the same logits as the folder.
+  const std::string folder = ds::infer::model_folder(dir_ + "/m-f32.gguf");
+  EXPECT_EQ(ds::infer::model_folder(dir_ + "/m-f32.gguf"), folder);  // read once
+  const auto mg = ds::infer::open_model(folder), mh = ds::infer::open_model(dir_ + "/hf");
+  mg->load();
+  mh->load();
+  const std::vector<int32_t> ids = {5, 9, 2, 33, 7, 1, 8, 60};
+  const auto lg = mg->logits(ids, 0, ds::infer::CacheKind::Latent, nullptr);
+  const auto lh = mh->logits(ids, 0, ds::infer::CacheKind::Latent, nullptr);
+  ASSERT_EQ(lg.size(), lh.size());
+  for (size_t i = 0; i < lg.size(); ++i) ASSERT_NEAR(lg[i], lh[i], 1e-4 * (1 + std::fabs(lh[i]))) << i;
+}
+
+TEST_F(GgufExportTest, ImportReadsQuantizedFilesAndRefusesOthers) {
+  exported("q8_0");
+  ds::model::import_gguf(dir_ + "/m-q8_0.gguf", dir_ + "/q8");
+  const auto a = ds::io::SafetensorsSet::open_dir(dir_ + "/hf"), b = ds::io::SafetensorsSet::open_dir(dir_ + "/q8");
+  const auto x = a.tensor("model.layers.1.self_attn.q_b_proj.weight").to_vector();
+  const auto y = b.tensor("model.layers.1.self_attn.q_b_proj.weight").to_vector();
+  ASSERT_EQ(x.size(), y.size());
+  for (size_t blk = 0; blk < x.size() / 32; ++blk) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[32 * blk + i]));
+    for (int i = 0; i < 32; ++i) ASSERT_LE(std::fabs(y[32 * blk + i] - x[32 * blk + i]), amax / 254 * 1.01f + 1e-6f);
+  }
+  // Another architecture, a missing key, a folder that is not empty.
+  gguf::Writer w;
+  w.set("general.architecture", gguf::Value::str("llama"));
+  w.write(dir_ + "/llama.gguf");
+  EXPECT_THROW(ds::model::import_gguf(dir_ + "/llama.gguf", dir_ + "/l"), ds::Error);
+  gguf::Writer w2;
+  w2.set("general.architecture", gguf::Value::str("deepseek2"));
+  w2.write(dir_ + "/bare.gguf");
+  EXPECT_THROW(ds::model::import_gguf(dir_ + "/bare.gguf", dir_ + "/b"), ds::Error);
+  EXPECT_THROW(ds::infer::open_model(ds::infer::model_folder(dir_ + "/bare.gguf")), ds::Error);
 }
 
 }  // namespace

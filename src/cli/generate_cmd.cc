@@ -138,7 +138,9 @@ std::string by_position(const infer::GenerateStats& st) {
   return s;
 }
 
-int run_generate(const GenerateArgs& a) {
+int run_generate(const GenerateArgs& given) {
+  GenerateArgs a = given;
+  a.model = infer::model_folder(a.model);
   // Everything that can be wrong with the request is found before the
   // weights are read: options, tokenizer, prompt length.
   infer::GenerateOptions opt;
@@ -207,7 +209,9 @@ struct BenchArgs {
   int64_t draft_tokens = 1;
 };
 
-int run_bench(const BenchArgs& a) {
+int run_bench(const BenchArgs& given) {
+  BenchArgs a = given;
+  a.model = infer::model_folder(a.model);
   const size_t base_rss = peak_rss_bytes();  // the program and its libraries, before any weight
   const auto mo = speculative_options(a.speculative);
   DS_CHECK(a.draft_tokens >= 1 && a.draft_tokens <= infer::kMaxDraftTokens, "--draft-tokens must be in [1, {}], got {}",

@@ -53,7 +53,9 @@ int64_t check_logits_request(const LogitsArgs& a, const std::vector<int64_t>& le
   return incremental ? a.incremental : 0;
 }
 
-int run_logits(const LogitsArgs& a) {
+int run_logits(const LogitsArgs& given) {
+  LogitsArgs a = given;
+  a.model = infer::model_folder(a.model);
   // The request is checked whole before any weight is read: the output
   // path, the token file against the config, the --incremental prefix.
   const std::string out = io::resolve_output_path(a.out);

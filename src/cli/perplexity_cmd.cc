@@ -70,7 +70,9 @@ std::vector<int32_t> read_stream(const PerplexityArgs& a, int64_t vocab, std::op
   return ids;
 }
 
-int run_perplexity(const PerplexityArgs& a) {
+int run_perplexity(const PerplexityArgs& given) {
+  PerplexityArgs a = given;
+  a.model = infer::model_folder(a.model);
   infer::ModelOptions mo;
   mo.quant_sim = !a.no_quant_sim;
   const auto m = infer::open_model(a.model, mo);

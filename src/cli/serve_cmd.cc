@@ -41,7 +41,11 @@ struct ServeArgs {
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
-int run_serve(const ServeArgs& a) {
+int run_serve(const ServeArgs& given) {
+  ServeArgs a = given;
+  // A GGUF file is served under its own name, from the folder it is read into.
+  if (a.name.empty()) a.name = fs::path(a.model).lexically_normal().filename().string();
+  a.model = infer::model_folder(a.model);
   DS_CHECK(a.speculative == "none" || a.speculative == "mtp", "--speculative must be none or mtp, got '{}'",
            a.speculative);
   infer::ModelOptions mo;

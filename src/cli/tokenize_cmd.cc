@@ -23,6 +23,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "infer/chat_format.h"
+#include "infer/model.h"
 #include "infer/server_api.h"
 #include "io/tokenizer.h"
 
@@ -102,7 +103,9 @@ struct TemplateArgs {
   bool ids = false;
 };
 
-int run_chat_template(const TemplateArgs& a) {
+int run_chat_template(const TemplateArgs& given) {
+  TemplateArgs a = given;
+  a.model = infer::model_folder(a.model);
   namespace chat = infer::chat;
   namespace api = infer::api;
   const auto tok = io::Tokenizer::from_file(a.model + "/tokenizer.json");

@@ -72,4 +72,10 @@ inline CacheKind cache_kind(const std::string& s) { return s == "naive" ? CacheK
 // The folder's config.json, checked; the family from its model_type.
 std::unique_ptr<Model> open_model(const std::string& dir, const ModelOptions& opt = {});
 
+// What --model names, as a folder: the folder itself, or for a GGUF file
+// (llama.cpp's deepseek2; model/gguf_import.h) a temporary folder it is
+// read into once per process (float32 weights, config.json, tokenizer),
+// removed when the program exits.
+std::string model_folder(const std::string& path);
+
 }  // namespace ds::infer

@@ -71,6 +71,14 @@ BlockSize block_size(TensorType t) {
     case TensorType::F16:
     case TensorType::BF16:
       return {1, 2};
+    case TensorType::Q4_0:
+      return {32, 18};
+    case TensorType::Q4_1:
+      return {32, 20};
+    case TensorType::Q5_0:
+      return {32, 22};
+    case TensorType::Q5_1:
+      return {32, 24};
     case TensorType::Q8_0:
       return {32, 34};
     case TensorType::Q4_K:
