@@ -11,11 +11,6 @@
 
 #include <gtest/gtest.h>
 
-#include "infer/model.h"
-#include "io/tokenizer.h"
-#include "model/gguf_import.h"
-#include "model/load.h"
-
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -23,8 +18,12 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "infer/model.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
+#include "io/tokenizer.h"
+#include "model/gguf_import.h"
+#include "model/load.h"
 #include "model_fixture.h"
 
 namespace {

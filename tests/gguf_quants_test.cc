@@ -104,8 +104,8 @@ TEST(GgufQuants, Q4KScalesMinsAndNibbles) {
   const auto y = read(TensorType::Q4_K, b, 256);
   for (int i = 0; i < 256; ++i) {
     const int j = i / 32;
-    EXPECT_EQ(y[i], 0.5f * static_cast<float>(sc[j]) * static_cast<float>(quant(i, 16)) -
-                        0.25f * static_cast<float>(m[j]))
+    EXPECT_EQ(y[i],
+              0.5f * static_cast<float>(sc[j]) * static_cast<float>(quant(i, 16)) - 0.25f * static_cast<float>(m[j]))
         << i;
   }
 }

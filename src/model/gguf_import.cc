@@ -56,8 +56,9 @@ class File {
     DS_CHECK(t, "GGUF file '{}': no tensor '{}'", path_, name);
     DS_CHECK(t->ne == ne, "GGUF file '{}': tensor '{}' has shape [{}], deepseek2 needs [{}]", path_, name,
              fmt::join(t->ne, ", "), fmt::join(ne, ", "));
-    DS_CHECK(gguf::can_dequantize(t->type), "GGUF file '{}': tensor '{}' is {}, which this engine does not read (it "
-                                            "reads F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)",
+    DS_CHECK(gguf::can_dequantize(t->type),
+             "GGUF file '{}': tensor '{}' is {}, which this engine does not read (it "
+             "reads F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q6_K)",
              path_, name, gguf::type_name(t->type));
     std::vector<float> out(static_cast<size_t>(t->numel()));
     gguf::dequantize(t->type, r_.data(*t).data(), t->numel(), out.data());
@@ -110,8 +111,8 @@ json config_of(const File& f, int64_t vocab) {
             {"n_group", f.u_or(a + "expert_group_count", 1)},
             {"topk_group", f.u_or(a + "expert_group_used_count", 1)},
             {"routed_scaling_factor", scale == 0.0 ? 1.0 : scale},
-            {"norm_topk_prob", f.find(a + "expert_weights_norm") &&
-                                   std::get<bool>(f.find(a + "expert_weights_norm")->scalar)},
+            {"norm_topk_prob",
+             f.find(a + "expert_weights_norm") && std::get<bool>(f.find(a + "expert_weights_norm")->scalar)},
             {"scoring_func", gating == 2 ? "sigmoid" : "softmax"},
             {"topk_method", "noaux_tc"},
             {"first_k_dense_replace", f.u_or(a + "leading_dense_block_count", 0)},
@@ -147,19 +148,22 @@ json pre_tokenizer(const std::string& name, const std::string& path) {
   if (name == "deepseek-v3")
     return {{"type", "Sequence"},
             {"pretokenizers",
-             {split("\\p{N}{1,3}"), split("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"),
+             {split("\\p{N}{1,3}"),
+              split("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"),
               split("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
                     "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
               {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
-  if (name == "gpt-2") return {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  if (name == "gpt-2")
+    return {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
   DS_FAIL("GGUF file '{}': tokenizer.ggml.pre '{}' is not a pre-tokenizer this engine has (deepseek-v3, gpt-2)", path,
           name);
 }
 
 // tokenizer.json (and tokenizer_config.json's BOS) from tokenizer.ggml.*.
 void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
-  DS_CHECK(f.s("tokenizer.ggml.model") == "gpt2", "GGUF file '{}': tokenizer.ggml.model '{}' (byte-level BPE, gpt2, "
-                                                  "is read)",
+  DS_CHECK(f.s("tokenizer.ggml.model") == "gpt2",
+           "GGUF file '{}': tokenizer.ggml.model '{}' (byte-level BPE, gpt2, "
+           "is read)",
            f.path(), f.s("tokenizer.ggml.model"));
   const auto* tokens = f.find("tokenizer.ggml.tokens");
   const auto* types = f.find("tokenizer.ggml.token_type");
@@ -196,30 +200,29 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
   }
   json merges_j = json::array();
   for (const auto& m : merges->array) merges_j.push_back(std::get<std::string>(m));
-  const json t = {{"version", "1.0"},
-                  {"truncation", nullptr},
-                  {"padding", nullptr},
-                  {"added_tokens", added},
-                  {"normalizer", nullptr},
-                  {"pre_tokenizer", pre_tokenizer(f.find("tokenizer.ggml.pre") ? f.s("tokenizer.ggml.pre") : "",
-                                                  f.path())},
-                  {"post_processor", nullptr},
-                  {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true},
-                               {"use_regex", true}}},
-                  {"model",
-                   {{"type", "BPE"},
-                    {"dropout", nullptr},
-                    {"unk_token", nullptr},
-                    {"continuing_subword_prefix", nullptr},
-                    {"end_of_word_suffix", nullptr},
-                    {"fuse_unk", false},
-                    {"byte_fallback", false},
-                    {"vocab", vocab_j},
-                    {"merges", merges_j}}}};
+  const json t = {
+      {"version", "1.0"},
+      {"truncation", nullptr},
+      {"padding", nullptr},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", pre_tokenizer(f.find("tokenizer.ggml.pre") ? f.s("tokenizer.ggml.pre") : "", f.path())},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"vocab", vocab_j},
+        {"merges", merges_j}}}};
   io::write_file_atomic((out / "tokenizer.json").string(), t.dump());
   const uint64_t bos = f.u_or("tokenizer.ggml.bos_token_id", 0);
-  const bool add_bos = f.find("tokenizer.ggml.add_bos_token") &&
-                       std::get<bool>(f.find("tokenizer.ggml.add_bos_token")->scalar);
+  const bool add_bos =
+      f.find("tokenizer.ggml.add_bos_token") && std::get<bool>(f.find("tokenizer.ggml.add_bos_token")->scalar);
   json tc = {{"add_bos_token", add_bos}, {"add_eos_token", false}};
   if (bos < tokens->array.size()) tc["bos_token"] = std::get<std::string>(tokens->array[bos]);
   io::write_file_atomic((out / "tokenizer_config.json").string(), tc.dump(2) + "\n");
@@ -229,9 +232,9 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
 // The weights under their Hugging Face names.
 std::vector<std::pair<std::string, Tensor>> weights_of(const File& f, const json& c) {
   const int64_t E = c["hidden_size"], V = c["vocab_size"], H = c["num_attention_heads"], R = c["qk_rope_head_dim"],
-                NOPE = c["qk_nope_head_dim"], VD = c["v_head_dim"], KVL = c["kv_lora_rank"],
-                F = c["intermediate_size"], FE = c["moe_intermediate_size"], X = c["n_routed_experts"],
-                S = c["n_shared_experts"], L = c["num_hidden_layers"], dense = c["first_k_dense_replace"];
+                NOPE = c["qk_nope_head_dim"], VD = c["v_head_dim"], KVL = c["kv_lora_rank"], F = c["intermediate_size"],
+                FE = c["moe_intermediate_size"], X = c["n_routed_experts"], S = c["n_shared_experts"],
+                L = c["num_hidden_layers"], dense = c["first_k_dense_replace"];
   const int64_t QL = c["q_lora_rank"].is_null() ? 0 : c["q_lora_rank"].get<int64_t>();
   std::vector<std::pair<std::string, Tensor>> out;
   auto put = [&](const std::string& name, std::vector<float> v, Shape shape) {
@@ -267,7 +270,8 @@ std::vector<std::pair<std::string, Tensor>> weights_of(const File& f, const json
       for (int64_t hh = 0; hh < H; ++hh)
         for (int64_t col = 0; col < KVL; ++col) {
           for (int64_t d = 0; d < NOPE; ++d)
-            kv[static_cast<size_t>((hh * (NOPE + VD) + d) * KVL + col)] = kb[static_cast<size_t>((hh * KVL + col) * NOPE + d)];
+            kv[static_cast<size_t>((hh * (NOPE + VD) + d) * KVL + col)] =
+                kb[static_cast<size_t>((hh * KVL + col) * NOPE + d)];
           for (int64_t j = 0; j < VD; ++j)
             kv[static_cast<size_t>((hh * (NOPE + VD) + NOPE + j) * KVL + col)] =
                 vb[static_cast<size_t>((hh * VD + j) * KVL + col)];
@@ -316,8 +320,9 @@ bool is_gguf_file(const std::string& path) {
 void import_gguf(const std::string& gguf_path, const std::string& out_dir) {
   const File f(gguf_path);
   const std::string arch = f.s("general.architecture");
-  DS_CHECK(arch == "deepseek2", "GGUF file '{}' is a '{}' model; this engine reads DeepSeek-V2/V3 files (llama.cpp's "
-                                "deepseek2)",
+  DS_CHECK(arch == "deepseek2",
+           "GGUF file '{}' is a '{}' model; this engine reads DeepSeek-V2/V3 files (llama.cpp's "
+           "deepseek2)",
            gguf_path, arch);
   io::check_output_folder(out_dir);
   const fs::path out(out_dir);
