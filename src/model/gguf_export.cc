@@ -24,15 +24,6 @@ namespace gguf = io::gguf;
 using gguf::TensorType;
 using json = nlohmann::json;
 
-// DeepSeek-V3's pre-tokenizer (tokenizer.json's Split regexes, in order),
-// which llama.cpp knows as "deepseek-v3".
-const char* const kDeepSeekV3Splits[] = {
-    "\\p{N}{1,3}",
-    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
-    "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-};
-
 // The llama.cpp pre-tokenizer name for a tokenizer.json's pre_tokenizer.
 std::string pre_tokenizer_name(const json& pre, const std::string& path) {
   if (pre.is_object() && pre.value("type", "") == "Sequence" && pre.contains("pretokenizers")) {
@@ -45,7 +36,7 @@ std::string pre_tokenizer_name(const json& pre, const std::string& path) {
       else if (t == "ByteLevel")
         byte_level = !p.value("use_regex", true);
     }
-    if (byte_level && splits == std::vector<std::string>(std::begin(kDeepSeekV3Splits), std::end(kDeepSeekV3Splits)))
+    if (byte_level && splits == deepseek_v3_pre_splits())
       return "deepseek-v3";
   }
   if (pre.is_object() && pre.value("type", "") == "ByteLevel" && pre.value("use_regex", false)) return "gpt-2";
@@ -264,6 +255,16 @@ void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) 
 }
 
 }  // namespace
+
+const std::vector<std::string>& deepseek_v3_pre_splits() {
+  static const std::vector<std::string> splits = {
+      "\\p{N}{1,3}",
+      "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+      "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
+      "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+  };
+  return splits;
+}
 
 uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const std::string& type) {
   TensorType t;

@@ -23,10 +23,15 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ds::model {
 
 // Writes `out`; returns its size in bytes. `type`: f32, f16, bf16 or q8_0.
 uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const std::string& type);
+
+// DeepSeek-V3's pre-tokenizer regexes (tokenizer.json's Split patterns, in
+// order), which llama.cpp names "deepseek-v3".
+const std::vector<std::string>& deepseek_v3_pre_splits();
 
 }  // namespace ds::model

@@ -15,6 +15,7 @@
 #include "io/gguf_quants.h"
 #include "io/safetensors.h"
 #include "model/config.h"
+#include "model/gguf_export.h"
 
 namespace ds::model {
 
@@ -145,14 +146,12 @@ json pre_tokenizer(const std::string& name, const std::string& path) {
   auto split = [](const std::string& re) {
     return json{{"type", "Split"}, {"pattern", {{"Regex", re}}}, {"behavior", "Isolated"}, {"invert", false}};
   };
-  if (name == "deepseek-v3")
-    return {{"type", "Sequence"},
-            {"pretokenizers",
-             {split("\\p{N}{1,3}"),
-              split("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"),
-              split("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
-                    "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
-              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
+  if (name == "deepseek-v3") {
+    json seq = json::array();
+    for (const auto& re : deepseek_v3_pre_splits()) seq.push_back(split(re));
+    seq.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}});
+    return {{"type", "Sequence"}, {"pretokenizers", seq}};
+  }
   if (name == "gpt-2")
     return {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
   DS_FAIL("GGUF file '{}': tokenizer.ggml.pre '{}' is not a pre-tokenizer this engine has (deepseek-v3, gpt-2)", path,
