@@ -275,6 +275,12 @@ TEST_F(GgufExportTest, WhatDeepseek2CannotHoldIsRefused) {
   ds::test::write_random_model(dir_ + "/v32", v32, 5);
   std::ofstream(dir_ + "/v32/tokenizer.json") << tok_.dump();
   EXPECT_THROW(ds::model::export_gguf(dir_ + "/v32", dir_ + "/x.gguf", "f32"), ds::Error);
+  // 26 layers with q-LoRA: llama.cpp would read it as V2-Lite, without q-LoRA.
+  auto lite = cfg_;
+  lite["num_hidden_layers"] = 26;
+  ds::test::write_random_model(dir_ + "/lite", lite, 5);
+  std::ofstream(dir_ + "/lite/tokenizer.json") << tok_.dump();
+  EXPECT_THROW(ds::model::export_gguf(dir_ + "/lite", dir_ + "/x.gguf", "f32"), ds::Error);
   EXPECT_FALSE(fs::exists(dir_ + "/x.gguf"));
 }
 

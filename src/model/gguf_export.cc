@@ -289,6 +289,14 @@ uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const st
   DS_CHECK(c.moe_layer_freq == 1, "gguf export: {}: moe_layer_freq {} (llama.cpp's deepseek2 has every layer after "
                                   "the dense ones routed)",
            hf_dir, c.moe_layer_freq);
+  // llama.cpp takes a deepseek2 file of 26 or 27 layers (or 48 with a
+  // vocabulary of 128256) for DeepSeek-V2-Lite and reads no q-LoRA there:
+  // such a model with q_lora_rank would load with the wrong tensors.
+  DS_CHECK(c.q_lora_rank == 0 || !(c.num_hidden_layers == 26 || c.num_hidden_layers == 27 ||
+                                   (c.num_hidden_layers == 48 && c.vocab_size == 128256)),
+           "gguf export: {}: llama.cpp reads a {}-layer deepseek2 model as DeepSeek-V2-Lite, without q-LoRA, so this "
+           "model (q_lora_rank {}) would not load there",
+           hf_dir, c.num_hidden_layers, c.q_lora_rank);
   gguf::Writer w;
   write_hparams(w, c, file_type);
   write_tokenizer(w, hf_dir, c);

@@ -18,7 +18,8 @@
 //    pre-tokenizer named by its regexes: "deepseek-v3" for DeepSeek-V3's).
 //
 // Refused with one error: other families (V3.2's indexer, V4, mHC,
-// Engram), fp8 folders, tokenizers llama.cpp would split differently.
+// Engram), fp8 folders, tokenizers llama.cpp would split differently, and
+// q-LoRA models of the layer counts llama.cpp takes for DeepSeek-V2-Lite.
 #pragma once
 
 #include <cstdint>
