@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <cstdio>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli/commands.h"
 #include "core/error.h"
@@ -45,16 +46,20 @@ std::vector<int32_t> read_stream(const PerplexityArgs& a, int64_t vocab, std::op
   DS_CHECK(given == 1, "perplexity: give one of --data, --tokens and --corpus");
   const std::string tok_path = a.model + "/tokenizer.json";
   std::error_code ec;
-  if (std::filesystem::is_regular_file(tok_path, ec)) bos = io::Tokenizer::from_file(tok_path).bos_id();
+  std::optional<io::Tokenizer> tok;
+  if (std::filesystem::is_regular_file(tok_path, ec)) {
+    tok = io::Tokenizer::from_file(tok_path);
+    bos = tok->bos_id();
+  }
   std::vector<int32_t> ids;
   if (!a.data.empty()) {
-    DS_CHECK(std::filesystem::is_regular_file(tok_path, ec), "perplexity: --data needs the model folder's tokenizer.json");
+    DS_CHECK(tok, "perplexity: --data needs the model folder's tokenizer.json");
     std::string text = io::read_file(a.data, "data file");
     io::check_utf8(text, a.data.c_str());
     // llama-perplexity's -f drops one final newline: the same file gives the
     // same tokens in both.
     if (!text.empty() && text.back() == '\n') text.pop_back();
-    ids = io::Tokenizer::from_file(tok_path).encode(text, /*add_special_tokens=*/true);
+    ids = tok->encode(text, /*add_special_tokens=*/true);
   } else if (!a.tokens.empty()) {
     for (const auto& seq : io::parse_token_lists(io::read_file(a.tokens, "token file"), vocab, a.tokens))
       ids.insert(ids.end(), seq.begin(), seq.end());

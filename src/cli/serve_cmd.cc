@@ -43,7 +43,8 @@ void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); 
 
 int run_serve(const ServeArgs& given) {
   ServeArgs a = given;
-  // A GGUF file is served under its own name, from the folder it is read into.
+  // Named after what --model names (a GGUF file is served under its own
+  // name, from the folder it is read into).
   if (a.name.empty()) a.name = fs::path(a.model).lexically_normal().filename().string();
   a.model = infer::model_folder(a.model);
   DS_CHECK(a.speculative == "none" || a.speculative == "mtp", "--speculative must be none or mtp, got '{}'",
@@ -72,7 +73,7 @@ int run_serve(const ServeArgs& given) {
     DS_CHECK(f, "--chat-format '{}' is not one of auto, {}", a.chat_format, infer::chat::format_names());
     chat.format = *f;
   }
-  const std::string name = !a.name.empty() ? a.name : fs::path(a.model).lexically_normal().filename().string();
+  const std::string& name = a.name;
 
   // SIGINT and SIGTERM are taken by one thread (sigwait) rather than a
   // handler: every thread made from here on inherits the blocked mask.

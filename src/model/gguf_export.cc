@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -164,32 +165,46 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
   return out;
 }
 
+// Tensors are added with what makes their values, and read, converted and
+// encoded only when the file is written: one tensor in memory at a time.
+// Every source tensor is checked (present, float, its size) when added, so a
+// bad folder is refused before anything is written.
 class Exporter {
  public:
   Exporter(const std::string& dir, TensorType type) : files_(io::SafetensorsSet::open_dir(dir)), type_(type) {}
 
-  // An HF tensor as float32 in its row-major order (ne0 its last dim).
-  std::vector<float> get(const std::string& name) const {
+  // Checks an HF tensor of `numel` values the export will read.
+  void need(const std::string& name, int64_t numel) const {
     DS_CHECK(files_.contains(name), "gguf export: the folder has no tensor '{}'", name);
-    const DType dt = files_.tensor(name).dtype();
-    DS_CHECK(dt == DType::F32 || dt == DType::BF16 || dt == DType::F16,
+    const Tensor t = files_.tensor(name);
+    DS_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16,
              "gguf export: tensor '{}' is {}; export float folders (fp8 checkpoints are not converted)", name,
-             dtype_name(dt));
-    return files_.tensor(name).to_vector();
+             dtype_name(t.dtype()));
+    DS_CHECK(t.numel() == numel, "gguf export: tensor '{}' has {} values, not {}", name, t.numel(), numel);
   }
-  // Adds a tensor of ggml shape ne (fastest first); `keep_f32` for norms,
-  // biases and the router.
-  void add(gguf::Writer& w, const std::string& name, std::vector<float> x, std::vector<int64_t> ne, bool keep_f32) {
+  // An HF tensor as float32 in its row-major order (ne0 its last dim).
+  std::vector<float> get(const std::string& name) const { return files_.tensor(name).to_vector(); }
+  // Adds a tensor of ggml shape ne (fastest first) whose values `make`
+  // gives; `keep_f32` for norms, biases and the router.
+  void add(gguf::Writer& w, const std::string& name, std::vector<int64_t> ne, bool keep_f32,
+           std::function<std::vector<float>()> make) const {
     TensorType t = keep_f32 || ne.size() == 1 ? TensorType::F32 : type_;
     if (t == TensorType::Q8_0 && ne[0] % 32 != 0) t = TensorType::F16;
-    auto bytes = std::make_shared<std::string>(encode(x, ne[0], t));
-    w.add_tensor(name, t, std::move(ne), [bytes](auto put) { put(bytes->data(), bytes->size()); });
+    const int64_t ne0 = ne[0];
+    w.add_tensor(name, t, std::move(ne), [make = std::move(make), ne0, t](auto put) {
+      const std::string bytes = encode(make(), ne0, t);
+      put(bytes.data(), bytes.size());
+    });
   }
-  void matrix(gguf::Writer& w, const std::string& name, const std::string& hf, bool keep_f32 = false) {
+  void matrix(gguf::Writer& w, const std::string& name, const std::string& hf, bool keep_f32 = false) const {
+    DS_CHECK(files_.contains(hf), "gguf export: the folder has no tensor '{}'", hf);
     const auto shape = files_.tensor(hf).shape();
     DS_CHECK(shape.size() <= 2, "gguf export: tensor '{}' has {} dims", hf, shape.size());
     std::vector<int64_t> ne(shape.rbegin(), shape.rend());
-    add(w, name, get(hf), ne, keep_f32);
+    int64_t n = 1;
+    for (int64_t d : ne) n *= d;
+    need(hf, n);
+    add(w, name, std::move(ne), keep_f32, [this, hf] { return get(hf); });
   }
 
  private:
@@ -213,21 +228,26 @@ void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) 
   // kv_b_proj [H (nope + v), kvl]: per head, k_b transposed to [kvl, nope]
   // rows (ggml ne (nope, kvl, H)) and v_b as it is (ne (kvl, v, H)).
   const int64_t H = c.num_attention_heads, nope = c.qk_nope_head_dim, vd = c.v_head_dim, kvl = c.kv_lora_rank;
-  const auto kvb = e.get(h + "self_attn.kv_b_proj.weight");
-  DS_CHECK(static_cast<int64_t>(kvb.size()) == H * (nope + vd) * kvl, "gguf export: {} has {} values, not {}",
-           h + "self_attn.kv_b_proj.weight", kvb.size(), H * (nope + vd) * kvl);
-  std::vector<float> kb(static_cast<size_t>(H * kvl * nope)), vb(static_cast<size_t>(H * vd * kvl));
-  for (int64_t hh = 0; hh < H; ++hh)
-    for (int64_t r = 0; r < nope + vd; ++r)
-      for (int64_t col = 0; col < kvl; ++col) {
-        const float v = kvb[static_cast<size_t>((hh * (nope + vd) + r) * kvl + col)];
-        if (r < nope)
-          kb[static_cast<size_t>((hh * kvl + col) * nope + r)] = v;
-        else
-          vb[static_cast<size_t>((hh * vd + (r - nope)) * kvl + col)] = v;
-      }
-  e.add(w, b + "attn_k_b.weight", std::move(kb), {nope, kvl, H}, false);
-  e.add(w, b + "attn_v_b.weight", std::move(vb), {kvl, vd, H}, false);
+  const std::string kv_b = h + "self_attn.kv_b_proj.weight";
+  e.need(kv_b, H * (nope + vd) * kvl);
+  // attn_k_b[d, col, h] = kv_b[h (nope + v) + d, col]; attn_v_b[col, j, h] = kv_b[h (nope + v) + nope + j, col].
+  e.add(w, b + "attn_k_b.weight", {nope, kvl, H}, false, [&e, kv_b, H, nope, vd, kvl] {
+    const auto kvb = e.get(kv_b);
+    std::vector<float> kb(static_cast<size_t>(H * kvl * nope));
+    for (int64_t hh = 0; hh < H; ++hh)
+      for (int64_t d = 0; d < nope; ++d)
+        for (int64_t col = 0; col < kvl; ++col)
+          kb[static_cast<size_t>((hh * kvl + col) * nope + d)] = kvb[static_cast<size_t>((hh * (nope + vd) + d) * kvl + col)];
+    return kb;
+  });
+  e.add(w, b + "attn_v_b.weight", {kvl, vd, H}, false, [&e, kv_b, H, nope, vd, kvl] {
+    const auto kvb = e.get(kv_b);
+    std::vector<float> vb(static_cast<size_t>(H * vd * kvl));
+    for (int64_t hh = 0; hh < H; ++hh)
+      for (int64_t j = 0; j < vd; ++j)
+        std::copy_n(kvb.begin() + (hh * (nope + vd) + nope + j) * kvl, kvl, vb.begin() + (hh * vd + j) * kvl);
+    return vb;
+  });
   e.matrix(w, b + "attn_output.weight", h + "self_attn.o_proj.weight");
   if (l < c.first_k_dense_replace || c.n_routed_experts == 0) {
     for (const char* p : {"gate", "up", "down"})
@@ -235,19 +255,28 @@ void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) 
     return;
   }
   e.matrix(w, b + "ffn_gate_inp.weight", h + "mlp.gate.weight", true);
-  e.add(w, b + "exp_probs_b.bias", e.get(h + "mlp.gate.e_score_correction_bias"), {c.n_routed_experts}, true);
+  const std::string bias = h + "mlp.gate.e_score_correction_bias";
+  e.need(bias, c.n_routed_experts);
+  e.add(w, b + "exp_probs_b.bias", {c.n_routed_experts}, true, [&e, bias] { return e.get(bias); });
   const int64_t X = c.n_routed_experts, D = c.hidden_size, F = c.moe_intermediate_size;
   for (const char* p : {"gate", "up", "down"}) {
-    std::vector<float> all;
-    all.reserve(static_cast<size_t>(X * D * F));
+    // Expert x is slab x (the slowest dimension) of the stack.
+    std::vector<std::string> names;
     for (int64_t x = 0; x < X; ++x) {
-      const auto one = e.get(h + fmt::format("mlp.experts.{}.{}_proj.weight", x, p));
-      all.insert(all.end(), one.begin(), one.end());
+      names.push_back(h + fmt::format("mlp.experts.{}.{}_proj.weight", x, p));
+      e.need(names.back(), D * F);
     }
     const bool down = std::string(p) == "down";
-    e.add(w, b + fmt::format("ffn_{}_exps.weight", p), std::move(all), down ? std::vector<int64_t>{F, D, X}
-                                                                              : std::vector<int64_t>{D, F, X},
-          false);
+    e.add(w, b + fmt::format("ffn_{}_exps.weight", p), down ? std::vector<int64_t>{F, D, X} : std::vector<int64_t>{D, F, X},
+          false, [&e, names, D, F] {
+            std::vector<float> all;
+            all.reserve(names.size() * static_cast<size_t>(D * F));
+            for (const auto& n : names) {
+              const auto one = e.get(n);
+              all.insert(all.end(), one.begin(), one.end());
+            }
+            return all;
+          });
   }
   if (c.n_shared_experts > 0)
     for (const char* p : {"gate", "up", "down"})
