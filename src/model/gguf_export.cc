@@ -4,9 +4,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
@@ -237,7 +237,8 @@ void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) 
     for (int64_t hh = 0; hh < H; ++hh)
       for (int64_t d = 0; d < nope; ++d)
         for (int64_t col = 0; col < kvl; ++col)
-          kb[static_cast<size_t>((hh * kvl + col) * nope + d)] = kvb[static_cast<size_t>((hh * (nope + vd) + d) * kvl + col)];
+          kb[static_cast<size_t>((hh * kvl + col) * nope + d)] =
+              kvb[static_cast<size_t>((hh * (nope + vd) + d) * kvl + col)];
     return kb;
   });
   e.add(w, b + "attn_v_b.weight", {kvl, vd, H}, false, [&e, kv_b, H, nope, vd, kvl] {
@@ -267,8 +268,8 @@ void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) 
       e.need(names.back(), D * F);
     }
     const bool down = std::string(p) == "down";
-    e.add(w, b + fmt::format("ffn_{}_exps.weight", p), down ? std::vector<int64_t>{F, D, X} : std::vector<int64_t>{D, F, X},
-          false, [&e, names, D, F] {
+    e.add(w, b + fmt::format("ffn_{}_exps.weight", p),
+          down ? std::vector<int64_t>{F, D, X} : std::vector<int64_t>{D, F, X}, false, [&e, names, D, F] {
             std::vector<float> all;
             all.reserve(names.size() * static_cast<size_t>(D * F));
             for (const auto& n : names) {
