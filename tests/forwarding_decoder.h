@@ -29,6 +29,15 @@ class ForwardingDecoder : public infer::Decoder {
   std::vector<float> draft_more(const std::vector<int32_t>& tokens) override { return d_.draft_more(tokens); }
   void drop_links() override { d_.drop_links(); }
   void truncate(int64_t sequence, int64_t length) override { d_.truncate(sequence, length); }
+  size_t sequence_bytes(int64_t s) const override { return d_.sequence_bytes(s); }
+  size_t bytes_after(int64_t s, int64_t n) const override { return d_.bytes_after(s, n); }
+  size_t bytes_for(int64_t tokens) const override { return d_.bytes_for(tokens); }
+  void limit_length(int64_t tokens) override { d_.limit_length(tokens); }
+  std::shared_ptr<const infer::CacheSnapshot> take_snapshot(int64_t s) override { return d_.take_snapshot(s); }
+  int64_t restorable(const infer::CacheSnapshot& snap, int64_t want) const override {
+    return d_.restorable(snap, want);
+  }
+  void restore(int64_t s, const infer::CacheSnapshot& snap, int64_t length) override { d_.restore(s, snap, length); }
 
  private:
   infer::Decoder& d_;

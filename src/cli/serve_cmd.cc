@@ -15,6 +15,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/system.h"
 #include "infer/batcher.h"
 #include "infer/chat_format.h"
 #include "infer/model.h"
@@ -37,7 +38,30 @@ struct ServeArgs {
   double request_timeout = infer::ServerOptions{}.request_timeout_s;
   std::string speculative = "none";
   int64_t draft_tokens = 1;
+  std::string cache_memory = "auto";
+  bool no_prefix_cache = false;
 };
+
+// A size: bytes, or a number with KiB, MiB, GiB, TiB (or K, M, G, T: the
+// same powers of two; KB, MB, GB, TB: powers of ten).
+size_t parse_size(const std::string& text, const char* what) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string unit = text.substr(used);
+  static const std::pair<const char*, double> units[] = {
+      {"", 1},          {"B", 1},      {"K", 1024.0},        {"KiB", 1024.0},   {"KB", 1e3},
+      {"M", 1048576.0}, {"MiB", 1048576.0}, {"MB", 1e6},   {"G", 1073741824.0}, {"GiB", 1073741824.0},
+      {"GB", 1e9},      {"T", 1099511627776.0}, {"TiB", 1099511627776.0}, {"TB", 1e12}};
+  for (const auto& [name, scale] : units)
+    if (used > 0 && unit == name && v > 0 && v * scale < 9e18) return static_cast<size_t>(v * scale);
+  throw Error(fmt::format("{} '{}' is not a size (bytes, or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB)", what,
+                          text));
+}
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
 
@@ -83,11 +107,15 @@ int run_serve(const ServeArgs& given) {
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
 
+  const size_t pool = a.cache_memory == "auto" ? 0 : parse_size(a.cache_memory, "--cache-memory");
   g->load();
   auto decoder = g->new_decoder(kind);
-  infer::Batcher batcher(*decoder,
-                         infer::BatcherOptions{a.max_sequences, a.max_waiting, a.prefill_chunk, g->eos_token_id(),
-                                               tok ? tok->vocab_size() : 0, mo.mtp ? a.draft_tokens : 0});
+  infer::BatcherOptions bo{a.max_sequences, a.max_waiting, a.prefill_chunk, g->eos_token_id(),
+                           tok ? tok->vocab_size() : 0, mo.mtp ? a.draft_tokens : 0};
+  // By default half of what the machine has left once the weights are in.
+  bo.cache_memory = pool > 0 ? pool : static_cast<size_t>(available_memory_bytes() / 2);
+  bo.prefix_cache = !a.no_prefix_cache;
+  infer::Batcher batcher(*decoder, bo);
   infer::ServedModel served;
   served.batcher = &batcher;
   served.tokenizer = tok ? &*tok : nullptr;
@@ -120,9 +148,12 @@ int run_serve(const ServeArgs& given) {
   });
   say(
       fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions, /v1/messages; GET /v1/models, "
-                  "/health, /metrics); {} sequences at once, {}; chat format {} ({})",
+                  "/health, /metrics); {} sequences at once, {}; chat format {} ({}); cache pool {:.1f} MiB "
+                  "(sequences of up to {} tokens), prefix caching {}",
                   name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only",
-                  infer::chat::format_name(chat.format), chat.why));
+                  infer::chat::format_name(chat.format), chat.why, static_cast<double>(bo.cache_memory) / (1 << 20),
+                  batcher.max_positions(),
+                  !bo.prefix_cache ? "off" : bo.draft_tokens > 0 ? "off (speculative decoding)" : "on"));
   server.run();
   running = false;
   signals.join();
@@ -161,6 +192,13 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
         for (auto f : infer::chat::kFormats) names.emplace_back(infer::chat::format_name(f));
         return names;
       }()));
+  cmd->add_option("--cache-memory", args->cache_memory,
+                  "bytes the KV caches and the prefix cache hold together at most, e.g. 4GiB (default auto: half "
+                  "of the memory available once the model is loaded); sequences beyond it wait, and the longest "
+                  "sequence it holds bounds the context");
+  cmd->add_flag("--no-prefix-cache", args->no_prefix_cache,
+                "read every prompt from its start (default: a prompt that begins with tokens a finished request "
+                "held reuses their cache)");
   cmd->add_option("--kv-cache", args->cache, "KV cache: latent (default) or naive")
       ->check(CLI::IsMember({"latent", "naive"}));
   cmd->add_option("--http-threads", args->http_threads,

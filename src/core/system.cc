@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <fstream>
+#include <string>
 #include <unistd.h>
 
 #if defined(__GLIBC__)
@@ -17,6 +19,16 @@ int64_t physical_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page <= 0) return 0;
   return static_cast<int64_t>(pages) * static_cast<int64_t>(page);
+}
+
+int64_t available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return physical_memory_bytes();
 }
 
 void check_fits_in_memory(int64_t bytes, const char* what) {

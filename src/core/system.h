@@ -11,6 +11,10 @@ namespace ds {
 // Physical memory in bytes (0 if the system does not say).
 int64_t physical_memory_bytes();
 
+// Memory the system can give without swapping (/proc/meminfo's
+// MemAvailable; physical memory where it does not say).
+int64_t available_memory_bytes();
+
 // ds::Error unless `bytes` of new memory for `what` fit in this machine's
 // physical memory: requests a crafted or mistyped size would turn into an
 // allocation failure (or the OOM killer) halfway through are refused first.

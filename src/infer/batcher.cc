@@ -108,7 +108,12 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
            "batcher: {} draft tokens; speculative decoding drafts 1 to {} a step", opt_.draft_tokens, kMaxDraftTokens);
   DS_CHECK(opt_.draft_tokens == 0 || decoder.can_draft(),
            "batcher: speculative decoding needs the model's MTP layer, which is not loaded");
+  DS_CHECK(!opt_.prefix_cache || opt_.cache_memory > 0, "batcher: prefix caching needs a cache_memory bound");
   decoder_.start(opt_.max_sequences);
+  max_positions_ = pool_positions();
+  decoder_.limit_length(max_positions_);
+  counters_.pool_limit.store(opt_.cache_memory, std::memory_order_relaxed);
+  if (opt_.prefix_cache && opt_.draft_tokens == 0) prefixes_ = std::make_unique<PrefixCache>();
   slots_.resize(static_cast<size_t>(opt_.max_sequences));
   // OpenMP's thread count belongs to each thread: the steps run with the
   // creating thread's (`deepseek --threads N serve`), not the default.
@@ -200,6 +205,7 @@ int64_t Batcher::waiting() const {
 }
 
 void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
+  keep_prefix(i, f);
   Slot& s = slots_[i];
   // The generation ends last, once the slot is free and counted so: a
   // reader who sees the end sees the running count without it.
@@ -222,6 +228,7 @@ void Batcher::free_slot(size_t i, Finish f, const std::string& error) {
   // Frees the sequence's cache now rather than at the slot's next use.
   decoder_.reset(static_cast<int64_t>(i));
   counters_.cache_bytes.store(decoder_.cache_bytes(), std::memory_order_relaxed);
+  count_pool();
   gen->end(f, error);
 }
 
@@ -269,6 +276,7 @@ void Batcher::admit_waiting() {
 void Batcher::admit(Slot& s) {
   s.order = admitted_++;
   s.live = true;
+  s.prompt0 = s.req.prompt.size();
   ++running_;
   if (s.req.adjust.repetition != 1.0f)
     for (const int32_t t : s.req.prompt) s.seen[t].in_prompt = true;
@@ -287,7 +295,7 @@ std::vector<std::vector<int32_t>> Batcher::plan_step(bool* all_rows) {
   std::vector<size_t> reading;
   for (size_t i = 0; i < S; ++i) {
     const Slot& s = slots_[i];
-    if (!s.live || s.following) continue;
+    if (!s.live || s.following || s.held) continue;
     if (s.fed == s.req.prompt.size())
       tokens[i] = {s.last};
     else
@@ -303,7 +311,7 @@ std::vector<std::vector<int32_t>> Batcher::plan_step(bool* all_rows) {
     tokens[i].assign(s.req.prompt.begin() + static_cast<std::ptrdiff_t>(s.fed),
                      s.req.prompt.begin() + static_cast<std::ptrdiff_t>(s.fed + n));
     budget -= static_cast<int64_t>(n);
-    if (s.req.prompt_logprobs) *all_rows = true;
+    if (s.req.prompt_logprobs && !s.replaying) *all_rows = true;
   }
   return tokens;
 }
@@ -312,7 +320,12 @@ void Batcher::run_step() {
   const size_t S = slots_.size();
   for (size_t i = 0; i < S; ++i)
     if (slots_[i].live && slots_[i].gen->cancelled_) free_slot(i, Finish::Cancelled);
-  if (opt_.draft_tokens > 0) return run_speculative_step();
+  restore_prefixes();
+  if (!fit_pool()) return;
+  if (opt_.draft_tokens > 0) {
+    run_speculative_step();
+    return count_pool();
+  }
   bool all_rows = false;
   const auto tokens = plan_step(&all_rows);
   if (std::all_of(tokens.begin(), tokens.end(), [](const auto& t) { return t.empty(); })) return;
@@ -326,6 +339,7 @@ void Batcher::run_step() {
   }
   const auto now = std::chrono::steady_clock::now();
   counters_.cache_bytes.store(decoder_.cache_bytes(), std::memory_order_relaxed);
+  count_pool();
   int64_t row = 0;
   for (size_t i = 0; i < S; ++i) {
     if (tokens[i].empty()) continue;
@@ -350,13 +364,17 @@ void Batcher::take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chro
   const BatchRequest& q = s.req;
   if (s.fed < q.prompt.size()) {
     // Row r predicts prompt token fed + r + 1.
-    if (q.prompt_logprobs)
+    if (q.prompt_logprobs && !s.replaying)
       for (int64_t r = 0; r < rows && s.fed + static_cast<size_t>(r) + 1 < q.prompt.size(); ++r)
         s.prompt_lps.push_back(
             token_logprob(lg + r * V, V, q.prompt[s.fed + static_cast<size_t>(r) + 1], q.top_logprobs, draw_vocab));
     s.fed += fed;
     counters_.prompt_tokens.fetch_add(fed, std::memory_order_relaxed);
     if (s.fed < q.prompt.size()) return;  // the prompt goes on in the next step
+    if (s.replaying) {  // read again after a stop: the next token is known
+      s.replaying = false;
+      return;
+    }
     if (!s.followers.empty()) share_prompt(i, lg + (rows - 1) * V, now);
     if (q.prompt_logprobs) s.gen->set_prompt_logprobs(std::move(s.prompt_lps));
     if (q.max_new_tokens == 0) return free_slot(i, Finish::Length);
@@ -374,6 +392,14 @@ void Batcher::share_prompt(size_t i, const float* row, std::chrono::steady_clock
   for (const size_t f : fs) {
     Slot& t = slots_[f];
     t.following = false;
+    // A copy the pool has no room for (kept prefixes evicted first): the
+    // choice reads the prompt itself when there is.
+    if (opt_.cache_memory > 0) {
+      const size_t need = decoder_.sequence_bytes(static_cast<int64_t>(i));
+      while (pool_bytes() + need > opt_.cache_memory && prefixes_ && prefixes_->evict()) {
+      }
+      if (pool_bytes() + need > opt_.cache_memory) continue;
+    }
     try {
       decoder_.copy(static_cast<int64_t>(i), static_cast<int64_t>(f));
     } catch (const Error&) {
@@ -431,6 +457,7 @@ bool Batcher::emit(size_t i, int32_t tok, const float* before, std::chrono::stea
   counters_.generated_tokens.fetch_add(1, std::memory_order_relaxed);
   s.last_at = now;
   s.gen->push(tok, q.logprobs ? &lp : nullptr);
+  s.out.push_back(tok);
   s.last = tok;
   ++s.made;
   if (opt_.eos_token_id >= 0 && tok == opt_.eos_token_id && !q.ignore_eos) {

@@ -34,6 +34,7 @@
 #include "core/error.h"
 #include "infer/generate.h"
 #include "infer/metrics.h"
+#include "infer/prefix_cache.h"
 #include "infer/sampler.h"
 
 namespace ds::infer {
@@ -48,6 +49,16 @@ struct BatcherOptions {
   // draft tokens a step (0: off; at most kMaxDraftTokens, the MTP layer
   // chained past the first).
   int64_t draft_tokens = 0;
+  // The cache pool: the bytes every sequence's cache and the prefix cache
+  // hold together at most (0: no bound). Sequences grow on demand; a step
+  // that would pass the bound first evicts kept prefixes (least recently
+  // used), then stops the youngest sequences, whose caches go (each reads
+  // its tokens again once there is room, as vLLM's recompute preemption
+  // does). The longest sequence the pool holds bounds max_positions().
+  size_t cache_memory = 0;
+  // Automatic prefix caching (infer/prefix_cache.h) in that pool; needs a
+  // cache_memory bound, and is off with speculative decoding.
+  bool prefix_cache = false;
 };
 
 struct BatchRequest {
@@ -92,7 +103,19 @@ struct BatcherCounters {
   // chain (0: the first draft).
   std::atomic<uint64_t> drafted{0}, accepted{0};
   std::array<std::atomic<uint64_t>, kMaxDraftTokens> drafted_at{}, accepted_at{};
+  // The cache pool: its bound, what it holds after the last step (sequences
+  // and kept prefixes) and the most it has held; sequences stopped for room.
+  std::atomic<uint64_t> pool_limit{0}, pool_bytes{0}, pool_peak{0}, preemptions{0};
+  // Prefix caching: requests that looked for a prefix and their prompt
+  // tokens; those that found one and the tokens they did not read;
+  // prefixes kept, their bytes, and those evicted.
+  std::atomic<uint64_t> prefix_queries{0}, prefix_query_tokens{0}, prefix_hits{0}, prefix_hit_tokens{0};
+  std::atomic<uint64_t> prefix_entries{0}, prefix_bytes{0}, prefix_evictions{0};
 };
+
+// The cache pool's and the prefix cache's counters in Prometheus' text
+// format (the server's /metrics).
+void render_pool_metrics(std::string& out, const BatcherCounters& k);
 
 // What submit() throws when it cannot take a request now: max_waiting
 // requests already wait for a slot, or the batcher is closed.
@@ -210,6 +233,14 @@ class Batcher {
     // Speculative decoding: the tokens that follow the positions the MTP
     // layer has not read yet (it reads them at the next step).
     std::vector<int32_t> pending;
+    // The tokens handed out; the request's own prompt length (req.prompt
+    // also holds handed-out tokens while a stopped sequence reads them
+    // again: `replaying`, whose end samples nothing).
+    std::vector<int32_t> out;
+    size_t prompt0 = 0;
+    bool replaying = false;
+    bool held = false;       // left out of this step for room in the pool
+    bool looked_up = false;  // the prefix cache was asked
   };
   // A request's choices (one, or n that share the prompt), choice k drawing
   // with seed + k.
@@ -237,10 +268,23 @@ class Batcher {
   void admit_waiting();
   void admit(Slot& s);
   void free_slot(size_t i, Finish f, const std::string& error = {});
+  // The cache pool (batcher_pool.cc): the longest sequence it holds; the
+  // prefix lookups of slots that start reading; the slots left out of the
+  // next step for room (false: nothing can run); a finished slot's cache
+  // kept as a prefix; the pool's bytes now.
+  int64_t pool_positions() const;
+  void restore_prefixes();
+  bool fit_pool();
+  void keep_prefix(size_t i, Finish f);
+  size_t pool_bytes() const;
+  void stop_for_room(size_t i);
+  void count_pool();
 
   Decoder& decoder_;
   const BatcherOptions opt_;
-  const int64_t vocab_, max_positions_;
+  const int64_t vocab_;
+  int64_t max_positions_;
+  std::unique_ptr<PrefixCache> prefixes_;
   std::vector<Slot> slots_;  // touched by the loop thread only
   uint64_t admitted_ = 0;
   std::atomic<int64_t> running_{0};

@@ -37,7 +37,7 @@ void Batcher::run_speculative_step() {
   // chain of up to K tokens.
   std::vector<std::vector<int32_t>> next(S);
   for (size_t i = 0; i < S; ++i)
-    if (slots_[i].live && !slots_[i].following) next[i] = std::move(slots_[i].pending);
+    if (slots_[i].live && !slots_[i].following && !slots_[i].held) next[i] = std::move(slots_[i].pending);
   std::vector<std::vector<int32_t>> drafts(S);
   std::vector<std::vector<std::vector<double>>> q(S);
   std::vector<int64_t> want(S, 0);

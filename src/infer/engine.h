@@ -66,6 +66,7 @@ class Engine {
   // DeepSeek-V3.2: attend to every key and skip the indexer, i.e. run the
   // model as dense MLA (benchmarks compare the two). Off by default.
   void set_dense_attention(bool dense) { dense_attention_ = dense; }
+  bool dense_attention() const { return dense_attention_; }
 
  private:
   const model::ModelConfig& cfg_;

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/system.h"
 #include "infer/speculative.h"
+#include "model/engram.h"
 #include "ops/indexer.h"
 
 namespace ds::infer {
@@ -62,6 +63,10 @@ std::vector<float> Decoder::step_all(const std::vector<std::vector<int32_t>>&) {
   throw Error("this model's decoder gives no logits of prompt positions");
 }
 
+void Decoder::restore(int64_t, const CacheSnapshot&, int64_t) {
+  throw Error("this model's decoder cannot restore a cached prefix");
+}
+
 void Decoder::copy(int64_t, int64_t) { throw Error("this model's decoder cannot copy a sequence"); }
 
 std::vector<float> Decoder::step_keep(const std::vector<std::vector<int32_t>>&, bool) {
@@ -99,13 +104,99 @@ class KvDecoder : public Decoder {
     links_[static_cast<size_t>(s)] = 0;
   }
   std::vector<float> step(const std::vector<std::vector<int32_t>>& tokens) override {
+    grow(tokens);
     return e_.step(*cache_, tokens, false);
   }
   std::vector<float> step_all(const std::vector<std::vector<int32_t>>& tokens) override {
+    grow(tokens);
     return e_.step(*cache_, tokens, true);
   }
   int64_t length(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override { return cache_->bytes(); }
+  size_t sequence_bytes(int64_t s) const override {
+    const size_t i = static_cast<size_t>(s);
+    return allocated_bytes(cache_->seqs[i]) + (kept_[i].capacity() + link_[i].capacity()) * sizeof(float);
+  }
+  size_t bytes_after(int64_t s, int64_t n) const override {
+    const size_t i = static_cast<size_t>(s);
+    const SequenceCache& sc = cache_->seqs[i];
+    size_t b = sequence_bytes(s);
+    for_each_buffer(const_cast<SequenceCache&>(sc), n, [&](const auto& r, int64_t width, int64_t need) {
+      const int64_t rows = static_cast<int64_t>(r.capacity()) / width;
+      b += static_cast<size_t>((grown_rows(rows, need, limit_ + margin()) - rows) * width) * sizeof(r[0]);
+    });
+    // The hidden states kept for the MTP layer.
+    const size_t D = static_cast<size_t>(e_.config().hidden_size), nn = static_cast<size_t>(n);
+    if (e_.has_mtp() && kept_[i].size() + nn * D > kept_[i].capacity())
+      b += (std::max(2 * kept_[i].capacity(), kept_[i].size() + nn * D) - kept_[i].capacity()) * sizeof(float);
+    return b;
+  }
+  size_t bytes_for(int64_t tokens) const override {
+    const size_t rows = static_cast<size_t>(grown_rows(0, tokens + margin(), tokens + margin()));
+    size_t b = widths().bytes(layers()) * rows;
+    if (!e_.config().engram_layers.empty())  // the conv's rows (at most every position) and the tokens
+      b += rows * (static_cast<size_t>(model::engram_dims(e_.config()).width()) * sizeof(float) *
+                       e_.config().engram_layers.size() +
+                   sizeof(int32_t));
+    if (e_.has_mtp()) b += static_cast<size_t>((tokens + 1) * e_.config().hidden_size) * sizeof(float);
+    return b;
+  }
+  void limit_length(int64_t tokens) override { limit_ = tokens; }
+
+  std::shared_ptr<const CacheSnapshot> take_snapshot(int64_t s) override {
+    // With the MTP layer loaded, the hidden states it has yet to read would
+    // have to travel with the cache: not kept.
+    if (e_.has_mtp()) return nullptr;
+    auto snap = std::make_shared<Snapshot>(std::move(cache_->seqs[static_cast<size_t>(s)]));
+    cache_->seqs[static_cast<size_t>(s)] = SequenceCache(layers());
+    for_each_row_list(snap->cache, [](auto& rows) {
+      for (auto& r : rows) r.shrink_to_fit();
+    });
+    for (auto& r : snap->cache.engram) r.shrink_to_fit();
+    snap->cache.tokens.shrink_to_fit();
+    return snap;
+  }
+  int64_t restorable(const CacheSnapshot& snap, int64_t want) const override {
+    const auto* k = dynamic_cast<const Snapshot*>(&snap);
+    if (!k || k->cache.c_kv.size() != static_cast<size_t>(layers())) return 0;
+    const int64_t m = std::min(want, k->cache.length);
+    // Engram's conv rows before engram_first were dropped.
+    const bool engram = std::any_of(k->cache.engram.begin(), k->cache.engram.end(), [](auto& r) { return !r.empty(); });
+    return engram && m < k->cache.engram_first ? 0 : std::max<int64_t>(m, 0);
+  }
+  void restore(int64_t s, const CacheSnapshot& snap, int64_t length) override {
+    DS_CHECK(restorable(snap, length) == length && length > 0, "restore: the snapshot cannot give {} positions",
+             length);
+    SequenceCache& dst = cache_->seqs[static_cast<size_t>(s)];
+    DS_CHECK(dst.length == 0, "restore: sequence {} is not empty", s);
+    const SequenceCache& src = dynamic_cast<const Snapshot&>(snap).cache;
+    for_each_buffer(dst, length, [&](auto& r, int64_t width, int64_t need) {
+      r.reserve(static_cast<size_t>(grown_rows(0, need, limit_ + margin()) * width));
+    });
+    auto copy_rows = [&](auto& to, const auto& from) {
+      for (size_t l = 0; l < from.size(); ++l) {
+        if (from[l].empty()) continue;
+        const size_t width = from[l].size() / static_cast<size_t>(src.length);
+        to[l].assign(from[l].begin(), from[l].begin() + static_cast<std::ptrdiff_t>(width * length));
+      }
+    };
+    copy_rows(dst.c_kv, src.c_kv);
+    copy_rows(dst.k_pe, src.k_pe);
+    copy_rows(dst.k, src.k);
+    copy_rows(dst.v, src.v);
+    copy_rows(dst.index_k, src.index_k);
+    copy_rows(dst.index_scale, src.index_scale);
+    for (size_t l = 0; l < src.engram.size(); ++l) {
+      if (src.engram[l].empty()) continue;
+      const size_t width = src.engram[l].size() / static_cast<size_t>(src.length - src.engram_first);
+      dst.engram[l].assign(src.engram[l].begin(),
+                           src.engram[l].begin() + static_cast<std::ptrdiff_t>(width * (length - src.engram_first)));
+    }
+    dst.engram_first = src.engram_first;
+    dst.tokens.assign(src.tokens.begin(), src.tokens.begin() + std::min<std::ptrdiff_t>(src.tokens.size(), length));
+    dst.length = length;
+  }
+
   void copy(int64_t from, int64_t to) override {
     const int64_t S = cache_ ? static_cast<int64_t>(cache_->seqs.size()) : 0;
     DS_CHECK(from >= 0 && from < S && to >= 0 && to < S, "copy: no sequence {} or {}", from, to);
@@ -119,6 +210,7 @@ class KvDecoder : public Decoder {
   bool can_draft() const override { return e_.has_mtp(); }
   std::vector<float> step_keep(const std::vector<std::vector<int32_t>>& tokens, bool all_logits) override {
     DS_CHECK(can_draft(), "this model's MTP layer is not loaded");
+    grow(tokens);
     std::vector<float> hidden;
     auto logits = e_.step(*cache_, tokens, all_logits, &hidden);
     const size_t D = static_cast<size_t>(e_.config().hidden_size);
@@ -196,7 +288,62 @@ class KvDecoder : public Decoder {
   }
 
  private:
+  struct Snapshot final : CacheSnapshot {
+    explicit Snapshot(SequenceCache c) : cache(std::move(c)) {}
+    int64_t length() const override { return cache.length; }
+    size_t bytes() const override { return allocated_bytes(cache); }
+    SequenceCache cache;
+  };
   int64_t layers() const { return e_.config().num_hidden_layers + (e_.has_mtp() ? 1 : 0); }
+  // Positions past a sequence's length its buffers make room for: a step's
+  // drafts and the MTP layer's chained links.
+  int64_t margin() const { return e_.has_mtp() ? kMaxDraftTokens + 1 : 0; }
+  RowWidths widths() const {
+    const auto& c = e_.config();
+    RowWidths w;
+    if (kind_ == CacheKind::Latent) {
+      w.c_kv = c.kv_lora_rank;
+      w.k_pe = c.qk_rope_head_dim;
+    } else {
+      w.k = c.num_attention_heads * c.qk_head_dim();
+      w.v = c.num_attention_heads * c.v_head_dim;
+    }
+    if (c.index_n_heads > 0 && !e_.dense_attention()) {
+      w.index_k = c.index_head_dim;
+      w.index_scale = ops::indexer_scale_blocks(c.index_head_dim);
+    }
+    return w;
+  }
+  // f(buffer, elements per position, positions it must hold) for each
+  // buffer of sc that n more tokens grow: the row lists of every layer,
+  // Engram's conv rows and its tokens.
+  template <class F>
+  void for_each_buffer(SequenceCache& sc, int64_t n, F f) const {
+    const RowWidths w = widths();
+    const int64_t per[] = {w.c_kv, w.k_pe, w.k, w.v, w.index_k, w.index_scale};
+    const int64_t need = sc.length + n + margin();
+    int j = 0;
+    for_each_row_list(sc, [&](auto& lists) {
+      const int64_t width = per[j++];
+      if (width == 0) return;
+      for (int64_t l = 0; l < layers(); ++l) f(lists[static_cast<size_t>(l)], width, need);
+    });
+    if (e_.config().engram_layers.empty()) return;
+    const int64_t W = model::engram_dims(e_.config()).width();
+    for (const int64_t l : e_.config().engram_layers) f(sc.engram[static_cast<size_t>(l)], W, need - sc.engram_first);
+    f(sc.tokens, 1, need);
+  }
+  // Room in every buffer of the sequences that take tokens, before a step.
+  void grow(const std::vector<std::vector<int32_t>>& tokens) {
+    for (size_t s = 0; s < tokens.size() && s < cache_->seqs.size(); ++s)
+      if (!tokens[s].empty())
+        for_each_buffer(cache_->seqs[s], static_cast<int64_t>(tokens[s].size()),
+                        [&](auto& r, int64_t width, int64_t need) {
+                          const int64_t rows = static_cast<int64_t>(r.capacity()) / width;
+                          const int64_t to = grown_rows(rows, need, limit_ + margin());
+                          if (to > rows) r.reserve(static_cast<size_t>(to * width));
+                        });
+  }
 
   Engine& e_;
   CacheKind kind_;
@@ -206,6 +353,7 @@ class KvDecoder : public Decoder {
   // reads) and the links in its cache since the last draft().
   std::vector<std::vector<float>> link_;
   std::vector<int64_t> links_;
+  int64_t limit_ = std::numeric_limits<int32_t>::max();  // limit_length()
 };
 
 }  // namespace

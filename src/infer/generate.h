@@ -67,6 +67,16 @@ void check_generate_request(const model::ModelConfig& cfg, const std::vector<int
 std::vector<std::vector<int32_t>> generate(infer::Engine& model, const std::vector<std::vector<int32_t>>& prompts,
                                            const GenerateOptions& opt, GenerateStats* stats = nullptr);
 
+// A sequence's cache or state taken out of a decoder when its request ends
+// (Decoder::take_snapshot), kept by the prefix cache (infer/prefix_cache.h)
+// and copied into later sequences that start with the same tokens.
+class CacheSnapshot {
+ public:
+  virtual ~CacheSnapshot() = default;
+  virtual int64_t length() const = 0;  // positions held
+  virtual size_t bytes() const = 0;    // allocated
+};
+
 // What the generation loop drives: a set of sequences that take new tokens
 // and give the logits of each one's last token. Called from one thread at a
 // time; decoders over one engine or V4 model share it, and so that thread. The V2/V3 engine over a KV
@@ -117,6 +127,31 @@ class Decoder {
   // Drops sequence s's tokens from `length` on (a rejected draft) and their
   // kept hidden states.
   virtual void truncate(int64_t sequence, int64_t length);
+
+  // The cache pool (BatcherOptions::cache_memory). Bytes sequence s's
+  // buffers have allocated now, and will have once n more tokens are
+  // appended (with speculative decoding: read, drafted after and checked).
+  // The defaults count nothing.
+  virtual size_t sequence_bytes(int64_t /*sequence*/) const { return 0; }
+  virtual size_t bytes_after(int64_t /*sequence*/, int64_t /*n*/) const { return 0; }
+  // The most a sequence of at most `tokens` positions allocates once
+  // limit_length(tokens) is set: what decides how long a sequence the pool
+  // can hold at all.
+  virtual size_t bytes_for(int64_t /*tokens*/) const { return 0; }
+  // Sequences hold at most `tokens` positions from now on (their buffers
+  // never grow past what that needs).
+  virtual void limit_length(int64_t /*tokens*/) {}
+
+  // Prefix caching (infer/prefix_cache.h). Moves sequence s's cache out
+  // (the sequence is left empty, as after reset); null for a decoder that
+  // cannot, or a sequence it cannot take now.
+  virtual std::shared_ptr<const CacheSnapshot> take_snapshot(int64_t /*sequence*/) { return nullptr; }
+  // The longest length <= want that `snap` can be restored to (0: none):
+  // a cache that can be cut at any position gives want.
+  virtual int64_t restorable(const CacheSnapshot& /*snap*/, int64_t /*want*/) const { return 0; }
+  // Makes empty sequence s the first `length` positions of snap (a length
+  // restorable() gave), allocating at most bytes_for(length).
+  virtual void restore(int64_t sequence, const CacheSnapshot& snap, int64_t length);
 };
 
 // The V2/V3 engine over a KV cache of `kind`, as a Decoder.

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -89,6 +90,44 @@ inline void truncate_layer(SequenceCache& s, int64_t layer, int64_t rows, int64_
     auto& r = per_layer[static_cast<size_t>(layer)];
     if (!r.empty()) r.resize(r.size() / static_cast<size_t>(rows) * static_cast<size_t>(length));
   });
+}
+
+// Positions a sequence's row buffers grow by at least (the cache pool's
+// unit): capacities are whole multiples of it.
+inline constexpr int64_t kCacheRowBlock = 64;
+
+// Elements per position and layer of each row list (0: the list is unused),
+// in for_each_row_list's order.
+struct RowWidths {
+  int64_t c_kv = 0, k_pe = 0, k = 0, v = 0, index_k = 0, index_scale = 0;
+  // Bytes of one position over `layers` layers.
+  size_t bytes(int64_t layers) const {
+    return static_cast<size_t>(layers) *
+           (static_cast<size_t>(c_kv + k_pe + k + v + index_scale) * sizeof(float) + static_cast<size_t>(index_k));
+  }
+};
+
+// The positions a row buffer holding `cap` positions is grown to so that it
+// holds `need`: by a quarter at least (a long sequence is copied a bounded
+// number of times), in whole blocks, never past `limit` positions unless
+// `need` itself is (limit rounded up to a block).
+inline int64_t grown_rows(int64_t cap, int64_t need, int64_t limit) {
+  if (need <= cap) return cap;
+  auto round_up = [](int64_t n) { return (n + kCacheRowBlock - 1) / kCacheRowBlock * kCacheRowBlock; };
+  const int64_t want = round_up(std::max(need, cap + cap / 4));
+  return std::max(round_up(need), std::min(want, round_up(limit)));
+}
+
+// Bytes the row buffers of s have allocated (capacities), and its other
+// buffers (Engram's rows and tokens).
+inline size_t allocated_bytes(const SequenceCache& s) {
+  size_t n = 0;
+  for (size_t l = 0; l < s.c_kv.size(); ++l)
+    n += (s.c_kv[l].capacity() + s.k_pe[l].capacity() + s.k[l].capacity() + s.v[l].capacity() +
+          s.index_scale[l].capacity() + s.engram[l].capacity()) *
+             sizeof(float) +
+         s.index_k[l].capacity();
+  return n + s.tokens.capacity() * sizeof(int32_t);
 }
 
 struct KvCache {

@@ -34,6 +34,20 @@ using api::wire;
 
 void send_error(http::Responder& out, const Refusal& r) { out.send(r.status, api::error_text(r)); }
 
+// /health's view of the cache pool and the prefix cache.
+json pool_health(const BatcherCounters& k) {
+  auto v = [](const std::atomic<uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+  return {{"limit_bytes", v(k.pool_limit)},
+          {"bytes", v(k.pool_bytes)},
+          {"peak_bytes", v(k.pool_peak)},
+          {"preemptions", v(k.preemptions)},
+          {"prefix_entries", v(k.prefix_entries)},
+          {"prefix_bytes", v(k.prefix_bytes)},
+          {"prefix_hits", v(k.prefix_hits)},
+          {"prefix_hit_tokens", v(k.prefix_hit_tokens)},
+          {"prefix_evictions", v(k.prefix_evictions)}};
+}
+
 // Generations whose clients may leave before their answer is made. A thread
 // polls their sockets every 50 ms and cancels the generation of a client
 // that closed its side or reset the connection, so that its slot is free
@@ -659,6 +673,7 @@ struct Server::Impl {
     metrics::scalar(out, "deepseek_cache_bytes", "gauge",
                     "Bytes the KV caches (or V4 states) hold after the last step.",
                     static_cast<double>(k.cache_bytes.load()));
+    render_pool_metrics(out, k);
     return out;
   }
 
@@ -679,7 +694,8 @@ struct Server::Impl {
     if (get && path == "/health")
       return out.send(200, wire(json{{"status", model.batcher->closed() ? "stopping" : "ok"},
                                      {"running", model.batcher->running()},
-                                     {"waiting", model.batcher->waiting()}}));
+                                     {"waiting", model.batcher->waiting()},
+                                     {"cache", pool_health(model.batcher->counters())}}));
     if (get && path == "/metrics") return out.send(200, render_metrics(), "text/plain; version=0.0.4; charset=utf-8");
     send_error(out, Refusal{404, fmt::format("no route {} {}", std::string(req.method_string()), path), ""});
   }

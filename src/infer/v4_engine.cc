@@ -77,6 +77,45 @@ void V4Decoder::copy(int64_t from, int64_t to) {
 
 std::vector<float> V4Decoder::step_all(const std::vector<std::vector<int32_t>>& tokens) { return run(tokens, true); }
 
+namespace {
+
+struct V4Snapshot final : CacheSnapshot {
+  explicit V4Snapshot(model::V4State s) : state(std::move(s)) {}
+  int64_t length() const override { return state.length; }
+  size_t bytes() const override { return state.bytes(); }
+  model::V4State state;
+};
+
+}  // namespace
+
+size_t V4Decoder::bytes_after(int64_t s, int64_t n) const {
+  const auto& st = states_[static_cast<size_t>(s)];
+  return std::max(st.bytes(), model::v4_state_bytes(m_.config(), st.length + n, m_.options().qat));
+}
+
+size_t V4Decoder::bytes_for(int64_t tokens) const {
+  return model::v4_state_bytes(m_.config(), tokens, m_.options().qat);
+}
+
+std::shared_ptr<const CacheSnapshot> V4Decoder::take_snapshot(int64_t s) {
+  DS_CHECK(s >= 0 && s < static_cast<int64_t>(states_.size()), "take_snapshot: no sequence {}", s);
+  auto snap = std::make_shared<V4Snapshot>(std::move(states_[static_cast<size_t>(s)]));
+  states_[static_cast<size_t>(s)] = m_.new_state();
+  return snap;
+}
+
+int64_t V4Decoder::restorable(const CacheSnapshot& snap, int64_t want) const {
+  const auto* v = dynamic_cast<const V4Snapshot*>(&snap);
+  return v && v->state.length > 0 && want >= v->state.length ? v->state.length : 0;
+}
+
+void V4Decoder::restore(int64_t s, const CacheSnapshot& snap, int64_t length) {
+  DS_CHECK(restorable(snap, length) == length, "restore: a V4 state is restored whole ({} positions, not {})",
+           snap.length(), length);
+  DS_CHECK(states_[static_cast<size_t>(s)].length == 0, "restore: sequence {} is not empty", s);
+  states_[static_cast<size_t>(s)] = dynamic_cast<const V4Snapshot&>(snap).state;
+}
+
 size_t V4Decoder::cache_bytes() const {
   size_t b = 0;
   for (const auto& s : states_) b += s.bytes();

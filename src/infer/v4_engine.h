@@ -49,6 +49,16 @@ class V4Decoder : public Decoder {
   int64_t length(int64_t s) const override { return states_[static_cast<size_t>(s)].length; }
   size_t cache_bytes() const override;
   void copy(int64_t from, int64_t to) override;
+  // The cache pool counts a V4 state by its contents (model::v4_state_bytes),
+  // not by the spare capacity of its buffers.
+  size_t sequence_bytes(int64_t s) const override { return states_[static_cast<size_t>(s)].bytes(); }
+  size_t bytes_after(int64_t s, int64_t n) const override;
+  size_t bytes_for(int64_t tokens) const override;
+  // A V4 state cannot be cut (its compressors pool the positions before):
+  // a snapshot is restored whole, when the prompt extends all of it.
+  std::shared_ptr<const CacheSnapshot> take_snapshot(int64_t s) override;
+  int64_t restorable(const CacheSnapshot& snap, int64_t want) const override;
+  void restore(int64_t s, const CacheSnapshot& snap, int64_t length) override;
 
  private:
   std::vector<float> run(const std::vector<std::vector<int32_t>>& tokens, bool all_logits);
