@@ -230,8 +230,7 @@ void engram(nlohmann::json& j) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, KvSnapshotTest,
                          ::testing::Values(Case{"latent", CacheKind::Latent, none},
-                                           Case{"naive", CacheKind::Naive, none},
-                                           Case{"v32", CacheKind::Latent, v32},
+                                           Case{"naive", CacheKind::Naive, none}, Case{"v32", CacheKind::Latent, v32},
                                            Case{"engram", CacheKind::Latent, engram}),
                          [](const auto& info) { return std::string(info.param.name); });
 

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -53,14 +54,16 @@ size_t parse_size(const std::string& text, const char* what) {
     used = 0;
   }
   const std::string unit = text.substr(used);
-  static const std::pair<const char*, double> units[] = {
-      {"", 1},          {"B", 1},      {"K", 1024.0},        {"KiB", 1024.0},   {"KB", 1e3},
-      {"M", 1048576.0}, {"MiB", 1048576.0}, {"MB", 1e6},   {"G", 1073741824.0}, {"GiB", 1073741824.0},
-      {"GB", 1e9},      {"T", 1099511627776.0}, {"TiB", 1099511627776.0}, {"TB", 1e12}};
-  for (const auto& [name, scale] : units)
-    if (used > 0 && unit == name && v > 0 && v * scale < 9e18) return static_cast<size_t>(v * scale);
-  throw Error(fmt::format("{} '{}' is not a size (bytes, or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB)", what,
-                          text));
+  double scale = unit.empty() || unit == "B" ? 1 : 0;
+  const size_t power = unit.empty() ? std::string::npos : std::string("KMGT").find(unit[0]);
+  if (power != std::string::npos) {
+    const std::string rest = unit.substr(1);
+    if (rest.empty() || rest == "iB") scale = std::pow(1024.0, static_cast<double>(power + 1));
+    if (rest == "B") scale = std::pow(1000.0, static_cast<double>(power + 1));
+  }
+  if (used > 0 && scale > 0 && v > 0 && v * scale < 9e18) return static_cast<size_t>(v * scale);
+  throw Error(
+      fmt::format("{} '{}' is not a size (bytes, or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB)", what, text));
 }
 
 void say(const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }
@@ -110,8 +113,12 @@ int run_serve(const ServeArgs& given) {
   const size_t pool = a.cache_memory == "auto" ? 0 : parse_size(a.cache_memory, "--cache-memory");
   g->load();
   auto decoder = g->new_decoder(kind);
-  infer::BatcherOptions bo{a.max_sequences, a.max_waiting, a.prefill_chunk, g->eos_token_id(),
-                           tok ? tok->vocab_size() : 0, mo.mtp ? a.draft_tokens : 0};
+  infer::BatcherOptions bo{a.max_sequences,
+                           a.max_waiting,
+                           a.prefill_chunk,
+                           g->eos_token_id(),
+                           tok ? tok->vocab_size() : 0,
+                           mo.mtp ? a.draft_tokens : 0};
   // By default half of what the machine has left once the weights are in.
   bo.cache_memory = pool > 0 ? pool : static_cast<size_t>(available_memory_bytes() / 2);
   bo.prefix_cache = !a.no_prefix_cache;
@@ -146,14 +153,16 @@ int run_serve(const ServeArgs& given) {
       }
     }
   });
-  say(
-      fmt::format("deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions, /v1/messages; GET /v1/models, "
-                  "/health, /metrics); {} sequences at once, {}; chat format {} ({}); cache pool {:.1f} MiB "
-                  "(sequences of up to {} tokens), prefix caching {}",
-                  name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only",
-                  infer::chat::format_name(chat.format), chat.why, static_cast<double>(bo.cache_memory) / (1 << 20),
-                  batcher.max_positions(),
-                  !bo.prefix_cache ? "off" : bo.draft_tokens > 0 ? "off (speculative decoding)" : "on"));
+  say(fmt::format(
+      "deepseek serve: {} on http://{}:{} (POST /v1/completions, /v1/chat/completions, /v1/messages; GET /v1/models, "
+      "/health, /metrics); {} sequences at once, {}; chat format {} ({}); cache pool {:.1f} MiB "
+      "(sequences of up to {} tokens), prefix caching {}",
+      name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only",
+      infer::chat::format_name(chat.format), chat.why, static_cast<double>(bo.cache_memory) / (1 << 20),
+      batcher.max_positions(),
+      !bo.prefix_cache      ? "off"
+      : bo.draft_tokens > 0 ? "off (speculative decoding)"
+                            : "on"));
   server.run();
   running = false;
   signals.join();

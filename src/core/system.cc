@@ -1,11 +1,11 @@
 #include "core/system.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 #if defined(__GLIBC__)
 #include <malloc.h>

@@ -371,7 +371,7 @@ void Batcher::take_rows(size_t i, float* lg, int64_t rows, size_t fed, std::chro
     s.fed += fed;
     counters_.prompt_tokens.fetch_add(fed, std::memory_order_relaxed);
     if (s.fed < q.prompt.size()) return;  // the prompt goes on in the next step
-    if (s.replaying) {  // read again after a stop: the next token is known
+    if (s.replaying) {                    // read again after a stop: the next token is known
       s.replaying = false;
       return;
     }
