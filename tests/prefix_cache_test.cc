@@ -208,7 +208,9 @@ TEST_P(KvSnapshotTest, BytesAfterBoundsWhatAStepAllocates) {
   // Whole blocks: 100 positions take two of 64, what bytes_for counts (with
   // Engram, bytes_for counts a conv row for every position; the cache keeps
   // the last few).
-  if (std::string(GetParam().name) != "engram") EXPECT_EQ(d->sequence_bytes(0), d->bytes_for(limit));
+  if (std::string(GetParam().name) != "engram") {
+    EXPECT_EQ(d->sequence_bytes(0), d->bytes_for(limit));
+  }
   d->reset(0);
   EXPECT_EQ(d->sequence_bytes(0), 0u);
 }

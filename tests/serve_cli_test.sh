@@ -24,6 +24,8 @@ expect_error serve --model "$m" --max-sequences 0
 expect_error serve --model "$m" --tokenizer "$tmp/none.json"
 expect_error serve --model "$m" --speculative maybe
 expect_error serve --model "$m" --speculative mtp  # the tiny preset has no MTP layer
+expect_error serve --model "$m" --port 0 --cache-memory lots
+expect_error serve --model "$m" --port 0 --cache-memory 2KiB  # not even one token's cache
 
 # http METHOD PATH [BODY]: the response (status line, headers, body) of one
 # request to the server on $port.
@@ -35,7 +37,7 @@ http() {
   exec 3<&-
 }
 
-"$bin" serve --model "$m" --port 0 --max-sequences 2 2>"$tmp/log" &
+"$bin" serve --model "$m" --port 0 --max-sequences 2 --cache-memory 4MiB 2>"$tmp/log" &
 pid=$!
 port=$(served_port "$tmp/log")
 check '[ -n "$port" ]' "serve says the address it listens on: $(cat "$tmp/log")"
@@ -47,6 +49,13 @@ if [ -n "$port" ]; then
   text=$(printf '%b' "$(printf '%s' "$resp" | sed -n 's/.*"text":"\([^"]*\)".*/\1/p')")
   want=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 6 --temperature 0 2>/dev/null)
   check '[ "hello world$text" == "$want" ]' "the completion is what generate prints ('$text' against '$want')"
+  check 'grep -q "cache pool 4.0 MiB (sequences of up to [0-9]* tokens), prefix caching on" "$tmp/log"' \
+    "serve says its cache pool: $(cat "$tmp/log")"
+  # The same prompt again: its tokens but the last come from the kept cache.
+  resp=$(http POST /v1/completions '{"prompt": "hello world", "max_tokens": 6, "temperature": 0}')
+  again=$(printf '%b' "$(printf '%s' "$resp" | sed -n 's/.*"text":"\([^"]*\)".*/\1/p')")
+  check '[ "$again" == "$text" ]' "a prompt read from the prefix cache makes the same text ('$again' against '$text')"
+  check 'http GET /health "" | grep -q "\"prefix_hits\":1"' "GET /health counts the prefix cache's hit"
   resp=$(http POST /v1/completions '{"prompt": [1, 2], "max_tokens": "six"}')
   check '[[ "$resp" == "HTTP/1.1 400"* ]] && [[ "$resp" == *"max_tokens"* ]]' "a bad field answers 400: $resp"
   # lm-evaluation-harness' log-likelihood request: the prompt's logprobs, nothing generated.
@@ -54,8 +63,9 @@ if [ -n "$port" ]; then
   check '[[ "$resp" == "HTTP/1.1 200"* ]] && [[ "$resp" == *"\"token_logprobs\":[null,-"*",-"*"]"* ]]' \
     "echo with max_tokens 0 gives the prompt's logprobs: $resp"
   metrics=$(http GET /metrics "")
-  check '[[ "$metrics" == *"deepseek_requests_total{route=\"/v1/completions\",status=\"200\"} 2"* ]]' \
+  check '[[ "$metrics" == *"deepseek_requests_total{route=\"/v1/completions\",status=\"200\"} 3"* ]]' \
     "GET /metrics counts the completions: $metrics"
+  check '[[ "$metrics" == *"deepseek_prefix_cache_hits_total 1"* ]]' "GET /metrics counts the prefix cache's hit"
   check '[[ "$metrics" == *"deepseek_requests_total{route=\"/v1/completions\",status=\"400\"} 1"* ]]' \
     "GET /metrics counts the refusal"
   # A second server on the same port is refused.

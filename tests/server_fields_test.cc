@@ -382,3 +382,52 @@ TEST_F(ServerFieldsTest, MetricsParseAndMoveAfterARequest) {
 }
 
 }  // namespace
+
+namespace {
+
+// With prefix caching, a conversation's next turn (the last prompt, its
+// answer and new tokens) reads only the new tokens: /metrics and /health
+// say so, and the answers are what the model makes for each prompt alone.
+TEST_F(ServerFieldsTest, ATurnThatExtendsTheLastReadsOnlyItsNewTokens) {
+  stop();
+  fs::remove_all(dir_);
+  ds::infer::BatcherOptions bo{2, 16, 512, kEos, 294};
+  bo.cache_memory = 16 << 20;
+  bo.prefix_cache = true;
+  start(bo);
+  auto scrape = [&] {
+    auto r = client().Get("/metrics");
+    EXPECT_TRUE(r);
+    return r ? parse_metrics(r->body) : std::map<std::string, double>{};
+  };
+  std::vector<int32_t> prompt = {285, 50, 51, 52, 53, 54};
+  std::vector<double> read;
+  for (int turn = 0; turn < 4; ++turn) {
+    const double before = scrape()["deepseek_prompt_tokens_total"];
+    const json r = post_json("/v1/completions",
+                             {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+    const auto ids = r["choices"][0]["token_ids"].get<std::vector<int32_t>>();
+    EXPECT_EQ(ids, alone(prompt, 3)) << "turn " << turn;
+    EXPECT_EQ(r["usage"]["prompt_tokens"], prompt.size());  // usage counts the whole prompt
+    read.push_back(scrape()["deepseek_prompt_tokens_total"] - before);
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
+    prompt.insert(prompt.end(), {60 + turn, 70 + turn});
+  }
+  // The first turn reads 6; the others the last answer's final token and 2 new.
+  EXPECT_EQ(read, (std::vector<double>{6, 3, 3, 3}));
+  const auto m = scrape();
+  EXPECT_EQ(m.at("deepseek_prefix_cache_hits_total"), 3);
+  EXPECT_EQ(m.at("deepseek_prefix_cache_hit_tokens_total"), 8 + 13 + 18);
+  EXPECT_EQ(m.at("deepseek_prefix_cache_entries"), 1);  // each turn's cache stands in for the last
+  EXPECT_EQ(m.at("deepseek_cache_pool_limit_bytes"), 16 << 20);
+  EXPECT_LE(m.at("deepseek_cache_pool_peak_bytes"), 16 << 20);
+  EXPECT_GT(m.at("deepseek_prefix_cache_bytes"), 0);
+  auto h = client().Get("/health");
+  ASSERT_TRUE(h);
+  const json health = json::parse(h->body);
+  EXPECT_EQ(health["cache"]["prefix_hits"], 3);
+  EXPECT_EQ(health["cache"]["limit_bytes"], 16 << 20);
+  EXPECT_EQ(health["cache"]["prefix_entries"], 1);
+}
+
+}  // namespace

@@ -5,12 +5,16 @@
 
 #include "core/error.h"
 #include "infer/batcher.h"
+#include "infer/kv_cache.h"
 
 namespace ds::infer {
 
 namespace {
 
-std::string mib(size_t bytes) { return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20)); }
+std::string mib(size_t bytes) {
+  if (bytes < (1 << 20)) return fmt::format("{} bytes", bytes);
+  return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / (1 << 20));
+}
 
 }  // namespace
 
@@ -19,8 +23,9 @@ int64_t Batcher::pool_positions() const {
   const int64_t most = decoder_.max_positions();
   if (opt_.cache_memory == 0) return most;
   DS_CHECK(decoder_.bytes_for(1) <= opt_.cache_memory,
-           "the cache pool ({}) cannot hold even one token of one sequence ({} bytes)", mib(opt_.cache_memory),
-           decoder_.bytes_for(1));
+           "the cache pool ({}) cannot hold even a one-token sequence's cache ({}; caches grow in blocks of {} "
+           "positions)",
+           mib(opt_.cache_memory), mib(decoder_.bytes_for(1)), kCacheRowBlock);
   int64_t lo = 1, hi = most;  // bytes_for(lo) fits
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo + 1) / 2;

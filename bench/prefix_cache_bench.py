@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Time to first token with automatic prefix caching, through `deepseek serve`.
+
+Starts `deepseek serve` on a free port (prefix caching on, the default) and,
+ROUNDS times: sends a CACHED-token prompt (one new token, which leaves its
+cache kept), then a PROMPT-token prompt that extends it (timed: it reads only
+its last PROMPT - CACHED tokens), then an unrelated PROMPT-token prompt
+(timed: read from its start). Then a TURNS-turn conversation, each turn's
+prompt the last one, its answer and NEW more tokens. Prints one JSON line:
+the median time to first token of both kinds and their ratio, and the
+prompt tokens the server read and took from its cache in each part, from
+its /metrics.
+
+Usage: bench/prefix_cache_bench.py [--build build] [--model DIR] [--rounds 5]
+         [--cached 1900] [--prompt 2000] [--turns 10] [--new 40] [--answer 16]
+The model defaults to a random `small` checkpoint (`deepseek init`, 4,096
+positions) in a temporary folder. Needs only Python's standard library.
+"""
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def completion(port, prompt, max_tokens):
+    """One streamed greedy completion: (time to first token in s, token ids)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, ids = None, []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            got = chunk["choices"][0].get("token_ids", [])
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids += got
+    return ttft, ids
+
+
+def metrics(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^(deepseek_[a-z_]+) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def start_server(binary, model, log_path, extra):
+    log = open(log_path, "w+")
+    server = subprocess.Popen([binary, "serve", "--model", model, "--port", "0", "--max-sequences", "1"] + extra,
+                              stderr=log)
+    for _ in range(1200):
+        log.seek(0)
+        m = re.search(r"127\.0\.0\.1:(\d+)", log.read())
+        if m:
+            return server, int(m.group(1))
+        if server.poll() is not None:
+            break
+        time.sleep(0.05)
+    log.seek(0)
+    server.terminate()
+    sys.exit("error: deepseek serve did not start: " + log.read().strip())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(os.path.dirname(__file__), "..", "build"))
+    ap.add_argument("--model")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--cached", type=int, default=1900)
+    ap.add_argument("--prompt", type=int, default=2000)
+    ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--new", type=int, default=40)
+    ap.add_argument("--answer", type=int, default=16)
+    a = ap.parse_args()
+    if not 0 < a.cached < a.prompt:
+        sys.exit("error: --cached must be in (0, --prompt)")
+    binary = os.path.join(a.build, "deepseek")
+    if not os.access(binary, os.X_OK):
+        sys.exit(f"error: {binary} not found; build the project first (or pass --build)")
+    tmp = tempfile.mkdtemp()
+    model = a.model
+    if not model:
+        model = os.path.join(tmp, "small")
+        root = os.path.join(os.path.dirname(__file__), "..")
+        subprocess.run([binary, "init", "--config", os.path.join(root, "configs", "small.yml"), "--seed", "1",
+                        "--out", model], check=True, stdout=subprocess.DEVNULL)
+    vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
+    rng = random.Random(0)
+    draw = lambda n: [rng.randrange(vocab) for _ in range(n)]
+
+    server, port = start_server(binary, model, os.path.join(tmp, "serve.log"), [])
+    try:
+        completion(port, draw(64), 2)  # warm up
+        cached, uncached = [], []
+        before = metrics(port)
+        for _ in range(a.rounds):
+            base = draw(a.cached)
+            completion(port, base, 1)
+            t, _ = completion(port, base + draw(a.prompt - a.cached), 1)
+            cached.append(t)
+            t, _ = completion(port, draw(a.prompt), 1)
+            uncached.append(t)
+        after = metrics(port)
+        prompt_read = after["deepseek_prompt_tokens_total"] - before["deepseek_prompt_tokens_total"]
+        prompt_hit = after["deepseek_prefix_cache_hit_tokens_total"] - before["deepseek_prefix_cache_hit_tokens_total"]
+
+        # A conversation: each turn resends everything so far.
+        prompt, turn_read, turn_sent = draw(a.new), [], []
+        for _ in range(a.turns):
+            m0 = metrics(port)["deepseek_prompt_tokens_total"]
+            _, answer = completion(port, prompt, a.answer)
+            turn_read.append(int(metrics(port)["deepseek_prompt_tokens_total"] - m0))
+            turn_sent.append(len(prompt))
+            prompt = prompt + answer + draw(a.new)
+        final = metrics(port)
+        ratio = statistics.median(cached) / statistics.median(uncached)
+        print(json.dumps({
+            "cached_prefix": a.cached, "prompt": a.prompt, "rounds": a.rounds,
+            "ttft_extending_cached_s": round(statistics.median(cached), 4),
+            "ttft_uncached_s": round(statistics.median(uncached), 4),
+            "ttft_ratio": round(ratio, 4),
+            "ttft_part_prompt_tokens_read": int(prompt_read), "ttft_part_prompt_tokens_from_cache": int(prompt_hit),
+            "chat_turn_tokens_sent": turn_sent, "chat_turn_tokens_read": turn_read,
+            "cache_pool_peak_bytes": int(final["deepseek_cache_pool_peak_bytes"]),
+            "cache_pool_limit_bytes": int(final["deepseek_cache_pool_limit_bytes"]),
+            "prefix_cache_evictions": int(final["deepseek_prefix_cache_evictions_total"]),
+        }))
+    finally:
+        server.terminate()
+        server.wait()
+
+
+if __name__ == "__main__":
+    main()
