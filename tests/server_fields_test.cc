@@ -404,8 +404,8 @@ TEST_F(ServerFieldsTest, ATurnThatExtendsTheLastReadsOnlyItsNewTokens) {
   std::vector<double> read;
   for (int turn = 0; turn < 4; ++turn) {
     const double before = scrape()["deepseek_prompt_tokens_total"];
-    const json r = post_json("/v1/completions",
-                             {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+    const json r =
+        post_json("/v1/completions", {{"prompt", prompt}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
     const auto ids = r["choices"][0]["token_ids"].get<std::vector<int32_t>>();
     EXPECT_EQ(ids, alone(prompt, 3)) << "turn " << turn;
     EXPECT_EQ(r["usage"]["prompt_tokens"], prompt.size());  // usage counts the whole prompt
