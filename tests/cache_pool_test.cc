@@ -49,6 +49,36 @@ BatchRequest request(std::vector<int32_t> prompt, int64_t max_new, uint64_t seed
   return r;
 }
 
+// Ten turns of a chat, each prompt the last one, its answer and new
+// tokens: the answers, and the batcher's counters.
+struct Chat {
+  std::vector<std::vector<int32_t>> answers;
+  uint64_t read = 0, hit_tokens = 0, hits = 0;
+};
+Chat chat(ds::infer::Decoder& d, BatcherOptions opt) {
+  Batcher b(d, opt);
+  Chat c;
+  std::vector<int32_t> prompt = tokens(8, 1);
+  for (int turn = 0; turn < 10; ++turn) {
+    auto g = b.submit(request(prompt, 4));
+    c.answers.push_back(drain(*g));
+    prompt.insert(prompt.end(), c.answers.back().begin(), c.answers.back().end());
+    const auto more = tokens(3, turn + 2);
+    prompt.insert(prompt.end(), more.begin(), more.end());
+  }
+  c.read = b.counters().prompt_tokens.load();
+  c.hit_tokens = b.counters().prefix_hit_tokens.load();
+  c.hits = b.counters().prefix_hits.load();
+  EXPECT_LE(b.counters().pool_peak.load(), opt.cache_memory == 0 ? SIZE_MAX : opt.cache_memory);
+  return c;
+}
+
+BatcherOptions with_prefix_cache(BatcherOptions o) {
+  o.cache_memory = 64 << 20;
+  o.prefix_cache = true;
+  return o;
+}
+
 class CachePoolTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -59,45 +89,67 @@ class CachePoolTest : public ::testing::Test {
   // Bytes of a sequence of n positions (whole blocks of 64).
   size_t bytes_for(int64_t n) { return decoder()->bytes_for(n); }
 
-  // Ten turns of a chat, each prompt the last one, its answer and new
-  // tokens; the answers, and the batcher's counters.
-  std::vector<std::vector<int32_t>> chat(BatcherOptions opt, uint64_t* prompt_tokens, uint64_t* hit_tokens) {
-    auto d = decoder();
-    Batcher b(*d, opt);
-    std::vector<std::vector<int32_t>> answers;
-    std::vector<int32_t> prompt = tokens(8, 1);
-    for (int turn = 0; turn < 10; ++turn) {
-      auto g = b.submit(request(prompt, 4));
-      answers.push_back(drain(*g));
-      prompt.insert(prompt.end(), answers.back().begin(), answers.back().end());
-      const auto more = tokens(3, turn + 2);
-      prompt.insert(prompt.end(), more.begin(), more.end());
-    }
-    *prompt_tokens = b.counters().prompt_tokens.load();
-    *hit_tokens = b.counters().prefix_hit_tokens.load();
-    EXPECT_LE(b.counters().pool_peak.load(), opt.cache_memory == 0 ? SIZE_MAX : opt.cache_memory);
-    return answers;
-  }
-
   ds::test::TempDir dir_{"ds_cache_pool"};
   std::unique_ptr<ds::infer::LoadedModel> m_;
 };
 
 TEST_F(CachePoolTest, EachTurnOfAChatReadsOnlyItsNewTokens) {
-  uint64_t read_off = 0, hits_off = 0, read_on = 0, hits_on = 0;
-  const auto off = chat(BatcherOptions{2, 16, 512}, &read_off, &hits_off);
-  BatcherOptions on{2, 16, 512};
-  on.cache_memory = 64 << 20;
-  on.prefix_cache = true;
-  const auto answers = chat(on, &read_on, &hits_on);
-  EXPECT_EQ(answers, off);
+  auto d = decoder();
+  const Chat off = chat(*d, BatcherOptions{2, 16, 512});
+  const Chat on = chat(*d, with_prefix_cache(BatcherOptions{2, 16, 512}));
+  EXPECT_EQ(on.answers, off.answers);
   // Without the cache every turn reads its whole prompt: 8, 15, 22, ... 71.
-  EXPECT_EQ(read_off, 10u * 8 + 7u * 45);
-  EXPECT_EQ(hits_off, 0u);
+  EXPECT_EQ(off.read, 10u * 8 + 7u * 45);
+  EXPECT_EQ(off.hit_tokens, 0u);
   // With it the first turn reads 8 tokens; each later one the last answer's
   // final token (never read into the cache) and its 3 new ones.
-  EXPECT_EQ(read_on, 8u + 9u * 4);
-  EXPECT_EQ(read_on + hits_on, read_off);
+  EXPECT_EQ(on.read, 8u + 9u * 4);
+  EXPECT_EQ(on.read + on.hit_tokens, off.read);
+  EXPECT_EQ(on.hits, 9u);
+}
+
+// With speculative decoding the MTP layer's rows and the hidden states it
+// has yet to read travel with the kept cache: the turns still reuse it, and
+// greedy answers are the plain loop's.
+TEST(CachePoolMtp, SpeculativeTurnsReuseTheKeptCache) {
+  ds::test::TempDir dir("ds_cache_pool_mtp");
+  auto cfg = ds::test::tiny_v3_config();
+  cfg["num_nextn_predict_layers"] = 1;
+  ds::test::write_random_model(dir.path(), cfg, 31, {}, /*mtp=*/true);
+  auto plain = ds::infer::load_model(dir.path());
+  auto mtp = ds::infer::load_model(dir.path(), /*mtp=*/true);
+  auto pd = ds::infer::kv_decoder(*plain->engine, CacheKind::Latent);
+  const Chat want = chat(*pd, BatcherOptions{2, 16, 512});
+  for (const int64_t k : {1, 3}) {
+    auto md = ds::infer::kv_decoder(*mtp->engine, CacheKind::Latent);
+    BatcherOptions opt{2, 16, 512};
+    opt.draft_tokens = k;
+    const Chat got = chat(*md, with_prefix_cache(opt));
+    EXPECT_EQ(got.answers, want.answers) << k << " drafts";
+    EXPECT_EQ(got.hits, 9u) << k << " drafts";
+    EXPECT_EQ(got.read + got.hit_tokens, want.read) << k << " drafts";
+    EXPECT_LT(got.read, want.read / 3) << k << " drafts";
+  }
+  // A pool too small for every sequence: the stopped ones read their
+  // tokens again, the MTP layer's with them.
+  std::vector<BatchRequest> rs;
+  for (int i = 0; i < 5; ++i) rs.push_back(request(tokens(20 + 3 * i, 40 + i), 40 + i));
+  std::vector<std::vector<int32_t>> alone;
+  {
+    Batcher b(*pd, BatcherOptions{4, 16, 512});
+    for (const auto& r : rs) alone.push_back(drain(*b.submit(r)));
+  }
+  auto md = ds::infer::kv_decoder(*mtp->engine, CacheKind::Latent);
+  BatcherOptions opt{4, 16, 16};
+  opt.draft_tokens = 2;
+  opt.cache_memory = 2 * md->bytes_for(64);
+  opt.prefix_cache = true;
+  Batcher b(*md, opt);
+  std::vector<std::shared_ptr<ds::infer::Generation>> gens;
+  for (const auto& r : rs) gens.push_back(b.submit(r));
+  for (size_t i = 0; i < rs.size(); ++i) EXPECT_EQ(drain(*gens[i]), alone[i]) << "request " << i;
+  EXPECT_GT(b.counters().preemptions.load(), 0u);
+  EXPECT_LE(b.counters().pool_peak.load(), opt.cache_memory);
 }
 
 TEST_F(CachePoolTest, KeptPrefixesAreEvictedLeastRecentlyUsed) {

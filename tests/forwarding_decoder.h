@@ -38,6 +38,7 @@ class ForwardingDecoder : public infer::Decoder {
     return d_.restorable(snap, want);
   }
   void restore(int64_t s, const infer::CacheSnapshot& snap, int64_t length) override { d_.restore(s, snap, length); }
+  int64_t drafted(int64_t s) const override { return d_.drafted(s); }
 
  private:
   infer::Decoder& d_;

@@ -159,10 +159,7 @@ int run_serve(const ServeArgs& given) {
       "(sequences of up to {} tokens), prefix caching {}",
       name, a.host, port, a.max_sequences, tok ? "text or token-id prompts" : "token-id prompts only",
       infer::chat::format_name(chat.format), chat.why, static_cast<double>(bo.cache_memory) / (1 << 20),
-      batcher.max_positions(),
-      !bo.prefix_cache      ? "off"
-      : bo.draft_tokens > 0 ? "off (speculative decoding)"
-                            : "on"));
+      batcher.max_positions(), bo.prefix_cache ? "on" : "off"));
   server.run();
   running = false;
   signals.join();

@@ -113,7 +113,7 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
   max_positions_ = pool_positions();
   decoder_.limit_length(max_positions_);
   counters_.pool_limit.store(opt_.cache_memory, std::memory_order_relaxed);
-  if (opt_.prefix_cache && opt_.draft_tokens == 0) prefixes_ = std::make_unique<PrefixCache>();
+  if (opt_.prefix_cache) prefixes_ = std::make_unique<PrefixCache>();
   slots_.resize(static_cast<size_t>(opt_.max_sequences));
   // OpenMP's thread count belongs to each thread: the steps run with the
   // creating thread's (`deepseek --threads N serve`), not the default.

@@ -57,7 +57,9 @@ struct BatcherOptions {
   // does). The longest sequence the pool holds bounds max_positions().
   size_t cache_memory = 0;
   // Automatic prefix caching (infer/prefix_cache.h) in that pool; needs a
-  // cache_memory bound, and is off with speculative decoding.
+  // cache_memory bound. With speculative decoding a kept prefix is reused
+  // past the positions its MTP layer had read (prompts that extend a
+  // finished request's tokens).
   bool prefix_cache = false;
 };
 

@@ -78,6 +78,11 @@ void Batcher::restore_prefixes() {
       continue;
     }
     s.fed = static_cast<size_t>(m.length);
+    // Speculative decoding: the MTP layer reads the positions it had not,
+    // with the tokens that follow them, at the next step.
+    if (opt_.draft_tokens > 0)
+      s.pending.assign(s.req.prompt.begin() + decoder_.drafted(static_cast<int64_t>(i)) + 1,
+                       s.req.prompt.begin() + m.length + 1);
     counters_.prefix_hits.fetch_add(1, std::memory_order_relaxed);
     counters_.prefix_hit_tokens.fetch_add(static_cast<uint64_t>(m.length), std::memory_order_relaxed);
   }
@@ -143,12 +148,12 @@ bool Batcher::fit_pool() {
 }
 
 // A finished request's cache, kept for later requests with the same start
-// (not a failed step's, whose state is unknown, nor with speculative
-// decoding, whose MTP layer's state would have to travel with it).
+// (not a failed step's, whose state is unknown; nor one that holds drafts
+// past the tokens handed out).
 void Batcher::keep_prefix(size_t i, Finish f) {
   Slot& s = slots_[i];
   const int64_t si = static_cast<int64_t>(i);
-  if (!prefixes_ || f == Finish::Failed || s.following || opt_.draft_tokens > 0 || decoder_.length(si) == 0) return;
+  if (!prefixes_ || f == Finish::Failed || s.following || decoder_.length(si) == 0) return;
   std::vector<int32_t> tokens(s.req.prompt.begin(), s.req.prompt.begin() + static_cast<std::ptrdiff_t>(s.prompt0));
   tokens.insert(tokens.end(), s.out.begin(), s.out.end());
   if (static_cast<int64_t>(tokens.size()) < decoder_.length(si)) return;

@@ -121,12 +121,17 @@ class KvDecoder : public Decoder {
     const size_t i = static_cast<size_t>(s);
     const SequenceCache& sc = cache_->seqs[i];
     size_t b = sequence_bytes(s);
-    for_each_buffer(const_cast<SequenceCache&>(sc), n, [&](const auto& r, int64_t width, int64_t need) {
+    // With the MTP layer a step also reads its drafts (at most
+    // kMaxDraftTokens past the n planned tokens, never past the limit).
+    const int64_t drafts = e_.has_mtp() ? kMaxDraftTokens : 0;
+    const int64_t most = std::max(limit_, sc.length + n) + margin();
+    for_each_buffer(const_cast<SequenceCache&>(sc), n + drafts, [&](const auto& r, int64_t width, int64_t need) {
       const int64_t rows = static_cast<int64_t>(r.capacity()) / width;
-      b += static_cast<size_t>((grown_rows(rows, need, limit_ + margin()) - rows) * width) * sizeof(r[0]);
+      b += static_cast<size_t>((grown_rows(rows, std::min(need, most), limit_ + margin()) - rows) * width) *
+           sizeof(r[0]);
     });
     // The hidden states kept for the MTP layer.
-    const size_t D = static_cast<size_t>(e_.config().hidden_size), nn = static_cast<size_t>(n);
+    const size_t D = static_cast<size_t>(e_.config().hidden_size), nn = static_cast<size_t>(n + drafts);
     if (e_.has_mtp() && kept_[i].size() + nn * D > kept_[i].capacity())
       b += (std::max(2 * kept_[i].capacity(), kept_[i].size() + nn * D) - kept_[i].capacity()) * sizeof(float);
     return b;
@@ -143,41 +148,53 @@ class KvDecoder : public Decoder {
   }
   void limit_length(int64_t tokens) override { limit_ = tokens; }
 
+  // With the MTP layer, a snapshot also holds the hidden states it has not
+  // read yet (positions draft_length .. length - 1).
   std::shared_ptr<const CacheSnapshot> take_snapshot(int64_t s) override {
-    // With the MTP layer loaded, the hidden states it has yet to read would
-    // have to travel with the cache: not kept.
-    if (e_.has_mtp()) return nullptr;
-    auto snap = std::make_shared<Snapshot>(std::move(cache_->seqs[static_cast<size_t>(s)]));
-    cache_->seqs[static_cast<size_t>(s)] = SequenceCache(layers());
+    const size_t i = static_cast<size_t>(s);
+    if (links_[i] != 0) return nullptr;  // chained drafts in the MTP layer's cache
+    auto snap = std::make_shared<Snapshot>(std::move(cache_->seqs[i]));
+    snap->kept = std::move(kept_[i]);
+    reset(s);
     for_each_row_list(snap->cache, [](auto& rows) {
       for (auto& r : rows) r.shrink_to_fit();
     });
     for (auto& r : snap->cache.engram) r.shrink_to_fit();
     snap->cache.tokens.shrink_to_fit();
+    snap->kept.shrink_to_fit();
     return snap;
   }
   int64_t restorable(const CacheSnapshot& snap, int64_t want) const override {
     const auto* k = dynamic_cast<const Snapshot*>(&snap);
     if (!k || k->cache.c_kv.size() != static_cast<size_t>(layers())) return 0;
-    const int64_t m = std::min(want, k->cache.length);
+    const SequenceCache& c = k->cache;
+    const int64_t m = std::min(want, c.length);
     // Engram's conv rows before engram_first were dropped.
-    const bool engram = std::any_of(k->cache.engram.begin(), k->cache.engram.end(), [](auto& r) { return !r.empty(); });
-    return engram && m < k->cache.engram_first ? 0 : std::max<int64_t>(m, 0);
+    const bool engram = std::any_of(c.engram.begin(), c.engram.end(), [](auto& r) { return !r.empty(); });
+    if (engram && m < c.engram_first) return 0;
+    // The MTP layer's row at position p read token p + 1, which the new
+    // prompt may not share at m - 1; the hidden states it read are gone, so
+    // its rows are kept whole and m must be past them.
+    if (e_.has_mtp() && m < c.draft_length + 1) return 0;
+    return std::max<int64_t>(m, 0);
   }
   void restore(int64_t s, const CacheSnapshot& snap, int64_t length) override {
     DS_CHECK(restorable(snap, length) == length && length > 0, "restore: the snapshot cannot give {} positions",
              length);
     SequenceCache& dst = cache_->seqs[static_cast<size_t>(s)];
     DS_CHECK(dst.length == 0, "restore: sequence {} is not empty", s);
-    const SequenceCache& src = dynamic_cast<const Snapshot&>(snap).cache;
+    const auto& k = dynamic_cast<const Snapshot&>(snap);
+    const SequenceCache& src = k.cache;
     for_each_buffer(dst, length, [&](auto& r, int64_t width, int64_t need) {
       r.reserve(static_cast<size_t>(grown_rows(0, need, limit_ + margin()) * width));
     });
+    const size_t mtp = static_cast<size_t>(e_.config().num_hidden_layers);  // the MTP layer, if any
     auto copy_rows = [&](auto& to, const auto& from) {
       for (size_t l = 0; l < from.size(); ++l) {
         if (from[l].empty()) continue;
-        const size_t width = from[l].size() / static_cast<size_t>(src.length);
-        to[l].assign(from[l].begin(), from[l].begin() + static_cast<std::ptrdiff_t>(width * length));
+        const int64_t held = l == mtp ? src.draft_length : src.length, keep = l == mtp ? src.draft_length : length;
+        const size_t width = from[l].size() / static_cast<size_t>(held);
+        to[l].assign(from[l].begin(), from[l].begin() + static_cast<std::ptrdiff_t>(width * keep));
       }
     };
     copy_rows(dst.c_kv, src.c_kv);
@@ -195,7 +212,15 @@ class KvDecoder : public Decoder {
     dst.engram_first = src.engram_first;
     dst.tokens.assign(src.tokens.begin(), src.tokens.begin() + std::min<std::ptrdiff_t>(src.tokens.size(), length));
     dst.length = length;
+    dst.draft_length = src.draft_length;
+    if (e_.has_mtp()) {  // the hidden states of positions draft_length .. length - 1
+      const size_t D = static_cast<size_t>(e_.config().hidden_size);
+      kept_[static_cast<size_t>(s)].assign(k.kept.begin(),
+                                           k.kept.begin() + static_cast<std::ptrdiff_t>(
+                                                                static_cast<size_t>(length - src.draft_length) * D));
+    }
   }
+  int64_t drafted(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].draft_length; }
 
   void copy(int64_t from, int64_t to) override {
     const int64_t S = cache_ ? static_cast<int64_t>(cache_->seqs.size()) : 0;
@@ -291,8 +316,9 @@ class KvDecoder : public Decoder {
   struct Snapshot final : CacheSnapshot {
     explicit Snapshot(SequenceCache c) : cache(std::move(c)) {}
     int64_t length() const override { return cache.length; }
-    size_t bytes() const override { return allocated_bytes(cache); }
+    size_t bytes() const override { return allocated_bytes(cache) + kept.capacity() * sizeof(float); }
     SequenceCache cache;
+    std::vector<float> kept;  // with the MTP layer: hidden states [length - draft_length, hidden_size]
   };
   int64_t layers() const { return e_.config().num_hidden_layers + (e_.has_mtp() ? 1 : 0); }
   // Positions past a sequence's length its buffers make room for: a step's

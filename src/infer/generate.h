@@ -152,6 +152,9 @@ class Decoder {
   // Makes empty sequence s the first `length` positions of snap (a length
   // restorable() gave), allocating at most bytes_for(length).
   virtual void restore(int64_t sequence, const CacheSnapshot& snap, int64_t length);
+  // With the MTP layer: the positions of sequence s it has read (after a
+  // restore, the tokens that follow the others are for the next draft()).
+  virtual int64_t drafted(int64_t /*sequence*/) const { return 0; }
 };
 
 // The V2/V3 engine over a KV cache of `kind`, as a Decoder.
