@@ -215,9 +215,9 @@ class KvDecoder : public Decoder {
     dst.draft_length = src.draft_length;
     if (e_.has_mtp()) {  // the hidden states of positions draft_length .. length - 1
       const size_t D = static_cast<size_t>(e_.config().hidden_size);
-      kept_[static_cast<size_t>(s)].assign(k.kept.begin(),
-                                           k.kept.begin() + static_cast<std::ptrdiff_t>(
-                                                                static_cast<size_t>(length - src.draft_length) * D));
+      kept_[static_cast<size_t>(s)].assign(
+          k.kept.begin(),
+          k.kept.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(length - src.draft_length) * D));
     }
   }
   int64_t drafted(int64_t s) const override { return cache_->seqs[static_cast<size_t>(s)].draft_length; }
