@@ -215,6 +215,9 @@ size_t dtype_size(DType t) {
       return 8;
     case DType::F4E2M1:
       DS_FAIL("f4_e2m1 packs two elements in a byte: it has no size per element");
+    case DType::Q8_0:
+    case DType::Q4_K:
+      DS_FAIL("{} packs blocks of values with their scales: it has no size per element", dtype_name(t));
   }
   DS_FAIL("unknown dtype {}", static_cast<int>(t));
 }
@@ -239,6 +242,10 @@ std::string_view dtype_name(DType t) {
       return "i64";
     case DType::F4E2M1:
       return "f4_e2m1";
+    case DType::Q8_0:
+      return "q8_0";
+    case DType::Q4_K:
+      return "q4_k";
   }
   return "?";
 }

@@ -14,6 +14,12 @@
 //                   Two codes a byte, element 2j in the low nibble of byte j,
 //                   so the dtype has no size per element (dtype_size refuses).
 //   e8m0:           a power-of-two scale byte, 2^(e - 127); 0xff is NaN.
+//
+// Two more exist only as packed weight rows, blocks of values with their
+// scales inside, byte for byte ggml's (ops/block_quant.h):
+//   q8_0:           32 values a block: an f16 scale d, 32 int8; x = d q.
+//   q4_k:           256 values a block: f16 d and dmin, 6-bit scales and
+//                   mins of 8 sub-blocks of 32, 4-bit codes; x = d sc q - dmin m.
 #pragma once
 
 #include <cstddef>
@@ -22,9 +28,9 @@
 
 namespace ds {
 
-enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1 };
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1, Q8_0, Q4_K };
 
-size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1
+size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1, q8_0 and q4_k
 std::string_view dtype_name(DType t);
 bool dtype_is_float(DType t);  // the dtypes convert() takes (not the packed f4_e2m1)
 

@@ -36,6 +36,8 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/block_quant.h"
+#include "ops/cpu/linear_blocks.h"
 #include "ops/cpu/linear_fp8.h"
 #include "ops/fp8_quant.h"
 #include "ops/matmul.h"
@@ -614,7 +616,9 @@ struct LinePrefetch {
 // Lines of rows [r0, r1) of W over `steps` steps of k, finishing at about
 // four fifths of them.
 HWY_INLINE LinePrefetch ChunkPrefetch(const WeightView& w, int64_t r0, int64_t r1, int64_t steps) {
-  const int64_t row_bytes = w.dtype == DType::F4E2M1 ? w.cols / 2 : w.cols * static_cast<int64_t>(dtype_size(w.dtype));
+  const int64_t row_bytes = w.dtype == DType::F4E2M1  ? w.cols / 2
+                            : is_block_format(w.dtype) ? block_row_bytes(w.dtype, w.cols)
+                                                       : w.cols * static_cast<int64_t>(dtype_size(w.dtype));
   const auto begin = reinterpret_cast<uintptr_t>(w.data) + static_cast<uintptr_t>(r0 * row_bytes);
   const auto end = reinterpret_cast<uintptr_t>(w.data) + static_cast<uintptr_t>(r1 * row_bytes);
   const uintptr_t first = begin / kLineBytes * kLineBytes;
@@ -1142,6 +1146,11 @@ void check_weight(const WeightView& w) {
              kFp4Block);
     return;
   }
+  if (is_block_format(w.dtype)) {
+    DS_CHECK(fits_block_format(w.dtype, w.cols), "linear: {} weight [{}, {}] needs a multiple of {} columns",
+             dtype_name(w.dtype), w.rows, w.cols, block_values(w.dtype));
+    return;
+  }
   DS_CHECK(dtype_is_float(w.dtype), "linear: weight dtype {} is not floating", dtype_name(w.dtype));
   const bool fp8 = w.dtype == DType::F8E4M3 || w.dtype == DType::F8E5M2;
   DS_CHECK(!fp8 || (w.scale_inv != nullptr && w.block_rows > 0 && w.block_cols > 0),
@@ -1198,6 +1207,10 @@ WeightView row_slice(const WeightView& w, int64_t r0, int64_t r1) {
     v.scale_e8m0 = fp4_weight(w).scale_row(r0);
     return v;
   }
+  if (is_block_format(w.dtype)) {
+    v.data = static_cast<const char*>(w.data) + static_cast<size_t>(r0 * block_row_bytes(w.dtype, w.cols));
+    return v;
+  }
   v.data = static_cast<const char*>(w.data) + static_cast<size_t>(r0 * w.cols) * dtype_size(w.dtype);
   if (w.scale_inv) {
     DS_CHECK(r0 % w.block_rows == 0, "row_slice: row {} is not on a {}-row scale block boundary", r0, w.block_rows);
@@ -1211,6 +1224,11 @@ void widen_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   if (w.dtype == DType::F4E2M1) {
     check_weight(w);
     DS_DISPATCH(WidenFp4Rows)(out, fp4_weight(w), r0, r1);
+    return;
+  }
+  if (is_block_format(w.dtype)) {
+    check_weight(w);
+    detail::widen_block_rows(out, w, r0, r1);
     return;
   }
   if (e4m3_scales_in_range(w)) {
@@ -1316,7 +1334,9 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
     // block (up to 512-bit vectors).
     const bool fp4_kernel = w.dtype == DType::F4E2M1 && kFp4Block % (2 * lanes) == 0;
     parallel_ranges(w.rows, w.rows * w.cols >= (int64_t{1} << 16), [&](int64_t r0, int64_t r1) {
-      if (fp4_kernel) {
+      if (is_block_format(w.dtype)) {
+        detail::gemv_blocks(y, ldy, x, ldx, M, w, r0, r1, accumulate);
+      } else if (fp4_kernel) {
         DS_DISPATCH(GemvFp4)(y, ldy, x, ldx, M, fp4_weight(w), r0, r1, accumulate);
       } else if (w.dtype == DType::BF16) {
         DS_DISPATCH(GemvBf16)(y, ldy, x, ldx, M, static_cast<const uint16_t*>(w.data), w.cols, r0, r1, accumulate);

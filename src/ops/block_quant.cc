@@ -1,0 +1,224 @@
+#include "ops/block_quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "core/error.h"
+#include "core/parallel.h"
+
+namespace ds::ops {
+
+bool is_block_format(DType t) { return t == DType::Q8_0 || t == DType::Q4_K; }
+
+int64_t block_values(DType t) {
+  DS_CHECK(is_block_format(t), "block_values: {} is not a block format", dtype_name(t));
+  return t == DType::Q8_0 ? kQ8_0Values : kQ4_KValues;
+}
+
+int64_t block_bytes(DType t) {
+  DS_CHECK(is_block_format(t), "block_bytes: {} is not a block format", dtype_name(t));
+  return t == DType::Q8_0 ? kQ8_0Bytes : kQ4_KBytes;
+}
+
+bool fits_block_format(DType t, int64_t cols) { return cols > 0 && cols % block_values(t) == 0; }
+
+int64_t block_row_bytes(DType t, int64_t cols) {
+  DS_CHECK(fits_block_format(t, cols), "a row of {} values is not whole blocks of {} ({} values a block)", cols,
+           dtype_name(t), block_values(t));
+  return cols / block_values(t) * block_bytes(t);
+}
+
+namespace {
+
+void put_half(uint8_t* p, float v) {
+  const uint16_t h = f32_to_f16(v);
+  std::memcpy(p, &h, 2);
+}
+
+float get_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return f16_to_f32(h);
+}
+
+// A scale as f16 stores it, or an error when f16 cannot (the value is past
+// 65504 or not finite).
+float rounded_scale(float s, DType t) {
+  const float r = f16_to_f32(f32_to_f16(s));
+  DS_CHECK(std::isfinite(s) && std::isfinite(r), "a {} block's scale {} does not fit an f16 (weights too large)",
+           dtype_name(t), s);
+  return r;
+}
+
+void check_finite(const float* x, int64_t n, DType t) {
+  for (int64_t i = 0; i < n; ++i)
+    DS_CHECK(std::isfinite(x[i]), "value {} to quantize to {} is not finite ({})", i, dtype_name(t), x[i]);
+}
+
+void q8_0_block(const float* x, uint8_t* out) {
+  float amax = 0;
+  for (int i = 0; i < kQ8_0Values; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = rounded_scale(amax / 127.0f, DType::Q8_0);
+  put_half(out, d);
+  const float id = d > 0 ? 1.0f / d : 0.0f;
+  for (int i = 0; i < kQ8_0Values; ++i) {
+    const float q = std::nearbyint(x[i] * id);
+    out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
+  }
+}
+
+// The best (scale a >= 0, offset b >= 0) with x ~ a q - b, q in [0, 15],
+// for one sub-block, by the weighted squared error.
+struct Fit {
+  float a = 0, b = 0;
+};
+
+Fit fit_sub_block(const float* x) {
+  constexpr int n = static_cast<int>(kQ4_KSubBlock);
+  float lo = 0, hi = x[0], sq = 0;
+  for (int i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+    sq += x[i] * x[i];
+  }
+  if (hi <= lo) return {0.0f, -lo};  // constant (zero or negative) values: the offset alone
+  const float rms = std::sqrt(sq / n);
+  float w[n];
+  for (int i = 0; i < n; ++i) w[i] = rms + std::fabs(x[i]);
+  Fit best{(hi - lo) / 15.0f, -lo};
+  double best_err = std::numeric_limits<double>::infinity();
+  auto error_of = [&](float a, float b) {
+    double e = 0;
+    for (int i = 0; i < n; ++i) {
+      const float q = a > 0 ? std::clamp(std::nearbyint((x[i] + b) / a), 0.0f, 15.0f) : 0.0f;
+      const double r = static_cast<double>(a * q - b - x[i]);
+      e += w[i] * r * r;
+    }
+    return e;
+  };
+  best_err = error_of(best.a, best.b);
+  for (int k = -9; k <= 12; ++k) {
+    const float iscale = (15.0f + 0.1f * static_cast<float>(k)) / (hi - lo);
+    double sw = 0, swq = 0, swqq = 0, swx = 0, swqx = 0;
+    for (int i = 0; i < n; ++i) {
+      const double q = std::clamp(std::nearbyint(iscale * (x[i] - lo)), 0.0f, 15.0f);
+      sw += w[i];
+      swq += w[i] * q;
+      swqq += w[i] * q * q;
+      swx += w[i] * x[i];
+      swqx += w[i] * q * x[i];
+    }
+    // x ~ a q + c by weighted least squares, with c = -b <= 0.
+    const double det = sw * swqq - swq * swq;
+    if (!(det > 0)) continue;
+    double a = (sw * swqx - swq * swx) / det, c = (swqq * swx - swq * swqx) / det;
+    if (c > 0) {
+      c = 0;
+      a = swqq > 0 ? swqx / swqq : 0;
+    }
+    if (!(a > 0)) continue;
+    const double e = error_of(static_cast<float>(a), static_cast<float>(-c));
+    if (e < best_err) {
+      best_err = e;
+      best = {static_cast<float>(a), static_cast<float>(-c)};
+    }
+  }
+  return best;
+}
+
+void q4_k_block(const float* x, uint8_t* out) {
+  Fit fits[8];
+  float max_a = 0, max_b = 0;
+  for (int j = 0; j < 8; ++j) {
+    fits[j] = fit_sub_block(x + j * kQ4_KSubBlock);
+    max_a = std::max(max_a, fits[j].a);
+    max_b = std::max(max_b, fits[j].b);
+  }
+  const float d = rounded_scale(max_a / 63.0f, DType::Q4_K), dmin = rounded_scale(max_b / 63.0f, DType::Q4_K);
+  put_half(out, d);
+  put_half(out + 2, dmin);
+  int sc[8], mn[8];
+  for (int j = 0; j < 8; ++j) {
+    sc[j] = d > 0 ? static_cast<int>(std::clamp(std::nearbyint(fits[j].a / d), 0.0f, 63.0f)) : 0;
+    mn[j] = dmin > 0 ? static_cast<int>(std::clamp(std::nearbyint(fits[j].b / dmin), 0.0f, 63.0f)) : 0;
+  }
+  uint8_t* s = out + 4;
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
+  }
+  // The codes under the rounded scales and mins.
+  uint8_t q[kQ4_KValues];
+  for (int j = 0; j < 8; ++j) {
+    const float a = d * static_cast<float>(sc[j]), b = dmin * static_cast<float>(mn[j]);
+    for (int i = 0; i < kQ4_KSubBlock; ++i) {
+      const float v = x[j * kQ4_KSubBlock + i];
+      q[j * kQ4_KSubBlock + i] =
+          a > 0 ? static_cast<uint8_t>(std::clamp(std::nearbyint((v + b) / a), 0.0f, 15.0f)) : uint8_t{0};
+    }
+  }
+  uint8_t* codes = out + 16;
+  for (int c = 0; c < 4; ++c)
+    for (int l = 0; l < 32; ++l) codes[32 * c + l] = static_cast<uint8_t>(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
+}
+
+}  // namespace
+
+void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
+  const int64_t B = block_values(t), bytes = block_bytes(t);
+  DS_CHECK(n % B == 0, "quantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
+  check_finite(x, n, t);
+  for (int64_t b = 0; b < n / B; ++b) {
+    if (t == DType::Q8_0)
+      q8_0_block(x + b * B, out + b * bytes);
+    else
+      q4_k_block(x + b * B, out + b * bytes);
+  }
+}
+
+void quantize_rows(DType t, const float* x, int64_t rows, int64_t cols, uint8_t* out) {
+  const int64_t row_bytes = block_row_bytes(t, cols);
+  parallel_ranges(rows, rows * cols >= (int64_t{1} << 14), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_blocks(t, x + r * cols, cols, out + r * row_bytes);
+  });
+}
+
+void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out) {
+  const int64_t B = block_values(t), bytes = block_bytes(t);
+  DS_CHECK(n % B == 0, "dequantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
+  for (int64_t b = 0; b < n / B; ++b, blocks += bytes, out += B) {
+    if (t == DType::Q8_0) {
+      const float d = get_half(blocks);
+      for (int i = 0; i < kQ8_0Values; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blocks[2 + i]));
+      continue;
+    }
+    const float d = get_half(blocks), dmin = get_half(blocks + 2);
+    const uint8_t* codes = blocks + 16;
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      q4_k_scale_min(blocks + 4, 2 * c, &sc0, &m0);
+      q4_k_scale_min(blocks + 4, 2 * c + 1, &sc1, &m1);
+      const float a0 = d * static_cast<float>(sc0), b0 = dmin * static_cast<float>(m0);
+      const float a1 = d * static_cast<float>(sc1), b1 = dmin * static_cast<float>(m1);
+      for (int l = 0; l < 32; ++l) {
+        out[64 * c + l] = a0 * static_cast<float>(codes[32 * c + l] & 0xF) - b0;
+        out[64 * c + 32 + l] = a1 * static_cast<float>(codes[32 * c + l] >> 4) - b1;
+      }
+    }
+  }
+}
+
+}  // namespace ds::ops

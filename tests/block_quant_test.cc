@@ -1,0 +1,148 @@
+// q8_0 and q4_k rows (ops/block_quant.h): ggml reads the blocks back to the
+// same values (io/gguf_quants.h, written from ggml's layout); q8_0's error
+// is within half a step; q4_k's least-squares fit beats the plain min/max
+// rule it starts from and stays within its step on every value; edge blocks
+// (zero, constant, negative, tiny) and values f16 cannot scale are handled
+// or refused.
+#include "ops/block_quant.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "io/gguf_quants.h"
+
+using ds::DType;
+
+namespace {
+
+std::vector<float> gaussian(int64_t n, uint64_t seed, float std = 0.02f) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.0f, std);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (auto& v : x) v = d(g);
+  return x;
+}
+
+std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  std::vector<uint8_t> q(static_cast<size_t>(ds::ops::block_row_bytes(t, n)));
+  ds::ops::quantize_blocks(t, x.data(), n, q.data());
+  std::vector<float> y(x.size());
+  ds::ops::dequantize_blocks(t, q.data(), n, y.data());
+  // ggml reads the same blocks to the same values.
+  std::vector<float> g(x.size());
+  ds::io::gguf::dequantize(t == DType::Q8_0 ? ds::io::gguf::TensorType::Q8_0 : ds::io::gguf::TensorType::Q4_K,
+                           q.data(), n, g.data());
+  EXPECT_EQ(y, g);
+  return y;
+}
+
+double rel_rmse(const std::vector<float>& x, const std::vector<float>& y) {
+  double e = 0, s = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    e += (x[i] - y[i]) * double(x[i] - y[i]);
+    s += x[i] * double(x[i]);
+  }
+  return std::sqrt(e / s);
+}
+
+TEST(BlockQuant, Sizes) {
+  EXPECT_EQ(ds::ops::block_row_bytes(DType::Q8_0, 64), 68);
+  EXPECT_EQ(ds::ops::block_row_bytes(DType::Q4_K, 512), 288);
+  EXPECT_TRUE(ds::ops::fits_block_format(DType::Q8_0, 96));
+  EXPECT_FALSE(ds::ops::fits_block_format(DType::Q4_K, 96));
+  EXPECT_THROW(ds::ops::block_row_bytes(DType::Q4_K, 100), ds::Error);
+  EXPECT_THROW(ds::dtype_size(DType::Q8_0), ds::Error);
+  EXPECT_EQ(ds::dtype_name(DType::Q4_K), "q4_k");
+}
+
+TEST(BlockQuant, Q8_0IsWithinHalfAStep) {
+  const auto x = gaussian(32 * 64, 1);
+  const auto y = roundtrip(DType::Q8_0, x);
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
+    const float d = ds::f16_to_f32(ds::f32_to_f16(amax / 127));
+    for (int i = 0; i < 32; ++i) ASSERT_LE(std::fabs(x[b * 32 + i] - y[b * 32 + i]), 0.5f * d * 1.001f) << b;
+  }
+  EXPECT_LT(rel_rmse(x, y), 0.007);
+}
+
+// The plain rule the fit starts from: per sub-block scale (max - min) / 15
+// and offset -min, scales and mins rounded to six bits as q4_k stores them.
+std::vector<float> q4_min_max(const std::vector<float>& x) {
+  std::vector<float> y(x.size());
+  for (size_t b = 0; b < x.size() / 256; ++b) {
+    float a[8], m[8], amax = 0, mmax = 0;
+    for (int j = 0; j < 8; ++j) {
+      const float* v = &x[b * 256 + j * 32];
+      float lo = 0, hi = v[0];
+      for (int i = 0; i < 32; ++i) lo = std::min(lo, v[i]), hi = std::max(hi, v[i]);
+      a[j] = (hi - lo) / 15;
+      m[j] = -lo;
+      amax = std::max(amax, a[j]);
+      mmax = std::max(mmax, m[j]);
+    }
+    const float d = ds::f16_to_f32(ds::f32_to_f16(amax / 63)), dm = ds::f16_to_f32(ds::f32_to_f16(mmax / 63));
+    for (int j = 0; j < 8; ++j) {
+      const float s = d * std::nearbyint(a[j] / d), o = dm * std::nearbyint(m[j] / dm);
+      for (int i = 0; i < 32; ++i) {
+        const size_t k = b * 256 + j * 32 + i;
+        y[k] = s * std::clamp(std::nearbyint((x[k] + o) / s), 0.0f, 15.0f) - o;
+      }
+    }
+  }
+  return y;
+}
+
+TEST(BlockQuant, Q4_KFitsBetterThanMinMaxAndWithinItsStep) {
+  for (uint64_t seed : {2, 3, 4}) {
+    auto x = gaussian(256 * 64, seed);
+    // Outliers, as real weight rows have.
+    for (size_t i = 0; i < x.size(); i += 97) x[i] *= 6;
+    const auto y = roundtrip(DType::Q4_K, x);
+    const double ours = rel_rmse(x, y), plain = rel_rmse(x, q4_min_max(x));
+    EXPECT_LT(ours, 0.95 * plain) << seed;
+    EXPECT_LT(ours, 0.12) << seed;
+    // Every value within one step of its sub-block's (rounded) scale, and
+    // inside the range the block can represent.
+    for (size_t b = 0; b < x.size() / 256; ++b) {
+      float span = 0;
+      for (int i = 0; i < 256; ++i) span = std::max(span, std::fabs(x[b * 256 + i]));
+      for (int i = 0; i < 256; ++i) ASSERT_LE(std::fabs(x[b * 256 + i] - y[b * 256 + i]), span / 7.0f) << b;
+    }
+  }
+}
+
+TEST(BlockQuant, EdgeBlocks) {
+  for (DType t : {DType::Q8_0, DType::Q4_K}) {
+    const int64_t n = ds::ops::block_values(t);
+    std::vector<float> zero(static_cast<size_t>(n), 0.0f), neg(static_cast<size_t>(n), -0.5f),
+        pos(static_cast<size_t>(n), 0.25f);
+    EXPECT_EQ(roundtrip(t, zero), zero) << ds::dtype_name(t);
+    for (float v : roundtrip(t, neg)) EXPECT_NEAR(v, -0.5f, 0.5f / 63) << ds::dtype_name(t);
+    for (float v : roundtrip(t, pos)) EXPECT_NEAR(v, 0.25f, 0.25f / 63) << ds::dtype_name(t);
+    // Small values: the f16 scales go subnormal (steps of 2^-24), the
+    // values stay within a few percent of the largest.
+    auto tiny = gaussian(n, 9, 1e-4f);
+    float amax = 0;
+    for (float v : tiny) amax = std::max(amax, std::fabs(v));
+    const auto back = roundtrip(t, tiny);
+    for (int64_t i = 0; i < n; ++i)
+      EXPECT_NEAR(back[static_cast<size_t>(i)], tiny[static_cast<size_t>(i)], 0.1f * amax) << ds::dtype_name(t);
+    std::vector<uint8_t> q(static_cast<size_t>(ds::ops::block_bytes(t)));
+    auto huge = pos;
+    huge[3] = 1e12f;  // a scale past f16
+    EXPECT_THROW(ds::ops::quantize_blocks(t, huge.data(), n, q.data()), ds::Error);
+    auto nan = pos;
+    nan[5] = std::nanf("");
+    EXPECT_THROW(ds::ops::quantize_blocks(t, nan.data(), n, q.data()), ds::Error);
+    EXPECT_THROW(ds::ops::quantize_blocks(t, pos.data(), n - 1, q.data()), ds::Error);
+  }
+}
+
+}  // namespace

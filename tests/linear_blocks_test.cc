@@ -1,0 +1,120 @@
+// Linear layers over q8_0 and q4_k weights (ops/linear.h with
+// ops/block_quant.h's formats): decode-sized and prefill-sized products
+// against a float64 product over the dequantized weight (the plain loops of
+// dequantize_blocks), widen_rows and row_slice against the same, the same
+// bits for any thread count, and weights whose rows are not whole blocks
+// refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/block_quant.h"
+#include "ops/linear.h"
+
+using ds::DType;
+
+namespace {
+
+struct Quantized {
+  std::vector<uint8_t> bytes;
+  std::vector<float> wide;  // the plain loops' dequantized values
+  ds::ops::WeightView view;
+};
+
+Quantized make(DType t, int64_t rows, int64_t cols, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  std::vector<float> w(static_cast<size_t>(rows * cols));
+  for (auto& v : w) v = nd(g) + (g() % 13 == 0 ? 0.1f : 0.0f);
+  Quantized q;
+  q.bytes.resize(static_cast<size_t>(rows * ds::ops::block_row_bytes(t, cols)));
+  ds::ops::quantize_rows(t, w.data(), rows, cols, q.bytes.data());
+  q.wide.resize(w.size());
+  ds::ops::dequantize_blocks(t, q.bytes.data(), rows * cols, q.wide.data());
+  q.view = {q.bytes.data(), t, rows, cols};
+  return q;
+}
+
+std::vector<float> input(int64_t M, int64_t cols, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(M * cols));
+  for (auto& v : x) v = nd(g);
+  return x;
+}
+
+class LinearBlocksTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(LinearBlocksTest, ProductsMatchTheDequantizedWeight) {
+  const DType t = GetParam();
+  const int64_t rows = 37, cols = 512;
+  const Quantized q = make(t, rows, cols, 5);
+  for (int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
+    const auto x = input(M, cols, 10 + static_cast<uint64_t>(M));
+    std::vector<float> y(static_cast<size_t>(M * rows), 7.0f);
+    ds::ops::linear_forward(y.data(), x.data(), q.view, M);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < rows; ++r) {
+        double want = 0, mag = 0;
+        for (int64_t c = 0; c < cols; ++c) {
+          want += double(x[m * cols + c]) * q.wide[r * cols + c];
+          mag += std::fabs(double(x[m * cols + c]) * q.wide[r * cols + c]);
+        }
+        ASSERT_NEAR(y[m * rows + r], want, 2e-6 * mag + 1e-7) << ds::dtype_name(t) << " M " << M << " row " << r;
+      }
+    // accumulate adds to what is there.
+    std::vector<float> acc(static_cast<size_t>(M * rows), 1.0f);
+    ds::ops::linear_forward(acc.data(), x.data(), q.view, M, cols, rows, /*accumulate=*/true);
+    for (size_t i = 0; i < acc.size(); ++i) ASSERT_NEAR(acc[i], y[i] + 1.0f, 1e-5f * (1 + std::fabs(y[i])));
+  }
+}
+
+TEST_P(LinearBlocksTest, WidenRowsAndRowSlices) {
+  const DType t = GetParam();
+  const int64_t rows = 9, cols = 768;
+  const Quantized q = make(t, rows, cols, 6);
+  std::vector<float> wide(static_cast<size_t>(rows * cols));
+  ds::ops::widen_rows(wide.data(), q.view, 0, rows);
+  for (size_t i = 0; i < wide.size(); ++i)  // one rounding apart at most (a fused multiply-subtract)
+    ASSERT_NEAR(wide[i], q.wide[i], 1e-6f * (std::fabs(q.wide[i]) + 1e-3f)) << i;
+  const auto s = ds::ops::row_slice(q.view, 4, 7);
+  std::vector<float> part(static_cast<size_t>(3 * cols));
+  ds::ops::widen_rows(part.data(), s, 0, 3);
+  for (int64_t i = 0; i < 3 * cols; ++i) ASSERT_EQ(part[static_cast<size_t>(i)], wide[static_cast<size_t>(4 * cols + i)]);
+}
+
+TEST_P(LinearBlocksTest, TheSameBitsForAnyThreadCount) {
+  const DType t = GetParam();
+  const int64_t rows = 300, cols = 1024;
+  const Quantized q = make(t, rows, cols, 7);
+  for (int64_t M : {1, 3, 20}) {
+    const auto x = input(M, cols, 3);
+    std::vector<std::vector<float>> ys;
+    for (int threads : {1, 2, 3}) {
+      ds::set_num_threads(threads);
+      std::vector<float> y(static_cast<size_t>(M * rows));
+      ds::ops::linear_forward(y.data(), x.data(), q.view, M);
+      ys.push_back(y);
+    }
+    ds::set_num_threads(2);
+    EXPECT_EQ(ys[0], ys[1]) << M;
+    EXPECT_EQ(ys[0], ys[2]) << M;
+  }
+}
+
+TEST_P(LinearBlocksTest, RowsThatAreNotWholeBlocksAreRefused) {
+  const DType t = GetParam();
+  std::vector<uint8_t> bytes(4096);
+  const ds::ops::WeightView w{bytes.data(), t, 2, ds::ops::block_values(t) + 16};
+  std::vector<float> x(static_cast<size_t>(w.cols)), y(2);
+  EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), w, 1), ds::Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest, ::testing::Values(DType::Q8_0, DType::Q4_K),
+                         [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
+
+}  // namespace
