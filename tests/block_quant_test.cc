@@ -35,8 +35,8 @@ std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
   ds::ops::dequantize_blocks(t, q.data(), n, y.data());
   // ggml reads the same blocks to the same values.
   std::vector<float> g(x.size());
-  ds::io::gguf::dequantize(t == DType::Q8_0 ? ds::io::gguf::TensorType::Q8_0 : ds::io::gguf::TensorType::Q4_K,
-                           q.data(), n, g.data());
+  ds::io::gguf::dequantize(t == DType::Q8_0 ? ds::io::gguf::TensorType::Q8_0 : ds::io::gguf::TensorType::Q4_K, q.data(),
+                           n, g.data());
   EXPECT_EQ(y, g);
   return y;
 }

@@ -84,7 +84,8 @@ TEST_P(LinearBlocksTest, WidenRowsAndRowSlices) {
   const auto s = ds::ops::row_slice(q.view, 4, 7);
   std::vector<float> part(static_cast<size_t>(3 * cols));
   ds::ops::widen_rows(part.data(), s, 0, 3);
-  for (int64_t i = 0; i < 3 * cols; ++i) ASSERT_EQ(part[static_cast<size_t>(i)], wide[static_cast<size_t>(4 * cols + i)]);
+  for (int64_t i = 0; i < 3 * cols; ++i)
+    ASSERT_EQ(part[static_cast<size_t>(i)], wide[static_cast<size_t>(4 * cols + i)]);
 }
 
 TEST_P(LinearBlocksTest, TheSameBitsForAnyThreadCount) {

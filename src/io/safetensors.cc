@@ -65,7 +65,8 @@ std::string safetensors_dtype_name(DType t) {
     case DType::I64: return "I64";
     case DType::F4E2M1:
     case DType::Q8_0:
-    case DType::Q4_K: break;  // stored as I8 or U8 bytes, not a dtype of its own
+    case DType::Q4_K:
+      break;  // stored as I8 or U8 bytes, not a dtype of its own
   }
   DS_FAIL("no safetensors name for dtype {}", static_cast<int>(t));
 }

@@ -616,7 +616,7 @@ struct LinePrefetch {
 // Lines of rows [r0, r1) of W over `steps` steps of k, finishing at about
 // four fifths of them.
 HWY_INLINE LinePrefetch ChunkPrefetch(const WeightView& w, int64_t r0, int64_t r1, int64_t steps) {
-  const int64_t row_bytes = w.dtype == DType::F4E2M1  ? w.cols / 2
+  const int64_t row_bytes = w.dtype == DType::F4E2M1   ? w.cols / 2
                             : is_block_format(w.dtype) ? block_row_bytes(w.dtype, w.cols)
                                                        : w.cols * static_cast<int64_t>(dtype_size(w.dtype));
   const auto begin = reinterpret_cast<uintptr_t>(w.data) + static_cast<uintptr_t>(r0 * row_bytes);

@@ -206,8 +206,8 @@ void GemvQ4KPass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x
   }
 }
 
-void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t,
-                int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
+                int64_t r0, int64_t r1, bool accumulate) {
   Buffer<float> xs;
   if (t == DType::Q4_K) {  // each row of x's sums over sub-blocks of 32
     const int64_t S = cols / kQ4_KSubBlock;
@@ -254,7 +254,8 @@ void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   const auto* bytes = static_cast<const uint8_t*>(w.data);
   if (!DS_DISPATCH(BlockVectors)()) {
     const int64_t row_bytes = block_row_bytes(w.dtype, w.cols);
-    for (int64_t r = r0; r < r1; ++r) dequantize_blocks(w.dtype, bytes + r * row_bytes, w.cols, out + (r - r0) * w.cols);
+    for (int64_t r = r0; r < r1; ++r)
+      dequantize_blocks(w.dtype, bytes + r * row_bytes, w.cols, out + (r - r0) * w.cols);
     return;
   }
   if (w.dtype == DType::Q8_0)
