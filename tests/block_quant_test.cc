@@ -1,4 +1,4 @@
-// q8_0 and q4_k rows (ops/block_quant.h): ggml reads the blocks back to the
+// q8_0, q4_k and q4_1 rows (ops/block_quant.h): ggml reads the blocks back to the
 // same values (io/gguf_quants.h, written from ggml's layout); q8_0's error
 // is within half a step; q4_k's least-squares fit beats the plain min/max
 // rule it starts from and stays within its step on every value; edge blocks
@@ -35,8 +35,10 @@ std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
   ds::ops::dequantize_blocks(t, q.data(), n, y.data());
   // ggml reads the same blocks to the same values.
   std::vector<float> g(x.size());
-  ds::io::gguf::dequantize(t == DType::Q8_0 ? ds::io::gguf::TensorType::Q8_0 : ds::io::gguf::TensorType::Q4_K, q.data(),
-                           n, g.data());
+  const auto gt = t == DType::Q8_0   ? ds::io::gguf::TensorType::Q8_0
+                 : t == DType::Q4_1 ? ds::io::gguf::TensorType::Q4_1
+                                    : ds::io::gguf::TensorType::Q4_K;
+  ds::io::gguf::dequantize(gt, q.data(), n, g.data());
   EXPECT_EQ(y, g);
   return y;
 }
@@ -118,8 +120,27 @@ TEST(BlockQuant, Q4_KFitsBetterThanMinMaxAndWithinItsStep) {
   }
 }
 
+// q4_1: the same least-squares fit per block of 32, with an offset of
+// either sign; against its plain min/max rule.
+TEST(BlockQuant, Q4_1FitsBetterThanMinMax) {
+  auto x = gaussian(32 * 512, 8);
+  for (size_t i = 0; i < x.size(); i += 89) x[i] *= 6;
+  for (size_t i = 0; i < x.size(); i += 64) x[i] += 0.05f;  // blocks whose values are all of one sign
+  const auto y = roundtrip(DType::Q4_1, x);
+  std::vector<float> plain(x.size());
+  for (size_t b = 0; b < x.size() / 32; ++b) {
+    float lo = x[b * 32], hi = lo;
+    for (int i = 0; i < 32; ++i) lo = std::min(lo, x[b * 32 + i]), hi = std::max(hi, x[b * 32 + i]);
+    const float d = ds::f16_to_f32(ds::f32_to_f16((hi - lo) / 15)), m = ds::f16_to_f32(ds::f32_to_f16(lo));
+    for (int i = 0; i < 32; ++i)
+      plain[b * 32 + i] = d * std::clamp(std::nearbyint((x[b * 32 + i] - m) / d), 0.0f, 15.0f) + m;
+  }
+  EXPECT_LT(rel_rmse(x, y), 0.95 * rel_rmse(x, plain));
+  EXPECT_LT(rel_rmse(x, y), 0.1);
+}
+
 TEST(BlockQuant, EdgeBlocks) {
-  for (DType t : {DType::Q8_0, DType::Q4_K}) {
+  for (DType t : {DType::Q8_0, DType::Q4_K, DType::Q4_1}) {
     const int64_t n = ds::ops::block_values(t);
     std::vector<float> zero(static_cast<size_t>(n), 0.0f), neg(static_cast<size_t>(n), -0.5f),
         pos(static_cast<size_t>(n), 0.25f);

@@ -1,4 +1,4 @@
-// Linear layers over q8_0 and q4_k weights (ops/linear.h with
+// Linear layers over q8_0, q4_k and q4_1 weights (ops/linear.h with
 // ops/block_quant.h's formats): decode-sized and prefill-sized products
 // against a float64 product over the dequantized weight (the plain loops of
 // dequantize_blocks), widen_rows and row_slice against the same, the same
@@ -115,7 +115,7 @@ TEST_P(LinearBlocksTest, RowsThatAreNotWholeBlocksAreRefused) {
   EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), w, 1), ds::Error);
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest, ::testing::Values(DType::Q8_0, DType::Q4_K),
+INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest, ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q4_1),
                          [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
 
 }  // namespace

@@ -22,6 +22,7 @@ void add_selfcheck_command(CLI::App& app, CommandList& commands);
 void add_tokenizer_commands(CLI::App& app, CommandList& commands);  // tokenize, detokenize
 void add_logits_command(CLI::App& app, CommandList& commands);
 void add_perplexity_command(CLI::App& app, CommandList& commands);  // llama-perplexity's measure
+void add_quantize_command(CLI::App& app, CommandList& commands);    // q8_0 / q4_k model folders
 void add_model_commands(CLI::App& app, CommandList& commands);  // init, generate, bench
 void add_prepare_command(CLI::App& app, CommandList& commands);  // tokenize a corpus into token shards
 void add_tokenizer_train_command(CLI::App& app, CommandList& commands);  // tokenizer train

@@ -175,6 +175,7 @@ int main(int argc, char** argv) {
   ds::cli::add_tokenizer_commands(app, commands);
   ds::cli::add_logits_command(app, commands);
   ds::cli::add_perplexity_command(app, commands);
+  ds::cli::add_quantize_command(app, commands);
   ds::cli::add_model_commands(app, commands);
   ds::cli::add_prepare_command(app, commands);
   ds::cli::add_tokenizer_train_command(app, commands);

@@ -217,6 +217,7 @@ size_t dtype_size(DType t) {
       DS_FAIL("f4_e2m1 packs two elements in a byte: it has no size per element");
     case DType::Q8_0:
     case DType::Q4_K:
+    case DType::Q4_1:
       DS_FAIL("{} packs blocks of values with their scales: it has no size per element", dtype_name(t));
   }
   DS_FAIL("unknown dtype {}", static_cast<int>(t));
@@ -246,6 +247,8 @@ std::string_view dtype_name(DType t) {
       return "q8_0";
     case DType::Q4_K:
       return "q4_k";
+    case DType::Q4_1:
+      return "q4_1";
   }
   return "?";
 }

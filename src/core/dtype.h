@@ -20,6 +20,8 @@
 //   q8_0:           32 values a block: an f16 scale d, 32 int8; x = d q.
 //   q4_k:           256 values a block: f16 d and dmin, 6-bit scales and
 //                   mins of 8 sub-blocks of 32, 4-bit codes; x = d sc q - dmin m.
+//   q4_1:           32 values a block: f16 d and m, 4-bit codes; x = d q + m
+//                   (q4_k's stand-in for rows that are not whole blocks of 256).
 #pragma once
 
 #include <cstddef>
@@ -28,9 +30,9 @@
 
 namespace ds {
 
-enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1, Q8_0, Q4_K };
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1, Q8_0, Q4_K, Q4_1 };
 
-size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1, q8_0 and q4_k
+size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1, q8_0, q4_k and q4_1
 std::string_view dtype_name(DType t);
 bool dtype_is_float(DType t);  // the dtypes convert() takes (not the packed f4_e2m1)
 

@@ -421,9 +421,7 @@ Batch pack(const std::vector<std::vector<int32_t>>& tokens, int64_t V, Past past
 
 // Rows of the embedding as float32 [n, D].
 void embed_rows(float* out, const ops::WeightView& emb, const int32_t* tokens, int64_t n, int64_t D) {
-  const size_t es = dtype_size(emb.dtype);
-  for (int64_t t = 0; t < n; ++t)
-    convert(out + t * D, DType::F32, static_cast<const char*>(emb.data) + tokens[t] * D * es, emb.dtype, D);
+  for (int64_t t = 0; t < n; ++t) ops::widen_rows(out + t * D, emb, tokens[t], tokens[t] + 1);
 }
 
 }  // namespace

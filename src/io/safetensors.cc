@@ -66,6 +66,7 @@ std::string safetensors_dtype_name(DType t) {
     case DType::F4E2M1:
     case DType::Q8_0:
     case DType::Q4_K:
+    case DType::Q4_1:
       break;  // stored as I8 or U8 bytes, not a dtype of its own
   }
   DS_FAIL("no safetensors name for dtype {}", static_cast<int>(t));
@@ -307,6 +308,50 @@ void save_safetensors(const std::string& path, const std::vector<std::pair<std::
     }
   }
   f.commit();
+}
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, const std::vector<Entry>& entries,
+                                     const std::map<std::string, std::string>& metadata) {
+  json h = json::object();
+  if (!metadata.empty()) h["__metadata__"] = metadata;
+  uint64_t off = 0;
+  for (const auto& e : entries) {
+    DS_CHECK(!e.name.empty() && e.name != "__metadata__", "cannot save a tensor named '{}'", e.name);
+    DS_CHECK(!h.contains(e.name), "tensor name '{}' given twice", e.name);
+    const size_t es = safetensors_elem_size(e.dtype_name);
+    DS_CHECK(es > 0, "tensor '{}': '{}' is not a safetensors dtype", e.name, e.dtype_name);
+    DS_CHECK(static_cast<uint64_t>(shape_numel(e.shape)) * es == e.bytes,
+             "tensor '{}': {} bytes do not hold {} {} values", e.name, e.bytes, shape_str(e.shape), e.dtype_name);
+    h[e.name] = {{"dtype", e.dtype_name}, {"shape", e.shape}, {"data_offsets", {off, off + e.bytes}}};
+    off += e.bytes;
+    ends_.push_back(off);
+  }
+  std::string header = h.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');  // keep the data block 8-byte aligned
+  file_ = std::make_unique<AtomicFile>(path);
+  unsigned char len[8];
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(n >> (8 * i));
+  file_->write(len, 8);
+  file_->write(header);
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(const void* data, size_t n) {
+  DS_CHECK(file_, "safetensors writer: already committed");
+  DS_CHECK(!ends_.empty() && written_ + n <= ends_.back(), "safetensors writer: {} bytes past the last tensor's end",
+           written_ + n - (ends_.empty() ? 0 : ends_.back()));
+  file_->write(data, n);
+  written_ += n;
+}
+
+void SafetensorsWriter::commit() {
+  DS_CHECK(file_, "safetensors writer: already committed");
+  const uint64_t want = ends_.empty() ? 0 : ends_.back();
+  DS_CHECK(written_ == want, "safetensors writer: {} of {} bytes written", written_, want);
+  file_->commit();
+  file_.reset();
 }
 
 }  // namespace ds::io

@@ -87,4 +87,32 @@ std::string safetensors_dtype_name(DType t);
 void save_safetensors(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
+// Writes a safetensors file one tensor at a time, for tensors made one by
+// one (a quantized model: each tensor is widened, quantized and written
+// before the next is read) and for dtypes a Tensor cannot hold (raw bytes
+// under any safetensors dtype name, e.g. U8 blocks). The header lists every
+// tensor up front; write() then takes the bytes in that order. Atomic as
+// save_safetensors: nothing replaces `path` unless commit() runs after
+// every byte was written.
+class AtomicFile;
+class SafetensorsWriter {
+ public:
+  struct Entry {
+    std::string name, dtype_name;  // dtype_name as the file says it ("BF16", "U8", ...)
+    Shape shape;
+    uint64_t bytes = 0;  // checked against the shape and the dtype's element size
+  };
+  SafetensorsWriter(const std::string& path, const std::vector<Entry>& entries,
+                    const std::map<std::string, std::string>& metadata = {});
+  ~SafetensorsWriter();  // without commit(): the file is not written
+  // The next bytes of the current tensor (a tensor may come in pieces).
+  void write(const void* data, size_t n);
+  void commit();
+
+ private:
+  std::unique_ptr<AtomicFile> file_;
+  std::vector<uint64_t> ends_;  // each tensor's end offset, in order
+  uint64_t written_ = 0;
+};
+
 }  // namespace ds::io

@@ -73,6 +73,10 @@ struct ModelConfig {
   int64_t eos_token_id = 1;
   // fp8 checkpoints: weight_block_size of the quantization_config ({0, 0}: none)
   int64_t fp8_block_rows = 0, fp8_block_cols = 0;
+  // `deepseek quantize`'s folders (quantization_config quant_method
+  // "deepseek_cpp"): a matrix may be stored as U8 rows of q8_0 or q4_k
+  // blocks (model/quantize.h), told apart by their bytes a row.
+  bool block_quantized = false;
   // MaxText's manifold-constrained hyper-connections (mHC, its seed-era
   // Sinkhorn) around every layer's attention and FFN: the residual is
   // mhc_expansion_rate streams (k); 1 is the plain residual. config.json:

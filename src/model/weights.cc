@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/system.h"
+#include "ops/block_quant.h"
 
 namespace ds::model {
 
@@ -50,7 +51,33 @@ class Loader {
     return t;
   }
 
+  // A matrix stored as U8 rows of q8_0, q4_k or q4_1 blocks (a `deepseek
+  // quantize` folder): its format from its bytes a row.
+  bool load_blocks(const ParamInfo& info, Weight& w) {
+    if (!cfg_.block_quantized || info.shape.size() != 2 || !st_.contains(info.name)) return false;
+    const io::TensorInfo& i = st_.info(info.name);
+    if (i.dtype_name != "U8") return false;
+    const int64_t out = info.shape[0], in = info.shape[1];
+    DS_CHECK(info.role == ParamRole::Projection || info.role == ParamRole::Embedding || info.role == ParamRole::LmHead,
+             "tensor '{}' is stored as blocks; only projections, the embedding and the LM head may be", info.name);
+    DType t = DType::F32;
+    std::string sizes;
+    for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1}) {
+      if (!ops::fits_block_format(f, in)) continue;
+      const int64_t row = ops::block_row_bytes(f, in);
+      if (i.shape == Shape{out, row}) t = f;
+      sizes += fmt::format("{}{} bytes for {}", sizes.empty() ? "" : ", ", row, dtype_name(f));
+    }
+    DS_CHECK(t != DType::F32, "tensor '{}' has U8 shape {}: not rows of blocks of a [{}, {}] matrix ({})", info.name,
+             shape_str(i.shape), out, in, sizes.empty() ? "its rows are not whole blocks of 32" : sizes);
+    w.view = {st_.bytes(info.name), t, out, in, nullptr, 128, 128};
+    used_.insert(info.name);
+    bytes_ += i.end - i.begin;
+    return true;
+  }
+
   void load(const ParamInfo& info, Weight& w) {
+    if (load_blocks(info, w)) return;
     w.tensor = get(info.name, info.shape, info.role != ParamRole::EngramTable);
     if (info.role == ParamRole::EngramTable) advise_random_reads(w.tensor.raw(), w.tensor.nbytes());
     const DType dt = w.tensor.dtype();

@@ -10,16 +10,16 @@
 
 namespace ds::ops {
 
-bool is_block_format(DType t) { return t == DType::Q8_0 || t == DType::Q4_K; }
+bool is_block_format(DType t) { return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q4_1; }
 
 int64_t block_values(DType t) {
   DS_CHECK(is_block_format(t), "block_values: {} is not a block format", dtype_name(t));
-  return t == DType::Q8_0 ? kQ8_0Values : kQ4_KValues;
+  return t == DType::Q8_0 ? kQ8_0Values : t == DType::Q4_1 ? kQ4_1Values : kQ4_KValues;
 }
 
 int64_t block_bytes(DType t) {
   DS_CHECK(is_block_format(t), "block_bytes: {} is not a block format", dtype_name(t));
-  return t == DType::Q8_0 ? kQ8_0Bytes : kQ4_KBytes;
+  return t == DType::Q8_0 ? kQ8_0Bytes : t == DType::Q4_1 ? kQ4_1Bytes : kQ4_KBytes;
 }
 
 bool fits_block_format(DType t, int64_t cols) { return cols > 0 && cols % block_values(t) == 0; }
@@ -75,9 +75,11 @@ struct Fit {
   float a = 0, b = 0;
 };
 
-Fit fit_sub_block(const float* x) {
+// any_offset: b may be negative too (q4_1 stores its m as a signed f16;
+// q4_k's six-bit mins are offsets down only).
+Fit fit_sub_block(const float* x, bool any_offset = false) {
   constexpr int n = static_cast<int>(kQ4_KSubBlock);
-  float lo = 0, hi = x[0], sq = 0;
+  float lo = any_offset ? x[0] : 0.0f, hi = x[0], sq = 0;
   for (int i = 0; i < n; ++i) {
     lo = std::min(lo, x[i]);
     hi = std::max(hi, x[i]);
@@ -114,7 +116,7 @@ Fit fit_sub_block(const float* x) {
     const double det = sw * swqq - swq * swq;
     if (!(det > 0)) continue;
     double a = (sw * swqx - swq * swx) / det, c = (swqq * swx - swq * swqx) / det;
-    if (c > 0) {
+    if (c > 0 && !any_offset) {
       c = 0;
       a = swqq > 0 ? swqx / swqq : 0;
     }
@@ -165,6 +167,17 @@ void q4_k_block(const float* x, uint8_t* out) {
     for (int l = 0; l < 32; ++l) codes[32 * c + l] = static_cast<uint8_t>(q[64 * c + l] | (q[64 * c + 32 + l] << 4));
 }
 
+void q4_1_block(const float* x, uint8_t* out) {
+  const Fit f = fit_sub_block(x, /*any_offset=*/true);
+  const float d = rounded_scale(f.a, DType::Q4_1), m = rounded_scale(-f.b, DType::Q4_1);
+  put_half(out, d);
+  put_half(out + 2, m);
+  uint8_t q[kQ4_1Values];
+  for (int i = 0; i < kQ4_1Values; ++i)
+    q[i] = d > 0 ? static_cast<uint8_t>(std::clamp(std::nearbyint((x[i] - m) / d), 0.0f, 15.0f)) : uint8_t{0};
+  for (int l = 0; l < 16; ++l) out[4 + l] = static_cast<uint8_t>(q[l] | (q[16 + l] << 4));
+}
+
 }  // namespace
 
 void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
@@ -184,6 +197,8 @@ void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
   for (int64_t b = 0; b < n / B; ++b) {
     if (t == DType::Q8_0)
       q8_0_block(x + b * B, out + b * bytes);
+    else if (t == DType::Q4_1)
+      q4_1_block(x + b * B, out + b * bytes);
     else
       q4_k_block(x + b * B, out + b * bytes);
   }
@@ -203,6 +218,14 @@ void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out) {
     if (t == DType::Q8_0) {
       const float d = get_half(blocks);
       for (int i = 0; i < kQ8_0Values; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blocks[2 + i]));
+      continue;
+    }
+    if (t == DType::Q4_1) {
+      const float d = get_half(blocks), m = get_half(blocks + 2);
+      for (int l = 0; l < 16; ++l) {
+        out[l] = d * static_cast<float>(blocks[4 + l] & 0xF) + m;
+        out[16 + l] = d * static_cast<float>(blocks[4 + l] >> 4) + m;
+      }
       continue;
     }
     const float d = get_half(blocks), dmin = get_half(blocks + 2);

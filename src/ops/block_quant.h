@@ -9,8 +9,11 @@
 //         of 32 values), then 128 bytes of 4-bit codes: byte l of chunk c
 //         (32 bytes) holds value 64c + l in its low nibble and 64c + 32 + l
 //         in its high one. x = d sc_j q - dmin m_j for a value of sub-block j.
+//   q4_1  blocks of 32 values, 20 bytes: f16 d, f16 m, 16 bytes of 4-bit
+//         codes (value l in the low nibble of byte l, value 16 + l in the
+//         high one); x = d q + m. For rows that are not whole blocks of 256.
 //
-// The q4_k quantizer fits each sub-block by weighted least squares over a
+// The q4_k and q4_1 quantizers fit each sub-block (block) by weighted least squares over a
 // sweep of candidate scales (weights |x| plus the sub-block's RMS, so large
 // values count more and none counts nothing), keeps the best fit with a
 // non-negative offset, then rounds the eight scales and mins to six bits
@@ -28,10 +31,11 @@ namespace ds::ops {
 inline constexpr int64_t kQ8_0Values = 32, kQ8_0Bytes = 34;
 inline constexpr int64_t kQ4_KValues = 256, kQ4_KBytes = 144;
 inline constexpr int64_t kQ4_KSubBlock = 32;
+inline constexpr int64_t kQ4_1Values = 32, kQ4_1Bytes = 20;
 
 bool is_block_format(DType t);
 int64_t block_values(DType t);  // values a block (32 or 256)
-int64_t block_bytes(DType t);   // bytes a block (34 or 144)
+int64_t block_bytes(DType t);   // bytes a block (34, 144 or 20)
 // Whether a row of `cols` values is whole blocks of t.
 bool fits_block_format(DType t, int64_t cols);
 // Bytes of a row of `cols` values (whole blocks).

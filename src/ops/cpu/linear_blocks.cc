@@ -1,8 +1,8 @@
 // Block-quantized weights in the linear layers (ops/cpu/linear_blocks.h).
 //
-// Decode streams the packed rows: each block's f16 scale (q8_0), or its
-// sub-blocks' scales d sc and offsets dmin m (q4_k), scale the widened codes
-// in registers, which feed one FMA per row of x. q4_k's offsets do not
+// Decode streams the packed rows: each block's f16 scale (q8_0, q4_1), or
+// its sub-blocks' scales d sc and offsets dmin m (q4_k), scale the widened
+// codes in registers, which feed one FMA per row of x. Offsets do not
 // depend on the code: per row of x the sums of each sub-block of x are taken
 // once, and each weight row subtracts its offsets times them. Activations
 // stay float32 (llama.cpp instead rounds them to 8 bits per block and
@@ -88,10 +88,11 @@ HWY_INLINE void Store(float* HWY_RESTRICT y, int64_t ldy, int64_t r, DF d, VF ac
 
 }  // namespace
 
-// Whether the vector kernels apply: a whole number of vectors in 32 values.
+// Whether the vector kernels apply: a whole number of vectors in 16 values
+// (q4_1's half block).
 bool BlockVectors() {
   const size_t n = hn::Lanes(DF());
-  return n <= 32 && 32 % n == 0;
+  return n <= 16 && 16 % n == 0;
 }
 
 void WidenQ8_0Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_t cols, int64_t r0, int64_t r1) {
@@ -130,6 +131,68 @@ void WidenQ4KRows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_
         }
       }
     }
+  }
+}
+
+void WidenQ4_1Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_t cols, int64_t r0, int64_t r1) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_1Values * kQ4_1Bytes;
+  const auto mask = hn::Set(di, 0xF);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* blk = w + r * row_bytes;
+    float* o = out + (r - r0) * cols;
+    for (int64_t c = 0; c < cols; c += kQ4_1Values, blk += kQ4_1Bytes) {
+      const VF a = hn::Set(d, half_at(blk)), m = hn::Set(d, half_at(blk + 2));
+      for (int64_t l = 0; l < 16; l += N) {
+        const auto bytes = LoadU8(d, blk + 4 + l);
+        hn::StoreU(hn::MulAdd(hn::ConvertTo(d, hn::And(bytes, mask)), a, m), d, o + c + l);
+        hn::StoreU(hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), a, m), d, o + c + 16 + l);
+      }
+    }
+  }
+}
+
+// Rows [r0, r1) of a q4_1 weight against M (<= 4) rows of x, whose block
+// sums are xs [M][cols / 32].
+template <int M>
+void GemvQ4_1Pass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x, int64_t ldx,
+                  const float* HWY_RESTRICT xs, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
+                  bool accumulate) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_1Values * kQ4_1Bytes;
+  const int64_t S = cols / kQ4_1Values;
+  const auto mask = hn::Set(di, 0xF);
+  for (int64_t r = r0; r < r1; ++r) {
+    VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    float off[4] = {0, 0, 0, 0};  // minus the offsets' share
+    const uint8_t* blk = w + r * row_bytes;
+    for (int64_t c = 0, s = 0; c < cols; c += kQ4_1Values, blk += kQ4_1Bytes, ++s) {
+      const float m = half_at(blk + 2);
+      for (int k = 0; k < M; ++k) off[k] -= m * xs[k * S + s];
+      const VF a = hn::Set(d, half_at(blk));
+      for (int64_t l = 0; l < 16; l += N) {
+        const auto bytes = LoadU8(d, blk + 4 + l);
+        const VF lo = hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), a);
+        const VF hi = hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), a);
+        acc0 = hn::MulAdd(lo, hn::LoadU(d, x + c + l), acc0);
+        acc0 = hn::MulAdd(hi, hn::LoadU(d, x + c + 16 + l), acc0);
+        if constexpr (M > 1) {
+          acc1 = hn::MulAdd(lo, hn::LoadU(d, x + ldx + c + l), acc1);
+          acc1 = hn::MulAdd(hi, hn::LoadU(d, x + ldx + c + 16 + l), acc1);
+        }
+        if constexpr (M > 2) {
+          acc2 = hn::MulAdd(lo, hn::LoadU(d, x + 2 * ldx + c + l), acc2);
+          acc2 = hn::MulAdd(hi, hn::LoadU(d, x + 2 * ldx + c + 16 + l), acc2);
+        }
+        if constexpr (M > 3) {
+          acc3 = hn::MulAdd(lo, hn::LoadU(d, x + 3 * ldx + c + l), acc3);
+          acc3 = hn::MulAdd(hi, hn::LoadU(d, x + 3 * ldx + c + 16 + l), acc3);
+        }
+      }
+    }
+    Store<M>(y, ldy, r, d, acc0, acc1, acc2, acc3, off, accumulate);
   }
 }
 
@@ -209,7 +272,7 @@ void GemvQ4KPass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x
 void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
                 int64_t r0, int64_t r1, bool accumulate) {
   Buffer<float> xs;
-  if (t == DType::Q4_K) {  // each row of x's sums over sub-blocks of 32
+  if (t != DType::Q8_0) {  // each row of x's sums over (sub-)blocks of 32
     const int64_t S = cols / kQ4_KSubBlock;
     xs.resize(static_cast<size_t>(M * S));
     for (int64_t m = 0; m < M; ++m)
@@ -223,12 +286,17 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
     const int64_t mm = std::min<int64_t>(4, M - m);
     float* ym = y + m * ldy;
     const float* xm = x + m * ldx;
-    const float* xsm = xs.data() + (t == DType::Q4_K ? m * (cols / kQ4_KSubBlock) : 0);
+    const float* xsm = xs.data() + (t != DType::Q8_0 ? m * (cols / kQ4_KSubBlock) : 0);
     if (t == DType::Q8_0) {
       if (mm == 1) GemvQ8_0Pass<1>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
       if (mm == 2) GemvQ8_0Pass<2>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
       if (mm == 3) GemvQ8_0Pass<3>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
       if (mm == 4) GemvQ8_0Pass<4>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
+    } else if (t == DType::Q4_1) {
+      if (mm == 1) GemvQ4_1Pass<1>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
+      if (mm == 2) GemvQ4_1Pass<2>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
+      if (mm == 3) GemvQ4_1Pass<3>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
+      if (mm == 4) GemvQ4_1Pass<4>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
     } else {
       if (mm == 1) GemvQ4KPass<1>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
       if (mm == 2) GemvQ4KPass<2>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
@@ -248,6 +316,7 @@ namespace ds::ops::detail {
 HWY_EXPORT(BlockVectors);
 HWY_EXPORT(WidenQ8_0Rows);
 HWY_EXPORT(WidenQ4KRows);
+HWY_EXPORT(WidenQ4_1Rows);
 HWY_EXPORT(GemvBlocks);
 
 void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
@@ -260,6 +329,8 @@ void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   }
   if (w.dtype == DType::Q8_0)
     DS_DISPATCH(WidenQ8_0Rows)(out, bytes, w.cols, r0, r1);
+  else if (w.dtype == DType::Q4_1)
+    DS_DISPATCH(WidenQ4_1Rows)(out, bytes, w.cols, r0, r1);
   else
     DS_DISPATCH(WidenQ4KRows)(out, bytes, w.cols, r0, r1);
 }

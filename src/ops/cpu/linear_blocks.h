@@ -1,4 +1,4 @@
-// linear.cc's kernels for block-quantized weights (q8_0, q4_k;
+// linear.cc's kernels for block-quantized weights (q8_0, q4_k, q4_1;
 // ops/block_quant.h).
 #pragma once
 
