@@ -36,8 +36,8 @@ std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
   // ggml reads the same blocks to the same values.
   std::vector<float> g(x.size());
   const auto gt = t == DType::Q8_0   ? ds::io::gguf::TensorType::Q8_0
-                 : t == DType::Q4_1 ? ds::io::gguf::TensorType::Q4_1
-                                    : ds::io::gguf::TensorType::Q4_K;
+                  : t == DType::Q4_1 ? ds::io::gguf::TensorType::Q4_1
+                                     : ds::io::gguf::TensorType::Q4_K;
   ds::io::gguf::dequantize(gt, q.data(), n, g.data());
   EXPECT_EQ(y, g);
   return y;

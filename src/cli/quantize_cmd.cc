@@ -50,9 +50,10 @@ void add_quantize_command(CLI::App& app, CommandList& commands) {
                   "q4_k_m (default: routed experts q4_k, the rest q8_0), q4_k (every matrix q4_k but the LM head), "
                   "or q8_0")
       ->check(CLI::IsMember({"q4_k_m", "q4_k", "q8_0"}));
-  cmd->add_option("--override", args->overrides,
-                  "REGEX=FORMAT (q4_k, q4_1, q8_0, bf16, f32): tensors whose whole name matches, before the recipe; the "
-                  "first match wins (repeatable)");
+  cmd->add_option(
+      "--override", args->overrides,
+      "REGEX=FORMAT (q4_k, q4_1, q8_0, bf16, f32): tensors whose whole name matches, before the recipe; the "
+      "first match wins (repeatable)");
   commands.emplace_back(cmd, [args] { return run_quantize(*args); });
 }
 

@@ -31,9 +31,8 @@ const std::vector<std::string>& formats() {
 
 // What the recipe gives a tensor: a format, or "" to keep its dtype.
 std::string recipe_format(const std::string& recipe, const ParamInfo& info) {
-  const bool matrix = info.shape.size() == 2 &&
-                      (info.role == ParamRole::Projection || info.role == ParamRole::Embedding ||
-                       info.role == ParamRole::LmHead);
+  const bool matrix = info.shape.size() == 2 && (info.role == ParamRole::Projection ||
+                                                 info.role == ParamRole::Embedding || info.role == ParamRole::LmHead);
   // The V3.2 indexer's matrices stay as they are (its keys are rounded to
   // fp8 as DeepSeek's code rounds them; a coarser weight would move them).
   if (!matrix || info.name.find(".indexer.") != std::string::npos) return "";
@@ -51,9 +50,7 @@ struct Item {
 };
 
 bool is_block(const std::string& f) { return f == "q4_k" || f == "q4_1" || f == "q8_0"; }
-DType block_dtype(const std::string& f) {
-  return f == "q4_k" ? DType::Q4_K : f == "q4_1" ? DType::Q4_1 : DType::Q8_0;
-}
+DType block_dtype(const std::string& f) { return f == "q4_k" ? DType::Q4_K : f == "q4_1" ? DType::Q4_1 : DType::Q8_0; }
 
 // The stored float dtype a kept tensor is written in: its own, or bf16 for fp8.
 std::string kept_dtype(const io::SafetensorsSet& st, const ParamInfo& info) {
@@ -134,8 +131,7 @@ void copy_side_files(const std::string& in, const std::string& out) {
     const std::string name = e.path().filename().string();
     if (name == "config.json" || name.ends_with(".safetensors") || name.ends_with(".safetensors.index.json")) continue;
     std::error_code ec;
-    fs::copy(e.path(), fs::path(out) / name,
-             fs::copy_options::recursive | fs::copy_options::overwrite_existing, ec);
+    fs::copy(e.path(), fs::path(out) / name, fs::copy_options::recursive | fs::copy_options::overwrite_existing, ec);
     DS_CHECK(!ec, "quantize: cannot copy '{}' into '{}': {}", e.path().string(), out, ec.message());
   }
 }
@@ -160,7 +156,8 @@ QuantizeReport quantize_model(const std::string& in, const std::string& out, con
   DS_CHECK(opt.recipe == "q8_0" || opt.recipe == "q4_k" || opt.recipe == "q4_k_m",
            "quantize: --type '{}' is not one of q4_k_m, q4_k, q8_0", opt.recipe);
   std::vector<std::pair<std::regex, std::string>> overrides;
-  for (const auto& [re, f] : opt.overrides) overrides.emplace_back(std::regex(parse_quantize_override(re + "=" + f).first), f);
+  for (const auto& [re, f] : opt.overrides)
+    overrides.emplace_back(std::regex(parse_quantize_override(re + "=" + f).first), f);
   std::error_code ec;
   DS_CHECK(!fs::exists(out) || !fs::equivalent(in, out, ec), "quantize: --out '{}' is the input folder", out);
   const json source = json::parse(io::read_file((fs::path(in) / "config.json").string(), "config"), nullptr, false);
@@ -191,7 +188,7 @@ QuantizeReport quantize_model(const std::string& in, const std::string& out, con
   io::SafetensorsWriter w((fs::path(out) / "model.safetensors").string(), entries, {{"format", "pt"}});
   for (const auto& it : items) {
     write_item(w, it);
-    const std::string f = is_block(it.format)    ? it.format
+    const std::string f = is_block(it.format)  ? it.format
                           : it.format == "F32" ? "f32"
                           : it.format == "F16" ? "f16"
                                                : "bf16";
@@ -214,8 +211,9 @@ QuantizeReport quantize_model(const std::string& in, const std::string& out, con
         {"q4_k",
          "U8 rows of blocks of 256 values, 144 bytes: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins of 8 "
          "sub-blocks of 32, 128 bytes of 4-bit codes; x = d sc q - dmin m (ggml's Q4_K)"},
-        {"q4_1", "U8 rows of blocks of 32 values, 20 bytes: f16 d, f16 m, 16 bytes of 4-bit codes; x = d q + m "
-                 "(ggml's Q4_1)"}}},
+        {"q4_1",
+         "U8 rows of blocks of 32 values, 20 bytes: f16 d, f16 m, 16 bytes of 4-bit codes; x = d q + m "
+         "(ggml's Q4_1)"}}},
       {"tensors", counts}};
   if (!opt.overrides.empty()) {
     json o = json::array();

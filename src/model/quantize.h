@@ -37,15 +37,15 @@
 namespace ds::model {
 
 struct QuantizeOptions {
-  std::string recipe = "q4_k_m";  // q8_0, q4_k, q4_k_m
+  std::string recipe = "q4_k_m";                               // q8_0, q4_k, q4_k_m
   std::vector<std::pair<std::string, std::string>> overrides;  // (regex, format)
 };
 
 struct QuantizeReport {
-  std::map<std::string, int64_t> tensors;  // format -> tensors written in it
-  std::map<std::string, uint64_t> bytes;   // format -> their bytes
+  std::map<std::string, int64_t> tensors;    // format -> tensors written in it
+  std::map<std::string, uint64_t> bytes;     // format -> their bytes
   std::map<std::string, int64_t> fallbacks;  // "q4_k -> q4_1 (384 columns)" -> tensors
-  uint64_t bytes_in = 0, bytes_out = 0;    // the weights read and written
+  uint64_t bytes_in = 0, bytes_out = 0;      // the weights read and written
 };
 
 // Reads the folder `in`, writes the folder `out` (new, or empty).
