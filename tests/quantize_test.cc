@@ -117,9 +117,9 @@ TEST_F(QuantizeTest, RecipesWriteTheirFormatsAndLoad) {
     const char* recipe;
     const char *expert, *down, *attn, *embed, *head;
   };
-  for (const Want w : {Want{"q8_0", "q8_0", "q8_0", "q8_0", "q8_0", "q8_0"},
-                       Want{"q4_k_m", "q4_k", "q4_k", "q8_0", "q8_0", "q8_0"},
-                       Want{"q4_k", "q4_k", "q4_k", "q4_1", "q4_k", "q8_0"}}) {
+  for (const Want w :
+       {Want{"q8_0", "q8_0", "q8_0", "q8_0", "q8_0", "q8_0"}, Want{"q4_k_m", "q4_k", "q4_k", "q8_0", "q8_0", "q8_0"},
+        Want{"q4_k", "q4_k", "q4_k", "q4_1", "q4_k", "q8_0"}}) {
     const std::string dir = quantize(w.recipe);
     EXPECT_EQ(format_of(dir, expert, 256), w.expert) << w.recipe;
     EXPECT_EQ(format_of(dir, down, 256), w.down) << w.recipe;
@@ -128,7 +128,8 @@ TEST_F(QuantizeTest, RecipesWriteTheirFormatsAndLoad) {
     EXPECT_EQ(format_of(dir, "model.embed_tokens.weight", 256), w.embed) << w.recipe;
     EXPECT_EQ(format_of(dir, "lm_head.weight", 256), w.head) << w.recipe;
     // Norms, the router and its bias stay as they were.
-    EXPECT_EQ(stored_dtype(dir, "model.layers.1.mlp.gate.weight"), stored_dtype(src_.path(), "model.layers.1.mlp.gate.weight"));
+    EXPECT_EQ(stored_dtype(dir, "model.layers.1.mlp.gate.weight"),
+              stored_dtype(src_.path(), "model.layers.1.mlp.gate.weight"));
     EXPECT_EQ(stored_dtype(dir, "model.norm.weight"), stored_dtype(src_.path(), "model.norm.weight"));
     // The MTP layer is quantized too, and the side files are copied.
     EXPECT_EQ(format_of(dir, "model.layers.3.eh_proj.weight", 512), std::string(w.recipe) == "q4_k" ? "q4_k" : "q8_0");
@@ -146,8 +147,8 @@ TEST_F(QuantizeTest, RecipesWriteTheirFormatsAndLoad) {
 }
 
 TEST_F(QuantizeTest, OverridesComeFirst) {
-  const std::string dir = quantize("q4_k_m", {{R"(model\.layers\.1\.mlp\.experts\.\d+\..*)", "bf16"},
-                                              {R"(.*\.self_attn\.o_proj\.weight)", "q4_1"}});
+  const std::string dir = quantize(
+      "q4_k_m", {{R"(model\.layers\.1\.mlp\.experts\.\d+\..*)", "bf16"}, {R"(.*\.self_attn\.o_proj\.weight)", "q4_1"}});
   EXPECT_EQ(format_of(dir, "model.layers.1.mlp.experts.5.up_proj.weight", 256), "BF16");
   EXPECT_EQ(format_of(dir, "model.layers.2.mlp.experts.5.up_proj.weight", 256), "q4_k");
   EXPECT_EQ(format_of(dir, "model.layers.0.self_attn.o_proj.weight", 128), "q4_1");
@@ -207,7 +208,9 @@ TEST_F(QuantizeTest, BadInputsAreRefused) {
   for (const auto& n : st.names()) {
     auto i = st.info(n);
     if (n == "lm_head.weight") i.shape[1] -= 2;
-    const uint64_t bytes = static_cast<uint64_t>(ds::shape_numel(i.shape)) * (i.dtype_name == "F32" ? 4 : i.dtype_name == "BF16" ? 2 : 1);
+    const uint64_t bytes = static_cast<uint64_t>(ds::shape_numel(i.shape)) * (i.dtype_name == "F32"    ? 4
+                                                                              : i.dtype_name == "BF16" ? 2
+                                                                                                       : 1);
     entries.push_back({n, i.dtype_name, i.shape, bytes});
   }
   const std::string bad = (fs::path(out_.path()) / "bad").string();
