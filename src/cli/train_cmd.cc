@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "infer/model.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "dist/communicator.h"
@@ -38,7 +39,7 @@ struct TrainArgs {
 };
 
 struct ExportArgs {
-  std::string checkpoint, out, dtype = "bf16", format = "hf";
+  std::string checkpoint, model, out, dtype = "bf16", format = "hf";
   bool quiet = false;  // no line of its own (the folder is a step of --format gguf)
 };
 
@@ -76,6 +77,13 @@ int run_export_hf(const ExportArgs& a);
 // one GGUF file of it (model/gguf_export.h), the folder removed.
 int run_export_gguf(const ExportArgs& a) {
   const std::string out = io::resolve_output_path(a.out);
+  if (!a.model.empty()) {  // a model folder as it is
+    const uint64_t bytes = model::export_gguf(infer::model_folder(a.model), out, a.dtype);
+    fmt::print("exported {} to {} (GGUF, {}, {:.1f} MiB)\n", a.model, a.out, a.dtype,
+               static_cast<double>(bytes) / (1 << 20));
+    check_stdout();
+    return 0;
+  }
   const fs::path tmp = fs::path(out).parent_path() / (fs::path(out).filename().string() + ".hf-export");
   std::error_code ec;
   fs::remove_all(tmp, ec);
@@ -104,6 +112,9 @@ int run_export_gguf(const ExportArgs& a) {
 }
 
 int run_export(const ExportArgs& a) {
+  DS_CHECK(a.checkpoint.empty() != a.model.empty(), "export: give --checkpoint or --model (one of them)");
+  DS_CHECK(a.model.empty() || a.format == "gguf", "export: --model is read by --format gguf (a model folder is a "
+                                                  "Hugging Face folder already)");
   if (a.format == "gguf") return run_export_gguf(a);
   DS_CHECK(a.format == "hf", "export: --format must be hf or gguf, got '{}'", a.format);
   return run_export_hf(a);
@@ -184,9 +195,13 @@ void add_train_commands(CLI::App& app, CommandList& commands) {
 
   auto ea = std::make_shared<ExportArgs>();
   auto* e = app.add_subcommand("export", "write a training checkpoint as a Hugging Face model folder or a GGUF file");
-  e->add_option("--checkpoint", ea->checkpoint, "checkpoint folder (RUN/checkpoints/step_N)")->required();
+  e->add_option("--checkpoint", ea->checkpoint, "checkpoint folder (RUN/checkpoints/step_N)");
+  e->add_option("--model", ea->model,
+                "with --format gguf: a DeepSeek-V2/V3 model folder (any float dtype, or `deepseek quantize` blocks) "
+                "instead of a checkpoint");
   e->add_option("--out", ea->out, "output folder")->required();
-  e->add_option("--dtype", ea->dtype, "weight dtype: bf16 (default), f16, f32; with --format gguf also q8_0");
+  e->add_option("--dtype", ea->dtype,
+                "weight dtype: bf16 (default), f16, f32; with --format gguf also q8_0, q4_k and q4_k_m");
   e->add_option("--format", ea->format,
                 "hf (default: a Hugging Face folder) or gguf (one file llama.cpp loads; DeepSeek-V2/V3 models)");
   commands.emplace_back(e, [ea] { return run_export(*ea); });

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
+#include "ops/block_quant.h"
 #include "core/error.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
@@ -146,6 +147,12 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
       const uint16_t h = type == TensorType::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
       std::memcpy(&out[2 * i], &h, 2);
     }
+  } else if (type == TensorType::Q4_K || type == TensorType::Q4_1) {
+    // ggml's blocks, made by this engine's quantizer (ops/block_quant.h).
+    const DType t = type == TensorType::Q4_K ? DType::Q4_K : DType::Q4_1;
+    DS_CHECK(ops::fits_block_format(t, ne0), "gguf export: cannot encode rows of {} in {}", ne0, gguf::type_name(type));
+    out.resize(static_cast<size_t>(static_cast<int64_t>(x.size()) / ne0 * ops::block_row_bytes(t, ne0)));
+    ops::quantize_rows(t, x.data(), static_cast<int64_t>(x.size()) / ne0, ne0, reinterpret_cast<uint8_t*>(out.data()));
   } else {
     // Q8_0, as ggml's quantize_row_q8_0_ref: d = amax / 127 (stored as f16),
     // q = round(x / d) half away from zero with the unrounded 1 / d.
@@ -169,27 +176,76 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
 // encoded only when the file is written: one tensor in memory at a time.
 // Every source tensor is checked (present, float, its size) when added, so a
 // bad folder is refused before anything is written.
+// The type of a GGUF matrix under a recipe (model/quantize.h's, by ggml's
+// names): q4_k_m puts the routed experts at 4 bits and the rest at q8_0,
+// q4_k every matrix but the output. Rows that are not whole blocks fall
+// back: Q4_K to Q4_1, Q4_1 and Q8_0 to F16 (llama.cpp's converter writes
+// F16 there too).
+TensorType matrix_type(const std::string& recipe, TensorType plain, const std::string& name, int64_t ne0) {
+  TensorType t = plain;
+  if (recipe == "q4_k_m") t = name.find("_exps.") != std::string::npos ? TensorType::Q4_K : TensorType::Q8_0;
+  if (recipe == "q4_k") t = name == "output.weight" ? TensorType::Q8_0 : TensorType::Q4_K;
+  if (t == TensorType::Q4_K && ne0 % ops::kQ4_KValues != 0) t = TensorType::Q4_1;
+  if ((t == TensorType::Q4_1 || t == TensorType::Q8_0) && ne0 % 32 != 0) t = TensorType::F16;
+  return t;
+}
+
+// The format of a block-quantized tensor (a `deepseek quantize` folder's U8
+// rows) of `cols` columns, from its bytes a row; F32 if none matches.
+DType block_format(const io::TensorInfo& i, int64_t cols) {
+  for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1})
+    if (i.shape.size() == 2 && ops::fits_block_format(f, cols) && ops::block_row_bytes(f, cols) == i.shape[1]) return f;
+  return DType::F32;
+}
+
 class Exporter {
  public:
-  Exporter(const std::string& dir, TensorType type) : files_(io::SafetensorsSet::open_dir(dir)), type_(type) {}
+  Exporter(const std::string& dir, TensorType type, std::string recipe)
+      : files_(io::SafetensorsSet::open_dir(dir)), type_(type), recipe_(std::move(recipe)) {}
 
   // Checks an HF tensor of `numel` values the export will read.
   void need(const std::string& name, int64_t numel) const {
     DS_CHECK(files_.contains(name), "gguf export: the folder has no tensor '{}'", name);
+    const io::TensorInfo& i = files_.info(name);
+    if (i.dtype_name == "U8") {  // q8_0 / q4_k / q4_1 rows of a quantized folder
+      const int64_t rows = i.shape.empty() ? 0 : i.shape[0];
+      DS_CHECK(rows > 0 && numel % rows == 0 && block_format(i, numel / rows) != DType::F32,
+               "gguf export: tensor '{}' is U8 {} but not the blocks of {} values", name, shape_str(i.shape), numel);
+      return;
+    }
     const Tensor t = files_.tensor(name);
     DS_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || t.dtype() == DType::F16,
              "gguf export: tensor '{}' is {}; export float folders (fp8 checkpoints are not converted)", name,
              dtype_name(t.dtype()));
     DS_CHECK(t.numel() == numel, "gguf export: tensor '{}' has {} values, not {}", name, t.numel(), numel);
   }
-  // An HF tensor as float32 in its row-major order (ne0 its last dim).
-  std::vector<float> get(const std::string& name) const { return files_.tensor(name).to_vector(); }
+  // An HF tensor as float32 in its row-major order (ne0 its last dim);
+  // blocks dequantized.
+  std::vector<float> get(const std::string& name) const {
+    const io::TensorInfo& i = files_.info(name);
+    if (i.dtype_name != "U8") return files_.tensor(name).to_vector();
+    const int64_t rows = i.shape[0], cols = shape(name)[1];
+    std::vector<float> out(static_cast<size_t>(rows * cols));
+    ops::dequantize_blocks(block_format(i, cols), files_.bytes(name), rows * cols, out.data());
+    return out;
+  }
+  // The logical shape of an HF tensor (blocks: their matrix's).
+  Shape shape(const std::string& name) const {
+    const io::TensorInfo& i = files_.info(name);
+    if (i.dtype_name != "U8") return i.shape;
+    DS_CHECK(i.shape.size() == 2, "gguf export: tensor '{}' is U8 {}, not rows of blocks", name, shape_str(i.shape));
+    for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1})
+      if (i.shape[1] % ops::block_bytes(f) == 0) {
+        const int64_t cols = i.shape[1] / ops::block_bytes(f) * ops::block_values(f);
+        if (block_format(i, cols) == f) return {i.shape[0], cols};
+      }
+    DS_FAIL("gguf export: tensor '{}' is U8 {}, not rows of q8_0, q4_k or q4_1 blocks", name, shape_str(i.shape));
+  }
   // Adds a tensor of ggml shape ne (fastest first) whose values `make`
   // gives; `keep_f32` for norms, biases and the router.
   void add(gguf::Writer& w, const std::string& name, std::vector<int64_t> ne, bool keep_f32,
            std::function<std::vector<float>()> make) const {
-    TensorType t = keep_f32 || ne.size() == 1 ? TensorType::F32 : type_;
-    if (t == TensorType::Q8_0 && ne[0] % 32 != 0) t = TensorType::F16;
+    TensorType t = keep_f32 || ne.size() == 1 ? TensorType::F32 : matrix_type(recipe_, type_, name, ne[0]);
     const int64_t ne0 = ne[0];
     w.add_tensor(name, t, std::move(ne), [make = std::move(make), ne0, t](auto put) {
       const std::string bytes = encode(make(), ne0, t);
@@ -198,7 +254,7 @@ class Exporter {
   }
   void matrix(gguf::Writer& w, const std::string& name, const std::string& hf, bool keep_f32 = false) const {
     DS_CHECK(files_.contains(hf), "gguf export: the folder has no tensor '{}'", hf);
-    const auto shape = files_.tensor(hf).shape();
+    const auto shape = this->shape(hf);
     DS_CHECK(shape.size() <= 2, "gguf export: tensor '{}' has {} dims", hf, shape.size());
     std::vector<int64_t> ne(shape.rbegin(), shape.rend());
     int64_t n = 1;
@@ -210,6 +266,7 @@ class Exporter {
  private:
   io::SafetensorsSet files_;
   TensorType type_;
+  std::string recipe_;
 };
 
 void write_layer(gguf::Writer& w, Exporter& e, const ModelConfig& c, int64_t l) {
@@ -307,8 +364,12 @@ uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const st
     t = TensorType::BF16, file_type = 32;
   } else if (type == "q8_0") {
     t = TensorType::Q8_0, file_type = 7;
+  } else if (type == "q4_k") {  // llama.cpp's file types: MOSTLY_Q4_K_S 14, MOSTLY_Q4_K_M 15
+    t = TensorType::Q4_K, file_type = 14;
+  } else if (type == "q4_k_m") {
+    t = TensorType::Q4_K, file_type = 15;
   } else {
-    DS_FAIL("gguf export: type '{}' is not f32, f16, bf16 or q8_0", type);
+    DS_FAIL("gguf export: type '{}' is not f32, f16, bf16, q8_0, q4_k or q4_k_m", type);
   }
   const ModelConfig c = load_config(hf_dir);
   DS_CHECK(c.model_type == "deepseek_v3" || c.model_type == "deepseek_v2",
@@ -330,7 +391,7 @@ uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const st
   gguf::Writer w;
   write_hparams(w, c, file_type);
   write_tokenizer(w, hf_dir, c);
-  Exporter e(hf_dir, t);
+  Exporter e(hf_dir, t, type);
   e.matrix(w, "token_embd.weight", "model.embed_tokens.weight");
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) write_layer(w, e, c, l);
   e.matrix(w, "output_norm.weight", "model.norm.weight", true);

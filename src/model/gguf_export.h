@@ -13,7 +13,13 @@
 //  - the MTP layer left out (llama.cpp's trunk does not read it);
 //  - norms, biases and the router in F32; every other matrix in the type
 //    asked for (f32, f16, bf16, q8_0; a q8_0 tensor whose rows do not divide
-//    into blocks of 32 is written in f16, as the converter does);
+//    into blocks of 32 is written in f16, as the converter does), or by
+//    model/quantize.h's recipes: q4_k_m (the stacked experts Q4_K, the rest
+//    Q8_0) and q4_k (every matrix Q4_K but the output, Q8_0), Q4_K rows that
+//    are not whole blocks of 256 in Q4_1, this engine's quantizer making
+//    the blocks;
+//  - the folder's weights in any float dtype, or as `deepseek quantize`
+//    blocks (dequantized, then written in the type asked for);
 //  - the byte-level BPE tokenizer as tokenizer.ggml.* ("gpt2", the
 //    pre-tokenizer named by its regexes: "deepseek-v3" for DeepSeek-V3's).
 //
@@ -28,7 +34,8 @@
 
 namespace ds::model {
 
-// Writes `out`; returns its size in bytes. `type`: f32, f16, bf16 or q8_0.
+// Writes `out`; returns its size in bytes. `type`: f32, f16, bf16, q8_0,
+// q4_k or q4_k_m.
 uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const std::string& type);
 
 // DeepSeek-V3's pre-tokenizer regexes (tokenizer.json's Split patterns, in
