@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "cli/commands.h"
-#include "infer/model.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "infer/model.h"
 #include "io/atomic_file.h"
 #include "io/text_input.h"
 #include "io/tokenizer.h"
@@ -113,8 +113,9 @@ int run_export_gguf(const ExportArgs& a) {
 
 int run_export(const ExportArgs& a) {
   DS_CHECK(a.checkpoint.empty() != a.model.empty(), "export: give --checkpoint or --model (one of them)");
-  DS_CHECK(a.model.empty() || a.format == "gguf", "export: --model is read by --format gguf (a model folder is a "
-                                                  "Hugging Face folder already)");
+  DS_CHECK(a.model.empty() || a.format == "gguf",
+           "export: --model is read by --format gguf (a model folder is a "
+           "Hugging Face folder already)");
   if (a.format == "gguf") return run_export_gguf(a);
   DS_CHECK(a.format == "hf", "export: --format must be hf or gguf, got '{}'", a.format);
   return run_export_hf(a);

@@ -10,12 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/dtype.h"
-#include "ops/block_quant.h"
 #include "core/error.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
 #include "io/text_input.h"
 #include "model/load.h"
+#include "ops/block_quant.h"
 
 namespace ds::model {
 
