@@ -62,16 +62,28 @@ TEST(BlockQuant, Sizes) {
   EXPECT_EQ(ds::dtype_name(DType::Q4_K), "q4_k");
 }
 
-TEST(BlockQuant, Q8_0IsWithinHalfAStep) {
+TEST(BlockQuant, Q8_0IsWithinHalfAStepAndGgmlsBytes) {
   const auto x = gaussian(32 * 64, 1);
   const auto y = roundtrip(DType::Q8_0, x);
   for (size_t b = 0; b < x.size() / 32; ++b) {
     float amax = 0;
     for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float d = ds::f16_to_f32(ds::f32_to_f16(amax / 127));
-    for (int i = 0; i < 32; ++i) ASSERT_LE(std::fabs(x[b * 32 + i] - y[b * 32 + i]), 0.5f * d * 1.001f) << b;
+    // q is rounded against amax / 127; the stored f16 d differs from it by
+    // its rounding, which each of up to 127 steps carries.
+    const float d = amax / 127, dh = ds::f16_to_f32(ds::f32_to_f16(d));
+    for (int i = 0; i < 32; ++i)
+      ASSERT_LE(std::fabs(x[b * 32 + i] - y[b * 32 + i]), 0.5f * d * 1.001f + 127 * std::fabs(dh - d)) << b;
   }
   EXPECT_LT(rel_rmse(x, y), 0.007);
+  // Ties round away from zero, as ggml's reference does: 2.5 steps -> 3.
+  std::vector<float> tie(32, 0.0f);
+  tie[0] = 127.0f;
+  tie[1] = 2.5f;
+  tie[2] = -2.5f;
+  std::vector<uint8_t> q(34);
+  ds::ops::quantize_blocks(DType::Q8_0, tie.data(), 32, q.data());
+  EXPECT_EQ(static_cast<int8_t>(q[3]), 3);
+  EXPECT_EQ(static_cast<int8_t>(q[4]), -3);
 }
 
 // The plain rule the fit starts from: per sub-block scale (max - min) / 15

@@ -147,27 +147,16 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
       const uint16_t h = type == TensorType::BF16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
       std::memcpy(&out[2 * i], &h, 2);
     }
-  } else if (type == TensorType::Q4_K || type == TensorType::Q4_1) {
-    // ggml's blocks, made by this engine's quantizer (ops/block_quant.h).
-    const DType t = type == TensorType::Q4_K ? DType::Q4_K : DType::Q4_1;
-    DS_CHECK(ops::fits_block_format(t, ne0), "gguf export: cannot encode rows of {} in {}", ne0, gguf::type_name(type));
-    out.resize(static_cast<size_t>(static_cast<int64_t>(x.size()) / ne0 * ops::block_row_bytes(t, ne0)));
-    ops::quantize_rows(t, x.data(), static_cast<int64_t>(x.size()) / ne0, ne0, reinterpret_cast<uint8_t*>(out.data()));
   } else {
-    // Q8_0, as ggml's quantize_row_q8_0_ref: d = amax / 127 (stored as f16),
-    // q = round(x / d) half away from zero with the unrounded 1 / d.
-    DS_CHECK(type == TensorType::Q8_0 && ne0 % 32 == 0, "gguf export: cannot encode {}", gguf::type_name(type));
-    out.resize(x.size() / 32 * 34);
-    for (size_t b = 0; b < x.size() / 32; ++b) {
-      const float* v = &x[32 * b];
-      float amax = 0;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-      const uint16_t dh = f32_to_f16(d);
-      char* blk = &out[34 * b];
-      std::memcpy(blk, &dh, 2);
-      for (int i = 0; i < 32; ++i) blk[2 + i] = static_cast<char>(static_cast<int8_t>(std::roundf(v[i] * id)));
-    }
+    // Q8_0, Q4_K, Q4_1: ggml's blocks, made by this engine's quantizer
+    // (ops/block_quant.h; its Q8_0 is ggml's quantize_row_q8_0_ref).
+    const DType t = type == TensorType::Q4_K ? DType::Q4_K : type == TensorType::Q4_1 ? DType::Q4_1 : DType::Q8_0;
+    DS_CHECK((type == TensorType::Q4_K || type == TensorType::Q4_1 || type == TensorType::Q8_0) &&
+                 ops::fits_block_format(t, ne0),
+             "gguf export: cannot encode rows of {} in {}", ne0, gguf::type_name(type));
+    const int64_t rows = static_cast<int64_t>(x.size()) / ne0;
+    out.resize(static_cast<size_t>(rows * ops::block_row_bytes(t, ne0)));
+    ops::quantize_rows(t, x.data(), rows, ne0, reinterpret_cast<uint8_t*>(out.data()));
   }
   return out;
 }

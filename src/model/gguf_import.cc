@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -16,6 +17,7 @@
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "model/gguf_export.h"
+#include "ops/block_quant.h"
 
 namespace ds::model {
 
@@ -63,6 +65,40 @@ class File {
              path_, name, gguf::type_name(t->type));
     std::vector<float> out(static_cast<size_t>(t->numel()));
     gguf::dequantize(t->type, r_.data(*t).data(), t->numel(), out.data());
+    for (const float x : out)
+      DS_CHECK(std::isfinite(x), "GGUF file '{}': tensor '{}' holds a value that is not finite", path_, name);
+    return out;
+  }
+  // The tensor's blocks as they are, when they are a format the engine
+  // computes on (Q8_0, Q4_K, Q4_1: ops/block_quant.h) and its rows are
+  // whole blocks; null otherwise. Checked against the ggml shape, and every
+  // block's f16 scales checked finite.
+  const uint8_t* blocks(const std::string& name, const std::vector<int64_t>& ne, DType* format) const {
+    const auto* t = r_.tensor(name);
+    DS_CHECK(t, "GGUF file '{}': no tensor '{}'", path_, name);
+    DS_CHECK(t->ne == ne, "GGUF file '{}': tensor '{}' has shape [{}], deepseek2 needs [{}]", path_, name,
+             fmt::join(t->ne, ", "), fmt::join(ne, ", "));
+    const DType f = t->type == gguf::TensorType::Q8_0   ? DType::Q8_0
+                    : t->type == gguf::TensorType::Q4_K ? DType::Q4_K
+                    : t->type == gguf::TensorType::Q4_1 ? DType::Q4_1
+                                                        : DType::F32;
+    if (f == DType::F32 || !ops::fits_block_format(f, ne[0])) return nullptr;
+    const uint8_t* p = r_.data(*t).data();
+    const int64_t b = ops::blocks_not_finite(f, p, t->numel());
+    DS_CHECK(b < 0, "GGUF file '{}': tensor '{}' block {} has a scale that is not finite", path_, name, b);
+    *format = f;
+    return p;
+  }
+  // Bytes of `values` values of a tensor's type (whole blocks).
+  uint64_t bytes_of(const std::string& name, int64_t values) const {
+    const auto bs = gguf::block_size(r_.tensor(name)->type);
+    return static_cast<uint64_t>(values / bs.elements * bs.bytes);
+  }
+  // Values [first, first + n) of a tensor dequantized (n and first whole blocks).
+  std::vector<float> get_part(const std::string& name, int64_t first, int64_t n) const {
+    const auto* t = r_.tensor(name);
+    std::vector<float> out(static_cast<size_t>(n));
+    gguf::dequantize(t->type, r_.data(*t).data() + bytes_of(name, first), n, out.data());
     for (const float x : out)
       DS_CHECK(std::isfinite(x), "GGUF file '{}': tensor '{}' holds a value that is not finite", path_, name);
     return out;
@@ -228,22 +264,35 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
   *vocab = static_cast<int64_t>(tokens->array.size());
 }
 
+// One HF tensor of the folder: a quantized file's blocks as they are, or
+// float32 values made when it is written (one tensor in memory at a time).
+struct Piece {
+  std::string name;
+  Shape shape;
+  DType block = DType::F32;      // the blocks' format, F32: values from make
+  const uint8_t* raw = nullptr;  // rows of the blocks
+  std::function<std::vector<float>()> make;
+};
+
 // The weights under their Hugging Face names.
-std::vector<std::pair<std::string, Tensor>> weights_of(const File& f, const json& c) {
+std::vector<Piece> weights_of(const File& f, const json& c) {
   const int64_t E = c["hidden_size"], V = c["vocab_size"], H = c["num_attention_heads"], R = c["qk_rope_head_dim"],
                 NOPE = c["qk_nope_head_dim"], VD = c["v_head_dim"], KVL = c["kv_lora_rank"], F = c["intermediate_size"],
                 FE = c["moe_intermediate_size"], X = c["n_routed_experts"], S = c["n_shared_experts"],
                 L = c["num_hidden_layers"], dense = c["first_k_dense_replace"];
   const int64_t QL = c["q_lora_rank"].is_null() ? 0 : c["q_lora_rank"].get<int64_t>();
-  std::vector<std::pair<std::string, Tensor>> out;
-  auto put = [&](const std::string& name, std::vector<float> v, Shape shape) {
-    out.emplace_back(name, Tensor::from_vector(v, shape));
-  };
+  std::vector<Piece> out;
   // A ggml (in, out) matrix is the HF [out, in] one, the same bytes.
   auto matrix = [&](const std::string& hf, const std::string& g, int64_t in, int64_t rows) {
-    put(hf, f.get(g, {in, rows}), {rows, in});
+    Piece p{hf, {rows, in}, DType::F32, nullptr, {}};
+    p.raw = f.blocks(g, {in, rows}, &p.block);
+    if (!p.raw) p.make = [&f, g, in, rows] { return f.get(g, {in, rows}); };
+    out.push_back(std::move(p));
   };
-  auto vec = [&](const std::string& hf, const std::string& g, int64_t n) { put(hf, f.get(g, {n}), {n}); };
+  auto vec = [&](const std::string& hf, const std::string& g, int64_t n) {
+    f.get(g, {n});  // checked now
+    out.push_back({hf, {n}, DType::F32, nullptr, [&f, g, n] { return f.get(g, {n}); }});
+  };
   matrix("model.embed_tokens.weight", "token_embd.weight", E, V);
   vec("model.norm.weight", "output_norm.weight", E);
   matrix("lm_head.weight", f.has("output.weight") ? "output.weight" : "token_embd.weight", E, V);
@@ -264,18 +313,23 @@ std::vector<std::pair<std::string, Tensor>> weights_of(const File& f, const json
       matrix(h + "self_attn.kv_b_proj.weight", b + "attn_kv_b.weight", KVL, H * (NOPE + VD));
     } else {
       // kv_b_proj [H (nope + v), kvl] from attn_k_b (nope, kvl, H) and attn_v_b (kvl, v, H).
-      const auto kb = f.get(b + "attn_k_b.weight", {NOPE, KVL, H}), vb = f.get(b + "attn_v_b.weight", {KVL, VD, H});
-      std::vector<float> kv(static_cast<size_t>(H * (NOPE + VD) * KVL));
-      for (int64_t hh = 0; hh < H; ++hh)
-        for (int64_t col = 0; col < KVL; ++col) {
-          for (int64_t d = 0; d < NOPE; ++d)
-            kv[static_cast<size_t>((hh * (NOPE + VD) + d) * KVL + col)] =
-                kb[static_cast<size_t>((hh * KVL + col) * NOPE + d)];
-          for (int64_t j = 0; j < VD; ++j)
-            kv[static_cast<size_t>((hh * (NOPE + VD) + NOPE + j) * KVL + col)] =
-                vb[static_cast<size_t>((hh * VD + j) * KVL + col)];
-        }
-      put(h + "self_attn.kv_b_proj.weight", std::move(kv), {H * (NOPE + VD), KVL});
+      const std::string kn = b + "attn_k_b.weight", vn = b + "attn_v_b.weight";
+      f.get(kn, {NOPE, KVL, H}), f.get(vn, {KVL, VD, H});  // checked now
+      out.push_back({h + "self_attn.kv_b_proj.weight", {H * (NOPE + VD), KVL}, DType::F32, nullptr,
+                     [&f, kn, vn, H, NOPE, VD, KVL] {
+                       const auto kb = f.get(kn, {NOPE, KVL, H}), vb = f.get(vn, {KVL, VD, H});
+                       std::vector<float> kv(static_cast<size_t>(H * (NOPE + VD) * KVL));
+                       for (int64_t hh = 0; hh < H; ++hh)
+                         for (int64_t col = 0; col < KVL; ++col) {
+                           for (int64_t d = 0; d < NOPE; ++d)
+                             kv[static_cast<size_t>((hh * (NOPE + VD) + d) * KVL + col)] =
+                                 kb[static_cast<size_t>((hh * KVL + col) * NOPE + d)];
+                           for (int64_t j = 0; j < VD; ++j)
+                             kv[static_cast<size_t>((hh * (NOPE + VD) + NOPE + j) * KVL + col)] =
+                                 vb[static_cast<size_t>((hh * VD + j) * KVL + col)];
+                         }
+                       return kv;
+                     }});
     }
     matrix(h + "self_attn.o_proj.weight", b + "attn_output.weight", H * VD, E);
     if (l < dense || X == 0) {
@@ -285,16 +339,26 @@ std::vector<std::pair<std::string, Tensor>> weights_of(const File& f, const json
       continue;
     }
     matrix(h + "mlp.gate.weight", b + "ffn_gate_inp.weight", E, X);
-    std::vector<float> bias(static_cast<size_t>(X), 0.0f);
-    if (f.has(b + "exp_probs_b.bias")) bias = f.get(b + "exp_probs_b.bias", {X});
-    put(h + "mlp.gate.e_score_correction_bias", std::move(bias), {X});
+    const std::string bias = b + "exp_probs_b.bias";
+    if (f.has(bias)) f.get(bias, {X});
+    out.push_back({h + "mlp.gate.e_score_correction_bias", {X}, DType::F32, nullptr, [&f, bias, X] {
+                     return f.has(bias) ? f.get(bias, {X}) : std::vector<float>(static_cast<size_t>(X), 0.0f);
+                   }});
     for (const char* p : {"gate", "up", "down"}) {
       const bool down = std::string(p) == "down";
       const int64_t in = down ? FE : E, rows = down ? E : FE;
-      const auto all = f.get(b + fmt::format("ffn_{}_exps.weight", p), {in, rows, X});
-      for (int64_t x = 0; x < X; ++x)
-        put(h + fmt::format("mlp.experts.{}.{}_proj.weight", x, p),
-            std::vector<float>(all.begin() + x * in * rows, all.begin() + (x + 1) * in * rows), {rows, in});
+      const std::string g = b + fmt::format("ffn_{}_exps.weight", p);
+      DType block = DType::F32;
+      const uint8_t* raw = f.blocks(g, {in, rows, X}, &block);
+      // Expert x is slab x of the stack: its rows, whole blocks.
+      for (int64_t x = 0; x < X; ++x) {
+        Piece e{h + fmt::format("mlp.experts.{}.{}_proj.weight", x, p), {rows, in}, block, nullptr, {}};
+        if (raw)
+          e.raw = raw + f.bytes_of(g, x * in * rows);
+        else
+          e.make = [&f, g, x, in, rows] { return f.get_part(g, x * in * rows, in * rows); };
+        out.push_back(std::move(e));
+      }
     }
     if (S > 0) {
       matrix(h + "mlp.shared_experts.gate_proj.weight", b + "ffn_gate_shexp.weight", E, FE * S);
@@ -336,11 +400,37 @@ void import_gguf(const std::string& gguf_path, const std::string& out_dir) {
   } catch (const Error& e) {
     DS_FAIL("GGUF file '{}': its deepseek2 keys make no model: {}", gguf_path, e.what());
   }
-  // The float32 weights are built in memory before they are written.
-  check_fits_in_memory(static_cast<int64_t>(f.total_values()) * 4, "the GGUF file's weights in float32");
-  const auto w = weights_of(f, c);
-  io::save_safetensors((out / "model.safetensors").string(), w, {{"format", "pt"}, {"source", "gguf"}});
-  io::write_file_atomic((out / "config.json").string(), c.dump(2) + "\n");
+  // Blocks the engine computes on are kept (U8 rows, as `deepseek
+  // quantize` writes them); other tensors become float32, one at a time.
+  const std::vector<Piece> pieces = weights_of(f, c);
+  std::vector<io::SafetensorsWriter::Entry> entries;
+  bool blocks = false;
+  int64_t largest = 0;
+  for (const auto& p : pieces) {
+    if (p.raw) {
+      const int64_t row = ops::block_row_bytes(p.block, p.shape[1]);
+      entries.push_back({p.name, "U8", {p.shape[0], row}, static_cast<uint64_t>(p.shape[0] * row)});
+      blocks = true;
+    } else {
+      entries.push_back({p.name, "F32", p.shape, static_cast<uint64_t>(shape_numel(p.shape)) * 4});
+      largest = std::max(largest, shape_numel(p.shape));
+    }
+  }
+  check_fits_in_memory(largest * 8, "the GGUF file's largest tensor in float32");
+  io::SafetensorsWriter w((out / "model.safetensors").string(), entries, {{"format", "pt"}, {"source", "gguf"}});
+  for (const auto& p : pieces) {
+    if (p.raw) {
+      w.write(p.raw, entries[static_cast<size_t>(&p - pieces.data())].bytes);
+      continue;
+    }
+    const std::vector<float> v = p.make();
+    w.write(v.data(), v.size() * sizeof(float));
+  }
+  w.commit();
+  json config = c;
+  if (blocks)
+    config["quantization_config"] = {{"quant_method", "deepseek_cpp"}, {"format_version", 1}, {"source", "gguf"}};
+  io::write_file_atomic((out / "config.json").string(), config.dump(2) + "\n");
 }
 
 }  // namespace ds::model

@@ -57,16 +57,17 @@ void check_finite(const float* x, int64_t n, DType t) {
     DS_CHECK(std::isfinite(x[i]), "value {} to quantize to {} is not finite ({})", i, dtype_name(t), x[i]);
 }
 
+// ggml's rule (quantize_row_q8_0_ref), so the blocks are llama-quantize's
+// bit for bit: d = amax / 127 stored as f16, q = x / d (the unrounded d)
+// rounded half away from zero.
 void q8_0_block(const float* x, uint8_t* out) {
   float amax = 0;
   for (int i = 0; i < kQ8_0Values; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float d = rounded_scale(amax / 127.0f, DType::Q8_0);
-  put_half(out, d);
-  const float id = d > 0 ? 1.0f / d : 0.0f;
-  for (int i = 0; i < kQ8_0Values; ++i) {
-    const float q = std::nearbyint(x[i] * id);
-    out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
-  }
+  const float d = amax / 127.0f;
+  put_half(out, rounded_scale(d, DType::Q8_0));
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int i = 0; i < kQ8_0Values; ++i)
+    out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::roundf(x[i] * id), -127.0f, 127.0f)));
 }
 
 // The best (scale a >= 0, offset b >= 0) with x ~ a q - b, q in [0, 15],
@@ -209,6 +210,14 @@ void quantize_rows(DType t, const float* x, int64_t rows, int64_t cols, uint8_t*
   parallel_ranges(rows, rows * cols >= (int64_t{1} << 14), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) quantize_blocks(t, x + r * cols, cols, out + r * row_bytes);
   });
+}
+
+int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n) {
+  const int64_t B = block_values(t), bytes = block_bytes(t), halves = t == DType::Q8_0 ? 1 : 2;
+  for (int64_t b = 0; b < n / B; ++b)
+    for (int64_t k = 0; k < halves; ++k)
+      if (!std::isfinite(get_half(blocks + b * bytes + 2 * k))) return b;
+  return -1;
 }
 
 void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out) {

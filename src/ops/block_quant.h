@@ -3,7 +3,8 @@
 // file and the other way round.
 //
 //   q8_0  blocks of 32 values, 34 bytes: f16 d, then 32 int8 q; x = d q.
-//         d = max |x| / 127 (rounded to f16), q = round(x / d).
+//         d = max |x| / 127, q = x / d rounded half away from zero (ggml's
+//         rule: the same bytes as llama-quantize), d stored as f16.
 //   q4_k  blocks of 256 values, 144 bytes: f16 d, f16 dmin, 12 bytes holding
 //         8 six-bit scales sc and 8 six-bit mins m (one pair per sub-block
 //         of 32 values), then 128 bytes of 4-bit codes: byte l of chunk c
@@ -50,6 +51,10 @@ void quantize_rows(DType t, const float* x, int64_t rows, int64_t cols, uint8_t*
 // n values (whole blocks) back to float32: the plain loops (the kernels in
 // ops/cpu/ are checked against them).
 void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out);
+
+// The first block among the n values at `blocks` whose f16 scale (or
+// offset) is not finite, or -1: blocks read from a file are checked once.
+int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n);
 
 // Reads q4_k's packed scale and min of sub-block j (0..7) from its 12 bytes.
 void q4_k_scale_min(const uint8_t* packed, int j, int* scale, int* min);
