@@ -8,7 +8,6 @@
 // them. That llama.cpp itself loads the file and generates the same greedy
 // tokens is bench/llamacpp_compare.sh's check (it needs llama.cpp built).
 #include "model/gguf_export.h"
-#include "model/quantize.h"
 
 #include <gtest/gtest.h>
 
@@ -19,13 +18,14 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "infer/engine.h"
 #include "infer/model.h"
 #include "io/gguf.h"
 #include "io/safetensors.h"
 #include "io/tokenizer.h"
-#include "infer/engine.h"
 #include "model/gguf_import.h"
 #include "model/load.h"
+#include "model/quantize.h"
 #include "model_fixture.h"
 
 namespace {
@@ -360,8 +360,9 @@ TEST_F(GgufExportTest, Q4KMBlocksGoBothWaysAsTheyAre) {
   ds::model::quantize_model(dir_ + "/wide", dir_ + "/quantized", q);
   const auto back = ds::io::SafetensorsSet::open_dir(dir_ + "/back");
   const auto quant = ds::io::SafetensorsSet::open_dir(dir_ + "/quantized");
-  for (const char* name : {"model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.2.mlp.experts.7.down_proj.weight",
-                           "model.layers.1.self_attn.q_b_proj.weight", "model.embed_tokens.weight"}) {
+  for (const char* name :
+       {"model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.2.mlp.experts.7.down_proj.weight",
+        "model.layers.1.self_attn.q_b_proj.weight", "model.embed_tokens.weight"}) {
     const auto& i = back.info(name);
     ASSERT_EQ(i.dtype_name, "U8") << name;
     ASSERT_EQ(i.shape, quant.info(name).shape) << name;

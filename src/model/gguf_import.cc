@@ -315,7 +315,10 @@ std::vector<Piece> weights_of(const File& f, const json& c) {
       // kv_b_proj [H (nope + v), kvl] from attn_k_b (nope, kvl, H) and attn_v_b (kvl, v, H).
       const std::string kn = b + "attn_k_b.weight", vn = b + "attn_v_b.weight";
       f.get(kn, {NOPE, KVL, H}), f.get(vn, {KVL, VD, H});  // checked now
-      out.push_back({h + "self_attn.kv_b_proj.weight", {H * (NOPE + VD), KVL}, DType::F32, nullptr,
+      out.push_back({h + "self_attn.kv_b_proj.weight",
+                     {H * (NOPE + VD), KVL},
+                     DType::F32,
+                     nullptr,
                      [&f, kn, vn, H, NOPE, VD, KVL] {
                        const auto kb = f.get(kn, {NOPE, KVL, H}), vb = f.get(vn, {KVL, VD, H});
                        std::vector<float> kv(static_cast<size_t>(H * (NOPE + VD) * KVL));
