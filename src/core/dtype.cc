@@ -383,7 +383,7 @@ uint16_t f32_to_f16(float x) {
   if (!std::isnan(x) && std::fabs(x) >= 65520.0f) return static_cast<uint16_t>((std::signbit(x) ? 0x8000 : 0) | 0x7c00);
   return static_cast<uint16_t>(encode_mini(x, kF16, 16));
 }
-float f16_to_f32(uint16_t h) { return decode_mini(h, kF16, 16); }
+float f16_to_f32(uint16_t h) { return f16_bits_to_f32(h); }
 uint8_t f32_to_e4m3(float x) { return static_cast<uint8_t>(encode_mini(x, kE4M3, 8)); }
 float e4m3_to_f32(uint8_t b) { return decode_mini(b, kE4M3, 8); }
 uint8_t f32_to_e5m2(float x) { return static_cast<uint8_t>(encode_mini(x, kE5M2, 8)); }

@@ -24,8 +24,10 @@
 //                   (q4_k's stand-in for rows that are not whole blocks of 256).
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string_view>
 
 namespace ds {
@@ -40,6 +42,20 @@ uint16_t f32_to_bf16(float x);
 float bf16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float x);
 float f16_to_f32(uint16_t h);
+// The same, inline: exact, by placing the bits (kernels read an f16 scale
+// per block of 32 weights). NaN becomes a quiet NaN of its sign.
+inline float f16_bits_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (exp == 0) {  // zero and subnormals: mant * 2^-24, exact in float32
+    const float v = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  if (exp == 0x1f) {
+    const float v = mant ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+    return sign ? -v : v;
+  }
+  return std::bit_cast<float>(sign | ((exp + 112) << 23) | (mant << 13));
+}
 uint8_t f32_to_e4m3(float x);
 float e4m3_to_f32(uint8_t b);
 uint8_t f32_to_e5m2(float x);

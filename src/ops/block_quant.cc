@@ -181,16 +181,6 @@ void q4_1_block(const float* x, uint8_t* out) {
 
 }  // namespace
 
-void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
   const int64_t B = block_values(t), bytes = block_bytes(t);
   DS_CHECK(n % B == 0, "quantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));

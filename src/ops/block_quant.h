@@ -57,6 +57,14 @@ void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out);
 int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n);
 
 // Reads q4_k's packed scale and min of sub-block j (0..7) from its 12 bytes.
-void q4_k_scale_min(const uint8_t* packed, int j, int* scale, int* min);
+inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
 
 }  // namespace ds::ops

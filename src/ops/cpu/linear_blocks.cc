@@ -28,20 +28,19 @@
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
+#include "ops/cpu/gemv-inl.h"
+
 HWY_BEFORE_NAMESPACE();
 namespace ds::ops {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-using DF = hn::ScalableTag<float>;
-using VF = hn::Vec<DF>;
-
 namespace {
 
-float half_at(const uint8_t* p) {
+HWY_INLINE float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return f16_to_f32(h);
+  return f16_bits_to_f32(h);
 }
 
 // N int8 codes at p as float32.
@@ -51,40 +50,168 @@ HWY_INLINE VF LoadI8(DF d, const uint8_t* HWY_RESTRICT p) {
   return hn::ConvertTo(d, hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p))));
 }
 
-// N bytes at p as int32 lanes (their nibbles are q4_k's codes).
+// N bytes at p as int32 lanes (their nibbles are codes).
 HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> LoadU8(DF, const uint8_t* HWY_RESTRICT p) {
   const hn::Rebind<uint8_t, DF> d8;
   const hn::RebindToSigned<DF> di;
   return hn::PromoteTo(di, hn::LoadU(d8, p));
 }
 
-// q4_k's scales of one block: a[j] = d sc_j and b[j] = dmin m_j.
-void Q4KScales(const uint8_t* blk, float* a, float* b) {
+// The low (high = false) or high nibbles of N bytes at p, as float32.
+HWY_INLINE VF Nibbles(DF d, const uint8_t* HWY_RESTRICT p, bool high) {
+  const hn::RebindToSigned<DF> di;
+  const auto bytes = LoadU8(d, p);
+  return hn::ConvertTo(d, high ? hn::ShiftRight<4>(bytes) : hn::And(bytes, hn::Set(di, 0xF)));
+}
+
+// q4_k's scales of one block: a[j] = d sc_j and b[j] = dmin m_j, the
+// 6-bit fields unpacked without branches (q4_k_scale_min's layout).
+HWY_INLINE void Q4KScales(const uint8_t* HWY_RESTRICT blk, float* HWY_RESTRICT a, float* HWY_RESTRICT b) {
   const float d = half_at(blk), dmin = half_at(blk + 2);
-  for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    q4_k_scale_min(blk + 4, j, &sc, &m);
-    a[j] = d * static_cast<float>(sc);
-    b[j] = dmin * static_cast<float>(m);
+  const uint8_t* s = blk + 4;
+  for (int j = 0; j < 4; ++j) {
+    a[j] = d * static_cast<float>(s[j] & 63);
+    b[j] = dmin * static_cast<float>(s[j + 4] & 63);
+    a[j + 4] = d * static_cast<float>((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
+    b[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
   }
 }
 
-// y[m][r] (+)= the lane sum of acc<m> (less off[m], when given) for m < M.
-// The accumulators are named arguments, not an array (SVE vectors cannot be
-// array elements).
-template <int M>
-HWY_INLINE void Store(float* HWY_RESTRICT y, int64_t ldy, int64_t r, DF d, VF acc0, VF acc1, VF acc2, VF acc3,
-                      const float* off, bool accumulate) {
-  auto put = [&](int m, VF acc) HWY_ATTR {
-    const float v = hn::GetLane(hn::SumOfLanes(d, acc)) - (off ? off[m] : 0.0f);
-    float* out = y + m * ldy + r;
-    *out = accumulate ? *out + v : v;
+// Weight sources for Gemv (ops/cpu/gemv-inl.h) over block rows: blocks of
+// 32 columns, each with its scale (q8_0, q4_1: the block's d; q4_k: the
+// sub-block's d sc), read where the block is read and applied to the
+// widened codes in registers. Scales(r) is the row itself. Offsets (q4_1's
+// m, q4_k's dmin m) are not in the sources: GemvBlocks subtracts them
+// through the sums of x. The next rows are prefetched into L2 a few KiB
+// ahead, as the bf16 rows are (ops/cpu/linear.cc).
+struct BlockRows {
+  const uint8_t* w;
+  int64_t row_bytes;
+  static constexpr int64_t kColumnsPerLine = 32;
+  static constexpr int64_t kPrefetchBytes = 8192;
+  int64_t BlockCols() const { return 32; }
+  const uint8_t* Row(int64_t r) const { return w + r * row_bytes; }
+  const uint8_t* Scales(int64_t r) const { return Row(r); }
+};
+
+struct Q8_0Rows : BlockRows {
+  float ScalarScale(const uint8_t* row, int64_t b) const { return half_at(row + b * kQ8_0Bytes); }
+  VF Start(DF d, const uint8_t* row, int64_t b) const { return hn::Set(d, ScalarScale(row, b)); }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + (c >> 5) * kQ8_0Bytes; }
+  HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const {
+    return hn::Mul(LoadI8(d, Row(r) + (c >> 5) * kQ8_0Bytes + 2 + (c & 31)), s);
+  }
+  float Scalar(int64_t r, int64_t c, float s) const {
+    return s * static_cast<float>(static_cast<int8_t>(Row(r)[(c >> 5) * kQ8_0Bytes + 2 + (c & 31)]));
+  }
+};
+
+struct Q4_1Rows : BlockRows {
+  float ScalarScale(const uint8_t* row, int64_t b) const { return half_at(row + b * kQ4_1Bytes); }
+  VF Start(DF d, const uint8_t* row, int64_t b) const { return hn::Set(d, ScalarScale(row, b)); }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + (c >> 5) * kQ4_1Bytes; }
+  // Column c is value c % 32 of its block: the low nibble of byte c % 16
+  // for the first 16, the high one for the rest.
+  HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const {
+    return hn::Mul(Nibbles(d, Row(r) + (c >> 5) * kQ4_1Bytes + 4 + (c & 15), (c & 16) != 0), s);
+  }
+  float Scalar(int64_t r, int64_t c, float s) const {
+    const uint8_t byte = Row(r)[(c >> 5) * kQ4_1Bytes + 4 + (c & 15)];
+    return s * static_cast<float>((c & 16) ? byte >> 4 : byte & 0xF);
+  }
+};
+
+// q4_k: a block's eight scales and mins are decoded once per row, when its
+// first sub-block starts, into the row's context (one per row of the four
+// DotBlock takes); the mins stay there for GemvBlocks' offsets.
+struct Q4KRow {
+  const uint8_t* row;
+  float* scales;  // [8]: the current block's d sc
+  float* mins;    // [blocks]: every block's dmin m, as the row is read
+};
+
+struct Q4KRows : BlockRows {
+  Q4KRow* ctx;  // [4]
+  const Q4KRow* Scales(int64_t r) const {
+    Q4KRow& c = ctx[r & 3];
+    c.row = Row(r);
+    return &c;
+  }
+  float ScalarScale(const Q4KRow* c, int64_t b) const {
+    if ((b & 7) == 0) Q4KScales(c->row + (b >> 3) * kQ4_KBytes, c->scales, c->mins + b);
+    return c->scales[b & 7];
+  }
+  VF Start(DF d, const Q4KRow* c, int64_t b) const { return hn::Set(d, ScalarScale(c, b)); }
+  const void* At(int64_t r, int64_t c) const { return Row(r) + (c >> 8) * kQ4_KBytes; }
+  // Column c is value c % 64 of chunk (c % 256) / 64 of its block: the low
+  // nibble of the chunk's byte c % 32 for the first 32, the high one after.
+  HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const {
+    return hn::Mul(Nibbles(d, Row(r) + (c >> 8) * kQ4_KBytes + 16 + ((c >> 6) & 3) * 32 + (c & 31), (c & 32) != 0),
+                   s);
+  }
+  float Scalar(int64_t r, int64_t c, float s) const {
+    const uint8_t byte = Row(r)[(c >> 8) * kQ4_KBytes + 16 + ((c >> 6) & 3) * 32 + (c & 31)];
+    return s * static_cast<float>((c & 32) ? byte >> 4 : byte & 0xF);
+  }
+};
+
+// One row of x against R (<= 4) consecutive q4_k rows from r: the rows'
+// codes widened and scaled per sub-block, each x vector loaded once for all
+// of them, two accumulators a row (the low and the high nibbles); each row's
+// offsets against the sub-block sums xs of x. The decode step's kernel (a
+// sub-block's scale is one broadcast per row, where DotBlock's generic
+// source pays the addressing of every vector).
+#define DS_Q4K_ROW(i)                                                                        \
+  if constexpr (R > i) {                                                                    \
+    const auto bytes = LoadU8(d, q##i + l);                                                 \
+    lo##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), sa##i), xl, lo##i);   \
+    hi##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), sb##i), xh, hi##i); \
+  }
+constexpr int64_t kQ4KPrefetchBytes = 8192;
+
+template <int R>
+void Q4KOneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HWY_RESTRICT xs, const uint8_t* w,
+             int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const auto mask = hn::Set(di, 0xF);
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  VF lo0 = hn::Zero(d), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0;
+  float a[4][8], b[4][8], off[4] = {0, 0, 0, 0};
+  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
+    for (int i = 0; i < R; ++i) {
+      Q4KScales(w + (r + i) * row_bytes + k * kQ4_KBytes, a[i], b[i]);
+      for (int j = 0; j < 8; ++j) off[i] += b[i][j] * xs[8 * k + j];
+    }
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* q0 = w + r * row_bytes + k * kQ4_KBytes + 16 + 32 * c;
+      const uint8_t* q1 = q0 + row_bytes;
+      const uint8_t* q2 = q1 + row_bytes;
+      const uint8_t* q3 = q2 + row_bytes;
+      const VF sa0 = hn::Set(d, a[0][2 * c]), sb0 = hn::Set(d, a[0][2 * c + 1]);
+      const VF sa1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c]), sb1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c + 1]);
+      const VF sa2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c]), sb2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c + 1]);
+      const VF sa3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c]), sb3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c + 1]);
+      const float* xc = x + k * kQ4_KValues + 64 * c;
+      // The rows ahead into L2 (the four rows are one contiguous run; the
+      // hardware alone leaves the loads waiting on memory).
+      for (int i = 0; i < R; ++i) PrefetchL2(q0 + i * row_bytes + kQ4KPrefetchBytes);
+      for (int64_t l = 0; l < 32; l += N) {
+        const VF xl = hn::LoadU(d, xc + l), xh = hn::LoadU(d, xc + 32 + l);
+        DS_Q4K_ROW(0) DS_Q4K_ROW(1) DS_Q4K_ROW(2) DS_Q4K_ROW(3)
+      }
+    }
+  }
+  auto put = [&](int i, VF lo, VF hi) HWY_ATTR {
+    const float v = hn::GetLane(hn::SumOfLanes(d, hn::Add(lo, hi))) - off[i];
+    y[r + i] = accumulate ? y[r + i] + v : v;
   };
-  put(0, acc0);
-  if constexpr (M > 1) put(1, acc1);
-  if constexpr (M > 2) put(2, acc2);
-  if constexpr (M > 3) put(3, acc3);
+  put(0, lo0, hi0);
+  if constexpr (R > 1) put(1, lo1, hi1);
+  if constexpr (R > 2) put(2, lo2, hi2);
+  if constexpr (R > 3) put(3, lo3, hi3);
 }
+#undef DS_Q4K_ROW
 
 }  // namespace
 
@@ -110,9 +237,7 @@ void WidenQ8_0Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64
 
 void WidenQ4KRows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_t cols, int64_t r0, int64_t r1) {
   const DF d;
-  const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_KValues * kQ4_KBytes;
-  const auto mask = hn::Set(di, 0xF);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* blk = w + r * row_bytes;
     float* o = out + (r - r0) * cols;
@@ -124,10 +249,8 @@ void WidenQ4KRows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_
         const VF a0 = hn::Set(d, a[2 * k]), b0 = hn::Set(d, b[2 * k]);
         const VF a1 = hn::Set(d, a[2 * k + 1]), b1 = hn::Set(d, b[2 * k + 1]);
         for (int64_t l = 0; l < 32; l += N) {
-          const auto bytes = LoadU8(d, q + l);
-          const VF lo = hn::ConvertTo(d, hn::And(bytes, mask)), hi = hn::ConvertTo(d, hn::ShiftRight<4>(bytes));
-          hn::StoreU(hn::MulSub(lo, a0, b0), d, o + c + 64 * k + l);
-          hn::StoreU(hn::MulSub(hi, a1, b1), d, o + c + 64 * k + 32 + l);
+          hn::StoreU(hn::MulSub(Nibbles(d, q + l, false), a0, b0), d, o + c + 64 * k + l);
+          hn::StoreU(hn::MulSub(Nibbles(d, q + l, true), a1, b1), d, o + c + 64 * k + 32 + l);
         }
       }
     }
@@ -136,172 +259,67 @@ void WidenQ4KRows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_
 
 void WidenQ4_1Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64_t cols, int64_t r0, int64_t r1) {
   const DF d;
-  const hn::RebindToSigned<DF> di;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_1Values * kQ4_1Bytes;
-  const auto mask = hn::Set(di, 0xF);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* blk = w + r * row_bytes;
     float* o = out + (r - r0) * cols;
     for (int64_t c = 0; c < cols; c += kQ4_1Values, blk += kQ4_1Bytes) {
       const VF a = hn::Set(d, half_at(blk)), m = hn::Set(d, half_at(blk + 2));
       for (int64_t l = 0; l < 16; l += N) {
-        const auto bytes = LoadU8(d, blk + 4 + l);
-        hn::StoreU(hn::MulAdd(hn::ConvertTo(d, hn::And(bytes, mask)), a, m), d, o + c + l);
-        hn::StoreU(hn::MulAdd(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), a, m), d, o + c + 16 + l);
+        hn::StoreU(hn::MulAdd(Nibbles(d, blk + 4 + l, false), a, m), d, o + c + l);
+        hn::StoreU(hn::MulAdd(Nibbles(d, blk + 4 + l, true), a, m), d, o + c + 16 + l);
       }
     }
   }
 }
 
-// Rows [r0, r1) of a q4_1 weight against M (<= 4) rows of x, whose block
-// sums are xs [M][cols / 32].
-template <int M>
-void GemvQ4_1Pass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x, int64_t ldx,
-                  const float* HWY_RESTRICT xs, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
-                  bool accumulate) {
-  const DF d;
-  const hn::RebindToSigned<DF> di;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_1Values * kQ4_1Bytes;
-  const int64_t S = cols / kQ4_1Values;
-  const auto mask = hn::Set(di, 0xF);
-  for (int64_t r = r0; r < r1; ++r) {
-    VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    float off[4] = {0, 0, 0, 0};  // minus the offsets' share
-    const uint8_t* blk = w + r * row_bytes;
-    for (int64_t c = 0, s = 0; c < cols; c += kQ4_1Values, blk += kQ4_1Bytes, ++s) {
-      const float m = half_at(blk + 2);
-      for (int k = 0; k < M; ++k) off[k] -= m * xs[k * S + s];
-      const VF a = hn::Set(d, half_at(blk));
-      for (int64_t l = 0; l < 16; l += N) {
-        const auto bytes = LoadU8(d, blk + 4 + l);
-        const VF lo = hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), a);
-        const VF hi = hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), a);
-        acc0 = hn::MulAdd(lo, hn::LoadU(d, x + c + l), acc0);
-        acc0 = hn::MulAdd(hi, hn::LoadU(d, x + c + 16 + l), acc0);
-        if constexpr (M > 1) {
-          acc1 = hn::MulAdd(lo, hn::LoadU(d, x + ldx + c + l), acc1);
-          acc1 = hn::MulAdd(hi, hn::LoadU(d, x + ldx + c + 16 + l), acc1);
-        }
-        if constexpr (M > 2) {
-          acc2 = hn::MulAdd(lo, hn::LoadU(d, x + 2 * ldx + c + l), acc2);
-          acc2 = hn::MulAdd(hi, hn::LoadU(d, x + 2 * ldx + c + 16 + l), acc2);
-        }
-        if constexpr (M > 3) {
-          acc3 = hn::MulAdd(lo, hn::LoadU(d, x + 3 * ldx + c + l), acc3);
-          acc3 = hn::MulAdd(hi, hn::LoadU(d, x + 3 * ldx + c + 16 + l), acc3);
-        }
-      }
+// y[m][r] (+)= x[m] . W[r] for m < M (<= 8), r in [r0, r1) of a block
+// weight: Gemv over the scaled codes, then each row's offsets against the
+// sums of x over its blocks of 32.
+void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t,
+                int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+  const BlockRows base{w, block_row_bytes(t, cols)};
+  if (t == DType::Q8_0) return Gemv(y, ldy, x, ldx, M, Q8_0Rows{base}, cols, r0, r1, accumulate);
+  // Each row of x's sums over blocks of 32, for the offsets.
+  const int64_t blocks = cols / 32;
+  Buffer<float> xs(static_cast<size_t>(M * blocks)), off(static_cast<size_t>(blocks));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < blocks; ++j) {
+      float v = 0;
+      for (int64_t i = 0; i < 32; ++i) v += x[m * ldx + j * 32 + i];
+      xs[static_cast<size_t>(m * blocks + j)] = v;
     }
-    Store<M>(y, ldy, r, d, acc0, acc1, acc2, acc3, off, accumulate);
+  if (t == DType::Q4_K && M == 1) {  // decode
+    for (int64_t r = r0; r < r1; r += 4)
+      with_count<4>(std::min<int64_t>(4, r1 - r), [&](auto n) HWY_ATTR {
+        Q4KOneX<n()>(y, x, xs.data(), w, base.row_bytes, cols, r, accumulate);
+      });
+    return;
   }
-}
-
-// Rows [r0, r1) of a q8_0 weight against M (<= 4) rows of x.
-template <int M>
-void GemvQ8_0Pass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x, int64_t ldx, const uint8_t* w,
-                  int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
-  const DF d;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ8_0Values * kQ8_0Bytes;
-  for (int64_t r = r0; r < r1; ++r) {
-    VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const uint8_t* blk = w + r * row_bytes;
-    for (int64_t c = 0; c < cols; c += kQ8_0Values, blk += kQ8_0Bytes) {
-      const VF s = hn::Set(d, half_at(blk));
-      for (int64_t i = 0; i < kQ8_0Values; i += N) {
-        const VF wv = hn::Mul(LoadI8(d, blk + 2 + i), s);
-        acc0 = hn::MulAdd(wv, hn::LoadU(d, x + c + i), acc0);
-        if constexpr (M > 1) acc1 = hn::MulAdd(wv, hn::LoadU(d, x + ldx + c + i), acc1);
-        if constexpr (M > 2) acc2 = hn::MulAdd(wv, hn::LoadU(d, x + 2 * ldx + c + i), acc2);
-        if constexpr (M > 3) acc3 = hn::MulAdd(wv, hn::LoadU(d, x + 3 * ldx + c + i), acc3);
+  // Four rows at a time: the scaled codes, then y[m][r] -= the sum over
+  // blocks j of the row's offset j times xs[m][j] (q4_k's mins as the
+  // kernel decoded them; q4_1's read again, the rows are in cache).
+  Buffer<float> ctx_floats(static_cast<size_t>(4 * (8 + blocks)));
+  Q4KRow ctx[4];
+  for (int i = 0; i < 4; ++i) ctx[i] = {nullptr, ctx_floats.data() + i * (8 + blocks), ctx_floats.data() + i * (8 + blocks) + 8};
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t rb = std::min(r1, r + 4);
+    if (t == DType::Q4_1)
+      Gemv(y, ldy, x, ldx, M, Q4_1Rows{base}, cols, r, rb, accumulate);
+    else
+      Gemv(y, ldy, x, ldx, M, Q4KRows{base, ctx}, cols, r, rb, accumulate);
+    for (int64_t i = r; i < rb; ++i) {
+      const float* o = ctx[i & 3].mins;
+      if (t == DType::Q4_1) {
+        const uint8_t* row = base.Row(i);
+        for (int64_t j = 0; j < blocks; ++j) off[static_cast<size_t>(j)] = -half_at(row + j * kQ4_1Bytes + 2);
+        o = off.data();
       }
-    }
-    Store<M>(y, ldy, r, d, acc0, acc1, acc2, acc3, nullptr, accumulate);
-  }
-}
-
-// Rows [r0, r1) of a q4_k weight against M (<= 4) rows of x, whose
-// sub-block sums are xs [M][cols / 32].
-template <int M>
-void GemvQ4KPass(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT x, int64_t ldx,
-                 const float* HWY_RESTRICT xs, const uint8_t* w, int64_t cols, int64_t r0, int64_t r1,
-                 bool accumulate) {
-  const DF d;
-  const hn::RebindToSigned<DF> di;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d)), row_bytes = cols / kQ4_KValues * kQ4_KBytes;
-  const int64_t S = cols / kQ4_KSubBlock;
-  const auto mask = hn::Set(di, 0xF);
-  for (int64_t r = r0; r < r1; ++r) {
-    VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    float off[4] = {0, 0, 0, 0};
-    const uint8_t* blk = w + r * row_bytes;
-    for (int64_t c = 0; c < cols; c += kQ4_KValues, blk += kQ4_KBytes) {
-      float a[8], b[8];
-      Q4KScales(blk, a, b);
-      const int64_t sub = c / kQ4_KSubBlock;
-      for (int m = 0; m < M; ++m)
-        for (int j = 0; j < 8; ++j) off[m] += b[j] * xs[m * S + sub + j];
-      for (int k = 0; k < 4; ++k) {
-        const uint8_t* q = blk + 16 + 32 * k;
-        const VF a0 = hn::Set(d, a[2 * k]), a1 = hn::Set(d, a[2 * k + 1]);
-        const int64_t c0 = c + 64 * k, c1 = c0 + 32;
-        for (int64_t l = 0; l < 32; l += N) {
-          const auto bytes = LoadU8(d, q + l);
-          const VF lo = hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), a0);
-          const VF hi = hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), a1);
-          acc0 = hn::MulAdd(lo, hn::LoadU(d, x + c0 + l), acc0);
-          acc0 = hn::MulAdd(hi, hn::LoadU(d, x + c1 + l), acc0);
-          if constexpr (M > 1) {
-            acc1 = hn::MulAdd(lo, hn::LoadU(d, x + ldx + c0 + l), acc1);
-            acc1 = hn::MulAdd(hi, hn::LoadU(d, x + ldx + c1 + l), acc1);
-          }
-          if constexpr (M > 2) {
-            acc2 = hn::MulAdd(lo, hn::LoadU(d, x + 2 * ldx + c0 + l), acc2);
-            acc2 = hn::MulAdd(hi, hn::LoadU(d, x + 2 * ldx + c1 + l), acc2);
-          }
-          if constexpr (M > 3) {
-            acc3 = hn::MulAdd(lo, hn::LoadU(d, x + 3 * ldx + c0 + l), acc3);
-            acc3 = hn::MulAdd(hi, hn::LoadU(d, x + 3 * ldx + c1 + l), acc3);
-          }
-        }
-      }
-    }
-    Store<M>(y, ldy, r, d, acc0, acc1, acc2, acc3, off, accumulate);
-  }
-}
-
-void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
-                int64_t r0, int64_t r1, bool accumulate) {
-  Buffer<float> xs;
-  if (t != DType::Q8_0) {  // each row of x's sums over (sub-)blocks of 32
-    const int64_t S = cols / kQ4_KSubBlock;
-    xs.resize(static_cast<size_t>(M * S));
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t s = 0; s < S; ++s) {
+      for (int64_t m = 0; m < M; ++m) {
         float v = 0;
-        for (int64_t i = 0; i < kQ4_KSubBlock; ++i) v += x[m * ldx + s * kQ4_KSubBlock + i];
-        xs[static_cast<size_t>(m * S + s)] = v;
+        for (int64_t j = 0; j < blocks; ++j) v += o[j] * xs[static_cast<size_t>(m * blocks + j)];
+        y[m * ldy + i] -= v;
       }
-  }
-  for (int64_t m = 0; m < M; m += 4) {
-    const int64_t mm = std::min<int64_t>(4, M - m);
-    float* ym = y + m * ldy;
-    const float* xm = x + m * ldx;
-    const float* xsm = xs.data() + (t != DType::Q8_0 ? m * (cols / kQ4_KSubBlock) : 0);
-    if (t == DType::Q8_0) {
-      if (mm == 1) GemvQ8_0Pass<1>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
-      if (mm == 2) GemvQ8_0Pass<2>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
-      if (mm == 3) GemvQ8_0Pass<3>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
-      if (mm == 4) GemvQ8_0Pass<4>(ym, ldy, xm, ldx, w, cols, r0, r1, accumulate);
-    } else if (t == DType::Q4_1) {
-      if (mm == 1) GemvQ4_1Pass<1>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 2) GemvQ4_1Pass<2>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 3) GemvQ4_1Pass<3>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 4) GemvQ4_1Pass<4>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-    } else {
-      if (mm == 1) GemvQ4KPass<1>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 2) GemvQ4KPass<2>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 3) GemvQ4KPass<3>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
-      if (mm == 4) GemvQ4KPass<4>(ym, ldy, xm, ldx, xsm, w, cols, r0, r1, accumulate);
     }
   }
 }
