@@ -128,8 +128,9 @@ HWY_INLINE void DotBlock(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RE
     }
   }
   DS_SUM(0, 0)
-  DS_SUM(0, 1) DS_SUM(0, 2) DS_SUM(0, 3) DS_SUM(1, 0) DS_SUM(1, 1) DS_SUM(1, 2) DS_SUM(1, 3) DS_SUM(2, 0) DS_SUM(2, 1)
-      DS_SUM(2, 2) DS_SUM(2, 3) DS_SUM(3, 0) DS_SUM(3, 1) DS_SUM(3, 2) DS_SUM(3, 3)
+  DS_SUM(0, 1)
+  DS_SUM(0, 2) DS_SUM(0, 3) DS_SUM(1, 0) DS_SUM(1, 1) DS_SUM(1, 2) DS_SUM(1, 3) DS_SUM(2, 0) DS_SUM(2, 1) DS_SUM(2, 2)
+      DS_SUM(2, 3) DS_SUM(3, 0) DS_SUM(3, 1) DS_SUM(3, 2) DS_SUM(3, 3)
 }
 #undef DS_X_ROW
 #undef DS_SUM

@@ -136,7 +136,6 @@ namespace ds::ops {
 namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-
 constexpr int kMaxXRows = 8;  // decode-sized M
 
 size_t VectorLanes() { return hn::Lanes(DF()); }
@@ -255,7 +254,6 @@ void WidenFp4Rows(float* HWY_RESTRICT out, const Fp4Weight& f, int64_t r0, int64
 // docs/performance.md). Lines past the end of a weight are harmless: a
 // prefetch never faults.
 constexpr int64_t kStreamPrefetchBytes = 8192;
-
 
 // Weight sources for the decode kernel. Each has blocks of BlockCols()
 // columns sharing a scale (the whole row when there is none): Scales(r) is

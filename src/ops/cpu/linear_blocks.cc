@@ -146,8 +146,7 @@ struct Q4KRows : BlockRows {
   // Column c is value c % 64 of chunk (c % 256) / 64 of its block: the low
   // nibble of the chunk's byte c % 32 for the first 32, the high one after.
   HWY_INLINE VF Load(DF d, int64_t r, int64_t c, VF s) const {
-    return hn::Mul(Nibbles(d, Row(r) + (c >> 8) * kQ4_KBytes + 16 + ((c >> 6) & 3) * 32 + (c & 31), (c & 32) != 0),
-                   s);
+    return hn::Mul(Nibbles(d, Row(r) + (c >> 8) * kQ4_KBytes + 16 + ((c >> 6) & 3) * 32 + (c & 31), (c & 32) != 0), s);
   }
   float Scalar(int64_t r, int64_t c, float s) const {
     const uint8_t byte = Row(r)[(c >> 8) * kQ4_KBytes + 16 + ((c >> 6) & 3) * 32 + (c & 31)];
@@ -161,10 +160,10 @@ struct Q4KRows : BlockRows {
 // offsets against the sub-block sums xs of x. The decode step's kernel (a
 // sub-block's scale is one broadcast per row, where DotBlock's generic
 // source pays the addressing of every vector).
-#define DS_Q4K_ROW(i)                                                                        \
-  if constexpr (R > i) {                                                                    \
-    const auto bytes = LoadU8(d, q##i + l);                                                 \
-    lo##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), sa##i), xl, lo##i);   \
+#define DS_Q4K_ROW(i)                                                                          \
+  if constexpr (R > i) {                                                                       \
+    const auto bytes = LoadU8(d, q##i + l);                                                    \
+    lo##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), sa##i), xl, lo##i);     \
     hi##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), sb##i), xh, hi##i); \
   }
 constexpr int64_t kQ4KPrefetchBytes = 8192;
@@ -276,8 +275,8 @@ void WidenQ4_1Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64
 // y[m][r] (+)= x[m] . W[r] for m < M (<= 8), r in [r0, r1) of a block
 // weight: Gemv over the scaled codes, then each row's offsets against the
 // sums of x over its blocks of 32.
-void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t,
-                int64_t cols, int64_t r0, int64_t r1, bool accumulate) {
+void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
+                int64_t r0, int64_t r1, bool accumulate) {
   const BlockRows base{w, block_row_bytes(t, cols)};
   if (t == DType::Q8_0) return Gemv(y, ldy, x, ldx, M, Q8_0Rows{base}, cols, r0, r1, accumulate);
   // Each row of x's sums over blocks of 32, for the offsets.
@@ -291,9 +290,8 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
     }
   if (t == DType::Q4_K && M == 1) {  // decode
     for (int64_t r = r0; r < r1; r += 4)
-      with_count<4>(std::min<int64_t>(4, r1 - r), [&](auto n) HWY_ATTR {
-        Q4KOneX<n()>(y, x, xs.data(), w, base.row_bytes, cols, r, accumulate);
-      });
+      with_count<4>(std::min<int64_t>(4, r1 - r),
+                    [&](auto n) HWY_ATTR { Q4KOneX<n()>(y, x, xs.data(), w, base.row_bytes, cols, r, accumulate); });
     return;
   }
   // Four rows at a time: the scaled codes, then y[m][r] -= the sum over
@@ -301,7 +299,8 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
   // kernel decoded them; q4_1's read again, the rows are in cache).
   Buffer<float> ctx_floats(static_cast<size_t>(4 * (8 + blocks)));
   Q4KRow ctx[4];
-  for (int i = 0; i < 4; ++i) ctx[i] = {nullptr, ctx_floats.data() + i * (8 + blocks), ctx_floats.data() + i * (8 + blocks) + 8};
+  for (int i = 0; i < 4; ++i)
+    ctx[i] = {nullptr, ctx_floats.data() + i * (8 + blocks), ctx_floats.data() + i * (8 + blocks) + 8};
   for (int64_t r = r0; r < r1; r += 4) {
     const int64_t rb = std::min(r1, r + 4);
     if (t == DType::Q4_1)
