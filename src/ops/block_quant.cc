@@ -88,32 +88,38 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
   }
   if (hi <= lo) return {0.0f, -lo};  // constant (zero or negative) values: the offset alone
   const float rms = std::sqrt(sq / n);
-  float w[n];
-  for (int i = 0; i < n; ++i) w[i] = rms + std::fabs(x[i]);
-  Fit best{(hi - lo) / 15.0f, -lo};
-  double best_err = std::numeric_limits<double>::infinity();
-  auto error_of = [&](float a, float b) {
+  float w[n], q[n];
+  double sw = 0, swx = 0;
+  for (int i = 0; i < n; ++i) {
+    w[i] = rms + std::fabs(x[i]);
+    sw += w[i];
+    swx += static_cast<double>(w[i]) * x[i];
+  }
+  // The weighted squared error of x ~ a q + c with the codes q of the sweep.
+  auto error_of = [&](double a, double c) {
     double e = 0;
     for (int i = 0; i < n; ++i) {
-      const float q = a > 0 ? std::clamp(std::nearbyint((x[i] + b) / a), 0.0f, 15.0f) : 0.0f;
-      const double r = static_cast<double>(a * q - b - x[i]);
+      const double r = a * q[i] + c - x[i];
       e += w[i] * r * r;
     }
     return e;
   };
-  best_err = error_of(best.a, best.b);
+  Fit best{(hi - lo) / 15.0f, -lo};
+  double best_err = std::numeric_limits<double>::infinity();
   for (int k = -9; k <= 12; ++k) {
     const float iscale = (15.0f + 0.1f * static_cast<float>(k)) / (hi - lo);
-    double sw = 0, swq = 0, swqq = 0, swx = 0, swqx = 0;
+    double swq = 0, swqq = 0, swqx = 0;
     for (int i = 0; i < n; ++i) {
-      const double q = std::clamp(std::nearbyint(iscale * (x[i] - lo)), 0.0f, 15.0f);
-      sw += w[i];
-      swq += w[i] * q;
-      swqq += w[i] * q * q;
-      swx += w[i] * x[i];
-      swqx += w[i] * q * x[i];
+      q[i] = std::min(std::floor(iscale * (x[i] - lo) + 0.5f), 15.0f);  // x >= lo: never below 0
+      swq += w[i] * q[i];
+      swqq += static_cast<double>(w[i]) * q[i] * q[i];
+      swqx += static_cast<double>(w[i]) * q[i] * x[i];
     }
-    // x ~ a q + c by weighted least squares, with c = -b <= 0.
+    if (k == 0) {  // the plain rule: scale (hi - lo) / 15, offset lo
+      const double e = error_of(best.a, lo);
+      if (e < best_err) best_err = e;
+    }
+    // x ~ a q + c by weighted least squares (c = -b <= 0 unless any_offset).
     const double det = sw * swqq - swq * swq;
     if (!(det > 0)) continue;
     double a = (sw * swqx - swq * swx) / det, c = (swqq * swx - swq * swqx) / det;
@@ -122,7 +128,7 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
       a = swqq > 0 ? swqx / swqq : 0;
     }
     if (!(a > 0)) continue;
-    const double e = error_of(static_cast<float>(a), static_cast<float>(-c));
+    const double e = error_of(a, c);
     if (e < best_err) {
       best_err = e;
       best = {static_cast<float>(a), static_cast<float>(-c)};
