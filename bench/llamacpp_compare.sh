@@ -32,18 +32,7 @@ ctx="${CTX:-128}"
 repeat="${REPEAT:-3}"
 threads="${THREADS:-$(nproc)}"
 
-src="$cache/llama.cpp-$version"
-lbin="$src/build/bin"
-if [ ! -x "$lbin/llama-perplexity" ]; then
-  mkdir -p "$cache"
-  (cd "$cache" && npm pack "node-llama-cpp@$version" >/dev/null)
-  tar -xzf "$cache/node-llama-cpp-$version.tgz" -C "$cache" package/llama/gitRelease.bundle
-  rm -rf "$src"
-  git clone -q "$cache/package/llama/gitRelease.bundle" "$src"
-  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
-  cmake --build "$src/build" -j "$(nproc)" --target llama-completion llama-perplexity llama-bench >/dev/null
-fi
+source "$root/bench/llamacpp_build.sh"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -10,7 +10,8 @@
 // DEEPSEEK_MAX_CPU_ISA (avx2, ...) caps the target, as for the kernels.
 // GFLOP/s counts 2 per lane per FMA. Where the CPU has AVX512-BF16 (and the
 // cap allows it) the dot_peak/bf16 rows give the bf16 dot products' ceiling
-// too, 4 FLOPs per float32 lane per instruction.
+// too, 4 FLOPs per float32 lane per instruction. read_bandwidth is the
+// memory's read rate (GB/s, 1e9 bytes) with every thread streaming.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "peak_bench.cc"
 #include <hwy/foreach_target.h>  // must come before highway.h
@@ -78,6 +79,24 @@ __attribute__((target(HWY_TARGET_STR ",avx512bf16"))) int64_t Bf16DotLoop(int64_
 int64_t Bf16DotLoop(int64_t, const float*, float*) { return 0; }
 #endif
 
+// Sums n floats at p with four independent vector accumulators: a read
+// stream at the widest target (what decode's weight streaming can reach).
+float SumStream(const float* HWY_RESTRICT p, int64_t n) {
+  const hn::ScalableTag<float> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto s0 = hn::Zero(d), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    s0 = hn::Add(s0, hn::LoadU(d, p + i));
+    s1 = hn::Add(s1, hn::LoadU(d, p + i + N));
+    s2 = hn::Add(s2, hn::LoadU(d, p + i + 2 * N));
+    s3 = hn::Add(s3, hn::LoadU(d, p + i + 3 * N));
+  }
+  float t = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+
 }  // namespace ds::bench::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -86,6 +105,7 @@ HWY_AFTER_NAMESPACE();
 #include <omp.h>
 
 #include <atomic>
+#include <vector>
 
 #include "bench_main.h"
 #include "core/simd.h"
@@ -93,6 +113,7 @@ HWY_AFTER_NAMESPACE();
 namespace ds::bench {
 HWY_EXPORT(FmaLoop);
 HWY_EXPORT(Bf16DotLoop);
+HWY_EXPORT(SumStream);
 
 namespace {
 
@@ -141,7 +162,34 @@ void AllThreads(benchmark::State& state, bool dot) {
       benchmark::Counter(static_cast<double>(flops.load()) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// Memory read bandwidth: every OpenMP thread summing its share of a 1 GiB
+// buffer (far past the caches), each iteration reading all of it. The
+// ceiling a decode step bound by streaming its weights is measured against.
+void ReadBandwidth(benchmark::State& state) {
+  const int64_t n = int64_t{1} << 28;  // floats: 1 GiB
+  static std::vector<float> buf;
+  if (buf.empty()) {
+    buf.resize(static_cast<size_t>(n));
+#pragma omp parallel for schedule(static)  // first touch by the threads that read
+    for (int64_t i = 0; i < n; ++i) buf[static_cast<size_t>(i)] = static_cast<float>(i & 7);
+  }
+  float sink = 0;
+  for (auto _ : state) {
+#pragma omp parallel reduction(+ : sink)
+    {
+      const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+      const int64_t a = n * t / T, b = n * (t + 1) / T;
+      sink += DS_DISPATCH(SumStream)(buf.data() + a, b - a);
+    }
+  }
+  benchmark::DoNotOptimize(sink);
+  state.counters["GB/s"] = benchmark::Counter(static_cast<double>(n) * sizeof(float) * 1e-9,
+                                              benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = omp_get_max_threads();
+}
+
 void register_all() {
+  benchmark::RegisterBenchmark("read_bandwidth/all_threads", ReadBandwidth)->UseRealTime()->Iterations(8);
   benchmark::RegisterBenchmark("fma_peak/f32/one_thread", OneThread, false)->UseRealTime();
   benchmark::RegisterBenchmark("fma_peak/f32/all_threads", AllThreads, false)->UseRealTime();
   // The bf16 dot products, where the CPU has them and the cap allows them.
