@@ -168,6 +168,29 @@ struct Q4KRows : BlockRows {
   }
 constexpr int64_t kQ4KPrefetchBytes = 8192;
 
+// A block's eight scales a = d sc and mins b = dmin m (Q4KScales), and the
+// row's offset share b . xs8 (xs8: x's sums over the block's sub-blocks),
+// the products in vectors of up to 8 lanes.
+HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, float* HWY_RESTRICT a) {
+  const hn::CappedTag<float, 8> d8;
+  const hn::RebindToSigned<decltype(d8)> di8;
+  const uint8_t* s = blk + 4;
+  HWY_ALIGN int32_t sc[8], mn[8];
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+  const auto dv = hn::Set(d8, half_at(blk)), mv = hn::Set(d8, half_at(blk + 2));
+  auto off = hn::Zero(d8);
+  for (size_t j = 0; j < 8; j += hn::Lanes(d8)) {
+    hn::StoreU(hn::Mul(hn::ConvertTo(d8, hn::Load(di8, sc + j)), dv), d8, a + j);
+    off = hn::MulAdd(hn::Mul(hn::ConvertTo(d8, hn::Load(di8, mn + j)), mv), hn::LoadU(d8, xs8 + j), off);
+  }
+  return hn::GetLane(hn::SumOfLanes(d8, off));
+}
+
 template <int R>
 void Q4KOneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HWY_RESTRICT xs, const uint8_t* w,
              int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
@@ -176,12 +199,9 @@ void Q4KOneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HW
   const auto mask = hn::Set(di, 0xF);
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   VF lo0 = hn::Zero(d), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0;
-  float a[4][8], b[4][8], off[4] = {0, 0, 0, 0};
+  float a[4][8], off[4] = {0, 0, 0, 0};
   for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
-    for (int i = 0; i < R; ++i) {
-      Q4KScales(w + (r + i) * row_bytes + k * kQ4_KBytes, a[i], b[i]);
-      for (int j = 0; j < 8; ++j) off[i] += b[i][j] * xs[8 * k + j];
-    }
+    for (int i = 0; i < R; ++i) off[i] += Q4KBlock(w + (r + i) * row_bytes + k * kQ4_KBytes, xs + 8 * k, a[i]);
     for (int c = 0; c < 4; ++c) {
       const uint8_t* q0 = w + r * row_bytes + k * kQ4_KBytes + 16 + 32 * c;
       const uint8_t* q1 = q0 + row_bytes;
