@@ -22,11 +22,12 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+import serving_util
 
 
 def completion(port, prompt, max_tokens):
@@ -62,23 +63,6 @@ def metrics(port):
     return out
 
 
-def start_server(binary, model, log_path, extra):
-    log = open(log_path, "w+")
-    server = subprocess.Popen([binary, "serve", "--model", model, "--port", "0", "--max-sequences", "1"] + extra,
-                              stderr=log)
-    for _ in range(1200):
-        log.seek(0)
-        m = re.search(r"127\.0\.0\.1:(\d+)", log.read())
-        if m:
-            return server, int(m.group(1))
-        if server.poll() is not None:
-            break
-        time.sleep(0.05)
-    log.seek(0)
-    server.terminate()
-    sys.exit("error: deepseek serve did not start: " + log.read().strip())
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(os.path.dirname(__file__), "..", "build"))
@@ -92,21 +76,14 @@ def main():
     a = ap.parse_args()
     if not 0 < a.cached < a.prompt:
         sys.exit("error: --cached must be in (0, --prompt)")
-    binary = os.path.join(a.build, "deepseek")
-    if not os.access(binary, os.X_OK):
-        sys.exit(f"error: {binary} not found; build the project first (or pass --build)")
+    binary = serving_util.program(a.build)
     tmp = tempfile.mkdtemp()
-    model = a.model
-    if not model:
-        model = os.path.join(tmp, "small")
-        root = os.path.join(os.path.dirname(__file__), "..")
-        subprocess.run([binary, "init", "--config", os.path.join(root, "configs", "small.yml"), "--seed", "1",
-                        "--out", model], check=True, stdout=subprocess.DEVNULL)
+    model = serving_util.model_or_small(binary, a.model, tmp)
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(vocab) for _ in range(n)]
 
-    server, port = start_server(binary, model, os.path.join(tmp, "serve.log"), [])
+    server, port = serving_util.start_server(binary, model, os.path.join(tmp, "serve.log"), ["--max-sequences", "1"])
     try:
         completion(port, draw(64), 2)  # warm up
         cached, uncached = [], []

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+
+import serving_util
 
 
 def stream_completion(port, prompt, max_tokens):
@@ -62,16 +63,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     a = ap.parse_args()
-    binary = os.path.join(a.build, "deepseek")
-    if not os.access(binary, os.X_OK):
-        sys.exit(f"error: {binary} not found; build the project first (or pass --build)")
+    binary = serving_util.program(a.build)
     tmp = tempfile.mkdtemp()
-    model = a.model
-    if not model:
-        model = os.path.join(tmp, "small")
-        root = os.path.join(os.path.dirname(__file__), "..")
-        subprocess.run([binary, "init", "--config", os.path.join(root, "configs", "small.yml"), "--seed", "1",
-                        "--out", model], check=True, stdout=subprocess.DEVNULL)
+    model = serving_util.model_or_small(binary, a.model, tmp)
     vocab = json.load(open(os.path.join(model, "config.json")))["vocab_size"]
 
     # The offline ceiling: the same batch through `deepseek bench`.
@@ -82,23 +76,9 @@ def main():
     offline_s = (a.clients * a.prompt_len / offline["prefill_tokens_per_s"] +
                  a.clients * (a.max_tokens - 1) / offline["decode_tokens_per_s"])
 
-    log = open(os.path.join(tmp, "serve.log"), "w+")
-    server = subprocess.Popen([binary, "serve", "--model", model, "--port", "0", "--max-sequences",
-                               str(a.clients)], stderr=log)
+    server, port = serving_util.start_server(binary, model, os.path.join(tmp, "serve.log"),
+                                             ["--max-sequences", str(a.clients)])
     try:
-        port = None
-        for _ in range(600):
-            log.seek(0)
-            m = re.search(r"127\.0\.0\.1:(\d+)", log.read())
-            if m:
-                port = int(m.group(1))
-                break
-            if server.poll() is not None:
-                break
-            time.sleep(0.05)
-        if port is None:
-            log.seek(0)
-            sys.exit("error: deepseek serve did not start: " + log.read().strip())
         rng = random.Random(0)
         prompts = [[rng.randrange(vocab) for _ in range(a.prompt_len)] for _ in range(a.clients * (a.waves + 1))]
         results, walls = [], []
