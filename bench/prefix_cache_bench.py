@@ -24,7 +24,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 import urllib.request
 
 import serving_util
@@ -32,24 +31,7 @@ import serving_util
 
 def completion(port, prompt, max_tokens):
     """One streamed greedy completion: (time to first token in s, token ids)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                       "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, ids = None, []
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            got = chunk["choices"][0].get("token_ids", [])
-            if got and ttft is None:
-                ttft = time.perf_counter() - t0
-            ids += got
+    ttft, _, ids = serving_util.stream_completion(port, prompt, max_tokens)
     return ttft, ids
 
 

@@ -26,32 +26,14 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 
 import serving_util
 
 
 def stream_completion(port, prompt, max_tokens):
     """Sends one streamed completion; returns (ttft_s, total_s, tokens)."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    t0 = time.perf_counter()
-    ttft, tokens = None, 0
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            n = len(chunk["choices"][0].get("token_ids", []))
-            if n and ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens += n
-    return ttft, time.perf_counter() - t0, tokens
+    ttft, total, ids = serving_util.stream_completion(port, prompt, max_tokens)
+    return ttft, total, len(ids)
 
 
 def main():

@@ -1,11 +1,13 @@
 """What the serving benchmarks share (bench/serve_bench.py, bench/prefix_cache_bench.py):
 the program, a model (the one given, or a random `small` checkpoint), and a
 `deepseek serve` on a free port."""
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+import urllib.request
 
 
 def program(build):
@@ -43,3 +45,27 @@ def start_server(binary, model, log_path, extra):
     log.seek(0)
     server.terminate()
     sys.exit("error: deepseek serve did not start: " + log.read().strip())
+
+
+def stream_completion(port, prompt, max_tokens):
+    """One streamed greedy completion of token ids (`ignore_eos`): (time to the
+    first token in s, the whole request's time in s, the token ids)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                       "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft, ids = None, []
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            got = chunk["choices"][0].get("token_ids", [])
+            if got and ttft is None:
+                ttft = time.perf_counter() - t0
+            ids += got
+    return ttft, time.perf_counter() - t0, ids
