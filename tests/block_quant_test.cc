@@ -1,5 +1,5 @@
-// q8_0, q4_k and q4_1 rows (ops/block_quant.h): ggml reads the blocks back to the
-// same values (io/gguf_quants.h, written from ggml's layout); q8_0's error
+// q8_0, q4_k and q4_1 rows (ops/block_quant.h): the linear layers' widening
+// reads the blocks as ggml reads them (io/gguf_quants.h); q8_0's error
 // is within half a step; q4_k's least-squares fit beats the plain min/max
 // rule it starts from and stays within its step on every value; edge blocks
 // (zero, constant, negative, tiny) and values f16 cannot scale are handled
@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "io/gguf_quants.h"
+#include "ops/linear.h"
 
 using ds::DType;
 
@@ -31,15 +32,19 @@ std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
   const int64_t n = static_cast<int64_t>(x.size());
   std::vector<uint8_t> q(static_cast<size_t>(ds::ops::block_row_bytes(t, n)));
   ds::ops::quantize_blocks(t, x.data(), n, q.data());
-  std::vector<float> y(x.size());
+  // ggml's reading of the blocks (dequantize_blocks is io/gguf_quants.h's)
+  // and the linear layers' vector widening agree, up to the one rounding a
+  // fused multiply-subtract saves.
+  std::vector<float> y(x.size()), g(x.size());
   ds::ops::dequantize_blocks(t, q.data(), n, y.data());
-  // ggml reads the same blocks to the same values.
-  std::vector<float> g(x.size());
   const auto gt = t == DType::Q8_0   ? ds::io::gguf::TensorType::Q8_0
                   : t == DType::Q4_1 ? ds::io::gguf::TensorType::Q4_1
                                      : ds::io::gguf::TensorType::Q4_K;
   ds::io::gguf::dequantize(gt, q.data(), n, g.data());
   EXPECT_EQ(y, g);
+  std::vector<float> wide(x.size());
+  ds::ops::widen_rows(wide.data(), ds::ops::WeightView{q.data(), t, 1, n}, 0, 1);
+  for (size_t i = 0; i < wide.size(); ++i) EXPECT_NEAR(wide[i], g[i], 1e-6f * (std::fabs(g[i]) + 1e-4f)) << i;
   return y;
 }
 

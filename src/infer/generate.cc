@@ -17,14 +17,24 @@ double GenerateStats::decode_tokens_per_second() const {
   return decode_seconds > 0 ? decode_steps_tokens / decode_seconds : 0;
 }
 
+RowWidths cache_row_widths(const model::ModelConfig& c, CacheKind kind, bool indexer) {
+  RowWidths w;
+  if (kind == CacheKind::Latent) {
+    w.c_kv = c.kv_lora_rank;
+    w.k_pe = c.qk_rope_head_dim;
+  } else {
+    w.k = c.num_attention_heads * c.qk_head_dim();
+    w.v = c.num_attention_heads * c.v_head_dim;
+  }
+  if (indexer && c.index_n_heads > 0) {  // DeepSeek-V3.2: the e4m3 key and its float32 block scales
+    w.index_k = c.index_head_dim;
+    w.index_scale = ops::indexer_scale_blocks(c.index_head_dim);
+  }
+  return w;
+}
+
 int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind) {
-  const int64_t per_layer = kind == CacheKind::Latent ? cfg.kv_lora_rank + cfg.qk_rope_head_dim
-                                                      : cfg.num_attention_heads * (cfg.qk_head_dim() + cfg.v_head_dim);
-  // DeepSeek-V3.2: the indexer's e4m3 key and its float32 block scales.
-  const int64_t indexer = cfg.index_n_heads > 0 ? cfg.index_head_dim + ops::indexer_scale_blocks(cfg.index_head_dim) *
-                                                                           static_cast<int64_t>(sizeof(float))
-                                                : 0;
-  return cfg.num_hidden_layers * (per_layer * static_cast<int64_t>(sizeof(float)) + indexer);
+  return static_cast<int64_t>(cache_row_widths(cfg, kind, true).bytes(cfg.num_hidden_layers));
 }
 
 void check_generate_options(int64_t vocab_size, int64_t max_positions, const std::vector<int64_t>& prompt_lengths,
@@ -324,22 +334,7 @@ class KvDecoder : public Decoder {
   // Positions past a sequence's length its buffers make room for: a step's
   // drafts and the MTP layer's chained links.
   int64_t margin() const { return e_.has_mtp() ? kMaxDraftTokens + 1 : 0; }
-  RowWidths widths() const {
-    const auto& c = e_.config();
-    RowWidths w;
-    if (kind_ == CacheKind::Latent) {
-      w.c_kv = c.kv_lora_rank;
-      w.k_pe = c.qk_rope_head_dim;
-    } else {
-      w.k = c.num_attention_heads * c.qk_head_dim();
-      w.v = c.num_attention_heads * c.v_head_dim;
-    }
-    if (c.index_n_heads > 0 && !e_.dense_attention()) {
-      w.index_k = c.index_head_dim;
-      w.index_scale = ops::indexer_scale_blocks(c.index_head_dim);
-    }
-    return w;
-  }
+  RowWidths widths() const { return cache_row_widths(e_.config(), kind_, !e_.dense_attention()); }
   // f(buffer, elements per position, positions it must hold) for each
   // buffer of sc that n more tokens grow: the row lists of every layer,
   // Engram's conv rows and its tokens.

@@ -53,6 +53,9 @@ struct GenerateStats {
   double acceptance() const { return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0; }
 };
 
+// Elements a position holds in each row list of a cache of `kind` (the
+// indexer's keys with `indexer`, for DeepSeek-V3.2 models).
+RowWidths cache_row_widths(const model::ModelConfig& cfg, CacheKind kind, bool indexer);
 // Bytes the KV cache of `kind` holds per token (all layers).
 int64_t kv_cache_bytes_per_token(const model::ModelConfig& cfg, CacheKind kind);
 

@@ -66,9 +66,4 @@ bool PrefixCache::evict(const CacheSnapshot* keep) {
   return false;
 }
 
-void PrefixCache::clear() {
-  entries_.clear();
-  bytes_ = 0;
-}
-
 }  // namespace ds::infer

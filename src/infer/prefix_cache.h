@@ -39,7 +39,6 @@ class PrefixCache {
   // Drops the least recently used entry other than `keep`; false when
   // there is none.
   bool evict(const CacheSnapshot* keep = nullptr);
-  void clear();
 
   size_t bytes() const { return bytes_; }
   size_t entries() const { return entries_.size(); }

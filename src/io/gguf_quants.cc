@@ -61,25 +61,14 @@ void q8_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(static_cast<int8_t>(b[2 + j]));
 }
 
-// Q4_K's 6-bit scale and min of sub-block j from its 12 packed bytes.
-void scale_min(int j, const uint8_t* s, int* sc, int* m) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 void q4_k(const uint8_t* b, float* y) {
   const float d = half(b), dmin = half(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* q = b + 16;
   for (int c = 0; c < 4; ++c, q += 32) {
     int sc0, m0, sc1, m1;
-    scale_min(2 * c, scales, &sc0, &m0);
-    scale_min(2 * c + 1, scales, &sc1, &m1);
+    q4_k_scale_min(scales, 2 * c, &sc0, &m0);
+    q4_k_scale_min(scales, 2 * c + 1, &sc1, &m1);
     for (int l = 0; l < 32; ++l) {
       y[64 * c + l] = d * static_cast<float>(sc0) * static_cast<float>(q[l] & 0xF) - dmin * static_cast<float>(m0);
       y[64 * c + 32 + l] = d * static_cast<float>(sc1) * static_cast<float>(q[l] >> 4) - dmin * static_cast<float>(m1);

@@ -26,4 +26,15 @@ bool can_dequantize(TensorType t);
 // n values (a multiple of t's block) from `src` into `dst`.
 void dequantize(TensorType t, const uint8_t* src, int64_t n, float* dst);
 
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes.
+inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
+  if (j < 4) {
+    *scale = s[j] & 63;
+    *min = s[j + 4] & 63;
+  } else {
+    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
 }  // namespace ds::io::gguf

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "io/gguf_quants.h"
 
 namespace ds::ops {
 
@@ -217,36 +218,11 @@ int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n) {
 }
 
 void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out) {
-  const int64_t B = block_values(t), bytes = block_bytes(t);
-  DS_CHECK(n % B == 0, "dequantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
-  for (int64_t b = 0; b < n / B; ++b, blocks += bytes, out += B) {
-    if (t == DType::Q8_0) {
-      const float d = get_half(blocks);
-      for (int i = 0; i < kQ8_0Values; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blocks[2 + i]));
-      continue;
-    }
-    if (t == DType::Q4_1) {
-      const float d = get_half(blocks), m = get_half(blocks + 2);
-      for (int l = 0; l < 16; ++l) {
-        out[l] = d * static_cast<float>(blocks[4 + l] & 0xF) + m;
-        out[16 + l] = d * static_cast<float>(blocks[4 + l] >> 4) + m;
-      }
-      continue;
-    }
-    const float d = get_half(blocks), dmin = get_half(blocks + 2);
-    const uint8_t* codes = blocks + 16;
-    for (int c = 0; c < 4; ++c) {
-      int sc0, m0, sc1, m1;
-      q4_k_scale_min(blocks + 4, 2 * c, &sc0, &m0);
-      q4_k_scale_min(blocks + 4, 2 * c + 1, &sc1, &m1);
-      const float a0 = d * static_cast<float>(sc0), b0 = dmin * static_cast<float>(m0);
-      const float a1 = d * static_cast<float>(sc1), b1 = dmin * static_cast<float>(m1);
-      for (int l = 0; l < 32; ++l) {
-        out[64 * c + l] = a0 * static_cast<float>(codes[32 * c + l] & 0xF) - b0;
-        out[64 * c + 32 + l] = a1 * static_cast<float>(codes[32 * c + l] >> 4) - b1;
-      }
-    }
-  }
+  DS_CHECK(n % block_values(t) == 0, "dequantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
+  io::gguf::dequantize(t == DType::Q8_0   ? io::gguf::TensorType::Q8_0
+                       : t == DType::Q4_1 ? io::gguf::TensorType::Q4_1
+                                          : io::gguf::TensorType::Q4_K,
+                       blocks, n, out);
 }
 
 }  // namespace ds::ops

@@ -48,23 +48,13 @@ void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out);
 // Every row of x [rows, cols] into out (rows of block_row_bytes), the
 // threads splitting the rows.
 void quantize_rows(DType t, const float* x, int64_t rows, int64_t cols, uint8_t* out);
-// n values (whole blocks) back to float32: the plain loops (the kernels in
-// ops/cpu/ are checked against them).
+// n values (whole blocks) back to float32: ggml's own reading
+// (io/gguf_quants.h, the plain loops the kernels in ops/cpu/ are checked
+// against).
 void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out);
 
 // The first block among the n values at `blocks` whose f16 scale (or
 // offset) is not finite, or -1: blocks read from a file are checked once.
 int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n);
-
-// Reads q4_k's packed scale and min of sub-block j (0..7) from its 12 bytes.
-inline void q4_k_scale_min(const uint8_t* s, int j, int* scale, int* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
 
 }  // namespace ds::ops

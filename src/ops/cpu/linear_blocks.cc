@@ -65,7 +65,7 @@ HWY_INLINE VF Nibbles(DF d, const uint8_t* HWY_RESTRICT p, bool high) {
 }
 
 // q4_k's scales of one block: a[j] = d sc_j and b[j] = dmin m_j, the
-// 6-bit fields unpacked without branches (q4_k_scale_min's layout).
+// 6-bit fields unpacked without branches (io/gguf_quants.h's q4_k_scale_min layout).
 HWY_INLINE void Q4KScales(const uint8_t* HWY_RESTRICT blk, float* HWY_RESTRICT a, float* HWY_RESTRICT b) {
   const float d = half_at(blk), dmin = half_at(blk + 2);
   const uint8_t* s = blk + 4;
@@ -168,27 +168,14 @@ struct Q4KRows : BlockRows {
   }
 constexpr int64_t kQ4KPrefetchBytes = 8192;
 
-// A block's eight scales a = d sc and mins b = dmin m (Q4KScales), and the
-// row's offset share b . xs8 (xs8: x's sums over the block's sub-blocks),
-// the products in vectors of up to 8 lanes.
+// A block's eight scales a = d sc (Q4KScales) and the row's offset share:
+// its mins b = dmin m against xs8, x's sums over the block's sub-blocks.
 HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, float* HWY_RESTRICT a) {
-  const hn::CappedTag<float, 8> d8;
-  const hn::RebindToSigned<decltype(d8)> di8;
-  const uint8_t* s = blk + 4;
-  HWY_ALIGN int32_t sc[8], mn[8];
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    mn[j] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-  const auto dv = hn::Set(d8, half_at(blk)), mv = hn::Set(d8, half_at(blk + 2));
-  auto off = hn::Zero(d8);
-  for (size_t j = 0; j < 8; j += hn::Lanes(d8)) {
-    hn::StoreU(hn::Mul(hn::ConvertTo(d8, hn::Load(di8, sc + j)), dv), d8, a + j);
-    off = hn::MulAdd(hn::Mul(hn::ConvertTo(d8, hn::Load(di8, mn + j)), mv), hn::LoadU(d8, xs8 + j), off);
-  }
-  return hn::GetLane(hn::SumOfLanes(d8, off));
+  float b[8];
+  Q4KScales(blk, a, b);
+  float off = 0;
+  for (int j = 0; j < 8; ++j) off += b[j] * xs8[j];
+  return off;
 }
 
 template <int R>
