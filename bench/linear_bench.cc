@@ -15,7 +15,10 @@
 // The cold_weights rows multiply a pool of weights far larger than the
 // caches, a different one each time (as a prefill meets its experts); the
 // widen rows time the prefill kernel's bf16 widening with its chunk in
-// cache and from memory.
+// cache and from memory. The stream_rows rows (BM_StreamRows) read one
+// weight far larger than the caches in bf16, q8_0, q4_k (x rounded to 8
+// bits, and as float32: q4_k_f32x) and fp4: the share of the memory
+// bandwidth each format's decode kernel reaches.
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 #include <omp.h>
@@ -28,6 +31,7 @@
 #include "bench_main.h"
 #include "core/dtype.h"
 #include "core/rng.h"
+#include "ops/block_quant.h"
 #include "ops/linear.h"
 
 namespace {
@@ -153,7 +157,60 @@ void BM_SgemmF32(benchmark::State& state, Shape s) {
   set_rate(state, s);
 }
 
+// Decode (M rows of x) over one weight of 32768 x 4096 in each format the
+// engine streams: 256 MiB as bf16, 136 as q8_0, 72 as q4_k, 68 as fp4 with
+// its scales, all far beyond the caches (the whole weight is read each
+// time). weight_GB/s against peak_bench's read bandwidth is the share of it
+// each format's kernel reaches. The rows are 64 distinct quantized rows
+// (fp4: random codes, scales near 1) repeated.
+void BM_StreamRows(benchmark::State& state, ds::DType dt, int64_t M, ds::ops::QuantizedX qx) {
+  constexpr int64_t N = 32768, K = 4096, kDistinct = 64;
+  std::vector<float> w32(static_cast<size_t>(kDistinct * K)), x(static_cast<size_t>(M * K)), y(static_cast<size_t>(M * N));
+  ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
+  ds::fill_normal(x.data(), x.size(), 1.0f, 1);
+  const bool fp4 = dt == ds::DType::F4E2M1;
+  const int64_t row_bytes = fp4                          ? K / 2
+                            : ds::ops::is_block_format(dt) ? ds::ops::block_row_bytes(dt, K)
+                                                           : K * static_cast<int64_t>(ds::dtype_size(dt));
+  std::vector<uint8_t> pattern(static_cast<size_t>(kDistinct * row_bytes));
+  if (fp4) {
+    for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i * 2654435761u >> 13);
+  } else if (ds::ops::is_block_format(dt)) {
+    ds::ops::quantize_rows(dt, w32.data(), kDistinct, K, pattern.data());
+  } else {
+    ds::convert(pattern.data(), dt, w32.data(), ds::DType::F32, w32.size());
+  }
+  std::vector<uint8_t> w(static_cast<size_t>(N * row_bytes));
+  for (int64_t r = 0; r < N; r += kDistinct)
+    std::memcpy(w.data() + r * row_bytes, pattern.data(), pattern.size());
+  std::vector<uint8_t> scales(fp4 ? static_cast<size_t>(N * K / 32) : 0);
+  for (size_t i = 0; i < scales.size(); ++i) scales[i] = static_cast<uint8_t>(126 + i % 3);
+  const ds::ops::WeightView view{w.data(), dt, N, K, nullptr, 128, 128, fp4 ? scales.data() : nullptr};
+  ds::ops::set_quantized_x(qx);
+  for (auto _ : state) {
+    ds::ops::linear_forward(y.data(), x.data(), view, M);
+    benchmark::DoNotOptimize(y.data());
+  }
+  ds::ops::set_quantized_x(ds::ops::QuantizedX::kInt8);
+  state.counters["weight_GB/s"] = benchmark::Counter(static_cast<double>(w.size() + scales.size()) * 1e-9,
+                                                     benchmark::Counter::kIsIterationInvariantRate);
+}
+
 void register_all() {
+  for (const int64_t M : {1, 8}) {
+    const auto int8 = ds::ops::QuantizedX::kInt8, f32 = ds::ops::QuantizedX::kF32;
+    const std::string m = "/M" + std::to_string(M);
+    benchmark::RegisterBenchmark(("stream_rows/bf16" + m).c_str(), BM_StreamRows, ds::DType::BF16, M, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("stream_rows/q8_0" + m).c_str(), BM_StreamRows, ds::DType::Q8_0, M, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("stream_rows/q4_k" + m).c_str(), BM_StreamRows, ds::DType::Q4_K, M, int8)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("stream_rows/q4_k_f32x" + m).c_str(), BM_StreamRows, ds::DType::Q4_K, M, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("stream_rows/fp4" + m).c_str(), BM_StreamRows, ds::DType::F4E2M1, M, f32)
+        ->UseRealTime();
+  }
   const Shape shapes[] = {
       {32, 256, 384, "expert_gate_prefill_b1"},
       {32, 384, 256, "expert_down_prefill_b1"},

@@ -1,17 +1,22 @@
 // Linear layers over q8_0, q4_k and q4_1 weights (ops/linear.h with
 // ops/block_quant.h's formats): decode-sized and prefill-sized products
 // against a float64 product over the dequantized weight (the plain loops of
-// dequantize_blocks), widen_rows and row_slice against the same, the same
-// bits for any thread count, and weights whose rows are not whole blocks
+// dequantize_blocks), q4_k's one-row decode (x rounded to 8 bits a block of
+// 256, integer products) against its scalar twin and within the bound the
+// rounding allows, widen_rows and row_slice against the same, the same bits
+// for any thread count, and weights whose rows are not whole blocks
 // refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "io/gguf_quants.h"
 #include "ops/block_quant.h"
 #include "ops/linear.h"
 
@@ -47,30 +52,105 @@ std::vector<float> input(int64_t M, int64_t cols, uint64_t seed) {
   return x;
 }
 
+// The one-row q4_k product as the decode kernel defines it, in float64 over
+// exact integers: x rounded per block of 256 to q = nearest(x * 127 / amax)
+// with dx = amax / 127 (float32 arithmetic, as the kernel), then per block
+// dx d sum_j sc_j (q . codes_j) - dmin sum_j m_j (sum of x over sub-block j).
+// `bound` gets how far that may be from x . w: each x is moved by at most
+// dx / 2, times |d sc_j code|, summed.
+double q4k_decode_twin(const float* x, const uint8_t* row, int64_t cols, double* bound) {
+  double y = 0;
+  *bound = 0;
+  for (int64_t k = 0; k < cols / 256; ++k, row += 144) {
+    const float* xb = x + k * 256;
+    float amax = 0;
+    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[0] | row[1] << 8));
+    const double dmin = ds::f16_bits_to_f32(static_cast<uint16_t>(row[2] | row[3] << 8));
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      ds::io::gguf::q4_k_scale_min(row + 4, j, &sc, &m);
+      int64_t dot = 0;
+      double xsum = 0, wsum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int c = j * 32 + i;
+        const uint8_t byte = row[16 + (j / 2) * 32 + i];
+        const int code = (j & 1) ? byte >> 4 : byte & 0xF;
+        dot += static_cast<int64_t>(std::nearbyint(xb[c] * inv)) * code;
+        xsum += xb[c];
+        wsum += code;
+      }
+      y += double(dx) * d * sc * double(dot) - dmin * m * xsum;
+      *bound += 0.5 * double(dx) * d * sc * wsum;
+    }
+  }
+  return y;
+}
+
 class LinearBlocksTest : public ::testing::TestWithParam<DType> {};
+
+TEST(LinearBlocksDecode, Q4KRoundsXToEightBitsABlock) {
+  const int64_t rows = 13, cols = 1024;
+  const Quantized q = make(DType::Q4_K, rows, cols, 8);
+  const int64_t row_bytes = ds::ops::block_row_bytes(DType::Q4_K, cols);
+  for (uint64_t seed : {1, 2, 3}) {
+    auto x = input(1, cols, seed);
+    x[5] = 0;  // a block of zeros (dx = 0) too
+    if (seed == 3) std::fill(x.begin(), x.begin() + 256, 0.0f);
+    std::vector<float> y(static_cast<size_t>(rows));
+    ds::ops::linear_forward(y.data(), x.data(), q.view, 1);
+    double worst = 0, used = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      double bound, exact = 0, mag = 0;
+      const double twin = q4k_decode_twin(x.data(), q.bytes.data() + r * row_bytes, cols, &bound);
+      for (int64_t c = 0; c < cols; ++c) {
+        exact += double(x[c]) * q.wide[r * cols + c];
+        mag += std::fabs(double(x[c]) * q.wide[r * cols + c]);
+      }
+      // The kernel is the twin up to float32 sums; the twin is x . w up to the rounding of x.
+      ASSERT_NEAR(y[r], twin, 2e-6 * mag + 1e-6) << "row " << r;
+      ASSERT_LE(std::fabs(twin - exact), bound + 1e-9) << "row " << r;
+      worst = std::max(worst, std::fabs(twin - exact) / mag);
+      used = std::max(used, std::fabs(twin - exact) / bound);
+    }
+    // The rounding is there (a kernel on float32 x would miss the twin) and
+    // of the size 8 bits give.
+    EXPECT_GT(worst, 1e-5);
+    EXPECT_LT(worst, 1e-2);
+    EXPECT_GT(used, 0.01);
+  }
+}
 
 TEST_P(LinearBlocksTest, ProductsMatchTheDequantizedWeight) {
   const DType t = GetParam();
   const int64_t rows = 37, cols = 512;
   const Quantized q = make(t, rows, cols, 5);
-  for (int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
-    const auto x = input(M, cols, 10 + static_cast<uint64_t>(M));
-    std::vector<float> y(static_cast<size_t>(M * rows), 7.0f);
-    ds::ops::linear_forward(y.data(), x.data(), q.view, M);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t r = 0; r < rows; ++r) {
-        double want = 0, mag = 0;
-        for (int64_t c = 0; c < cols; ++c) {
-          want += double(x[m * cols + c]) * q.wide[r * cols + c];
-          mag += std::fabs(double(x[m * cols + c]) * q.wide[r * cols + c]);
+  for (const auto qx : {ds::ops::QuantizedX::kInt8, ds::ops::QuantizedX::kF32}) {
+    ds::ops::set_quantized_x(qx);
+    for (int64_t M : {1, 2, 3, 4, 5, 8, 9, 40}) {
+      const auto x = input(M, cols, 10 + static_cast<uint64_t>(M));
+      std::vector<float> y(static_cast<size_t>(M * rows), 7.0f);
+      ds::ops::linear_forward(y.data(), x.data(), q.view, M);
+      // q4_k's decode-sized products on 8-bit x by default (Q4KRoundsXToEightBitsABlock).
+      const bool twin = t == DType::Q4_K && M <= 8 && qx == ds::ops::QuantizedX::kInt8;
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < rows; ++r) {
+          double want = 0, mag = 0, bound;
+          for (int64_t c = 0; c < cols; ++c) {
+            want += double(x[m * cols + c]) * q.wide[r * cols + c];
+            mag += std::fabs(double(x[m * cols + c]) * q.wide[r * cols + c]);
+          }
+          if (twin) want = q4k_decode_twin(&x[m * cols], q.bytes.data() + r * ds::ops::block_row_bytes(t, cols), cols, &bound);
+          ASSERT_NEAR(y[m * rows + r], want, 2e-6 * mag + 1e-7) << ds::dtype_name(t) << " M " << M << " row " << r;
         }
-        ASSERT_NEAR(y[m * rows + r], want, 2e-6 * mag + 1e-7) << ds::dtype_name(t) << " M " << M << " row " << r;
-      }
-    // accumulate adds to what is there.
-    std::vector<float> acc(static_cast<size_t>(M * rows), 1.0f);
-    ds::ops::linear_forward(acc.data(), x.data(), q.view, M, cols, rows, /*accumulate=*/true);
-    for (size_t i = 0; i < acc.size(); ++i) ASSERT_NEAR(acc[i], y[i] + 1.0f, 1e-5f * (1 + std::fabs(y[i])));
+      // accumulate adds to what is there.
+      std::vector<float> acc(static_cast<size_t>(M * rows), 1.0f);
+      ds::ops::linear_forward(acc.data(), x.data(), q.view, M, cols, rows, /*accumulate=*/true);
+      for (size_t i = 0; i < acc.size(); ++i) ASSERT_NEAR(acc[i], y[i] + 1.0f, 1e-5f * (1 + std::fabs(y[i])));
+    }
   }
+  ds::ops::set_quantized_x(ds::ops::QuantizedX::kInt8);
 }
 
 TEST_P(LinearBlocksTest, WidenRowsAndRowSlices) {

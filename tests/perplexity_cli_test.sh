@@ -34,6 +34,15 @@ check '[ "$(field chunks "$a")" = 6 ] && [ "$(field tokens "$a")" = 300 ]' "perp
 b=$("$bin" perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 50 --chunks 2 --json 2>/dev/null)
 check '[ "$(field chunks "$b")" = 2 ] && [ "$(field ppl "$b")" != "$(field ppl "$a")" ]' "--chunks 2: $b"
 
+# --prefill N: the rest of each chunk one token a step (the decode path);
+# with float weights the same perplexity up to the order of sums.
+for n in 1 10; do
+  e=$("$bin" perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 50 --prefill $n --json 2>/dev/null)
+  check 'awk -v a="$(field ppl "$a")" -v e="$(field ppl "$e")" "BEGIN { exit !((a - e)^2 < 1e-10 * a * a) }"' \
+    "--prefill $n gives the one-step perplexity: $e against $a"
+  check '[ "$(field prefill "$e")" = $n ]' "--prefill $n is reported: $e"
+done
+
 # A prepared corpus's eval split.
 "$bin" prepare --tokenizer "$m/tokenizer.json" --input "$src/docs/*.md" --out "$tmp/corpus" --eval-fraction 0.3 >/dev/null
 c=$("$bin" perplexity --model "$m" --corpus "$tmp/corpus" --ctx 128 --chunks 4 --json 2>/dev/null)
@@ -51,6 +60,8 @@ expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 200
 expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 5000
 expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 2
 expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --chunks 0
+expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 50 --prefill 51
+expect_error perplexity --model "$m" --tokens "$tmp/ids.json" --ctx 50 --prefill -1
 expect_error perplexity --model "$m" --corpus "$tmp/corpus" --split test
 expect_error perplexity --model "$m" --corpus "$tmp/missing"
 echo '[[1, 2, 99999]]' >"$tmp/bad.json"

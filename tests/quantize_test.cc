@@ -22,6 +22,7 @@
 #include "io/safetensors.h"
 #include "model/init.h"
 #include "model_fixture.h"
+#include "ops/linear.h"
 #include "test_util.h"
 
 namespace fs = std::filesystem;
@@ -90,11 +91,16 @@ std::string dequantized(const std::string& dir) {
 
 class QuantizeTest : public ::testing::Test {
  protected:
+  // The blocks against their dequantized weights: x as it is in every
+  // product (q4_k's products on 8-bit x are checked against their own
+  // definition in linear_blocks_test).
   void SetUp() override {
+    ds::ops::set_quantized_x(ds::ops::QuantizedX::kF32);
     ds::test::write_random_model(src_.path(), wide_config(), 41, {}, /*mtp=*/true);
     std::ofstream(fs::path(src_.path()) / "tokenizer.json") << "{}";
     want_ = last_logits(src_.path());
   }
+  void TearDown() override { ds::ops::set_quantized_x(ds::ops::QuantizedX::kInt8); }
   std::string quantize(const std::string& recipe, std::vector<std::pair<std::string, std::string>> overrides = {}) {
     const std::string out = (fs::path(out_.path()) / recipe).string();
     ds::model::QuantizeOptions opt;

@@ -273,6 +273,7 @@ int run_bench(const BenchArgs& given) {
       {"attention", g->attention_name()},
       {"prefill_chunk", a.prefill_chunk},
       {"matmul_precision", ops::matmul_precision_name(ops::matmul_precision())},
+      {"quantized_x", ops::quantized_x() == ops::QuantizedX::kInt8 ? "int8" : "f32"},
       {"bf16_dot_products", ops::matmul_precision() == ops::MatmulPrecision::kBf16 && ops::bf16_dot_products()},
       {"repeat", a.repeat},
       {"prefill_tokens_per_s", median(prefill)},

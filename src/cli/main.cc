@@ -169,6 +169,11 @@ int main(int argc, char** argv) {
                  "linear layers over bf16/fp8/fp4 weights: f32 (default) or bf16 (x rounded to bf16 first; "
                  "AVX512-BF16 dot products where the CPU has them)")
       ->check(CLI::IsMember({"f32", "float32", "bf16", "bfloat16"}));
+  std::string quantized_x = "int8";
+  app.add_option("--quantized-x", quantized_x,
+                 "decode products over q4_k weights: int8 (default; x rounded to 8 bits a block of 256, integer "
+                 "products, as llama.cpp) or f32 (x as it is: exactly what the dequantized weights compute)")
+      ->check(CLI::IsMember({"int8", "f32", "float32"}));
   app.set_version_flag("--version", "deepseek.cpp 0.1.0");
   ds::cli::CommandList commands;
   ds::cli::add_selfcheck_command(app, commands);
@@ -194,6 +199,7 @@ int main(int argc, char** argv) {
   try {
     if (threads > 0) ds::set_num_threads(threads);
     ds::ops::set_matmul_precision(ds::ops::parse_matmul_precision(precision));
+    ds::ops::set_quantized_x(ds::ops::parse_quantized_x(quantized_x));
     ds::init_simd_targets();  // a bad DEEPSEEK_MAX_CPU_ISA is an error before any work
     int rc = -1;
     for (auto& [cmd, run] : commands)

@@ -1,5 +1,5 @@
 // `deepseek perplexity --model DIR (--data FILE | --tokens FILE.json |
-//  --corpus DIR [--split eval]) [--ctx 512] [--chunks N] [--json]`
+//  --corpus DIR [--split eval]) [--ctx 512] [--chunks N] [--prefill N] [--json]`
 //
 // Token-level perplexity over a text (tokenized whole with the model's
 // tokenizer, its BOS first when it has one, one final newline dropped as
@@ -8,7 +8,10 @@
 // prepare` (one split's documents joined in order), computed as llama.cpp's
 // llama-perplexity computes it (infer/perplexity.h): chunks of --ctx tokens,
 // each from position 0 with its first token replaced by the BOS, the second
-// half of each scored. Prints the running value per chunk on stderr as
+// half of each scored. With --prefill N, each chunk's first N tokens are
+// read in one step and the rest one token a step, through the decode
+// kernels generation runs (whose block-quantized products round x to 8
+// bits): the perplexity a generating user gets. Prints the running value per chunk on stderr as
 // llama-perplexity does ("[1]12.3456,[2]..."), then on stdout its final
 // line ("Final estimate: PPL = ... +/- ...") or, with --json, one JSON
 // object.
@@ -36,7 +39,7 @@ namespace {
 
 struct PerplexityArgs {
   std::string model, data, tokens, corpus, split = "eval";
-  int64_t ctx = 512, chunks = -1;
+  int64_t ctx = 512, chunks = -1, prefill = 0;
   bool json = false, no_quant_sim = false;
 };
 
@@ -91,13 +94,15 @@ int run_perplexity(const PerplexityArgs& given) {
   request.max_new_tokens = 1;
   DS_CHECK(a.ctx >= 4 && a.ctx < m->max_positions(), "perplexity: --ctx {} must be in [4, {}) for this model", a.ctx,
            m->max_positions());
+  DS_CHECK(a.prefill >= 0 && a.prefill <= a.ctx, "perplexity: --prefill {} must be in [0, --ctx {}]", a.prefill,
+           a.ctx);
   m->check({a.ctx}, request);
   check_fits_in_memory(a.ctx * V * static_cast<int64_t>(sizeof(float)), "the logits of one chunk");
   m->load();
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = infer::perplexity(
       ids, opt, V,
-      [&](const std::vector<int32_t>& chunk) { return m->logits(chunk, 0, infer::CacheKind::Latent, nullptr); },
+      [&](const std::vector<int32_t>& chunk) { return m->logits(chunk, a.prefill, infer::CacheKind::Latent, nullptr); },
       [](int64_t i, double ppl) { fmt::print(stderr, "[{}]{:.4f},", i, ppl); });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   fmt::print(stderr, "\nperplexity: {} chunks of {} tokens, {} tokens scored, {:.1f} s\n", r.chunks, a.ctx, r.scored,
@@ -105,6 +110,7 @@ int run_perplexity(const PerplexityArgs& given) {
   if (a.json) {
     const nlohmann::json j = {{"ppl", r.ppl},         {"ppl_error", r.ppl_error}, {"mean_nll", r.mean_nll},
                               {"chunks", r.chunks},   {"ctx", a.ctx},           {"scored", r.scored},
+                              {"prefill", a.prefill},
                               {"tokens", ids.size()}, {"seconds", seconds}};
     fmt::print("{}\n", j.dump());
   } else {
@@ -126,6 +132,9 @@ void add_perplexity_command(CLI::App& app, CommandList& commands) {
   cmd->add_option("--split", args->split, "the corpus split: eval (default) or train");
   cmd->add_option("--ctx", args->ctx, "tokens a chunk (default 512, llama-perplexity's -c)");
   cmd->add_option("--chunks", args->chunks, "chunks at most (default: all)");
+  cmd->add_option("--prefill", args->prefill,
+                  "tokens of each chunk read in one step (default: all); the rest one a step, through the decode "
+                  "kernels");
   cmd->add_flag("--json", args->json, "print one JSON object instead of llama-perplexity's final line");
   cmd->add_flag("--no-quant-sim", args->no_quant_sim,
                 "DeepSeek-V4: skip the fp8/fp4 roundings of DeepSeek's inference code");

@@ -15,6 +15,7 @@
 #include "ops/cpu/linear_blocks.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "core/buffer.h"
@@ -64,16 +65,31 @@ HWY_INLINE VF Nibbles(DF d, const uint8_t* HWY_RESTRICT p, bool high) {
   return hn::ConvertTo(d, high ? hn::ShiftRight<4>(bytes) : hn::And(bytes, hn::Set(di, 0xF)));
 }
 
-// q4_k's scales of one block: a[j] = d sc_j and b[j] = dmin m_j, the
-// 6-bit fields unpacked without branches (io/gguf_quants.h's q4_k_scale_min layout).
+// q4_k's 6-bit scales sc_j (out[j]) and mins m_j (out[8 + j]) of one
+// block's eight sub-blocks (io/gguf_quants.h's q4_k_scale_min layout),
+// unpacked four at a time in 32-bit words: bytes 0-3 of the 12 hold the low
+// 6 bits of sc_0..3 (their top 2 bits are sc_4..7's high bits), bytes 4-7
+// those of m_0..3 (likewise for m_4..7), bytes 8-11 the low nibbles of
+// sc_4..7 and, above them, of m_4..7.
+HWY_INLINE void Q4KScaleMins(const uint8_t* HWY_RESTRICT blk, uint8_t* HWY_RESTRICT out) {
+  uint32_t s[3], u[4];
+  std::memcpy(s, blk + 4, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  u[0] = s[0] & kLow6;
+  u[1] = (s[2] & kLow4) | (((s[0] >> 6) & kLow2) << 4);
+  u[2] = s[1] & kLow6;
+  u[3] = ((s[2] >> 4) & kLow4) | (((s[1] >> 6) & kLow2) << 4);
+  std::memcpy(out, u, 16);
+}
+
+// The same as floats: a[j] = d sc_j and b[j] = dmin m_j.
 HWY_INLINE void Q4KScales(const uint8_t* HWY_RESTRICT blk, float* HWY_RESTRICT a, float* HWY_RESTRICT b) {
   const float d = half_at(blk), dmin = half_at(blk + 2);
-  const uint8_t* s = blk + 4;
-  for (int j = 0; j < 4; ++j) {
-    a[j] = d * static_cast<float>(s[j] & 63);
-    b[j] = dmin * static_cast<float>(s[j + 4] & 63);
-    a[j + 4] = d * static_cast<float>((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
-    b[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  uint8_t sm[16];
+  Q4KScaleMins(blk, sm);
+  for (int j = 0; j < 8; ++j) {
+    a[j] = d * static_cast<float>(sm[j]);
+    b[j] = dmin * static_cast<float>(sm[8 + j]);
   }
 }
 
@@ -154,70 +170,217 @@ struct Q4KRows : BlockRows {
   }
 };
 
-// One row of x against R (<= 4) consecutive q4_k rows from r: the rows'
-// codes widened and scaled per sub-block, each x vector loaded once for all
-// of them, two accumulators a row (the low and the high nibbles); each row's
-// offsets against the sub-block sums xs of x. The decode step's kernel (a
-// sub-block's scale is one broadcast per row, where DotBlock's generic
-// source pays the addressing of every vector).
-#define DS_Q4K_ROW(i)                                                                          \
-  if constexpr (R > i) {                                                                       \
-    const auto bytes = LoadU8(d, q##i + l);                                                    \
-    lo##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), sa##i), xl, lo##i);     \
-    hi##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), sb##i), xh, hi##i); \
-  }
+// The decode step's q4_k product on integers (llama.cpp's q8_K x q4_K):
+// x is rounded to 8 bits a block of 256, q = nearest(x / dx) with
+// dx = max |x| / 127 (QuantizeX256); a weight is d sc_j q - dmin m_j. Per
+// block, x . w = dx d sum_j sc_j (q_x . q_j) - dmin sum_j m_j xs_j: the
+// products of codes, scales and q_x are summed exactly in 32-bit integers
+// within the block; the offsets use x's float32 sums xs, so only the first
+// term carries the rounding of x, at most dx / 2 a value. Three kernels:
+// AVX-512 (pmaddubsw on 64 codes of two sub-blocks at once, x's sub-blocks
+// interleaved to match), AVX2 (pmaddubsw on 32), and the rest (NEON, SVE,
+// the scalar fallback): codes times scale in 16 bits, then pair products
+// into 32 bits (ReorderWidenMulAccumulate).
+using DI32 = hn::RebindToSigned<DF>;
+#if HWY_TARGET == HWY_SCALAR  // one lane of each: the pairs are single products
+using DI16 = hn::Rebind<int16_t, DI32>;
+#else
+using DI16 = hn::Repartition<int16_t, DI32>;
+#endif
+using VI32 = hn::Vec<DI32>;
+using VI16 = hn::Vec<DI16>;
 constexpr int64_t kQ4KPrefetchBytes = 8192;
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+using XQ = int8_t;
+constexpr bool kInterleaveX = HWY_TARGET == HWY_AVX3;
+#else
+using XQ = int16_t;
+constexpr bool kInterleaveX = false;
+#endif
 
-// A block's eight scales a = d sc (Q4KScales) and the row's offset share:
-// its mins b = dmin m against xs8, x's sums over the block's sub-blocks.
-HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, float* HWY_RESTRICT a) {
-  float b[8];
-  Q4KScales(blk, a, b);
-  float off = 0;
-  for (int j = 0; j < 8; ++j) off += b[j] * xs8[j];
-  return off;
+// Where value c (< 256) of a block of x goes: in order, or (kInterleaveX)
+// with each 128 as sub-blocks 0, 2, 1, 3 of its four (low nibbles of two
+// chunks, then high nibbles).
+constexpr int64_t XSlot(int64_t c) {
+  if (!kInterleaveX) return c;
+  const int64_t j = (c >> 5) & 3;
+  return (c & ~int64_t{127}) + ((j >> 1) | ((j & 1) << 1)) * 32 + (c & 31);
+}
+
+void QuantizeX256(const float* HWY_RESTRICT x, int64_t cols, XQ* HWY_RESTRICT q, float* HWY_RESTRICT dx) {
+  const DF d;
+  const hn::Rebind<XQ, DF> dq;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
+    const float* xb = x + k * kQ4_KValues;
+    VF amax = hn::Zero(d);
+    for (int64_t l = 0; l < kQ4_KValues; l += N) amax = hn::Max(amax, hn::Abs(hn::LoadU(d, xb + l)));
+    const float m = hn::GetLane(hn::MaxOfLanes(d, amax));
+    dx[k] = m / 127.0f;
+    const VF inv = hn::Set(d, m > 0 ? 127.0f / m : 0.0f);
+    for (int64_t l = 0; l < kQ4_KValues; l += N)  // N divides 32: a vector stays in its sub-block
+      hn::StoreU(hn::DemoteTo(dq, hn::NearestInt(hn::Mul(hn::LoadU(d, xb + l), inv))), dq,
+                 q + k * kQ4_KValues + XSlot(l));
+  }
+}
+
+// A block's d and dmin, and its offset share dmin sum_j m_j xs8_j into off.
+HWY_INLINE float Q4KBlockStart(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8,
+                               uint8_t* HWY_RESTRICT sm, float& off) {
+  Q4KScaleMins(blk, sm);
+  float o = 0;
+  for (int j = 0; j < 8; ++j) o += static_cast<float>(sm[8 + j]) * xs8[j];
+  off += half_at(blk + 2) * o;
+  return half_at(blk);
+}
+
+#if HWY_TARGET == HWY_AVX3
+// 64 bytes of codes (chunks c and c + 1) against x's values for the low
+// nibbles (sub-blocks 2c, 2c + 2) and the high ones (2c + 1, 2c + 3), each
+// 16-bit pair sum times its sub-block's scale (lanes 0-15 and 16-31 of sl,
+// sh) into 32 bits.
+HWY_INLINE __m512i Q4KChunks512(const uint8_t* HWY_RESTRICT q, __m512i xl, __m512i xh, __m512i sl, __m512i sh,
+                                __m512i acc) {
+  const __m512i mask = _mm512_set1_epi8(0xF);
+  const __m512i codes = _mm512_loadu_si512(q);
+  const __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(codes, mask), xl);
+  const __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(codes, 4), mask), xh);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(lo, sl), _mm512_madd_epi16(hi, sh)));
 }
 
 template <int R>
-void Q4KOneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HWY_RESTRICT xs, const uint8_t* w,
-             int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
-  const DF d;
-  const hn::RebindToSigned<DF> di;
-  const auto mask = hn::Set(di, 0xF);
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  VF lo0 = hn::Zero(d), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0;
-  float a[4][8], off[4] = {0, 0, 0, 0};
+void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
+             const float* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
+             bool accumulate) {
+  // Which scale each 16-bit lane takes, for the four sub-block pairs.
+  const __m512i pick[4] = {_mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
+                                            0x0002000200020002, 0, 0, 0, 0),
+                           _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0003000300030003,
+                                            0x0003000300030003, 0x0001000100010001, 0x0001000100010001,
+                                            0x0001000100010001, 0x0001000100010001),
+                           _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0006000600060006,
+                                            0x0006000600060006, 0x0004000400040004, 0x0004000400040004,
+                                            0x0004000400040004, 0x0004000400040004),
+                           _mm512_set_epi64(0x0007000700070007, 0x0007000700070007, 0x0007000700070007,
+                                            0x0007000700070007, 0x0005000500050005, 0x0005000500050005,
+                                            0x0005000500050005, 0x0005000500050005)};
+  __m512 acc[R];
+  float off[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps(), off[i] = 0;
   for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
-    for (int i = 0; i < R; ++i) off[i] += Q4KBlock(w + (r + i) * row_bytes + k * kQ4_KBytes, xs + 8 * k, a[i]);
+    const XQ* xb = xq + k * kQ4_KValues;
+    const __m512i x0 = _mm512_loadu_si512(xb), x1 = _mm512_loadu_si512(xb + 64);
+    const __m512i x2 = _mm512_loadu_si512(xb + 128), x3 = _mm512_loadu_si512(xb + 192);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
+      PrefetchL2(blk + kQ4KPrefetchBytes);
+      PrefetchL2(blk + kQ4KPrefetchBytes + 64);
+      alignas(16) uint8_t sm[16];
+      const float dw = Q4KBlockStart(blk, xs + 8 * k, sm, off[i]);
+      const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<__m128i*>(sm))));
+      __m512i s = _mm512_setzero_si512();
+      s = Q4KChunks512(blk + 16, x0, x1, _mm512_permutexvar_epi16(pick[0], sc), _mm512_permutexvar_epi16(pick[1], sc), s);
+      s = Q4KChunks512(blk + 80, x2, x3, _mm512_permutexvar_epi16(pick[2], sc), _mm512_permutexvar_epi16(pick[3], sc), s);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[k] * dw), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const float v = _mm512_reduce_add_ps(acc[i]) - off[i];
+    y[r + i] = accumulate ? y[r + i] + v : v;
+  }
+}
+#elif HWY_TARGET == HWY_AVX2
+template <int R>
+void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
+             const float* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
+             bool accumulate) {
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  __m256 acc[R];
+  float off[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0;
+  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
+    const XQ* xb = xq + k * kQ4_KValues;
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
+      PrefetchL2(blk + kQ4KPrefetchBytes);
+      PrefetchL2(blk + kQ4KPrefetchBytes + 64);
+      uint8_t sm[16];
+      const float dw = Q4KBlockStart(blk, xs + 8 * k, sm, off[i]);
+      __m256i s = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {  // chunk c: the low nibbles are sub-block 2c, the high ones 2c + 1
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
+        const __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(codes, mask),
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64 * c)));
+        const __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(codes, 4), mask),
+                                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 64 * c + 32)));
+        s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(sm[2 * c])),
+                                                 _mm256_madd_epi16(hi, _mm256_set1_epi16(sm[2 * c + 1]))));
+      }
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx[k] * dw), acc[i]);
+    }
+  }
+  const DF d;
+  for (int i = 0; i < R; ++i) {
+    const float v = hn::GetLane(hn::SumOfLanes(d, VF{acc[i]})) - off[i];
+    y[r + i] = accumulate ? y[r + i] + v : v;
+  }
+}
+#else
+// Row i's codes for one step of l against x's values: two pair sums a
+// 16-bit vector of codes (the low nibbles are sub-block 2c, the high ones
+// 2c + 1 of chunk c).
+#define DS_Q4K_INT_ROW(i)                                                                               \
+  if constexpr (R > i) {                                                                                \
+    const VI16 codes = hn::PromoteTo(d16, hn::LoadU(d8, q##i + l));                                     \
+    s##i = hn::ReorderWidenMulAccumulate(di, hn::Mul(hn::And(codes, mask), sa##i), xl, s##i, t##i);     \
+    s##i = hn::ReorderWidenMulAccumulate(di, hn::Mul(hn::ShiftRight<4>(codes), sb##i), xh, s##i, t##i); \
+  }
+
+template <int R>
+void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
+             const float* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
+             bool accumulate) {
+  const DF d;
+  const DI32 di;
+  const DI16 d16;
+  const hn::Rebind<uint8_t, DI16> d8;
+  const VI16 mask = hn::Set(d16, 0xF);
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d16));
+  VF acc[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+  float off[4] = {0, 0, 0, 0};
+  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
+    uint8_t sm[4][16] = {};
+    float dw[4];
+    for (int i = 0; i < R; ++i)
+      dw[i] = Q4KBlockStart(w + (r + i) * row_bytes + k * kQ4_KBytes, xs + 8 * k, sm[i], off[i]);
+    VI32 s0 = hn::Zero(di), s1 = s0, s2 = s0, s3 = s0, t0 = s0, t1 = s0, t2 = s0, t3 = s0;
     for (int c = 0; c < 4; ++c) {
       const uint8_t* q0 = w + r * row_bytes + k * kQ4_KBytes + 16 + 32 * c;
       const uint8_t* q1 = q0 + row_bytes;
       const uint8_t* q2 = q1 + row_bytes;
       const uint8_t* q3 = q2 + row_bytes;
-      const VF sa0 = hn::Set(d, a[0][2 * c]), sb0 = hn::Set(d, a[0][2 * c + 1]);
-      const VF sa1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c]), sb1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c + 1]);
-      const VF sa2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c]), sb2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c + 1]);
-      const VF sa3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c]), sb3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c + 1]);
-      const float* xc = x + k * kQ4_KValues + 64 * c;
-      // The rows ahead into L2 (the four rows are one contiguous run; the
-      // hardware alone leaves the loads waiting on memory).
+      const VI16 sa0 = hn::Set(d16, sm[0][2 * c]), sb0 = hn::Set(d16, sm[0][2 * c + 1]);
+      const VI16 sa1 = hn::Set(d16, sm[1][2 * c]), sb1 = hn::Set(d16, sm[1][2 * c + 1]);
+      const VI16 sa2 = hn::Set(d16, sm[2][2 * c]), sb2 = hn::Set(d16, sm[2][2 * c + 1]);
+      const VI16 sa3 = hn::Set(d16, sm[3][2 * c]), sb3 = hn::Set(d16, sm[3][2 * c + 1]);
+      const XQ* xc = xq + k * kQ4_KValues + 64 * c;
       for (int i = 0; i < R; ++i) PrefetchL2(q0 + i * row_bytes + kQ4KPrefetchBytes);
-      for (int64_t l = 0; l < 32; l += N) {
-        const VF xl = hn::LoadU(d, xc + l), xh = hn::LoadU(d, xc + 32 + l);
-        DS_Q4K_ROW(0) DS_Q4K_ROW(1) DS_Q4K_ROW(2) DS_Q4K_ROW(3)
+      for (int64_t l = 0; l < 32; l += L) {
+        const VI16 xl = hn::LoadU(d16, xc + l), xh = hn::LoadU(d16, xc + 32 + l);
+        DS_Q4K_INT_ROW(0) DS_Q4K_INT_ROW(1) DS_Q4K_INT_ROW(2) DS_Q4K_INT_ROW(3)
       }
     }
+    const VI32 sums[4] = {hn::RearrangeToOddPlusEven(s0, t0), hn::RearrangeToOddPlusEven(s1, t1),
+                          hn::RearrangeToOddPlusEven(s2, t2), hn::RearrangeToOddPlusEven(s3, t3)};
+    for (int i = 0; i < R; ++i) acc[i] = hn::MulAdd(hn::ConvertTo(d, sums[i]), hn::Set(d, dx[k] * dw[i]), acc[i]);
   }
-  auto put = [&](int i, VF lo, VF hi) HWY_ATTR {
-    const float v = hn::GetLane(hn::SumOfLanes(d, hn::Add(lo, hi))) - off[i];
+  for (int i = 0; i < R; ++i) {
+    const float v = hn::GetLane(hn::SumOfLanes(d, acc[i])) - off[i];
     y[r + i] = accumulate ? y[r + i] + v : v;
-  };
-  put(0, lo0, hi0);
-  if constexpr (R > 1) put(1, lo1, hi1);
-  if constexpr (R > 2) put(2, lo2, hi2);
-  if constexpr (R > 3) put(3, lo3, hi3);
+  }
 }
-#undef DS_Q4K_ROW
+#undef DS_Q4K_INT_ROW
+#endif
 
 }  // namespace
 
@@ -283,7 +446,7 @@ void WidenQ4_1Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64
 // weight: Gemv over the scaled codes, then each row's offsets against the
 // sums of x over its blocks of 32.
 void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
-                int64_t r0, int64_t r1, bool accumulate) {
+                int64_t r0, int64_t r1, bool accumulate, bool int8_x) {
   const BlockRows base{w, block_row_bytes(t, cols)};
   if (t == DType::Q8_0) return Gemv(y, ldy, x, ldx, M, Q8_0Rows{base}, cols, r0, r1, accumulate);
   // Each row of x's sums over blocks of 32, for the offsets.
@@ -295,10 +458,17 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
       for (int64_t i = 0; i < 32; ++i) v += x[m * ldx + j * 32 + i];
       xs[static_cast<size_t>(m * blocks + j)] = v;
     }
-  if (t == DType::Q4_K && M == 1) {  // decode
+  if (t == DType::Q4_K && int8_x) {  // on integers, each row of x in turn over four rows of W kept in L1
+    const int64_t kb = cols / kQ4_KValues;
+    Buffer<XQ> xq(static_cast<size_t>(M * cols));
+    Buffer<float> dx(static_cast<size_t>(M * kb));
+    for (int64_t m = 0; m < M; ++m) QuantizeX256(x + m * ldx, cols, xq.data() + m * cols, dx.data() + m * kb);
     for (int64_t r = r0; r < r1; r += 4)
-      with_count<4>(std::min<int64_t>(4, r1 - r),
-                    [&](auto n) HWY_ATTR { Q4KOneX<n()>(y, x, xs.data(), w, base.row_bytes, cols, r, accumulate); });
+      with_count<4>(std::min<int64_t>(4, r1 - r), [&](auto n) HWY_ATTR {
+        for (int64_t m = 0; m < M; ++m)
+          Q4KOneX<n()>(y + m * ldy, xq.data() + m * cols, dx.data() + m * kb, xs.data() + m * blocks, w,
+                       base.row_bytes, cols, r, accumulate);
+      });
     return;
   }
   // Four rows at a time: the scaled codes, then y[m][r] -= the sum over
@@ -373,8 +543,25 @@ void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, 
     }
     return;
   }
-  DS_DISPATCH(GemvBlocks)(y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate);
+  DS_DISPATCH(GemvBlocks)(y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate,
+                          quantized_x() == QuantizedX::kInt8);
 }
 
 }  // namespace ds::ops::detail
+
+namespace ds::ops {
+namespace {
+std::atomic<QuantizedX> g_quantized_x{QuantizedX::kInt8};
+}  // namespace
+
+void set_quantized_x(QuantizedX q) { g_quantized_x = q; }
+QuantizedX quantized_x() { return g_quantized_x; }
+
+QuantizedX parse_quantized_x(std::string_view name) {
+  if (name == "int8") return QuantizedX::kInt8;
+  if (name == "f32" || name == "float32") return QuantizedX::kF32;
+  DS_FAIL("quantized x '{}' is not one of: int8, f32", name);
+}
+
+}  // namespace ds::ops
 #endif  // HWY_ONCE
