@@ -165,11 +165,12 @@ void BM_SgemmF32(benchmark::State& state, Shape s) {
 // (fp4: random codes, scales near 1) repeated.
 void BM_StreamRows(benchmark::State& state, ds::DType dt, int64_t M, ds::ops::QuantizedX qx) {
   constexpr int64_t N = 32768, K = 4096, kDistinct = 64;
-  std::vector<float> w32(static_cast<size_t>(kDistinct * K)), x(static_cast<size_t>(M * K)), y(static_cast<size_t>(M * N));
+  std::vector<float> w32(static_cast<size_t>(kDistinct * K)), x(static_cast<size_t>(M * K)),
+      y(static_cast<size_t>(M * N));
   ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
   ds::fill_normal(x.data(), x.size(), 1.0f, 1);
   const bool fp4 = dt == ds::DType::F4E2M1;
-  const int64_t row_bytes = fp4                          ? K / 2
+  const int64_t row_bytes = fp4                            ? K / 2
                             : ds::ops::is_block_format(dt) ? ds::ops::block_row_bytes(dt, K)
                                                            : K * static_cast<int64_t>(ds::dtype_size(dt));
   std::vector<uint8_t> pattern(static_cast<size_t>(kDistinct * row_bytes));
@@ -181,8 +182,7 @@ void BM_StreamRows(benchmark::State& state, ds::DType dt, int64_t M, ds::ops::Qu
     ds::convert(pattern.data(), dt, w32.data(), ds::DType::F32, w32.size());
   }
   std::vector<uint8_t> w(static_cast<size_t>(N * row_bytes));
-  for (int64_t r = 0; r < N; r += kDistinct)
-    std::memcpy(w.data() + r * row_bytes, pattern.data(), pattern.size());
+  for (int64_t r = 0; r < N; r += kDistinct) std::memcpy(w.data() + r * row_bytes, pattern.data(), pattern.size());
   std::vector<uint8_t> scales(fp4 ? static_cast<size_t>(N * K / 32) : 0);
   for (size_t i = 0; i < scales.size(); ++i) scales[i] = static_cast<uint8_t>(126 + i % 3);
   const ds::ops::WeightView view{w.data(), dt, N, K, nullptr, 128, 128, fp4 ? scales.data() : nullptr};

@@ -141,7 +141,8 @@ TEST_P(LinearBlocksTest, ProductsMatchTheDequantizedWeight) {
             want += double(x[m * cols + c]) * q.wide[r * cols + c];
             mag += std::fabs(double(x[m * cols + c]) * q.wide[r * cols + c]);
           }
-          if (twin) want = q4k_decode_twin(&x[m * cols], q.bytes.data() + r * ds::ops::block_row_bytes(t, cols), cols, &bound);
+          if (twin)
+            want = q4k_decode_twin(&x[m * cols], q.bytes.data() + r * ds::ops::block_row_bytes(t, cols), cols, &bound);
           ASSERT_NEAR(y[m * rows + r], want, 2e-6 * mag + 1e-7) << ds::dtype_name(t) << " M " << M << " row " << r;
         }
       // accumulate adds to what is there.

@@ -94,8 +94,7 @@ int run_perplexity(const PerplexityArgs& given) {
   request.max_new_tokens = 1;
   DS_CHECK(a.ctx >= 4 && a.ctx < m->max_positions(), "perplexity: --ctx {} must be in [4, {}) for this model", a.ctx,
            m->max_positions());
-  DS_CHECK(a.prefill >= 0 && a.prefill <= a.ctx, "perplexity: --prefill {} must be in [0, --ctx {}]", a.prefill,
-           a.ctx);
+  DS_CHECK(a.prefill >= 0 && a.prefill <= a.ctx, "perplexity: --prefill {} must be in [0, --ctx {}]", a.prefill, a.ctx);
   m->check({a.ctx}, request);
   check_fits_in_memory(a.ctx * V * static_cast<int64_t>(sizeof(float)), "the logits of one chunk");
   m->load();
@@ -108,10 +107,10 @@ int run_perplexity(const PerplexityArgs& given) {
   fmt::print(stderr, "\nperplexity: {} chunks of {} tokens, {} tokens scored, {:.1f} s\n", r.chunks, a.ctx, r.scored,
              seconds);
   if (a.json) {
-    const nlohmann::json j = {{"ppl", r.ppl},         {"ppl_error", r.ppl_error}, {"mean_nll", r.mean_nll},
-                              {"chunks", r.chunks},   {"ctx", a.ctx},           {"scored", r.scored},
-                              {"prefill", a.prefill},
-                              {"tokens", ids.size()}, {"seconds", seconds}};
+    const nlohmann::json j = {
+        {"ppl", r.ppl},      {"ppl_error", r.ppl_error}, {"mean_nll", r.mean_nll}, {"chunks", r.chunks},
+        {"ctx", a.ctx},      {"scored", r.scored},       {"prefill", a.prefill},   {"tokens", ids.size()},
+        {"seconds", seconds}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print("Final estimate: PPL = {:.4f} +/- {:.5f}\n", r.ppl, r.ppl_error);

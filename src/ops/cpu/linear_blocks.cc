@@ -225,8 +225,8 @@ void QuantizeX256(const float* HWY_RESTRICT x, int64_t cols, XQ* HWY_RESTRICT q,
 }
 
 // A block's d and dmin, and its offset share dmin sum_j m_j xs8_j into off.
-HWY_INLINE float Q4KBlockStart(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8,
-                               uint8_t* HWY_RESTRICT sm, float& off) {
+HWY_INLINE float Q4KBlockStart(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, uint8_t* HWY_RESTRICT sm,
+                               float& off) {
   Q4KScaleMins(blk, sm);
   float o = 0;
   for (int j = 0; j < 8; ++j) o += static_cast<float>(sm[8 + j]) * xs8[j];
@@ -253,17 +253,14 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
              const float* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
              bool accumulate) {
   // Which scale each 16-bit lane takes, for the four sub-block pairs.
-  const __m512i pick[4] = {_mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002,
-                                            0x0002000200020002, 0, 0, 0, 0),
-                           _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0003000300030003,
-                                            0x0003000300030003, 0x0001000100010001, 0x0001000100010001,
-                                            0x0001000100010001, 0x0001000100010001),
-                           _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0006000600060006,
-                                            0x0006000600060006, 0x0004000400040004, 0x0004000400040004,
-                                            0x0004000400040004, 0x0004000400040004),
-                           _mm512_set_epi64(0x0007000700070007, 0x0007000700070007, 0x0007000700070007,
-                                            0x0007000700070007, 0x0005000500050005, 0x0005000500050005,
-                                            0x0005000500050005, 0x0005000500050005)};
+  const __m512i pick[4] = {
+      _mm512_set_epi64(0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0x0002000200020002, 0, 0, 0, 0),
+      _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0003000300030003, 0x0003000300030003,
+                       0x0001000100010001, 0x0001000100010001, 0x0001000100010001, 0x0001000100010001),
+      _mm512_set_epi64(0x0006000600060006, 0x0006000600060006, 0x0006000600060006, 0x0006000600060006,
+                       0x0004000400040004, 0x0004000400040004, 0x0004000400040004, 0x0004000400040004),
+      _mm512_set_epi64(0x0007000700070007, 0x0007000700070007, 0x0007000700070007, 0x0007000700070007,
+                       0x0005000500050005, 0x0005000500050005, 0x0005000500050005, 0x0005000500050005)};
   __m512 acc[R];
   float off[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps(), off[i] = 0;
@@ -279,8 +276,10 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       const float dw = Q4KBlockStart(blk, xs + 8 * k, sm, off[i]);
       const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<__m128i*>(sm))));
       __m512i s = _mm512_setzero_si512();
-      s = Q4KChunks512(blk + 16, x0, x1, _mm512_permutexvar_epi16(pick[0], sc), _mm512_permutexvar_epi16(pick[1], sc), s);
-      s = Q4KChunks512(blk + 80, x2, x3, _mm512_permutexvar_epi16(pick[2], sc), _mm512_permutexvar_epi16(pick[3], sc), s);
+      s = Q4KChunks512(blk + 16, x0, x1, _mm512_permutexvar_epi16(pick[0], sc), _mm512_permutexvar_epi16(pick[1], sc),
+                       s);
+      s = Q4KChunks512(blk + 80, x2, x3, _mm512_permutexvar_epi16(pick[2], sc), _mm512_permutexvar_epi16(pick[3], sc),
+                       s);
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx[k] * dw), acc[i]);
     }
   }
@@ -466,8 +465,8 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
     for (int64_t r = r0; r < r1; r += 4)
       with_count<4>(std::min<int64_t>(4, r1 - r), [&](auto n) HWY_ATTR {
         for (int64_t m = 0; m < M; ++m)
-          Q4KOneX<n()>(y + m * ldy, xq.data() + m * cols, dx.data() + m * kb, xs.data() + m * blocks, w,
-                       base.row_bytes, cols, r, accumulate);
+          Q4KOneX<n()>(y + m * ldy, xq.data() + m * cols, dx.data() + m * kb, xs.data() + m * blocks, w, base.row_bytes,
+                       cols, r, accumulate);
       });
     return;
   }
@@ -543,8 +542,9 @@ void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, 
     }
     return;
   }
-  DS_DISPATCH(GemvBlocks)(y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate,
-                          quantized_x() == QuantizedX::kInt8);
+  DS_DISPATCH(GemvBlocks)
+  (y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate,
+   quantized_x() == QuantizedX::kInt8);
 }
 
 }  // namespace ds::ops::detail
