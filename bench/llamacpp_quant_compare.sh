@@ -2,8 +2,9 @@
 # Decode where it is bound by memory: deepseek.cpp against llama.cpp on the
 # same ~1.2 GB DeepSeek-V3-shaped model (configs/bench-1gb.yml, random
 # weights), in bf16, 8-bit and 4-bit, each engine in its own formats:
-#   ours       the bf16 folder, `deepseek quantize --type q8_0` and
-#              `--type q4_k_m`;
+#   ours       the bf16 folder, `deepseek quantize --type q8_0`,
+#              `--type q4_k_m` and `--type q4_k` (every matrix 4-bit but the
+#              output head; its row is against llama.cpp's Q4_K_M too);
 #   llama.cpp  the same folder exported as a bf16 GGUF (`deepseek export
 #              --model`), `llama-quantize` Q8_0 and Q4_K_M of it.
 # Prints decode (batch 1) and prefill tokens/s of both (medians of REPEAT
@@ -35,6 +36,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$bin" init --config "$root/configs/bench-1gb.yml" --seed 1 --out "$tmp/bf16" --tokenizer "$tokenizer" >/dev/null
 "$bin" quantize --model "$tmp/bf16" --out "$tmp/q8_0" --type q8_0 >/dev/null
 "$bin" quantize --model "$tmp/bf16" --out "$tmp/q4_k_m" --type q4_k_m >/dev/null
+"$bin" quantize --model "$tmp/bf16" --out "$tmp/q4_k" --type q4_k >/dev/null
 "$bin" export --model "$tmp/bf16" --format gguf --dtype bf16 --out "$tmp/bf16.gguf" >/dev/null
 "$lbin/llama-quantize" "$tmp/bf16.gguf" "$tmp/q8_0.gguf" Q8_0 "$threads" >/dev/null 2>&1
 "$lbin/llama-quantize" "$tmp/bf16.gguf" "$tmp/q4_k_m.gguf" Q4_K_M "$threads" >/dev/null 2>&1
@@ -101,17 +103,19 @@ ours() {  # FOLDER BATCH FIELD
 }
 printf '%-7s | %-24s | %-24s | %-8s | %-8s | %-22s | %s\n' format "decode b1 ours/llama" "prefill ours/llama" \
   "ours b8" "MB/step" "share of bandwidth" "llama MB/step"
-for t in bf16 q8_0 q4_k_m; do
+for t in bf16 q8_0 q4_k_m q4_k; do
+  g=$t
+  [ "$t" = q4_k ] && g=q4_k_m  # llama.cpp's 4-bit file for both of our 4-bit recipes
   o_tg=$(ours "$tmp/$t" 1 decode_tokens_per_s)
   o_pp=$(ours "$tmp/$t" 1 prefill_tokens_per_s)
   o_b8=$(ours "$tmp/$t" 8 decode_tokens_per_s)
-  "$lbin/llama-bench" -m "$tmp/$t.gguf" -p "$pp" -n "$new_tokens" -r "$repeat" -t "$threads" -o csv 2>/dev/null >"$tmp/l.csv"
+  "$lbin/llama-bench" -m "$tmp/$g.gguf" -p "$pp" -n "$new_tokens" -r "$repeat" -t "$threads" -o csv 2>/dev/null >"$tmp/l.csv"
   col() { tr -d '"' <"$tmp/l.csv" | awk -F, -v p="$1" -v g="$2" 'NR == 1 { for (i = 1; i <= NF; i++) c[$i] = i; next }
     $c["n_prompt"] == p && $c["n_gen"] == g { print $c["avg_ts"] }'; }
   l_tg=$(col 0 "$new_tokens")
   l_pp=$(col "$pp" 0)
   o_mb=$(step_mb "$tmp/$t")
-  l_mb=$(step_mb "$tmp/$t.gguf")
+  l_mb=$(step_mb "$tmp/$g.gguf")
   printf '%-7s | %7.1f / %7.1f = %4.2f | %7.1f / %7.1f = %4.2f | %8.1f | %8s | ours %4.2f, llama %4.2f | %s\n' \
     "$t" "$o_tg" "$l_tg" "$(awk -v a="$o_tg" -v b="$l_tg" 'BEGIN { print a / b }')" \
     "$o_pp" "$l_pp" "$(awk -v a="$o_pp" -v b="$l_pp" 'BEGIN { print a / b }')" "$o_b8" "$o_mb" \

@@ -4,10 +4,13 @@
 // its sub-blocks' scales d sc and offsets dmin m (q4_k), scale the widened
 // codes in registers, which feed one FMA per row of x. Offsets do not
 // depend on the code: per row of x the sums of each sub-block of x are taken
-// once, and each weight row subtracts its offsets times them. Activations
-// stay float32 (llama.cpp instead rounds them to 8 bits per block and
-// multiplies integers); a 1 GB model's decode is bound by reading the
-// weights, and the float path costs about 0.3 instructions a weight.
+// once, and each weight row subtracts its offsets times them. q4_k's decode
+// (QuantizedX::kInt8, the default) instead rounds x to 8 bits a block and
+// multiplies the codes as integers (Q4KOneX): widening them to float32 cost
+// about 0.3 vector instructions a weight and bound the step by its
+// instructions, not by the bytes read. q8_0 stays on float32 x: its codes
+// widen in one instruction a vector, and an integer sum of its blocks of 32
+// would still need a conversion and a scale each, no fewer instructions.
 // Prefill widens chunks of rows to float32 (widen_block_rows) for the
 // outer-product kernel, as for every other narrow dtype.
 //
@@ -38,10 +41,15 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 namespace {
 
+// The f16 at p (F16C's vcvtph2ps on x86, exact as the portable widening).
 HWY_INLINE float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+  return _cvtsh_ss(h);
+#else
   return f16_bits_to_f32(h);
+#endif
 }
 
 // N int8 codes at p as float32.
@@ -234,6 +242,27 @@ HWY_INLINE float Q4KBlockStart(const uint8_t* HWY_RESTRICT blk, const float* HWY
   return half_at(blk);
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+// Q4KBlockStart in vector registers: d and dmin by vcvtph2ps, the offsets
+// dmin m_j xs8_j added to eight lanes of off (summed at the row's end).
+HWY_INLINE float Q4KBlockStartX86(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8,
+                                  uint8_t* HWY_RESTRICT sm, __m256& off) {
+  int32_t halves;
+  std::memcpy(&halves, blk, 4);
+  const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+  Q4KScaleMins(blk, sm);
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
+  off = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(xs8)), _mm256_broadcastss_ps(_mm_movehdup_ps(h)), off);
+  return _mm_cvtss_f32(h);
+}
+
+HWY_INLINE float SumOf8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 #if HWY_TARGET == HWY_AVX3
 // 64 bytes of codes (chunks c and c + 1) against x's values for the low
 // nibbles (sub-blocks 2c, 2c + 2) and the high ones (2c + 1, 2c + 3), each
@@ -262,18 +291,19 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       _mm512_set_epi64(0x0007000700070007, 0x0007000700070007, 0x0007000700070007, 0x0007000700070007,
                        0x0005000500050005, 0x0005000500050005, 0x0005000500050005, 0x0005000500050005)};
   __m512 acc[R];
-  float off[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps(), off[i] = 0;
+  __m256 off[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps(), off[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
     const XQ* xb = xq + k * kQ4_KValues;
     const __m512i x0 = _mm512_loadu_si512(xb), x1 = _mm512_loadu_si512(xb + 64);
     const __m512i x2 = _mm512_loadu_si512(xb + 128), x3 = _mm512_loadu_si512(xb + 192);
+#pragma GCC unroll 4  // the accumulators stay in registers
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
       PrefetchL2(blk + kQ4KPrefetchBytes);
       PrefetchL2(blk + kQ4KPrefetchBytes + 64);
       alignas(16) uint8_t sm[16];
-      const float dw = Q4KBlockStart(blk, xs + 8 * k, sm, off[i]);
+      const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<__m128i*>(sm))));
       __m512i s = _mm512_setzero_si512();
       s = Q4KChunks512(blk + 16, x0, x1, _mm512_permutexvar_epi16(pick[0], sc), _mm512_permutexvar_epi16(pick[1], sc),
@@ -284,7 +314,7 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
     }
   }
   for (int i = 0; i < R; ++i) {
-    const float v = _mm512_reduce_add_ps(acc[i]) - off[i];
+    const float v = _mm512_reduce_add_ps(acc[i]) - SumOf8(off[i]);
     y[r + i] = accumulate ? y[r + i] + v : v;
   }
 }
@@ -294,17 +324,17 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
              const float* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
              bool accumulate) {
   const __m256i mask = _mm256_set1_epi8(0xF);
-  __m256 acc[R];
-  float off[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps(), off[i] = 0;
+  __m256 acc[R], off[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps(), off[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
     const XQ* xb = xq + k * kQ4_KValues;
+#pragma GCC unroll 4  // the accumulators stay in registers
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
       PrefetchL2(blk + kQ4KPrefetchBytes);
       PrefetchL2(blk + kQ4KPrefetchBytes + 64);
       uint8_t sm[16];
-      const float dw = Q4KBlockStart(blk, xs + 8 * k, sm, off[i]);
+      const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       __m256i s = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {  // chunk c: the low nibbles are sub-block 2c, the high ones 2c + 1
         const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * c));
@@ -318,9 +348,8 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx[k] * dw), acc[i]);
     }
   }
-  const DF d;
   for (int i = 0; i < R; ++i) {
-    const float v = hn::GetLane(hn::SumOfLanes(d, VF{acc[i]})) - off[i];
+    const float v = SumOf8(acc[i]) - SumOf8(off[i]);
     y[r + i] = accumulate ? y[r + i] + v : v;
   }
 }
@@ -380,6 +409,71 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
 }
 #undef DS_Q4K_INT_ROW
 #endif
+
+// One row of x (float32: QuantizedX::kF32) against R (<= 4) consecutive
+// q4_k rows from r: the rows'
+// codes widened and scaled per sub-block, each x vector loaded once for all
+// of them, two accumulators a row (the low and the high nibbles); each row's
+// offsets against the sub-block sums xs of x. The decode step's kernel (a
+// sub-block's scale is one broadcast per row, where DotBlock's generic
+// source pays the addressing of every vector).
+#define DS_Q4K_ROW(i)                                                                          \
+  if constexpr (R > i) {                                                                       \
+    const auto bytes = LoadU8(d, q##i + l);                                                    \
+    lo##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::And(bytes, mask)), sa##i), xl, lo##i);     \
+    hi##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), sb##i), xh, hi##i); \
+  }
+
+// A block's eight scales a = d sc (Q4KScales) and the row's offset share:
+// its mins b = dmin m against xs8, x's sums over the block's sub-blocks.
+HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, float* HWY_RESTRICT a) {
+  float b[8];
+  Q4KScales(blk, a, b);
+  float off = 0;
+  for (int j = 0; j < 8; ++j) off += b[j] * xs8[j];
+  return off;
+}
+
+template <int R>
+void Q4KOneXF32(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HWY_RESTRICT xs, const uint8_t* w,
+             int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
+  const DF d;
+  const hn::RebindToSigned<DF> di;
+  const auto mask = hn::Set(di, 0xF);
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  VF lo0 = hn::Zero(d), lo1 = lo0, lo2 = lo0, lo3 = lo0, hi0 = lo0, hi1 = lo0, hi2 = lo0, hi3 = lo0;
+  float a[4][8], off[4] = {0, 0, 0, 0};
+  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
+    for (int i = 0; i < R; ++i) off[i] += Q4KBlock(w + (r + i) * row_bytes + k * kQ4_KBytes, xs + 8 * k, a[i]);
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* q0 = w + r * row_bytes + k * kQ4_KBytes + 16 + 32 * c;
+      const uint8_t* q1 = q0 + row_bytes;
+      const uint8_t* q2 = q1 + row_bytes;
+      const uint8_t* q3 = q2 + row_bytes;
+      const VF sa0 = hn::Set(d, a[0][2 * c]), sb0 = hn::Set(d, a[0][2 * c + 1]);
+      const VF sa1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c]), sb1 = hn::Set(d, a[R > 1 ? 1 : 0][2 * c + 1]);
+      const VF sa2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c]), sb2 = hn::Set(d, a[R > 2 ? 2 : 0][2 * c + 1]);
+      const VF sa3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c]), sb3 = hn::Set(d, a[R > 3 ? 3 : 0][2 * c + 1]);
+      const float* xc = x + k * kQ4_KValues + 64 * c;
+      // The rows ahead into L2 (the four rows are one contiguous run; the
+      // hardware alone leaves the loads waiting on memory).
+      for (int i = 0; i < R; ++i) PrefetchL2(q0 + i * row_bytes + kQ4KPrefetchBytes);
+      for (int64_t l = 0; l < 32; l += N) {
+        const VF xl = hn::LoadU(d, xc + l), xh = hn::LoadU(d, xc + 32 + l);
+        DS_Q4K_ROW(0) DS_Q4K_ROW(1) DS_Q4K_ROW(2) DS_Q4K_ROW(3)
+      }
+    }
+  }
+  auto put = [&](int i, VF lo, VF hi) HWY_ATTR {
+    const float v = hn::GetLane(hn::SumOfLanes(d, hn::Add(lo, hi))) - off[i];
+    y[r + i] = accumulate ? y[r + i] + v : v;
+  };
+  put(0, lo0, hi0);
+  if constexpr (R > 1) put(1, lo1, hi1);
+  if constexpr (R > 2) put(2, lo2, hi2);
+  if constexpr (R > 3) put(3, lo3, hi3);
+}
+#undef DS_Q4K_ROW
 
 }  // namespace
 
@@ -457,6 +551,12 @@ void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, c
       for (int64_t i = 0; i < 32; ++i) v += x[m * ldx + j * 32 + i];
       xs[static_cast<size_t>(m * blocks + j)] = v;
     }
+  if (t == DType::Q4_K && M == 1 && !int8_x) {  // decode on float32 x
+    for (int64_t r = r0; r < r1; r += 4)
+      with_count<4>(std::min<int64_t>(4, r1 - r),
+                    [&](auto n) HWY_ATTR { Q4KOneXF32<n()>(y, x, xs.data(), w, base.row_bytes, cols, r, accumulate); });
+    return;
+  }
   if (t == DType::Q4_K && int8_x) {  // on integers, each row of x in turn over four rows of W kept in L1
     const int64_t kb = cols / kQ4_KValues;
     Buffer<XQ> xq(static_cast<size_t>(M * cols));
