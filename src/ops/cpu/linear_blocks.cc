@@ -251,7 +251,8 @@ HWY_INLINE float Q4KBlockStartX86(const uint8_t* HWY_RESTRICT blk, const float* 
   std::memcpy(&halves, blk, 4);
   const __m128 h = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
   Q4KScaleMins(blk, sm);
-  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
+  const __m256 mins =
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sm + 8))));
   off = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_loadu_ps(xs8)), _mm256_broadcastss_ps(_mm_movehdup_ps(h)), off);
   return _mm_cvtss_f32(h);
 }
@@ -436,7 +437,7 @@ HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_REST
 
 template <int R>
 void Q4KOneXF32(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float* HWY_RESTRICT xs, const uint8_t* w,
-             int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
+                int64_t row_bytes, int64_t cols, int64_t r, bool accumulate) {
   const DF d;
   const hn::RebindToSigned<DF> di;
   const auto mask = hn::Set(di, 0xF);
