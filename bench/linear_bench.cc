@@ -157,14 +157,14 @@ void BM_SgemmF32(benchmark::State& state, Shape s) {
   set_rate(state, s);
 }
 
-// Decode (M rows of x) over one weight of 32768 x 4096 in each format the
-// engine streams: 256 MiB as bf16, 136 as q8_0, 72 as q4_k, 68 as fp4 with
-// its scales, all far beyond the caches (the whole weight is read each
-// time). weight_GB/s against peak_bench's read bandwidth is the share of it
+// Decode (M rows of x) over one weight of 65536 x 4096 in each format the
+// engine streams: 512 MiB as bf16, 272 as q8_0, 144 as q4_k, 136 as fp4
+// with its scales, all several times the caches (the whole weight is read
+// each time). weight_GB/s against peak_bench's read bandwidth is the share of it
 // each format's kernel reaches. The rows are 64 distinct quantized rows
 // (fp4: random codes, scales near 1) repeated.
 void BM_StreamRows(benchmark::State& state, ds::DType dt, int64_t M, ds::ops::QuantizedX qx) {
-  constexpr int64_t N = 32768, K = 4096, kDistinct = 64;
+  constexpr int64_t N = 65536, K = 4096, kDistinct = 64;
   std::vector<float> w32(static_cast<size_t>(kDistinct * K)), x(static_cast<size_t>(M * K)),
       y(static_cast<size_t>(M * N));
   ds::fill_normal(w32.data(), w32.size(), 0.05f, 2);
