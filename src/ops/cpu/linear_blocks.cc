@@ -303,6 +303,7 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
       PrefetchL2(blk + kQ4KPrefetchBytes);
       PrefetchL2(blk + kQ4KPrefetchBytes + 64);
+      PrefetchL2(blk + kQ4KPrefetchBytes + 128);
       alignas(16) uint8_t sm[16];
       const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<__m128i*>(sm))));
@@ -334,6 +335,7 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
       PrefetchL2(blk + kQ4KPrefetchBytes);
       PrefetchL2(blk + kQ4KPrefetchBytes + 64);
+      PrefetchL2(blk + kQ4KPrefetchBytes + 128);
       uint8_t sm[16];
       const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       __m256i s = _mm256_setzero_si256();
@@ -476,6 +478,48 @@ void Q4KOneXF32(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const float*
 }
 #undef DS_Q4K_ROW
 
+// One row of x against R (<= 4) consecutive q8_0 rows from r: per block of
+// 32, each row's codes widened against x (loaded once for all rows) into a
+// block sum, which its scale then adds to the row's accumulator: one
+// multiply a block instead of one a vector, and the rows walked by pointers
+// rather than DotBlock's per-vector addressing.
+template <int R>
+void Q8_0OneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT x, const uint8_t* w, int64_t row_bytes, int64_t cols,
+              int64_t r, bool accumulate) {
+  const DF d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  VF a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
+  const uint8_t* q0 = w + r * row_bytes;
+  const uint8_t* q1 = q0 + (R > 1 ? row_bytes : 0);
+  const uint8_t* q2 = q0 + (R > 2 ? 2 * row_bytes : 0);
+  const uint8_t* q3 = q0 + (R > 3 ? 3 * row_bytes : 0);
+  for (int64_t b = 0; b < cols / kQ8_0Values; ++b) {
+    for (int i = 0; i < R; ++i) PrefetchL2(q0 + i * row_bytes + kQ4KPrefetchBytes);
+    VF p0 = hn::Zero(d), p1 = p0, p2 = p0, p3 = p0;
+    const float* xb = x + b * kQ8_0Values;
+    for (int64_t l = 0; l < kQ8_0Values; l += N) {
+      const VF xv = hn::LoadU(d, xb + l);
+      p0 = hn::MulAdd(LoadI8(d, q0 + 2 + l), xv, p0);
+      if constexpr (R > 1) p1 = hn::MulAdd(LoadI8(d, q1 + 2 + l), xv, p1);
+      if constexpr (R > 2) p2 = hn::MulAdd(LoadI8(d, q2 + 2 + l), xv, p2);
+      if constexpr (R > 3) p3 = hn::MulAdd(LoadI8(d, q3 + 2 + l), xv, p3);
+    }
+    a0 = hn::MulAdd(p0, hn::Set(d, half_at(q0)), a0);
+    if constexpr (R > 1) a1 = hn::MulAdd(p1, hn::Set(d, half_at(q1)), a1);
+    if constexpr (R > 2) a2 = hn::MulAdd(p2, hn::Set(d, half_at(q2)), a2);
+    if constexpr (R > 3) a3 = hn::MulAdd(p3, hn::Set(d, half_at(q3)), a3);
+    q0 += kQ8_0Bytes, q1 += kQ8_0Bytes, q2 += kQ8_0Bytes, q3 += kQ8_0Bytes;
+  }
+  auto put = [&](int i, VF a) HWY_ATTR {
+    const float v = hn::GetLane(hn::SumOfLanes(d, a));
+    y[r + i] = accumulate ? y[r + i] + v : v;
+  };
+  put(0, a0);
+  if constexpr (R > 1) put(1, a1);
+  if constexpr (R > 2) put(2, a2);
+  if constexpr (R > 3) put(3, a3);
+}
+
 }  // namespace
 
 // Whether the vector kernels apply: a whole number of vectors in 16 values
@@ -542,6 +586,12 @@ void WidenQ4_1Rows(float* HWY_RESTRICT out, const uint8_t* HWY_RESTRICT w, int64
 void GemvBlocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, DType t, int64_t cols,
                 int64_t r0, int64_t r1, bool accumulate, bool int8_x) {
   const BlockRows base{w, block_row_bytes(t, cols)};
+  if (t == DType::Q8_0 && M == 1) {  // decode
+    for (int64_t r = r0; r < r1; r += 4)
+      with_count<4>(std::min<int64_t>(4, r1 - r),
+                    [&](auto n) HWY_ATTR { Q8_0OneX<n()>(y, x, w, base.row_bytes, cols, r, accumulate); });
+    return;
+  }
   if (t == DType::Q8_0) return Gemv(y, ldy, x, ldx, M, Q8_0Rows{base}, cols, r0, r1, accumulate);
   // Each row of x's sums over blocks of 32, for the offsets.
   const int64_t blocks = cols / 32;
