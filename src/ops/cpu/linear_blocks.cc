@@ -257,6 +257,14 @@ HWY_INLINE float Q4KBlockStartX86(const uint8_t* HWY_RESTRICT blk, const float* 
   return _mm_cvtss_f32(h);
 }
 
+// The block kQ4KPrefetchBytes ahead into L2, each of its three cache lines:
+// with two of three the hardware left every ninth line to be waited for.
+HWY_INLINE void PrefetchQ4KBlock(const uint8_t* blk) {
+  PrefetchL2(blk + kQ4KPrefetchBytes);
+  PrefetchL2(blk + kQ4KPrefetchBytes + 64);
+  PrefetchL2(blk + kQ4KPrefetchBytes + 128);
+}
+
 HWY_INLINE float SumOf8(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -301,9 +309,7 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
 #pragma GCC unroll 4  // the accumulators stay in registers
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
-      PrefetchL2(blk + kQ4KPrefetchBytes);
-      PrefetchL2(blk + kQ4KPrefetchBytes + 64);
-      PrefetchL2(blk + kQ4KPrefetchBytes + 128);
+      PrefetchQ4KBlock(blk);
       alignas(16) uint8_t sm[16];
       const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       const __m512i sc = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_load_si128(reinterpret_cast<__m128i*>(sm))));
@@ -333,9 +339,7 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
 #pragma GCC unroll 4  // the accumulators stay in registers
     for (int i = 0; i < R; ++i) {
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ4_KBytes;
-      PrefetchL2(blk + kQ4KPrefetchBytes);
-      PrefetchL2(blk + kQ4KPrefetchBytes + 64);
-      PrefetchL2(blk + kQ4KPrefetchBytes + 128);
+      PrefetchQ4KBlock(blk);
       uint8_t sm[16];
       const float dw = Q4KBlockStartX86(blk, xs + 8 * k, sm, off[i]);
       __m256i s = _mm256_setzero_si256();
