@@ -97,6 +97,13 @@ bf16_out=$("$bin" --matmul-precision bf16 generate --model "$m" --prompt "hello 
 check '[[ "$bf16_out" == "hello world"* ]]' "generate runs in bf16 precision"
 expect_error --matmul-precision fp8 bench --model "$m"
 
+# --quantized-x: bench reports it (int8 by default); an unknown value is one error line.
+check '"$bin" bench --model "$m" --batch 1 --prompt-len 5 --new-tokens 1 --repeat 1 | grep -q "\"quantized_x\":\"int8\""' \
+  "bench reports quantized_x int8 by default"
+check '"$bin" --quantized-x f32 bench --model "$m" --batch 1 --prompt-len 5 --new-tokens 1 --repeat 1 | grep -q "\"quantized_x\":\"f32\""' \
+  "bench --quantized-x f32 reports it"
+expect_error --quantized-x int4 bench --model "$m"
+
 # DeepSeek-V3.2 (use_indexer): init writes the indexer, and generation runs
 # past index_topk on sparse attention, the same text through either cache.
 v32=(--set use_indexer=true --set indexer_n_heads=2 --set indexer_head_dim=16 --set indexer_topk=8)

@@ -10,9 +10,9 @@
 // each from position 0 with its first token replaced by the BOS, the second
 // half of each scored. With --prefill N, each chunk's first N tokens are
 // read in one step and the rest one token a step, through the decode
-// kernels generation runs (whose block-quantized products round x to 8
-// bits): the perplexity a generating user gets. Prints the running value per chunk on stderr as
-// llama-perplexity does ("[1]12.3456,[2]..."), then on stdout its final
+// kernels generation runs (whose q4_k products round x to 8 bits): the
+// perplexity a generating user gets. Prints the running value per chunk on
+// stderr as llama-perplexity does ("[1]12.3456,[2]..."), then on stdout its final
 // line ("Final estimate: PPL = ... +/- ...") or, with --json, one JSON
 // object.
 #include <fmt/format.h>
