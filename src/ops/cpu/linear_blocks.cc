@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstring>
 
 #include "core/buffer.h"
@@ -80,6 +81,7 @@ HWY_INLINE VF Nibbles(DF d, const uint8_t* HWY_RESTRICT p, bool high) {
 // those of m_0..3 (likewise for m_4..7), bytes 8-11 the low nibbles of
 // sc_4..7 and, above them, of m_4..7.
 HWY_INLINE void Q4KScaleMins(const uint8_t* HWY_RESTRICT blk, uint8_t* HWY_RESTRICT out) {
+  static_assert(std::endian::native == std::endian::little, "the words hold the bytes in memory order");
   uint32_t s[3], u[4];
   std::memcpy(s, blk + 4, 12);
   constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
