@@ -420,12 +420,11 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
 #endif
 
 // One row of x (float32: QuantizedX::kF32) against R (<= 4) consecutive
-// q4_k rows from r: the rows'
-// codes widened and scaled per sub-block, each x vector loaded once for all
-// of them, two accumulators a row (the low and the high nibbles); each row's
-// offsets against the sub-block sums xs of x. The decode step's kernel (a
-// sub-block's scale is one broadcast per row, where DotBlock's generic
-// source pays the addressing of every vector).
+// q4_k rows from r: the rows' codes widened and scaled per sub-block, each
+// x vector loaded once for all of them, two accumulators a row (the low and
+// the high nibbles); each row's offsets against the sub-block sums xs of x.
+// The decode step's kernel (a sub-block's scale is one broadcast per row,
+// where DotBlock's generic source pays the addressing of every vector).
 #define DS_Q4K_ROW(i)                                                                          \
   if constexpr (R > i) {                                                                       \
     const auto bytes = LoadU8(d, q##i + l);                                                    \
@@ -433,13 +432,12 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
     hi##i = hn::MulAdd(hn::Mul(hn::ConvertTo(d, hn::ShiftRight<4>(bytes)), sb##i), xh, hi##i); \
   }
 
-// A block's eight scales a = d sc (Q4KScales) and the row's offset share:
-// its mins b = dmin m against xs8, x's sums over the block's sub-blocks.
+// A block's eight scales a = d sc and the row's offset share (Q4KBlockStart's).
 HWY_INLINE float Q4KBlock(const uint8_t* HWY_RESTRICT blk, const float* HWY_RESTRICT xs8, float* HWY_RESTRICT a) {
-  float b[8];
-  Q4KScales(blk, a, b);
+  uint8_t sm[16];
   float off = 0;
-  for (int j = 0; j < 8; ++j) off += b[j] * xs8[j];
+  const float d = Q4KBlockStart(blk, xs8, sm, off);
+  for (int j = 0; j < 8; ++j) a[j] = d * static_cast<float>(sm[j]);
   return off;
 }
 
