@@ -113,6 +113,21 @@ TEST(Linear, Fp4MatchesItsDefinition) {
   });
 }
 
+TEST(Linear, Fp4DecodeKernelIsTheGenericKernelBitForBit) {
+  // One row of x runs AVX-512's own decode kernel (a table of the 16 values
+  // per block); two rows run the generic one, whose first row takes the
+  // same products in the same order: the same bits (on other targets both
+  // are the generic kernel).
+  ds::test::for_each_simd_target([](const char*) {
+    auto w = make_fp4(67, 1024, 71);
+    auto x = ds::test::randn(2 * 1024, 72);
+    std::vector<float> one(67), two(2 * 67);
+    ds::ops::linear_forward(one.data(), x.data(), w.view, 1);
+    ds::ops::linear_forward(two.data(), x.data(), w.view, 2);
+    for (int64_t o = 0; o < 67; ++o) ASSERT_EQ(one[o], two[o]) << o;
+  });
+}
+
 TEST(Linear, Fp4WidensExactlyAndTakesEveryScale) {
   // Every code in every scale block, under scales from 2^-127 (e = 0, the
   // subnormal) to 2^127: the largest scale byte the vector path takes (128)
