@@ -1,9 +1,9 @@
 // Linear layers over q8_0, q4_k and q4_1 weights (ops/linear.h with
 // ops/block_quant.h's formats): decode-sized and prefill-sized products
 // against a float64 product over the dequantized weight (the plain loops of
-// dequantize_blocks), q4_k's one-row decode (x rounded to 8 bits a block of
-// 256, integer products) against its scalar twin and within the bound the
-// rounding allows, widen_rows and row_slice against the same, the same bits
+// dequantize_blocks), q4_k's and q8_0's decode (x rounded to 8 bits a block
+// of 256 or 32, integer products) against their scalar twins and within the
+// bound the rounding allows, widen_rows and row_slice against the same, the same bits
 // for any thread count, and weights whose rows are not whole blocks
 // refused.
 #include <gtest/gtest.h>
@@ -88,28 +88,63 @@ double q4k_decode_twin(const float* x, const uint8_t* row, int64_t cols, double*
   return y;
 }
 
-class LinearBlocksTest : public ::testing::TestWithParam<DType> {};
+// The same for q8_0 (llama.cpp's q8_0 x q8_0): x rounded per block of 32,
+// then per block dx d (q . codes).
+double q8_0_decode_twin(const float* x, const uint8_t* row, int64_t cols, double* bound) {
+  double y = 0;
+  *bound = 0;
+  for (int64_t k = 0; k < cols / 32; ++k, row += 34) {
+    const float* xb = x + k * 32;
+    float amax = 0;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[0] | row[1] << 8));
+    int64_t dot = 0, wsum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int code = static_cast<int8_t>(row[2 + i]);
+      dot += static_cast<int64_t>(std::nearbyint(xb[i] * inv)) * code;
+      wsum += std::abs(code);
+    }
+    y += double(dx) * d * double(dot);
+    *bound += 0.5 * double(dx) * std::fabs(d) * double(wsum);
+  }
+  return y;
+}
 
-TEST(LinearBlocksDecode, Q4KRoundsXToEightBitsABlock) {
-  const int64_t rows = 13, cols = 1024;
-  const Quantized q = make(DType::Q4_K, rows, cols, 8);
-  const int64_t row_bytes = ds::ops::block_row_bytes(DType::Q4_K, cols);
+// The decode kernels' product on 8-bit x (QuantizedX::kInt8) for q4_k and
+// q8_0; other formats keep x as it is.
+bool rounds_x(DType t, int64_t M) {
+  return (t == DType::Q4_K || t == DType::Q8_0) && M <= 8 && ds::ops::quantized_x() == ds::ops::QuantizedX::kInt8;
+}
+double decode_twin(DType t, const float* x, const uint8_t* row, int64_t cols, double* bound) {
+  return t == DType::Q4_K ? q4k_decode_twin(x, row, cols, bound) : q8_0_decode_twin(x, row, cols, bound);
+}
+
+class LinearBlocksTest : public ::testing::TestWithParam<DType> {};
+class LinearBlocksDecode : public ::testing::TestWithParam<DType> {};
+
+TEST_P(LinearBlocksDecode, RoundsXToEightBitsABlock) {
+  const DType t = GetParam();
+  // q8_0: an odd count of blocks, so the AVX-512 kernel's lone last block runs.
+  const int64_t rows = 13, cols = t == DType::Q4_K ? 1024 : 1056, block = t == DType::Q4_K ? 256 : 32;
+  const Quantized q = make(t, rows, cols, 8);
+  const int64_t row_bytes = ds::ops::block_row_bytes(t, cols);
   for (uint64_t seed : {1, 2, 3}) {
     auto x = input(1, cols, seed);
     x[5] = 0;  // a block of zeros (dx = 0) too
-    if (seed == 3) std::fill(x.begin(), x.begin() + 256, 0.0f);
+    if (seed == 3) std::fill(x.begin(), x.begin() + block, 0.0f);
     std::vector<float> y(static_cast<size_t>(rows));
     ds::ops::linear_forward(y.data(), x.data(), q.view, 1);
     double worst = 0, used = 0;
     for (int64_t r = 0; r < rows; ++r) {
       double bound, exact = 0, mag = 0;
-      const double twin = q4k_decode_twin(x.data(), q.bytes.data() + r * row_bytes, cols, &bound);
+      const double twin = decode_twin(t, x.data(), q.bytes.data() + r * row_bytes, cols, &bound);
       for (int64_t c = 0; c < cols; ++c) {
         exact += double(x[c]) * q.wide[r * cols + c];
         mag += std::fabs(double(x[c]) * q.wide[r * cols + c]);
       }
       // The kernel is the twin up to float32 sums; the twin is x . w up to the rounding of x.
-      ASSERT_NEAR(y[r], twin, 2e-6 * mag + 1e-6) << "row " << r;
+      ASSERT_NEAR(y[r], twin, 2e-6 * mag + 1e-6) << "row " << r << " exact " << exact;
       ASSERT_LE(std::fabs(twin - exact), bound + 1e-9) << "row " << r;
       worst = std::max(worst, std::fabs(twin - exact) / mag);
       used = std::max(used, std::fabs(twin - exact) / bound);
@@ -132,8 +167,8 @@ TEST_P(LinearBlocksTest, ProductsMatchTheDequantizedWeight) {
       const auto x = input(M, cols, 10 + static_cast<uint64_t>(M));
       std::vector<float> y(static_cast<size_t>(M * rows), 7.0f);
       ds::ops::linear_forward(y.data(), x.data(), q.view, M);
-      // q4_k's decode-sized products on 8-bit x by default (Q4KRoundsXToEightBitsABlock).
-      const bool twin = t == DType::Q4_K && M <= 8 && qx == ds::ops::QuantizedX::kInt8;
+      // Decode-sized products on 8-bit x by default (RoundsXToEightBitsABlock).
+      const bool twin = rounds_x(t, M);
       for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < rows; ++r) {
           double want = 0, mag = 0, bound;
@@ -142,7 +177,7 @@ TEST_P(LinearBlocksTest, ProductsMatchTheDequantizedWeight) {
             mag += std::fabs(double(x[m * cols + c]) * q.wide[r * cols + c]);
           }
           if (twin)
-            want = q4k_decode_twin(&x[m * cols], q.bytes.data() + r * ds::ops::block_row_bytes(t, cols), cols, &bound);
+            want = decode_twin(t, &x[m * cols], q.bytes.data() + r * ds::ops::block_row_bytes(t, cols), cols, &bound);
           ASSERT_NEAR(y[m * rows + r], want, 2e-6 * mag + 1e-7) << ds::dtype_name(t) << " M " << M << " row " << r;
         }
       // accumulate adds to what is there.
@@ -196,6 +231,8 @@ TEST_P(LinearBlocksTest, RowsThatAreNotWholeBlocksAreRefused) {
   EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), w, 1), ds::Error);
 }
 
+INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksDecode, ::testing::Values(DType::Q8_0, DType::Q4_K),
+                         [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
 INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest, ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q4_1),
                          [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
 

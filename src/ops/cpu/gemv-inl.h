@@ -12,7 +12,10 @@
 #define DEEPSEEK_OPS_CPU_GEMV_ONCE
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
+
+#include "core/dtype.h"
 
 namespace ds::ops {
 // Calls f(std::integral_constant<int, n>{}) for a run-time n in [1, Max], so
@@ -59,6 +62,40 @@ constexpr int kTileN = 12;        // 24 accumulators
 #endif
 HWY_INLINE void PrefetchL2(const void* p) { __builtin_prefetch(p, 0, 2); }
 HWY_INLINE void PrefetchL1(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// The f16 at p (F16C's vcvtph2ps on x86, exact as the portable widening).
+HWY_INLINE float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+  return _cvtsh_ss(h);
+#else
+  return f16_bits_to_f32(h);
+#endif
+}
+
+// x rounded to 8 bits a block of B values, as llama.cpp rounds the
+// activations of its quantized products: dx[k] = the block's max |x| / 127,
+// and value c of block k stored as nearest(x / dx) at q[k B + slot(c)]
+// (Q: int8_t, or int16_t for kernels that multiply 16-bit lanes). slot must
+// keep each aligned vector of a block together.
+template <int64_t B, class Q, class Slot>
+HWY_INLINE void QuantizeXBlocks(const float* HWY_RESTRICT x, int64_t cols, Q* HWY_RESTRICT q, float* HWY_RESTRICT dx,
+                                Slot slot) {
+  const DF d;
+  const hn::Rebind<Q, DF> dq;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t k = 0; k < cols / B; ++k) {
+    const float* xb = x + k * B;
+    VF amax = hn::Zero(d);
+    for (int64_t l = 0; l < B; l += N) amax = hn::Max(amax, hn::Abs(hn::LoadU(d, xb + l)));
+    const float m = hn::GetLane(hn::MaxOfLanes(d, amax));
+    dx[k] = m / 127.0f;
+    const VF inv = hn::Set(d, m > 0 ? 127.0f / m : 0.0f);
+    for (int64_t l = 0; l < B; l += N)
+      hn::StoreU(hn::DemoteTo(dq, hn::NearestInt(hn::Mul(hn::LoadU(d, xb + l), inv))), dq, q + k * B + slot(l));
+  }
+}
 
 // y[m][r + i] (+)= x[m] . W[r + i] for m < M (<= 4) and i < R (<= 4): each
 // widened weight vector feeds M FMAs and each x vector R. Accumulators are

@@ -8,9 +8,8 @@
 // (QuantizedX::kInt8, the default) instead rounds x to 8 bits a block and
 // multiplies the codes as integers (Q4KOneX): widening them to float32 cost
 // about 0.3 vector instructions a weight and bound the step by its
-// instructions, not by the bytes read. q8_0 stays on float32 x: its codes
-// widen in one instruction a vector, and an integer sum of its blocks of 32
-// would still need a conversion and a scale each, no fewer instructions.
+// instructions, not by the bytes read. q8_0's decode on 8-bit x is
+// ops/cpu/linear_q8_0.cc; here it runs on float32 x (QuantizedX::kF32).
 // Prefill widens chunks of rows to float32 (widen_block_rows) for the
 // outer-product kernel, as for every other narrow dtype.
 //
@@ -41,17 +40,6 @@ namespace HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 namespace {
-
-// The f16 at p (F16C's vcvtph2ps on x86, exact as the portable widening).
-HWY_INLINE float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
-  return _cvtsh_ss(h);
-#else
-  return f16_bits_to_f32(h);
-#endif
-}
 
 // N int8 codes at p as float32.
 HWY_INLINE VF LoadI8(DF d, const uint8_t* HWY_RESTRICT p) {
@@ -218,20 +206,7 @@ constexpr int64_t XSlot(int64_t c) {
 }
 
 void QuantizeX256(const float* HWY_RESTRICT x, int64_t cols, XQ* HWY_RESTRICT q, float* HWY_RESTRICT dx) {
-  const DF d;
-  const hn::Rebind<XQ, DF> dq;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-  for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
-    const float* xb = x + k * kQ4_KValues;
-    VF amax = hn::Zero(d);
-    for (int64_t l = 0; l < kQ4_KValues; l += N) amax = hn::Max(amax, hn::Abs(hn::LoadU(d, xb + l)));
-    const float m = hn::GetLane(hn::MaxOfLanes(d, amax));
-    dx[k] = m / 127.0f;
-    const VF inv = hn::Set(d, m > 0 ? 127.0f / m : 0.0f);
-    for (int64_t l = 0; l < kQ4_KValues; l += N)  // N divides 32: a vector stays in its sub-block
-      hn::StoreU(hn::DemoteTo(dq, hn::NearestInt(hn::Mul(hn::LoadU(d, xb + l), inv))), dq,
-                 q + k * kQ4_KValues + XSlot(l));
-  }
+  QuantizeXBlocks<kQ4_KValues>(x, cols, q, dx, XSlot);
 }
 
 // A block's d and dmin, and its offset share dmin sum_j m_j xs8_j into off.
@@ -697,9 +672,11 @@ void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, 
     }
     return;
   }
+  const bool int8_x = quantized_x() == QuantizedX::kInt8;
+  if (w.dtype == DType::Q8_0 && int8_x) return gemv_q8_0_int8(y, ldy, x, ldx, M, w, r0, r1, accumulate);
   DS_DISPATCH(GemvBlocks)
   (y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate,
-   quantized_x() == QuantizedX::kInt8);
+   int8_x);
 }
 
 }  // namespace ds::ops::detail
