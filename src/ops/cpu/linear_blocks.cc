@@ -675,8 +675,7 @@ void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, 
   const bool int8_x = quantized_x() == QuantizedX::kInt8;
   if (w.dtype == DType::Q8_0 && int8_x) return gemv_q8_0_int8(y, ldy, x, ldx, M, w, r0, r1, accumulate);
   DS_DISPATCH(GemvBlocks)
-  (y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate,
-   int8_x);
+  (y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate, int8_x);
 }
 
 }  // namespace ds::ops::detail

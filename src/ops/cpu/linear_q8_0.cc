@@ -75,9 +75,9 @@ void Q8_0Int(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
       const uint8_t* q = w + (r + i) * row_bytes + b * kQ8_0Bytes;
       PrefetchL2(q + kPrefetchBytes);
       PrefetchL2(q + kPrefetchBytes + 64);
-      const __m512i wv = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kQ8_0Bytes + 2)), 1);
+      const __m512i wv =
+          _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2))),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kQ8_0Bytes + 2)), 1);
       const __m512i sx = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);
       const __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(wv), sx), ones);
       int16_t h0, h1;
