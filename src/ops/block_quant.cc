@@ -89,33 +89,45 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
   }
   if (hi <= lo) return {0.0f, -lo};  // constant (zero or negative) values: the offset alone
   const float rms = std::sqrt(sq / n);
-  float w[n], q[n];
-  double sw = 0, swx = 0;
+  // Per value, once for the whole sweep: its weight, and x - lo (float32,
+  // as the codes take it) and x as doubles.
+  double w[n], xd[n];
+  float xl[n];
+  double sw = 0, swx = 0, swxx = 0;
   for (int i = 0; i < n; ++i) {
     w[i] = rms + std::fabs(x[i]);
+    xd[i] = x[i];
+    xl[i] = x[i] - lo;
     sw += w[i];
-    swx += static_cast<double>(w[i]) * x[i];
+    swx += w[i] * xd[i];
+    swxx += w[i] * xd[i] * xd[i];
   }
-  // The weighted squared error of x ~ a q + c with the codes q of the sweep.
+  // The weighted squared error of x ~ a q + c for codes q with sums
+  // swq = sum w q, swqq = sum w q^2, swqx = sum w q x: the square expanded,
+  // so no second pass over the values.
+  double swq = 0, swqq = 0, swqx = 0;
   auto error_of = [&](double a, double c) {
-    double e = 0;
-    for (int i = 0; i < n; ++i) {
-      const double r = a * q[i] + c - x[i];
-      e += w[i] * r * r;
-    }
-    return e;
+    return a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
   };
   Fit best{(hi - lo) / 15.0f, -lo};
   double best_err = std::numeric_limits<double>::infinity();
   for (int k = -9; k <= 12; ++k) {
     const float iscale = (15.0f + 0.1f * static_cast<float>(k)) / (hi - lo);
-    double swq = 0, swqq = 0, swqx = 0;
-    for (int i = 0; i < n; ++i) {
-      q[i] = std::min(std::floor(iscale * (x[i] - lo) + 0.5f), 15.0f);  // x >= lo: never below 0
-      swq += w[i] * q[i];
-      swqq += static_cast<double>(w[i]) * q[i] * q[i];
-      swqx += static_cast<double>(w[i]) * q[i] * x[i];
-    }
+    // Four partial sums of each: the additions of one value need not wait
+    // for the previous value's (the sweep is most of quantize's time).
+    double p[3][4] = {};
+    for (int i = 0; i < n; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        // floor(v + 0.5) by truncation: v = iscale (x - lo) >= 0.
+        const double q = std::min(static_cast<int>(iscale * xl[i + j] + 0.5f), 15);
+        const double wq = w[i + j] * q;
+        p[0][j] += wq;
+        p[1][j] += wq * q;
+        p[2][j] += wq * xd[i + j];
+      }
+    swq = (p[0][0] + p[0][1]) + (p[0][2] + p[0][3]);
+    swqq = (p[1][0] + p[1][1]) + (p[1][2] + p[1][3]);
+    swqx = (p[2][0] + p[2][1]) + (p[2][2] + p[2][3]);
     if (k == 0) {  // the plain rule: scale (hi - lo) / 15, offset lo
       const double e = error_of(best.a, lo);
       if (e < best_err) best_err = e;
