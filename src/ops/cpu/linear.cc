@@ -371,35 +371,46 @@ alignas(64) constexpr float kE2m1Scaled[16] = {
     -0.0f, -0x1p-126f, -0x1p-125f, -0x1.8p-125f, -0x1p-124f, -0x1.8p-124f, -0x1p-123f, -0x1.8p-123f};
 constexpr int64_t kFp4PrefetchBytes = 16384;
 
-// Decode's fp4 kernel on AVX-512: one row of x (permuted as Fp4Rows reads
-// it; 2N = 32 is a scale block) against R (<= 4) rows from r. A block's
-// scale is applied once to the 16 values a code can take, and each code
-// picks its lane of them (vpermps reads an index lane's low 4 bits): a
-// widening, a shift and two permutes a block instead of DotBlock's generic
-// loop and E2m1Value's eight operations a vector. The products and their
-// order are Fp4Rows's through DotBlock, so the sums are the same bits.
-template <int R>
-void Fp4OneX(float* HWY_RESTRICT y, const float* HWY_RESTRICT xp, const Fp4Weight& f, int64_t r, bool accumulate) {
+// Decode's fp4 kernel on AVX-512: M (<= 4) rows of x (permuted as Fp4Rows
+// reads them, rows K apart; 2N = 32 is a scale block) against R (<= 4)
+// weight rows from r. A block's scale is applied once to the 16 values a
+// code can take, and each code picks its lane of them (vpermps reads an
+// index lane's low 4 bits): a widening, a shift and two permutes a block
+// of a weight row, for all M rows of x, instead of DotBlock's generic loop
+// and E2m1Value's eight operations a vector. The products and their order
+// are Fp4Rows's through DotBlock, so the sums are the same bits.
+template <int M, int R>
+void Fp4Block(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, int64_t K, const Fp4Weight& f,
+              int64_t r, bool accumulate) {
   const DF d;
   const __m512 table = _mm512_load_ps(kE2m1Scaled);
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < f.cols / kFp4Block; ++b) {
-    const __m512 xe = _mm512_loadu_ps(xp + b * kFp4Block), xo = _mm512_loadu_ps(xp + b * kFp4Block + 16);
+    __m512 xe[M], xo[M];
+    for (int m = 0; m < M; ++m)
+      xe[m] = _mm512_loadu_ps(xp + m * K + b * kFp4Block), xo[m] = _mm512_loadu_ps(xp + m * K + b * kFp4Block + 16);
 #pragma GCC unroll 4  // the accumulators stay in registers
     for (int i = 0; i < R; ++i) {
       const uint8_t* q = f.row(r + i) + b * (kFp4Block / 2);
       if ((b & 3) == 0) PrefetchL2(q + kFp4PrefetchBytes);  // a line every fourth block
       const __m512 t = _mm512_mul_ps(table, _mm512_set1_ps(fp4_multiplier(f.scale_row(r + i)[b])));
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-      acc[i] = _mm512_fmadd_ps(xe, _mm512_permutexvar_ps(codes, t), acc[i]);
-      acc[i] = _mm512_fmadd_ps(xo, _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), t), acc[i]);
+      const __m512 lo = _mm512_permutexvar_ps(codes, t), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), t);
+#pragma GCC unroll 4
+      for (int m = 0; m < M; ++m) {
+        acc[m][i] = _mm512_fmadd_ps(xe[m], lo, acc[m][i]);
+        acc[m][i] = _mm512_fmadd_ps(xo[m], hi, acc[m][i]);
+      }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    const float v = hn::GetLane(hn::SumOfLanes(d, VF{acc[i]}));
-    y[r + i] = accumulate ? y[r + i] + v : v;
-  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) {
+      float* out = y + m * ldy + r + i;
+      const float v = hn::GetLane(hn::SumOfLanes(d, VF{acc[m][i]}));
+      *out = accumulate ? *out + v : v;
+    }
 }
 #endif
 
@@ -438,14 +449,14 @@ void GemvFp4(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
     const int64_t rb = std::min(r1, ra + kChunkRows);
     if (fp4_rows_vectorizable(f, ra, rb)) {
 #if HWY_TARGET == HWY_AVX3
-      if (M == 1) {
-        for (int64_t r = ra; r < rb; r += 4)
+      for (int64_t r = ra; r < rb; r += 4)
+        with_count<kXRowsPerPass>(M, [&](auto mm) HWY_ATTR {
           with_count<4>(std::min<int64_t>(4, rb - r),
-                        [&](auto n) HWY_ATTR { Fp4OneX<n()>(y, xp.data(), f, r, accumulate); });
-        continue;
-      }
-#endif
+                        [&](auto n) HWY_ATTR { Fp4Block<mm(), n()>(y, ldy, xp.data(), K, f, r, accumulate); });
+        });
+#else
       Gemv(y, ldy, xp.data(), K, M, Fp4Rows{f, N}, K, ra, rb, accumulate);
+#endif
       continue;
     }
     row.resize(static_cast<size_t>(K));
