@@ -16,9 +16,9 @@
 // caches, a different one each time (as a prefill meets its experts); the
 // widen rows time the prefill kernel's bf16 widening with its chunk in
 // cache and from memory. The stream_rows rows (BM_StreamRows) read one
-// weight far larger than the caches in bf16, q8_0 and q4_k (x rounded to 8
-// bits, and as float32: q8_0_f32x, q4_k_f32x) and fp4: the share of the
-// memory bandwidth each format's decode kernel reaches.
+// weight far larger than the caches in bf16, q8_0, q4_k and q6_k (x rounded
+// to 8 bits, and as float32: q8_0_f32x, q4_k_f32x) and fp4: the share of
+// the memory bandwidth each format's decode kernel reaches.
 #include <benchmark/benchmark.h>
 #include <dnnl.h>
 #include <omp.h>
@@ -209,6 +209,8 @@ void register_all() {
     benchmark::RegisterBenchmark(("stream_rows/q4_k" + m).c_str(), BM_StreamRows, ds::DType::Q4_K, M, int8)
         ->UseRealTime();
     benchmark::RegisterBenchmark(("stream_rows/q4_k_f32x" + m).c_str(), BM_StreamRows, ds::DType::Q4_K, M, f32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("stream_rows/q6_k" + m).c_str(), BM_StreamRows, ds::DType::Q6_K, M, int8)
         ->UseRealTime();
     benchmark::RegisterBenchmark(("stream_rows/fp4" + m).c_str(), BM_StreamRows, ds::DType::F4E2M1, M, f32)
         ->UseRealTime();

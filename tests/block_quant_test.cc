@@ -39,6 +39,7 @@ std::vector<float> roundtrip(DType t, const std::vector<float>& x) {
   ds::ops::dequantize_blocks(t, q.data(), n, y.data());
   const auto gt = t == DType::Q8_0   ? ds::io::gguf::TensorType::Q8_0
                   : t == DType::Q4_1 ? ds::io::gguf::TensorType::Q4_1
+                  : t == DType::Q6_K ? ds::io::gguf::TensorType::Q6_K
                                      : ds::io::gguf::TensorType::Q4_K;
   ds::io::gguf::dequantize(gt, q.data(), n, g.data());
   EXPECT_EQ(y, g);
@@ -59,6 +60,8 @@ double rel_rmse(const std::vector<float>& x, const std::vector<float>& y) {
 
 TEST(BlockQuant, Sizes) {
   EXPECT_EQ(ds::ops::block_row_bytes(DType::Q8_0, 64), 68);
+  EXPECT_EQ(ds::ops::block_row_bytes(DType::Q6_K, 512), 420);
+  EXPECT_EQ(ds::dtype_name(DType::Q6_K), "q6_k");
   EXPECT_EQ(ds::ops::block_row_bytes(DType::Q4_K, 512), 288);
   EXPECT_TRUE(ds::ops::fits_block_format(DType::Q8_0, 96));
   EXPECT_FALSE(ds::ops::fits_block_format(DType::Q4_K, 96));
@@ -156,8 +159,33 @@ TEST(BlockQuant, Q4_1FitsBetterThanMinMax) {
   EXPECT_LT(rel_rmse(x, y), 0.1);
 }
 
+TEST(BlockQuant, Q6_KIsWithinHalfAStepAndFinerThanQ4_K) {
+  // ggml's layout (the dequantization is ggml's own reading): each value
+  // within one step d |sc_j| of its group (the group's largest value maps
+  // to q - 32 = -32, so values of the other sign may clip at +31), and the
+  // step the group's largest magnitude / 32 rounded up to a multiple of d.
+  for (uint64_t seed : {1, 2}) {
+    auto x = gaussian(4 * 256, seed);
+    x[17] = 0.3f;  // an outlier in one group
+    const auto y = roundtrip(DType::Q6_K, x);
+    std::vector<uint8_t> q(4 * ds::ops::kQ6_KBytes);
+    ds::ops::quantize_blocks(DType::Q6_K, x.data(), 1024, q.data());
+    for (size_t g = 0; g < x.size() / 16; ++g) {
+      const uint8_t* blk = q.data() + (g / 16) * ds::ops::kQ6_KBytes;
+      const float d = ds::f16_to_f32(static_cast<uint16_t>(blk[208] | blk[209] << 8));
+      const float step = d * std::fabs(static_cast<float>(static_cast<int8_t>(blk[192 + g % 16])));
+      float amax = 0;
+      for (size_t i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[16 * g + i]));
+      EXPECT_LE(step, (amax / 32 + d) * 1.0001f) << g;
+      for (size_t i = 0; i < 16; ++i) ASSERT_NEAR(y[16 * g + i], x[16 * g + i], step * 1.0001f) << seed << " " << g;
+    }
+    EXPECT_LT(rel_rmse(x, y), 0.04) << seed;
+    EXPECT_LT(rel_rmse(x, y), 0.4 * rel_rmse(x, roundtrip(DType::Q4_K, x))) << seed;
+  }
+}
+
 TEST(BlockQuant, EdgeBlocks) {
-  for (DType t : {DType::Q8_0, DType::Q4_K, DType::Q4_1}) {
+  for (DType t : ds::ops::kBlockFormats) {
     const int64_t n = ds::ops::block_values(t);
     std::vector<float> zero(static_cast<size_t>(n), 0.0f), neg(static_cast<size_t>(n), -0.5f),
         pos(static_cast<size_t>(n), 0.25f);

@@ -27,6 +27,7 @@
 #include "model/load.h"
 #include "model/quantize.h"
 #include "model_fixture.h"
+#include "ops/block_quant.h"
 
 namespace {
 
@@ -370,6 +371,51 @@ TEST_F(GgufExportTest, Q4KMBlocksGoBothWaysAsTheyAre) {
   }
   auto m = ds::infer::load_model(dir_ + "/back");
   EXPECT_EQ(m->weights.view.layers[1].moe.experts[3].up.dtype, ds::DType::Q4_K);
+  ds::infer::KvCache cache(ds::infer::CacheKind::Latent, 1, m->config.num_hidden_layers);
+  for (float v : m->engine->step(cache, {{1, 2, 3, 4}}, false)) ASSERT_TRUE(std::isfinite(v));
+}
+
+// q6_k (llama.cpp's MOSTLY_Q6_K; publishers' Q4_K_M files hold some Q6_K
+// matrices): matrices whose rows are whole blocks of 256 in Q6_K, the rest
+// Q8_0 or F16. Read back, the Q6_K blocks are kept as they are (U8 rows,
+// not widened to float32), the linear layers compute on them, and the
+// logits follow the file's own values.
+TEST_F(GgufExportTest, Q6KBlocksAreKeptOnImport) {
+  auto wide = cfg_;
+  wide["hidden_size"] = 256;
+  wide["moe_intermediate_size"] = 256;
+  wide["intermediate_size"] = 512;
+  wide["kv_lora_rank"] = 64;
+  wide["q_lora_rank"] = 96;
+  ds::test::write_random_model(dir_ + "/wide", wide, 9);
+  std::ofstream(dir_ + "/wide/tokenizer.json") << tok_.dump();
+  ds::model::export_gguf(dir_ + "/wide", dir_ + "/w6.gguf", "q6_k");
+  const auto r = gguf::Reader::open(dir_ + "/w6.gguf");
+  EXPECT_EQ(r.tensor("blk.1.ffn_gate_exps.weight")->type, gguf::TensorType::Q6_K);
+  EXPECT_EQ(r.tensor("blk.1.attn_q_a.weight")->type, gguf::TensorType::Q6_K);
+  EXPECT_EQ(r.tensor("blk.1.attn_q_b.weight")->type, gguf::TensorType::Q8_0);  // 96 columns
+  EXPECT_EQ(std::get<uint64_t>(r.find("general.file_type")->scalar), 18u);
+  ds::model::import_gguf(dir_ + "/w6.gguf", dir_ + "/back6");
+  const auto back = ds::io::SafetensorsSet::open_dir(dir_ + "/back6");
+  const auto& i = back.info("model.layers.1.mlp.experts.3.up_proj.weight");
+  ASSERT_EQ(i.dtype_name, "U8");
+  EXPECT_EQ(i.shape, (ds::Shape{256, 210}));
+  auto m = ds::infer::load_model(dir_ + "/back6");
+  EXPECT_EQ(m->weights.view.layers[1].moe.experts[3].up.dtype, ds::DType::Q6_K);
+  // The kept blocks hold the model's values (6-bit: relative error a few
+  // percent; blocks read from the wrong place would be uncorrelated), and
+  // the model runs on them.
+  const auto orig = ds::io::SafetensorsSet::open_dir(dir_ + "/wide");
+  const auto want = orig.tensor("model.layers.1.mlp.experts.3.up_proj.weight").to_vector();
+  std::vector<float> got(want.size());
+  ds::ops::dequantize_blocks(ds::DType::Q6_K, back.bytes("model.layers.1.mlp.experts.3.up_proj.weight"),
+                             static_cast<int64_t>(want.size()), got.data());
+  double e = 0, s = 0;
+  for (size_t k = 0; k < want.size(); ++k) {
+    e += (got[k] - want[k]) * double(got[k] - want[k]);
+    s += want[k] * double(want[k]);
+  }
+  EXPECT_LT(std::sqrt(e / s), 0.04);
   ds::infer::KvCache cache(ds::infer::CacheKind::Latent, 1, m->config.num_hidden_layers);
   for (float v : m->engine->step(cache, {{1, 2, 3, 4}}, false)) ASSERT_TRUE(std::isfinite(v));
 }

@@ -111,13 +111,42 @@ double q8_0_decode_twin(const float* x, const uint8_t* row, int64_t cols, double
   return y;
 }
 
-// The decode kernels' product on 8-bit x (QuantizedX::kInt8) for q4_k and
-// q8_0; other formats keep x as it is.
+// The same for q6_k (llama.cpp's q8_K x q6_K): x rounded per block of 256,
+// then per block dx d sum_j sc_j ((q - 32) . q_x) over its groups of 16,
+// the codes read as ggml's dequantize_row_q6_K reads them.
+double q6k_decode_twin(const float* x, const uint8_t* row, int64_t cols, double* bound) {
+  double y = 0;
+  *bound = 0;
+  for (int64_t k = 0; k < cols / 256; ++k, row += 210) {
+    const float* xb = x + k * 256;
+    float amax = 0;
+    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[208] | row[209] << 8));
+    int64_t dot = 0, wsum = 0;
+    for (int v = 0; v < 256; ++v) {
+      const int h = v / 128, c = (v % 128) / 32, l = v % 32;
+      const uint8_t lo = row[64 * h + 32 * (c & 1) + l], hb = row[128 + 32 * h + l];
+      const int q = ((c < 2 ? lo : lo >> 4) & 0xF) | ((hb >> (2 * c)) & 3) << 4;
+      const int w = static_cast<int8_t>(row[192 + v / 16]) * (q - 32);
+      dot += static_cast<int64_t>(std::nearbyint(xb[v] * inv)) * w;
+      wsum += std::abs(w);
+    }
+    y += double(dx) * d * double(dot);
+    *bound += 0.5 * double(dx) * std::fabs(d) * double(wsum);
+  }
+  return y;
+}
+
+// The decode kernels' product on 8-bit x (QuantizedX::kInt8) for q4_k, q8_0
+// and q6_k; q4_1 keeps x as it is.
 bool rounds_x(DType t, int64_t M) {
-  return (t == DType::Q4_K || t == DType::Q8_0) && M <= 8 && ds::ops::quantized_x() == ds::ops::QuantizedX::kInt8;
+  return t != DType::Q4_1 && M <= 8 && ds::ops::quantized_x() == ds::ops::QuantizedX::kInt8;
 }
 double decode_twin(DType t, const float* x, const uint8_t* row, int64_t cols, double* bound) {
-  return t == DType::Q4_K ? q4k_decode_twin(x, row, cols, bound) : q8_0_decode_twin(x, row, cols, bound);
+  return t == DType::Q4_K   ? q4k_decode_twin(x, row, cols, bound)
+         : t == DType::Q6_K ? q6k_decode_twin(x, row, cols, bound)
+                            : q8_0_decode_twin(x, row, cols, bound);
 }
 
 class LinearBlocksTest : public ::testing::TestWithParam<DType> {};
@@ -126,7 +155,7 @@ class LinearBlocksDecode : public ::testing::TestWithParam<DType> {};
 TEST_P(LinearBlocksDecode, RoundsXToEightBitsABlock) {
   const DType t = GetParam();
   // q8_0: an odd count of blocks, so the AVX-512 kernel's lone last block runs.
-  const int64_t rows = 13, cols = t == DType::Q4_K ? 1024 : 1056, block = t == DType::Q4_K ? 256 : 32;
+  const int64_t rows = 13, cols = t == DType::Q8_0 ? 1056 : 1024, block = t == DType::Q8_0 ? 32 : 256;
   const Quantized q = make(t, rows, cols, 8);
   const int64_t row_bytes = ds::ops::block_row_bytes(t, cols);
   for (uint64_t seed : {1, 2, 3}) {
@@ -231,9 +260,10 @@ TEST_P(LinearBlocksTest, RowsThatAreNotWholeBlocksAreRefused) {
   EXPECT_THROW(ds::ops::linear_forward(y.data(), x.data(), w, 1), ds::Error);
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksDecode, ::testing::Values(DType::Q8_0, DType::Q4_K),
+INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksDecode, ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q6_K),
                          [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
-INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest, ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q4_1),
+INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest,
+                         ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q4_1, DType::Q6_K),
                          [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
 
 }  // namespace

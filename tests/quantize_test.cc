@@ -75,7 +75,11 @@ std::string format_of(const std::string& dir, const std::string& name, int64_t i
   const auto info = ds::io::SafetensorsSet::open_dir(dir).info(name);
   if (info.dtype_name != "U8") return info.dtype_name;
   const int64_t row = info.shape[1];
-  return row == in / 32 * 34 ? "q8_0" : row == in / 256 * 144 ? "q4_k" : row == in / 32 * 20 ? "q4_1" : "?";
+  return row == in / 32 * 34     ? "q8_0"
+         : row == in / 256 * 144 ? "q4_k"
+         : row == in / 32 * 20   ? "q4_1"
+         : row == in / 256 * 210 ? "q6_k"
+                                 : "?";
 }
 
 // The folder `dir` with every tensor widened to float32 (quantize with
@@ -153,13 +157,17 @@ TEST_F(QuantizeTest, RecipesWriteTheirFormatsAndLoad) {
 }
 
 TEST_F(QuantizeTest, OverridesComeFirst) {
-  const std::string dir = quantize(
-      "q4_k_m", {{R"(model\.layers\.1\.mlp\.experts\.\d+\..*)", "bf16"}, {R"(.*\.self_attn\.o_proj\.weight)", "q4_1"}});
+  const std::string dir =
+      quantize("q4_k_m", {{R"(model\.layers\.1\.mlp\.experts\.\d+\..*)", "bf16"},
+                          {R"(.*\.self_attn\.o_proj\.weight)", "q4_1"},
+                          {R"(model\.layers\.2\.mlp\.experts\.[0-3]\..*|.*\.q_b_proj\.weight)", "q6_k"}});
   EXPECT_EQ(format_of(dir, "model.layers.1.mlp.experts.5.up_proj.weight", 256), "BF16");
   EXPECT_EQ(format_of(dir, "model.layers.2.mlp.experts.5.up_proj.weight", 256), "q4_k");
+  EXPECT_EQ(format_of(dir, "model.layers.2.mlp.experts.2.up_proj.weight", 256), "q6_k");
+  EXPECT_EQ(format_of(dir, "model.layers.1.self_attn.q_b_proj.weight", 96), "q8_0");  // not blocks of 256
   EXPECT_EQ(format_of(dir, "model.layers.0.self_attn.o_proj.weight", 128), "q4_1");
   const auto cfg = nlohmann::json::parse(std::ifstream(fs::path(dir) / "config.json"));
-  EXPECT_EQ(cfg["quantization_config"]["overrides"].size(), 2u);
+  EXPECT_EQ(cfg["quantization_config"]["overrides"].size(), 3u);
   EXPECT_LT(rel_diff(last_logits(dir), last_logits(dequantized(dir))), 1e-4);
   // A vector cannot be blocks.
   EXPECT_THROW(quantize("q8_0", {{R"(model\.norm\.weight)", "q8_0"}}), ds::Error);

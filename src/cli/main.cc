@@ -170,10 +170,11 @@ int main(int argc, char** argv) {
                  "AVX512-BF16 dot products where the CPU has them)")
       ->check(CLI::IsMember({"f32", "float32", "bf16", "bfloat16"}));
   std::string quantized_x = "int8";
-  app.add_option("--quantized-x", quantized_x,
-                 "decode products over q4_k and q8_0 weights: int8 (default; x rounded to 8 bits a block of 256 "
-                 "or 32, integer products, as llama.cpp) or f32 (x as it is: exactly what the dequantized weights "
-                 "compute)")
+  app.add_option(
+         "--quantized-x", quantized_x,
+         "decode products over q4_k, q6_k and q8_0 weights: int8 (default; x rounded to 8 bits a block "
+         "of 256 or 32, integer products, as llama.cpp) or f32 (x as it is: exactly what the dequantized weights "
+         "compute)")
       ->check(CLI::IsMember({"int8", "f32", "float32"}));
   app.set_version_flag("--version", "deepseek.cpp 0.1.0");
   ds::cli::CommandList commands;

@@ -52,7 +52,7 @@ void add_quantize_command(CLI::App& app, CommandList& commands) {
       ->check(CLI::IsMember({"q4_k_m", "q4_k", "q8_0"}));
   cmd->add_option(
       "--override", args->overrides,
-      "REGEX=FORMAT (q4_k, q4_1, q8_0, bf16, f32): tensors whose whole name matches, before the recipe; the "
+      "REGEX=FORMAT (q4_k, q4_1, q6_k, q8_0, bf16, f32): tensors whose whole name matches, before the recipe; the "
       "first match wins (repeatable)");
   commands.emplace_back(cmd, [args] { return run_quantize(*args); });
 }

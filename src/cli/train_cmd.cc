@@ -202,7 +202,7 @@ void add_train_commands(CLI::App& app, CommandList& commands) {
                 "instead of a checkpoint");
   e->add_option("--out", ea->out, "output folder")->required();
   e->add_option("--dtype", ea->dtype,
-                "weight dtype: bf16 (default), f16, f32; with --format gguf also q8_0, q4_k and q4_k_m");
+                "weight dtype: bf16 (default), f16, f32; with --format gguf also q8_0, q4_k, q4_k_m and q6_k");
   e->add_option("--format", ea->format,
                 "hf (default: a Hugging Face folder) or gguf (one file llama.cpp loads; DeepSeek-V2/V3 models)");
   commands.emplace_back(e, [ea] { return run_export(*ea); });

@@ -218,6 +218,7 @@ size_t dtype_size(DType t) {
     case DType::Q8_0:
     case DType::Q4_K:
     case DType::Q4_1:
+    case DType::Q6_K:
       DS_FAIL("{} packs blocks of values with their scales: it has no size per element", dtype_name(t));
   }
   DS_FAIL("unknown dtype {}", static_cast<int>(t));
@@ -249,6 +250,8 @@ std::string_view dtype_name(DType t) {
       return "q4_k";
     case DType::Q4_1:
       return "q4_1";
+    case DType::Q6_K:
+      return "q6_k";
   }
   return "?";
 }

@@ -32,7 +32,7 @@
 
 namespace ds {
 
-enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1, Q8_0, Q4_K, Q4_1 };
+enum class DType : uint8_t { F32, BF16, F16, F8E4M3, F8E5M2, I32, U32, I64, F4E2M1, Q8_0, Q4_K, Q4_1, Q6_K };
 
 size_t dtype_size(DType t);  // bytes per element; throws for the packed f4_e2m1, q8_0, q4_k and q4_1
 std::string_view dtype_name(DType t);

@@ -67,6 +67,7 @@ std::string safetensors_dtype_name(DType t) {
     case DType::Q8_0:
     case DType::Q4_K:
     case DType::Q4_1:
+    case DType::Q6_K:
       break;  // stored as I8 or U8 bytes, not a dtype of its own
   }
   DS_FAIL("no safetensors name for dtype {}", static_cast<int>(t));

@@ -148,10 +148,14 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
       std::memcpy(&out[2 * i], &h, 2);
     }
   } else {
-    // Q8_0, Q4_K, Q4_1: ggml's blocks, made by this engine's quantizer
-    // (ops/block_quant.h; its Q8_0 is ggml's quantize_row_q8_0_ref).
-    const DType t = type == TensorType::Q4_K ? DType::Q4_K : type == TensorType::Q4_1 ? DType::Q4_1 : DType::Q8_0;
-    DS_CHECK((type == TensorType::Q4_K || type == TensorType::Q4_1 || type == TensorType::Q8_0) &&
+    // Q8_0, Q4_K, Q4_1, Q6_K: ggml's blocks, made by this engine's
+    // quantizer (ops/block_quant.h; its Q8_0 is ggml's quantize_row_q8_0_ref).
+    const DType t = type == TensorType::Q4_K   ? DType::Q4_K
+                    : type == TensorType::Q4_1 ? DType::Q4_1
+                    : type == TensorType::Q6_K ? DType::Q6_K
+                                               : DType::Q8_0;
+    DS_CHECK((type == TensorType::Q4_K || type == TensorType::Q4_1 || type == TensorType::Q8_0 ||
+              type == TensorType::Q6_K) &&
                  ops::fits_block_format(t, ne0),
              "gguf export: cannot encode rows of {} in {}", ne0, gguf::type_name(type));
     const int64_t rows = static_cast<int64_t>(x.size()) / ne0;
@@ -168,13 +172,14 @@ std::string encode(const std::vector<float>& x, int64_t ne0, TensorType type) {
 // The type of a GGUF matrix under a recipe (model/quantize.h's, by ggml's
 // names): q4_k_m puts the routed experts at 4 bits and the rest at q8_0,
 // q4_k every matrix but the output. Rows that are not whole blocks fall
-// back: Q4_K to Q4_1, Q4_1 and Q8_0 to F16 (llama.cpp's converter writes
-// F16 there too).
+// back: Q4_K to Q4_1, Q6_K to Q8_0, Q4_1 and Q8_0 to F16 (llama.cpp's
+// converter writes F16 there too).
 TensorType matrix_type(const std::string& recipe, TensorType plain, const std::string& name, int64_t ne0) {
   TensorType t = plain;
   if (recipe == "q4_k_m") t = name.find("_exps.") != std::string::npos ? TensorType::Q4_K : TensorType::Q8_0;
   if (recipe == "q4_k") t = name == "output.weight" ? TensorType::Q8_0 : TensorType::Q4_K;
   if (t == TensorType::Q4_K && ne0 % ops::kQ4_KValues != 0) t = TensorType::Q4_1;
+  if (t == TensorType::Q6_K && ne0 % ops::kQ6_KValues != 0) t = TensorType::Q8_0;
   if ((t == TensorType::Q4_1 || t == TensorType::Q8_0) && ne0 % 32 != 0) t = TensorType::F16;
   return t;
 }
@@ -182,7 +187,7 @@ TensorType matrix_type(const std::string& recipe, TensorType plain, const std::s
 // The format of a block-quantized tensor (a `deepseek quantize` folder's U8
 // rows) of `cols` columns, from its bytes a row; F32 if none matches.
 DType block_format(const io::TensorInfo& i, int64_t cols) {
-  for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1})
+  for (DType f : ops::kBlockFormats)
     if (i.shape.size() == 2 && ops::fits_block_format(f, cols) && ops::block_row_bytes(f, cols) == i.shape[1]) return f;
   return DType::F32;
 }
@@ -223,12 +228,12 @@ class Exporter {
     const io::TensorInfo& i = files_.info(name);
     if (i.dtype_name != "U8") return i.shape;
     DS_CHECK(i.shape.size() == 2, "gguf export: tensor '{}' is U8 {}, not rows of blocks", name, shape_str(i.shape));
-    for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1})
+    for (DType f : ops::kBlockFormats)
       if (i.shape[1] % ops::block_bytes(f) == 0) {
         const int64_t cols = i.shape[1] / ops::block_bytes(f) * ops::block_values(f);
         if (block_format(i, cols) == f) return {i.shape[0], cols};
       }
-    DS_FAIL("gguf export: tensor '{}' is U8 {}, not rows of q8_0, q4_k or q4_1 blocks", name, shape_str(i.shape));
+    DS_FAIL("gguf export: tensor '{}' is U8 {}, not rows of q8_0, q4_k, q4_1 or q6_k blocks", name, shape_str(i.shape));
   }
   // Adds a tensor of ggml shape ne (fastest first) whose values `make`
   // gives; `keep_f32` for norms, biases and the router.
@@ -357,8 +362,10 @@ uint64_t export_gguf(const std::string& hf_dir, const std::string& out, const st
     t = TensorType::Q4_K, file_type = 14;
   } else if (type == "q4_k_m") {
     t = TensorType::Q4_K, file_type = 15;
+  } else if (type == "q6_k") {  // MOSTLY_Q6_K
+    t = TensorType::Q6_K, file_type = 18;
   } else {
-    DS_FAIL("gguf export: type '{}' is not f32, f16, bf16, q8_0, q4_k or q4_k_m", type);
+    DS_FAIL("gguf export: type '{}' is not f32, f16, bf16, q8_0, q4_k, q4_k_m or q6_k", type);
   }
   const ModelConfig c = load_config(hf_dir);
   DS_CHECK(c.model_type == "deepseek_v3" || c.model_type == "deepseek_v2",

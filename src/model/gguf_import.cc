@@ -70,7 +70,7 @@ class File {
     return out;
   }
   // The tensor's blocks as they are, when they are a format the engine
-  // computes on (Q8_0, Q4_K, Q4_1: ops/block_quant.h) and its rows are
+  // computes on (Q8_0, Q4_K, Q4_1, Q6_K: ops/block_quant.h) and its rows are
   // whole blocks; null otherwise. Checked against the ggml shape, and every
   // block's f16 scales checked finite.
   const uint8_t* blocks(const std::string& name, const std::vector<int64_t>& ne, DType* format) const {
@@ -81,6 +81,7 @@ class File {
     const DType f = t->type == gguf::TensorType::Q8_0   ? DType::Q8_0
                     : t->type == gguf::TensorType::Q4_K ? DType::Q4_K
                     : t->type == gguf::TensorType::Q4_1 ? DType::Q4_1
+                    : t->type == gguf::TensorType::Q6_K ? DType::Q6_K
                                                         : DType::F32;
     if (f == DType::F32 || !ops::fits_block_format(f, ne[0])) return nullptr;
     const uint8_t* p = r_.data(*t).data();

@@ -2,7 +2,9 @@
 // converter, llama-quantize or `deepseek export --format gguf` write it) as
 // a Hugging Face folder this engine runs: config.json from the file's keys,
 // float32 safetensors from its tensors (F32, F16, BF16, Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_0, Q4_K and Q6_K dequantized as ggml dequantizes them; attn_k_b and attn_v_b
+// Q5_1, Q8_0, Q4_K and Q6_K dequantized as ggml dequantizes them, except
+// matrices in Q8_0, Q4_K, Q4_1 or Q6_K with whole blocks a row, kept as
+// their blocks (U8 rows, ops/block_quant.h); attn_k_b and attn_v_b
 // joined back into kv_b_proj, stacked experts split), tokenizer.json and
 // tokenizer_config.json from tokenizer.ggml.*. The inverse of
 // model/gguf_export.h: an f32 export imports to the same weights.

@@ -25,7 +25,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 const std::vector<std::string>& formats() {
-  static const std::vector<std::string> f = {"q4_k", "q4_1", "q8_0", "bf16", "f32"};
+  static const std::vector<std::string> f = {"q4_k", "q4_1", "q6_k", "q8_0", "bf16", "f32"};
   return f;
 }
 
@@ -49,8 +49,10 @@ struct Item {
   io::SafetensorsWriter::Entry entry;
 };
 
-bool is_block(const std::string& f) { return f == "q4_k" || f == "q4_1" || f == "q8_0"; }
-DType block_dtype(const std::string& f) { return f == "q4_k" ? DType::Q4_K : f == "q4_1" ? DType::Q4_1 : DType::Q8_0; }
+bool is_block(const std::string& f) { return f == "q4_k" || f == "q4_1" || f == "q6_k" || f == "q8_0"; }
+DType block_dtype(const std::string& f) {
+  return f == "q4_k" ? DType::Q4_K : f == "q4_1" ? DType::Q4_1 : f == "q6_k" ? DType::Q6_K : DType::Q8_0;
+}
 
 // The stored float dtype a kept tensor is written in: its own, or bf16 for fp8.
 std::string kept_dtype(const io::SafetensorsSet& st, const ParamInfo& info) {
@@ -76,6 +78,7 @@ Item plan(const io::SafetensorsSet& st, const ParamInfo& info, const ops::Weight
     f = to;
   };
   if (f == "q4_k" && !ops::fits_block_format(DType::Q4_K, cols)) fall("q4_1");
+  if (f == "q6_k" && !ops::fits_block_format(DType::Q6_K, cols)) fall("q8_0");
   if ((f == "q4_1" || f == "q8_0") && !ops::fits_block_format(DType::Q8_0, cols)) fall("bf16");
   Item it{info, v, f, {}};
   it.entry.name = info.name;
@@ -213,7 +216,10 @@ QuantizeReport quantize_model(const std::string& in, const std::string& out, con
          "sub-blocks of 32, 128 bytes of 4-bit codes; x = d sc q - dmin m (ggml's Q4_K)"},
         {"q4_1",
          "U8 rows of blocks of 32 values, 20 bytes: f16 d, f16 m, 16 bytes of 4-bit codes; x = d q + m "
-         "(ggml's Q4_1)"}}},
+         "(ggml's Q4_1)"},
+        {"q6_k",
+         "U8 rows of blocks of 256 values, 210 bytes: 128 bytes of the 6-bit codes' low 4 bits, 64 of their "
+         "high 2 bits, 16 int8 scales (one per 16 values), f16 d; x = d sc (q - 32) (ggml's Q6_K)"}}},
       {"tensors", counts}};
   if (!opt.overrides.empty()) {
     json o = json::array();

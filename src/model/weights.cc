@@ -62,7 +62,7 @@ class Loader {
              "tensor '{}' is stored as blocks; only projections, the embedding and the LM head may be", info.name);
     DType t = DType::F32;
     std::string sizes;
-    for (DType f : {DType::Q8_0, DType::Q4_K, DType::Q4_1}) {
+    for (DType f : ops::kBlockFormats) {
       if (!ops::fits_block_format(f, in)) continue;
       const int64_t row = ops::block_row_bytes(f, in);
       if (i.shape == Shape{out, row}) t = f;

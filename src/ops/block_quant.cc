@@ -11,16 +11,16 @@
 
 namespace ds::ops {
 
-bool is_block_format(DType t) { return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q4_1; }
+bool is_block_format(DType t) { return t == DType::Q8_0 || t == DType::Q4_K || t == DType::Q4_1 || t == DType::Q6_K; }
 
 int64_t block_values(DType t) {
   DS_CHECK(is_block_format(t), "block_values: {} is not a block format", dtype_name(t));
-  return t == DType::Q8_0 ? kQ8_0Values : t == DType::Q4_1 ? kQ4_1Values : kQ4_KValues;
+  return t == DType::Q8_0 ? kQ8_0Values : t == DType::Q4_1 ? kQ4_1Values : t == DType::Q6_K ? kQ6_KValues : kQ4_KValues;
 }
 
 int64_t block_bytes(DType t) {
   DS_CHECK(is_block_format(t), "block_bytes: {} is not a block format", dtype_name(t));
-  return t == DType::Q8_0 ? kQ8_0Bytes : t == DType::Q4_1 ? kQ4_1Bytes : kQ4_KBytes;
+  return t == DType::Q8_0 ? kQ8_0Bytes : t == DType::Q4_1 ? kQ4_1Bytes : t == DType::Q6_K ? kQ6_KBytes : kQ4_KBytes;
 }
 
 bool fits_block_format(DType t, int64_t cols) { return cols > 0 && cols % block_values(t) == 0; }
@@ -198,6 +198,46 @@ void q4_1_block(const float* x, uint8_t* out) {
   for (int l = 0; l < 16; ++l) out[4 + l] = static_cast<uint8_t>(q[l] | (q[16 + l] << 4));
 }
 
+// ggml's Q6_K layout (ops/block_quant.h) under the plain rule.
+void q6_k_block(const float* x, uint8_t* out) {
+  float s[16], smax = 0;
+  for (int j = 0; j < 16; ++j) {
+    float v = 0;
+    for (int i = 0; i < 16; ++i)
+      if (std::fabs(x[16 * j + i]) > std::fabs(v)) v = x[16 * j + i];
+    s[j] = v / -32.0f;
+    smax = std::max(smax, std::fabs(s[j]));
+  }
+  // d as f16 holds it, raised a step where rounding took it below smax / 127
+  // (small subnormal d), so no scale is clipped.
+  float d = rounded_scale(smax / 127.0f, DType::Q6_K);
+  if (d * 127.0f < smax) d = rounded_scale(f16_to_f32(static_cast<uint16_t>(f32_to_f16(d) + 1)), DType::Q6_K);
+  // |sc_j| rounded up: the group's step d |sc_j| is at least |s_j|, so its
+  // largest value is not clipped (a step rounded down could clip it by
+  // many steps in a group whose scale is small).
+  int8_t sc[16];
+  for (int j = 0; j < 16; ++j)
+    sc[j] =
+        d > 0 ? static_cast<int8_t>(std::copysign(std::min(std::ceil(std::fabs(s[j]) / d), 127.0f), s[j])) : int8_t{0};
+  uint8_t q[kQ6_KValues];
+  for (int v = 0; v < kQ6_KValues; ++v) {
+    const float a = d * static_cast<float>(sc[v / 16]);
+    q[v] = static_cast<uint8_t>(a != 0 ? std::clamp(std::nearbyint(x[v] / a), -32.0f, 31.0f) + 32.0f : 32.0f);
+  }
+  uint8_t* ql = out;
+  uint8_t* qh = out + 128;
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t* qb = q + 128 * h;
+      ql[64 * h + l] = static_cast<uint8_t>((qb[l] & 0xF) | (qb[64 + l] & 0xF) << 4);
+      ql[64 * h + 32 + l] = static_cast<uint8_t>((qb[32 + l] & 0xF) | (qb[96 + l] & 0xF) << 4);
+      qh[32 * h + l] =
+          static_cast<uint8_t>(qb[l] >> 4 | (qb[32 + l] >> 4) << 2 | (qb[64 + l] >> 4) << 4 | (qb[96 + l] >> 4) << 6);
+    }
+  std::memcpy(out + 192, sc, 16);
+  put_half(out + 208, d);
+}
+
 }  // namespace
 
 void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
@@ -209,6 +249,8 @@ void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
       q8_0_block(x + b * B, out + b * bytes);
     else if (t == DType::Q4_1)
       q4_1_block(x + b * B, out + b * bytes);
+    else if (t == DType::Q6_K)
+      q6_k_block(x + b * B, out + b * bytes);
     else
       q4_k_block(x + b * B, out + b * bytes);
   }
@@ -222,10 +264,11 @@ void quantize_rows(DType t, const float* x, int64_t rows, int64_t cols, uint8_t*
 }
 
 int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n) {
-  const int64_t B = block_values(t), bytes = block_bytes(t), halves = t == DType::Q8_0 ? 1 : 2;
+  const int64_t B = block_values(t), bytes = block_bytes(t), halves = t == DType::Q8_0 || t == DType::Q6_K ? 1 : 2;
+  const int64_t at = t == DType::Q6_K ? 208 : 0;  // q6_k's d comes last
   for (int64_t b = 0; b < n / B; ++b)
     for (int64_t k = 0; k < halves; ++k)
-      if (!std::isfinite(get_half(blocks + b * bytes + 2 * k))) return b;
+      if (!std::isfinite(get_half(blocks + b * bytes + at + 2 * k))) return b;
   return -1;
 }
 
@@ -233,6 +276,7 @@ void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out) {
   DS_CHECK(n % block_values(t) == 0, "dequantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
   io::gguf::dequantize(t == DType::Q8_0   ? io::gguf::TensorType::Q8_0
                        : t == DType::Q4_1 ? io::gguf::TensorType::Q4_1
+                       : t == DType::Q6_K ? io::gguf::TensorType::Q6_K
                                           : io::gguf::TensorType::Q4_K,
                        blocks, n, out);
 }

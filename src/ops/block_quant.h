@@ -1,4 +1,4 @@
-// Block-quantized weight rows: q8_0 and q4_k (core/dtype.h), laid out byte
+// Block-quantized weight rows: q8_0, q4_k, q4_1 and q6_k (core/dtype.h), laid out byte
 // for byte as ggml lays them out, so a row quantized here is a row of a GGUF
 // file and the other way round.
 //
@@ -13,6 +13,18 @@
 //   q4_1  blocks of 32 values, 20 bytes: f16 d, f16 m, 16 bytes of 4-bit
 //         codes (value l in the low nibble of byte l, value 16 + l in the
 //         high one); x = d q + m. For rows that are not whole blocks of 256.
+//   q6_k  blocks of 256 values, 210 bytes: 128 bytes of the codes' low 4
+//         bits (ql), 64 of their high 2 bits (qh), 16 int8 scales sc (one
+//         per 16 values), f16 d; x = d sc_j (q - 32), q in [0, 63]. In each
+//         half of 128 values, l < 32: value l is ql[l] low | qh[l] bits 0-1,
+//         32 + l is ql[32 + l] low | qh[l] bits 2-3, 64 + l is ql[l] high |
+//         bits 4-5, 96 + l is ql[32 + l] high | bits 6-7 (ggml's Q6_K, which
+//         publishers' Q4_K_M files keep for some matrices). Its quantizer
+//         is the plain one: a group's scale maps its value of largest
+//         magnitude to q - 32 = -32, d = the largest |scale| / 127, the
+//         scales rounded up to int8 under d and the values to the nearest
+//         q under them (each value within one step d |sc_j|, most within
+//         half of it).
 //
 // The q4_k and q4_1 quantizers fit each sub-block (block) by weighted least squares over a
 // sweep of candidate scales (weights |x| plus the sub-block's RMS, so large
@@ -33,10 +45,13 @@ inline constexpr int64_t kQ8_0Values = 32, kQ8_0Bytes = 34;
 inline constexpr int64_t kQ4_KValues = 256, kQ4_KBytes = 144;
 inline constexpr int64_t kQ4_KSubBlock = 32;
 inline constexpr int64_t kQ4_1Values = 32, kQ4_1Bytes = 20;
+inline constexpr int64_t kQ6_KValues = 256, kQ6_KBytes = 210;
+// Every block format, in the order a row's byte count is matched against.
+inline constexpr DType kBlockFormats[] = {DType::Q8_0, DType::Q4_K, DType::Q4_1, DType::Q6_K};
 
 bool is_block_format(DType t);
 int64_t block_values(DType t);  // values a block (32 or 256)
-int64_t block_bytes(DType t);   // bytes a block (34, 144 or 20)
+int64_t block_bytes(DType t);   // bytes a block (34, 144, 20 or 210)
 // Whether a row of `cols` values is whole blocks of t.
 bool fits_block_format(DType t, int64_t cols);
 // Bytes of a row of `cols` values (whole blocks).

@@ -62,12 +62,12 @@ MatmulPrecision matmul_precision();
 // "f32"/"float32" or "bf16"/"bfloat16"; anything else is an error.
 MatmulPrecision parse_matmul_precision(std::string_view name);
 std::string_view matmul_precision_name(MatmulPrecision p);
-// The x of decode-sized products (8 rows of x or fewer) over q4_k and q8_0
-// weights:
-//   kInt8  rounded to 8 bits a block of 256 for q4_k, of 32 for q8_0
+// The x of decode-sized products (8 rows of x or fewer) over q4_k, q6_k and
+// q8_0 weights:
+//   kInt8  rounded to 8 bits a block of 256 for q4_k and q6_k, of 32 for q8_0
 //          (nearest of x / dx, dx = the block's max |x| / 127), the codes
 //          multiplied as integers, exact 32-bit sums within a block
-//          (llama.cpp's q8_K x q4_K and q8_0 x q8_0); the default: the
+//          (llama.cpp's q8_K x q4_K, q8_K x q6_K and q8_0 x q8_0); the default: the
 //          decode step's largest cost is these products;
 //   kF32   x as it is, float32 products and sums (exactly what the
 //          dequantized weights compute, up to the order of sums).

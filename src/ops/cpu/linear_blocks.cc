@@ -9,7 +9,7 @@
 // multiplies the codes as integers (Q4KOneX): widening them to float32 cost
 // about 0.3 vector instructions a weight and bound the step by its
 // instructions, not by the bytes read. q8_0's decode on 8-bit x is
-// ops/cpu/linear_q8_0.cc; here it runs on float32 x (QuantizedX::kF32).
+// ops/cpu/linear_int8x.cc; here it runs on float32 x (QuantizedX::kF32).
 // Prefill widens chunks of rows to float32 (widen_block_rows) for the
 // outer-product kernel, as for every other narrow dtype.
 //
@@ -644,7 +644,7 @@ HWY_EXPORT(GemvBlocks);
 
 void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
   const auto* bytes = static_cast<const uint8_t*>(w.data);
-  if (!DS_DISPATCH(BlockVectors)()) {
+  if (!DS_DISPATCH(BlockVectors)() || w.dtype == DType::Q6_K) {  // q6_k: ggml's own reading
     const int64_t row_bytes = block_row_bytes(w.dtype, w.cols);
     for (int64_t r = r0; r < r1; ++r)
       dequantize_blocks(w.dtype, bytes + r * row_bytes, w.cols, out + (r - r0) * w.cols);
@@ -660,7 +660,9 @@ void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1) {
 
 void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
                  int64_t r1, bool accumulate) {
-  if (!DS_DISPATCH(BlockVectors)()) {  // vectors longer than a block: widen a row at a time
+  const bool int8_x = quantized_x() == QuantizedX::kInt8;
+  // Vectors longer than a block, or q6_k on float32 x: widen a row at a time.
+  if (!DS_DISPATCH(BlockVectors)() || (w.dtype == DType::Q6_K && !int8_x)) {
     Buffer<float> row(static_cast<size_t>(w.cols));
     for (int64_t r = r0; r < r1; ++r) {
       widen_block_rows(row.data(), w, r, r + 1);
@@ -672,8 +674,8 @@ void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, 
     }
     return;
   }
-  const bool int8_x = quantized_x() == QuantizedX::kInt8;
   if (w.dtype == DType::Q8_0 && int8_x) return gemv_q8_0_int8(y, ldy, x, ldx, M, w, r0, r1, accumulate);
+  if (w.dtype == DType::Q6_K) return gemv_q6_k_int8(y, ldy, x, ldx, M, w, r0, r1, accumulate);
   DS_DISPATCH(GemvBlocks)
   (y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.dtype, w.cols, r0, r1, accumulate, int8_x);
 }

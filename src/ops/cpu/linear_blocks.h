@@ -14,9 +14,12 @@ void widen_block_rows(float* out, const WeightView& w, int64_t r0, int64_t r1);
 // widened in registers, each block's scales applied to its vectors.
 void gemv_blocks(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
                  int64_t r1, bool accumulate);
-// The same for q8_0 with x rounded to 8 bits a block of 32 (QuantizedX::kInt8;
-// ops/cpu/linear_q8_0.cc). Needs the vector kernels (BlockVectors).
+// The same for q8_0 with x rounded to 8 bits a block of 32, and for q6_k
+// with x rounded a block of 256 (QuantizedX::kInt8; ops/cpu/linear_int8x.cc).
+// Need the vector kernels (BlockVectors).
 void gemv_q8_0_int8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
+                    int64_t r1, bool accumulate);
+void gemv_q6_k_int8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
                     int64_t r1, bool accumulate);
 
 }  // namespace ds::ops::detail

@@ -1,5 +1,5 @@
-// q8_0 weights against x rounded to 8 bits (QuantizedX::kInt8, the
-// default; ops/cpu/linear_blocks.h).
+// q8_0 and q6_k weights against x rounded to 8 bits (QuantizedX::kInt8,
+// the default; ops/cpu/linear_blocks.h).
 //
 // x is rounded a block of 32, q8_0's own block, as llama.cpp's q8_0 x q8_0
 // product does: dx = the block's max |x| / 127, q_x = nearest(x / dx). For
@@ -12,6 +12,13 @@
 // sign by pmaddubsw, pairs summed by pmaddwd, each half scaled by its
 // block), AVX2 (the same on one block), and the rest (NEON, SVE, the scalar
 // fallback: codes and x as 16-bit lanes, pair products into 32 bits).
+//
+// q6_k takes x rounded a block of 256, its own block, as llama.cpp's q8_K:
+// x . w = dx d (sum_j sc_j (q_j . q_x) - 32 sum_j sc_j xs_j), xs_j the sum
+// of q_x over group j of 16, all exact in 32-bit integers. AVX2 and
+// AVX-512 rebuild 32 six-bit codes at a time from their low and high bits
+// and multiply them by pmaddubsw; the other targets sum a block in a plain
+// integer loop (correct, not fast: no Arm machine has run a faster one).
 #include <algorithm>
 #include <cstring>
 
@@ -21,7 +28,7 @@
 #include "ops/cpu/linear_blocks.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "ops/cpu/linear_q8_0.cc"
+#define HWY_TARGET_INCLUDE "ops/cpu/linear_int8x.cc"
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
@@ -159,7 +166,115 @@ void Q8_0Int(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
 }
 #endif
 
+// sum_j sc_j (q_j . q_x) of one q6_k block against 256 values of x, without
+// the -32 offset (exact in 32 bits: |q_x| <= 127, q <= 63, |sc| <= 128).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+HWY_INLINE __m256i Q6KBlock(const uint8_t* HWY_RESTRICT blk, const XQ* HWY_RESTRICT xb) {
+  const __m256i m4 = _mm256_set1_epi8(0xF), m3 = _mm256_set1_epi8(3);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  __m256i sum = _mm256_setzero_si256();
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+    const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    // Values 32c..32c + 31 of the half: low nibbles of ql0, ql1, then high
+    // ones, each with its two bits of qh above (byte shifts done in 16-bit
+    // lanes, the masks keep each byte's own bits).
+    const __m256i q[4] = {_mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4)),
+                          _mm256_or_si256(_mm256_and_si256(ql1, m4),
+                                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4)),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4)),
+                          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                          _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4))};
+    for (int c = 0; c < 4; ++c) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 128 * h + 32 * c));
+      const __m256i p = _mm256_maddubs_epi16(q[c], xv);  // 16-bit lanes 0-7: group 2c, 8-15: 2c + 1
+      const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * c + 1]), _mm_set1_epi16(sc[8 * h + 2 * c]));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, s));
+    }
+  }
+  return sum;
+}
+
+template <int R>
+void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
+            const int32_t* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
+            bool accumulate) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < cols / kQ6_KValues; ++k) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* blk = w + (r + i) * row_bytes + k * kQ6_KBytes;
+      for (int l = 0; l < 4; ++l) PrefetchL2(blk + kPrefetchBytes + 64 * l);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      int32_t off = 0;
+      for (int j = 0; j < 16; ++j) off += sc[j] * xs[16 * k + j];
+      const __m256i s =
+          _mm256_sub_epi32(Q6KBlock(blk, xq + k * kQ6_KValues), _mm256_setr_epi32(32 * off, 0, 0, 0, 0, 0, 0, 0));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx[k] * half_at(blk + 208)), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    const float v = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    y[r + i] = accumulate ? y[r + i] + v : v;
+  }
+}
+#else
+template <int R>
+void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
+            const int32_t* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
+            bool accumulate) {
+  for (int i = 0; i < R; ++i) {
+    float acc = 0;
+    for (int64_t k = 0; k < cols / kQ6_KValues; ++k) {
+      const uint8_t* blk = w + (r + i) * row_bytes + k * kQ6_KBytes;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+      const XQ* xb = xq + k * kQ6_KValues;
+      int32_t sum = 0;
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t lo0 = blk[64 * h + l], lo1 = blk[64 * h + 32 + l], hb = blk[128 + 32 * h + l];
+          const int q[4] = {(lo0 & 0xF) | (hb & 3) << 4, (lo1 & 0xF) | ((hb >> 2) & 3) << 4,
+                            (lo0 >> 4) | ((hb >> 4) & 3) << 4, (lo1 >> 4) | ((hb >> 6) & 3) << 4};
+          for (int c = 0; c < 4; ++c) sum += sc[8 * h + 2 * c + l / 16] * q[c] * xb[128 * h + 32 * c + l];
+        }
+      for (int j = 0; j < 16; ++j) sum -= 32 * sc[j] * xs[16 * k + j];
+      acc += static_cast<float>(sum) * (dx[k] * half_at(blk + 208));
+    }
+    y[r + i] = accumulate ? y[r + i] + acc : acc;
+  }
+}
+#endif
+
 }  // namespace
+
+// y[m][r] (+)= x[m] . W[r] for m < M, r in [r0, r1) of a q6_k weight, on x
+// rounded to 8 bits a block of 256.
+void GemvQ6KInt8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const uint8_t* w, int64_t cols,
+                 int64_t r0, int64_t r1, bool accumulate) {
+  const int64_t blocks = cols / kQ6_KValues, row_bytes = blocks * kQ6_KBytes;
+  Buffer<XQ> xq(static_cast<size_t>(M * cols));
+  Buffer<float> dx(static_cast<size_t>(M * blocks));
+  Buffer<int32_t> xs(static_cast<size_t>(M * cols / 16));
+  for (int64_t m = 0; m < M; ++m) {
+    QuantizeXBlocks<kQ6_KValues>(x + m * ldx, cols, xq.data() + m * cols, dx.data() + m * blocks, InOrder);
+    for (int64_t g = 0; g < cols / 16; ++g) {
+      int32_t s = 0;
+      for (int64_t l = 0; l < 16; ++l) s += xq[static_cast<size_t>(m * cols + 16 * g + l)];
+      xs[static_cast<size_t>(m * cols / 16 + g)] = s;
+    }
+  }
+  for (int64_t r = r0; r < r1; r += 4)
+    with_count<4>(std::min<int64_t>(4, r1 - r), [&](auto n) HWY_ATTR {
+      for (int64_t m = 0; m < M; ++m)
+        Q6KInt<n()>(y + m * ldy, xq.data() + m * cols, dx.data() + m * blocks, xs.data() + m * cols / 16, w, row_bytes,
+                    cols, r, accumulate);
+    });
+}
 
 // y[m][r] (+)= x[m] . W[r] for m < M, r in [r0, r1) of a q8_0 weight, on
 // x rounded to 8 bits a block: each row of x in turn over four weight rows
@@ -186,10 +301,16 @@ HWY_AFTER_NAMESPACE();
 namespace ds::ops::detail {
 
 HWY_EXPORT(GemvQ8_0Int8);
+HWY_EXPORT(GemvQ6KInt8);
 
 void gemv_q8_0_int8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
                     int64_t r1, bool accumulate) {
   DS_DISPATCH(GemvQ8_0Int8)(y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.cols, r0, r1, accumulate);
+}
+
+void gemv_q6_k_int8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, const WeightView& w, int64_t r0,
+                    int64_t r1, bool accumulate) {
+  DS_DISPATCH(GemvQ6KInt8)(y, ldy, x, ldx, M, static_cast<const uint8_t*>(w.data), w.cols, r0, r1, accumulate);
 }
 
 }  // namespace ds::ops::detail
