@@ -65,6 +65,18 @@ class GgufExportTest : public ::testing::Test {
                     "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
               {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}}}};
   }
+  // dir_/wide: rows of 256 where the blocks need them (hidden, experts),
+  // 96 and 64 columns elsewhere.
+  void write_wide() {
+    auto wide = cfg_;
+    wide["hidden_size"] = 256;
+    wide["moe_intermediate_size"] = 256;
+    wide["intermediate_size"] = 512;
+    wide["kv_lora_rank"] = 64;
+    wide["q_lora_rank"] = 96;
+    ds::test::write_random_model(dir_ + "/wide", wide, 9);
+    std::ofstream(dir_ + "/wide/tokenizer.json") << tok_.dump();
+  }
   gguf::Reader exported(const std::string& type) {
     const std::string out = dir_ + "/m-" + type + ".gguf";
     ds::model::export_gguf(dir_ + "/hf", out, type);
@@ -339,14 +351,7 @@ TEST_F(GgufExportTest, ImportIsTheInverseOfExport) {
 // blocks are kept as they are (U8 rows, the bytes `deepseek quantize`
 // writes for the same weights), and the folder runs.
 TEST_F(GgufExportTest, Q4KMBlocksGoBothWaysAsTheyAre) {
-  auto wide = cfg_;
-  wide["hidden_size"] = 256;
-  wide["moe_intermediate_size"] = 256;
-  wide["intermediate_size"] = 512;
-  wide["kv_lora_rank"] = 64;
-  wide["q_lora_rank"] = 96;
-  ds::test::write_random_model(dir_ + "/wide", wide, 9);
-  std::ofstream(dir_ + "/wide/tokenizer.json") << tok_.dump();
+  write_wide();
   ds::model::export_gguf(dir_ + "/wide", dir_ + "/w.gguf", "q4_k_m");
   const auto r = gguf::Reader::open(dir_ + "/w.gguf");
   EXPECT_EQ(r.tensor("blk.1.ffn_gate_exps.weight")->type, gguf::TensorType::Q4_K);
@@ -381,14 +386,7 @@ TEST_F(GgufExportTest, Q4KMBlocksGoBothWaysAsTheyAre) {
 // not widened to float32), the linear layers compute on them, and the
 // logits follow the file's own values.
 TEST_F(GgufExportTest, Q6KBlocksAreKeptOnImport) {
-  auto wide = cfg_;
-  wide["hidden_size"] = 256;
-  wide["moe_intermediate_size"] = 256;
-  wide["intermediate_size"] = 512;
-  wide["kv_lora_rank"] = 64;
-  wide["q_lora_rank"] = 96;
-  ds::test::write_random_model(dir_ + "/wide", wide, 9);
-  std::ofstream(dir_ + "/wide/tokenizer.json") << tok_.dump();
+  write_wide();
   ds::model::export_gguf(dir_ + "/wide", dir_ + "/w6.gguf", "q6_k");
   const auto r = gguf::Reader::open(dir_ + "/w6.gguf");
   EXPECT_EQ(r.tensor("blk.1.ffn_gate_exps.weight")->type, gguf::TensorType::Q6_K);

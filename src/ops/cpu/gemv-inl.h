@@ -74,6 +74,15 @@ HWY_INLINE float half_at(const uint8_t* p) {
 #endif
 }
 
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+// The sum of a 256-bit vector's 8 floats.
+HWY_INLINE float SumOf8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
 // x rounded to 8 bits a block of B values, as llama.cpp rounds the
 // activations of its quantized products: dx[k] = the block's max |x| / 127,
 // and value c of block k stored as nearest(x / dx) at q[k B + slot(c)]

@@ -242,11 +242,6 @@ HWY_INLINE void PrefetchQ4KBlock(const uint8_t* blk) {
   PrefetchL2(blk + kQ4KPrefetchBytes + 128);
 }
 
-HWY_INLINE float SumOf8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 #endif
 
 #if HWY_TARGET == HWY_AVX3

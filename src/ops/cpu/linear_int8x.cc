@@ -124,9 +124,7 @@ void Q8_0Int(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
     }
   }
   for (int i = 0; i < R; ++i) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    const float v = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    const float v = SumOf8(acc[i]);
     y[r + i] = accumulate ? y[r + i] + v : v;
   }
 }
@@ -217,9 +215,7 @@ void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_R
     }
   }
   for (int i = 0; i < R; ++i) {
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    const float v = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    const float v = SumOf8(acc[i]);
     y[r + i] = accumulate ? y[r + i] + v : v;
   }
 }
