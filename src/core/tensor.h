@@ -12,13 +12,11 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
 namespace ds {
-
-enum class Device : uint8_t { CPU, CUDA };
-std::string_view device_name(Device d);
 
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);

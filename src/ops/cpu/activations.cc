@@ -10,6 +10,7 @@
 // Outputs may alias inputs elementwise (out == a in a gated MLP, y == x for an
 // in-place softmax): every element is read before it is written.
 #include "ops/activations.h"
+#include "ops/backend.h"
 
 #include <algorithm>
 #include <bit>
@@ -206,7 +207,7 @@ void for_chunks(int64_t n, F&& f) {
 
 }  // namespace
 
-void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit) {
+void cpu::silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit) {
   DS_CHECK(n >= 0 && limit >= 0, "silu_mul: n={} limit={}", n, limit);
   if (limit > 0) {
     for_chunks(n, [&](int64_t i, int64_t len) {
@@ -231,7 +232,7 @@ void silu_mul_backward(float* da, float* db, const float* dout, const float* a, 
   });
 }
 
-void sigmoid_forward(float* y, const float* x, int64_t n) {
+void cpu::sigmoid_forward(float* y, const float* x, int64_t n) {
   DS_CHECK(n >= 0, "sigmoid: n={}", n);
   for_chunks(n, [&](int64_t i, int64_t len) { DS_DISPATCH(SigmoidSpan)(y + i, x + i, len); });
 }
@@ -243,7 +244,7 @@ void sigmoid_backward(float* dx, const float* dy, const float* y, int64_t n) {
 
 // A row whose entries are all -inf (fully masked) has no probability mass to
 // share; it gives zeros rather than 0/0, and then a zero gradient.
-void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols) {
+void cpu::softmax_forward(float* y, const float* x, int64_t rows, int64_t cols) {
   DS_CHECK(rows >= 0 && cols > 0, "softmax: rows={} cols={}", rows, cols);
 #pragma omp parallel for schedule(static) if (rows * cols > kChunk)
   for (int64_t r = 0; r < rows; ++r) DS_DISPATCH(SoftmaxRow)(y + r * cols, x + r * cols, cols);

@@ -19,6 +19,8 @@
 // rows may (a row's result is the same bits in any tile).
 #include "ops/latent_attention.h"
 
+#include "ops/backend.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -150,7 +152,7 @@ std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims
   return out;
 }
 
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
                               const LatentAttentionDims& d) {
   check_dims(d, "latent_attention");
   const Shape g(d);

@@ -26,6 +26,8 @@
 // thread count (they differ between targets, whose vector widths differ).
 #include "ops/linear.h"
 
+#include "ops/backend.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -1235,7 +1237,7 @@ bool bf16_dot(const WeightView& w, bool bf16_precision) {
 }
 }  // namespace
 
-void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
+void cpu::linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
                     bool accumulate) {
   check_weight(w);
   DS_CHECK(M >= 0 && ldx >= w.cols && ldy >= w.rows, "linear: M={} ldx={} ldy={} for weight [{}, {}]", M, ldx, ldy,

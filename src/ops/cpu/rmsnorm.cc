@@ -11,6 +11,8 @@
 // multiply-adds where it has them).
 #include "ops/rmsnorm.h"
 
+#include "ops/backend.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -126,7 +128,7 @@ HWY_EXPORT(ScaleRow);
 HWY_EXPORT(DxRow);
 HWY_EXPORT(DwRowDot);
 
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim, float eps) {
+void cpu::rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim, float eps) {
   DS_CHECK(rows >= 0 && dim > 0, "rmsnorm: rows={} dim={}", rows, dim);
   DS_CHECK(eps >= 0.0f, "rmsnorm: eps must be non-negative, got {}", eps);
   // Rows are independent; a few rows (decode) are not worth a thread team.
