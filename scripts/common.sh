@@ -41,3 +41,26 @@ build() {
   cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
   cmake --build build -j "$jobs"
 }
+
+# nvcc on the PATH or in CUDA's default place; empty when neither has one.
+find_nvcc() {
+  command -v nvcc 2>/dev/null && return
+  [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc
+  return 0
+}
+
+# Compiles the CUDA backend (ops/cuda/ and the table that names it) without
+# running it: wherever nvcc is found, so that the GPU code never rots on
+# machines without a GPU. Takes a minute or two; DEEPSEEK_CUDA_COMPILE=0 skips.
+compile_cuda_backend() {
+  local nvcc
+  nvcc=$(find_nvcc)
+  if [ -z "$nvcc" ] || [ "${DEEPSEEK_CUDA_COMPILE:-1}" = 0 ]; then
+    echo "CUDA backend: not compiled (${nvcc:+skipped by DEEPSEEK_CUDA_COMPILE=0}${nvcc:-no nvcc found})"
+    return 0
+  fi
+  local jobs="${DEEPSEEK_JOBS:-$(nproc)}"
+  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DDEEPSEEK_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="$nvcc" -DDEEPSEEK_BUILD_BENCH=OFF >/dev/null
+  cmake --build build-cuda -j "$jobs" --target deepseek_cuda CMakeFiles/deepseek_core.dir/src/ops/backend.cc.o
+}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the whole test suite: once on the
 # Release build, then once more built with AddressSanitizer and
-# UndefinedBehaviorSanitizer (scripts/sanitize.sh). Each phase prints its
+# UndefinedBehaviorSanitizer (scripts/sanitize.sh). Where nvcc is found, the
+# CUDA backend is compiled too (not run: that needs a GPU and
+# scripts/cuda_check.sh). Each phase prints its
 # time; on 2 cores from clean the whole takes 25 to 60 minutes, as fast as
 # the machine is. DEEPSEEK_SANITIZE=0 skips the sanitized run. Extra
 # arguments go to both ctest runs (e.g. -R tokenizer).
@@ -16,6 +18,9 @@ echo "release build: $(($(date +%s) - t0))s"
 t0=$(date +%s)
 (cd build && ctest --output-on-failure -j "${DEEPSEEK_JOBS:-$(nproc)}" "$@")
 echo "release tests: $(($(date +%s) - t0))s"
+t0=$(date +%s)
+compile_cuda_backend
+echo "CUDA backend compile: $(($(date +%s) - t0))s"
 if [ "${DEEPSEEK_SANITIZE:-1}" != 0 ]; then
   "$ROOT/scripts/sanitize.sh" "$@"
 fi
