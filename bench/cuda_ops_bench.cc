@@ -137,8 +137,8 @@ void BM_CudaLatentDecode(benchmark::State& state) {
   const Backend* b = gpu(state);
   if (!b) return;
   const int64_t batch = state.range(0), past = state.range(1), T = past + 1;
-  const ds::ops::LatentAttentionDims d{.heads = 128, .nope = 128, .rope = 64, .v_dim = 128, .kv_lora = 512,
-                                       .scale = 0.0721688f};
+  const ds::ops::LatentAttentionDims d{
+      .heads = 128, .nope = 128, .rope = 64, .v_dim = 128, .kv_lora = 512, .scale = 0.0721688f};
   const int64_t qk = d.nope + d.rope;
   const auto absorbed = random(d.heads * (d.nope * 512 + 512 * 128), 8);
   const auto q = random(batch * d.heads * qk, 9);
@@ -150,12 +150,14 @@ void BM_CudaLatentDecode(benchmark::State& state) {
   std::vector<ds::ops::LatentQueries> seqs(batch);
   for (int64_t i = 0; i < batch; ++i) {
     caches.push_back(std::make_unique<DeviceBuffer>(b, cache.data(), cache.size() * 4));
-    seqs[i] = {.q = dq.f() + i * d.heads * qk, .ctx = dctx.f() + i * d.heads * d.v_dim, .c_kv = caches.back()->f(),
-               .k_pe = caches.back()->f() + T * d.kv_lora, .n = 1, .past = past};
+    seqs[i] = {.q = dq.f() + i * d.heads * qk,
+               .ctx = dctx.f() + i * d.heads * d.v_dim,
+               .c_kv = caches.back()->f(),
+               .k_pe = caches.back()->f() + T * d.kv_lora,
+               .n = 1,
+               .past = past};
   }
-  run(state, b, [&] {
-    b->latent_attention_forward(seqs.data(), batch, d.heads * qk, d.heads * d.v_dim, da.f(), d);
-  });
+  run(state, b, [&] { b->latent_attention_forward(seqs.data(), batch, d.heads * qk, d.heads * d.v_dim, da.f(), d); });
   counters(state, 4.0 * (batch * T * (d.kv_lora + d.rope) + absorbed.size() + q.size() + batch * d.heads * d.v_dim),
            2.0 * batch * d.heads * T * (d.kv_lora + d.rope + d.kv_lora));
 }

@@ -19,15 +19,13 @@
 // polynomial and the GPU's expf by a few ulp: 1e-6. linear sums products of
 // the same (rounded) operands in another order over up to a few thousand
 // terms: 1e-5.
-#include "ops/backend.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,6 +33,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "ops/activations.h"
+#include "ops/backend.h"
 #include "ops/embedding.h"
 #include "ops/latent_attention.h"
 #include "ops/linear.h"
@@ -75,8 +74,8 @@ const Backend& counting_backend() {
       ++g_calls;
       cpu::softmax_forward(y, x, rows, cols);
     };
-    b.rope_forward = [](float* y, const float* x, const int32_t* pos, const float* freqs, int64_t tokens,
-                        int64_t heads, int64_t dim, int64_t ts, int64_t hs, RopeLayout layout) {
+    b.rope_forward = [](float* y, const float* x, const int32_t* pos, const float* freqs, int64_t tokens, int64_t heads,
+                        int64_t dim, int64_t ts, int64_t hs, RopeLayout layout) {
       ++g_calls;
       cpu::rope_forward(y, x, pos, freqs, tokens, heads, dim, ts, hs, layout);
     };
@@ -254,10 +253,11 @@ TEST(BackendOps, SiluMulAndSigmoid) {
 
 TEST(BackendOps, SoftmaxWithAFullyMaskedRow) {
   FOR_EACH_DEVICE(b) {
-    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {3, 17}, {8, 4096}, {5, 4097}, {70000, 3}, {2, 129280}}) {
+    for (auto [rows, cols] :
+         {std::pair<int64_t, int64_t>{1, 1}, {3, 17}, {8, 4096}, {5, 4097}, {70000, 3}, {2, 129280}}) {
       auto x = randn(rows * cols, 31, 4.0f);
       for (int64_t j = 0; j < cols; ++j) x[j] = -std::numeric_limits<float>::infinity();  // row 0: masked
-      if (rows > 1) x[cols + cols / 2] = -std::numeric_limits<float>::infinity();  // one masked entry
+      if (rows > 1) x[cols + cols / 2] = -std::numeric_limits<float>::infinity();         // one masked entry
       std::vector<float> want(x.size());
       cpu::softmax_forward(want.data(), x.data(), rows, cols);
       DeviceBuffer dx(b, x);
@@ -317,7 +317,9 @@ TEST(BackendOps, EmbeddingAndABadIdLeavesTheOutputAlone) {
 struct Weight {
   std::vector<uint8_t> data;
   std::vector<float> scale_inv;
-  WeightView view(const void* d, const float* s) const { return {.data = d, .dtype = dtype, .rows = rows, .cols = cols, .scale_inv = s}; }
+  WeightView view(const void* d, const float* s) const {
+    return {.data = d, .dtype = dtype, .rows = rows, .cols = cols, .scale_inv = s};
+  }
   DType dtype = DType::F32;
   int64_t rows = 0, cols = 0;
 };
@@ -396,8 +398,8 @@ void check_latent_attention(const Backend* b, const LatentAttentionDims& d, cons
                             uint32_t seed) {
   const int64_t qk = d.nope + d.rope, ldq = d.heads * qk + 3, ldc = d.heads * d.v_dim + 5;
   const auto kv_b = randn(d.heads * (d.nope + d.v_dim) * d.kv_lora, seed, 0.05f);
-  const WeightView kv_b_view{.data = kv_b.data(), .dtype = DType::F32, .rows = d.heads * (d.nope + d.v_dim),
-                             .cols = d.kv_lora};
+  const WeightView kv_b_view{
+      .data = kv_b.data(), .dtype = DType::F32, .rows = d.heads * (d.nope + d.v_dim), .cols = d.kv_lora};
   const std::vector<float> absorbed = absorb_kv_b(kv_b_view, d);
   DeviceBuffer d_abs(b, absorbed);
   // Host and device copies of every sequence's inputs.
@@ -429,10 +431,19 @@ void check_latent_attention(const Backend* b, const LatentAttentionDims& d, cons
     x.dk = std::make_unique<DeviceBuffer>(b, x.k_pe);
     x.dctx = std::make_unique<DeviceBuffer>(b, x.ctx);
     if (sq.sparse) x.dkeys = std::make_unique<DeviceBuffer>(b, x.keys);
-    host[i] = {.q = x.q.data(), .ctx = x.ctx.data(), .c_kv = x.c_kv.data(), .k_pe = x.k_pe.data(), .n = sq.n,
-               .past = sq.past, .keys = sq.sparse ? x.keys.data() : nullptr};
-    dev[i] = {.q = x.dq->as<float>(), .ctx = x.dctx->as<float>(), .c_kv = x.dc->as<float>(),
-              .k_pe = x.dk->as<float>(), .n = sq.n, .past = sq.past,
+    host[i] = {.q = x.q.data(),
+               .ctx = x.ctx.data(),
+               .c_kv = x.c_kv.data(),
+               .k_pe = x.k_pe.data(),
+               .n = sq.n,
+               .past = sq.past,
+               .keys = sq.sparse ? x.keys.data() : nullptr};
+    dev[i] = {.q = x.dq->as<float>(),
+              .ctx = x.dctx->as<float>(),
+              .c_kv = x.dc->as<float>(),
+              .k_pe = x.dk->as<float>(),
+              .n = sq.n,
+              .past = sq.past,
               .keys = sq.sparse ? x.dkeys->as<int32_t>() : nullptr};
   }
   cpu::latent_attention_forward(host.data(), static_cast<int64_t>(host.size()), ldq, ldc, absorbed.data(), d);
@@ -451,8 +462,8 @@ TEST(BackendOps, LatentAttentionManySequencesDenseAndSparse) {
     check_latent_attention(b, {.heads = 20, .nope = 16, .rope = 8, .v_dim = 12, .kv_lora = 40, .scale = 0.1f},
                            {{1, 0, false}, {1, 700, false}, {5, 37, false}, {1, 20, true}}, 71);
     // DeepSeek-V3's shapes: 128 heads, kv_lora 512, a long cache and a batch.
-    const LatentAttentionDims v3{.heads = 128, .nope = 128, .rope = 64, .v_dim = 128, .kv_lora = 512,
-                                 .scale = 0.0721688f};
+    const LatentAttentionDims v3{
+        .heads = 128, .nope = 128, .rope = 64, .v_dim = 128, .kv_lora = 512, .scale = 0.0721688f};
     check_latent_attention(b, v3, {{1, 3000, false}, {1, 0, false}, {3, 100, false}, {1, 63, true}}, 72);
   }
 }

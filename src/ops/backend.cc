@@ -18,11 +18,11 @@ std::atomic<const Backend*> g_active{nullptr};
 
 // Host memory for the CPU table: 64-byte aligned, as Tensor's.
 void* host_alloc(size_t bytes) {
-  void* p = ::operator new(bytes ? bytes : 1, std::align_val_t{64});
+  void* p = ::operator new (bytes ? bytes : 1, std::align_val_t{64});
   return p;
 }
 void host_free(void* p) {
-  if (p) ::operator delete(p, std::align_val_t{64});
+  if (p) ::operator delete (p, std::align_val_t{64});
 }
 void host_copy(void* dst, const void* src, size_t bytes) {
   if (bytes) std::memcpy(dst, src, bytes);
@@ -112,16 +112,15 @@ void sigmoid_forward(float* y, const float* x, int64_t n) { active_backend().sig
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols) {
   active_backend().softmax_forward(y, x, rows, cols);
 }
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
-                  int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
+void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
+                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
   active_backend().rope_forward(y, x, positions, freqs, tokens, heads, dim, token_stride, head_stride, layout);
 }
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
-                       int64_t dim) {
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim) {
   active_backend().embedding_forward(out, ids, table, tokens, vocab, dim);
 }
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
-                              const float* absorbed, const LatentAttentionDims& d) {
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+                              const LatentAttentionDims& d) {
   active_backend().latent_attention_forward(seqs, count, ldq, ldc, absorbed, d);
 }
 

@@ -86,12 +86,11 @@ void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int6
 void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit);
 void sigmoid_forward(float* y, const float* x, int64_t n);
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
-                  int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
-                       int64_t dim);
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
-                              const float* absorbed, const LatentAttentionDims& d);
+void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
+                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim);
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+                              const LatentAttentionDims& d);
 }  // namespace cpu
 
 #ifdef DEEPSEEK_HAVE_CUDA

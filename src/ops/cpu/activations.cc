@@ -10,7 +10,6 @@
 // Outputs may alias inputs elementwise (out == a in a gated MLP, y == x for an
 // in-place softmax): every element is read before it is written.
 #include "ops/activations.h"
-#include "ops/backend.h"
 
 #include <algorithm>
 #include <bit>
@@ -19,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/backend.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/cpu/activations.cc"

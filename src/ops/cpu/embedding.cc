@@ -1,12 +1,11 @@
 // Embedding lookup and its scatter-add gradient (contract: ops/embedding.h).
 #include "ops/embedding.h"
 
-#include "ops/backend.h"
-
 #include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
+#include "ops/backend.h"
 
 namespace ds::ops {
 namespace {
@@ -24,7 +23,8 @@ constexpr int64_t kCols = 256;
 
 }  // namespace
 
-void cpu::embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim) {
+void cpu::embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
+                            int64_t dim) {
   DS_CHECK(tokens >= 0 && vocab > 0 && dim > 0, "embedding: tokens={} vocab={} dim={}", tokens, vocab, dim);
   check_ids(ids, tokens, vocab, "embedding");
 #pragma omp parallel for schedule(static) if (tokens * dim > 65536)

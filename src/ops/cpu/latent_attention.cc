@@ -19,8 +19,6 @@
 // rows may (a row's result is the same bits in any tile).
 #include "ops/latent_attention.h"
 
-#include "ops/backend.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +27,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/backend.h"
 #include "ops/cpu/attention_tiles.h"
 
 namespace ds::ops {
@@ -152,8 +151,8 @@ std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims
   return out;
 }
 
-void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
-                              const LatentAttentionDims& d) {
+void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
+                                   const float* absorbed, const LatentAttentionDims& d) {
   check_dims(d, "latent_attention");
   const Shape g(d);
   const int64_t H = g.H, qk = g.nope + g.rope;

@@ -26,8 +26,6 @@
 // thread count (they differ between targets, whose vector widths differ).
 #include "ops/linear.h"
 
-#include "ops/backend.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -38,6 +36,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/backend.h"
 #include "ops/block_quant.h"
 #include "ops/cpu/linear_blocks.h"
 #include "ops/cpu/linear_fp8.h"
@@ -1238,7 +1237,7 @@ bool bf16_dot(const WeightView& w, bool bf16_precision) {
 }  // namespace
 
 void cpu::linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
-                    bool accumulate) {
+                         bool accumulate) {
   check_weight(w);
   DS_CHECK(M >= 0 && ldx >= w.cols && ldy >= w.rows, "linear: M={} ldx={} ldy={} for weight [{}, {}]", M, ldx, ldy,
            w.rows, w.cols);

@@ -11,14 +11,13 @@
 // multiply-adds where it has them).
 #include "ops/rmsnorm.h"
 
-#include "ops/backend.h"
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/backend.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "ops/cpu/rmsnorm.cc"

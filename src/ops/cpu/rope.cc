@@ -6,8 +6,6 @@
 // are reused by every head and every call.
 #include "ops/rope.h"
 
-#include "ops/backend.h"
-
 #include <algorithm>
 #include <cmath>
 #include <numbers>
@@ -15,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/parallel.h"
+#include "ops/backend.h"
 
 namespace ds::ops {
 namespace {
@@ -183,8 +182,8 @@ void rope_frequencies(float* freqs, const RopeConfig& cfg) {
   }
 }
 
-void cpu::rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
-                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
+void cpu::rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
+                       int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
   rope_apply(y, x, positions, freqs, tokens, heads, dim, token_stride, head_stride, layout, 1.0f, "rope_forward");
 }
 

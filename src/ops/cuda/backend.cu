@@ -33,9 +33,8 @@ const Backend* make_backend(std::string* why) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {
-    *why = std::string(err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice
-                           ? "no NVIDIA GPU or driver found"
-                           : "no usable CUDA device") +
+    *why = std::string(err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice ? "no NVIDIA GPU or driver found"
+                                                                                      : "no usable CUDA device") +
            " (" + cudaGetErrorString(err) + ")";
     return nullptr;
   }

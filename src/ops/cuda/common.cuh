@@ -15,17 +15,17 @@ namespace ds::ops::cuda {
   backend_error(std::string("CUDA: ") + call + " failed: " + what + " (" + file + ":" + std::to_string(line) + ")");
 }
 
-#define DS_CUDA(call)                                                                 \
-  do {                                                                                \
-    const cudaError_t ds_err_ = (call);                                               \
+#define DS_CUDA(call)                                                                                          \
+  do {                                                                                                         \
+    const cudaError_t ds_err_ = (call);                                                                        \
     if (ds_err_ != cudaSuccess) ::ds::ops::cuda::fail(#call, cudaGetErrorString(ds_err_), __FILE__, __LINE__); \
   } while (0)
 
 // After a launch: a bad configuration shows at once, a fault at the next sync.
 #define DS_CUDA_LAUNCHED() DS_CUDA(cudaGetLastError())
 
-#define DS_CUDA_REQUIRE(cond, msg)                                       \
-  do {                                                                   \
+#define DS_CUDA_REQUIRE(cond, msg)                                        \
+  do {                                                                    \
     if (!(cond)) ::ds::ops::cuda::fail(#cond, (msg), __FILE__, __LINE__); \
   } while (0)
 
@@ -62,11 +62,10 @@ void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int6
 void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit);
 void sigmoid_forward(float* y, const float* x, int64_t n);
 void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
-                  int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
-                       int64_t dim);
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
-                              const float* absorbed, const LatentAttentionDims& d);
+void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
+                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim);
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+                              const LatentAttentionDims& d);
 
 }  // namespace ds::ops::cuda

@@ -186,9 +186,9 @@ void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, flo
   DS_CUDA_REQUIRE(n >= 0 && limit >= 0, ("silu_mul: n=" + str(n)).c_str());
   if (n == 0) return;
   if (n % 4 == 0 && aligned16(out) && aligned16(a) && aligned16(b))
-    silu_mul_kernel4<<<blocks_for(n / 4, 256), 256, 0, stream()>>>(
-        reinterpret_cast<float4*>(out), reinterpret_cast<const float4*>(a), reinterpret_cast<const float4*>(b), n / 4,
-        limit);
+    silu_mul_kernel4<<<blocks_for(n / 4, 256), 256, 0, stream()>>>(reinterpret_cast<float4*>(out),
+                                                                   reinterpret_cast<const float4*>(a),
+                                                                   reinterpret_cast<const float4*>(b), n / 4, limit);
   else
     silu_mul_kernel<<<blocks_for(n, 256), 256, 0, stream()>>>(out, a, b, n, limit);
   DS_CUDA_LAUNCHED();
@@ -219,9 +219,10 @@ void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols) {
   }
 }
 
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
-                  int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
-  DS_CUDA_REQUIRE(dim > 0 && dim % 2 == 0, ("rope_forward: rotary dim must be positive and even, got " + str(dim)).c_str());
+void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
+                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout) {
+  DS_CUDA_REQUIRE(dim > 0 && dim % 2 == 0,
+                  ("rope_forward: rotary dim must be positive and even, got " + str(dim)).c_str());
   DS_CUDA_REQUIRE(tokens >= 0 && heads >= 0, "rope_forward: negative tokens or heads");
   DS_CUDA_REQUIRE(heads <= 1 || head_stride >= dim, "rope_forward: head_stride < dim");
   DS_CUDA_REQUIRE(tokens <= 1 || token_stride >= dim, "rope_forward: token_stride < dim");
@@ -230,12 +231,11 @@ void rope_forward(float* y, const float* x, const int32_t* positions, const floa
   // Positions are device memory and, unlike the CPU op, are not checked for
   // being negative here (that would cost a synchronization per call).
   rope_kernel<<<blocks_for(n, 256), 256, 0, stream()>>>(y, x, positions, freqs, tokens, heads, dim / 2, token_stride,
-                                                       head_stride, layout == RopeLayout::Interleaved);
+                                                        head_stride, layout == RopeLayout::Interleaved);
   DS_CUDA_LAUNCHED();
 }
 
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
-                       int64_t dim) {
+void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim) {
   DS_CUDA_REQUIRE(tokens >= 0 && vocab > 0 && dim > 0,
                   ("embedding: tokens=" + str(tokens) + " vocab=" + str(vocab) + " dim=" + str(dim)).c_str());
   if (tokens == 0) return;

@@ -27,11 +27,11 @@
 namespace ds::ops::cuda {
 namespace {
 
-constexpr int kGroup = 16;       // heads per attend block
-constexpr int kKeyTile = 64;     // keys per step of an attend block
+constexpr int kGroup = 16;    // heads per attend block
+constexpr int kKeyTile = 64;  // keys per step of an attend block
 constexpr int kThreads = 256;
-constexpr int kRowTile = 16;     // query rows per absorb block
-constexpr int kMaxChunks = 32;   // key chunks per (row, head group)
+constexpr int kRowTile = 16;    // query rows per absorb block
+constexpr int kMaxChunks = 32;  // key chunks per (row, head group)
 
 // One query row (a token of one sequence), for the kernels.
 struct Row {
@@ -99,13 +99,13 @@ __global__ void __launch_bounds__(kThreads) attend(float* part_m, float* part_l,
                                                    const Row* rows, int64_t chunk_keys, int chunks, Dims d) {
   extern __shared__ float4 smem4[];
   float* smem = reinterpret_cast<float*>(smem4);
-  float* qlT = smem;                          // [kvl, 16]
-  float* qpT = qlT + d.kvl * kGroup;          // [rope, 16]
-  float* sp = qpT + d.rope * kGroup;          // [4, 64, 16] quarter sums
-  float* pT = sp + 4 * kKeyTile * kGroup;     // [64, kPStride]
-  float* m = pT + kKeyTile * kPStride;        // [16]
-  float* l = m + kGroup;                      // [16]
-  float* corr = l + kGroup;                   // [16]
+  float* qlT = smem;                       // [kvl, 16]
+  float* qpT = qlT + d.kvl * kGroup;       // [rope, 16]
+  float* sp = qpT + d.rope * kGroup;       // [4, 64, 16] quarter sums
+  float* pT = sp + 4 * kKeyTile * kGroup;  // [64, kPStride]
+  float* m = pT + kKeyTile * kPStride;     // [16]
+  float* l = m + kGroup;                   // [16]
+  float* corr = l + kGroup;                // [16]
   const int chunk = blockIdx.x, g = blockIdx.y;
   const int64_t r = blockIdx.z;
   const Row row = rows[r];
@@ -297,14 +297,15 @@ void set_smem(const void* kernel, size_t bytes) {
 
 }  // namespace
 
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
-                              const float* absorbed, const LatentAttentionDims& ld) {
+void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
+                              const LatentAttentionDims& ld) {
   DS_CUDA_REQUIRE(ld.heads >= 1 && ld.nope >= 0 && ld.rope >= 0 && ld.v_dim >= 1 && ld.kv_lora >= 1,
                   "latent_attention: bad sizes");
   DS_CUDA_REQUIRE(ld.kv_lora <= 2 * kThreads, "latent_attention: kv_lora over 512 has no CUDA kernel yet");
-  const Dims d{static_cast<int>(ld.heads), static_cast<int>(ld.nope), static_cast<int>(ld.rope),
-               static_cast<int>(ld.v_dim),  static_cast<int>(ld.kv_lora), static_cast<int>(round16(ld.kv_lora)),
-               static_cast<int>(round16(ld.v_dim)), static_cast<int>(ld.nope + ld.rope), ld.scale};
+  const Dims d{
+      static_cast<int>(ld.heads),          static_cast<int>(ld.nope),           static_cast<int>(ld.rope),
+      static_cast<int>(ld.v_dim),          static_cast<int>(ld.kv_lora),        static_cast<int>(round16(ld.kv_lora)),
+      static_cast<int>(round16(ld.v_dim)), static_cast<int>(ld.nope + ld.rope), ld.scale};
   DS_CUDA_REQUIRE(count >= 0 && ldq >= int64_t{d.H} * d.qk && ldc >= int64_t{d.H} * d.vd,
                   "latent_attention: row strides too small");
   if (count == 0) return;
@@ -350,7 +351,7 @@ void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t 
       (size_t{kGroup} * (d.kvl + d.rope + 4 * kKeyTile + 3) + size_t{kKeyTile} * kPStride) * sizeof(float);
   set_smem(reinterpret_cast<const void*>(attend), smem_a);
   attend<<<dim3(chunks, groups, static_cast<unsigned>(R)), kThreads, smem_a, stream()>>>(pm, pl, po, q_lat, rows_d,
-                                                                                       chunk_keys, chunks, d);
+                                                                                         chunk_keys, chunks, d);
   DS_CUDA_LAUNCHED();
   combine<<<dim3(d.H, static_cast<unsigned>(R)), 128, 0, stream()>>>(o_lat, pm, pl, po, chunks, d);
   DS_CUDA_LAUNCHED();

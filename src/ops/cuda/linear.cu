@@ -157,7 +157,8 @@ std::string shape(const WeightView& w) { return "[" + std::to_string(w.rows) + "
 void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
                     bool accumulate) {
   DS_CUDA_REQUIRE(w.data != nullptr && w.rows > 0 && w.cols > 0, ("linear: empty weight " + shape(w)).c_str());
-  DS_CUDA_REQUIRE(M >= 0 && ldx >= w.cols && ldy >= w.rows, ("linear: M, ldx or ldy too small for weight " + shape(w)).c_str());
+  DS_CUDA_REQUIRE(M >= 0 && ldx >= w.cols && ldy >= w.rows,
+                  ("linear: M, ldx or ldy too small for weight " + shape(w)).c_str());
   const bool fp8 = w.dtype == DType::F8E4M3 || w.dtype == DType::F8E5M2;
   const bool floating = w.dtype == DType::F32 || w.dtype == DType::BF16 || w.dtype == DType::F16 || fp8;
   if (!floating)
@@ -180,9 +181,9 @@ void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, in
   if (w.dtype != DType::F32 || w.scale_inv != nullptr) {
     static Scratch ws;
     auto* wide = static_cast<float*>(ws.get(static_cast<size_t>(w.rows * w.cols) * sizeof(float)));
-    widen_kernel<<<blocks_for(w.rows * w.cols, 256), 256, 0, stream()>>>(
-        wide, w.data, static_cast<int>(w.dtype), w.rows, w.cols, fp8 ? w.scale_inv : nullptr, w.block_rows,
-        w.block_cols);
+    widen_kernel<<<blocks_for(w.rows * w.cols, 256), 256, 0, stream()>>>(wide, w.data, static_cast<int>(w.dtype),
+                                                                         w.rows, w.cols, fp8 ? w.scale_inv : nullptr,
+                                                                         w.block_rows, w.block_cols);
     DS_CUDA_LAUNCHED();
     wf = wide;
   }
