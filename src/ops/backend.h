@@ -27,6 +27,25 @@
 
 namespace ds::ops {
 
+// The ops' signatures, once: the same arguments and meaning as their
+// functions in ops/*.h. Each backend declares its kernels with them
+// (`OpLinearForward linear_forward;` declares a function).
+using OpLinearForward = void(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
+                             bool accumulate);
+using OpRmsnormForward = void(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim,
+                              float eps);
+using OpSiluMulForward = void(float* out, const float* a, const float* b, int64_t n, float limit);
+using OpSigmoidForward = void(float* y, const float* x, int64_t n);
+using OpSoftmaxForward = void(float* y, const float* x, int64_t rows, int64_t cols);
+using OpRopeForward = void(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
+                           int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
+using OpEmbeddingForward = void(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
+                                int64_t dim);
+// The sequences' descriptors are host memory; what they point to (and
+// `absorbed`) the device's.
+using OpLatentAttentionForward = void(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
+                                      const float* absorbed, const LatentAttentionDims& d);
+
 struct Backend {
   Device device = Device::CPU;
   const char* name = "cpu";
@@ -42,23 +61,14 @@ struct Backend {
   // Waits for the device's outstanding work (timing; errors surface here).
   void (*synchronize)() = nullptr;
 
-  // The ops: the same arguments and meaning as their functions in ops/*.h.
-  void (*linear_forward)(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
-                         bool accumulate) = nullptr;
-  void (*rmsnorm_forward)(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim,
-                          float eps) = nullptr;
-  void (*silu_mul_forward)(float* out, const float* a, const float* b, int64_t n, float limit) = nullptr;
-  void (*sigmoid_forward)(float* y, const float* x, int64_t n) = nullptr;
-  void (*softmax_forward)(float* y, const float* x, int64_t rows, int64_t cols) = nullptr;
-  void (*rope_forward)(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens,
-                       int64_t heads, int64_t dim, int64_t token_stride, int64_t head_stride,
-                       RopeLayout layout) = nullptr;
-  void (*embedding_forward)(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab,
-                            int64_t dim) = nullptr;
-  // The sequences' descriptors are host memory; what they point to (and
-  // `absorbed`) the device's.
-  void (*latent_attention_forward)(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
-                                   const float* absorbed, const LatentAttentionDims& d) = nullptr;
+  OpLinearForward* linear_forward = nullptr;
+  OpRmsnormForward* rmsnorm_forward = nullptr;
+  OpSiluMulForward* silu_mul_forward = nullptr;
+  OpSigmoidForward* sigmoid_forward = nullptr;
+  OpSoftmaxForward* softmax_forward = nullptr;
+  OpRopeForward* rope_forward = nullptr;
+  OpEmbeddingForward* embedding_forward = nullptr;
+  OpLatentAttentionForward* latent_attention_forward = nullptr;
 };
 
 const Backend& cpu_backend();
@@ -80,17 +90,14 @@ void set_active_backend(const Backend& b);
 
 // The CPU's implementations, which the CPU table points to.
 namespace cpu {
-void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
-                    bool accumulate);
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim, float eps);
-void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit);
-void sigmoid_forward(float* y, const float* x, int64_t n);
-void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
-                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim);
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
-                              const LatentAttentionDims& d);
+OpLinearForward linear_forward;
+OpRmsnormForward rmsnorm_forward;
+OpSiluMulForward silu_mul_forward;
+OpSigmoidForward sigmoid_forward;
+OpSoftmaxForward softmax_forward;
+OpRopeForward rope_forward;
+OpEmbeddingForward embedding_forward;
+OpLatentAttentionForward latent_attention_forward;
 }  // namespace cpu
 
 #ifdef DEEPSEEK_HAVE_CUDA

@@ -55,17 +55,14 @@ struct Scratch {
   }
 };
 
-// The ops (elementwise.cu, linear.cu).
-void linear_forward(float* y, const float* x, const WeightView& w, int64_t M, int64_t ldx, int64_t ldy,
-                    bool accumulate);
-void rmsnorm_forward(float* y, float* rstd, const float* x, const float* w, int64_t rows, int64_t dim, float eps);
-void silu_mul_forward(float* out, const float* a, const float* b, int64_t n, float limit);
-void sigmoid_forward(float* y, const float* x, int64_t n);
-void softmax_forward(float* y, const float* x, int64_t rows, int64_t cols);
-void rope_forward(float* y, const float* x, const int32_t* positions, const float* freqs, int64_t tokens, int64_t heads,
-                  int64_t dim, int64_t token_stride, int64_t head_stride, RopeLayout layout);
-void embedding_forward(float* out, const int32_t* ids, const float* table, int64_t tokens, int64_t vocab, int64_t dim);
-void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
-                              const LatentAttentionDims& d);
+// The ops (elementwise.cu, linear.cu, latent_attention.cu).
+OpLinearForward linear_forward;
+OpRmsnormForward rmsnorm_forward;
+OpSiluMulForward silu_mul_forward;
+OpSigmoidForward sigmoid_forward;
+OpSoftmaxForward softmax_forward;
+OpRopeForward rope_forward;
+OpEmbeddingForward embedding_forward;
+OpLatentAttentionForward latent_attention_forward;
 
 }  // namespace ds::ops::cuda

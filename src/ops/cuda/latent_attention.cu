@@ -93,6 +93,20 @@ __global__ void absorb_q(float* q_lat, const Row* rows, int64_t R, const float* 
 //            are added through shared memory;
 //   softmax  warp w updates the running max and sum of heads 2w, 2w + 1;
 //   p c_kv   thread owns latent columns t, t + 256, ... for all 16 heads.
+// s[h] += v * q[h] for the group's 16 heads; q (16-byte aligned) is one
+// row of the transposed query, which every lane of the warp reads at once.
+__device__ __forceinline__ void accumulate_heads(float (&s)[kGroup], float v, const float* q) {
+  const float4* q4 = reinterpret_cast<const float4*>(q);
+#pragma unroll
+  for (int j = 0; j < kGroup / 4; ++j) {
+    const float4 w = q4[j];
+    s[4 * j] += w.x * v;
+    s[4 * j + 1] += w.y * v;
+    s[4 * j + 2] += w.z * v;
+    s[4 * j + 3] += w.w * v;
+  }
+}
+
 constexpr int kPStride = 20;  // floats per key row of p: 16 heads, 16-byte aligned, fewer bank conflicts
 
 __global__ void __launch_bounds__(kThreads) attend(float* part_m, float* part_l, float* part_o, const float* q_lat,
@@ -137,31 +151,9 @@ __global__ void __launch_bounds__(kThreads) attend(float* part_m, float* part_l,
       if (kt < nt) {
         const int64_t t = row.keys ? row.keys[t0 + kt] : t0 + kt;
         const float* cr = row.c_kv + t * d.kvl;
-        for (int c = c0; c < c1; ++c) {
-          const float v = cr[c];
-          const float4* q4 = reinterpret_cast<const float4*>(qlT + c * kGroup);
-#pragma unroll
-          for (int j = 0; j < kGroup / 4; ++j) {
-            const float4 q = q4[j];
-            s[4 * j] += q.x * v;
-            s[4 * j + 1] += q.y * v;
-            s[4 * j + 2] += q.z * v;
-            s[4 * j + 3] += q.w * v;
-          }
-        }
+        for (int c = c0; c < c1; ++c) accumulate_heads(s, cr[c], qlT + c * kGroup);
         const float* kr = row.k_pe + t * d.rope;
-        for (int c = e0; c < e1; ++c) {
-          const float v = kr[c];
-          const float4* q4 = reinterpret_cast<const float4*>(qpT + c * kGroup);
-#pragma unroll
-          for (int j = 0; j < kGroup / 4; ++j) {
-            const float4 q = q4[j];
-            s[4 * j] += q.x * v;
-            s[4 * j + 1] += q.y * v;
-            s[4 * j + 2] += q.z * v;
-            s[4 * j + 3] += q.w * v;
-          }
-        }
+        for (int c = e0; c < e1; ++c) accumulate_heads(s, kr[c], qpT + c * kGroup);
       }
       float4* out = reinterpret_cast<float4*>(sp + (quarter * kKeyTile + kt) * kGroup);
 #pragma unroll
