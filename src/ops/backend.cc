@@ -3,7 +3,8 @@
 #include "ops/backend.h"
 
 #include <atomic>
-#include <mutex>
+#include <cstring>
+#include <new>
 
 #include "core/error.h"
 #include "ops/activations.h"
