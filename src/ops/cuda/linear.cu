@@ -150,7 +150,16 @@ __global__ void widen_kernel(float* out, const void* data, int dtype, int64_t ro
   }
 }
 
-std::string shape(const WeightView& w) { return "[" + std::to_string(w.rows) + ", " + std::to_string(w.cols) + "]"; }
+// Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on
+// "[" + std::to_string(...) in this file.
+std::string shape(const WeightView& w) {
+  std::string s = "[";
+  s += std::to_string(w.rows);
+  s += ", ";
+  s += std::to_string(w.cols);
+  s += "]";
+  return s;
+}
 
 }  // namespace
 
