@@ -46,6 +46,18 @@ using OpEmbeddingForward = void(float* out, const int32_t* ids, const float* tab
 using OpLatentAttentionForward = void(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc,
                                       const float* absorbed, const LatentAttentionDims& d);
 
+// Declares a backend's kernels, one per op, in the namespace where it is
+// written (ops::cpu, ops::cuda).
+#define DS_BACKEND_OPS_DECLARED         \
+  OpLinearForward linear_forward;       \
+  OpRmsnormForward rmsnorm_forward;     \
+  OpSiluMulForward silu_mul_forward;    \
+  OpSigmoidForward sigmoid_forward;     \
+  OpSoftmaxForward softmax_forward;     \
+  OpRopeForward rope_forward;           \
+  OpEmbeddingForward embedding_forward; \
+  OpLatentAttentionForward latent_attention_forward;
+
 struct Backend {
   Device device = Device::CPU;
   const char* name = "cpu";
@@ -90,14 +102,7 @@ void set_active_backend(const Backend& b);
 
 // The CPU's implementations, which the CPU table points to.
 namespace cpu {
-OpLinearForward linear_forward;
-OpRmsnormForward rmsnorm_forward;
-OpSiluMulForward silu_mul_forward;
-OpSigmoidForward sigmoid_forward;
-OpSoftmaxForward softmax_forward;
-OpRopeForward rope_forward;
-OpEmbeddingForward embedding_forward;
-OpLatentAttentionForward latent_attention_forward;
+DS_BACKEND_OPS_DECLARED
 }  // namespace cpu
 
 #ifdef DEEPSEEK_HAVE_CUDA

@@ -56,13 +56,6 @@ struct Scratch {
 };
 
 // The ops (elementwise.cu, linear.cu, latent_attention.cu).
-OpLinearForward linear_forward;
-OpRmsnormForward rmsnorm_forward;
-OpSiluMulForward silu_mul_forward;
-OpSigmoidForward sigmoid_forward;
-OpSoftmaxForward softmax_forward;
-OpRopeForward rope_forward;
-OpEmbeddingForward embedding_forward;
-OpLatentAttentionForward latent_attention_forward;
+DS_BACKEND_OPS_DECLARED
 
 }  // namespace ds::ops::cuda
