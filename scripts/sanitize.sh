@@ -23,7 +23,8 @@
 # ignores log_path: its reports stay on stderr, which ctest keeps in
 # build-asan/Testing/Temporary/LastTest.log, searched at the end as well.
 #
-# Environment: DEEPSEEK_JOBS (build jobs and tests run at once, default 2).
+# Environment: DEEPSEEK_JOBS (build jobs and tests run at once, default 2);
+# DEEPSEEK_DIST_STEPS (dist_mpi's run length, default 8 here, see below).
 # ASAN_OPTIONS, UBSAN_OPTIONS and LSAN_OPTIONS given by the caller are
 # appended to the defaults below (later settings win). LeakSanitizer
 # suppressions, for third-party libraries only, go in scripts/sanitize.supp
@@ -50,6 +51,10 @@ SUPP="$ROOT/scripts/sanitize.supp"
 unset DEEPSEEK_TEST_BINARY
 # Two test processes share the cores: idle OpenMP workers sleep.
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
+# dist_mpi's loss-comparing runs take 8 steps here instead of 20: the same
+# cases and code paths, with two fifths of the instrumented steps (the first 8
+# steps of the same runs; tests/dist_mpi_test.sh).
+export DEEPSEEK_DIST_STEPS="${DEEPSEEK_DIST_STEPS:-8}"
 
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
