@@ -30,10 +30,10 @@
 # that compare losses, checkpoints taken halfway; the learning-rate schedule
 # stays that of the full runs, so a shorter run is the first steps of the
 # same run, and every tolerance below, measured over the full runs, holds for
-# it. scripts/sanitize.sh sets 8:
-# under AddressSanitizer the steps are most of this test's time, and every
-# case still runs each code path it names (the gathers, exchanges, saves and
-# resumes of each mesh) several times over; the Release run keeps 20.
+# it. scripts/sanitize.sh sets 8: under AddressSanitizer the steps are most
+# of this test's time, and every case still runs each code path it names
+# (the gathers, exchanges, saves and resumes of each mesh) several times
+# over; the Release run keeps 20.
 set -u
 steps=${DEEPSEEK_DIST_STEPS:-20}
 if ! [[ "$steps" =~ ^[0-9]+$ ]] || [ "$steps" -lt 8 ] || [ "$steps" -gt 20 ] || [ $((steps % 2)) -ne 0 ]; then
