@@ -22,5 +22,7 @@ t0=$(date +%s)
 compile_cuda_backend
 echo "CUDA backend compile: $(($(date +%s) - t0))s"
 if [ "${DEEPSEEK_SANITIZE:-1}" != 0 ]; then
-  "$ROOT/scripts/sanitize.sh" "$@"
+  # client_sdks' fixture (a model trained to call a tool) is trained by the
+  # Release program built above; the sanitized one exports and serves it.
+  DEEPSEEK_FIXTURE_TRAINER="$ROOT/build/deepseek" "$ROOT/scripts/sanitize.sh" "$@"
 fi
