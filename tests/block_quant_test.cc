@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "io/gguf_quants.h"
 #include "ops/linear.h"
+#include "test_util.h"
 
 using ds::DType;
 
@@ -138,6 +139,58 @@ TEST(BlockQuant, Q4_KFitsBetterThanMinMaxAndWithinItsStep) {
       for (int i = 0; i < 256; ++i) ASSERT_LE(std::fabs(x[b * 256 + i] - y[b * 256 + i]), span / 7.0f) << b;
     }
   }
+}
+
+// The fit's sweep runs as SIMD vectors (ops/cpu/block_quant_sweep.cc): on
+// every target its sums are the plain loop's bit for bit, for sub-blocks of
+// every kind (Gaussian, outliers, ties on the codes' rounding edges, tiny
+// and huge ranges, one value apart from the rest), and so are the blocks.
+TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
+  namespace dt = ds::ops::detail;
+  constexpr int n = static_cast<int>(ds::ops::kQ4_KSubBlock);
+  std::vector<std::vector<float>> subs;
+  std::mt19937_64 g(11);
+  for (int r = 0; r < 200; ++r) {
+    auto x = gaussian(n, 100 + r, r % 3 == 0 ? 1e-30f : r % 3 == 1 ? 0.02f : 1e30f);
+    if (r % 4 == 1) x[g() % n] *= 9;  // an outlier
+    if (r % 4 == 2)                   // codes on rounding edges
+      for (int i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<int>(g() % 31) - 15) / 2;
+    if (r % 4 == 3) std::fill(x.begin() + 1, x.end(), x[0] > 0 ? -x[0] : x[0]);  // all but one equal
+    subs.push_back(x);
+  }
+  std::vector<float> row;  // the sub-blocks whose scales an f16 holds
+  for (size_t r = 0; r < subs.size(); ++r)
+    if (r % 3 != 2) row.insert(row.end(), subs[r].begin(), subs[r].end());
+  row.resize(row.size() / 256 * 256);
+  std::vector<uint8_t> want_k, want_1;
+  int checked = 0;
+  ds::test::for_each_simd_target([&](const char* target) {
+    for (const auto& x : subs)
+      for (bool any_offset : {false, true}) {
+        // The sweep's inputs as the fit makes them.
+        float lo = any_offset ? x[0] : 0.0f, hi = x[0], sq = 0;
+        for (float v : x) lo = std::min(lo, v), hi = std::max(hi, v), sq += v * v;
+        if (!(hi > lo)) continue;
+        const float rms = std::sqrt(sq / n);
+        float xl[n];
+        double w[n], xd[n];
+        for (int i = 0; i < n; ++i) w[i] = rms + std::fabs(x[i]), xd[i] = x[i], xl[i] = x[i] - lo;
+        double plain[3 * dt::kQ4SweepSteps], simd[3 * dt::kQ4SweepSteps];
+        dt::q4_sweep_sums_plain(xl, w, xd, hi - lo, plain);
+        dt::q4_sweep_sums(xl, w, xd, hi - lo, simd);
+        ASSERT_EQ(std::memcmp(plain, simd, sizeof plain), 0) << target;
+        ++checked;
+      }
+    // Whole blocks: every target writes the same bytes.
+    std::vector<uint8_t> k(static_cast<size_t>(ds::ops::block_row_bytes(DType::Q4_K, row.size())));
+    std::vector<uint8_t> one(static_cast<size_t>(ds::ops::block_row_bytes(DType::Q4_1, row.size())));
+    ds::ops::quantize_blocks(DType::Q4_K, row.data(), row.size(), k.data());
+    ds::ops::quantize_blocks(DType::Q4_1, row.data(), row.size(), one.data());
+    if (want_k.empty()) want_k = k, want_1 = one;
+    EXPECT_EQ(k, want_k) << target;
+    EXPECT_EQ(one, want_1) << target;
+  });
+  EXPECT_GT(checked, 300);
 }
 
 // q4_1: the same least-squares fit per block of 32, with an offset of

@@ -77,6 +77,34 @@ struct Fit {
   float a = 0, b = 0;
 };
 
+}  // namespace
+
+namespace detail {
+
+void q4_sweep_sums_plain(const float* xl, const double* w, const double* xd, float range, double* sums) {
+  constexpr int n = static_cast<int>(kQ4_KSubBlock);
+  for (int k = 0; k < kQ4SweepSteps; ++k) {
+    const float iscale = (15.0f + 0.1f * static_cast<float>(k - kQ4SweepFirst)) / range;
+    // Four partial sums of each: the additions of one value need not wait
+    // for the previous value's.
+    double p[3][4] = {};
+    for (int i = 0; i < n; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        // floor(v + 0.5) by truncation: v = iscale (x - lo) >= 0.
+        const double q = std::min(static_cast<int>(iscale * xl[i + j] + 0.5f), 15);
+        const double wq = w[i + j] * q;
+        p[0][j] += wq;
+        p[1][j] += wq * q;
+        p[2][j] += wq * xd[i + j];
+      }
+    for (int s = 0; s < 3; ++s) sums[3 * k + s] = (p[s][0] + p[s][1]) + (p[s][2] + p[s][3]);
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
 // any_offset: b may be negative too (q4_1 stores its m as a signed f16;
 // q4_k's six-bit mins are offsets down only).
 Fit fit_sub_block(const float* x, bool any_offset = false) {
@@ -102,32 +130,20 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
     swx += w[i] * xd[i];
     swxx += w[i] * xd[i] * xd[i];
   }
-  // The weighted squared error of x ~ a q + c for codes q with sums
-  // swq = sum w q, swqq = sum w q^2, swqx = sum w q x: the square expanded,
-  // so no second pass over the values.
-  double swq = 0, swqq = 0, swqx = 0;
-  auto error_of = [&](double a, double c) {
-    return a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
-  };
+  // Every candidate scale's sums swq = sum w q, swqq = sum w q^2,
+  // swqx = sum w q x at once (the SIMD kernel: most of quantize's time).
+  double sums[3 * detail::kQ4SweepSteps];
+  detail::q4_sweep_sums(xl, w, xd, hi - lo, sums);
   Fit best{(hi - lo) / 15.0f, -lo};
   double best_err = std::numeric_limits<double>::infinity();
-  for (int k = -9; k <= 12; ++k) {
-    const float iscale = (15.0f + 0.1f * static_cast<float>(k)) / (hi - lo);
-    // Four partial sums of each: the additions of one value need not wait
-    // for the previous value's (the sweep is most of quantize's time).
-    double p[3][4] = {};
-    for (int i = 0; i < n; i += 4)
-      for (int j = 0; j < 4; ++j) {
-        // floor(v + 0.5) by truncation: v = iscale (x - lo) >= 0.
-        const double q = std::min(static_cast<int>(iscale * xl[i + j] + 0.5f), 15);
-        const double wq = w[i + j] * q;
-        p[0][j] += wq;
-        p[1][j] += wq * q;
-        p[2][j] += wq * xd[i + j];
-      }
-    swq = (p[0][0] + p[0][1]) + (p[0][2] + p[0][3]);
-    swqq = (p[1][0] + p[1][1]) + (p[1][2] + p[1][3]);
-    swqx = (p[2][0] + p[2][1]) + (p[2][2] + p[2][3]);
+  for (int k = -detail::kQ4SweepFirst; k < detail::kQ4SweepSteps - detail::kQ4SweepFirst; ++k) {
+    const double* s = sums + 3 * (k + detail::kQ4SweepFirst);
+    const double swq = s[0], swqq = s[1], swqx = s[2];
+    // The weighted squared error of x ~ a q + c for these codes: the
+    // square expanded, so no second pass over the values.
+    auto error_of = [&](double a, double c) {
+      return a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
+    };
     if (k == 0) {  // the plain rule: scale (hi - lo) / 15, offset lo
       const double e = error_of(best.a, lo);
       if (e < best_err) best_err = e;

@@ -72,4 +72,19 @@ void dequantize_blocks(DType t, const uint8_t* blocks, int64_t n, float* out);
 // offset) is not finite, or -1: blocks read from a file are checked once.
 int64_t blocks_not_finite(DType t, const uint8_t* blocks, int64_t n);
 
+namespace detail {
+// The q4_k / q4_1 fit's sweep: kQ4SweepSteps candidate scales
+// (15 + 0.1 (k - kQ4SweepFirst)) / range for k < kQ4SweepSteps, range the
+// sub-block's max - min. For each, with q_i = min(trunc(iscale xl_i + 0.5), 15)
+// the codes of xl_i = x_i - min over the sub-block's kQ4_KSubBlock values,
+// sums[3k..3k+2] = sum w_i q_i, sum w_i q_i^2, sum w_i q_i x_i (xd_i = x_i),
+// each summed as four partials (value i into partial i mod 4, in order)
+// then (p0 + p1) + (p2 + p3). q4_sweep_sums runs the SIMD kernel
+// (ops/cpu/block_quant_sweep.cc), q4_sweep_sums_plain the plain loop it is
+// checked against: the same bits.
+inline constexpr int kQ4SweepSteps = 22, kQ4SweepFirst = 9;
+void q4_sweep_sums(const float* xl, const double* w, const double* xd, float range, double* sums);
+void q4_sweep_sums_plain(const float* xl, const double* w, const double* xd, float range, double* sums);
+}  // namespace detail
+
 }  // namespace ds::ops
