@@ -141,8 +141,9 @@ TEST(BlockQuant, Q4_KFitsBetterThanMinMaxAndWithinItsStep) {
   }
 }
 
-// The fit's sweep runs as SIMD vectors (ops/cpu/block_quant_sweep.cc): on
-// every target its sums are the plain loop's bit for bit, for sub-blocks of
+// The fit's sweep, the fits and the codes run as SIMD vectors
+// (ops/cpu/block_quant_sweep.cc): on every target their results are the
+// plain loops' bit for bit, for sub-blocks of
 // every kind (Gaussian, outliers, ties on the codes' rounding edges, tiny
 // and huge ranges, one value apart from the rest), and so are the blocks.
 TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
@@ -163,7 +164,7 @@ TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
     if (r % 3 != 2) row.insert(row.end(), subs[r].begin(), subs[r].end());
   row.resize(row.size() / 256 * 256);
   std::vector<uint8_t> want_k, want_1;
-  int checked = 0;
+  int checked = 0, fits_found = 0;
   ds::test::for_each_simd_target([&](const char* target) {
     for (const auto& x : subs)
       for (bool any_offset : {false, true}) {
@@ -175,10 +176,27 @@ TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
         float xl[n];
         double w[n], xd[n];
         for (int i = 0; i < n; ++i) w[i] = rms + std::fabs(x[i]), xd[i] = x[i], xl[i] = x[i] - lo;
-        double plain[3 * dt::kQ4SweepSteps], simd[3 * dt::kQ4SweepSteps];
+        double plain[3 * dt::kQ4SweepPad], simd[3 * dt::kQ4SweepPad];
         dt::q4_sweep_sums_plain(xl, w, xd, hi - lo, plain);
         dt::q4_sweep_sums(xl, w, xd, hi - lo, simd);
         ASSERT_EQ(std::memcmp(plain, simd, sizeof plain), 0) << target;
+        // Each candidate's fit and error.
+        double sw = 0, swx = 0, swxx = 0;
+        for (int i = 0; i < n; ++i) sw += w[i], swx += w[i] * xd[i], swxx += w[i] * xd[i] * xd[i];
+        double fits_plain[3 * dt::kQ4SweepPad], fits[3 * dt::kQ4SweepPad];
+        dt::q4_sweep_fits_plain(plain, sw, swx, swxx, any_offset, fits_plain);
+        dt::q4_sweep_fits(plain, sw, swx, swxx, any_offset, fits);
+        ASSERT_EQ(std::memcmp(fits_plain, fits, sizeof fits), 0) << target;
+        int fitted = 0;
+        for (int k = 0; k < dt::kQ4SweepSteps; ++k) fitted += std::isfinite(fits[2 * dt::kQ4SweepPad + k]);
+        fits_found += fitted > 0;
+        // The codes under one of those scales, against nearbyint's.
+        const float a = static_cast<float>(fits[0]) > 0 ? static_cast<float>(fits[0]) : (hi - lo) / 15,
+                    b = static_cast<float>(-fits[dt::kQ4SweepPad]);
+        uint8_t q[n];
+        dt::q4_codes(x.data(), a, b, q);
+        for (int i = 0; i < n; ++i)
+          ASSERT_EQ(q[i], static_cast<uint8_t>(std::clamp(std::nearbyint((x[i] + b) / a), 0.0f, 15.0f))) << target;
         ++checked;
       }
     // Whole blocks: every target writes the same bytes.
@@ -191,6 +209,7 @@ TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
     EXPECT_EQ(one, want_1) << target;
   });
   EXPECT_GT(checked, 300);
+  EXPECT_GT(fits_found * 2, checked);  // most sub-blocks have a fit, not only the plain rule
 }
 
 // q4_1: the same least-squares fit per block of 32, with an offset of

@@ -97,7 +97,32 @@ void q4_sweep_sums_plain(const float* xl, const double* w, const double* xd, flo
         p[1][j] += wq * q;
         p[2][j] += wq * xd[i + j];
       }
-    for (int s = 0; s < 3; ++s) sums[3 * k + s] = (p[s][0] + p[s][1]) + (p[s][2] + p[s][3]);
+    for (int s = 0; s < 3; ++s) sums[s * kQ4SweepPad + k] = (p[s][0] + p[s][1]) + (p[s][2] + p[s][3]);
+  }
+  for (int s = 0; s < 3; ++s)
+    for (int k = kQ4SweepSteps; k < kQ4SweepPad; ++k) sums[s * kQ4SweepPad + k] = 0;
+}
+
+void q4_sweep_fits_plain(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits) {
+  for (int k = 0; k < kQ4SweepPad; ++k) {
+    const double swq = sums[k], swqq = sums[kQ4SweepPad + k], swqx = sums[2 * kQ4SweepPad + k];
+    double& a = fits[k];
+    double& c = fits[kQ4SweepPad + k];
+    double& e = fits[2 * kQ4SweepPad + k];
+    a = c = 0;
+    e = std::numeric_limits<double>::infinity();
+    // x ~ a q + c by weighted least squares (c = -b <= 0 unless any_offset).
+    const double det = sw * swqq - swq * swq;
+    if (!(det > 0)) continue;
+    a = (sw * swqx - swq * swx) / det;
+    c = (swqq * swx - swq * swqx) / det;
+    if (c > 0 && !any_offset) {
+      c = 0;
+      a = swqq > 0 ? swqx / swqq : 0;
+    }
+    // The weighted squared error: the square expanded, so no second pass
+    // over the values.
+    if (a > 0) e = a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
   }
 }
 
@@ -131,36 +156,24 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
     swxx += w[i] * xd[i] * xd[i];
   }
   // Every candidate scale's sums swq = sum w q, swqq = sum w q^2,
-  // swqx = sum w q x at once (the SIMD kernel: most of quantize's time).
-  double sums[3 * detail::kQ4SweepSteps];
+  // swqx = sum w q x, then its fit and the fit's error (SIMD kernels: most
+  // of quantize's time).
+  double sums[3 * detail::kQ4SweepPad], fits[3 * detail::kQ4SweepPad];
   detail::q4_sweep_sums(xl, w, xd, hi - lo, sums);
+  detail::q4_sweep_fits(sums, sw, swx, swxx, any_offset, fits);
   Fit best{(hi - lo) / 15.0f, -lo};
   double best_err = std::numeric_limits<double>::infinity();
-  for (int k = -detail::kQ4SweepFirst; k < detail::kQ4SweepSteps - detail::kQ4SweepFirst; ++k) {
-    const double* s = sums + 3 * (k + detail::kQ4SweepFirst);
-    const double swq = s[0], swqq = s[1], swqx = s[2];
-    // The weighted squared error of x ~ a q + c for these codes: the
-    // square expanded, so no second pass over the values.
-    auto error_of = [&](double a, double c) {
-      return a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
-    };
-    if (k == 0) {  // the plain rule: scale (hi - lo) / 15, offset lo
-      const double e = error_of(best.a, lo);
+  for (int k = 0; k < detail::kQ4SweepSteps; ++k) {
+    if (k == detail::kQ4SweepFirst) {  // the plain rule: scale (hi - lo) / 15, offset lo
+      const double a = best.a, c = lo, swq = sums[k], swqq = sums[detail::kQ4SweepPad + k],
+                   swqx = sums[2 * detail::kQ4SweepPad + k];
+      const double e = a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
       if (e < best_err) best_err = e;
     }
-    // x ~ a q + c by weighted least squares (c = -b <= 0 unless any_offset).
-    const double det = sw * swqq - swq * swq;
-    if (!(det > 0)) continue;
-    double a = (sw * swqx - swq * swx) / det, c = (swqq * swx - swq * swqx) / det;
-    if (c > 0 && !any_offset) {
-      c = 0;
-      a = swqq > 0 ? swqx / swqq : 0;
-    }
-    if (!(a > 0)) continue;
-    const double e = error_of(a, c);
+    const double e = fits[2 * detail::kQ4SweepPad + k];
     if (e < best_err) {
       best_err = e;
-      best = {static_cast<float>(a), static_cast<float>(-c)};
+      best = {static_cast<float>(fits[k]), static_cast<float>(-fits[detail::kQ4SweepPad + k])};
     }
   }
   return best;
@@ -192,11 +205,10 @@ void q4_k_block(const float* x, uint8_t* out) {
   uint8_t q[kQ4_KValues];
   for (int j = 0; j < 8; ++j) {
     const float a = d * static_cast<float>(sc[j]), b = dmin * static_cast<float>(mn[j]);
-    for (int i = 0; i < kQ4_KSubBlock; ++i) {
-      const float v = x[j * kQ4_KSubBlock + i];
-      q[j * kQ4_KSubBlock + i] =
-          a > 0 ? static_cast<uint8_t>(std::clamp(std::nearbyint((v + b) / a), 0.0f, 15.0f)) : uint8_t{0};
-    }
+    if (a > 0)
+      detail::q4_codes(x + j * kQ4_KSubBlock, a, b, q + j * kQ4_KSubBlock);
+    else
+      std::memset(q + j * kQ4_KSubBlock, 0, kQ4_KSubBlock);
   }
   uint8_t* codes = out + 16;
   for (int c = 0; c < 4; ++c)

@@ -77,14 +77,25 @@ namespace detail {
 // (15 + 0.1 (k - kQ4SweepFirst)) / range for k < kQ4SweepSteps, range the
 // sub-block's max - min. For each, with q_i = min(trunc(iscale xl_i + 0.5), 15)
 // the codes of xl_i = x_i - min over the sub-block's kQ4_KSubBlock values,
-// sums[3k..3k+2] = sum w_i q_i, sum w_i q_i^2, sum w_i q_i x_i (xd_i = x_i),
-// each summed as four partials (value i into partial i mod 4, in order)
-// then (p0 + p1) + (p2 + p3). q4_sweep_sums runs the SIMD kernel
-// (ops/cpu/block_quant_sweep.cc), q4_sweep_sums_plain the plain loop it is
-// checked against: the same bits.
-inline constexpr int kQ4SweepSteps = 22, kQ4SweepFirst = 9;
+// sums[k], sums[kQ4SweepPad + k], sums[2 kQ4SweepPad + k] = sum w_i q_i,
+// sum w_i q_i^2, sum w_i q_i x_i (xd_i = x_i), each summed as four
+// partials (value i into partial i mod 4, in order) then
+// (p0 + p1) + (p2 + p3); the pad entries are 0.
+inline constexpr int kQ4SweepSteps = 22, kQ4SweepFirst = 9, kQ4SweepPad = 24;
 void q4_sweep_sums(const float* xl, const double* w, const double* xd, float range, double* sums);
+// Then each candidate's fit x ~ a q + c by weighted least squares (sw, swx,
+// swxx: the sums of w, w x, w x^2), c = 0 and a = swqx / swqq where c > 0
+// and !any_offset, and its weighted squared error e, +inf where the fit is
+// not one (det <= 0 or a <= 0): fits[k], fits[kQ4SweepPad + k],
+// fits[2 kQ4SweepPad + k] = a, c, e.
+void q4_sweep_fits(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits);
+// A sub-block's codes under scale a > 0 and offset b: q_i =
+// clamp(nearbyint((x_i + b) / a), 0, 15), for kQ4_KSubBlock values.
+void q4_codes(const float* x, float a, float b, uint8_t* q);
+// The SIMD kernels above (ops/cpu/block_quant_sweep.cc) are checked
+// against these plain loops: the same bits.
 void q4_sweep_sums_plain(const float* xl, const double* w, const double* xd, float range, double* sums);
+void q4_sweep_fits_plain(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits);
 }  // namespace detail
 
 }  // namespace ds::ops

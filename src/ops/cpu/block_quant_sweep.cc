@@ -12,6 +12,7 @@
 // floating-point contraction), and the partials are added as the plain loop
 // adds them.
 #include <cstdint>
+#include <limits>
 
 #include "ops/block_quant.h"
 
@@ -65,9 +66,54 @@ void SweepSums(const float* HWY_RESTRICT xl, const double* HWY_RESTRICT w, const
       for (int s = 0; s < 3; ++s) {
         double p[4];
         for (int64_t g = 0; g < G; ++g) hn::StoreU(acc[t][s][g], dd, p + g * N);
-        sums[3 * (k0 + t) + s] = (p[0] + p[1]) + (p[2] + p[3]);
+        sums[s * detail::kQ4SweepPad + k0 + t] = (p[0] + p[1]) + (p[2] + p[3]);
       }
   }
+  for (int s = 0; s < 3; ++s)
+    for (int k = detail::kQ4SweepSteps; k < detail::kQ4SweepPad; ++k) sums[s * detail::kQ4SweepPad + k] = 0;
+}
+
+// Every candidate's least-squares fit and its error, a lane each: the plain
+// loop's operations in its order, the branches as selections.
+void SweepFits(const double* HWY_RESTRICT sums, double sw, double swx, double swxx, bool any_offset,
+               double* HWY_RESTRICT fits) {
+  const hn::CappedTag<double, 8> d;  // 8 divides kQ4SweepPad
+  constexpr int64_t P = detail::kQ4SweepPad;
+  const auto zero = hn::Zero(d), two = hn::Set(d, 2.0), inf = hn::Set(d, std::numeric_limits<double>::infinity());
+  const auto vsw = hn::Set(d, sw), vswx = hn::Set(d, swx), vswxx = hn::Set(d, swxx);
+  for (int64_t k = 0; k < P; k += static_cast<int64_t>(hn::Lanes(d))) {
+    const auto swq = hn::LoadU(d, sums + k), swqq = hn::LoadU(d, sums + P + k), swqx = hn::LoadU(d, sums + 2 * P + k);
+    const auto det = hn::Sub(hn::Mul(vsw, swqq), hn::Mul(swq, swq));
+    auto a = hn::Div(hn::Sub(hn::Mul(vsw, swqx), hn::Mul(swq, vswx)), det);
+    auto c = hn::Div(hn::Sub(hn::Mul(swqq, vswx), hn::Mul(swq, swqx)), det);
+    if (!any_offset) {
+      const auto up = hn::Gt(c, zero);
+      a = hn::IfThenElse(up, hn::IfThenElse(hn::Gt(swqq, zero), hn::Div(swqx, swqq), zero), a);
+      c = hn::IfThenElse(up, zero, c);
+    }
+    const auto ok = hn::And(hn::Gt(det, zero), hn::Gt(a, zero));
+    // a a swqq + 2 a c swq + c c sw - 2 a swqx - 2 c swx + swxx, left to right.
+    const auto a2 = hn::Mul(two, a);
+    auto e = hn::Add(hn::Mul(hn::Mul(a, a), swqq), hn::Mul(hn::Mul(a2, c), swq));
+    e = hn::Add(e, hn::Mul(hn::Mul(c, c), vsw));
+    e = hn::Sub(e, hn::Mul(a2, swqx));
+    e = hn::Sub(e, hn::Mul(hn::Mul(two, c), vswx));
+    e = hn::Add(e, vswxx);
+    hn::StoreU(hn::IfThenElseZero(hn::Gt(det, zero), a), d, fits + k);
+    hn::StoreU(hn::IfThenElseZero(hn::Gt(det, zero), c), d, fits + P + k);
+    hn::StoreU(hn::IfThenElse(ok, e, inf), d, fits + 2 * P + k);
+  }
+}
+
+// clamp(nearbyint((x + b) / a), 0, 15) for a sub-block: Round is
+// nearbyint's rounding (to nearest, ties to even).
+void Codes(const float* HWY_RESTRICT x, float a, float b, uint8_t* HWY_RESTRICT q) {
+  const hn::CappedTag<float, 16> d;  // 16 divides kQ4_KSubBlock
+  const auto va = hn::Set(d, a), vb = hn::Set(d, b), lo = hn::Zero(d), hi = hn::Set(d, 15.0f);
+  alignas(64) float r[kQ4_KSubBlock];
+  for (int64_t i = 0; i < kQ4_KSubBlock; i += static_cast<int64_t>(hn::Lanes(d)))
+    hn::StoreU(hn::Min(hn::Max(hn::Round(hn::Div(hn::Add(hn::LoadU(d, x + i), vb), va)), lo), hi), d, r + i);
+  for (int64_t i = 0; i < kQ4_KSubBlock; ++i) q[i] = static_cast<uint8_t>(r[i]);
 }
 
 }  // namespace
@@ -75,6 +121,10 @@ void SweepSums(const float* HWY_RESTRICT xl, const double* HWY_RESTRICT w, const
 void Q4SweepSums(const float* xl, const double* w, const double* xd, float range, double* sums) {
   SweepSums(xl, w, xd, range, sums);
 }
+void Q4SweepFits(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits) {
+  SweepFits(sums, sw, swx, swxx, any_offset, fits);
+}
+void Q4Codes(const float* x, float a, float b, uint8_t* q) { Codes(x, a, b, q); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace ds::ops
@@ -86,12 +136,20 @@ HWY_AFTER_NAMESPACE();
 namespace ds::ops {
 
 HWY_EXPORT(Q4SweepSums);
+HWY_EXPORT(Q4SweepFits);
+HWY_EXPORT(Q4Codes);
 
 namespace detail {
 
 void q4_sweep_sums(const float* xl, const double* w, const double* xd, float range, double* sums) {
   DS_DISPATCH(Q4SweepSums)(xl, w, xd, range, sums);
 }
+
+void q4_sweep_fits(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits) {
+  DS_DISPATCH(Q4SweepFits)(sums, sw, swx, swxx, any_offset, fits);
+}
+
+void q4_codes(const float* x, float a, float b, uint8_t* q) { DS_DISPATCH(Q4Codes)(x, a, b, q); }
 
 }  // namespace detail
 }  // namespace ds::ops
