@@ -142,7 +142,7 @@ TEST(BlockQuant, Q4_KFitsBetterThanMinMaxAndWithinItsStep) {
 }
 
 // The fit's sweep, the fits and the codes run as SIMD vectors
-// (ops/cpu/block_quant_sweep.cc): on every target their results are the
+// (ops/cpu/block_quant_simd.cc): on every target their results are the
 // plain loops' bit for bit, for sub-blocks of
 // every kind (Gaussian, outliers, ties on the codes' rounding edges, tiny
 // and huge ranges, one value apart from the rest), and so are the blocks.
@@ -210,6 +210,30 @@ TEST(BlockQuant, Q4SweepIsThePlainLoopBitForBitOnEveryTarget) {
   });
   EXPECT_GT(checked, 300);
   EXPECT_GT(fits_found * 2, checked);  // most sub-blocks have a fit, not only the plain rule
+}
+
+// q8_0's SIMD kernel against its plain loop (ggml's rule, roundf's halves
+// away from zero): the same bytes on every target, halves and values just
+// below them included.
+TEST(BlockQuant, Q8_0KernelIsThePlainLoopOnEveryTarget) {
+  auto x = gaussian(32 * 64, 21);
+  for (size_t i = 0; i < x.size(); i += 13) x[i] *= 7;
+  // A block whose d is 1 (its largest |x| is 127): x / d is x itself.
+  const float edge[] = {127.0f,       2.5f,       -2.5f, 0.5f,  -0.5f, 126.5f, -126.5f, 0.49999997f,
+                        -0.49999997f, 1.4999999f, 3.5f,  -3.5f, 0.0f,  -0.0f,  1e-30f,  64.5f};
+  for (int i = 0; i < 32; ++i) x[i] = edge[i % 16] * (i < 16 ? 1.0f : -1.0f);
+  std::fill(x.begin() + 32, x.begin() + 64, 0.0f);  // an all-zero block
+  const int64_t blocks = static_cast<int64_t>(x.size()) / 32;
+  std::vector<uint8_t> plain(static_cast<size_t>(blocks * 34));
+  ds::ops::detail::q8_0_blocks_plain(x.data(), blocks, plain.data());
+  EXPECT_EQ(static_cast<int8_t>(plain[2 + 1]), 3);   // 2.5 away from zero
+  EXPECT_EQ(static_cast<int8_t>(plain[2 + 7]), 0);   // just below a half
+  EXPECT_EQ(static_cast<int8_t>(plain[2 + 4]), -1);  // -0.5 away from zero
+  ds::test::for_each_simd_target([&](const char* target) {
+    std::vector<uint8_t> got(plain.size());
+    ds::ops::detail::q8_0_blocks(x.data(), blocks, got.data());
+    EXPECT_EQ(got, plain) << target;
+  });
 }
 
 // q4_1: the same least-squares fit per block of 32, with an offset of

@@ -54,22 +54,34 @@ float rounded_scale(float s, DType t) {
 }
 
 void check_finite(const float* x, int64_t n, DType t) {
-  for (int64_t i = 0; i < n; ++i)
-    DS_CHECK(std::isfinite(x[i]), "value {} to quantize to {} is not finite ({})", i, dtype_name(t), x[i]);
+  const int64_t i = find_non_finite(x, DType::F32, static_cast<size_t>(n));
+  DS_CHECK(i < 0, "value {} to quantize to {} is not finite ({})", i, dtype_name(t), i < 0 ? 0.0f : x[i]);
 }
+
+}  // namespace
+
+namespace detail {
+
+void q8_0_put_scale(uint8_t* out, float d) { put_half(out, rounded_scale(d, DType::Q8_0)); }
 
 // ggml's rule (quantize_row_q8_0_ref), so the blocks are llama-quantize's
 // bit for bit: d = amax / 127 stored as f16, q = x / d (the unrounded d)
 // rounded half away from zero.
-void q8_0_block(const float* x, uint8_t* out) {
-  float amax = 0;
-  for (int i = 0; i < kQ8_0Values; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float d = amax / 127.0f;
-  put_half(out, rounded_scale(d, DType::Q8_0));
-  const float id = d != 0.0f ? 1.0f / d : 0.0f;
-  for (int i = 0; i < kQ8_0Values; ++i)
-    out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::roundf(x[i] * id), -127.0f, 127.0f)));
+void q8_0_blocks_plain(const float* x, int64_t blocks, uint8_t* out) {
+  for (int64_t b = 0; b < blocks; ++b, x += kQ8_0Values, out += kQ8_0Bytes) {
+    float amax = 0;
+    for (int i = 0; i < kQ8_0Values; ++i) amax = std::max(amax, std::fabs(x[i]));
+    const float d = amax / 127.0f;
+    q8_0_put_scale(out, d);
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < kQ8_0Values; ++i)
+      out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(std::roundf(x[i] * id), -127.0f, 127.0f)));
+  }
 }
+
+}  // namespace detail
+
+namespace {
 
 // The best (scale a >= 0, offset b >= 0) with x ~ a q - b, q in [0, 15],
 // for one sub-block, by the weighted squared error.
@@ -272,10 +284,9 @@ void quantize_blocks(DType t, const float* x, int64_t n, uint8_t* out) {
   const int64_t B = block_values(t), bytes = block_bytes(t);
   DS_CHECK(n % B == 0, "quantize_blocks: {} values are not whole blocks of {}", n, dtype_name(t));
   check_finite(x, n, t);
+  if (t == DType::Q8_0) return detail::q8_0_blocks(x, n / B, out);
   for (int64_t b = 0; b < n / B; ++b) {
-    if (t == DType::Q8_0)
-      q8_0_block(x + b * B, out + b * bytes);
-    else if (t == DType::Q4_1)
+    if (t == DType::Q4_1)
       q4_1_block(x + b * B, out + b * bytes);
     else if (t == DType::Q6_K)
       q6_k_block(x + b * B, out + b * bytes);

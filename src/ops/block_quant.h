@@ -92,8 +92,14 @@ void q4_sweep_fits(const double* sums, double sw, double swx, double swxx, bool 
 // A sub-block's codes under scale a > 0 and offset b: q_i =
 // clamp(nearbyint((x_i + b) / a), 0, 15), for kQ4_KSubBlock values.
 void q4_codes(const float* x, float a, float b, uint8_t* q);
-// The SIMD kernels above (ops/cpu/block_quant_sweep.cc) are checked
+// q8_0 blocks of `blocks` x 32 values (whole blocks: quantize_blocks' rule
+// for q8_0); q8_0_put_scale stores a block's d as its f16 (ds::Error where
+// f16 cannot hold it).
+void q8_0_blocks(const float* x, int64_t blocks, uint8_t* out);
+void q8_0_put_scale(uint8_t* out, float d);
+// The SIMD kernels above (ops/cpu/block_quant_simd.cc) are checked
 // against these plain loops: the same bits.
+void q8_0_blocks_plain(const float* x, int64_t blocks, uint8_t* out);
 void q4_sweep_sums_plain(const float* xl, const double* w, const double* xd, float range, double* sums);
 void q4_sweep_fits_plain(const double* sums, double sw, double swx, double swxx, bool any_offset, double* fits);
 }  // namespace detail

@@ -1,23 +1,24 @@
-// The q4_k / q4_1 quantizers' scale sweep (ops/block_quant.cc) in SIMD
-// vectors: for each candidate scale, the codes of a sub-block's 32 values
-// and three weighted sums over them, which the least-squares fit needs.
-// It is most of `deepseek quantize`'s time.
+// The quantizers' SIMD kernels (ops/block_quant.cc holds their plain loops,
+// tests/block_quant_test.cc checks every target against them bit for bit).
 //
-// The sums are the plain loop's bit for bit (detail::q4_sweep_sums_plain;
-// tests/block_quant_test.cc checks every target against it): the plain loop
-// keeps four partial sums, value i going to partial i mod 4 in index order,
-// so here four double lanes do the same (one vector of 4 on AVX2 and
-// AVX-512, two of 2 on 128-bit targets, four of 1 on the scalar fallback),
-// every product and sum rounded alone (this file is compiled without
-// floating-point contraction), and the partials are added as the plain loop
-// adds them.
+// q4_k / q4_1: the fit's scale sweep (for each candidate scale, the codes of
+// a sub-block's 32 values and three weighted sums over them), then each
+// candidate's least-squares fit and error, then the codes under the chosen
+// scale: most of `deepseek quantize`'s time. The plain sweep keeps four
+// partial sums, value i going to partial i mod 4 in index order, so here
+// four double lanes do the same (one vector of 4 on AVX2 and AVX-512, two
+// of 2 on 128-bit targets, four of 1 on the scalar fallback), every product
+// and sum rounded alone (this file is compiled without floating-point
+// contraction), and the partials are added as the plain loop adds them.
+//
+// q8_0: ggml's rule, roundf's halves away from zero built from Trunc.
 #include <cstdint>
 #include <limits>
 
 #include "ops/block_quant.h"
 
 #undef HWY_TARGET_INCLUDE
-#define HWY_TARGET_INCLUDE "ops/cpu/block_quant_sweep.cc"
+#define HWY_TARGET_INCLUDE "ops/cpu/block_quant_simd.cc"
 #include <hwy/foreach_target.h>  // must come before highway.h
 #include <hwy/highway.h>
 
@@ -116,6 +117,31 @@ void Codes(const float* HWY_RESTRICT x, float a, float b, uint8_t* HWY_RESTRICT 
   for (int64_t i = 0; i < kQ4_KSubBlock; ++i) q[i] = static_cast<uint8_t>(r[i]);
 }
 
+// q8_0 (ggml's rule): d = max |x| / 127, its f16 stored, then x / d (the
+// unrounded d) rounded half away from zero as roundf does: the integer part,
+// plus one away from zero where the (exact) remainder is at least a half.
+void Q8Blocks(const float* HWY_RESTRICT x, int64_t blocks, uint8_t* HWY_RESTRICT out) {
+  const hn::CappedTag<float, 16> d;  // 16 divides kQ8_0Values
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d));
+  const auto half = hn::Set(d, 0.5f), one = hn::Set(d, 1.0f), lim = hn::Set(d, 127.0f), nlim = hn::Set(d, -127.0f);
+  alignas(64) float r[kQ8_0Values];
+  for (int64_t b = 0; b < blocks; ++b, x += kQ8_0Values, out += kQ8_0Bytes) {
+    auto m = hn::Zero(d);
+    for (int64_t i = 0; i < kQ8_0Values; i += L) m = hn::Max(m, hn::Abs(hn::LoadU(d, x + i)));
+    const float amax = hn::GetLane(hn::MaxOfLanes(d, m));
+    const float scale = amax / 127.0f;
+    detail::q8_0_put_scale(out, scale);
+    const auto id = hn::Set(d, scale != 0.0f ? 1.0f / scale : 0.0f);
+    for (int64_t i = 0; i < kQ8_0Values; i += L) {
+      const auto v = hn::Mul(hn::LoadU(d, x + i), id);
+      const auto t = hn::Trunc(v);
+      const auto q = hn::IfThenElse(hn::Ge(hn::Abs(hn::Sub(v, t)), half), hn::Add(t, hn::CopySign(one, v)), t);
+      hn::StoreU(hn::Min(hn::Max(q, nlim), lim), d, r + i);
+    }
+    for (int64_t i = 0; i < kQ8_0Values; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(r[i]));
+  }
+}
+
 }  // namespace
 
 void Q4SweepSums(const float* xl, const double* w, const double* xd, float range, double* sums) {
@@ -125,6 +151,7 @@ void Q4SweepFits(const double* sums, double sw, double swx, double swxx, bool an
   SweepFits(sums, sw, swx, swxx, any_offset, fits);
 }
 void Q4Codes(const float* x, float a, float b, uint8_t* q) { Codes(x, a, b, q); }
+void Q8_0Blocks(const float* x, int64_t blocks, uint8_t* out) { Q8Blocks(x, blocks, out); }
 
 }  // namespace HWY_NAMESPACE
 }  // namespace ds::ops
@@ -138,6 +165,7 @@ namespace ds::ops {
 HWY_EXPORT(Q4SweepSums);
 HWY_EXPORT(Q4SweepFits);
 HWY_EXPORT(Q4Codes);
+HWY_EXPORT(Q8_0Blocks);
 
 namespace detail {
 
@@ -150,6 +178,8 @@ void q4_sweep_fits(const double* sums, double sw, double swx, double swxx, bool 
 }
 
 void q4_codes(const float* x, float a, float b, uint8_t* q) { DS_DISPATCH(Q4Codes)(x, a, b, q); }
+
+void q8_0_blocks(const float* x, int64_t blocks, uint8_t* out) { DS_DISPATCH(Q8_0Blocks)(x, blocks, out); }
 
 }  // namespace detail
 }  // namespace ds::ops
