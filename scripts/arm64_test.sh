@@ -55,8 +55,8 @@ HOST_PACKAGES=(g++-aarch64-linux-gnu qemu-user cmake ninja-build pkg-config)
 # The arm64 packages whose contents (and runtime dependency closure) go into
 # the sysroot: every library CMakeLists.txt links except the benchmarks'
 # (OpenBLAS, Google Benchmark), plus the runtime libraries for qemu.
-ARM64_ROOTS=(libhwy-dev libdnnl-dev libfmt-dev libyaml-cpp-dev libpcre2-dev zlib1g-dev libcpp-httplib-dev
-             libgtest-dev libgmock-dev libc6 libstdc++6 libgcc-s1 libgomp1)
+ARM64_ROOTS=(libhwy-dev libdnnl-dev libfmt-dev libyaml-cpp-dev libpcre2-dev libicu-dev libboost-dev zlib1g-dev
+             libcpp-httplib-dev libgtest-dev libgmock-dev libc6 libstdc++6 libgcc-s1 libgomp1)
 # Architecture-independent header-only packages.
 ALL_ROOTS=(nlohmann-json3-dev libcli11-dev)
 # Provided by the cross toolchain (/usr/aarch64-linux-gnu), or sources only:

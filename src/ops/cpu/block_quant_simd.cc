@@ -31,47 +31,49 @@ namespace hn = hwy::HWY_NAMESPACE;
 void SweepSums(const float* HWY_RESTRICT xl, const double* HWY_RESTRICT w, const double* HWY_RESTRICT xd, float range,
                double* HWY_RESTRICT sums) {
   constexpr int64_t n = kQ4_KSubBlock;
+  constexpr int64_t P = detail::kQ4SweepPad;
   const hn::CappedTag<double, 4> dd;
   const hn::Rebind<float, decltype(dd)> df;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(dd));
-  const int64_t G = 4 / N;  // vectors a group of four partials
-  using VD = hn::Vec<decltype(dd)>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(dd));  // 1, 2 or 4 (on SVE known at run time only)
   const auto half = hn::Set(df, 0.5f), fifteen = hn::Set(df, 15.0f);
-  // Two candidate scales at a time: their sums are independent chains of
-  // additions, which the CPU then overlaps.
-  constexpr int K = 2;
-  static_assert(detail::kQ4SweepSteps % K == 0);
-  for (int k0 = 0; k0 < detail::kQ4SweepSteps; k0 += K) {
-    hn::Vec<decltype(df)> vis[K];
-    for (int t = 0; t < K; ++t)
-      vis[t] = hn::Set(df, (15.0f + 0.1f * static_cast<float>(k0 + t - detail::kQ4SweepFirst)) / range);
-    VD acc[K][3][4];
-    for (int t = 0; t < K; ++t)
-      for (int64_t g = 0; g < G; ++g) acc[t][0][g] = acc[t][1][g] = acc[t][2][g] = hn::Zero(dd);
-    for (int64_t i = 0; i < n; i += 4)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t at = i + g * N;
-        const auto vx = hn::LoadU(df, xl + at);
-        const VD vw = hn::LoadU(dd, w + at), vd = hn::LoadU(dd, xd + at);
-        for (int t = 0; t < K; ++t) {
-          // min(trunc(iscale (x - lo) + 0.5), 15), as the plain loop's
-          // conversion to int: the value is >= 0.5.
-          const VD q = hn::PromoteTo(dd, hn::Min(hn::Trunc(hn::Add(hn::Mul(vis[t], vx), half)), fifteen));
-          const VD wq = hn::Mul(vw, q);
-          acc[t][0][g] = hn::Add(acc[t][0][g], wq);
-          acc[t][1][g] = hn::Add(acc[t][1][g], hn::Mul(wq, q));
-          acc[t][2][g] = hn::Add(acc[t][2][g], hn::Mul(wq, vd));
-        }
+  // Two candidate scales at a time (u, v): their sums are independent
+  // chains of additions, which the CPU then overlaps. Partials g N ..
+  // g N + N - 1 of the four are one vector; plain variables, not arrays,
+  // as SVE's vectors cannot be array elements.
+  static_assert(detail::kQ4SweepSteps % 2 == 0);
+  for (int k = 0; k < detail::kQ4SweepSteps; k += 2) {
+    const auto su = hn::Set(df, (15.0f + 0.1f * static_cast<float>(k - detail::kQ4SweepFirst)) / range);
+    const auto sv = hn::Set(df, (15.0f + 0.1f * static_cast<float>(k + 1 - detail::kQ4SweepFirst)) / range);
+    double p[2][3][4];
+    for (int64_t g = 0; g < 4; g += N) {
+      auto u0 = hn::Zero(dd), u1 = u0, u2 = u0, v0 = u0, v1 = u0, v2 = u0;
+      for (int64_t i = g; i < n; i += 4) {
+        const auto vx = hn::LoadU(df, xl + i);
+        const auto vw = hn::LoadU(dd, w + i), vd = hn::LoadU(dd, xd + i);
+        // min(trunc(iscale (x - lo) + 0.5), 15), as the plain loop's
+        // conversion to int: the value is >= 0.5.
+        const auto qu = hn::PromoteTo(dd, hn::Min(hn::Trunc(hn::Add(hn::Mul(su, vx), half)), fifteen));
+        const auto qv = hn::PromoteTo(dd, hn::Min(hn::Trunc(hn::Add(hn::Mul(sv, vx), half)), fifteen));
+        const auto wu = hn::Mul(vw, qu), wv = hn::Mul(vw, qv);
+        u0 = hn::Add(u0, wu);
+        u1 = hn::Add(u1, hn::Mul(wu, qu));
+        u2 = hn::Add(u2, hn::Mul(wu, vd));
+        v0 = hn::Add(v0, wv);
+        v1 = hn::Add(v1, hn::Mul(wv, qv));
+        v2 = hn::Add(v2, hn::Mul(wv, vd));
       }
-    for (int t = 0; t < K; ++t)
-      for (int s = 0; s < 3; ++s) {
-        double p[4];
-        for (int64_t g = 0; g < G; ++g) hn::StoreU(acc[t][s][g], dd, p + g * N);
-        sums[s * detail::kQ4SweepPad + k0 + t] = (p[0] + p[1]) + (p[2] + p[3]);
-      }
+      hn::StoreU(u0, dd, p[0][0] + g);
+      hn::StoreU(u1, dd, p[0][1] + g);
+      hn::StoreU(u2, dd, p[0][2] + g);
+      hn::StoreU(v0, dd, p[1][0] + g);
+      hn::StoreU(v1, dd, p[1][1] + g);
+      hn::StoreU(v2, dd, p[1][2] + g);
+    }
+    for (int t = 0; t < 2; ++t)
+      for (int s = 0; s < 3; ++s) sums[s * P + k + t] = (p[t][s][0] + p[t][s][1]) + (p[t][s][2] + p[t][s][3]);
   }
   for (int s = 0; s < 3; ++s)
-    for (int k = detail::kQ4SweepSteps; k < detail::kQ4SweepPad; ++k) sums[s * detail::kQ4SweepPad + k] = 0;
+    for (int k = detail::kQ4SweepSteps; k < P; ++k) sums[s * P + k] = 0;
 }
 
 // Every candidate's least-squares fit and its error, a lane each: the plain

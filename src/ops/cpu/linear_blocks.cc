@@ -353,7 +353,9 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
   const hn::Rebind<uint8_t, DI16> d8;
   const VI16 mask = hn::Set(d16, 0xF);
   const int64_t L = static_cast<int64_t>(hn::Lanes(d16));
-  VF acc[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+  // One accumulator a row, as named variables: SVE's vectors cannot be
+  // array elements.
+  VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
   float off[4] = {0, 0, 0, 0};
   for (int64_t k = 0; k < cols / kQ4_KValues; ++k) {
     uint8_t sm[4][16] = {};
@@ -377,14 +379,22 @@ void Q4KOneX(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
         DS_Q4K_INT_ROW(0) DS_Q4K_INT_ROW(1) DS_Q4K_INT_ROW(2) DS_Q4K_INT_ROW(3)
       }
     }
-    const VI32 sums[4] = {hn::RearrangeToOddPlusEven(s0, t0), hn::RearrangeToOddPlusEven(s1, t1),
-                          hn::RearrangeToOddPlusEven(s2, t2), hn::RearrangeToOddPlusEven(s3, t3)};
-    for (int i = 0; i < R; ++i) acc[i] = hn::MulAdd(hn::ConvertTo(d, sums[i]), hn::Set(d, dx[k] * dw[i]), acc[i]);
+    auto add = [&](int i, VI32 s, VI32 t, VF& acc) HWY_ATTR {
+      acc = hn::MulAdd(hn::ConvertTo(d, hn::RearrangeToOddPlusEven(s, t)), hn::Set(d, dx[k] * dw[i]), acc);
+    };
+    add(0, s0, t0, acc0);
+    if constexpr (R > 1) add(1, s1, t1, acc1);
+    if constexpr (R > 2) add(2, s2, t2, acc2);
+    if constexpr (R > 3) add(3, s3, t3, acc3);
   }
-  for (int i = 0; i < R; ++i) {
-    const float v = hn::GetLane(hn::SumOfLanes(d, acc[i])) - off[i];
+  auto out = [&](int i, VF acc) HWY_ATTR {
+    const float v = hn::GetLane(hn::SumOfLanes(d, acc)) - off[i];
     y[r + i] = accumulate ? y[r + i] + v : v;
-  }
+  };
+  out(0, acc0);
+  if constexpr (R > 1) out(1, acc1);
+  if constexpr (R > 2) out(2, acc2);
+  if constexpr (R > 3) out(3, acc3);
 }
 #undef DS_Q4K_INT_ROW
 #endif

@@ -144,23 +144,33 @@ void Q8_0Int(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_
   const DI16 d16;
   const hn::Rebind<int8_t, DI16> d8;
   const int64_t L = static_cast<int64_t>(hn::Lanes(d16));
-  VF acc[4] = {hn::Zero(d), hn::Zero(d), hn::Zero(d), hn::Zero(d)};
+  // One accumulator a row, as named variables: SVE's vectors cannot be
+  // array elements.
+  VF acc0 = hn::Zero(d), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+  auto step = [&](int i, int64_t b, VF& acc) HWY_ATTR {
+    const uint8_t* q = w + (r + i) * row_bytes + b * kQ8_0Bytes;
+    PrefetchL2(q + kPrefetchBytes);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(q + 2);
+    auto s = hn::Zero(di), t = s;
+    for (int64_t l = 0; l < kQ8_0Values; l += L)
+      s = hn::ReorderWidenMulAccumulate(di, hn::PromoteTo(d16, hn::LoadU(d8, codes + l)),
+                                        hn::LoadU(d16, xq + b * kQ8_0Values + l), s, t);
+    acc = hn::MulAdd(hn::ConvertTo(d, hn::RearrangeToOddPlusEven(s, t)), hn::Set(d, dx[b] * half_at(q)), acc);
+  };
   for (int64_t b = 0; b < cols / kQ8_0Values; ++b) {
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* q = w + (r + i) * row_bytes + b * kQ8_0Bytes;
-      PrefetchL2(q + kPrefetchBytes);
-      const int8_t* codes = reinterpret_cast<const int8_t*>(q + 2);
-      auto s = hn::Zero(di), t = s;
-      for (int64_t l = 0; l < kQ8_0Values; l += L)
-        s = hn::ReorderWidenMulAccumulate(di, hn::PromoteTo(d16, hn::LoadU(d8, codes + l)),
-                                          hn::LoadU(d16, xq + b * kQ8_0Values + l), s, t);
-      acc[i] = hn::MulAdd(hn::ConvertTo(d, hn::RearrangeToOddPlusEven(s, t)), hn::Set(d, dx[b] * half_at(q)), acc[i]);
-    }
+    step(0, b, acc0);
+    if constexpr (R > 1) step(1, b, acc1);
+    if constexpr (R > 2) step(2, b, acc2);
+    if constexpr (R > 3) step(3, b, acc3);
   }
-  for (int i = 0; i < R; ++i) {
-    const float v = hn::GetLane(hn::SumOfLanes(d, acc[i]));
+  auto out = [&](int i, VF acc) HWY_ATTR {
+    const float v = hn::GetLane(hn::SumOfLanes(d, acc));
     y[r + i] = accumulate ? y[r + i] + v : v;
-  }
+  };
+  out(0, acc0);
+  if constexpr (R > 1) out(1, acc1);
+  if constexpr (R > 2) out(2, acc2);
+  if constexpr (R > 3) out(3, acc3);
 }
 #endif
 
