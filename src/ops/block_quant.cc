@@ -89,6 +89,13 @@ struct Fit {
   float a = 0, b = 0;
 };
 
+// The weighted squared error of x ~ a q + c for codes q with sums swq =
+// sum w q, swqq = sum w q^2, swqx = sum w q x (and sw, swx, swxx of w
+// alone): the square expanded, so no second pass over the values.
+double fit_error(double a, double c, double swq, double swqq, double swqx, double sw, double swx, double swxx) {
+  return a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
+}
+
 }  // namespace
 
 namespace detail {
@@ -132,9 +139,7 @@ void q4_sweep_fits_plain(const double* sums, double sw, double swx, double swxx,
       c = 0;
       a = swqq > 0 ? swqx / swqq : 0;
     }
-    // The weighted squared error: the square expanded, so no second pass
-    // over the values.
-    if (a > 0) e = a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
+    if (a > 0) e = fit_error(a, c, swq, swqq, swqx, sw, swx, swxx);
   }
 }
 
@@ -177,9 +182,8 @@ Fit fit_sub_block(const float* x, bool any_offset = false) {
   double best_err = std::numeric_limits<double>::infinity();
   for (int k = 0; k < detail::kQ4SweepSteps; ++k) {
     if (k == detail::kQ4SweepFirst) {  // the plain rule: scale (hi - lo) / 15, offset lo
-      const double a = best.a, c = lo, swq = sums[k], swqq = sums[detail::kQ4SweepPad + k],
-                   swqx = sums[2 * detail::kQ4SweepPad + k];
-      const double e = a * a * swqq + 2 * a * c * swq + c * c * sw - 2 * a * swqx - 2 * c * swx + swxx;
+      const double e = fit_error(best.a, lo, sums[k], sums[detail::kQ4SweepPad + k], sums[2 * detail::kQ4SweepPad + k],
+                                 sw, swx, swxx);
       if (e < best_err) best_err = e;
     }
     const double e = fits[2 * detail::kQ4SweepPad + k];
