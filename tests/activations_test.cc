@@ -18,6 +18,7 @@
 
 namespace ds {
 namespace {
+namespace activations_test {
 
 using test::expect_close;
 using test::randn;
@@ -273,5 +274,6 @@ TEST(Activations, BadSizesThrow) {
   EXPECT_NO_THROW(ops::silu_mul_forward(y.data(), x.data(), x.data(), 0));
 }
 
+}  // namespace activations_test
 }  // namespace
 }  // namespace ds

@@ -18,6 +18,7 @@
 
 namespace ds {
 namespace {
+namespace adamw_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -250,5 +251,6 @@ TEST(AdamW, SolvesLeastSquares) {
   for (int64_t j = 0; j < n; ++j) EXPECT_NEAR(x[j], x_true[j], 1e-3) << j;
 }
 
+}  // namespace adamw_test
 }  // namespace
 }  // namespace ds

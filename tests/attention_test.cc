@@ -29,6 +29,7 @@ int64_t set_attention_pack_budget(int64_t bytes);
 
 namespace ds {
 namespace {
+namespace attention_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -517,5 +518,6 @@ TEST(Attention, PackingAFewHeadsAtATimeChangesNoBit) {
   ops::detail::set_attention_pack_budget(saved);
 }
 
+}  // namespace attention_test
 }  // namespace
 }  // namespace ds

@@ -42,6 +42,7 @@
 
 namespace ds::ops {
 namespace {
+namespace backend_ops_test {
 
 // ---- the seam, on every machine ------------------------------------------
 
@@ -477,5 +478,6 @@ TEST(BackendOps, LinearRefusesWhatItCannotRun) {
   }
 }
 
+}  // namespace backend_ops_test
 }  // namespace
 }  // namespace ds::ops

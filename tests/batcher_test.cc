@@ -32,6 +32,7 @@ using ds::infer::Finish;
 using ds::infer::GenerateOptions;
 
 namespace {
+namespace batcher_test {
 
 std::string temp_dir(const char* name) {
   std::string tmpl = std::string("/tmp/ds_") + name + "_XXXXXX";
@@ -438,4 +439,5 @@ TEST(BatcherV4, EachRequestMakesWhatItsPromptMakesAlone) {
   fs::remove_all(dir);
 }
 
+}  // namespace batcher_test
 }  // namespace

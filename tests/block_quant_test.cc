@@ -20,6 +20,7 @@
 using ds::DType;
 
 namespace {
+namespace block_quant_test {
 
 std::vector<float> gaussian(int64_t n, uint64_t seed, float std = 0.02f) {
   std::mt19937_64 g(seed);
@@ -307,4 +308,5 @@ TEST(BlockQuant, EdgeBlocks) {
   }
 }
 
+}  // namespace block_quant_test
 }  // namespace

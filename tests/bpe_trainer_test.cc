@@ -27,6 +27,7 @@
 #include "test_util.h"
 
 namespace {
+namespace bpe_trainer_test {
 
 namespace fs = std::filesystem;
 using ds::io::BpeModel;
@@ -526,4 +527,5 @@ TEST(BpeTrainer, HuggingFaceAgrees) {
   EXPECT_EQ(ours, theirs);
 }
 
+}  // namespace bpe_trainer_test
 }  // namespace

@@ -25,6 +25,7 @@ using ds::infer::BatchRequest;
 using ds::infer::CacheKind;
 
 namespace {
+namespace cache_pool_test {
 
 std::vector<int32_t> drain(ds::infer::Generation& g) {
   std::vector<int32_t> out;
@@ -272,4 +273,5 @@ TEST(CachePoolV4, AStateIsReusedWholeByAPromptThatExtendsIt) {
   EXPECT_EQ(hit_tokens[1], 13u + 2u);  // the first request's prompt and its answer but the last token
 }
 
+}  // namespace cache_pool_test
 }  // namespace

@@ -22,6 +22,7 @@
 #include "io/tokenizer.h"
 
 namespace {
+namespace chat_format_test {
 
 namespace chat = ds::infer::chat;
 namespace fs = std::filesystem;
@@ -655,4 +656,5 @@ TEST(ChatFormat, PythonJson) {
   EXPECT_EQ(chat::python_json(chat::ojson::parse("[]"), true), "[]");
 }
 
+}  // namespace chat_format_test
 }  // namespace

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 namespace {
+namespace chat_parse_test {
 
 namespace chat = ds::infer::chat;
 using chat::Format;
@@ -227,4 +228,5 @@ TEST(ChatParse, TextAroundCallsStaysInOrder) {
   expect_streams_alike(Format::V4, asked(false, true), newlines);
 }
 
+}  // namespace chat_parse_test
 }  // namespace

@@ -12,6 +12,7 @@
 using ds::ops::CompressorDims;
 
 namespace {
+namespace compressor_test {
 
 CompressorDims dims(int64_t tokens, int64_t dim, int64_t ratio, bool overlap) {
   CompressorDims d;
@@ -21,8 +22,6 @@ CompressorDims dims(int64_t tokens, int64_t dim, int64_t ratio, bool overlap) {
   d.overlap = overlap;
   return d;
 }
-
-}  // namespace
 
 TEST(Compressor, PoolsAsTheReferenceDoes) {
   // 4 whole windows and 3 leftover tokens (no entry for them).
@@ -143,3 +142,6 @@ TEST(Compressor, BadDimsAreErrors) {
   EXPECT_THROW(ds::ops::compressor_pool_forward(buf.data(), buf.data(), buf.data(), dims(4, 1, 0, false)), ds::Error);
   EXPECT_THROW(ds::ops::compressor_pool_forward(buf.data(), buf.data(), buf.data(), dims(4, 0, 2, false)), ds::Error);
 }
+
+}  // namespace compressor_test
+}  // namespace

@@ -16,6 +16,7 @@ using ds::model::TopkMethod;
 using json = nlohmann::json;
 
 namespace {
+namespace config_test {
 
 // The DeepSeek-V3 config.json as published (fields that matter here).
 json v3_config() {
@@ -44,8 +45,6 @@ void expect_error(const json& j, const std::string& needle) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }
-
-}  // namespace
 
 TEST(ModelConfig, ReadsDeepSeekV3) {
   ModelConfig c = ModelConfig::from_hf_json_text(v3_config().dump());
@@ -226,3 +225,6 @@ TEST(ModelConfig, YamlUseIndexerMakesAV32ModelWithMaxTextDefaults) {
     EXPECT_NE(std::string(e.what()).find("use_indexer"), std::string::npos) << e.what();
   }
 }
+
+}  // namespace config_test
+}  // namespace

@@ -22,6 +22,7 @@
 
 namespace ds {
 namespace {
+namespace cross_entropy_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -329,5 +330,6 @@ TEST(CrossEntropy, BadInputsThrow) {
   EXPECT_EQ(loss[2], 0.0f);
 }
 
+}  // namespace cross_entropy_test
 }  // namespace
 }  // namespace ds

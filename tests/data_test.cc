@@ -25,6 +25,7 @@
 
 namespace ds {
 namespace {
+namespace data_test {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -651,5 +652,6 @@ TEST(OpenDataset, RejectsBadConfiguration) {
                "has no meta.json");
 }
 
+}  // namespace data_test
 }  // namespace
 }  // namespace ds

@@ -24,6 +24,7 @@
 
 namespace ds {
 namespace {
+namespace dist_test {
 
 using dist::MeshConfig;
 
@@ -425,5 +426,6 @@ TEST(LinkModel, DeliversNoEarlierThanTheModel) {
   EXPECT_THROW(dist::LinkModel(*comm, 0.0, 0.0), Error);
 }
 
+}  // namespace dist_test
 }  // namespace
 }  // namespace ds

@@ -19,6 +19,7 @@
 
 namespace ds {
 namespace {
+namespace dsa_train_test {
 
 const std::string kTinyDsa = "model_name: " + std::string(DEEPSEEK_SOURCE_DIR) +
                              "/configs/tiny.yml\nuse_indexer: true\nindexer_n_heads: 2\nindexer_head_dim: 16\n"
@@ -190,5 +191,6 @@ TEST(DsaTrain, ConfigsThatWouldTrainNothingAreErrors) {
   EXPECT_THROW(parse_run_config(v3, {"indexer_sparse_training=true"}, "test"), Error);
 }
 
+}  // namespace dsa_train_test
 }  // namespace
 }  // namespace ds

@@ -27,6 +27,7 @@
 
 namespace ds {
 namespace {
+namespace dtype_test {
 
 uint32_t bits(float x) {
   uint32_t u;
@@ -609,5 +610,6 @@ TEST(FindNonFinite, AnyOffsetAnyPosition) {
     }
 }
 
+}  // namespace dtype_test
 }  // namespace
 }  // namespace ds

@@ -14,6 +14,7 @@
 
 namespace ds {
 namespace {
+namespace embedding_test {
 
 using test::expect_close;
 using test::randn;
@@ -99,5 +100,6 @@ TEST(Embedding, IdsOutsideVocabularyThrowAndWriteNothing) {
   EXPECT_THROW(ops::embedding_forward(out.data(), ids.data(), table.data(), -1, vocab, dim), Error);
 }
 
+}  // namespace embedding_test
 }  // namespace
 }  // namespace ds

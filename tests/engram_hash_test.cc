@@ -14,6 +14,7 @@ using ds::model::EngramHashScheme;
 using ds::model::EngramHashSpec;
 
 namespace {
+namespace engram_hash_test {
 
 std::vector<int32_t> ids_of(const std::vector<int32_t>& c, const ds::model::EngramLayerHash& t, const EngramHashSpec& s,
                             int32_t pad) {
@@ -172,4 +173,5 @@ TEST(EngramHash, ImpossibleSpecsAreErrors) {
   EXPECT_THROW(ds::model::engram_hash_tables(s), ds::Error);
 }
 
+}  // namespace engram_hash_test
 }  // namespace

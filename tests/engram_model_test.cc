@@ -22,6 +22,7 @@
 
 namespace ds {
 namespace {
+namespace engram_model_test {
 
 namespace fs = std::filesystem;
 using infer::CacheKind;
@@ -279,5 +280,6 @@ TEST(EngramModelInit, ImpossibleConfigsAreOneLineErrors) {
   }
 }
 
+}  // namespace engram_model_test
 }  // namespace
 }  // namespace ds

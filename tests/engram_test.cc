@@ -20,6 +20,7 @@ using ds::model::EngramSegment;
 using ds::ops::WeightView;
 
 namespace {
+namespace engram_test {
 
 struct Layer {
   ds::test::EngramRef<double> ref;
@@ -282,4 +283,5 @@ TEST(Engram, HistoryRowsContinueASequence) {
   }
 }
 
+}  // namespace engram_test
 }  // namespace

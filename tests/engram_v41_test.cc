@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace {
+namespace engram_v41_test {
 
 // n = 2 streams, d = 4, C = 2 columns of De = 2 (e has 4 entries), eps 1e-20.
 struct Toy {
@@ -82,8 +83,6 @@ TEST(EngramV41, Fp8TableRowsAndIdsOutsideIt) {
   }
 }
 
-}  // namespace
-
 // The backward of x += alpha v against central differences of a double
 // transcription of the forward: the streams (through the gate's dot and both
 // norms), the key and value rows of kv, the folded weights; an image
@@ -125,3 +124,6 @@ TEST(EngramV41, BackwardMatchesCentralDifferences) {
   ds::test::expect_close(dw, ds::test::numeric_grad([&](const std::vector<double>& v) { return loss(X, KV, v); }, W),
                          1e-4, 1e-6, "dw_qk");
 }
+
+}  // namespace engram_v41_test
+}  // namespace

@@ -12,6 +12,7 @@
 
 namespace ds {
 namespace {
+namespace error_test {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
@@ -104,5 +105,6 @@ TEST(Error, IsARuntimeErrorAndBindsAsOneStatement) {
   EXPECT_TRUE(took_else);
 }
 
+}  // namespace error_test
 }  // namespace
 }  // namespace ds

@@ -13,6 +13,7 @@ using ds::ops::ExpertSelectionConfig;
 using ds::ops::GroupScore;
 
 namespace {
+namespace expert_selection_test {
 
 ExpertSelectionConfig v3_like() {
   return {16, 4, 4, 2, ExpertScoring::Sigmoid, GroupScore::Top2Sum, true, 2.5f};
@@ -32,8 +33,6 @@ Selected select_experts(const std::vector<float>& logits, const std::vector<floa
                                     bias ? bias->data() : nullptr, T, c);
   return r;
 }
-
-}  // namespace
 
 TEST(ExpertSelection, MatchesReferenceForEveryMethod) {
   const int64_t T = 37;
@@ -165,3 +164,6 @@ TEST(ExpertSelection, ImpossibleConfigsAreErrors) {
   bad({16, 8, 4, 1, ExpertScoring::Sigmoid, GroupScore::Top2Sum, true, 1});   // one group of 4 < k
   bad({16, 1, 16, 2, ExpertScoring::Sigmoid, GroupScore::Top2Sum, true, 1});  // groups of one, top-2
 }
+
+}  // namespace expert_selection_test
+}  // namespace

@@ -18,6 +18,7 @@
 
 namespace ds {
 namespace {
+namespace family_kind_test {
 
 namespace fs = std::filesystem;
 
@@ -180,5 +181,6 @@ TEST(FamilyKind, V4PresetIsNothingForAnotherFamilysPreset) {
   EXPECT_NE(e.find("'mystery_key' is not a key of a DeepSeek-V4 model"), std::string::npos) << e;
 }
 
+}  // namespace family_kind_test
 }  // namespace
 }  // namespace ds

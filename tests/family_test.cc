@@ -21,6 +21,7 @@
 
 namespace ds {
 namespace {
+namespace family_test {
 
 namespace fs = std::filesystem;
 
@@ -226,11 +227,13 @@ TEST(Family, InitIsTheFamilysOwnInitialisation) {
   }
 }
 
+}  // namespace family_test
 }  // namespace
 }  // namespace ds
 
 namespace ds {
 namespace {
+namespace family_test {
 
 TEST(Family, MaxTextsMhcKeysOnAV3ModelSayWhatRuns) {
   // One stream is MaxText's default, the plain residual (no mHC tensors);
@@ -272,5 +275,6 @@ TEST(Family, MaxTextsMhcKeysOnAV3ModelSayWhatRuns) {
   }
 }
 
+}  // namespace family_test
 }  // namespace
 }  // namespace ds

@@ -18,6 +18,7 @@
 
 namespace ds {
 namespace {
+namespace fp8_quant_test {
 
 using ops::Fp8Kind;
 
@@ -218,5 +219,6 @@ TEST(Fp8Quant, ParsesMaxTextNames) {
   EXPECT_EQ(ops::quantization(), ops::Quantization::kNone);
 }
 
+}  // namespace fp8_quant_test
 }  // namespace
 }  // namespace ds

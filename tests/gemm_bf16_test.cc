@@ -19,6 +19,7 @@
 
 namespace ds {
 namespace {
+namespace gemm_bf16_test {
 
 using test::randn;
 
@@ -194,5 +195,6 @@ TEST(GemmBf16, ParsesMaxTextNames) {
   EXPECT_THROW(ops::parse_gemm_dtype("fp16"), Error);
 }
 
+}  // namespace gemm_bf16_test
 }  // namespace
 }  // namespace ds

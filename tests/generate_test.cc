@@ -22,6 +22,7 @@ using ds::infer::CacheKind;
 using ds::infer::GenerateOptions;
 
 namespace {
+namespace generate_test {
 
 class GenerateTest : public ::testing::Test {
  protected:
@@ -216,4 +217,5 @@ TEST(CheckpointInit, WrittenFoldersLoadAndRun) {
   fs::remove_all(dir);
 }
 
+}  // namespace generate_test
 }  // namespace

@@ -30,6 +30,7 @@
 #include "ops/block_quant.h"
 
 namespace {
+namespace gguf_export_test {
 
 namespace fs = std::filesystem;
 namespace gguf = ds::io::gguf;
@@ -442,4 +443,5 @@ TEST_F(GgufExportTest, ImportReadsQuantizedFilesAndRefusesOthers) {
   EXPECT_THROW(ds::infer::open_model(ds::infer::model_folder(dir_ + "/bare.gguf")), ds::Error);
 }
 
+}  // namespace gguf_export_test
 }  // namespace

@@ -14,6 +14,7 @@
 #include "core/error.h"
 
 namespace {
+namespace gguf_quants_test {
 
 namespace gguf = ds::io::gguf;
 using gguf::TensorType;
@@ -132,4 +133,5 @@ TEST(GgufQuants, Q6KLowHighAndSignedScales) {
     EXPECT_EQ(y[e], 0.125f * static_cast<float>(scales[e / 16]) * static_cast<float>(q[e] - 32)) << e;
 }
 
+}  // namespace gguf_quants_test
 }  // namespace

@@ -14,6 +14,7 @@
 #include "core/error.h"
 
 namespace {
+namespace gguf_test {
 
 namespace gguf = ds::io::gguf;
 namespace fs = std::filesystem;
@@ -175,4 +176,5 @@ TEST_F(GgufTest, WriterRefusesWhatItCannotWrite) {
   EXPECT_FALSE(fs::exists(dir_ + "/short.gguf"));  // nothing left half-written
 }
 
+}  // namespace gguf_test
 }  // namespace

@@ -19,6 +19,7 @@
 
 namespace ds {
 namespace {
+namespace grouped_matmul_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -207,5 +208,6 @@ TEST(GroupedMatmul, BitwiseReproducibleAcrossThreadCounts) {
   for (int t = 1; t < 3; ++t) EXPECT_EQ(0, std::memcmp(out[0].data(), out[t].data(), N1 * sizeof(float))) << t + 1;
 }
 
+}  // namespace grouped_matmul_test
 }  // namespace
 }  // namespace ds

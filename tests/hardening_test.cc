@@ -37,6 +37,7 @@
 
 namespace ds {
 namespace {
+namespace hardening_test {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -546,5 +547,6 @@ TEST(Hardening, RunFolderOutputsMustBeRegularFiles) {
   EXPECT_FALSE(fs::exists(fs::path(d.path()) / "r/checkpoints/step_1"));
 }
 
+}  // namespace hardening_test
 }  // namespace
 }  // namespace ds

@@ -33,6 +33,7 @@
 
 namespace ds {
 namespace {
+namespace indexer_test {
 
 std::vector<double> sylvester(int64_t d) {
   std::vector<double> h{1.0};
@@ -551,5 +552,6 @@ TEST(IndexerTrain, KlLossAndItsGradient) {
   EXPECT_NEAR(ops::indexer_kl(ds.data(), logp.data(), target.data(), nullptr, kB, kT, 1.0), 0.0, 1e-5);
 }
 
+}  // namespace indexer_test
 }  // namespace
 }  // namespace ds

@@ -16,6 +16,7 @@
 
 namespace ds {
 namespace {
+namespace latent_attention_test {
 
 using ops::LatentAttentionDims;
 
@@ -186,5 +187,6 @@ TEST(LatentAttention, BadSizesAreErrors) {
                Error);
 }
 
+}  // namespace latent_attention_test
 }  // namespace
 }  // namespace ds

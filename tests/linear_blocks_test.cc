@@ -23,6 +23,7 @@
 using ds::DType;
 
 namespace {
+namespace linear_blocks_test {
 
 struct Quantized {
   std::vector<uint8_t> bytes;
@@ -266,4 +267,5 @@ INSTANTIATE_TEST_SUITE_P(Formats, LinearBlocksTest,
                          ::testing::Values(DType::Q8_0, DType::Q4_K, DType::Q4_1, DType::Q6_K),
                          [](const auto& info) { return std::string(ds::dtype_name(info.param)); });
 
+}  // namespace linear_blocks_test
 }  // namespace

@@ -23,6 +23,7 @@ using ds::DType;
 using ds::ops::WeightView;
 
 namespace {
+namespace linear_test {
 
 // Weight [out, in] in `dtype` plus its float32 value, widened by the scalar
 // conversions (not by the kernel under test).
@@ -90,8 +91,6 @@ void expect_linear_same_for_any_thread_count(const WeightView& w, int64_t M, uin
     return y;
   });
 }
-
-}  // namespace
 
 TEST(Linear, Fp4MatchesItsDefinition) {
   // Decode-sized M (the in-register kernel) and prefill-sized M (widened
@@ -381,8 +380,6 @@ TEST(Linear, E4m3WidensExactlyAsTheScalarDecode) {
   }
 }
 
-namespace {
-
 // Sets the matmul precision for a scope.
 struct PrecisionGuard {
   explicit PrecisionGuard(ds::ops::MatmulPrecision p) { ds::ops::set_matmul_precision(p); }
@@ -417,8 +414,6 @@ std::vector<double> rounded_to_bf16(const std::vector<float>& x) {
   for (size_t i = 0; i < x.size(); ++i) r[i] = ds::bf16_to_f32(ds::f32_to_bf16(x[i]));
   return r;
 }
-
-}  // namespace
 
 TEST(Linear, Bf16PrecisionMultipliesXRoundedToBf16) {
   // In bf16 precision every narrow dtype multiplies x rounded to bf16 (by
@@ -558,3 +553,6 @@ TEST(Linear, PairIsTwoProductsBitForBit) {
   std::vector<float> x(40 * 11), y(40 * 16);
   EXPECT_THROW(ds::ops::linear_forward_pair(y.data(), a.view, y.data() + 8, b.view, x.data(), 40), ds::Error);
 }
+
+}  // namespace linear_test
+}  // namespace

@@ -16,6 +16,7 @@
 
 namespace ds {
 namespace {
+namespace matmul_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -232,5 +233,6 @@ TEST(MatmulBackward, WeightGradientIsReproducibleAcrossThreadCounts) {
   }
 }
 
+}  // namespace matmul_test
 }  // namespace
 }  // namespace ds

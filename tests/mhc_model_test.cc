@@ -20,6 +20,7 @@
 
 namespace ds {
 namespace {
+namespace mhc_model_test {
 
 namespace fs = std::filesystem;
 using infer::CacheKind;
@@ -163,5 +164,6 @@ TEST(MhcModel, ImpossibleConfigsAreOneLineErrors) {
   EXPECT_FALSE(model::to_hf_json(one).contains("mhc_expansion_rate"));
 }
 
+}  // namespace mhc_model_test
 }  // namespace
 }  // namespace ds

@@ -16,6 +16,7 @@
 using ds::ops::MhcDims;
 
 namespace {
+namespace mhc_test {
 
 constexpr int64_t kT = 3, kN = 4, kD = 24, kIters = 20;
 
@@ -49,8 +50,6 @@ MhcDims dims() {
   d.norm_eps = 1e-6f;
   return d;
 }
-
-}  // namespace
 
 TEST(Mhc, ForwardsMatchTheReference) {
   const auto in = make_inputs(1);
@@ -340,3 +339,6 @@ TEST(Mhc, MatchesTheIndependentV4Reference) {
                             vec("head_scale").data(), d);
   ds::test::expect_close(h, vec("head"), 1e-5, 0, "head");
 }
+
+}  // namespace mhc_test
+}  // namespace

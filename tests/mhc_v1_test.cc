@@ -17,6 +17,7 @@ using ds::ops::MhcDims;
 using ds::ops::MhcKind;
 
 namespace {
+namespace mhc_v1_test {
 
 MhcDims v1_dims(int64_t tokens, int64_t streams, int64_t dim, int64_t iters) {
   MhcDims d;
@@ -50,8 +51,6 @@ struct SinkhornCase {
     return c;
   }
 };
-
-}  // namespace
 
 TEST(MhcV1, SinkhornMatchesTheTestVectors) {
   const std::vector<double> want = {.196148, .037219, .672114, .094519, .532491, .166584, .090842, .210082,
@@ -223,3 +222,6 @@ TEST(MhcV1, ClippedSumsPassTheirGradientUnscaled) {
   const auto g = ds::test::numeric_grad(loss, std::vector<double>(A.begin(), A.end()));
   ds::test::expect_close(std::vector<float>(dbase.begin() + 8, dbase.end()), g, 2e-4, 1e-6, "dA");
 }
+
+}  // namespace mhc_v1_test
+}  // namespace

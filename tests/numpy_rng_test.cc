@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 namespace {
+namespace numpy_rng_test {
 
 TEST(NumpyRng, RawDrawsMatchNumpy) {
   ds::NumpyPcg64 a(10007);
@@ -41,4 +42,5 @@ TEST(NumpyRng, EngramMultiplierDraws) {
   EXPECT_EQ(r, (std::vector<int64_t>{59325216104801821, 3746820326864245, 27838405073976279}));
 }
 
+}  // namespace numpy_rng_test
 }  // namespace

@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 
 namespace {
+namespace perplexity_test {
 
 using ds::infer::PerplexityOptions;
 
@@ -160,4 +161,5 @@ TEST(Perplexity, EngineMatchesTheFloat64Reference) {
   EXPECT_GT(engine.ppl, 1.0);
 }
 
+}  // namespace perplexity_test
 }  // namespace

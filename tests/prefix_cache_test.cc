@@ -20,6 +20,7 @@ using ds::infer::CacheSnapshot;
 using ds::infer::PrefixCache;
 
 namespace {
+namespace prefix_cache_test {
 
 // A snapshot of `n` positions and `bytes` bytes, and a decoder that can cut
 // its snapshots anywhere (whole = false) or only restore them whole.
@@ -236,4 +237,5 @@ INSTANTIATE_TEST_SUITE_P(Layouts, KvSnapshotTest,
                                            Case{"engram", CacheKind::Latent, engram}),
                          [](const auto& info) { return std::string(info.param.name); });
 
+}  // namespace prefix_cache_test
 }  // namespace

@@ -30,6 +30,7 @@ using ds::DType;
 using ds::infer::CacheKind;
 
 namespace {
+namespace quantize_test {
 
 // Rows of 256 (the hidden size, the experts' width) and of other multiples
 // of 32 (the attention's LoRA ranks and heads).
@@ -251,4 +252,5 @@ TEST_F(QuantizeTest, BadInputsAreRefused) {
   EXPECT_THROW(ds::infer::load_model(bad), ds::Error);
 }
 
+}  // namespace quantize_test
 }  // namespace

@@ -27,6 +27,7 @@ using ds::infer::CacheKind;
 using ds::infer::KvCache;
 
 namespace {
+namespace reference_model_test {
 
 constexpr double kTol = 1e-5;
 
@@ -190,4 +191,5 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, ReferenceModel,
                          ::testing::Values("v3_qlora_yarn", "v2_plain_softmax", "v3_fp8_sharded", "v32_sparse_f32",
                                            "v32_bf16_scale_fmt", "v32_fp8_ue8m0"));
 
+}  // namespace reference_model_test
 }  // namespace

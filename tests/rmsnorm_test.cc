@@ -18,6 +18,7 @@
 
 namespace ds {
 namespace {
+namespace rmsnorm_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -185,5 +186,6 @@ TEST(Rmsnorm, BadArgumentsThrow) {
   EXPECT_THROW(ops::rmsnorm_backward(y.data(), w.data(), x.data(), x.data(), w.data(), rstd.data(), 2, 0), Error);
 }
 
+}  // namespace rmsnorm_test
 }  // namespace
 }  // namespace ds

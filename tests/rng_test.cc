@@ -16,6 +16,7 @@
 
 namespace ds {
 namespace {
+namespace rng_test {
 
 using Words = std::array<uint32_t, 4>;
 
@@ -209,5 +210,6 @@ TEST(Parallel, ZeroFillsExactlyTheRange) {
   set_num_threads(saved);
 }
 
+}  // namespace rng_test
 }  // namespace
 }  // namespace ds

@@ -19,6 +19,7 @@
 
 namespace ds {
 namespace {
+namespace rope_test {
 
 using ops::RopeConfig;
 using ops::RopeLayout;
@@ -370,5 +371,6 @@ TEST(Rope, BadInputsThrowAndWriteNothing) {
       ops::rope_forward(y.data(), p.x.data(), p.pos.data(), p.freqs.data(), 3, 2, 8, 16, 8, RopeLayout::Interleaved));
 }
 
+}  // namespace rope_test
 }  // namespace
 }  // namespace ds

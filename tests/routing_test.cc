@@ -20,6 +20,7 @@
 
 namespace ds {
 namespace {
+namespace routing_test {
 
 using ds::test::ThreadCountGuard;
 
@@ -296,5 +297,6 @@ TEST(Route, BadIndicesThrow) {
   EXPECT_THROW(ops::unroute_forward(out.data(), out.data(), ok.data(), n, 0), Error);
 }
 
+}  // namespace routing_test
 }  // namespace
 }  // namespace ds

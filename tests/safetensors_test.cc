@@ -20,6 +20,7 @@ using ds::io::SafetensorsFile;
 using ds::io::SafetensorsSet;
 
 namespace {
+namespace safetensors_test {
 
 class SafetensorsTest : public ::testing::Test {
  protected:
@@ -54,8 +55,6 @@ void expect_open_error(const std::string& p, const std::string& needle) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }
-
-}  // namespace
 
 TEST_F(SafetensorsTest, RoundTripKeepsDtypesShapesValuesAndMetadata) {
   Tensor a = Tensor::from_vector({1, 2, 3, 4, 5, 6}, {2, 3});
@@ -229,3 +228,6 @@ TEST(SafetensorsHeaderMutation, NeverCrashes) {
   // Some mutations (inside metadata strings, whitespace) leave a valid header.
   EXPECT_GT(accepted, 0);
 }
+
+}  // namespace safetensors_test
+}  // namespace

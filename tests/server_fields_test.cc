@@ -12,6 +12,7 @@
 #include "server_fixture.h"
 
 namespace {
+namespace server_fields_test {
 
 constexpr int64_t kDrawVocab = 294;  // the fixture's sample_vocab
 
@@ -381,9 +382,11 @@ TEST_F(ServerFieldsTest, MetricsParseAndMoveAfterARequest) {
   EXPECT_TRUE(after.count("deepseek_cache_bytes"));
 }
 
+}  // namespace server_fields_test
 }  // namespace
 
 namespace {
+namespace server_fields_test {
 
 // With prefix caching, a conversation's next turn (the last prompt, its
 // answer and new tokens) reads only the new tokens: /metrics and /health
@@ -430,4 +433,5 @@ TEST_F(ServerFieldsTest, ATurnThatExtendsTheLastReadsOnlyItsNewTokens) {
   EXPECT_EQ(health["cache"]["prefix_entries"], 1);
 }
 
+}  // namespace server_fields_test
 }  // namespace

@@ -18,6 +18,7 @@
 #include "server_fixture.h"
 
 namespace {
+namespace server_hardening_test {
 
 namespace bhttp = boost::beast::http;
 using Clock = std::chrono::steady_clock;
@@ -484,4 +485,5 @@ TEST_F(HardenedServerTest, HostileLoadLeavesServiceAndMemory) {
   }
 }
 
+}  // namespace server_hardening_test
 }  // namespace

@@ -9,6 +9,7 @@
 #include "server_fixture.h"
 
 namespace {
+namespace server_messages_test {
 
 using ServerMessagesTest = ServerTest;
 
@@ -233,4 +234,5 @@ TEST(MessagesToChat, RefusalsOfTheChatPathNameTheMessagesField) {
   EXPECT_EQ(ds::infer::api::messages_error_body({503, "busy", ""})["error"]["type"], "overloaded_error");
 }
 
+}  // namespace server_messages_test
 }  // namespace

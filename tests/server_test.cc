@@ -6,6 +6,7 @@
 #include "server_fixture.h"
 
 namespace {
+namespace server_test {
 
 TEST_F(ServerTest, CompletionOfTokenIdsAndOfText) {
   const std::vector<int32_t> ids = {285, 40, 41, 42, 43, 44, 45, 46};  // longer than one prefill chunk
@@ -347,4 +348,5 @@ TEST_F(ServerTest, ShutdownEndsOpenStreams) {
   expect_refused("/v1/completions", R"({"prompt": [1]})", 503, "shutting down");
 }
 
+}  // namespace server_test
 }  // namespace

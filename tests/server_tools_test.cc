@@ -15,6 +15,7 @@
 #include "server_fixture.h"
 
 namespace {
+namespace server_tools_test {
 
 namespace chat = ds::infer::chat;
 
@@ -429,4 +430,5 @@ TEST_F(ServerToolsTest, RefusalsNameTheirField) {
   EXPECT_EQ(json::parse(text)["error"]["param"], "tools");
 }
 
+}  // namespace server_tools_test
 }  // namespace

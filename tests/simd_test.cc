@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 namespace {
+namespace simd_test {
 
 std::string env(const char* name) {
   const char* v = std::getenv(name);
@@ -18,8 +19,6 @@ std::string env(const char* name) {
 }
 
 bool is_fallback(const std::string& t) { return t == "SCALAR" || t == "EMU128"; }
-
-}  // namespace
 
 // Under DEEPSEEK_MAX_CPU_ISA (ctest runs the kernel tests again with it) the
 // dispatched target is the capped one wherever the CPU has it; without a cap
@@ -102,3 +101,6 @@ TEST(SimdTargets, EveryTargetCanBeDispatchedInTurn) {
   }
 #endif
 }
+
+}  // namespace simd_test
+}  // namespace

@@ -12,6 +12,7 @@
 using ds::ops::SparseMqaDims;
 
 namespace {
+namespace sparse_attention_test {
 
 struct Case {
   SparseMqaDims d;
@@ -49,8 +50,6 @@ std::vector<T*> row_pointers(std::vector<T>& keys, const Case& c) {
     for (int64_t j : l) rows.push_back(keys.data() + j * c.d.dim);
   return rows;
 }
-
-}  // namespace
 
 // The small shapes, and lists of 36 to 43 keys with an odd head count and a
 // dimension that is no multiple of any vector length (every tail of the
@@ -161,3 +160,6 @@ TEST(SparseAttention, BadInputsAreErrors) {
   d.dim = 0;
   EXPECT_THROW(ds::ops::sparse_mqa_forward(buf.data(), buf.data(), buf.data(), rows, empty, buf.data(), d), ds::Error);
 }
+
+}  // namespace sparse_attention_test
+}  // namespace

@@ -31,6 +31,7 @@ using ds::infer::GenerateOptions;
 using ds::infer::GenerateStats;
 
 namespace {
+namespace speculative_test {
 
 class SpeculativeTest : public ::testing::Test {
  protected:
@@ -381,4 +382,5 @@ void SpeculativeTest::the_servers_batcher_drafts_too() {
   EXPECT_THROW(ds::infer::Batcher(*spec, bo), ds::Error);
 }
 
+}  // namespace speculative_test
 }  // namespace

@@ -17,6 +17,7 @@
 
 namespace ds {
 namespace {
+namespace tensor_test {
 
 // 0, 1, 2, ... as a float32 tensor of `shape`.
 Tensor iota(const Shape& shape) {
@@ -478,5 +479,6 @@ TEST(Tensor, IsContiguous) {
   EXPECT_TRUE(x.reshape({2, 1, 6}).is_contiguous());
 }
 
+}  // namespace tensor_test
 }  // namespace
 }  // namespace ds

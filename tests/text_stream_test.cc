@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 namespace {
+namespace text_stream_test {
 
 const ds::io::Tokenizer& tiny() {
   static const auto tok =
@@ -69,4 +70,5 @@ TEST(TextStream, StopStringsCutTheText) {
   EXPECT_FALSE(s.stopped());
 }
 
+}  // namespace text_stream_test
 }  // namespace

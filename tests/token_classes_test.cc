@@ -16,6 +16,7 @@ using ds::io::Tokenizer;
 using json = nlohmann::json;
 
 namespace {
+namespace token_classes_test {
 
 const std::string kDataDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/tokenizer";
 
@@ -70,4 +71,5 @@ TEST(TokenClasses, DeepSeekV3TableMatchesHuggingFace) {
   EXPECT_EQ(differ, 0);
 }
 
+}  // namespace token_classes_test
 }  // namespace

@@ -27,6 +27,7 @@
 #include "io/text_input.h"
 
 namespace {
+namespace tokenizer_test {
 
 using ds::io::Tokenizer;
 using json = nlohmann::json;
@@ -473,4 +474,5 @@ TEST_F(DeepSeekV3, ConcurrentEncodesAgree) {
   for (const auto& g : got) EXPECT_EQ(g, want);
 }
 
+}  // namespace tokenizer_test
 }  // namespace

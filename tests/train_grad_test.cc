@@ -27,6 +27,7 @@
 
 namespace ds {
 namespace {
+namespace train_grad_test {
 
 using model::FlatParams;
 using model::LossOptions;
@@ -472,5 +473,6 @@ TEST(TrainGradFp8, LossAndGradientFollowTheFloat64ReferenceAndAreReproducible) {
   test::expect_same_for_any_thread_count([&] { return run_fp8(f, RematPolicy::from_name("minimal")).grads; });
 }
 
+}  // namespace train_grad_test
 }  // namespace
 }  // namespace ds

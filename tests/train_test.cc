@@ -26,6 +26,7 @@
 #include "train_util.h"
 
 namespace {
+namespace train_test {
 
 using namespace ds;
 namespace fs = std::filesystem;
@@ -468,4 +469,5 @@ TEST(Training, LearnsTheSyntheticCopyTask) {
   EXPECT_GT(last, floor - 0.05) << "below the floor " << floor;
 }
 
+}  // namespace train_test
 }  // namespace

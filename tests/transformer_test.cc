@@ -22,6 +22,7 @@ using ds::infer::CacheKind;
 using ds::infer::KvCache;
 
 namespace {
+namespace transformer_test {
 
 class TransformerTest : public ::testing::Test {
  protected:
@@ -45,8 +46,6 @@ std::vector<float> full_logits(ds::infer::LoadedModel& m, const std::vector<int3
   KvCache cache(kind, 1, m.config.num_hidden_layers);
   return m.engine->step(cache, {ids}, true);
 }
-
-}  // namespace
 
 // Different summation orders (flash tiles vs. latent-space products) in
 // float32 over O(10) logits: 1e-5 of the largest logit.
@@ -202,8 +201,6 @@ TEST_F(TransformerTest, OutOfVocabularyTokensAndOverlongSequencesAreErrors) {
   EXPECT_THROW(m->engine->step(cache, {tokens(129, m->config.vocab_size, 1)}, false), ds::Error);
 }
 
-namespace {
-
 nlohmann::json tiny_v32_config(int64_t topk) {
   auto cfg = ds::test::tiny_v3_config();
   cfg["model_type"] = "deepseek_v32";
@@ -212,8 +209,6 @@ nlohmann::json tiny_v32_config(int64_t topk) {
   cfg["index_topk"] = topk;
   return cfg;
 }
-
-}  // namespace
 
 // Up to index_topk keys the indexer selects every key: a V3.2 model is its
 // V3 model (the same tensors without the indexer's), bit for bit. Past it,
@@ -285,3 +280,6 @@ TEST_F(TransformerTest, V32SparseAttentionAgreesAcrossCachesStepsAndBatches) {
   EXPECT_EQ(static_cast<int64_t>(cache.bytes()),
             (40 + 9) * ds::infer::kv_cache_bytes_per_token(c, CacheKind::Latent));
 }
+
+}  // namespace transformer_test
+}  // namespace

@@ -29,6 +29,7 @@
 using namespace ds::model;
 
 namespace {
+namespace v41_model_test {
 
 std::string fixture_dir(const std::string& name) {
   return std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v41/models/" + name;
@@ -320,4 +321,5 @@ TEST(V41Load, TokenizerMustMatchTheEngramClasses) {
   expect_error([&] { ds::infer::load_v4_config(tmp.path()); }, "engram_compressed_vocab_size says 31");
 }
 
+}  // namespace v41_model_test
 }  // namespace

@@ -19,6 +19,7 @@
 using namespace ds::model;
 
 namespace {
+namespace v41_train_test {
 
 const std::string kDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v41/train/v41_train_tiny";
 
@@ -114,4 +115,5 @@ TEST(V41Train, AdamWStepsLowerTheLoss) {
   EXPECT_LT(last, first - 0.05) << "8 AdamW steps: " << first << " -> " << last;
 }
 
+}  // namespace v41_train_test
 }  // namespace

@@ -19,6 +19,7 @@
 #include "train/config.h"
 
 namespace {
+namespace v4_balance_test {
 
 using namespace ds;
 
@@ -167,9 +168,11 @@ TEST(V4Balance, GradientMatchesCentralDifferences) {
   EXPECT_GE(moved, 10);  // the hash-routed layer 0 gets none of it
 }
 
+}  // namespace v4_balance_test
 }  // namespace
 
 namespace {
+namespace v4_balance_test {
 
 // Data parallelism's shares: two halves of a packed batch (documents and
 // padding), each weighed as a share of the whole, sum to the whole batch's
@@ -226,4 +229,5 @@ TEST(V4Balance, ShardsOfAPackedBatchSumToTheWhole) {
   EXPECT_LT(worst, 1e-5 * scale);
 }
 
+}  // namespace v4_balance_test
 }  // namespace

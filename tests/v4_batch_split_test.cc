@@ -28,6 +28,7 @@
 #include "train/config.h"
 
 namespace {
+namespace v4_batch_split_test {
 
 using namespace ds;
 
@@ -185,4 +186,5 @@ TEST_F(V4BatchSplit, ImpossibleSplitsAreOneClearError) {
   }
 }
 
+}  // namespace v4_batch_split_test
 }  // namespace

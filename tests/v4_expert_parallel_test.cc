@@ -19,6 +19,7 @@
 #include "train/config.h"
 
 namespace {
+namespace v4_expert_parallel_test {
 
 using namespace ds;
 
@@ -114,4 +115,5 @@ TEST(V4Fsdp, OneRankStreamIsThePlainPath) {
   }
 }
 
+}  // namespace v4_expert_parallel_test
 }  // namespace

@@ -35,6 +35,7 @@
 using namespace ds::model;
 
 namespace {
+namespace v4_model_test {
 
 struct V4Fixture {
   std::string dir;
@@ -583,4 +584,5 @@ TEST(V4Config, RejectsImpossibleConfigs) {
   EXPECT_EQ(c.compress_ratios, (std::vector<int64_t>{0, 4, 128, 4}));
 }
 
+}  // namespace v4_model_test
 }  // namespace

@@ -18,6 +18,7 @@
 #include "train/config.h"
 
 namespace {
+namespace v4_remat_test {
 
 using namespace ds;
 
@@ -157,4 +158,5 @@ TEST_F(V4Remat, EachNameKeepsItsOwnBytes) {
   EXPECT_LT(with_context, all);
 }
 
+}  // namespace v4_remat_test
 }  // namespace

@@ -26,6 +26,7 @@
 using namespace ds::model;
 
 namespace {
+namespace v4_train_test {
 
 const std::string kDir = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/train/v4_train_tiny";
 
@@ -251,4 +252,5 @@ TEST(V4Train, BadBatchesAreErrors) {
   EXPECT_THROW(v4_loss_and_grad(f->cfg, f->weights.view, nullptr, b), ds::Error);
 }
 
+}  // namespace v4_train_test
 }  // namespace

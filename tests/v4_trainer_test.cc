@@ -29,6 +29,7 @@
 #include "train_util.h"
 
 namespace {
+namespace v4_trainer_test {
 
 using namespace ds;
 namespace fs = std::filesystem;
@@ -378,4 +379,5 @@ TEST(V4Training, ExportLoadsWithTheTrainedWeights) {
   EXPECT_NEAR(model::v4_loss_and_grad(c2, w16.view, nullptr, b).loss, want, 1e-2 * want);
 }
 
+}  // namespace v4_trainer_test
 }  // namespace
