@@ -3,9 +3,12 @@
 // against a float64 product over the dequantized weight (the plain loops of
 // dequantize_blocks), q4_k's and q8_0's decode (x rounded to 8 bits a block
 // of 256 or 32, integer products) against their scalar twins and within the
-// bound the rounding allows, widen_rows and row_slice against the same, the same bits
-// for any thread count, and weights whose rows are not whole blocks
-// refused.
+// bound the rounding allows, q6_k's decode kernel on every SIMD target
+// against the plain integer loop it replaced, widen_rows and row_slice
+// against the same, the same bits for any thread count, and weights whose
+// rows are not whole blocks refused.
+#include "ops/cpu/linear_blocks.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include "io/gguf_quants.h"
 #include "ops/block_quant.h"
 #include "ops/linear.h"
+#include "test_util.h"
 
 using ds::DType;
 
@@ -148,6 +152,63 @@ double decode_twin(DType t, const float* x, const uint8_t* row, int64_t cols, do
   return t == DType::Q4_K   ? q4k_decode_twin(x, row, cols, bound)
          : t == DType::Q6_K ? q6k_decode_twin(x, row, cols, bound)
                             : q8_0_decode_twin(x, row, cols, bound);
+}
+
+// One row of q6_k against x as the decode kernel's plain loop summed it:
+// x rounded per block of 256 (float32 arithmetic, nearest-even), the block's
+// integer sum sc_j (q - 32) q_x exact in 32 bits, scaled once by a fused
+// multiply-add into a float32 total.
+float q6k_int8_plain(const float* x, const uint8_t* row, int64_t cols) {
+  float acc = 0;
+  for (int64_t k = 0; k < cols / 256; ++k, row += 210) {
+    const float* xb = x + k * 256;
+    float amax = 0;
+    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int v = 0; v < 256; ++v) {
+      const int h = v / 128, c = (v % 128) / 32, l = v % 32;
+      const uint8_t lo = row[64 * h + 32 * (c & 1) + l], hb = row[128 + 32 * h + l];
+      const int q = ((c < 2 ? lo : lo >> 4) & 0xF) | ((hb >> (2 * c)) & 3) << 4;
+      sum += static_cast<int8_t>(row[192 + v / 16]) * (q - 32) * static_cast<int32_t>(std::nearbyint(xb[v] * inv));
+    }
+    acc = std::fma(static_cast<float>(sum), dx * ds::f16_bits_to_f32(static_cast<uint16_t>(row[208] | row[209] << 8)),
+                   acc);
+  }
+  return acc;
+}
+
+// The q6_k decode kernel on 8-bit x against that plain loop on every target:
+// NEON, SVE and the scalar fallback give its bits; AVX2 and AVX-512 add each
+// block's integer sums in eight float lanes, within float32 rounding of it.
+TEST(LinearBlocksQ6K, DecodeIsThePlainIntegerLoopOnEveryTarget) {
+  const int64_t rows = 11, cols = 768;
+  const Quantized q = make(DType::Q6_K, rows, cols, 9);
+  const int64_t row_bytes = ds::ops::block_row_bytes(DType::Q6_K, cols);
+  for (int64_t M : {1, 3}) {
+    auto x = input(M, cols, 20 + static_cast<uint64_t>(M));
+    std::fill(x.begin() + 256, x.begin() + 512, 0.0f);  // a block of zeros (dx = 0)
+    std::vector<float> want(static_cast<size_t>(M * rows)), mag(want.size());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t r = 0; r < rows; ++r) {
+        want[m * rows + r] = q6k_int8_plain(x.data() + m * cols, q.bytes.data() + r * row_bytes, cols);
+        for (int64_t c = 0; c < cols; ++c) mag[m * rows + r] += std::fabs(x[m * cols + c] * q.wide[r * cols + c]);
+      }
+    ds::test::for_each_simd_target([&](const char* target) {
+      const bool generic = std::string(target).rfind("AVX", 0) != 0;
+      for (bool accumulate : {false, true}) {
+        std::vector<float> y(want.size(), 0.5f);
+        ds::ops::detail::gemv_q6_k_int8(y.data(), rows, x.data(), cols, M, q.view, 0, rows, accumulate);
+        for (size_t i = 0; i < y.size(); ++i) {
+          const float w = accumulate ? 0.5f + want[i] : want[i];
+          if (generic)
+            ASSERT_EQ(y[i], w) << "M " << M << " at " << i;
+          else
+            ASSERT_NEAR(y[i], w, 1e-6 * mag[i] + 1e-6) << "M " << M << " at " << i;
+        }
+      }
+    });
+  }
 }
 
 class LinearBlocksTest : public ::testing::TestWithParam<DType> {};

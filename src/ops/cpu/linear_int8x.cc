@@ -17,9 +17,12 @@
 // x . w = dx d (sum_j sc_j (q_j . q_x) - 32 sum_j sc_j xs_j), xs_j the sum
 // of q_x over group j of 16, all exact in 32-bit integers. AVX2 and
 // AVX-512 rebuild 32 six-bit codes at a time from their low and high bits
-// and multiply them by pmaddubsw; the other targets sum a block in a plain
-// integer loop (correct, not fast: no Arm machine has run a faster one).
+// and multiply them by pmaddubsw; the other targets (NEON, SVE, the scalar
+// fallback) decode them into 16-bit lanes and sum each block exactly in
+// 32-bit lanes, giving the plain loop's bits (tests/linear_blocks_test.cc
+// keeps that loop: q6k_int8_plain).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/buffer.h"
@@ -230,6 +233,53 @@ void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_R
   }
 }
 #else
+// Codes and x as 16-bit lanes, at most 16 a vector, so that a vector lies in
+// one group of 16 values and shares its scale: (q sc) fits in 16 bits
+// (q <= 63, |sc| <= 128) and (q sc) x pairs are summed into 32-bit lanes.
+// Each block's sum is exact and scaled once, as the plain loop did
+// (kept in tests/linear_blocks_test.cc): the result is its, bit for bit.
+using D16Q6 = hn::CappedTag<int16_t, 16>;
+#if HWY_TARGET == HWY_SCALAR  // one lane of each: the pairs are single products
+using D32Q6 = hn::Rebind<int32_t, D16Q6>;
+#else
+using D32Q6 = hn::RepartitionToWide<D16Q6>;
+#endif
+
+// s, t += (q scale) x, pairs of products summed into 32-bit lanes. (The
+// accumulators are parameters, not captures: SVE's vectors are sizeless.)
+template <class V16, class V32>
+HWY_INLINE void Q6KAdd(V16 q, int8_t scale, const XQ* HWY_RESTRICT x, V32& s, V32& t) {
+  const D16Q6 d16;
+  s = hn::ReorderWidenMulAccumulate(D32Q6(), hn::Mul(q, hn::Set(d16, scale)), hn::LoadU(d16, x), s, t);
+}
+
+// sum_j sc_j (q_j . q_x) of one q6_k block, without the -32 offset.
+HWY_INLINE int32_t Q6KBlockSum(const uint8_t* HWY_RESTRICT blk, const XQ* HWY_RESTRICT xb) {
+  const D16Q6 d16;
+  const D32Q6 di;
+  const hn::Rebind<uint8_t, D16Q6> d8;
+  const int64_t L = static_cast<int64_t>(hn::Lanes(d16));
+  const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+  const auto m4 = hn::Set(d16, 0xF), m3 = hn::Set(d16, 3);
+  auto s = hn::Zero(di), t = s;
+  for (int h = 0; h < 2; ++h)
+    for (int64_t l = 0; l < 32; l += L) {
+      // Values 32c + l of the half (c < 4): a low or a high nibble, with two
+      // bits of hb above; group 8h + 2c + l / 16 gives the scale.
+      const auto lo0 = hn::PromoteTo(d16, hn::LoadU(d8, blk + 64 * h + l));
+      const auto lo1 = hn::PromoteTo(d16, hn::LoadU(d8, blk + 64 * h + 32 + l));
+      const auto hb = hn::PromoteTo(d16, hn::LoadU(d8, blk + 128 + 32 * h + l));
+      const int8_t* scg = sc + 8 * h + l / 16;
+      const XQ* x = xb + 128 * h + l;
+      Q6KAdd(hn::Or(hn::And(lo0, m4), hn::ShiftLeft<4>(hn::And(hb, m3))), scg[0], x, s, t);
+      Q6KAdd(hn::Or(hn::And(lo1, m4), hn::ShiftLeft<4>(hn::And(hn::ShiftRight<2>(hb), m3))), scg[2], x + 32, s, t);
+      Q6KAdd(hn::Or(hn::ShiftRight<4>(lo0), hn::ShiftLeft<4>(hn::And(hn::ShiftRight<4>(hb), m3))), scg[4], x + 64, s,
+             t);
+      Q6KAdd(hn::Or(hn::ShiftRight<4>(lo1), hn::ShiftLeft<4>(hn::ShiftRight<6>(hb))), scg[6], x + 96, s, t);
+    }
+  return hn::GetLane(hn::SumOfLanes(di, hn::RearrangeToOddPlusEven(s, t)));
+}
+
 template <int R>
 void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_RESTRICT dx,
             const int32_t* HWY_RESTRICT xs, const uint8_t* w, int64_t row_bytes, int64_t cols, int64_t r,
@@ -238,18 +288,11 @@ void Q6KInt(float* HWY_RESTRICT y, const XQ* HWY_RESTRICT xq, const float* HWY_R
     float acc = 0;
     for (int64_t k = 0; k < cols / kQ6_KValues; ++k) {
       const uint8_t* blk = w + (r + i) * row_bytes + k * kQ6_KBytes;
+      for (int l = 0; l < 4; ++l) PrefetchL2(blk + kPrefetchBytes + 64 * l);
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-      const XQ* xb = xq + k * kQ6_KValues;
-      int32_t sum = 0;
-      for (int h = 0; h < 2; ++h)
-        for (int l = 0; l < 32; ++l) {
-          const uint8_t lo0 = blk[64 * h + l], lo1 = blk[64 * h + 32 + l], hb = blk[128 + 32 * h + l];
-          const int q[4] = {(lo0 & 0xF) | (hb & 3) << 4, (lo1 & 0xF) | ((hb >> 2) & 3) << 4,
-                            (lo0 >> 4) | ((hb >> 4) & 3) << 4, (lo1 >> 4) | ((hb >> 6) & 3) << 4};
-          for (int c = 0; c < 4; ++c) sum += sc[8 * h + 2 * c + l / 16] * q[c] * xb[128 * h + 32 * c + l];
-        }
+      int32_t sum = Q6KBlockSum(blk, xq + k * kQ6_KValues);
       for (int j = 0; j < 16; ++j) sum -= 32 * sc[j] * xs[16 * k + j];
-      acc += static_cast<float>(sum) * (dx[k] * half_at(blk + 208));
+      acc = std::fma(static_cast<float>(sum), dx[k] * half_at(blk + 208), acc);
     }
     y[r + i] = accumulate ? y[r + i] + acc : acc;
   }
