@@ -20,7 +20,7 @@ struct QuantizeArgs {
   std::vector<std::string> overrides;
 };
 
-std::string mib(uint64_t b) { return fmt::format("{:.1f} MiB", static_cast<double>(b) / (1 << 20)); }
+std::string mebibytes(uint64_t b) { return fmt::format("{:.1f} MiB", static_cast<double>(b) / (1 << 20)); }
 
 int run_quantize(const QuantizeArgs& a) {
   model::QuantizeOptions opt;
@@ -33,9 +33,9 @@ int run_quantize(const QuantizeArgs& a) {
     fmt::print(stderr, "quantize: {} tensor{}: {} (rows not whole blocks)\n", n, n == 1 ? "" : "s", f);
   std::string parts;
   for (const auto& [f, n] : r.tensors)
-    parts += fmt::format("{}{} {} ({})", parts.empty() ? "" : ", ", n, f, mib(r.bytes.at(f)));
+    parts += fmt::format("{}{} {} ({})", parts.empty() ? "" : ", ", n, f, mebibytes(r.bytes.at(f)));
   fmt::print("quantize: {} -> {} ({}): {} of weights -> {} in {:.1f} s; tensors: {}\n", a.model, a.out, a.type,
-             mib(r.bytes_in), mib(r.bytes_out), s, parts);
+             mebibytes(r.bytes_in), mebibytes(r.bytes_out), s, parts);
   return 0;
 }
 

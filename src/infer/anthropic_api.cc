@@ -8,11 +8,6 @@ namespace ds::infer::api {
 
 namespace {
 
-const json* field(const json& body, const char* key) {
-  auto it = body.find(key);
-  return it == body.end() || it->is_null() ? nullptr : &*it;
-}
-
 // The text of a content given as a string or as text blocks.
 std::string text_of(const json& content, const std::string& where) {
   if (content.is_string()) return content.get<std::string>();

@@ -51,14 +51,14 @@ json parse_body(std::string_view body, int max_depth) {
   return j;
 }
 
-namespace {
-
-// ---- request fields ---------------------------------------------------------
-
 const json* field(const json& body, const char* key) {
   auto it = body.find(key);
   return it == body.end() || it->is_null() ? nullptr : &*it;
 }
+
+namespace {
+
+// ---- request fields ---------------------------------------------------------
 
 int64_t int_field(const json& body, const char* key, int64_t def, int64_t lo, int64_t hi) {
   const json* v = field(body, key);

@@ -47,6 +47,9 @@ inline constexpr int kMaxJsonDepth = 64;
 // than max_depth, or is not an object.
 json parse_body(std::string_view body, int max_depth = kMaxJsonDepth);
 
+// The body's member `key`, or nullptr when it is absent or null.
+const json* field(const json& body, const char* key);
+
 // What a request needs to be checked beyond its body.
 struct Limits {
   const io::Tokenizer* tokenizer = nullptr;  // none: only token-id prompts

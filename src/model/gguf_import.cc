@@ -25,7 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace gguf = io::gguf;
-using json = nlohmann::ordered_json;
+using nlohmann::ordered_json;
 
 class File {
  public:
@@ -118,7 +118,7 @@ class File {
 };
 
 // config.json of the deepseek2 keys (model/gguf_export.h writes them).
-json config_of(const File& f, int64_t vocab) {
+ordered_json config_of(const File& f, int64_t vocab) {
   const std::string a = "deepseek2.";
   const int64_t rope = static_cast<int64_t>(f.u(a + "rope.dimension_count"));
   const int64_t key_mla = static_cast<int64_t>(f.u(a + "attention.key_length_mla"));
@@ -129,39 +129,40 @@ json config_of(const File& f, int64_t vocab) {
   DS_CHECK(gating == 1 || gating == 2, "GGUF file '{}': expert_gating_func {} (1 softmax and 2 sigmoid are read)",
            f.path(), gating);
   const double scale = f.f(a + "expert_weights_scale", 0.0);
-  json c = {{"architectures", {"DeepseekV3ForCausalLM"}},
-            {"model_type", "deepseek_v3"},
-            {"vocab_size", vocab},
-            {"hidden_size", f.u(a + "embedding_length")},
-            {"intermediate_size", f.u(a + "feed_forward_length")},
-            {"moe_intermediate_size", f.u_or(a + "expert_feed_forward_length", 0)},
-            {"num_hidden_layers", f.u(a + "block_count") - f.u_or(a + "nextn_predict_layers", 0)},
-            {"num_attention_heads", f.u(a + "attention.head_count")},
-            {"num_key_value_heads", f.u(a + "attention.head_count")},
-            {"q_lora_rank", f.find(a + "attention.q_lora_rank") ? json(f.u(a + "attention.q_lora_rank")) : json()},
-            {"kv_lora_rank", f.u(a + "attention.kv_lora_rank")},
-            {"qk_rope_head_dim", rope},
-            {"qk_nope_head_dim", key_mla - rope},
-            {"v_head_dim", f.u(a + "attention.value_length_mla")},
-            {"n_routed_experts", experts},
-            {"n_shared_experts", f.u_or(a + "expert_shared_count", 0)},
-            {"num_experts_per_tok", f.u_or(a + "expert_used_count", 0)},
-            {"n_group", f.u_or(a + "expert_group_count", 1)},
-            {"topk_group", f.u_or(a + "expert_group_used_count", 1)},
-            {"routed_scaling_factor", scale == 0.0 ? 1.0 : scale},
-            {"norm_topk_prob",
-             f.find(a + "expert_weights_norm") && std::get<bool>(f.find(a + "expert_weights_norm")->scalar)},
-            {"scoring_func", gating == 2 ? "sigmoid" : "softmax"},
-            {"topk_method", "noaux_tc"},
-            {"first_k_dense_replace", f.u_or(a + "leading_dense_block_count", 0)},
-            {"moe_layer_freq", 1},
-            {"rms_norm_eps", f.f(a + "attention.layer_norm_rms_epsilon", 1e-6)},
-            {"rope_theta", f.f(a + "rope.freq_base", 10000.0)},
-            {"max_position_embeddings", f.u(a + "context_length")},
-            {"tie_word_embeddings", false},
-            {"num_nextn_predict_layers", 0},
-            {"bos_token_id", f.u_or("tokenizer.ggml.bos_token_id", 0)},
-            {"eos_token_id", f.u_or("tokenizer.ggml.eos_token_id", 1)}};
+  ordered_json c = {{"architectures", {"DeepseekV3ForCausalLM"}},
+                    {"model_type", "deepseek_v3"},
+                    {"vocab_size", vocab},
+                    {"hidden_size", f.u(a + "embedding_length")},
+                    {"intermediate_size", f.u(a + "feed_forward_length")},
+                    {"moe_intermediate_size", f.u_or(a + "expert_feed_forward_length", 0)},
+                    {"num_hidden_layers", f.u(a + "block_count") - f.u_or(a + "nextn_predict_layers", 0)},
+                    {"num_attention_heads", f.u(a + "attention.head_count")},
+                    {"num_key_value_heads", f.u(a + "attention.head_count")},
+                    {"q_lora_rank", f.find(a + "attention.q_lora_rank") ? ordered_json(f.u(a + "attention.q_lora_rank"))
+                                                                        : ordered_json()},
+                    {"kv_lora_rank", f.u(a + "attention.kv_lora_rank")},
+                    {"qk_rope_head_dim", rope},
+                    {"qk_nope_head_dim", key_mla - rope},
+                    {"v_head_dim", f.u(a + "attention.value_length_mla")},
+                    {"n_routed_experts", experts},
+                    {"n_shared_experts", f.u_or(a + "expert_shared_count", 0)},
+                    {"num_experts_per_tok", f.u_or(a + "expert_used_count", 0)},
+                    {"n_group", f.u_or(a + "expert_group_count", 1)},
+                    {"topk_group", f.u_or(a + "expert_group_used_count", 1)},
+                    {"routed_scaling_factor", scale == 0.0 ? 1.0 : scale},
+                    {"norm_topk_prob",
+                     f.find(a + "expert_weights_norm") && std::get<bool>(f.find(a + "expert_weights_norm")->scalar)},
+                    {"scoring_func", gating == 2 ? "sigmoid" : "softmax"},
+                    {"topk_method", "noaux_tc"},
+                    {"first_k_dense_replace", f.u_or(a + "leading_dense_block_count", 0)},
+                    {"moe_layer_freq", 1},
+                    {"rms_norm_eps", f.f(a + "attention.layer_norm_rms_epsilon", 1e-6)},
+                    {"rope_theta", f.f(a + "rope.freq_base", 10000.0)},
+                    {"max_position_embeddings", f.u(a + "context_length")},
+                    {"tie_word_embeddings", false},
+                    {"num_nextn_predict_layers", 0},
+                    {"bos_token_id", f.u_or("tokenizer.ggml.bos_token_id", 0)},
+                    {"eos_token_id", f.u_or("tokenizer.ggml.eos_token_id", 1)}};
   if (f.find(a + "rope.scaling.type") && f.s(a + "rope.scaling.type") == "yarn") {
     // llama.cpp's yarn_log_multiplier is 0.1 x mscale_all_dim.
     const double mscale = f.f(a + "rope.scaling.yarn_log_multiplier", 0.0) / 0.1;
@@ -179,12 +180,12 @@ json config_of(const File& f, int64_t vocab) {
 }
 
 // The pre_tokenizer of a llama.cpp pre-tokenizer name.
-json pre_tokenizer(const std::string& name, const std::string& path) {
+ordered_json pre_tokenizer(const std::string& name, const std::string& path) {
   auto split = [](const std::string& re) {
-    return json{{"type", "Split"}, {"pattern", {{"Regex", re}}}, {"behavior", "Isolated"}, {"invert", false}};
+    return ordered_json{{"type", "Split"}, {"pattern", {{"Regex", re}}}, {"behavior", "Isolated"}, {"invert", false}};
   };
   if (name == "deepseek-v3") {
-    json seq = json::array();
+    ordered_json seq = ordered_json::array();
     for (const auto& re : deepseek_v3_pre_splits()) seq.push_back(split(re));
     seq.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}});
     return {{"type", "Sequence"}, {"pretokenizers", seq}};
@@ -196,7 +197,7 @@ json pre_tokenizer(const std::string& name, const std::string& path) {
 }
 
 // tokenizer.json (and tokenizer_config.json's BOS) from tokenizer.ggml.*.
-void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
+void write_tokenizer_files(const File& f, const fs::path& out, int64_t* vocab) {
   DS_CHECK(f.s("tokenizer.ggml.model") == "gpt2",
            "GGUF file '{}': tokenizer.ggml.model '{}' (byte-level BPE, gpt2, "
            "is read)",
@@ -214,7 +215,7 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
   size_t normal_end = 0;
   for (size_t i = 0; i < types->array.size(); ++i)
     if (std::get<int64_t>(types->array[i]) == 1) normal_end = i + 1;
-  json vocab_j = json::object(), added = json::array();
+  ordered_json vocab_j = ordered_json::object(), added = ordered_json::array();
   for (size_t i = 0; i < tokens->array.size(); ++i) {
     const std::string& text = std::get<std::string>(tokens->array[i]);
     const int64_t type = std::get<int64_t>(types->array[i]);
@@ -234,9 +235,9 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
                        {"special", type == 3}});
     }
   }
-  json merges_j = json::array();
+  ordered_json merges_j = ordered_json::array();
   for (const auto& m : merges->array) merges_j.push_back(std::get<std::string>(m));
-  const json t = {
+  const ordered_json t = {
       {"version", "1.0"},
       {"truncation", nullptr},
       {"padding", nullptr},
@@ -259,7 +260,7 @@ void write_tokenizer(const File& f, const fs::path& out, int64_t* vocab) {
   const uint64_t bos = f.u_or("tokenizer.ggml.bos_token_id", 0);
   const bool add_bos =
       f.find("tokenizer.ggml.add_bos_token") && std::get<bool>(f.find("tokenizer.ggml.add_bos_token")->scalar);
-  json tc = {{"add_bos_token", add_bos}, {"add_eos_token", false}};
+  ordered_json tc = {{"add_bos_token", add_bos}, {"add_eos_token", false}};
   if (bos < tokens->array.size()) tc["bos_token"] = std::get<std::string>(tokens->array[bos]);
   io::write_file_atomic((out / "tokenizer_config.json").string(), tc.dump(2) + "\n");
   *vocab = static_cast<int64_t>(tokens->array.size());
@@ -276,7 +277,7 @@ struct Piece {
 };
 
 // The weights under their Hugging Face names.
-std::vector<Piece> weights_of(const File& f, const json& c) {
+std::vector<Piece> weights_of(const File& f, const ordered_json& c) {
   const int64_t E = c["hidden_size"], V = c["vocab_size"], H = c["num_attention_heads"], R = c["qk_rope_head_dim"],
                 NOPE = c["qk_nope_head_dim"], VD = c["v_head_dim"], KVL = c["kv_lora_rank"], F = c["intermediate_size"],
                 FE = c["moe_intermediate_size"], X = c["n_routed_experts"], S = c["n_shared_experts"],
@@ -395,8 +396,8 @@ void import_gguf(const std::string& gguf_path, const std::string& out_dir) {
   const fs::path out(out_dir);
   fs::create_directories(out);
   int64_t vocab = 0;
-  write_tokenizer(f, out, &vocab);
-  const json c = config_of(f, vocab);
+  write_tokenizer_files(f, out, &vocab);
+  const ordered_json c = config_of(f, vocab);
   // The config's own checks (sizes within bounds, a consistent MLA and
   // MoE) before any tensor is read or any buffer sized from it.
   try {
@@ -431,7 +432,7 @@ void import_gguf(const std::string& gguf_path, const std::string& out_dir) {
     w.write(v.data(), v.size() * sizeof(float));
   }
   w.commit();
-  json config = c;
+  ordered_json config = c;
   if (blocks)
     config["quantization_config"] = {{"quant_method", "deepseek_cpp"}, {"format_version", 1}, {"source", "gguf"}};
   io::write_file_atomic((out / "config.json").string(), config.dump(2) + "\n");
