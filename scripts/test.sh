@@ -4,7 +4,7 @@
 # UndefinedBehaviorSanitizer (scripts/sanitize.sh). Where nvcc is found, the
 # CUDA backend is compiled too (not run: that needs a GPU and
 # scripts/cuda_check.sh). Each phase prints its time; on 2 cores from clean
-# the whole takes 25 to 60 minutes, as fast as the machine is.
+# the whole takes 30 to 45 minutes, as fast as the machine is.
 # DEEPSEEK_SANITIZE=0 skips the sanitized run. Extra arguments go to both
 # ctest runs (e.g. -R tokenizer).
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
