@@ -57,6 +57,18 @@ std::vector<float> input(int64_t M, int64_t cols, uint64_t seed) {
   return x;
 }
 
+// How the decode kernels round a block of n values of x to 8 bits: the
+// step dx = amax / 127 and the multiplier 127 / amax (0 for a block of
+// zeros), in float32 arithmetic; a value becomes nearest(x * inv).
+struct XRounding {
+  float dx, inv;
+};
+XRounding x_rounding(const float* xb, int n) {
+  float amax = 0;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  return {amax / 127.0f, amax > 0 ? 127.0f / amax : 0.0f};
+}
+
 // The one-row q4_k product as the decode kernel defines it, in float64 over
 // exact integers: x rounded per block of 256 to q = nearest(x * 127 / amax)
 // with dx = amax / 127 (float32 arithmetic, as the kernel), then per block
@@ -68,9 +80,7 @@ double q4k_decode_twin(const float* x, const uint8_t* row, int64_t cols, double*
   *bound = 0;
   for (int64_t k = 0; k < cols / 256; ++k, row += 144) {
     const float* xb = x + k * 256;
-    float amax = 0;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const auto [dx, inv] = x_rounding(xb, 256);
     const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[0] | row[1] << 8));
     const double dmin = ds::f16_bits_to_f32(static_cast<uint16_t>(row[2] | row[3] << 8));
     for (int j = 0; j < 8; ++j) {
@@ -100,9 +110,7 @@ double q8_0_decode_twin(const float* x, const uint8_t* row, int64_t cols, double
   *bound = 0;
   for (int64_t k = 0; k < cols / 32; ++k, row += 34) {
     const float* xb = x + k * 32;
-    float amax = 0;
-    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const auto [dx, inv] = x_rounding(xb, 32);
     const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[0] | row[1] << 8));
     int64_t dot = 0, wsum = 0;
     for (int i = 0; i < 32; ++i) {
@@ -124,9 +132,7 @@ double q6k_decode_twin(const float* x, const uint8_t* row, int64_t cols, double*
   *bound = 0;
   for (int64_t k = 0; k < cols / 256; ++k, row += 210) {
     const float* xb = x + k * 256;
-    float amax = 0;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const auto [dx, inv] = x_rounding(xb, 256);
     const double d = ds::f16_bits_to_f32(static_cast<uint16_t>(row[208] | row[209] << 8));
     int64_t dot = 0, wsum = 0;
     for (int v = 0; v < 256; ++v) {
@@ -162,9 +168,7 @@ float q6k_int8_plain(const float* x, const uint8_t* row, int64_t cols) {
   float acc = 0;
   for (int64_t k = 0; k < cols / 256; ++k, row += 210) {
     const float* xb = x + k * 256;
-    float amax = 0;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float dx = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const auto [dx, inv] = x_rounding(xb, 256);
     int32_t sum = 0;
     for (int v = 0; v < 256; ++v) {
       const int h = v / 128, c = (v % 128) / 32, l = v % 32;
