@@ -7,11 +7,14 @@
 // models, by perplexity, in docs/performance.md);
 // overrides win over the recipe; fp8 sources and MTP layers pass through;
 // bad recipes, overrides, folders and block tensors of the wrong size are
-// refused with one line.
+// refused with one line. MaxText's mHC and Engram on V3 (QuantizeMhcEngram),
+// DeepSeek-V4 (QuantizeV4Test) and V4.1's release formats (QuantizeV41) get
+// the same recipes; their tables and mixes stay as they are.
 #include "model/quantize.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -19,8 +22,12 @@
 
 #include "core/error.h"
 #include "infer/engine.h"
+#include "infer/model.h"
 #include "io/safetensors.h"
+#include "model/family_kind.h"
+#include "model/hf_params.h"
 #include "model/init.h"
+#include "model/v4_train.h"
 #include "model_fixture.h"
 #include "ops/linear.h"
 #include "test_util.h"
@@ -55,6 +62,18 @@ std::vector<float> last_logits(const std::string& dir) {
   auto decode = m->engine->step(cache, {{32}}, false);  // one decode step (the Gemv kernels)
   prefill.insert(prefill.end(), decode.begin(), decode.end());
   return prefill;
+}
+
+// The logits of a V4 or V4.1 folder (ids below the fixtures' vocabularies of
+// 64 and more): a prefill of 8 tokens, then 4 decode steps; without the
+// roundings' simulation (fp8 entries, fp4 index keys), which a change in the
+// last bits can move by a whole rounding step.
+std::vector<float> logits(const std::string& dir) {
+  ds::infer::ModelOptions o;
+  o.quant_sim = false;
+  auto m = ds::infer::open_model(dir, o);
+  m->load();
+  return m->logits({3, 14, 15, 42, 55, 35, 59, 19, 32, 38, 46, 26}, 8, CacheKind::Latent, nullptr);
 }
 
 // The largest |a - b| over the largest |b|.
@@ -94,29 +113,36 @@ std::string dequantized(const std::string& dir) {
   return out;
 }
 
-class QuantizeTest : public ::testing::Test {
+// The blocks against their dequantized weights: x as it is in every
+// product (q4_k's products on 8-bit x are checked against their own
+// definition in linear_blocks_test). src_ holds the source folder; quantize()
+// writes one under out_.
+class QuantizeBase : public ::testing::Test {
  protected:
-  // The blocks against their dequantized weights: x as it is in every
-  // product (q4_k's products on 8-bit x are checked against their own
-  // definition in linear_blocks_test).
-  void SetUp() override {
-    ds::ops::set_quantized_x(ds::ops::QuantizedX::kF32);
-    ds::test::write_random_model(src_.path(), wide_config(), 41, {}, /*mtp=*/true);
-    std::ofstream(fs::path(src_.path()) / "tokenizer.json") << "{}";
-    want_ = last_logits(src_.path());
-  }
+  void SetUp() override { ds::ops::set_quantized_x(ds::ops::QuantizedX::kF32); }
   void TearDown() override { ds::ops::set_quantized_x(ds::ops::QuantizedX::kInt8); }
-  std::string quantize(const std::string& recipe, std::vector<std::pair<std::string, std::string>> overrides = {}) {
+  std::string quantize(const std::string& recipe, std::vector<std::pair<std::string, std::string>> overrides = {},
+                       const std::string& source = "") {
     const std::string out = (fs::path(out_.path()) / recipe).string();
     ds::model::QuantizeOptions opt;
     opt.recipe = recipe;
     opt.overrides = std::move(overrides);
-    report_ = ds::model::quantize_model(src_.path(), out, opt);
+    report_ = ds::model::quantize_model(source.empty() ? src_.path() : source, out, opt);
     return out;
   }
   ds::test::TempDir src_{"ds_quant_src"}, out_{"ds_quant_out"};
   std::vector<float> want_;
   ds::model::QuantizeReport report_;
+};
+
+class QuantizeTest : public QuantizeBase {
+ protected:
+  void SetUp() override {
+    QuantizeBase::SetUp();
+    ds::test::write_random_model(src_.path(), wide_config(), 41, {}, /*mtp=*/true);
+    std::ofstream(fs::path(src_.path()) / "tokenizer.json") << "{}";
+    want_ = last_logits(src_.path());
+  }
 };
 
 TEST_F(QuantizeTest, RecipesWriteTheirFormatsAndLoad) {
@@ -250,6 +276,124 @@ TEST_F(QuantizeTest, BadInputsAreRefused) {
   cfg["quantization_config"]["format_version"] = 2;
   std::ofstream(fs::path(bad) / "config.json") << cfg.dump();
   EXPECT_THROW(ds::infer::load_model(bad), ds::Error);
+}
+
+// MaxText's mHC and Engram on a V3 model: the recipes quantize the
+// projections (Engram's key and value included); the mHC mixes, the Engram
+// table and its conv kernel stay as they are.
+using QuantizeMhcEngram = QuantizeBase;
+
+TEST_F(QuantizeMhcEngram, ProjectionsQuantizeTablesAndMixesStay) {
+  auto j = wide_config();
+  j["num_nextn_predict_layers"] = 0;  // an mHC model has no MTP depth
+  j["mhc_expansion_rate"] = 2;
+  j["engram_layers"] = {1};
+  j["engram_max_ngram_size"] = 3;
+  j["engram_num_heads"] = 2;
+  j["engram_head_dim"] = 32;
+  j["engram_vocab_bases"] = {509, 521};
+  j["engram_kernel_size"] = 4;
+  j["engram_compress_tokens"] = false;
+  ds::test::write_random_model(src_.path(), j, 43);
+  const std::string dir = quantize("q4_k_m");
+  EXPECT_EQ(format_of(dir, "model.layers.1.mlp.experts.3.gate_proj.weight", 256), "q4_k");
+  EXPECT_EQ(format_of(dir, "model.layers.1.engram.value_proj.weight", 128), "q8_0");
+  for (const char* kept : {"model.layers.1.engram.embedding.weight", "model.layers.1.engram.short_conv.weight",
+                           "model.layers.1.mhc_attention.fn"})
+    EXPECT_EQ(stored_dtype(dir, kept), stored_dtype(src_.path(), kept)) << kept;
+  const auto got = last_logits(dir);
+  EXPECT_LT(rel_diff(got, last_logits(dequantized(dir))), 1e-4);
+  EXPECT_GT(rel_diff(got, last_logits(src_.path())), 1e-4);
+}
+
+// DeepSeek-V4 (configs/v4-tiny.yml widened so that the embedding, the
+// experts and the first projections have rows of 256): the same recipes over
+// its upstream names. The indexer, the router, the vectors and tid2eid stay
+// as they are; the logits, a prefill of 8 tokens and 4 decode steps, are
+// those of the dequantized weights.
+class QuantizeV4Test : public QuantizeBase {
+ protected:
+  void SetUp() override {
+    QuantizeBase::SetUp();
+    auto cfg = ds::model::v4_preset(std::string(DEEPSEEK_SOURCE_DIR) + "/configs/v4-tiny.yml",
+                                    {"base_emb_dim=256", "base_mlp_dim=256", "base_moe_mlp_dim=256"});
+    ASSERT_TRUE(cfg.has_value());
+    auto params = ds::model::V4FlatParams::zeros(*cfg);
+    ds::model::init_v4_params(*cfg, params, 7, 0.05f);
+    params.sync_tables(*cfg);
+    ds::model::export_v4_hf(src_.path(), *cfg, params.data.data(), DType::BF16, "test");
+    want_ = logits(src_.path());
+  }
+};
+
+TEST_F(QuantizeV4Test, RecipesWriteTheirFormatsAndLoad) {
+  struct Want {
+    const char* recipe;
+    const char *expert, *shared, *attn, *embed, *head;
+  };
+  for (const Want w :
+       {Want{"q8_0", "q8_0", "q8_0", "q8_0", "q8_0", "q8_0"}, Want{"q4_k_m", "q4_k", "q8_0", "q8_0", "q8_0", "q8_0"},
+        Want{"q4_k", "q4_k", "q4_k", "q4_k", "q4_k", "q8_0"}}) {
+    const std::string dir = quantize(w.recipe);
+    EXPECT_EQ(format_of(dir, "layers.1.ffn.experts.3.w1.weight", 256), w.expert) << w.recipe;
+    EXPECT_EQ(format_of(dir, "layers.2.ffn.experts.0.w2.weight", 256), w.expert) << w.recipe;
+    EXPECT_EQ(format_of(dir, "layers.1.ffn.shared_experts.w2.weight", 256), w.shared) << w.recipe;
+    EXPECT_EQ(format_of(dir, "layers.0.attn.wq_a.weight", 256), w.attn) << w.recipe;
+    EXPECT_EQ(format_of(dir, "embed.weight", 256), w.embed) << w.recipe;
+    EXPECT_EQ(format_of(dir, "head.weight", 256), w.head) << w.recipe;
+    // The indexer, the router, the vectors and the hash table stay as they were.
+    EXPECT_EQ(stored_dtype(dir, "layers.1.attn.indexer.wq_b.weight"), "BF16");
+    EXPECT_EQ(stored_dtype(dir, "layers.1.ffn.gate.weight"), "BF16");
+    EXPECT_EQ(stored_dtype(dir, "layers.1.attn_norm.weight"), "F32");
+    EXPECT_EQ(stored_dtype(dir, "layers.0.ffn.gate.tid2eid"), "I32");
+    const auto cfg = nlohmann::json::parse(std::ifstream(fs::path(dir) / "config.json"));
+    EXPECT_EQ(cfg["quantization_config"]["quant_method"], "deepseek_cpp");
+    EXPECT_FALSE(cfg.contains("expert_dtype"));
+    EXPECT_LT(report_.bytes_out, report_.bytes_in);
+    const auto got = logits(dir);
+    ASSERT_EQ(got.size(), want_.size());
+    EXPECT_LT(rel_diff(got, logits(dequantized(dir))), 1e-4) << w.recipe;
+    EXPECT_GT(rel_diff(got, want_), 1e-4) << w.recipe;
+  }
+}
+
+TEST_F(QuantizeV4Test, BadFoldersAreRefused) {
+  // A block tensor where the folder does not say it is quantized.
+  const std::string dir = quantize("q8_0");
+  auto cfg = nlohmann::json::parse(std::ifstream(fs::path(dir) / "config.json"));
+  cfg.erase("quantization_config");
+  std::ofstream(fs::path(dir) / "config.json") << cfg.dump();
+  EXPECT_THROW(logits(dir), ds::Error);
+  // The hash table takes no block format.
+  ds::model::QuantizeOptions opt;
+  opt.recipe = "q8_0";
+  opt.overrides = {{R"(.*\.tid2eid)", "q8_0"}};
+  EXPECT_THROW(ds::model::quantize_model(src_.path(), out_.path() + "/t", opt), ds::Error);
+}
+
+// DeepSeek-V4.1 in its release's formats (tests/data/v41: fp8 projections,
+// fp4 experts, fp8 Engram tables with E8M0 scales): the Engram tables are
+// written byte for byte (they stay on disk when served), the matrices as
+// blocks, and the text model's config reads the new quantization_config.
+using QuantizeV41 = QuantizeBase;
+
+TEST_F(QuantizeV41, ReleaseFormatsQuantizeAndEngramTablesStay) {
+  const std::string src = std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v41/models/v41_tiny";
+  const std::string dir = quantize("q4_k_m", {}, src);
+  EXPECT_EQ(format_of(dir, "layers.1.ffn.experts.0.w1.weight", 64), "q4_1");  // rows of 64: not blocks of 256
+  EXPECT_EQ(format_of(dir, "layers.0.engram.wkv.weight", 64), "q8_0");
+  const auto a = ds::io::SafetensorsSet::open_dir(src), b = ds::io::SafetensorsSet::open_dir(dir);
+  for (const char* kept : {"layers.0.engram.embed.weight", "layers.0.engram.embed.scale"}) {
+    ASSERT_EQ(b.info(kept).dtype_name, a.info(kept).dtype_name) << kept;
+    const auto& i = a.info(kept);
+    EXPECT_TRUE(std::equal(a.bytes(kept), a.bytes(kept) + (i.end - i.begin), b.bytes(kept))) << kept;
+  }
+  const auto cfg = nlohmann::json::parse(std::ifstream(fs::path(dir) / "config.json"));
+  EXPECT_EQ(cfg["quantization_config"]["quant_method"], "deepseek_cpp");
+  EXPECT_FALSE(cfg["text_config"].contains("quantization_config"));
+  const auto got = logits(dir);
+  EXPECT_LT(rel_diff(got, logits(dequantized(dir))), 1e-4);
+  EXPECT_GT(rel_diff(got, logits(src)), 1e-4);
 }
 
 }  // namespace quantize_test

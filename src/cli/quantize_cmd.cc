@@ -44,7 +44,7 @@ int run_quantize(const QuantizeArgs& a) {
 void add_quantize_command(CLI::App& app, CommandList& commands) {
   auto args = std::make_shared<QuantizeArgs>();
   auto* cmd = app.add_subcommand("quantize", "write a model folder with its matrices in q8_0 or q4_k blocks");
-  cmd->add_option("--model", args->model, "DeepSeek-V2/V3/V3.2 model folder (or GGUF file) to read")->required();
+  cmd->add_option("--model", args->model, "model folder of any DeepSeek family (or a GGUF file) to read")->required();
   cmd->add_option("--out", args->out, "the folder to write (new or empty)")->required();
   cmd->add_option("--type", args->type,
                   "q4_k_m (default: routed experts q4_k, the rest q8_0), q4_k (every matrix q4_k but the LM head), "

@@ -417,14 +417,8 @@ ModelConfig ModelConfig::from_hf_json_text(const std::string& text, const std::s
   if (j.contains("engram_layers")) read_engram(c, j, src);
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
-    const std::string method = get_or<std::string>(q, "quant_method", "", src);
-    if (method == "deepseek_cpp") {
-      const int64_t version = get_or<int64_t>(q, "format_version", 0, src);
-      DS_CHECK(version == 1, "{}: quantization_config format_version {} is not one this build reads (1)", src, version);
-      c.block_quantized = true;
-    } else {
-      std::tie(c.fp8_block_rows, c.fp8_block_cols) = read_fp8_quantization(q, method, src);
-    }
+    c.block_quantized =
+        read_quantization(q, get_or<std::string>(q, "quant_method", "", src), src, c.fp8_block_rows, c.fp8_block_cols);
   }
   return validated(std::move(c), src);
 }

@@ -105,6 +105,20 @@ inline std::pair<int64_t, int64_t> read_fp8_quantization(const json& q, const st
   return {block[0], block[1]};
 }
 
+// quantization_config with quant_method `method`: a `deepseek quantize`
+// folder (deepseek_cpp, format_version 1) gives true; otherwise the fp8
+// blocks (read_fp8_quantization) go to rows and cols and it gives false.
+inline bool read_quantization(const json& q, const std::string& method, const std::string& src, int64_t& rows,
+                              int64_t& cols) {
+  if (method == "deepseek_cpp") {
+    const int64_t version = get_or<int64_t>(q, "format_version", 0, src);
+    DS_CHECK(version == 1, "{}: quantization_config format_version {} is not one this build reads (1)", src, version);
+    return true;
+  }
+  std::tie(rows, cols) = read_fp8_quantization(q, method, src);
+  return false;
+}
+
 // c.validate(), its error prefixed with the file's name.
 template <class Config>
 Config validated(Config c, const std::string& src) {

@@ -1,6 +1,10 @@
-// `deepseek quantize`: a DeepSeek-V2/V3/V3.2 model folder with its matrices
-// stored as q8_0 or q4_k blocks (ops/block_quant.h), which every command
-// loads (model/weights.h) and runs on the block kernels (ops/linear.h).
+// `deepseek quantize`: a DeepSeek-V2/V3/V3.2 (mHC and Engram included), V4
+// or V4.1 model folder with its matrices stored as q8_0 or q4_k blocks
+// (ops/block_quant.h), which every command loads (model/weights.h,
+// model/v4_weights.h) and runs on the block kernels (ops/linear.h). V4 and
+// V4.1 folders are written under DeepSeek's upstream tensor names,
+// config.json without expert_dtype (V4.1: the root's quantization_config
+// only); V4.1's Engram tables are copied byte for byte.
 //
 // The folder is the input's with model.safetensors rewritten (one file,
 // written a tensor at a time) and config.json's quantization_config saying
@@ -19,11 +23,13 @@
 //   q4_k_m  the routed experts (most of a MoE's bytes) in q4_k; attention,
 //           the shared experts, dense MLPs, the MTP projection, the
 //           embedding and the LM head in q8_0.
-// Norms, the router, its bias and the V3.2 indexer's head weights stay as
-// they are. Overrides (`REGEX=FORMAT`, the first whose regex matches the
-// whole tensor name wins, before the recipe) set any matrix to q4_k, q8_0,
-// q4_1, bf16 or f32. A matrix whose rows are not whole blocks falls back
-// (each fallback is reported): q4_k to q4_1 (4-bit codes with a scale and an
+// Norms, the router, its bias, V4's hash table, the mHC mixes, the Engram
+// tables and conv kernels, and the indexers' matrices (V3.2's, V4's) stay as
+// they are (fp8 matrices as bf16), and so does anything that is not a
+// matrix. Overrides (`REGEX=FORMAT`, the first whose regex matches the whole
+// tensor name wins, before the recipe) set any matrix to q4_k, q8_0, q4_1,
+// bf16 or f32. A matrix whose rows are not whole blocks falls back (each
+// fallback is reported): q4_k to q4_1 (4-bit codes with a scale and an
 // offset per 32 values, 5 bits a weight; llama.cpp falls back to its 5.5-bit
 // Q5_0 there), q4_1 and q8_0 to bf16 (rows that are not whole blocks of 32).
 #pragma once

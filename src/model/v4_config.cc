@@ -249,8 +249,8 @@ V4Config V4Config::read_hf_fields(const json& j, const std::string& src) {
   if (j.contains("quantization_config") && !j["quantization_config"].is_null()) {
     const json& q = j["quantization_config"];
     DS_CHECK(q.is_object(), "{}: quantization_config must be an object", src);
-    std::tie(c.fp8_block_rows, c.fp8_block_cols) =
-        read_fp8_quantization(q, get_or<std::string>(q, "quant_method", "fp8", src), src);
+    c.block_quantized = read_quantization(q, get_or<std::string>(q, "quant_method", "fp8", src), src, c.fp8_block_rows,
+                                          c.fp8_block_cols);
     // The K=V latent's fp8 simulation uses power-of-two scales, the rule of
     // every released V4 checkpoint.
     const std::string scale = get_or<std::string>(q, "scale_fmt", "ue8m0", src);

@@ -63,6 +63,9 @@ struct V4Config {
   bool tie_word_embeddings = false;
   int64_t bos_token_id = 0, eos_token_id = 1;
   int64_t fp8_block_rows = 128, fp8_block_cols = 128;
+  // A `deepseek quantize` folder (quantization_config quant_method deepseek_cpp):
+  // its U8 matrices are rows of q8_0, q4_k, q4_1 or q6_k blocks.
+  bool block_quantized = false;
 
   V4Generation generation = V4Generation::V4;
   // CSA2 (V4.1): the layers that own a compressor (their entries and index

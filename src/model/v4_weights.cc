@@ -83,6 +83,13 @@ class V4Loader {
     }
     const int64_t out = p.shape[0], in = p.shape[1];
     const io::TensorInfo& i = st_.info(stored);
+    if (cfg_.block_quantized && i.dtype_name == "U8") {  // a `deepseek quantize` folder's blocks
+      DS_CHECK(p.role == V4Role::Projection || p.role == V4Role::Embedding || p.role == V4Role::LmHead,
+               "tensor '{}' is stored as blocks; only projections, the embedding and the head may be", stored);
+      info(stored);
+      w.view = block_matrix_view(st_, stored, out, in);
+      return;
+    }
     if (i.dtype_name == "I8" || i.dtype_name == "U8") {  // packed fp4
       DS_CHECK(p.routed_expert && cfg_.expert_dtype == "fp4",
                "tensor '{}' is packed fp4 ({}), but only routed experts of an expert_dtype fp4 model may be", stored,

@@ -28,6 +28,22 @@ Tensor checked_float_tensor(const io::SafetensorsSet& st, const std::string& nam
   return t;
 }
 
+ops::WeightView block_matrix_view(const io::SafetensorsSet& st, const std::string& name, int64_t out, int64_t in) {
+  const io::TensorInfo& i = st.info(name);
+  DS_CHECK(i.dtype_name == "U8", "internal: tensor '{}' is {}, not U8 blocks", name, i.dtype_name);
+  DType t = DType::F32;
+  std::string sizes;
+  for (DType f : ops::kBlockFormats) {
+    if (!ops::fits_block_format(f, in)) continue;
+    const int64_t row = ops::block_row_bytes(f, in);
+    if (i.shape == Shape{out, row}) t = f;
+    sizes += fmt::format("{}{} bytes for {}", sizes.empty() ? "" : ", ", row, dtype_name(f));
+  }
+  DS_CHECK(t != DType::F32, "tensor '{}' has U8 shape {}: not rows of blocks of a [{}, {}] matrix ({})", name,
+           shape_str(i.shape), out, in, sizes.empty() ? "its rows are not whole blocks of 32" : sizes);
+  return {st.bytes(name), t, out, in, nullptr, 128, 128};
+}
+
 namespace {
 
 class Loader {
@@ -57,20 +73,9 @@ class Loader {
     if (!cfg_.block_quantized || info.shape.size() != 2 || !st_.contains(info.name)) return false;
     const io::TensorInfo& i = st_.info(info.name);
     if (i.dtype_name != "U8") return false;
-    const int64_t out = info.shape[0], in = info.shape[1];
     DS_CHECK(info.role == ParamRole::Projection || info.role == ParamRole::Embedding || info.role == ParamRole::LmHead,
              "tensor '{}' is stored as blocks; only projections, the embedding and the LM head may be", info.name);
-    DType t = DType::F32;
-    std::string sizes;
-    for (DType f : ops::kBlockFormats) {
-      if (!ops::fits_block_format(f, in)) continue;
-      const int64_t row = ops::block_row_bytes(f, in);
-      if (i.shape == Shape{out, row}) t = f;
-      sizes += fmt::format("{}{} bytes for {}", sizes.empty() ? "" : ", ", row, dtype_name(f));
-    }
-    DS_CHECK(t != DType::F32, "tensor '{}' has U8 shape {}: not rows of blocks of a [{}, {}] matrix ({})", info.name,
-             shape_str(i.shape), out, in, sizes.empty() ? "its rows are not whole blocks of 32" : sizes);
-    w.view = {st_.bytes(info.name), t, out, in, nullptr, 128, 128};
+    w.view = block_matrix_view(st_, info.name, info.shape[0], info.shape[1]);
     used_.insert(info.name);
     bytes_ += i.end - i.begin;
     return true;

@@ -49,6 +49,11 @@ struct ModelWeights {
 // NaN or infinity: one error line otherwise.
 Tensor checked_float_tensor(const io::SafetensorsSet& st, const std::string& name, const Shape& shape);
 
+// st's U8 tensor `name`, a matrix [out, in] stored as rows of q8_0, q4_k,
+// q4_1 or q6_k blocks (a `deepseek quantize` folder): its format from its
+// bytes a row. One error line, naming each format's row size, otherwise.
+ops::WeightView block_matrix_view(const io::SafetensorsSet& st, const std::string& name, int64_t out, int64_t in);
+
 // A float32 view of n contiguous floats ([n, 1]); of [rows, cols] floats.
 inline ops::WeightView f32_view(const float* p, int64_t rows, int64_t cols = 1) {
   return {p, DType::F32, rows, cols, nullptr, 128, 128};
