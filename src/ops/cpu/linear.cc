@@ -415,6 +415,67 @@ void Fp4Block(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, 
 }
 #endif
 
+#if HWY_TARGET == HWY_AVX2
+// Decode's fp4 kernel on AVX2: M (<= 2) rows of x, permuted as Fp4Rows
+// reads them (2N = 16: a group's 8 even columns, then its 8 odd ones),
+// against R (<= 4) weight rows from r. vpermps reads 3 index bits, so the
+// table holds the 8 magnitudes (E2m1Value's, times the block's
+// fp4_multiplier) and the sign comes from the code: a lane holding code c
+// (0-15) in its low bits, shifted left by 28, carries c's sign in bit 31
+// and its magnitude bits in 30..28; the table entry for magnitude k is
+// stored with k << 28 xored in already, so one xor with the shifted lane
+// cancels those and sets the sign. Per 8 code bytes: a widening, a shift
+// for the high nibbles, two permutes, two shifts and two xors, where
+// E2m1Value takes eight operations a vector. The values are E2m1Value's
+// times the scale (exact, as in Fp4Rows) and each accumulator takes them
+// in DotBlock's order (low nibbles of 8 bytes, then their high nibbles),
+// so the sums are the same bits as Gemv over Fp4Rows.
+alignas(32) constexpr float kE2m1Magnitudes[8] = {0.0f,      0x1p-126f,   0x1p-125f, 0x1.8p-125f,
+                                                  0x1p-124f, 0x1.8p-124f, 0x1p-123f, 0x1.8p-123f};
+alignas(32) constexpr int32_t kE2m1IndexBits[8] = {0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28};
+
+template <int M, int R>
+void Fp4BlockAvx2(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, int64_t K, const Fp4Weight& f,
+                  int64_t r, bool accumulate) {
+  const DF d;
+  const __m256 table = _mm256_load_ps(kE2m1Magnitudes);
+  const __m256i index_bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(kE2m1IndexBits));
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) acc[m][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < f.cols / kFp4Block; ++b) {
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* q = f.row(r + i) + b * (kFp4Block / 2);
+      if ((b & 3) == 0) PrefetchL2(q + 16384);  // a line every fourth block
+      const __m256 scaled = _mm256_mul_ps(table, _mm256_set1_ps(fp4_multiplier(f.scale_row(r + i)[b])));
+      const __m256 t = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(scaled), index_bits));
+#pragma GCC unroll 2
+      for (int g = 0; g < 2; ++g) {
+        const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * g)));
+        const __m256i hi = _mm256_srli_epi32(lo, 4);
+        const __m256 wl =
+            _mm256_xor_ps(_mm256_permutevar8x32_ps(t, lo), _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+        const __m256 wh =
+            _mm256_xor_ps(_mm256_permutevar8x32_ps(t, hi), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
+        const int64_t c = b * kFp4Block + 16 * g;
+#pragma GCC unroll 2
+        for (int m = 0; m < M; ++m) {
+          acc[m][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + m * K + c), wl, acc[m][i]);
+          acc[m][i] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + m * K + c + 8), wh, acc[m][i]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < R; ++i) {
+      float* out = y + m * ldy + r + i;
+      const float v = hn::GetLane(hn::SumOfLanes(d, VF{acc[m][i]}));
+      *out = accumulate ? *out + v : v;
+    }
+}
+#endif
+
 // fp4 weight rows [r0, r1) against M (<= 8) rows of x. When one pass of the
 // register kernel covers every row of x, the codes are widened in registers,
 // with x's columns permuted as Fp4Rows reads them (needs 2N to divide 32),
@@ -454,6 +515,12 @@ void GemvFp4(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
         with_count<kXRowsPerPass>(M, [&](auto mm) HWY_ATTR {
           with_count<4>(std::min<int64_t>(4, rb - r),
                         [&](auto n) HWY_ATTR { Fp4Block<mm(), n()>(y, ldy, xp.data(), K, f, r, accumulate); });
+        });
+#elif HWY_TARGET == HWY_AVX2
+      for (int64_t r = ra; r < rb; r += 4)
+        with_count<kXRowsPerPass>(M, [&](auto mm) HWY_ATTR {
+          with_count<4>(std::min<int64_t>(4, rb - r),
+                        [&](auto n) HWY_ATTR { Fp4BlockAvx2<mm(), n()>(y, ldy, xp.data(), K, f, r, accumulate); });
         });
 #else
       Gemv(y, ldy, xp.data(), K, M, Fp4Rows{f, N}, K, ra, rb, accumulate);
