@@ -46,6 +46,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Multiply-adds below which a pass runs on the calling thread: waking the
 // others costs about as much.
 constexpr int64_t kParallelWork = int64_t{1} << 18;
+// The absorbed products (q_nope W_UK_h, lat W_UV_h^T) read a float32
+// matrix per head for every row, so at decode, where few rows share them,
+// they are bound by reading it: worth two threads from this many
+// multiply-adds (a 64 KiB weight per row) on.
+constexpr int64_t kParallelReadWork = int64_t{1} << 14;
 
 // Sizes derived from the dimensions.
 struct Shape {
@@ -209,7 +214,7 @@ void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int
     for (int64_t j = 0; j < seqs[i].n; ++j)
       std::memcpy(qin.data() + (base[i] + j) * H * qk, seqs[i].q + j * ldq,
                   static_cast<size_t>(H * qk) * sizeof(float));
-  parallel_tasks(H, RH * g.nope * g.kvl >= kParallelWork, [&](int64_t h) {
+  parallel_tasks(H, RH * g.nope * g.kvl >= kParallelReadWork, [&](int64_t h) {
     tiles::score_tile(qc.data() + h * g.Dq, H * g.Dq, qin.data() + h * qk, H * qk, g.w_uk(absorbed, h), g.kvlp, R,
                       g.kvlp, g.kvlp, g.nope, 1.0f);
   });
@@ -273,7 +278,7 @@ void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int
   }
 
   // 4. out = lat W_UV_h^T per head, then ctx.
-  parallel_tasks(H, RH * g.kvl * g.vd >= kParallelWork, [&](int64_t h) {
+  parallel_tasks(H, RH * g.kvl * g.vd >= kParallelReadWork, [&](int64_t h) {
     tiles::score_tile(out.data() + h * g.vp, H * g.vp, lat.data() + h * g.kvlp, H * g.kvlp, g.w_uv_t(absorbed, h), g.vp,
                       R, g.vp, g.vp, g.kvl, 1.0f);
   });
