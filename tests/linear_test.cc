@@ -114,8 +114,8 @@ TEST(Linear, Fp4MatchesItsDefinition) {
 }
 
 TEST(Linear, Fp4DecodeGivesEachRowOfXTheSameBitsInAnyBatch) {
-  // Up to 4 rows of x share each widened weight block (AVX-512's table
-  // kernel, DotBlock elsewhere) but keep their own accumulators and order:
+  // Up to 4 rows of x share each widened weight block (the table kernels
+  // of AVX-512 and AVX2, DotBlock elsewhere) but keep their own accumulators and order:
   // each row's outputs are those it gets alone, bit for bit. Targets
   // with 16 vector registers take 2 rows of x a pass, the rest 4; more
   // rows widen the weight to float32 first, another order.
