@@ -365,13 +365,16 @@ void GemvFp8(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
   Gemv(y, ldy, x, ldx, M, Fp8Rows{f}, f.cols, r0, r1, accumulate);
 }
 
-#if HWY_TARGET == HWY_AVX3
-// E2m1Value of each code 0-15.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2
+// E2m1Value of each code 0-15 (AVX2's table kernel reads the first 8,
+// the magnitudes).
 alignas(64) constexpr float kE2m1Scaled[16] = {
     0.0f,  0x1p-126f,  0x1p-125f,  0x1.8p-125f,  0x1p-124f,  0x1.8p-124f,  0x1p-123f,  0x1.8p-123f,
     -0.0f, -0x1p-126f, -0x1p-125f, -0x1.8p-125f, -0x1p-124f, -0x1.8p-124f, -0x1p-123f, -0x1.8p-123f};
 constexpr int64_t kFp4PrefetchBytes = 16384;
+#endif
 
+#if HWY_TARGET == HWY_AVX3
 // Decode's fp4 kernel on AVX-512: M (<= 4) rows of x (permuted as Fp4Rows
 // reads them, rows K apart; 2N = 32 is a scale block) against R (<= 4)
 // weight rows from r. A block's scale is applied once to the 16 values a
@@ -430,15 +433,13 @@ void Fp4Block(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, 
 // times the scale (exact, as in Fp4Rows) and each accumulator takes them
 // in DotBlock's order (low nibbles of 8 bytes, then their high nibbles),
 // so the sums are the same bits as Gemv over Fp4Rows.
-alignas(32) constexpr float kE2m1Magnitudes[8] = {0.0f,      0x1p-126f,   0x1p-125f, 0x1.8p-125f,
-                                                  0x1p-124f, 0x1.8p-124f, 0x1p-123f, 0x1.8p-123f};
 alignas(32) constexpr int32_t kE2m1IndexBits[8] = {0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28};
 
 template <int M, int R>
-void Fp4BlockAvx2(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, int64_t K, const Fp4Weight& f,
-                  int64_t r, bool accumulate) {
+void Fp4Block(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT xp, int64_t K, const Fp4Weight& f,
+              int64_t r, bool accumulate) {
   const DF d;
-  const __m256 table = _mm256_load_ps(kE2m1Magnitudes);
+  const __m256 table = _mm256_load_ps(kE2m1Scaled);  // the 8 magnitudes
   const __m256i index_bits = _mm256_load_si256(reinterpret_cast<const __m256i*>(kE2m1IndexBits));
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
@@ -447,7 +448,7 @@ void Fp4BlockAvx2(float* HWY_RESTRICT y, int64_t ldy, const float* HWY_RESTRICT 
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const uint8_t* q = f.row(r + i) + b * (kFp4Block / 2);
-      if ((b & 3) == 0) PrefetchL2(q + 16384);  // a line every fourth block
+      if ((b & 3) == 0) PrefetchL2(q + kFp4PrefetchBytes);  // a line every fourth block
       const __m256 scaled = _mm256_mul_ps(table, _mm256_set1_ps(fp4_multiplier(f.scale_row(r + i)[b])));
       const __m256 t = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(scaled), index_bits));
 #pragma GCC unroll 2
@@ -510,17 +511,11 @@ void GemvFp4(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, cons
   for (int64_t ra = r0; ra < r1; ra += kChunkRows) {
     const int64_t rb = std::min(r1, ra + kChunkRows);
     if (fp4_rows_vectorizable(f, ra, rb)) {
-#if HWY_TARGET == HWY_AVX3
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX2  // the table kernels
       for (int64_t r = ra; r < rb; r += 4)
         with_count<kXRowsPerPass>(M, [&](auto mm) HWY_ATTR {
           with_count<4>(std::min<int64_t>(4, rb - r),
                         [&](auto n) HWY_ATTR { Fp4Block<mm(), n()>(y, ldy, xp.data(), K, f, r, accumulate); });
-        });
-#elif HWY_TARGET == HWY_AVX2
-      for (int64_t r = ra; r < rb; r += 4)
-        with_count<kXRowsPerPass>(M, [&](auto mm) HWY_ATTR {
-          with_count<4>(std::min<int64_t>(4, rb - r),
-                        [&](auto n) HWY_ATTR { Fp4BlockAvx2<mm(), n()>(y, ldy, xp.data(), K, f, r, accumulate); });
         });
 #else
       Gemv(y, ldy, xp.data(), K, M, Fp4Rows{f, N}, K, ra, rb, accumulate);
