@@ -273,5 +273,32 @@ TEST(CachePoolV4, AStateIsReusedWholeByAPromptThatExtendsIt) {
   EXPECT_EQ(hit_tokens[1], 13u + 2u);  // the first request's prompt and its answer but the last token
 }
 
+// With MTP drafts (the V4 fixture made by DeepSeek's code, mtp.0): a kept
+// state carries the MTP layer's positions and the streams it has not read;
+// a ten-turn chat makes what it makes without drafts and without the
+// prefix cache, reuses each turn's state, and the pool stays in its bound
+// (room for one sequence of 96 positions and a kept state or two: the
+// chat's last prompt has 75).
+TEST(CachePoolV4, WithDraftsAKeptStateCarriesTheMtpLayers) {
+  auto m = ds::infer::load_v4_model(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/models/v4_tiny");
+  Chat want;
+  for (const bool spec : {false, true})
+    for (const bool prefix : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "drafts " << spec << " prefix " << prefix);
+      ds::infer::V4Decoder d(*m->model, spec);
+      BatcherOptions opt{2, 16, 512};
+      opt.cache_memory = 2 * d.bytes_for(96);
+      opt.prefix_cache = prefix;
+      opt.draft_tokens = spec ? 2 : 0;
+      const Chat c = chat(d, opt);
+      if (!spec && !prefix) {
+        want = c;
+        continue;
+      }
+      EXPECT_EQ(c.answers, want.answers);
+      if (prefix) EXPECT_GT(c.hit_tokens, 0u);
+    }
+}
+
 }  // namespace cache_pool_test
 }  // namespace

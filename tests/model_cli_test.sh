@@ -46,6 +46,11 @@ check 'cmp -s "$v4/model.safetensors" "$tmp/v4again/model.safetensors"' "V4 init
 check 'grep -q "\"num_hidden_layers\": 2" "$tmp/v4two/config.json"' "--set reaches a V4 preset"
 expect_error init --config "$src/configs/v4-tiny.yml" --out "$tmp/v4fp8" --dtype fp8
 expect_error init --config "$src/configs/v4-tiny.yml" --out "$tmp/v4bad" --set mystery_key=1
+# V4 speculative decoding: a folder without an MTP layer is refused; the
+# fixture made by DeepSeek's code (mtp.0) drafts chains of two.
+expect_error bench --model "$v4" --batch 1 --prompt-len 8 --new-tokens 4 --speculative mtp
+check '"$bin" bench --model "$src/tests/data/v4/models/v4_tiny" --batch 2 --prompt-len 12 --new-tokens 16 --repeat 1 \
+  --speculative mtp --draft-tokens 2 | grep -q "\"draft_tokens\":2.*\"speculative\":\"mtp\""' "bench --speculative mtp on V4"
 
 cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$m/"
 out=$("$bin" generate --model "$m" --prompt "hello world" --max-new-tokens 12 --temperature 0 2>"$tmp/stats")

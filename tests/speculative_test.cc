@@ -10,7 +10,8 @@
 //  - the server's batcher drafts too: each request, greedy, makes what it
 //    makes alone, with drafts kept and dropped while others run beside it;
 //  - on DeepSeek-V3.2 (sparse attention, an indexer in the MTP layer too)
-//    and with Engram layers, whose caches the rollback must also cut.
+//    and with Engram layers, whose caches the rollback must also cut; and on
+//    DeepSeek-V4, whose states the rollback rewinds (model/v4_model.h).
 #include "infer/speculative.h"
 
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 #include "forwarding_decoder.h"
 #include "infer/batcher.h"
 #include "infer/engine.h"
+#include "infer/v4_engine.h"
 #include "model_fixture.h"
 
 namespace fs = std::filesystem;
@@ -47,6 +49,15 @@ class SpeculativeTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
   virtual nlohmann::json config() const { return ds::test::tiny_v3_config(); }
+  virtual std::unique_ptr<ds::infer::Decoder> plain_decoder() {
+    return ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  }
+  virtual std::unique_ptr<ds::infer::Decoder> spec_decoder(ds::infer::CacheKind kind) {
+    return ds::infer::kv_decoder(*m_->engine, kind);
+  }
+  virtual std::vector<ds::infer::CacheKind> kinds() const {
+    return {ds::infer::CacheKind::Latent, ds::infer::CacheKind::Naive};
+  }
   void greedy_output_is_the_plain_loops(int64_t new_tokens);
   void the_servers_batcher_drafts_too();
 
@@ -163,7 +174,31 @@ class SpeculativeV32Test : public SpeculativeTest {
   }
 };
 
+// DeepSeek-V4 (the fixture made by DeepSeek's own code, with its MTP block
+// mtp.0): a rejected draft's rollback must also put back the window ring's
+// slots it overwrote, cut the compressed entries and indexer keys of the
+// windows it closed and rebuild the compressors' carries. Sliding window 8
+// and ratios 4 (overlapping, with the indexer) and 128: prompts and drafts
+// wrap the ring and close windows of 4 throughout; 140 new tokens close
+// the first window of 128 as well.
+class SpeculativeV4Test : public SpeculativeTest {
+ protected:
+  void SetUp() override {
+    v4_ = ds::infer::load_v4_model(std::string(DEEPSEEK_SOURCE_DIR) + "/tests/data/v4/models/v4_tiny");
+  }
+  void TearDown() override {}
+  std::unique_ptr<ds::infer::Decoder> plain_decoder() override {
+    return std::make_unique<ds::infer::V4Decoder>(*v4_->model, false);
+  }
+  std::unique_ptr<ds::infer::Decoder> spec_decoder(ds::infer::CacheKind) override {
+    return std::make_unique<ds::infer::V4Decoder>(*v4_->model, true);
+  }
+  std::vector<ds::infer::CacheKind> kinds() const override { return {ds::infer::CacheKind::Latent}; }
+  std::unique_ptr<ds::infer::LoadedV4Model> v4_;
+};
+
 TEST_F(SpeculativeTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(24); }
+TEST_F(SpeculativeV4Test, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(140); }
 TEST_F(SpeculativeV32Test, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(32); }
 // Long enough that the cache drops old Engram rows between rollbacks.
 TEST_F(SpeculativeEngramTest, GreedyOutputIsThePlainLoops) { greedy_output_is_the_plain_loops(48); }
@@ -172,12 +207,12 @@ void SpeculativeTest::greedy_output_is_the_plain_loops(int64_t new_tokens) {
   GenerateOptions opt;
   opt.max_new_tokens = new_tokens;
   opt.prefill_chunk = 5;  // the long prompt over three steps
-  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  auto plain = plain_decoder();
   const auto want = run(*plain, opt);
-  for (const auto kind : {ds::infer::CacheKind::Latent, ds::infer::CacheKind::Naive}) {
+  for (const auto kind : kinds()) {
     for (const int64_t k : {1, 2, 3}) {
       SCOPED_TRACE(::testing::Message() << "draft tokens " << k);
-      auto spec = ds::infer::kv_decoder(*m_->engine, kind);
+      auto spec = spec_decoder(kind);
       ASSERT_TRUE(spec->can_draft());
       GenerateOptions so = opt;
       so.draft_tokens = k;
@@ -186,7 +221,7 @@ void SpeculativeTest::greedy_output_is_the_plain_loops(int64_t new_tokens) {
       EXPECT_GT(st.drafted, 0);
       // Through the oracle: two of three drafts right, so chains are kept
       // whole, cut after their first or second link, or at their start.
-      auto inner = ds::infer::kv_decoder(*m_->engine, kind);
+      auto inner = spec_decoder(kind);
       SlotOracleDecoder oracle(*inner, prompts_, want);
       GenerateStats ost;
       EXPECT_EQ(run(oracle, so, &ost), want);
@@ -211,9 +246,9 @@ void SpeculativeTest::greedy_output_is_the_plain_loops(int64_t new_tokens) {
 TEST_F(SpeculativeTest, EosAndTheLastPositionEndItAsThePlainLoop) {
   GenerateOptions opt;
   opt.max_new_tokens = 200;  // past max_position_embeddings (128)
-  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  auto plain = plain_decoder();
   const auto want = run(*plain, opt);
-  auto spec = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  auto spec = spec_decoder(ds::infer::CacheKind::Latent);
   opt.draft_tokens = 1;
   EXPECT_EQ(run(*spec, opt), want);
   // An EOS id the model makes early in one sequence.
@@ -297,7 +332,7 @@ TEST_F(SpeculativeTest, SampledRunsFollowTheirSeed) {
   opt.max_new_tokens = 16;
   opt.sampler = {0.9f, 0, 0.95f, 31};
   opt.draft_tokens = 1;
-  auto a = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  auto a = spec_decoder(ds::infer::CacheKind::Latent);
   const auto first = run(*a, opt);
   EXPECT_EQ(run(*a, opt), first);
   GenerateOptions three = opt;
@@ -315,9 +350,9 @@ TEST_F(SpeculativeTest, SampledRunsFollowTheirSeed) {
 TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
   GenerateOptions opt;
   opt.draft_tokens = 1;
-  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  auto plain = plain_decoder();
   EXPECT_THROW(run(*plain, opt), ds::Error);  // no MTP layer loaded
-  auto spec = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  auto spec = spec_decoder(ds::infer::CacheKind::Latent);
   opt.draft_tokens = ds::infer::kMaxDraftTokens + 1;
   EXPECT_THROW(run(*spec, opt), ds::Error);
   opt.draft_tokens = -1;
@@ -332,16 +367,17 @@ TEST_F(SpeculativeTest, ImpossibleRequestsAreRefused) {
 
 TEST_F(SpeculativeTest, TheServersBatcherDraftsToo) { the_servers_batcher_drafts_too(); }
 TEST_F(SpeculativeV32Test, TheServersBatcherDraftsToo) { the_servers_batcher_drafts_too(); }
+TEST_F(SpeculativeV4Test, TheServersBatcherDraftsToo) { the_servers_batcher_drafts_too(); }
 
 void SpeculativeTest::the_servers_batcher_drafts_too() {
   // Alone, without drafts: what each request must make.
   GenerateOptions opt;
   opt.max_new_tokens = 20;
-  auto plain = ds::infer::kv_decoder(*plain_->engine, ds::infer::CacheKind::Latent);
+  auto plain = plain_decoder();
   const auto want = run(*plain, opt);
   for (const int64_t k : {1, 3}) {
     SCOPED_TRACE(::testing::Message() << "draft tokens " << k);
-    auto inner = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+    auto inner = spec_decoder(ds::infer::CacheKind::Latent);
     SlotOracleDecoder oracle(*inner, prompts_, want);
     // Two slots for three requests (one waits), prompts over several chunks,
     // and the last request as two choices that share its prompt.
@@ -377,7 +413,7 @@ void SpeculativeTest::the_servers_batcher_drafts_too() {
   bo.draft_tokens = 1;
   ds::infer::Decoder& no_mtp = *plain;
   EXPECT_THROW(ds::infer::Batcher(no_mtp, bo), ds::Error);
-  auto spec = ds::infer::kv_decoder(*m_->engine, ds::infer::CacheKind::Latent);
+  auto spec = spec_decoder(ds::infer::CacheKind::Latent);
   bo.draft_tokens = ds::infer::kMaxDraftTokens + 1;
   EXPECT_THROW(ds::infer::Batcher(*spec, bo), ds::Error);
 }

@@ -13,7 +13,6 @@ namespace {
 class V4Model final : public Model {
  public:
   V4Model(const std::string& dir, const ModelOptions& opt) : dir_(dir), opt_(opt), cfg_(load_v4_config(dir)) {
-    DS_CHECK(!opt.mtp, "--speculative mtp is not supported for DeepSeek-V4 models yet (DeepSeek-V2/V3 only)");
     DS_CHECK(!opt.late_index_keys || cfg_.v41(), "--late-index-keys applies to DeepSeek-V4.1 models only");
   }
 
@@ -39,9 +38,9 @@ class V4Model final : public Model {
     o.qat = opt_.quant_sim;
     o.late_index_keys = opt_.late_index_keys;
     m_ = load_v4_model(dir_, o);
-    decoder_ = std::make_unique<V4Decoder>(v4());
+    decoder_ = std::make_unique<V4Decoder>(v4(), opt_.mtp);
   }
-  std::unique_ptr<Decoder> new_decoder(CacheKind) override { return std::make_unique<V4Decoder>(v4()); }
+  std::unique_ptr<Decoder> new_decoder(CacheKind) override { return std::make_unique<V4Decoder>(v4(), opt_.mtp); }
   std::vector<float> logits(const std::vector<int32_t>& ids, int64_t prefix, CacheKind,
                             std::vector<float>* mtp) override {
     if (mtp) mtp->clear();

@@ -146,6 +146,10 @@ void V4Model::compress(V4LayerState& st, const float* a, const V4CompressorParam
     if (!index_keys) st.count += k;
   }
   const int64_t keep = v4_carry_start(p0 + n, m);
+  if (carry.hold) {  // a step that may be undone: the rows it drops are kept
+    carry.held_P.insert(carry.held_P.end(), P.begin(), P.begin() + (keep - start) * width);
+    carry.held_Z.insert(carry.held_Z.end(), Z.begin(), Z.begin() + (keep - start) * width);
+  }
   carry.P.assign(P.begin() + (keep - start) * width, P.end());
   carry.Z.assign(Z.begin() + (keep - start) * width, Z.end());
   carry.start = keep;

@@ -81,7 +81,8 @@ ops::ExpertSelectionConfig v4_selection_config(const V4Config& c) {
 
 size_t V4LayerState::bytes() const {
   return (window.size() + carry.P.size() + carry.Z.size() + entries.size() + index_carry.P.size() +
-          index_carry.Z.size() + index_keys.size() + entry_rope.size()) *
+          index_carry.Z.size() + index_keys.size() + entry_rope.size() + carry.held_P.size() + carry.held_Z.size() +
+          index_carry.held_P.size() + index_carry.held_Z.size()) *
              sizeof(float) +
          entry_codes.size() + entry_scales.size() + key_codes.size() + key_scales.size() + entry_fp4.size() +
          entry_fp4_scales.size();
@@ -93,15 +94,18 @@ size_t V4State::bytes() const {
   return b;
 }
 
-size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes) {
-  if (tokens <= 0) return 0;
+size_t v4_state_bytes(const V4Config& c, int64_t main_tokens, bool codes, int64_t mtp_tokens) {
+  if (main_tokens <= 0) return 0;
   size_t bytes = 0;
   const int64_t R = c.qk_rope_head_dim, N = c.nope_dim(), Di = c.index_head_dim;
+  int64_t tokens = main_tokens;
   auto carry = [&](int64_t ratio, int64_t dim) {
     const int64_t width = (ratio == 4 ? 2 : 1) * dim;
     bytes += static_cast<size_t>(2 * (tokens - v4_carry_start(tokens, ratio)) * width) * sizeof(float);
   };
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+  const int64_t layers = c.num_hidden_layers + (mtp_tokens > 0 ? c.num_nextn_predict_layers : 0);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (l >= c.num_hidden_layers) tokens = mtp_tokens;
     bytes += static_cast<size_t>(c.sliding_window * c.head_dim) * sizeof(float);
     const int64_t m = c.compress_ratio(l);
     if (!c.owns_compressor(l)) continue;
@@ -467,8 +471,7 @@ std::vector<std::vector<float>> V4Model::run_passes(std::vector<Pass>& passes, b
 
 Staged V4Model::mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
                             const std::vector<int32_t>& ids, V4Saved* saved, bool logits) {
-  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, l = cfg_.num_hidden_layers;
-  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult;
   const auto& M = w_.mtp[0];
   // Row t of a sequence: its main streams at token t and the embedding of token t + 1.
   std::vector<Segment> msegs;
@@ -497,13 +500,25 @@ Staged V4Model::mtp_forward(std::vector<float>& out, const float* X, const std::
     out.clear();
     co_return;
   }
-  Buffer<float> e(static_cast<size_t>(R * d)), re(static_cast<size_t>(R));
-  Buffer<float> h(static_cast<size_t>(R * hc * d)), rh(static_cast<size_t>(R * hc));
-  for (int64_t r = 0; r < R; ++r) {
-    ops::widen_rows(e.data() + r * d, w_.embed, next[static_cast<size_t>(r)], next[static_cast<size_t>(r)] + 1);
+  Buffer<float> h(static_cast<size_t>(R * hc * d)), Xm;
+  for (int64_t r = 0; r < R; ++r)
     std::copy(X + rows[static_cast<size_t>(r)] * hc * d, X + (rows[static_cast<size_t>(r)] + 1) * hc * d,
               h.data() + r * hc * d);
-  }
+  co_await mtp_layer(Xm, h, next, pos, msegs, ms, saved);
+  out = head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
+                     logits);
+}
+
+Staged V4Model::mtp_layer(Buffer<float>& Xm, Buffer<float>& h, const std::vector<int32_t>& next,
+                          const std::vector<int32_t>& pos, const std::vector<Segment>& msegs, V4MtpSaved* ms,
+                          V4Saved* saved) {
+  const int64_t d = cfg_.hidden_size, hc = cfg_.hc_mult, l = cfg_.num_hidden_layers;
+  const int64_t R = static_cast<int64_t>(next.size());
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const auto& M = w_.mtp[0];
+  Buffer<float> e(static_cast<size_t>(R * d)), re(static_cast<size_t>(R)), rh(static_cast<size_t>(R * hc));
+  for (int64_t r = 0; r < R; ++r)
+    ops::widen_rows(e.data() + r * d, w_.embed, next[static_cast<size_t>(r)], next[static_cast<size_t>(r)] + 1);
   if (ms) {
     ms->e0.assign(e.begin(), e.end());
     ms->h0.assign(h.begin(), h.end());
@@ -516,8 +531,8 @@ Staged V4Model::mtp_forward(std::vector<float>& out, const float* X, const std::
     ms->rstd_h.assign(rh.begin(), rh.end());
     ms->h.assign(h.begin(), h.end());
   }
-  Buffer<float> Xm(static_cast<size_t>(R * hc * d)), Xm2(static_cast<size_t>(R * hc * d)),
-      pe(static_cast<size_t>(R * d));
+  Xm = Buffer<float>(static_cast<size_t>(R * hc * d));
+  Buffer<float> Xm2(static_cast<size_t>(R * hc * d)), pe(static_cast<size_t>(R * d));
   ops::linear_forward(Xm.data(), h.data(), M.h_proj, R * hc);
   ops::linear_forward(pe.data(), e.data(), M.e_proj, R);
   for (int64_t r = 0; r < R; ++r)
@@ -526,8 +541,6 @@ Staged V4Model::mtp_forward(std::vector<float>& out, const float* X, const std::
   V4LayerSaved* ls = saved ? &saved->layers[static_cast<size_t>(l)] : nullptr;
   co_await layer_forward(Xm, Xm2, l, msegs, next.data(), pos.data(), R, ls);
   if (ls) drop(*ls, *saved);
-  out = head_forward(Xm.data(), R, M.hc_head_fn, M.hc_head_base, M.hc_head_scale, M.norm, ms ? &ms->head : nullptr,
-                     logits);
 }
 
 }  // namespace ds::model

@@ -84,6 +84,11 @@ struct V4Options {
 struct V4CompressorCarry {
   int64_t start = 0;
   std::vector<float> P, Z;  // [rows, width]
+  // While a step may still be undone (V4Model::mark): the rows dropped
+  // since the mark, positions [held_start, start).
+  bool hold = false;
+  int64_t held_start = 0;
+  std::vector<float> held_P, held_Z;
 };
 
 // What one layer keeps of one sequence between forwards. With the roundings
@@ -117,6 +122,38 @@ struct V4State {
   // V4.1 with late_index_keys: the index source whose keys were published last (-1: none yet).
   int64_t published_keys = -1;
   size_t bytes() const;
+};
+
+// Speculative decoding: what a step changes in a state's layers [l0, l1)
+// before it runs (V4Model::mark), so that its last tokens can be dropped
+// again (V4Model::rewind). Entries and keys only grow, so their counts and
+// sizes are enough; the window ring's slots the step overwrites are copied;
+// the compressors' carries keep the rows they drop (V4CompressorCarry::hold).
+struct V4LayerMark {
+  int64_t count = 0;
+  std::vector<size_t> sizes;  // of the entry and key lists, in V4Model::rewind's order
+  std::vector<float> slots;   // the window's rows of positions [start, start + n) (empty: no window yet)
+};
+struct V4StateMark {
+  int64_t l0 = 0, l1 = 0;    // the layers marked (main layers from 0; the MTP block alone)
+  int64_t start = 0, n = 0;  // the positions the step appends
+  std::vector<V4LayerMark> layers;
+  std::vector<int32_t> engram_history;
+  int64_t published_keys = -1;
+};
+
+// Forgets a mark of st (the carries stop keeping the rows they drop).
+void v4_settle(V4State& st);
+
+// The MTP block's rows of one sequence (speculative decoding): `hidden`, the
+// main model's last-layer streams [n, hc, d] of positions start .. start +
+// n - 1 (or, to chain a draft, the MTP block's own), and `next`, the tokens
+// that follow those positions.
+struct V4DraftRequest {
+  V4State* state;
+  const float* hidden;
+  const int32_t* next;
+  int64_t start, n;
 };
 
 // What one forward pass of a batch carries from layer to layer besides the
@@ -158,7 +195,9 @@ int64_t v4_carry_start(int64_t tokens, int64_t ratio);
 // Bytes a sequence's state holds after `tokens` tokens (every layer): the
 // window, the carries and the entries and keys, in the code layout (the
 // default, with the roundings) or float32, as V4State::bytes counts them.
-size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes = true);
+// With mtp_tokens > 0, also the MTP block's layer after that many of its
+// positions (speculative decoding).
+size_t v4_state_bytes(const V4Config& c, int64_t tokens, bool codes = true, int64_t mtp_tokens = 0);
 
 // The new tokens of one sequence in a batch forward: rows [row, row + n) of
 // the batch, at positions start, start + 1, ...
@@ -327,6 +366,24 @@ class V4Model {
   // main streams and token t + 1, in request order.
   std::vector<float> forward(const std::vector<V4Request>& batch, bool all_logits, V4Saved* saved,
                              std::vector<float>* mtp_logits = nullptr);
+  // Speculative decoding (infer/v4_engine.h). forward(batch, all_logits)
+  // keeping every new token's last-layer streams [n, hc, d] in *hidden.
+  std::vector<float> forward_keep(const std::vector<V4Request>& batch, bool all_logits, std::vector<float>* hidden);
+  // The MTP block over each request's rows, appended to its state's MTP
+  // layer at positions start ..: the logits of each request's last row
+  // [vocab] in order, and in *last its output streams [hc, d] (what a
+  // chained draft reads in place of the model's).
+  std::vector<float> draft(const std::vector<V4DraftRequest>& batch, std::vector<float>* last);
+  // Before a step that appends at most n tokens at position `start` to
+  // layers [l0, l1) of st: what rewind() needs (and the carries of those
+  // layers start keeping what they drop).
+  V4StateMark mark(V4State& st, int64_t l0, int64_t l1, int64_t start, int64_t n) const;
+  // Drops the marked step's positions from `length` on: the layers, now at
+  // position `now`, hold what a step of only the tokens before `length`
+  // would have left (start <= length <= now <= start + n). For the main
+  // layers st.length becomes length, and ids (the step's tokens) advance
+  // V4.1's Engram history again.
+  void rewind(V4State& st, const V4StateMark& mark, int64_t now, int64_t length, const int32_t* ids) const;
   // The training forward: forward(batch, true, saved, mtp_normed) stopped
   // before the LM head's product. It returns every row's normed head input
   // [n, hidden] (the logits are these rows times head_weight()^T, which a
@@ -411,6 +468,11 @@ class V4Model {
   // The MTP layer over the main streams X of a pass: out its logits (or normed rows).
   Staged mtp_forward(std::vector<float>& out, const float* X, const std::vector<Segment>& segs,
                      const std::vector<int32_t>& ids, V4Saved* saved, bool logits);
+  // The MTP block's layer over R rows: h the main streams [R, hc, d]
+  // (normed in place), next the tokens that follow them, at positions pos of
+  // the sequences msegs; its output streams into Xm.
+  Staged mtp_layer(Buffer<float>& Xm, Buffer<float>& h, const std::vector<int32_t>& next,
+                   const std::vector<int32_t>& pos, const std::vector<Segment>& msegs, V4MtpSaved* ms, V4Saved* saved);
   // The attention (model/v4_attention.cc), as stages that each fill the
   // buffers of S they find empty (all in a forward; in a remat rerun those
   // the policy dropped) from those of the stages before: the query, the
