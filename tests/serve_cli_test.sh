@@ -83,7 +83,8 @@ check 'grep -q "SIGTERM, stopping" "$tmp/log"' "serve says why it stops"
 "$bin" init --config "$src/configs/tiny.yml" --out "$tmp/mtp" --seed 3 --set mtp_num_layers=1 >/dev/null
 cp "$src/tests/data/tokenizer/tiny/tokenizer.json" "$tmp/mtp/"
 expect_error serve --model "$tmp/mtp" --speculative mtp --draft-tokens 9
-"$bin" serve --model "$tmp/mtp" --port 0 --speculative mtp --draft-tokens 3 2>"$tmp/log3" &
+expect_error serve --model "$tmp/mtp" --speculative mtp --draft-max-sequences -1
+"$bin" serve --model "$tmp/mtp" --port 0 --speculative mtp --draft-tokens 3 --draft-max-sequences 4 2>"$tmp/log3" &
 pid=$!
 port=$(served_port "$tmp/log3")
 check '[ -n "$port" ]' "serve --speculative mtp --draft-tokens 3 starts: $(cat "$tmp/log3")"

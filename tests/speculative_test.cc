@@ -407,6 +407,35 @@ void SpeculativeTest::the_servers_batcher_drafts_too() {
     EXPECT_EQ(sum, drafted);
     EXPECT_EQ(c.drafted_at[k].load(), 0u);
   }
+  // Drafting only while at most one sequence decodes: the steps where
+  // several decode check nothing (the MTP layer catches up on their
+  // positions later), and each request still makes what it makes alone.
+  // The first request makes 20 tokens, the others 4: it decodes alone at
+  // the end, and only then are drafts made.
+  uint64_t drafted[2] = {0, 0};
+  for (const int64_t most : {0, 1}) {
+    auto inner = spec_decoder(ds::infer::CacheKind::Latent);
+    SlotOracleDecoder oracle(*inner, prompts_, want);
+    ds::infer::BatcherOptions bo{3, 16, 4};
+    bo.draft_tokens = 2;
+    bo.draft_max_sequences = most;
+    ds::infer::Batcher b(oracle, bo);
+    std::vector<std::shared_ptr<ds::infer::Generation>> gens;
+    const int64_t made[] = {opt.max_new_tokens, 4, 4};
+    for (size_t r = 0; r < prompts_.size(); ++r)
+      gens.push_back(b.submit(ds::infer::BatchRequest{prompts_[r], made[r], {}}));
+    for (size_t r = 0; r < gens.size(); ++r) {
+      std::vector<int32_t> got;
+      int32_t t;
+      while (gens[r]->next(&t)) got.push_back(t);
+      EXPECT_EQ(got, std::vector<int32_t>(want[r].begin(), want[r].begin() + made[r]))
+          << "request " << r << " drafting while at most " << most;
+    }
+    drafted[most] = b.counters().drafted.load();
+    EXPECT_GT(b.counters().accepted.load(), 0u) << most;
+  }
+  EXPECT_GT(drafted[1], 0u);
+  EXPECT_LT(drafted[1] + 4, drafted[0]);  // the short requests' 3 later tokens drafted for, at least
   // A batcher whose decoder cannot draft refuses to, and so does one asked
   // for more drafts than it chains.
   ds::infer::BatcherOptions bo{3, 16, 4};

@@ -39,6 +39,7 @@ struct ServeArgs {
   double request_timeout = infer::ServerOptions{}.request_timeout_s;
   std::string speculative = "none";
   int64_t draft_tokens = 1;
+  int64_t draft_max_sequences = 0;
   std::string cache_memory = "auto";
   bool no_prefix_cache = false;
 };
@@ -122,6 +123,7 @@ int run_serve(const ServeArgs& given) {
   // By default half of what the machine has left once the weights are in.
   bo.cache_memory = pool > 0 ? pool : static_cast<size_t>(available_memory_bytes() / 2);
   bo.prefix_cache = !a.no_prefix_cache;
+  bo.draft_max_sequences = a.draft_max_sequences;
   infer::Batcher batcher(*decoder, bo);
   infer::ServedModel served;
   served.batcher = &batcher;
@@ -190,6 +192,9 @@ void add_serve_command(CLI::App& app, CommandList& commands) {
                   "speculative decoding: none (default) or mtp (the model's MTP layer drafts, one step checks)");
   cmd->add_option("--draft-tokens", args->draft_tokens,
                   "tokens the MTP layer drafts a step with --speculative mtp (default 1; above 1 it is chained)");
+  cmd->add_option("--draft-max-sequences", args->draft_max_sequences,
+                  "with --speculative mtp, draft only while at most N sequences decode; 0: always (default)")
+      ->check(CLI::Range(int64_t{0}, infer::kMaxSequences));
   cmd->add_option(
          "--chat-format", args->chat_format,
          "how chat messages become a prompt: auto (default: from the model folder), " + infer::chat::format_names())

@@ -106,6 +106,8 @@ Batcher::Batcher(Decoder& decoder, BatcherOptions opt)
            opt_.sample_vocab, vocab_);
   DS_CHECK(opt_.draft_tokens >= 0 && opt_.draft_tokens <= kMaxDraftTokens,
            "batcher: {} draft tokens; speculative decoding drafts 1 to {} a step", opt_.draft_tokens, kMaxDraftTokens);
+  DS_CHECK(opt_.draft_max_sequences >= 0, "batcher: draft_max_sequences must be >= 0, got {}",
+           opt_.draft_max_sequences);
   DS_CHECK(opt_.draft_tokens == 0 || decoder.can_draft(),
            "batcher: speculative decoding needs the model's MTP layer, which is not loaded");
   DS_CHECK(!opt_.prefix_cache || opt_.cache_memory > 0, "batcher: prefix caching needs a cache_memory bound");

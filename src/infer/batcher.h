@@ -49,6 +49,12 @@ struct BatcherOptions {
   // draft tokens a step (0: off; at most kMaxDraftTokens, the MTP layer
   // chained past the first).
   int64_t draft_tokens = 0;
+  // Drafting only while at most this many sequences decode (0: always): a
+  // step that checks drafts for many sequences reads most experts anyway,
+  // so above some batch it costs more than it saves (docs/performance.md).
+  // Steps above it check nothing; the MTP layer reads their positions once
+  // drafting resumes.
+  int64_t draft_max_sequences = 0;
   // The cache pool: the bytes every sequence's cache and the prefix cache
   // hold together at most (0: no bound). Sequences grow on demand; a step
   // that would pass the bound first evicts kept prefixes (least recently

@@ -34,9 +34,13 @@ void Batcher::run_speculative_step() {
   const size_t S = slots_.size();
   const int64_t V = vocab_, K = opt_.draft_tokens, draw_vocab = opt_.sample_vocab > 0 ? opt_.sample_vocab : V;
   // The MTP layer reads each slot's new positions; decoding slots draft a
-  // chain of up to K tokens.
+  // chain of up to K tokens; unless more sequences decode than drafting
+  // pays for: then their positions wait in pending.
+  int64_t decoding = 0;
+  for (const Slot& s : slots_) decoding += s.live && !s.following && !s.held && s.fed >= s.req.prompt.size() ? 1 : 0;
+  const bool drafting = opt_.draft_max_sequences == 0 || decoding <= opt_.draft_max_sequences;
   std::vector<std::vector<int32_t>> next(S);
-  for (size_t i = 0; i < S; ++i)
+  for (size_t i = 0; i < S && drafting; ++i)
     if (slots_[i].live && !slots_[i].following && !slots_[i].held) next[i] = std::move(slots_[i].pending);
   std::vector<std::vector<int32_t>> drafts(S);
   std::vector<std::vector<std::vector<double>>> q(S);
@@ -116,7 +120,12 @@ void Batcher::run_speculative_step() {
       if (s.live && s.fed == p.size() && s.made > 0) s.pending.push_back(s.last);
     } else if (drafts[i].empty()) {
       sample_next(i, lg, now);
-      if (s.live) s.pending = {s.last};
+      if (s.live) {
+        if (!drafting)
+          s.pending.push_back(s.last);  // read when drafting resumes
+        else
+          s.pending = {s.last};
+      }
     } else {
       decide_drafts(i, lg, drafts[i], q[i], now);
     }
