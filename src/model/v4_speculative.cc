@@ -143,6 +143,12 @@ V4StateMark V4Model::mark(V4State& st, int64_t l0, int64_t l1, int64_t start, in
            st.layers.size());
   DS_CHECK(n >= 0 && n <= W, "V4 mark: a step that may be undone appends at most sliding_window {} tokens, not {}", W,
            n);
+  // DeepSeek's released decode (late_index_keys): which keys a token's
+  // index source scores depends on what its step published, so a step cut
+  // short is not the shorter step.
+  DS_CHECK(!(opt_.late_index_keys && cfg_.v41()),
+           "V4 mark: with late index keys a step's tokens depend on how the tokens are split into steps, so a step "
+           "cannot be undone");
   V4StateMark mk;
   mk.l0 = l0, mk.l1 = l1, mk.start = start, mk.n = n;
   mk.engram_history = st.engram_history;
