@@ -19,6 +19,7 @@
 #include <dnnl.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -28,6 +29,7 @@
 #include "core/rng.h"
 #include "ops/attention.h"
 #include "ops/latent_attention.h"
+#include "ops/linear.h"
 #include "ops/matmul.h"
 
 namespace {
@@ -179,6 +181,71 @@ void BM_Latent(benchmark::State& state, Latent l, bool tiles) {
   set_rate(state, x.flops());
 }
 
+// The same decode step as a model runs it: each call is the next of enough
+// layers (at least 8, 256 MiB of bf16 kv_b in all) that its weights come
+// from memory, not the caches. The
+// absorptions read the float32 absorbed copy, or kv_b itself in bf16 or in
+// e4m3 with 128 x 128 scale blocks (LatentAttentionDims::kv_b). Counter
+// weight_GB/s: the weight bytes a call reads over its time.
+enum class LatentWeights { kAbsorbedF32, kKvBBf16, kKvBFp8 };
+
+void BM_LatentCold(benchmark::State& state, Latent l, LatentWeights which) {
+  LatentBuffers x(l);
+  const auto& d = l.d;
+  const int64_t rows = d.heads * (d.nope + d.v_dim), kvl = d.kv_lora;
+  const int kLayers = static_cast<int>(std::max<int64_t>(8, (int64_t{256} << 20) / (2 * rows * kvl)));
+  std::vector<std::vector<float>> absorbed;
+  std::vector<std::vector<uint16_t>> bf16;
+  std::vector<std::vector<uint8_t>> fp8;
+  std::vector<std::vector<float>> scales;
+  std::vector<ds::ops::WeightView> views;
+  for (int i = 0; i < kLayers; ++i) {
+    std::vector<float> w(static_cast<size_t>(rows * kvl));
+    ds::fill_normal(w.data(), w.size(), 0.05f, 20 + i);
+    if (which == LatentWeights::kAbsorbedF32) {
+      absorbed.push_back(ds::ops::absorb_kv_b({w.data(), ds::DType::F32, rows, kvl}, d));
+    } else if (which == LatentWeights::kKvBBf16) {
+      bf16.emplace_back(w.size());
+      for (size_t j = 0; j < w.size(); ++j) bf16.back()[j] = ds::f32_to_bf16(w[j]);
+    } else {
+      fp8.emplace_back(w.size());
+      scales.emplace_back(static_cast<size_t>((rows + 127) / 128 * ((kvl + 127) / 128)));
+      ds::ops::quantize_fp8_blocks(fp8.back().data(), scales.back().data(), w.data(), rows, kvl, 128, 128);
+    }
+  }
+  for (int i = 0; i < kLayers && which != LatentWeights::kAbsorbedF32; ++i)
+    views.push_back(which == LatentWeights::kKvBBf16
+                        ? ds::ops::WeightView{bf16[i].data(), ds::DType::BF16, rows, kvl}
+                        : ds::ops::WeightView{fp8[i].data(), ds::DType::F8E4M3, rows, kvl, scales[i].data(), 128, 128});
+  std::vector<ds::ops::LatentQueries> seqs(static_cast<size_t>(l.B));
+  for (int64_t b = 0; b < l.B; ++b) {
+    auto& sq = seqs[static_cast<size_t>(b)];
+    sq.q = x.q.data() + b * d.heads * x.qk();
+    sq.ctx = x.ctx.data() + b * d.heads * d.v_dim;
+    sq.c_kv = x.ckv.data() + b * l.T * kvl;
+    sq.k_pe = x.kpe.data() + b * l.T * d.rope;
+    sq.past = l.T - 1;
+  }
+  int layer = 0;
+  double bytes = 0;
+  for (auto _ : state) {
+    ds::ops::LatentAttentionDims dd = d;
+    const float* abs = nullptr;
+    if (which == LatentWeights::kAbsorbedF32) {
+      abs = absorbed[layer].data();
+      bytes += static_cast<double>(absorbed[layer].size()) * sizeof(float);
+    } else {
+      dd.kv_b = &views[layer];
+      bytes += static_cast<double>(rows * kvl) * (which == LatentWeights::kKvBBf16 ? 2.0 : 1.0);
+    }
+    ds::ops::latent_attention_forward(seqs.data(), l.B, d.heads * x.qk(), d.heads * d.v_dim, abs, dd);
+    benchmark::DoNotOptimize(x.ctx.data());
+    layer = (layer + 1) % kLayers;
+  }
+  set_rate(state, x.flops());
+  state.counters["weight_GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsRate);
+}
+
 struct Gemm {
   int64_t M, N, K;
 };
@@ -234,6 +301,21 @@ void register_all() {
     const std::string n = fmt::format("H{}_kvl{}_B{}_T{}", l.d.heads, l.d.kv_lora, l.B, l.T);
     benchmark::RegisterBenchmark(("latent_decode/tiles/" + n).c_str(), BM_Latent, l, true)->UseRealTime();
     benchmark::RegisterBenchmark(("latent_decode/sgemm/" + n).c_str(), BM_Latent, l, false)->UseRealTime();
+  }
+  // A decode step's weights from memory: DeepSeek-V3's heads, and the
+  // configs/bench-1gb.yml model's (8 heads, nope 64, v 64, kvl 256).
+  const ds::ops::LatentAttentionDims bench1gb{8, 64, 32, 64, 256, 0.1f};
+  const Latent cold[] = {{1, 1024, v3}, {8, 1024, v3}, {1, 256, bench1gb}};
+  for (const Latent& l : cold) {
+    const std::string n = fmt::format("H{}_kvl{}_B{}_T{}", l.d.heads, l.d.kv_lora, l.B, l.T);
+    benchmark::RegisterBenchmark(("latent_cold/absorbed_f32/" + n).c_str(), BM_LatentCold, l,
+                                 LatentWeights::kAbsorbedF32)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("latent_cold/kv_b_bf16/" + n).c_str(), BM_LatentCold, l, LatentWeights::kKvBBf16)
+        ->UseRealTime();
+    if (l.d.nope % 128 == 0 && l.d.v_dim % 128 == 0)  // (else e4m3 takes the absorbed copy: ops::reads_kv_b)
+      benchmark::RegisterBenchmark(("latent_cold/kv_b_fp8/" + n).c_str(), BM_LatentCold, l, LatentWeights::kKvBFp8)
+          ->UseRealTime();
   }
   // Square, and the skinny product of the score tiles' shape (K = Dqk).
   const Gemm gemms[] = {{1024, 1024, 1024}, {1024, 1024, 192}, {128, 128, 48}, {128, 32, 128}};

@@ -8,10 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "core/error.h"
+#include "infer/engine.h"
 #include "model/init.h"
 #include "model/load.h"
 #include "model_fixture.h"
@@ -61,6 +63,30 @@ TEST_F(GenerateTest, GreedyTokensAreTheArgmaxOfTheFullForward) {
       EXPECT_GE(row[out[0][i]], best - 1e-4f * std::max(1.0f, std::fabs(best))) << "step " << i;
     }
   }
+}
+
+// Decode reading kv_b itself (bf16 here) rather than the float32 absorbed
+// copy, which the CPU keeps only for small layers: the same logits up to the
+// order of sums, and the same greedy tokens.
+TEST_F(GenerateTest, DecodeFromKvBIsTheAbsorbedCopysUpToRounding) {
+  ASSERT_EQ(m_->weights.view.layers[0].attn.kv_b.dtype, ds::DType::BF16);
+  const std::vector<int32_t> ids = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26};
+  GenerateOptions opt;
+  opt.max_new_tokens = 16;
+  const auto absorbed = ds::test::incremental_logits(*m_, ids, 4, CacheKind::Latent);
+  const auto absorbed_tokens = ds::infer::generate(*m_->engine, {{3, 14, 15}}, opt);
+  const size_t saved = ds::infer::detail::set_small_absorbed_bytes(0);
+  const auto from_kv_b = ds::test::incremental_logits(*m_, ids, 4, CacheKind::Latent);
+  const auto from_kv_b_tokens = ds::infer::generate(*m_->engine, {{3, 14, 15}}, opt);
+  ds::infer::detail::set_small_absorbed_bytes(saved);
+  ASSERT_EQ(absorbed.size(), from_kv_b.size());
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < absorbed.size(); ++i) {
+    worst = std::max(worst, double(std::fabs(absorbed[i] - from_kv_b[i])));
+    scale = std::max(scale, double(std::fabs(absorbed[i])));
+  }
+  EXPECT_LE(worst, 1e-5 * std::max(1.0, scale));
+  EXPECT_EQ(absorbed_tokens, from_kv_b_tokens);
 }
 
 TEST_F(GenerateTest, ABatchGeneratesWhatEachPromptGeneratesAlone) {

@@ -4,13 +4,16 @@
 // MLA's real head sizes, caches longer than one chunk of keys and more query
 // rows than one score tile, on every SIMD target; a batch of sequences gives
 // each the bits it gets alone, for any thread count; the absorbed weights
-// come from any dtype; bad sizes are errors.
+// come from any dtype; each case again without the absorbed copy, reading
+// kv_b in its own dtype; bad sizes are errors.
 #include "ops/latent_attention.h"
 
+#include <string>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "ops/block_quant.h"
 #include "ops/reference/latent_attention.h"
 #include "test_util.h"
 
@@ -23,6 +26,20 @@ using ops::LatentAttentionDims;
 ops::WeightView f32_weight(const std::vector<float>& w, const LatentAttentionDims& d) {
   return {w.data(), DType::F32, d.heads * (d.nope + d.v_dim), d.kv_lora};
 }
+
+// kv_b rounded to bf16: its codes, their values and the view.
+struct Bf16Weight {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+  ops::WeightView view;
+  Bf16Weight(const std::vector<float>& w, const LatentAttentionDims& d) : bits(w.size()), values(w.size()) {
+    for (size_t i = 0; i < w.size(); ++i) {
+      bits[i] = f32_to_bf16(w[i]);
+      values[i] = bf16_to_f32(bits[i]);
+    }
+    view = {bits.data(), DType::BF16, d.heads * (d.nope + d.v_dim), d.kv_lora};
+  }
+};
 
 // A random sequence: queries, cache and kv_b.
 struct Case {
@@ -46,6 +63,19 @@ void check(const LatentAttentionDims& d, int64_t n, int64_t past, uint64_t seed)
     ops::latent_attention_forward(ctx.data(), H * d.v_dim, c.q.data(), H * qk, c.ckv.data(), c.kpe.data(),
                                   c.absorbed.data(), n, past, d);
     test::expect_close(ctx, want, 2e-5, 2e-5, "ctx");
+    // Without the absorbed copy, kv_b in bf16: W_UK_h widened from it, W_UV_h
+    // as a linear layer over its rows; against the reference over the same
+    // bf16 weights.
+    LatentAttentionDims dk = d;
+    const Bf16Weight kv_b(c.w, d);
+    dk.kv_b = &kv_b.view;
+    std::vector<double> want_bf16;
+    ref::latent_attention_forward(want_bf16, test::to_double(c.q), test::to_double(c.ckv), test::to_double(c.kpe),
+                                  test::to_double(kv_b.values), n, past, d);
+    std::fill(ctx.begin(), ctx.end(), -1.0f);
+    ops::latent_attention_forward(ctx.data(), H * d.v_dim, c.q.data(), H * qk, c.ckv.data(), c.kpe.data(), nullptr, n,
+                                  past, dk);
+    test::expect_close(ctx, want_bf16, 2e-5, 2e-5, "ctx from a bf16 kv_b");
   });
 }
 
@@ -87,18 +117,22 @@ struct Batch {
     s.keys = keys[i].empty() ? nullptr : keys[i].data();
     return s;
   }
-  // Every sequence's ctx, from one call or one call per sequence.
-  std::vector<std::vector<float>> run(bool together) const {
+  // Every sequence's ctx, from one call or one call per sequence; with
+  // from_kv_b, without the absorbed copy.
+  std::vector<std::vector<float>> run(bool together, bool from_kv_b = false) const {
+    const Bf16Weight kv_b(cases[0].w, d);
+    LatentAttentionDims dd = d;
+    if (from_kv_b) dd.kv_b = &kv_b.view;
+    const float* absorbed = from_kv_b ? nullptr : cases[0].absorbed.data();
     std::vector<std::vector<float>> ctx;
     for (size_t i = 0; i < n.size(); ++i) ctx.emplace_back(n[i] * d.heads * d.v_dim, -1.0f);
     std::vector<ops::LatentQueries> seqs;
     for (size_t i = 0; i < n.size(); ++i) seqs.push_back(seq(i, ctx[i].data()));
     if (together) {
       ops::latent_attention_forward(seqs.data(), static_cast<int64_t>(seqs.size()), d.heads * qk(), d.heads * d.v_dim,
-                                    cases[0].absorbed.data(), d);
+                                    absorbed, dd);
     } else {
-      for (const auto& s : seqs)
-        ops::latent_attention_forward(&s, 1, d.heads * qk(), d.heads * d.v_dim, cases[0].absorbed.data(), d);
+      for (const auto& s : seqs) ops::latent_attention_forward(&s, 1, d.heads * qk(), d.heads * d.v_dim, absorbed, dd);
     }
     return ctx;
   }
@@ -106,7 +140,10 @@ struct Batch {
 
 TEST(LatentAttention, ABatchGivesEachSequenceItsOwnBits) {
   const Batch b;
-  test::for_each_simd_target([&](const char*) { EXPECT_EQ(b.run(true), b.run(false)); });
+  test::for_each_simd_target([&](const char*) {
+    EXPECT_EQ(b.run(true), b.run(false));
+    EXPECT_EQ(b.run(true, true), b.run(false, true));
+  });
   // And the sparse query is the reference over its chosen keys.
   const auto ctx = b.run(true);
   const auto& c = b.cases[3];
@@ -123,7 +160,10 @@ TEST(LatentAttention, ABatchGivesEachSequenceItsOwnBits) {
 
 TEST(LatentAttention, SameBitsForAnyThreadCount) {
   const Batch b;
-  test::for_each_simd_target([&](const char*) { test::expect_same_for_any_thread_count([&] { return b.run(true); }); });
+  test::for_each_simd_target([&](const char*) {
+    test::expect_same_for_any_thread_count([&] { return b.run(true); });
+    test::expect_same_for_any_thread_count([&] { return b.run(true, true); });
+  });
 }
 
 // Many rows go in smaller tiles when there are more threads to share them
@@ -164,6 +204,48 @@ TEST(LatentAttention, AbsorbedWeightsFromNarrowDtypesAreTheWidenedOnes) {
   EXPECT_EQ(ops::absorb_kv_b(fp8, d), ops::absorb_kv_b(f32_weight(widened, d), d));
 }
 
+// Without the absorbed copy, kv_b is read in its own dtype: bf16, q8_0, and
+// block-scaled e4m3 whose scale blocks a head's W_UV_h rows do not start
+// on (those rows are widened first). Each against the reference over the
+// widened weight, with x multiplied as it is (--quantized-x f32); q8_0's
+// default rounding of x to 8 bits a block stays within its own bound.
+TEST(LatentAttention, KvBInItsOwnDtypeIsTheWidenedWeight) {
+  const LatentAttentionDims d{3, 8, 4, 4, 32, 0.3f};
+  const int64_t n = 2, past = 20, T = past + n, H = d.heads, qk = d.nope + d.rope;
+  const int64_t rows = H * (d.nope + d.v_dim);
+  const Case c(d, n, T, 21);
+  std::vector<uint16_t> bits(c.w.size());
+  for (size_t i = 0; i < c.w.size(); ++i) bits[i] = f32_to_bf16(c.w[i]);
+  std::vector<uint8_t> q8(static_cast<size_t>(rows * ops::block_row_bytes(DType::Q8_0, d.kv_lora)));
+  ops::quantize_rows(DType::Q8_0, c.w.data(), rows, d.kv_lora, q8.data());
+  std::vector<uint8_t> e4m3(c.w.size());
+  std::vector<float> scale((rows + 3) / 4 * (d.kv_lora / 8));
+  ops::quantize_fp8_blocks(e4m3.data(), scale.data(), c.w.data(), rows, d.kv_lora, 4, 8);
+  const std::vector<ops::WeightView> weights{{bits.data(), DType::BF16, rows, d.kv_lora},
+                                             {q8.data(), DType::Q8_0, rows, d.kv_lora},
+                                             {e4m3.data(), DType::F8E4M3, rows, d.kv_lora, scale.data(), 4, 8}};
+  for (const ops::QuantizedX qx : {ops::QuantizedX::kF32, ops::QuantizedX::kInt8}) {
+    const ops::QuantizedX saved = ops::quantized_x();
+    ops::set_quantized_x(qx);
+    for (const ops::WeightView& w : weights) {
+      std::vector<float> widened(c.w.size());
+      ops::widen_rows(widened.data(), w, 0, rows);
+      std::vector<double> want;
+      ref::latent_attention_forward(want, test::to_double(c.q), test::to_double(c.ckv), test::to_double(c.kpe),
+                                    test::to_double(widened), n, past, d);
+      LatentAttentionDims dk = d;
+      dk.kv_b = &w;
+      std::vector<float> ctx(n * H * d.v_dim, -1.0f);
+      ops::latent_attention_forward(ctx.data(), H * d.v_dim, c.q.data(), H * qk, c.ckv.data(), c.kpe.data(), nullptr, n,
+                                    past, dk);
+      const bool rounds_x = qx == ops::QuantizedX::kInt8 && w.dtype == DType::Q8_0;
+      const std::string what = "ctx from kv_b " + std::string(dtype_name(w.dtype));
+      test::expect_close(ctx, want, rounds_x ? 2e-2 : 2e-5, rounds_x ? 2e-2 : 2e-5, what.c_str());
+    }
+    ops::set_quantized_x(saved);
+  }
+}
+
 TEST(LatentAttention, BadSizesAreErrors) {
   std::vector<float> buf(4096);
   const LatentAttentionDims d{2, 4, 2, 4, 8, 1.0f};
@@ -185,6 +267,23 @@ TEST(LatentAttention, BadSizesAreErrors) {
   EXPECT_THROW(ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), buf.data(), buf.data(), 1, 1,
                                              LatentAttentionDims{2, 4, 2, 4, 0, 1.0f}),
                Error);
+  // Neither the absorbed copy nor kv_b; a kv_b of the wrong shape; float32
+  // and e4m3 whose W_UV_h rows start inside a scale block (reads_kv_b says
+  // no: the absorbed copy is for those).
+  EXPECT_THROW(ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), buf.data(), nullptr, 1, 1, d),
+               Error);
+  LatentAttentionDims dk = d;
+  const ops::WeightView wrong{buf.data(), DType::BF16, 15, 8};
+  const ops::WeightView f32{buf.data(), DType::F32, 16, 8};
+  const ops::WeightView fp8{buf.data(), DType::F8E4M3, 16, 8, buf.data(), 3, 8};
+  for (const ops::WeightView* w : {&wrong, &f32, &fp8}) {
+    dk.kv_b = w;
+    EXPECT_THROW(
+        ops::latent_attention_forward(buf.data(), 8, buf.data(), 12, buf.data(), buf.data(), nullptr, 1, 1, dk), Error);
+  }
+  EXPECT_FALSE(ops::reads_kv_b(f32, d));
+  EXPECT_FALSE(ops::reads_kv_b(fp8, d));
+  EXPECT_TRUE(ops::reads_kv_b(ops::WeightView{buf.data(), DType::F8E4M3, 16, 8, buf.data(), 4, 8}, d));
 }
 
 }  // namespace latent_attention_test

@@ -1,8 +1,9 @@
 #include "infer/engine.h"
 
 #include <algorithm>
-#include <deque>
+#include <atomic>
 #include <cstring>
+#include <deque>
 #include <limits>
 
 #include "core/buffer.h"
@@ -13,6 +14,7 @@
 #include "model/load.h"
 #include "model/mhc_block.h"
 #include "ops/attention.h"
+#include "ops/backend.h"
 #include "ops/indexer.h"
 #include "ops/latent_attention.h"
 #include "ops/linear.h"
@@ -33,7 +35,21 @@ struct Batch {
   std::vector<Seq> seqs;  // sequences with new tokens
 };
 
+// The absorbed copy's bytes (ops::absorb_kv_b), and the size up to which
+// the CPU keeps one rather than reading kv_b itself. Measured with
+// `attention_bench --benchmark_filter=latent_cold` (weights from memory,
+// Zen 5, 2 threads, one sequence): 8 heads of kv_lora 256 (1 MiB a layer
+// as float32) 67.6 us absorbed against 71.7 us from a bf16 kv_b; DeepSeek-V3's
+// 128 heads (64 MiB) 3.34 ms against 2.77 (bf16) and 2.30 (e4m3).
+std::atomic<size_t> g_small_absorbed_bytes{size_t{4} << 20};
+size_t absorbed_bytes(const ops::LatentAttentionDims& d) {
+  const auto up16 = [](int64_t n) { return (n + 15) / 16 * 16; };
+  return static_cast<size_t>(d.heads * (d.nope * up16(d.kv_lora) + d.kv_lora * up16(d.v_dim))) * sizeof(float);
+}
+
 }  // namespace
+
+size_t detail::set_small_absorbed_bytes(size_t bytes) { return g_small_absorbed_bytes.exchange(bytes); }
 
 // The layer's attention for generation: appends the new tokens to the cache,
 // then fresh sequences attend over their own expanded keys (tiled causal
@@ -76,13 +92,19 @@ class CacheAttention : public model::KvAttention {
     Call call = prepare(ctx, layer, in, a, s);
     const std::vector<Item> items = append_and_attend_tiled(call);
     if (items.empty()) return;
-    // The absorbed kv_b (ops::absorb_kv_b), made on a layer's first use and
-    // kept: it is a small share of a layer (DeepSeek-V3: 64 MiB as float32
-    // next to about 11 GiB of fp8 expert weights per layer), and widening it
-    // again on every step cost more than the attention itself.
+    // The CPU reads the absorptions from a narrow kv_b itself, in its dtype
+    // (ops/latent_attention.h), where the float32 copy would be large: a
+    // decode step at batch 1 reads each byte once either way, and the copy
+    // is 2x (bf16) to 4x (fp8) kv_b's bytes (DeepSeek-V3: 64 MiB a layer,
+    // 3.9 GiB in all). A small copy stays (it is read faster than kv_b is
+    // widened), as do float32 weights and a device backend's: the absorbed
+    // copy (ops::absorb_kv_b), made on a layer's first use and kept.
     std::vector<float>& absorbed = e_.absorbed_kv_b_[layer];
-    const ops::LatentAttentionDims ld{call.H, call.nope, call.rope, call.vd, call.kvl, s.softmax_scale};
-    if (call.latent && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
+    ops::LatentAttentionDims ld{call.H, call.nope, call.rope, call.vd, call.kvl, s.softmax_scale};
+    const bool from_kv_b = ops::active_backend().device == Device::CPU && ops::reads_kv_b(a.kv_b, ld) &&
+                           absorbed_bytes(ld) > g_small_absorbed_bytes.load(std::memory_order_relaxed);
+    if (from_kv_b) ld.kv_b = &a.kv_b;
+    if (call.latent && !from_kv_b && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;
     for (const auto& it : items)
       work += it.n * (it.sparse ? call.topk * call.H * (call.kvl + call.rope) + (it.past + it.n) * call.Hi * call.Di
@@ -99,7 +121,7 @@ class CacheAttention : public model::KvAttention {
     const bool select = std::any_of(items.begin(), items.end(), [](const Item& it) { return it.sparse; });
     if (!call.latent || select) select_and_attend_naive(call, items, scores, split_scores, parallel, selected);
     if (!call.latent) return;
-    attend_latent(call, items, selected, absorbed.data(), ld);
+    attend_latent(call, items, selected, from_kv_b ? nullptr : absorbed.data(), ld);
   }
 
  private:

@@ -20,6 +20,13 @@ namespace ds::infer {
 
 class Model;
 struct ModelOptions;
+
+namespace detail {
+// For tests: the float32 absorbed kv_b's size per layer up to which the CPU
+// keeps that copy rather than reading kv_b itself (4 MiB); returns the
+// previous value.
+size_t set_small_absorbed_bytes(size_t bytes);
+}  // namespace detail
 // DeepSeek-V2/V3/V3.2's face to generation (infer/model.h's open_model picks it).
 std::unique_ptr<Model> open_v3_model(const std::string& dir, const ModelOptions& opt);
 
@@ -78,7 +85,7 @@ class Engine {
   model::StageConfig stages_;
   // Drops a sequence's oldest Engram conv rows beyond what the look-back needs.
   void trim_engram_rows(SequenceCache& sc) const;
-  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, ops::absorb_kv_b on first decode use
+  std::vector<std::vector<float>> absorbed_kv_b_;  // per layer, ops::absorb_kv_b on first decode use (device backends)
   bool dense_attention_ = false;
   friend class CacheAttention;
 };

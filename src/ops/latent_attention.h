@@ -35,7 +35,22 @@ namespace ds::ops {
 struct LatentAttentionDims {
   int64_t heads = 1, nope = 0, rope = 0, v_dim = 1, kv_lora = 1;
   float scale = 1.0f;
+  // kv_b_proj itself, for a call without `absorbed` (the CPU backend, where
+  // reads_kv_b holds): W_UK_h is widened from it a head at a time into the
+  // layout absorb_kv_b gives (the same products, the same bits), and
+  // ctx_h = lat W_UV_h^T is a linear layer over its rows in their stored
+  // dtype, at most 8 rows of lat at a time (ops/linear.h's decode kernels
+  // and precision; a row's result does not depend on the other rows). No
+  // float32 copy is kept, and a step reads kv_b's own bytes (DeepSeek-V3:
+  // 16 MiB of fp8 a layer rather than 64 MiB of float32).
+  const WeightView* kv_b = nullptr;
 };
+
+// Whether the CPU's latent_attention_forward can read kv_b itself: bf16, a
+// block format (q8_0, q4_k, ...), or block-scaled e4m3 whose heads' W_UV_h
+// rows start on scale blocks. Float32 (the absorbed copy is no larger) and
+// the rest take the absorbed copy.
+bool reads_kv_b(const WeightView& kv_b, const LatentAttentionDims& d);
 
 // The absorbed projections, float32, from kv_b_proj [heads * (nope + v_dim),
 // kv_lora] (any dtype): per head W_UK_h [nope, kvlp], then per head W_UV_h^T
@@ -57,7 +72,8 @@ struct LatentQueries {
   const int32_t* keys = nullptr;
 };
 
-// ctx of every sequence in seqs[0, count); `absorbed` from absorb_kv_b.
+// ctx of every sequence in seqs[0, count); `absorbed` from absorb_kv_b, or
+// null with d.kv_b set (the CPU backend only).
 void latent_attention_forward(const LatentQueries* seqs, int64_t count, int64_t ldq, int64_t ldc, const float* absorbed,
                               const LatentAttentionDims& d);
 

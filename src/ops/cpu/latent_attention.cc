@@ -15,6 +15,10 @@
 //   4. out [R, H, vp] = lat W_UV_h^T per head, then copied to ctx.
 // Passes 1 and 4 are the score kernel's product of rows by a row-major
 // matrix, so each row's result is the same whatever rows share the call.
+// Without the absorbed copy (LatentAttentionDims::kv_b), pass 1 widens
+// W_UK_h from kv_b into that same layout (the same bits), and pass 4 is a
+// linear layer over W_UV_h's rows in kv_b's dtype: the decode kernels
+// stream them, a row of lat at a time in the same order for any rows.
 // Key chunks depend on the sizes alone, never on the thread count; tiles of
 // rows may (a row's result is the same bits in any tile).
 #include "ops/latent_attention.h"
@@ -23,11 +27,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "core/buffer.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "ops/backend.h"
+#include "ops/block_quant.h"
 #include "ops/cpu/attention_tiles.h"
 
 namespace ds::ops {
@@ -70,6 +77,35 @@ struct Shape {
   const float* w_uk(const float* absorbed, int64_t h) const { return absorbed + h * nope * kvlp; }
   const float* w_uv_t(const float* absorbed, int64_t h) const { return absorbed + H * nope * kvlp + h * kvl * vp; }
 };
+
+// W_UK_h [nope, kvlp] widened from kv_b into the calling thread's buffer,
+// as absorb_kv_b lays it out (zero columns kvl..kvlp).
+const float* widen_uk(const WeightView& kv_b, const Shape& g, int64_t h) {
+  thread_local Buffer<float> rows, padded;
+  const int64_t r0 = h * (g.nope + g.vd);
+  if (rows.size() < static_cast<size_t>(g.nope * g.kvl)) rows.resize(static_cast<size_t>(g.nope * g.kvl));
+  widen_rows(rows.data(), kv_b, r0, r0 + g.nope);
+  if (g.kvl == g.kvlp) return rows.data();
+  if (padded.size() < static_cast<size_t>(g.nope * g.kvlp)) padded.resize(static_cast<size_t>(g.nope * g.kvlp));
+  for (int64_t i = 0; i < g.nope; ++i) {
+    std::copy_n(rows.data() + i * g.kvl, g.kvl, padded.data() + i * g.kvlp);
+    std::fill(padded.data() + i * g.kvlp + g.kvl, padded.data() + (i + 1) * g.kvlp, 0.0f);
+  }
+  return padded.data();
+}
+
+// out [R, vd] (rows ldo apart) = lat [R, kvl] (rows ldl apart) W_UV_h^T, W_UV_h
+// the rows of kv_b after head h's W_UK_h, read in kv_b's dtype (reads_kv_b)
+// by the decode kernels, at most kGemvRows rows of lat a call: each row's
+// sums then run in the same order whatever rows share the call.
+void uv_product(float* out, int64_t ldo, const float* lat, int64_t ldl, int64_t R, const WeightView& kv_b,
+                const Shape& g, int64_t h) {
+  constexpr int64_t kGemvRows = 8;
+  const int64_t r0 = h * (g.nope + g.vd) + g.nope;
+  const WeightView w = row_slice(kv_b, r0, r0 + g.vd);
+  for (int64_t r = 0; r < R; r += kGemvRows)
+    cpu::linear_forward(out + r * ldo, lat + r * ldl, w, std::min(kGemvRows, R - r), ldl, ldo, false);
+}
 
 void check_dims(const LatentAttentionDims& d, const char* what) {
   DS_CHECK(d.heads >= 1 && d.nope >= 0 && d.rope >= 0 && d.v_dim >= 1 && d.kv_lora >= 1,
@@ -136,6 +172,14 @@ struct Task {
 
 }  // namespace
 
+bool reads_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
+  if (kv_b.dtype == DType::BF16 || is_block_format(kv_b.dtype)) return true;
+  if (kv_b.dtype != DType::F8E4M3) return false;
+  // Each head's W_UV_h rows start at h (nope + v) + nope.
+  return !kv_b.scale_inv ||
+         (kv_b.block_rows > 0 && d.nope % kv_b.block_rows == 0 && (d.nope + d.v_dim) % kv_b.block_rows == 0);
+}
+
 std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
   check_dims(d, "absorb_kv_b");
   const Shape g(d);
@@ -163,6 +207,12 @@ void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int
   const int64_t H = g.H, qk = g.nope + g.rope;
   DS_CHECK(count >= 0 && ldq >= H * qk && ldc >= H * g.vd, "latent_attention: row strides ldq={} ldc={} too small", ldq,
            ldc);
+  DS_CHECK(
+      absorbed || (d.kv_b && d.kv_b->rows == H * (g.nope + g.vd) && d.kv_b->cols == g.kvl && reads_kv_b(*d.kv_b, d)),
+      "latent_attention: no absorbed projections, and kv_b is {} (expected a [{}, {}] weight reads_kv_b takes)",
+      d.kv_b ? fmt::format("{} [{}, {}]", dtype_name(d.kv_b->dtype), d.kv_b->rows, d.kv_b->cols)
+             : std::string("missing"),
+      H * (g.nope + g.vd), g.kvl);
   if (count == 0) return;
   // Token rows before each sequence, and the tasks of pass 2. A dense
   // sequence of at most one tile of rows (a decode step) over a long cache
@@ -215,8 +265,9 @@ void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int
       std::memcpy(qin.data() + (base[i] + j) * H * qk, seqs[i].q + j * ldq,
                   static_cast<size_t>(H * qk) * sizeof(float));
   parallel_tasks(H, RH * g.nope * g.kvl >= kParallelReadWork, [&](int64_t h) {
-    tiles::score_tile(qc.data() + h * g.Dq, H * g.Dq, qin.data() + h * qk, H * qk, g.w_uk(absorbed, h), g.kvlp, R,
-                      g.kvlp, g.kvlp, g.nope, 1.0f);
+    const float* uk = absorbed ? g.w_uk(absorbed, h) : widen_uk(*d.kv_b, g, h);
+    tiles::score_tile(qc.data() + h * g.Dq, H * g.Dq, qin.data() + h * qk, H * qk, uk, g.kvlp, R, g.kvlp, g.kvlp,
+                      g.nope, 1.0f);
   });
   if (g.rope > 0)
     for (int64_t r = 0; r < RH; ++r)
@@ -279,6 +330,8 @@ void cpu::latent_attention_forward(const LatentQueries* seqs, int64_t count, int
 
   // 4. out = lat W_UV_h^T per head, then ctx.
   parallel_tasks(H, RH * g.kvl * g.vd >= kParallelReadWork, [&](int64_t h) {
+    if (!absorbed)
+      return uv_product(out.data() + h * g.vp, H * g.vp, lat.data() + h * g.kvlp, H * g.kvlp, R, *d.kv_b, g, h);
     tiles::score_tile(out.data() + h * g.vp, H * g.vp, lat.data() + h * g.kvlp, H * g.kvlp, g.w_uv_t(absorbed, h), g.vp,
                       R, g.vp, g.vp, g.kvl, 1.0f);
   });
