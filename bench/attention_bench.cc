@@ -304,8 +304,9 @@ void register_all() {
   }
   // A decode step's weights from memory: DeepSeek-V3's heads, and the
   // configs/bench-1gb.yml model's (8 heads, nope 64, v 64, kvl 256).
-  const ds::ops::LatentAttentionDims bench1gb{8, 64, 32, 64, 256, 0.1f};
-  const Latent cold[] = {{1, 1024, v3}, {8, 1024, v3}, {1, 256, bench1gb}};
+  // DeepSeek-V2-Lite's heads (16, nope 128, v 128, kvl 512) between them.
+  const ds::ops::LatentAttentionDims bench1gb{8, 64, 32, 64, 256, 0.1f}, v2lite{16, 128, 64, 128, 512, 0.0722f};
+  const Latent cold[] = {{1, 1024, v3}, {8, 1024, v3}, {1, 1024, v2lite}, {1, 256, bench1gb}};
   for (const Latent& l : cold) {
     const std::string n = fmt::format("H{}_kvl{}_B{}_T{}", l.d.heads, l.d.kv_lora, l.B, l.T);
     benchmark::RegisterBenchmark(("latent_cold/absorbed_f32/" + n).c_str(), BM_LatentCold, l,

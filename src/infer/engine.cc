@@ -38,9 +38,11 @@ struct Batch {
 // The absorbed copy's bytes (ops::absorb_kv_b), and the size up to which
 // the CPU keeps one rather than reading kv_b itself. Measured with
 // `attention_bench --benchmark_filter=latent_cold` (weights from memory,
-// Zen 5, 2 threads, one sequence): 8 heads of kv_lora 256 (1 MiB a layer
-// as float32) 67.6 us absorbed against 71.7 us from a bf16 kv_b; DeepSeek-V3's
-// 128 heads (64 MiB) 3.34 ms against 2.77 (bf16) and 2.30 (e4m3).
+// Zen 5, 2 threads, one sequence; medians of 6 interleaved runs): 8 heads
+// of kv_lora 256 (1 MiB a layer as float32) 67.4 us absorbed against 73.9
+// us from a bf16 kv_b; DeepSeek-V2-Lite's 16 heads (8 MiB) 451 us against
+// 419 (bf16) and 390 (e4m3); DeepSeek-V3's 128 heads (64 MiB) 3.34 ms
+// against 2.77 and 2.30.
 std::atomic<size_t> g_small_absorbed_bytes{size_t{4} << 20};
 size_t absorbed_bytes(const ops::LatentAttentionDims& d) {
   const auto up16 = [](int64_t n) { return (n + 15) / 16 * 16; };
