@@ -40,12 +40,13 @@ std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Op
 }
 
 void check_v4_request(const model::V4Config& cfg, const std::vector<int64_t>& prompt_lengths,
-                      const GenerateOptions& opt, bool codes) {
+                      const GenerateOptions& opt, bool codes, bool mtp) {
   check_generate_options(cfg.vocab_size, cfg.max_position_embeddings, prompt_lengths, opt);
   size_t bytes = 0;
-  for (const int64_t n : prompt_lengths)
-    bytes += model::v4_state_bytes(
-        cfg, std::min(n + std::max<int64_t>(opt.max_new_tokens - 1, 0), cfg.max_position_embeddings), codes);
+  for (const int64_t n : prompt_lengths) {
+    const int64_t tokens = std::min(n + std::max<int64_t>(opt.max_new_tokens - 1, 0), cfg.max_position_embeddings);
+    bytes += model::v4_state_bytes(cfg, tokens, codes, mtp ? tokens : 0);
+  }
   check_fits_in_memory(static_cast<int64_t>(bytes), "the attention state of this request");
 }
 

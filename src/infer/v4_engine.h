@@ -33,9 +33,10 @@ std::unique_ptr<LoadedV4Model> load_v4_model(const std::string& dir, model::V4Op
 
 // check_generate_options, then the states of every sequence at its longest
 // (prompt plus new tokens) against this machine's memory.
-// `codes`: the state's layout (model::v4_state_bytes).
+// `codes`: the state's layout (model::v4_state_bytes); `mtp`: speculative
+// decoding, whose MTP block keeps a layer's state of its own as long.
 void check_v4_request(const model::V4Config& cfg, const std::vector<int64_t>& prompt_lengths,
-                      const GenerateOptions& opt, bool codes = true);
+                      const GenerateOptions& opt, bool codes = true, bool mtp = false);
 
 // With mtp, speculative decoding with the model's MTP block
 // (infer/speculative.h): each sequence keeps the last-layer streams of the

@@ -20,7 +20,7 @@ class V4Model final : public Model {
   int64_t eos_token_id() const override { return cfg_.eos_token_id; }
   int64_t max_positions() const override { return cfg_.max_position_embeddings; }
   void check(const std::vector<int64_t>& lengths, const GenerateOptions& opt) const override {
-    check_v4_request(cfg_, lengths, opt, /*codes=*/opt_.quant_sim);
+    check_v4_request(cfg_, lengths, opt, /*codes=*/opt_.quant_sim, opt_.mtp);
   }
   std::string cache_name(CacheKind) const override { return cfg_.v41() ? "deepseek_v41" : "deepseek_v4"; }
   std::string attention_name() const override { return cfg_.v41() ? "deepseek_v41" : "deepseek_v4"; }
