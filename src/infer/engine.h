@@ -27,6 +27,7 @@ namespace detail {
 // previous value.
 size_t set_small_absorbed_bytes(size_t bytes);
 }  // namespace detail
+
 // DeepSeek-V2/V3/V3.2's face to generation (infer/model.h's open_model picks it).
 std::unique_ptr<Model> open_v3_model(const std::string& dir, const ModelOptions& opt);
 

@@ -175,9 +175,10 @@ struct Task {
 bool reads_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
   if (kv_b.dtype == DType::BF16 || is_block_format(kv_b.dtype)) return true;
   if (kv_b.dtype != DType::F8E4M3) return false;
-  // Each head's W_UV_h rows start at h (nope + v) + nope.
-  return !kv_b.scale_inv ||
-         (kv_b.block_rows > 0 && d.nope % kv_b.block_rows == 0 && (d.nope + d.v_dim) % kv_b.block_rows == 0);
+  // Each head's W_UV_h rows start at h (nope + v) + nope: a row slice must
+  // start on a scale block.
+  return kv_b.scale_inv && kv_b.block_rows > 0 && d.nope % kv_b.block_rows == 0 &&
+         (d.nope + d.v_dim) % kv_b.block_rows == 0;
 }
 
 std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
