@@ -296,7 +296,9 @@ TEST(CachePoolV4, WithDraftsAKeptStateCarriesTheMtpLayers) {
         continue;
       }
       EXPECT_EQ(c.answers, want.answers);
-      if (prefix) EXPECT_GT(c.hit_tokens, 0u);
+      if (prefix) {
+        EXPECT_GT(c.hit_tokens, 0u);
+      }
     }
 }
 
