@@ -158,6 +158,40 @@ TEST(LatentAttention, ABatchGivesEachSequenceItsOwnBits) {
   test::expect_close(ctx[3], want, 2e-5, 2e-5, "sparse ctx");
 }
 
+// More than 8 query rows read kv_b's W_UV_h 8 rows a call: a sequence's
+// bits are still those it gets alone (10 rows together, 1, 5 and 4 apart).
+TEST(LatentAttention, KvBRowsInCallsOfEightChangeNoBit) {
+  const LatentAttentionDims d{3, 8, 4, 8, 32, 0.3f};
+  const std::vector<int64_t> n{1, 5, 4}, past{30, 12, 0};
+  std::vector<Case> cases;
+  for (size_t i = 0; i < n.size(); ++i) cases.emplace_back(d, n[i], past[i] + n[i], 60 + 10 * i);
+  const Bf16Weight kv_b(cases[0].w, d);
+  LatentAttentionDims dk = d;
+  dk.kv_b = &kv_b.view;
+  const int64_t qk = d.nope + d.rope;
+  auto run = [&](bool together) {
+    std::vector<std::vector<float>> ctx;
+    std::vector<ops::LatentQueries> seqs;
+    for (size_t i = 0; i < n.size(); ++i) ctx.emplace_back(n[i] * d.heads * d.v_dim, -1.0f);
+    for (size_t i = 0; i < n.size(); ++i) {
+      ops::LatentQueries s;
+      s.q = cases[i].q.data();
+      s.ctx = ctx[i].data();
+      s.c_kv = cases[i].ckv.data();
+      s.k_pe = cases[i].kpe.data();
+      s.n = n[i];
+      s.past = past[i];
+      seqs.push_back(s);
+    }
+    if (together)
+      ops::latent_attention_forward(seqs.data(), 3, d.heads * qk, d.heads * d.v_dim, nullptr, dk);
+    else
+      for (const auto& s : seqs) ops::latent_attention_forward(&s, 1, d.heads * qk, d.heads * d.v_dim, nullptr, dk);
+    return ctx;
+  };
+  test::for_each_simd_target([&](const char*) { EXPECT_EQ(run(true), run(false)); });
+}
+
 TEST(LatentAttention, SameBitsForAnyThreadCount) {
   const Batch b;
   test::for_each_simd_target([&](const char*) {
