@@ -98,7 +98,7 @@ class CacheAttention : public model::KvAttention {
     // (ops/latent_attention.h), where the float32 copy would be large: a
     // decode step at batch 1 reads each byte once either way, and the copy
     // is 2x (bf16) to 4x (fp8) kv_b's bytes (DeepSeek-V3: 64 MiB a layer,
-    // 3.9 GiB in all). A small copy stays (it is read faster than kv_b is
+    // 3.9 GiB over its 61 layers and the MTP layer). A small copy stays (it is read faster than kv_b is
     // widened), as do float32 weights and a device backend's: the absorbed
     // copy (ops::absorb_kv_b), made on a layer's first use and kept.
     std::vector<float>& absorbed = e_.absorbed_kv_b_[layer];
