@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "core/stage_times.h"
@@ -12,6 +13,7 @@
 #include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
+#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/routing.h"
@@ -20,28 +22,18 @@ namespace ds::model {
 
 using R = Residual;
 
+namespace {
+
+// MaxText's dtype=bfloat16: the residual stream between layers in bf16.
+bool bf16_activations() { return ops::gemm_dtype() == ops::GemmDtype::kBf16; }
+
+}  // namespace
+
 size_t LayerSaved::bytes() const {
-  size_t n = 0;
-  for (const Buffer<float>* b : {&decoder_layer_input,
-                                 &query_wa_proj,
-                                 &mla_q,
-                                 &q_rstd,
-                                 &query_proj,
-                                 &kv_wa_proj,
-                                 &mla_kv,
-                                 &kv_rstd,
-                                 &k_pe,
-                                 &key_proj,
-                                 &value_proj,
-                                 &attention_out,
-                                 &lse,
-                                 &out_proj,
-                                 &mlpwi_0,
-                                 &mlpwi_1,
-                                 &mlpwo,
-                                 &moe_mlpwi_0,
-                                 &moe_mlpwi_1,
-                                 &moe_mlpwo})
+  size_t n = decoder_layer_input.bytes();
+  for (const Buffer<float>* b :
+       {&query_wa_proj, &mla_q, &q_rstd, &query_proj, &kv_wa_proj, &mla_kv, &kv_rstd, &k_pe, &key_proj, &value_proj,
+        &attention_out, &lse, &out_proj, &mlpwi_0, &mlpwi_1, &mlpwo, &moe_mlpwi_0, &moe_mlpwi_1, &moe_mlpwo})
     n += b->size() * sizeof(float);
   return n;
 }
@@ -463,7 +455,7 @@ void drop(LayerSaved& S, const RematPolicy& keep) {
   auto drop_unless = [](Buffer<float>& b, bool kept) {
     if (!kept) Buffer<float>().swap(b);
   };
-  drop_unless(S.decoder_layer_input, keep.kept(R::decoder_layer_input));
+  if (!keep.kept(R::decoder_layer_input)) S.decoder_layer_input.clear();
   drop_unless(S.query_wa_proj, keep.kept(R::query_wa_proj));
   drop_unless(S.mla_q, keep.kept(R::mla_q));
   drop_unless(S.q_rstd, keep.kept(R::mla_q));
@@ -493,12 +485,15 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
   LayerSaved local;
   LayerSaved& S = saved ? *saved : local;
   S = LayerSaved{};
-  if (saved) S.decoder_layer_input.assign(h, h + N * W);  // before Engram: its backward recomputes it
+  const bool bf16 = bf16_activations();
+  if (bf16) round_to_bf16(h, static_cast<size_t>(N * W));
+  if (saved) S.decoder_layer_input.keep(h, N * W, bf16);  // before Engram: its backward recomputes it
   engram_step(h, p, layer, s, layout, kv);
   Scratch X;
   // In place: run_layer reads h only before it writes the output.
   run_staged(run_layer(S, X, h, h, p, layer, s, layout, kv, stats ? &stats->load : nullptr,
                        stats ? &stats->lb_loss : nullptr, saved != nullptr));
+  if (bf16) round_to_bf16(h, static_cast<size_t>(N * W));
   if (saved) drop(S, keep);
 }
 
@@ -527,15 +522,18 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
   std::vector<Scratch> X(static_cast<size_t>(M));
   std::vector<LayerStats> st(static_cast<size_t>(M));
   std::vector<Staged> tasks;
+  const bool bf16 = bf16_activations();
+  if (bf16) round_to_bf16(h, static_cast<size_t>(M * n * W));
   for (int64_t i = 0; i < M; ++i) {
     float* hi = h + i * n * W;
     saved[i] = LayerSaved{};
-    saved[i].decoder_layer_input.assign(hi, hi + n * W);
+    saved[i].decoder_layer_input.keep(hi, n * W, bf16);
     engram_step(hi, p, layer, s, parts[i], nullptr);
     tasks.push_back(
         run_layer(saved[i], X[i], hi, hi, p, layer, s, parts[i], nullptr, &st[i].load, &st[i].lb_loss, true));
   }
   run_interleaved(tasks, layer, false);
+  if (bf16) round_to_bf16(h, static_cast<size_t>(M * n * W));
   for (auto& S : saved) drop(S, keep);
   if (stats) {
     // Loads add up; the balance loss is a mean over rows, so over the parts too.
@@ -582,7 +580,9 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
   DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * c.residual_width(),
            "internal: layer {} backward without its decoder_layer_input", layer);
-  const float* h = S.decoder_layer_input.data();
+  Buffer<float> h_wide;  // the layer input widened from bf16
+  const float* const h_in = S.decoder_layer_input.values(h_wide);
+  const float* h = h_in;
   // Engram: the sub-layers read its output h + o, recomputed here.
   EngramRun engram;
   Buffer<float> h_engram;
@@ -695,8 +695,7 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
     norm_backward(dh, g.input_norm, dx.data(), h, p.input_norm, X.rstd1.data(), N, true);
   }
   if (has_engram)  // dh, dL/d(h + o), gains Engram's share of dL/dh
-    engram_backward(dh, g.engram, dh, S.decoder_layer_input.data(), engram.ids.data(), engram.acts, p.engram,
-                    s.engram, engram.segs, N);
+    engram_backward(dh, g.engram, dh, h_in, engram.ids.data(), engram.acts, p.engram, s.engram, engram.segs, N);
   S = LayerSaved{};  // this layer is done: its memory goes back before the next one's backward
   co_return;
 }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/held.h"
 #include "model/remat.h"
 #include "model/stages.h"
 
@@ -74,8 +75,10 @@ class KvAttention {
 
 // Everything a layer's forward produced. Named buffers are empty when not
 // kept; the rest (norm outputs, routing, routed rows) is always recomputed.
+// Under dtype=bfloat16 the layer's input is a bf16 value (layer_forward
+// rounds the residual stream) and is held as bf16.
 struct LayerSaved {
-  Buffer<float> decoder_layer_input;  // h [N, D] ([N, k, D] with mHC)
+  HeldFloats decoder_layer_input;  // h [N, D] ([N, k, D] with mHC)
   Buffer<float> query_wa_proj, mla_q, q_rstd, query_proj;
   Buffer<float> kv_wa_proj, mla_kv, kv_rstd, k_pe, key_proj, value_proj;
   Buffer<float> attention_out, lse;  // lse: with `context`
@@ -85,7 +88,10 @@ struct LayerSaved {
   size_t bytes() const;
 };
 
-// One layer forward. h [N, D] ([N, k, D] with mHC) is updated in place (h -> h2). With kv, the
+// One layer forward. h [N, D] ([N, k, D] with mHC) is updated in place (h -> h2). Under
+// ops::gemm_dtype() bf16 (MaxText's dtype=bfloat16) h is rounded to bf16 on
+// entry and h2 on exit, as MaxText's decoder layers take and give bf16
+// activations (the rounding's gradient is the identity). With kv, the
 // attention is the engine's; else causal attention over `layout` (training,
 // or a fresh prompt). With saved, the layer input and the residuals `keep`
 // names are left in *saved; stats, when not null, receive the expert load

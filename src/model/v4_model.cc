@@ -259,6 +259,9 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
   // rerun of the attention passes the residuals ls kept (the stages skip
   // them), its output y among them when out_proj was kept.
   const bool have_y = !ffn && ls && !ls->o.empty();
+  // dtype=bfloat16: the streams in and out of a sub-layer rounded to bf16.
+  const bool bf16 = ops::gemm_dtype() == ops::GemmDtype::kBf16;
+  if (bf16) round_to_bf16(X.data(), X.size());
   Buffer<float> x0(nd), x, y, rstd(static_cast<size_t>(n)), post(nh), comb(nh * static_cast<size_t>(hc));
   if (!have_y) y.resize(nd);
   const auto& fn = ffn ? L.hc_ffn_fn : L.hc_attn_fn;
@@ -296,12 +299,13 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
   X2.resize(X.size());
   ops::mhc_post_forward(X2.data(), have_y ? ls->o.data() : y.data(), X.data(), post.data(), comb.data(), md);
   std::swap(X, X2);
+  if (bf16) round_to_bf16(X.data(), X.size());
   if (!ls) co_return;
   if (ffn) {
-    ls->X1 = std::move(X2), ls->f0 = std::move(x0), ls->rstd_f = std::move(rstd), ls->f = std::move(x);
+    ls->X1.take(std::move(X2), bf16), ls->f0 = std::move(x0), ls->rstd_f = std::move(rstd), ls->f = std::move(x);
     ls->fpost = std::move(post), ls->fcomb = std::move(comb), ls->fo = std::move(y);
   } else {
-    ls->X = std::move(X2), ls->a0 = std::move(x0), ls->rstd_a = std::move(rstd), ls->a = std::move(x);
+    ls->X.take(std::move(X2), bf16), ls->a0 = std::move(x0), ls->rstd_a = std::move(rstd), ls->a = std::move(x);
     ls->post = std::move(post), ls->comb = std::move(comb);
     if (!have_y) ls->o = std::move(y);
   }

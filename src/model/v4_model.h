@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/held.h"
 #include "model/engram_hash.h"
 #include "model/remat.h"
 #include "model/staged.h"
@@ -287,17 +288,19 @@ struct V4MoeSaved {
 };
 // A layer's: its input streams X (decoder_layer_input, always kept: the
 // reruns start from it), around each sub-layer the mHC mixing and the norm
-// (no name), the sub-layer's residuals.
+// (no name), the sub-layer's residuals. Under dtype=bfloat16 the streams
+// are bf16 values (each sub-layer rounds its input and output, as MaxText's
+// bf16 activations) and X and X1 are held in bf16.
 struct V4LayerSaved {
   // Whether a sub-layer is whole (nothing to recompute).
   bool has_attention() const { return !a0.empty(); }
   bool has_moe() const { return !f0.empty(); }
   // Bytes held (the residual memory of a remat policy).
   size_t bytes() const;
-  Buffer<float> X;                             // the layer's input streams [N, hc, d]
+  HeldFloats X;                                // the layer's input streams [N, hc, d]
   Buffer<float> a0, rstd_a, a, post, comb, o;  // around the attention
   V4AttentionSaved attn;
-  Buffer<float> X1;                               // streams between the two sub-layers
+  HeldFloats X1;                                  // streams between the two sub-layers
   Buffer<float> f0, rstd_f, f, fpost, fcomb, fo;  // around the MoE
   V4MoeSaved moe;
   // V4.1: the weights that collapsed each sub-layer's input (lagged mHC:

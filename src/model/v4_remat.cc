@@ -9,6 +9,7 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "model/v4_model.h"
+#include "ops/matmul.h"
 
 namespace ds::model {
 
@@ -22,44 +23,13 @@ size_t vec_bytes(const T& v) {
 }  // namespace
 
 size_t V4LayerSaved::bytes() const {
-  size_t b = 0;
-  for (const Buffer<float>* v : {&X,
-                                 &a0,
-                                 &rstd_a,
-                                 &a,
-                                 &post,
-                                 &comb,
-                                 &o,
-                                 &X1,
-                                 &f0,
-                                 &rstd_f,
-                                 &f,
-                                 &fpost,
-                                 &fcomb,
-                                 &fo,
-                                 &a_pin,
-                                 &f_pin,
-                                 &eX,
-                                 &e_rows,
-                                 &e_kv,
-                                 &attn.qr_lin,
-                                 &attn.qr,
-                                 &attn.rstd_qr,
-                                 &attn.q_lin,
-                                 &attn.rstd_q,
-                                 &attn.q,
-                                 &attn.kv_lin,
-                                 &attn.rstd_kv,
-                                 &attn.kv,
-                                 &attn.o,
-                                 &attn.lse,
-                                 &attn.o2,
-                                 &attn.z,
-                                 &moe.g,
-                                 &moe.u,
-                                 &moe.y,
-                                 &moe.sg,
-                                 &moe.su})
+  size_t b = X.bytes() + X1.bytes();
+  for (const Buffer<float>* v : {&a0,           &rstd_a,       &a,          &post,        &comb,    &o,
+                                 &f0,           &rstd_f,       &f,          &fpost,       &fcomb,   &fo,
+                                 &a_pin,        &f_pin,        &eX,         &e_rows,      &e_kv,    &attn.qr_lin,
+                                 &attn.qr,      &attn.rstd_qr, &attn.q_lin, &attn.rstd_q, &attn.q,  &attn.kv_lin,
+                                 &attn.rstd_kv, &attn.kv,      &attn.o,     &attn.lse,    &attn.o2, &attn.z,
+                                 &moe.g,        &moe.u,        &moe.y,      &moe.sg,      &moe.su})
     b += vec_bytes(*v);
   for (const V4CompressorSaved& c : attn.comp)
     b += vec_bytes(c.P) + vec_bytes(c.Z) + vec_bytes(c.pooled) + vec_bytes(c.rstd);
@@ -107,7 +77,8 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   // A sub-layer that lost a residual is rerun: its unnamed ones go too,
   // and the attention's output streams X1 (the rerun rebuilds them).
   if (lost) {
-    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &A.z, &ls.X1}) *b = Buffer<float>();
+    for (Buffer<float>* b : {&ls.a0, &ls.rstd_a, &ls.a, &ls.post, &ls.comb, &A.z}) *b = Buffer<float>();
+    ls.X1.clear();
     A.comp = {};
     A.key_seg = {};
     A.key_idx = {};
@@ -154,18 +125,18 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   const int32_t* ids = mtp ? saved.mtp[0].ids.data() : saved.ids.data();
   const int32_t* pos = mtp ? saved.mtp[0].pos.data() : saved.pos.data();
   const int64_t n = static_cast<int64_t>(mtp ? saved.mtp[0].ids.size() : saved.ids.size());
-  Buffer<float> X, X2(ls.X.size());
+  Buffer<float> X, X2(static_cast<size_t>(ls.X.size())), wide;
   if (!ls.has_attention()) {
     // The attention again from the layer's input, each stage computing what
     // the policy dropped; its compressed entries too, so each sequence's
     // state of this layer starts afresh.
     for (const Segment& g : segs) g.state->layers[static_cast<size_t>(l)] = V4LayerState();
-    X = Buffer<float>(ls.X.size());
-    std::copy(ls.X.begin(), ls.X.end(), X.begin());
+    const float* x = ls.X.values(wide);
+    X.assign(x, x + ls.X.size());
     co_await sublayer(X, X2, l, false, segs, ids, pos, n, &ls);
   } else {
-    X = Buffer<float>(ls.X1.size());
-    std::copy(ls.X1.begin(), ls.X1.end(), X.begin());
+    const float* x = ls.X1.values(wide);
+    X.assign(x, x + ls.X1.size());
   }
   if (!ls.has_moe()) {
     // The MoE's expert products are recomputed together.
@@ -177,7 +148,7 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
     ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
     ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);
   } else if (ls.X1.empty()) {
-    ls.X1 = std::move(X);
+    ls.X1.take(std::move(X), ops::gemm_dtype() == ops::GemmDtype::kBf16);
   }
 }
 

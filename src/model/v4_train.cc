@@ -230,29 +230,32 @@ class Backward {
     // next's (whose gradient dpin_ brings).
     const bool lagged = c_.lagged_mhc();
     Buffer<float> dpa = zeros(lagged ? n_ * hc : 0);
+    // The streams in (X) and between the sub-layers (X1), widened when held in bf16.
+    Buffer<float> wide_x, wide_x1;
+    const float* X = s.X.values(wide_x);
+    const float* X1 = s.X1.values(wide_x1);
     // The MoE sub-layer.
-    ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), s.X1.data(),
+    ops::mhc_post_backward(dsub.data(), dX1.data(), dpost.data(), dcomb.data(), dX.data(), s.fo.data(), X1,
                            s.fpost.data(), s.fcomb.data(), md_);
     co_await moe(da.data(), dsub.data(), s.moe, s.f.data(), l);
     ops::rmsnorm_backward(da.data(), G.ffn_norm, da.data(), s.f0.data(), vector_data(L.ffn_norm), s.rstd_f.data(), n_,
                           d);
-    if (lagged) ops::mhc_collapse_backward(dX1.data(), dpa.data(), da.data(), s.X1.data(), s.f_pin.data(), n_, hc, d);
+    if (lagged) ops::mhc_collapse_backward(dX1.data(), dpa.data(), da.data(), X1, s.f_pin.data(), n_, hc, d);
     ops::mhc_pre_backward(dX1.data(), G.hc_ffn_fn, G.hc_ffn_base, G.hc_ffn_scale, lagged ? nullptr : da.data(),
-                          dpost.data(), dcomb.data(), s.X1.data(), vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
+                          dpost.data(), dcomb.data(), X1, vector_data(L.hc_ffn_fn), vector_data(L.hc_ffn_base),
                           vector_data(L.hc_ffn_scale), md_, lagged ? dpin_.data() : nullptr);
     // The attention sub-layer.
     for (Buffer<float>* b : {&dsub, &dpost, &dcomb, &dX}) zero(*b);
-    ops::mhc_post_backward(dsub.data(), dX.data(), dpost.data(), dcomb.data(), dX1.data(), s.o.data(), s.X.data(),
-                           s.post.data(), s.comb.data(), md_);
+    ops::mhc_post_backward(dsub.data(), dX.data(), dpost.data(), dcomb.data(), dX1.data(), s.o.data(), X, s.post.data(),
+                           s.comb.data(), md_);
     zero(da);
     attention(da.data(), dsub.data(), s.attn, s.a.data(), l);
     ops::rmsnorm_backward(da.data(), G.attn_norm, da.data(), s.a0.data(), vector_data(L.attn_norm), s.rstd_a.data(), n_,
                           d);
-    if (lagged) ops::mhc_collapse_backward(dX.data(), dpin_.data(), da.data(), s.X.data(), s.a_pin.data(), n_, hc, d);
+    if (lagged) ops::mhc_collapse_backward(dX.data(), dpin_.data(), da.data(), X, s.a_pin.data(), n_, hc, d);
     ops::mhc_pre_backward(dX.data(), G.hc_attn_fn, G.hc_attn_base, G.hc_attn_scale, lagged ? nullptr : da.data(),
-                          dpost.data(), dcomb.data(), s.X.data(), vector_data(L.hc_attn_fn),
-                          vector_data(L.hc_attn_base), vector_data(L.hc_attn_scale), md_,
-                          lagged ? dpa.data() : nullptr);
+                          dpost.data(), dcomb.data(), X, vector_data(L.hc_attn_fn), vector_data(L.hc_attn_base),
+                          vector_data(L.hc_attn_scale), md_, lagged ? dpa.data() : nullptr);
     if (c_.engram_slot(l) >= 0) engram(dX, s, l);
   }
 
