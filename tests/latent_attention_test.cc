@@ -236,6 +236,12 @@ TEST(LatentAttention, AbsorbedWeightsFromNarrowDtypesAreTheWidenedOnes) {
   std::vector<float> widened(w.size());
   ops::widen_rows(widened.data(), fp8, 0, rows);
   EXPECT_EQ(ops::absorb_kv_b(fp8, d), ops::absorb_kv_b(f32_weight(widened, d), d));
+  // absorbed_kv_b_bytes says what the copy takes, padding included (v 6
+  // and, below, kv_lora 20 and v 7 padded to multiples of 16).
+  EXPECT_EQ(ops::absorbed_kv_b_bytes(d), ops::absorb_kv_b(bf16, d).size() * sizeof(float));
+  const LatentAttentionDims odd{2, 5, 3, 7, 20, 0.3f};
+  const auto wo = test::randn(odd.heads * (odd.nope + odd.v_dim) * odd.kv_lora, 4);
+  EXPECT_EQ(ops::absorbed_kv_b_bytes(odd), ops::absorb_kv_b(f32_weight(wo, odd), odd).size() * sizeof(float));
 }
 
 // Without the absorbed copy, kv_b is read in its own dtype: bf16, q8_0, and

@@ -44,10 +44,6 @@ struct Batch {
 // 419 (bf16) and 390 (e4m3); DeepSeek-V3's 128 heads (64 MiB) 3.34 ms
 // against 2.77 and 2.30.
 std::atomic<size_t> g_small_absorbed_bytes{size_t{4} << 20};
-size_t absorbed_bytes(const ops::LatentAttentionDims& d) {
-  const auto up16 = [](int64_t n) { return (n + 15) / 16 * 16; };
-  return static_cast<size_t>(d.heads * (d.nope * up16(d.kv_lora) + d.kv_lora * up16(d.v_dim))) * sizeof(float);
-}
 
 }  // namespace
 
@@ -104,7 +100,7 @@ class CacheAttention : public model::KvAttention {
     std::vector<float>& absorbed = e_.absorbed_kv_b_[layer];
     ops::LatentAttentionDims ld{call.H, call.nope, call.rope, call.vd, call.kvl, s.softmax_scale};
     const bool from_kv_b = ops::active_backend().device == Device::CPU && ops::reads_kv_b(a.kv_b, ld) &&
-                           absorbed_bytes(ld) > g_small_absorbed_bytes.load(std::memory_order_relaxed);
+                           ops::absorbed_kv_b_bytes(ld) > g_small_absorbed_bytes.load(std::memory_order_relaxed);
     if (from_kv_b) ld.kv_b = &a.kv_b;
     if (call.latent && !from_kv_b && absorbed.empty()) absorbed = ops::absorb_kv_b(a.kv_b, ld);
     int64_t work = 0;

@@ -57,6 +57,8 @@ bool reads_kv_b(const WeightView& kv_b, const LatentAttentionDims& d);
 // [kv_lora, vp], where kvlp and vp round kv_lora and v_dim up to 16 (zero
 // columns). Made once per layer and kept.
 std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d);
+// The bytes absorb_kv_b's result takes.
+size_t absorbed_kv_b_bytes(const LatentAttentionDims& d);
 
 // One sequence's queries for latent_attention_forward.
 struct LatentQueries {

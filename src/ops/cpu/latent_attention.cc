@@ -181,6 +181,12 @@ bool reads_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
          (d.nope + d.v_dim) % kv_b.block_rows == 0;
 }
 
+size_t absorbed_kv_b_bytes(const LatentAttentionDims& d) {
+  check_dims(d, "absorbed_kv_b_bytes");
+  const Shape g(d);
+  return static_cast<size_t>(g.H * (g.nope * g.kvlp + g.kvl * g.vp)) * sizeof(float);
+}
+
 std::vector<float> absorb_kv_b(const WeightView& kv_b, const LatentAttentionDims& d) {
   check_dims(d, "absorb_kv_b");
   const Shape g(d);
