@@ -22,15 +22,31 @@ namespace ds::model {
 
 using R = Residual;
 
-namespace {
+std::array<Buffer<float>*, LayerSaved::kHeld> LayerSaved::held_buffers() {
+  return {&query_wa_proj, &mla_q,   &query_proj, &kv_wa_proj, &mla_kv,      &key_proj,    &value_proj, &attention_out,
+          &out_proj,      &mlpwi_0, &mlpwi_1,    &mlpwo,      &moe_mlpwi_0, &moe_mlpwi_1, &moe_mlpwo};
+}
 
-// MaxText's dtype=bfloat16: the residual stream between layers in bf16.
-bool bf16_activations() { return ops::gemm_dtype() == ops::GemmDtype::kBf16; }
+void LayerSaved::hold_bf16() {
+  const auto buffers = held_buffers();
+  for (size_t i = 0; i < kHeld; ++i)
+    if (!buffers[i]->empty()) held_[i].take(std::move(*buffers[i]), true);
+}
 
-}  // namespace
+void LayerSaved::widen() {
+  const auto buffers = held_buffers();
+  Buffer<float> wide;
+  for (size_t i = 0; i < kHeld; ++i) {
+    if (held_[i].empty()) continue;
+    const float* v = held_[i].values(wide);
+    buffers[i]->assign(v, v + held_[i].size());
+    held_[i].clear();
+  }
+}
 
 size_t LayerSaved::bytes() const {
   size_t n = decoder_layer_input.bytes();
+  for (const HeldFloats& h : held_) n += h.bytes();
   for (const Buffer<float>* b :
        {&query_wa_proj, &mla_q, &q_rstd, &query_proj, &kv_wa_proj, &mla_kv, &kv_rstd, &k_pe, &key_proj, &value_proj,
         &attention_out, &lse, &out_proj, &mlpwi_0, &mlpwi_1, &mlpwo, &moe_mlpwi_0, &moe_mlpwi_1, &moe_mlpwo})
@@ -235,6 +251,7 @@ void mla_attention(LayerSaved& S, Scratch& X, const AttentionParams<ops::WeightV
       const AttentionInputs in{S.query_proj.data(), S.mla_kv.data(), S.k_pe.data(), X.x.data(),
                                c.q_lora_rank > 0 ? S.mla_q.data() : nullptr};
       kv->attend(S.attention_out.data(), layer, in, a, s);
+      to_activation_dtype(S.attention_out.data(), N * H * vd);
     }
   } else {
     if ((need(S.key_proj) || need(S.value_proj))) {
@@ -248,6 +265,7 @@ void mla_attention(LayerSaved& S, Scratch& X, const AttentionParams<ops::WeightV
       ops::AttentionDims d{layout.batch, layout.seq, H, qk, vd, s.softmax_scale};
       ops::attention_forward(S.attention_out.data(), S.lse.data(), S.query_proj.data(), S.key_proj.data(),
                              S.value_proj.data(), layout.segment_ids, d, selected);
+      to_activation_dtype(S.attention_out.data(), N * H * vd);
     }
   }
   if (need(S.out_proj)) {
@@ -274,6 +292,8 @@ void dense_mlp(LayerSaved& S, Scratch& X, const MlpParams<ops::WeightView>& mlp,
   } else if (f.dense_missing) {
     ops::linear_forward(S.mlpwi_0.data(), X.m.data(), mlp.gate, N);
     ops::linear_forward(S.mlpwi_1.data(), X.m.data(), mlp.up, N);
+    to_activation_dtype(S.mlpwi_0.data(), static_cast<int64_t>(S.mlpwi_0.size()));
+    to_activation_dtype(S.mlpwi_1.data(), static_cast<int64_t>(S.mlpwi_1.size()));
   }
 }
 
@@ -495,6 +515,7 @@ void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfi
                        stats ? &stats->lb_loss : nullptr, saved != nullptr));
   if (bf16) round_to_bf16(h, static_cast<size_t>(N * W));
   if (saved) drop(S, keep);
+  if (saved && bf16) S.hold_bf16();
 }
 
 namespace {
@@ -534,7 +555,10 @@ void layer_forward_split(float* h, const LayerView& p, int64_t layer, const Stag
   }
   run_interleaved(tasks, layer, false);
   if (bf16) round_to_bf16(h, static_cast<size_t>(M * n * W));
-  for (auto& S : saved) drop(S, keep);
+  for (auto& S : saved) {
+    drop(S, keep);
+    if (bf16) S.hold_bf16();
+  }
   if (stats) {
     // Loads add up; the balance loss is a mean over rows, so over the parts too.
     *stats = LayerStats{};
@@ -580,6 +604,7 @@ Staged layer_backward_task(float* dh, LayerGrads& g, LayerSaved& S, const LayerV
   const int64_t qk = c.qk_head_dim(), vd = c.v_head_dim, kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim;
   DS_CHECK(static_cast<int64_t>(S.decoder_layer_input.size()) == N * c.residual_width(),
            "internal: layer {} backward without its decoder_layer_input", layer);
+  S.widen();
   Buffer<float> h_wide;  // the layer input widened from bf16
   const float* const h_in = S.decoder_layer_input.values(h_wide);
   const float* h = h_in;

@@ -15,6 +15,7 @@
 // dropped, so gradients are bitwise the same under every policy.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,7 +77,10 @@ class KvAttention {
 // Everything a layer's forward produced. Named buffers are empty when not
 // kept; the rest (norm outputs, routing, routed rows) is always recomputed.
 // Under dtype=bfloat16 the layer's input is a bf16 value (layer_forward
-// rounds the residual stream) and is held as bf16.
+// rounds the residual stream), and so is every named residual (the stages
+// round them where they are made): between the forward and the backward
+// they are held as bf16 (hold_bf16, widen); the norms' rstd and the
+// attention's lse stay float32.
 struct LayerSaved {
   HeldFloats decoder_layer_input;  // h [N, D] ([N, k, D] with mHC)
   Buffer<float> query_wa_proj, mla_q, q_rstd, query_proj;
@@ -85,7 +89,16 @@ struct LayerSaved {
   Buffer<float> out_proj;
   Buffer<float> mlpwi_0, mlpwi_1, mlpwo;              // dense MLP, or the shared experts of a MoE layer
   Buffer<float> moe_mlpwi_0, moe_mlpwi_1, moe_mlpwo;  // routed experts, rows sorted by expert
+  // The kept named residuals as bf16 codes (each must hold bf16 values),
+  // and back (before the backward reads them).
+  void hold_bf16();
+  void widen();
   size_t bytes() const;
+
+ private:
+  static constexpr size_t kHeld = 15;
+  std::array<Buffer<float>*, kHeld> held_buffers();
+  std::array<HeldFloats, kHeld> held_;
 };
 
 // One layer forward. h [N, D] ([N, k, D] with mHC) is updated in place (h -> h2). Under

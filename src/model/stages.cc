@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/parallel.h"
 #include "ops/activations.h"
@@ -13,6 +14,7 @@
 #include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
+#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/routing.h"
@@ -68,6 +70,12 @@ void add_into(float* y, const float* x, int64_t n) {
 }
 
 }  // namespace
+
+bool bf16_activations() { return ops::gemm_dtype() == ops::GemmDtype::kBf16; }
+
+void to_activation_dtype(float* x, int64_t n) {
+  if (bf16_activations() && n > 0) round_to_bf16(x, static_cast<size_t>(n));
+}
 
 void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,
                    int64_t rows, bool accumulate_dx) {
@@ -147,8 +155,10 @@ void query_projection_forward(const QueryOut& out, const float* x, const Attenti
   if (c.q_lora_rank > 0) {
     if (out.latent) {
       ops::linear_forward(out.query_wa_proj, x, p.q_a, N);
+      to_activation_dtype(out.query_wa_proj, N * c.q_lora_rank);
       ops::rmsnorm_forward(out.mla_q, out.q_rstd, out.query_wa_proj, vector_data(p.q_a_norm), N, c.q_lora_rank,
                            eps_of(s));
+      to_activation_dtype(out.mla_q, N * c.q_lora_rank);
     }
     if (!out.query) return;
     ops::linear_forward(out.query_proj, out.mla_q, p.q_b, N);
@@ -158,6 +168,7 @@ void query_projection_forward(const QueryOut& out, const float* x, const Attenti
   }
   ops::rope_forward(out.query_proj + nope, out.query_proj + nope, positions, s.rope_freqs.data(), N, H, rope, H * qk,
                     qk, ops::RopeLayout::Interleaved);
+  to_activation_dtype(out.query_proj, N * H * qk);
 }
 
 void query_projection_backward(float* dx, AttentionParams<float*>& g, float* dq, const float* query_wa_proj,
@@ -183,7 +194,10 @@ void kv_projection_forward(const KvOut& out, const float* x, const AttentionPara
                            const StageConfig& s, const int32_t* positions, int64_t N) {
   const ModelConfig& c = *s.cfg;
   const int64_t kvl = c.kv_lora_rank, rope = c.qk_rope_head_dim, W = kvl + rope;
-  if (out.project) ops::linear_forward(out.kv_wa_proj, x, p.kv_a, N);
+  if (out.project) {
+    ops::linear_forward(out.kv_wa_proj, x, p.kv_a, N);
+    to_activation_dtype(out.kv_wa_proj, N * W);
+  }
   parallel_ranges(N, N * W >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       std::memcpy(out.mla_kv + t * kvl, out.kv_wa_proj + t * W, kvl * sizeof(float));
@@ -191,8 +205,10 @@ void kv_projection_forward(const KvOut& out, const float* x, const AttentionPara
     }
   });
   ops::rmsnorm_forward(out.mla_kv, out.kv_rstd, out.mla_kv, vector_data(p.kv_a_norm), N, kvl, eps_of(s));
+  to_activation_dtype(out.mla_kv, N * kvl);
   ops::rope_forward(out.k_pe, out.k_pe, positions, s.rope_freqs.data(), N, 1, rope, rope, rope,
                     ops::RopeLayout::Interleaved);
+  to_activation_dtype(out.k_pe, N * rope);  // key_proj's rope part
 }
 
 void kv_projection_backward(float* dx, AttentionParams<float*>& g, float* d_mla_kv, float* dk_pe,
@@ -220,6 +236,7 @@ void get_key_value_forward(float* key, float* value, const float* mla_kv, const 
   const int64_t vd = c.v_head_dim;
   Buffer<float> kv(N * H * (nope + vd));
   ops::linear_forward(kv.data(), mla_kv, p.kv_b, N);
+  to_activation_dtype(kv.data(), N * H * (nope + vd));  // key_proj and value_proj
   parallel_ranges(N, N * H * (qk + vd) >= (int64_t{1} << 14), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < H; ++h) {
@@ -256,6 +273,7 @@ void get_key_value_backward(float* d_mla_kv, float* dk_pe, AttentionParams<float
 void out_projection_forward(float* out, const float* attention_out, const AttentionParams<ops::WeightView>& p,
                             int64_t N) {
   ops::linear_forward(out, attention_out, p.o, N);
+  to_activation_dtype(out, N * p.o.rows);
 }
 
 void out_projection_backward(float* d_attention_out, AttentionParams<float*>& g, const float* dout,
@@ -350,9 +368,12 @@ void mlp_forward(float* out, float* g, float* u, const float* x, const MlpParams
   if (!g) g = (gs.resize(N * I), gs.data());
   if (!u) u = (us.resize(N * I), us.data());
   ops::linear_forward_pair(g, p.gate, u, p.up, x, N);
+  to_activation_dtype(g, N * I);
+  to_activation_dtype(u, N * I);
   float* a = keep_g ? (as.resize(N * I), as.data()) : g;
   ops::silu_mul_forward(a, g, u, N * I, swiglu_limit);
   ops::linear_forward(out, a, p.down, N);
+  to_activation_dtype(out, N * p.down.rows);
 }
 
 void mlp_backward(float* dx, MlpParams<float*>& gr, const float* dout, const float* g, const float* u, const float* x,
@@ -476,6 +497,8 @@ void experts_as_tasks(const ExpertOut& o, const float* xs, const float* x, const
   }
   for (int64_t i = 0; i < J; ++i) {
     const int64_t n = jobs[i].rows * jobs[i].mlp->gate.rows;
+    to_activation_dtype(jobs[i].g, n);
+    to_activation_dtype(jobs[i].u, n);
     acts[i].resize(n);
     ops::silu_mul_forward(acts[i].data(), jobs[i].g, jobs[i].u, n);
   }
@@ -485,6 +508,7 @@ void experts_as_tasks(const ExpertOut& o, const float* xs, const float* x, const
     const ops::WeightView& w = j.mlp->down;
     run_part(j.out, acts[t / 2].data(), w, j.rows, half(w), t % 2);
   }
+  for (const Job& j : jobs) to_activation_dtype(j.out, j.rows * D);
   if (!shared) std::fill(o.shared_out, o.shared_out + r.tokens * D, 0.0f);
 }
 

@@ -59,6 +59,15 @@ struct StageConfig {
   const EngramLayerHash& engram_table(int64_t layer) const;
 };
 
+// MaxText's dtype for activations: under ops::gemm_dtype() bf16 (dtype=
+// bfloat16) the stages round each named activation (model/remat.h's names)
+// to bf16 where it is made, before anything reads it, as MaxText's bf16
+// activations are; a training step then holds them as bf16 (the same
+// values, half the bytes) and a recompute makes the same bits. The
+// rounding's gradient is the identity. Float32: nothing happens.
+bool bf16_activations();
+void to_activation_dtype(float* x, int64_t n);
+
 // RMSNorm backward over a scale view: dx `=` (`+=` with accumulate_dx), the
 // scale's gradient added into dw when not null.
 void norm_backward(float* dx, float* dw, const float* dy, const float* x, const ops::WeightView& w, const float* rstd,

@@ -210,11 +210,16 @@ void V4Model::query_stage(V4AttentionSaved& S, const float* a, int64_t layer, co
   if (S.qr_lin.empty() && (keep || S.qr.empty())) {
     S.qr_lin.resize(static_cast<size_t>(n * Lq));
     ops::linear_forward(S.qr_lin.data(), a, p.wq_a, n);
+    to_activation_dtype(S.qr_lin.data(), n * Lq);
   }
-  if (S.qr.empty()) normed(S.qr, S.qr_lin, S.rstd_qr, vector_data(p.q_norm), n, Lq, eps, keep);
+  if (S.qr.empty()) {
+    normed(S.qr, S.qr_lin, S.rstd_qr, vector_data(p.q_norm), n, Lq, eps, keep);
+    to_activation_dtype(S.qr.data(), n * Lq);
+  }
   if (!S.q.empty()) return;
   S.q_lin.resize(static_cast<size_t>(n * H * D));
   ops::linear_forward(S.q_lin.data(), S.qr.data(), p.wq_b, n);
+  to_activation_dtype(S.q_lin.data(), n * H * D);
   if (cfg_.q_head_norm()) {
     normed(S.q, S.q_lin, S.rstd_q, ones(D), n * H, D, eps, keep);
   } else if (keep) {  // V4.1 has no per-head norm
@@ -224,6 +229,7 @@ void V4Model::query_stage(V4AttentionSaved& S, const float* a, int64_t layer, co
   }
   ops::rope_forward(S.q.data() + D - R, S.q.data() + D - R, pos, rope_frequencies(layer), n, H, R, H * D, D,
                     ops::RopeLayout::Interleaved);
+  to_activation_dtype(S.q.data(), n * H * D);
 }
 
 void V4Model::kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const int32_t* pos, int64_t n,
@@ -235,6 +241,7 @@ void V4Model::kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const
   if (S.kv_lin.empty() && (keep || S.kv.empty())) {
     S.kv_lin.resize(static_cast<size_t>(n * D));
     ops::linear_forward(S.kv_lin.data(), a, p.wkv, n);
+    to_activation_dtype(S.kv_lin.data(), n * D);
   }
   if (!S.kv.empty()) return;
   normed(S.kv, S.kv_lin, S.rstd_kv, vector_data(p.kv_norm), n, D, static_cast<float>(cfg_.rms_norm_eps), keep);
@@ -245,6 +252,7 @@ void V4Model::kv_stage(V4AttentionSaved& S, const float* a, int64_t layer, const
   if (opt_.qat)
     for (int64_t i = 0; i < n; ++i)
       ops::fp8_round_blocks(kv + i * D, kv + i * D, rounded, cfg_.window_fp8_block(), /*ue8m0=*/true);
+  to_activation_dtype(kv, n * D);
 }
 
 void V4Model::compress_stage(V4AttentionSaved& S, const float* a, int64_t layer, const std::vector<Segment>& segs,
@@ -542,6 +550,7 @@ void V4Model::attend_stage(V4AttentionSaved& S, int64_t layer, const std::vector
     S.lse.resize(static_cast<size_t>(n * H));
     ops::sparse_mqa_forward(S.o.data(), S.lse.data(), S.q.data(), rows.data(), offsets.data(), vector_data(p.sink),
                             v4_attention_dims(cfg_, n));
+    to_activation_dtype(S.o.data(), n * H * D);
   }
   for (const Segment& g : segs)
     for (int64_t src = std::max(g.start, g.start + g.n - W); src < g.start + g.n; ++src)
@@ -562,9 +571,11 @@ void V4Model::output_stage(float* out, V4AttentionSaved& S, int64_t layer, const
     rotate = true;
   }
   Buffer<float>& ob = keep ? S.o2 : S.o;
-  if (rotate)
+  if (rotate) {
     ops::rope_backward(ob.data() + N, ob.data() + N, pos, rope_frequencies(layer), n, H, R, H * D, D,
                        ops::RopeLayout::Interleaved);
+    to_activation_dtype(ob.data(), n * H * D);
+  }
   // Grouped low-rank output: group g's heads through wo_a's rows of group g
   // (z), then wo_b (out_proj).
   const int64_t G = cfg_.o_groups, r = cfg_.o_lora_rank, gw = H * D / G;
@@ -573,8 +584,12 @@ void V4Model::output_stage(float* out, V4AttentionSaved& S, int64_t layer, const
     for (int64_t g = 0; g < G; ++g)
       ops::linear_forward(S.z.data() + g * r, ob.data() + g * gw, ops::row_slice(p.wo_a, g * r, (g + 1) * r), n, H * D,
                           G * r);
+    to_activation_dtype(S.z.data(), n * G * r);
   }
-  if (out) ops::linear_forward(out, S.z.data(), p.wo_b, n);
+  if (out) {
+    ops::linear_forward(out, S.z.data(), p.wo_b, n);
+    to_activation_dtype(out, n * cfg_.hidden_size);
+  }
 }
 
 }  // namespace ds::model

@@ -260,7 +260,7 @@ Staged V4Model::sublayer(Buffer<float>& X, Buffer<float>& X2, int64_t l, bool ff
   // them), its output y among them when out_proj was kept.
   const bool have_y = !ffn && ls && !ls->o.empty();
   // dtype=bfloat16: the streams in and out of a sub-layer rounded to bf16.
-  const bool bf16 = ops::gemm_dtype() == ops::GemmDtype::kBf16;
+  const bool bf16 = bf16_activations();
   if (bf16) round_to_bf16(X.data(), X.size());
   Buffer<float> x0(nd), x, y, rstd(static_cast<size_t>(n)), post(nh), comb(nh * static_cast<size_t>(hc));
   if (!have_y) y.resize(nd);

@@ -31,6 +31,7 @@
 // (fp8 / fp4 widened inside the kernels), activations are float32.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -290,7 +291,9 @@ struct V4MoeSaved {
 // reruns start from it), around each sub-layer the mHC mixing and the norm
 // (no name), the sub-layer's residuals. Under dtype=bfloat16 the streams
 // are bf16 values (each sub-layer rounds its input and output, as MaxText's
-// bf16 activations) and X and X1 are held in bf16.
+// bf16 activations) and X and X1 are held in bf16, and so are the named
+// residuals (the stages round them where they are made; drop() holds them
+// as bf16, rerun_layer widens them back).
 struct V4LayerSaved {
   // Whether a sub-layer is whole (nothing to recompute).
   bool has_attention() const { return !a0.empty(); }
@@ -310,6 +313,15 @@ struct V4LayerSaved {
   // Always kept (small next to the streams, or what rebuilds them).
   Buffer<float> a_pin, f_pin;
   Buffer<float> eX, e_rows, e_kv;
+  // The kept named residuals as bf16 codes (each must hold bf16 values),
+  // and back.
+  void hold_bf16();
+  void widen();
+
+ private:
+  static constexpr size_t kHeld = 15;
+  std::array<Buffer<float>*, kHeld> held_buffers();
+  std::array<HeldFloats, kHeld> held_;
 };
 // Around a head: the streams it contracts, the mhc_head output, its norm;
 // V4.1's lagged mHC collapses with pre [R, hc] (the last layer's FFN mix).

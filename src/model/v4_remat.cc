@@ -22,8 +22,31 @@ size_t vec_bytes(const T& v) {
 
 }  // namespace
 
+std::array<Buffer<float>*, V4LayerSaved::kHeld> V4LayerSaved::held_buffers() {
+  return {&attn.qr_lin, &attn.qr, &attn.q_lin, &attn.q, &attn.kv_lin, &attn.kv, &attn.o, &attn.o2,
+          &attn.z,      &o,       &moe.g,      &moe.u,  &moe.y,       &moe.sg,  &moe.su};
+}
+
+void V4LayerSaved::hold_bf16() {
+  const auto buffers = held_buffers();
+  for (size_t i = 0; i < kHeld; ++i)
+    if (!buffers[i]->empty()) held_[i].take(std::move(*buffers[i]), true);
+}
+
+void V4LayerSaved::widen() {
+  const auto buffers = held_buffers();
+  Buffer<float> wide;
+  for (size_t i = 0; i < kHeld; ++i) {
+    if (held_[i].empty()) continue;
+    const float* v = held_[i].values(wide);
+    buffers[i]->assign(v, v + held_[i].size());
+    held_[i].clear();
+  }
+}
+
 size_t V4LayerSaved::bytes() const {
   size_t b = X.bytes() + X1.bytes();
+  for (const HeldFloats& h : held_) b += h.bytes();
   for (const Buffer<float>* v : {&a0,           &rstd_a,       &a,          &post,        &comb,    &o,
                                  &f0,           &rstd_f,       &f,          &fpost,       &fcomb,   &fo,
                                  &a_pin,        &f_pin,        &eX,         &e_rows,      &e_kv,    &attn.qr_lin,
@@ -109,6 +132,7 @@ void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
       *to = std::move(*from);
     M = std::move(kept);
   }
+  if (bf16_activations()) ls.hold_bf16();
 }
 
 Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
@@ -116,6 +140,7 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
   DS_CHECK(l >= 0 && l < static_cast<int64_t>(saved.layers.size()), "internal: rerun of layer {} of {}", l,
            saved.layers.size());
   V4LayerSaved& ls = saved.layers[static_cast<size_t>(l)];
+  ls.widen();  // the residuals held in bf16, for the reruns and the backward
   if (ls.has_attention() && ls.has_moe()) co_return;
   DS_CHECK(!ls.X.empty() && (!ls.has_attention() || !ls.X1.empty()),
            "internal: layer {} kept no input streams to recompute from", l);
@@ -148,7 +173,7 @@ Staged V4Model::rerun_layer(int64_t l, V4Saved& saved) {
     ls.f = std::move(fresh.f), ls.fpost = std::move(fresh.fpost), ls.fcomb = std::move(fresh.fcomb);
     ls.fo = std::move(fresh.fo), ls.moe = std::move(fresh.moe);
   } else if (ls.X1.empty()) {
-    ls.X1.take(std::move(X), ops::gemm_dtype() == ops::GemmDtype::kBf16);
+    ls.X1.take(std::move(X), bf16_activations());
   }
 }
 
