@@ -56,7 +56,7 @@ check 'grep -q "step 6/6" "$tmp/train.err"' "progress lines on stderr"
 # master weights, reported in the metrics, its eval loss close to float32's;
 # checkpoints stay float32.
 "$bin" train "$tmp/run.yml" run_name=tb dtype=bfloat16 >/dev/null 2>"$tmp/tb.err"
-check '[ $? -eq 0 ] && grep -q "dtype=bfloat16: matmul operands and the residual stream between layers rounded to bf16" "$tmp/tb.err"' \
+check '[ $? -eq 0 ] && grep -q "dtype=bfloat16: matmul operands and activations rounded to bf16" "$tmp/tb.err"' \
   "train in bfloat16 ($(tail -1 "$tmp/tb.err"))"
 check 'grep -q "\"dtype\":\"bfloat16\"" "$tmp/runs/tb/metrics.jsonl" && grep -q "\"weight_dtype\":\"float32\"" "$tmp/runs/tb/metrics.jsonl" &&
   grep -q "\"dtype\":\"float32\"" "$run/metrics.jsonl"' "metrics say each run's dtype"

@@ -417,11 +417,11 @@ int64_t training_memory_bytes(const RunConfig& rc) {
   const bool full = t.remat_policy == "full" && family->full_remat_keeps_layer_inputs();
   // mHC keeps each layer's input as k streams (hf_int: 0 when absent, i.e. 1 stream).
   const double extra_streams = static_cast<double>(std::max<int64_t>(0, hf_int(hf, "mhc_expansion_rate") - 1));
-  // Bytes a token: the layer input (bf16 under dtype=bfloat16, which rounds
-  // the residual stream), and without full remat ~7 x hidden + 2 x the MLP's
-  // width floats of named residuals.
-  const double input_bytes = (t.dtype == "bfloat16" ? 2.0 : 4.0) * (1.0 + extra_streams) * hidden;
-  const double per_layer = input_bytes + (full ? 0.0 : 4.0 * (7 * hidden + 2 * mlp));
+  // Values a token: the layer input, and without full remat ~7 x hidden +
+  // 2 x the MLP's width of named residuals; held in bf16 under
+  // dtype=bfloat16 (which rounds the activations), else float32.
+  const double value_bytes = t.dtype == "bfloat16" ? 2.0 : 4.0;
+  const double per_layer = value_bytes * ((1.0 + extra_streams) * hidden + (full ? 0.0 : 7 * hidden + 2 * mlp));
   const double tokens = static_cast<double>(t.per_device_batch_size) * static_cast<double>(t.max_target_length);
   const double bytes = 16.0 * static_cast<double>(family->numel()) +
                        tokens * (8.0 * static_cast<double>(family->vocab_size()) + layers * per_layer);

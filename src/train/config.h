@@ -143,10 +143,11 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 // is coarse and errs high: float32 parameters, gradients and both AdamW
 // moments (16 bytes a parameter, whole on every rank), plus one
 // micro-batch's activations: per token the logits and their gradient
-// (2 x vocab floats) and, per layer (MTP included), the layer input (in
-// bf16 under dtype=bfloat16), plus ~7 x hidden + 2 x the MLP's width floats
-// under any policy but full (and for a family whose full policy keeps more
-// than the layer input: model::Family::full_remat_keeps_layer_inputs).
+// (2 x vocab floats) and, per layer (MTP included), the layer input plus
+// ~7 x hidden + 2 x the MLP's width under any policy but full (and for a
+// family whose full policy keeps more than the layer input:
+// model::Family::full_remat_keeps_layer_inputs) values, float32 or, under
+// dtype=bfloat16, bf16.
 int64_t training_memory_bytes(const RunConfig& rc);
 void check_training_memory(const RunConfig& rc);
 

@@ -437,8 +437,8 @@ void Trainer::set_up_loss() {
     fmt::print(stderr, "{} model ({:.2f}M parameters): {}\n", family_->name(), static_cast<double>(P_) / 1e6, note);
   if (lead_ && tc_.dtype == "bfloat16")
     fmt::print(stderr,
-               "dtype=bfloat16: matmul operands and the residual stream between layers rounded to bf16 (the layer "
-               "inputs kept for the backward in bf16), float32 sums, {}\n",
+               "dtype=bfloat16: matmul operands and activations rounded to bf16 (the residuals kept for the "
+               "backward held in bf16), float32 sums, {}\n",
                ops::bf16_dot_products() ? "on the CPU's bf16 dot products (AVX512-BF16)"
                                         : "in float32 arithmetic (this CPU has no bf16 dot products, or "
                                           "DEEPSEEK_MAX_CPU_ISA forbids them): float32 speed");
