@@ -114,6 +114,12 @@ check 'awk -v a="$first" -v b="$last" "BEGIN { exit !(a > 0 && b < a - 1.0) }"' 
     checkpoint_period=15 resume=true >/dev/null 2>&1
 check '[ $? -eq 0 ] && diff <(grep -o "\"loss\":[0-9.e+-]*" "$tmp/runs/t/metrics.jsonl") \
   <(grep -o "\"loss\":[0-9.e+-]*" "$tmp/runs/r/metrics.jsonl") >/dev/null' "stopped at step 15 and resumed: the same losses"
+# dtype=bfloat16 keeping the named residuals (minimal): V4.1's stages
+# round each where they make it, or holding them in bf16 is an error.
+"$bin" train "$tmp/run.yml" hf_config="$tmp/m/config.json" run_name=b steps=4 dtype=bfloat16 remat_policy=minimal \
+  eval_interval=-1 checkpoint_period=100 >/dev/null 2>"$tmp/b.err"
+check '[ $? -eq 0 ] && grep -q "\"dtype\":\"bfloat16\"" "$tmp/runs/b/metrics.jsonl"' \
+  "train V4.1 in bfloat16 under remat_policy minimal ($(tail -1 "$tmp/b.err"))"
 "$bin" export --checkpoint "$tmp/runs/t/checkpoints/step_30" --out "$tmp/hf" >/dev/null
 check '[ $? -eq 0 ] && grep -q "\"deepseek_v41\"" "$tmp/hf/config.json" && [ -s "$tmp/hf/tokenizer.json" ]' \
   "export the trained V4.1 model"
