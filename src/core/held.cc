@@ -40,4 +40,21 @@ const float* HeldFloats::values(Buffer<float>& scratch) const {
   return scratch.data();
 }
 
+void hold_bf16(std::span<Buffer<float>* const> buffers, std::span<HeldFloats> held) {
+  DS_CHECK(buffers.size() == held.size(), "internal: {} buffers to hold in {} places", buffers.size(), held.size());
+  for (size_t i = 0; i < buffers.size(); ++i)
+    if (!buffers[i]->empty()) held[i].take(std::move(*buffers[i]), true);
+}
+
+void widen(std::span<Buffer<float>* const> buffers, std::span<HeldFloats> held) {
+  DS_CHECK(buffers.size() == held.size(), "internal: {} buffers to widen from {} places", buffers.size(), held.size());
+  Buffer<float> wide;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    if (held[i].empty()) continue;
+    const float* v = held[i].values(wide);
+    buffers[i]->assign(v, v + held[i].size());
+    held[i].clear();
+  }
+}
+
 }  // namespace ds

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "core/buffer.h"
 
@@ -32,5 +33,12 @@ class HeldFloats {
   Buffer<uint16_t> bf16_;
   int64_t n_ = 0;
 };
+
+// A training step's kept residuals between the forward and the backward:
+// hold_bf16 moves each non-empty buffers[i] into held[i] as bf16 codes
+// (its values must be bf16 values), widen puts every held one back in
+// float32 and empties held. The spans have one size.
+void hold_bf16(std::span<Buffer<float>* const> buffers, std::span<HeldFloats> held);
+void widen(std::span<Buffer<float>* const> buffers, std::span<HeldFloats> held);
 
 }  // namespace ds

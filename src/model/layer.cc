@@ -27,22 +27,9 @@ std::array<Buffer<float>*, LayerSaved::kHeld> LayerSaved::held_buffers() {
           &out_proj,      &mlpwi_0, &mlpwi_1,    &mlpwo,      &moe_mlpwi_0, &moe_mlpwi_1, &moe_mlpwo};
 }
 
-void LayerSaved::hold_bf16() {
-  const auto buffers = held_buffers();
-  for (size_t i = 0; i < kHeld; ++i)
-    if (!buffers[i]->empty()) held_[i].take(std::move(*buffers[i]), true);
-}
+void LayerSaved::hold_bf16() { ds::hold_bf16(held_buffers(), held_); }
 
-void LayerSaved::widen() {
-  const auto buffers = held_buffers();
-  Buffer<float> wide;
-  for (size_t i = 0; i < kHeld; ++i) {
-    if (held_[i].empty()) continue;
-    const float* v = held_[i].values(wide);
-    buffers[i]->assign(v, v + held_[i].size());
-    held_[i].clear();
-  }
-}
+void LayerSaved::widen() { ds::widen(held_buffers(), held_); }
 
 size_t LayerSaved::bytes() const {
   size_t n = decoder_layer_input.bytes();

@@ -27,22 +27,9 @@ std::array<Buffer<float>*, V4LayerSaved::kHeld> V4LayerSaved::held_buffers() {
           &attn.z,      &o,       &moe.g,      &moe.u,  &moe.y,       &moe.sg,  &moe.su};
 }
 
-void V4LayerSaved::hold_bf16() {
-  const auto buffers = held_buffers();
-  for (size_t i = 0; i < kHeld; ++i)
-    if (!buffers[i]->empty()) held_[i].take(std::move(*buffers[i]), true);
-}
+void V4LayerSaved::hold_bf16() { ds::hold_bf16(held_buffers(), held_); }
 
-void V4LayerSaved::widen() {
-  const auto buffers = held_buffers();
-  Buffer<float> wide;
-  for (size_t i = 0; i < kHeld; ++i) {
-    if (held_[i].empty()) continue;
-    const float* v = held_[i].values(wide);
-    buffers[i]->assign(v, v + held_[i].size());
-    held_[i].clear();
-  }
-}
+void V4LayerSaved::widen() { ds::widen(held_buffers(), held_); }
 
 size_t V4LayerSaved::bytes() const {
   size_t b = X.bytes() + X1.bytes();
