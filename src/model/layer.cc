@@ -13,7 +13,6 @@
 #include "ops/fp8_quant.h"
 #include "ops/indexer.h"
 #include "ops/linear.h"
-#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/routing.h"

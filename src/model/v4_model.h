@@ -28,7 +28,8 @@
 // rounded to fp8 (e4m3, power-of-two scales per 64), the indexer's queries
 // and keys to fp4 (e2m1, per 32) after a Hadamard rotation. Off, the model
 // computes as Hugging Face's implementation does. Weights are used as stored
-// (fp8 / fp4 widened inside the kernels), activations are float32.
+// (fp8 / fp4 widened inside the kernels), activations are float32 (holding
+// bf16 values when training under dtype=bfloat16; see V4LayerSaved).
 #pragma once
 
 #include <array>

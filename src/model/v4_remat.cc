@@ -9,7 +9,6 @@
 #include "core/buffer.h"
 #include "core/error.h"
 #include "model/v4_model.h"
-#include "ops/matmul.h"
 
 namespace ds::model {
 
