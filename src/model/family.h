@@ -112,10 +112,12 @@ class Family {
   }
   // Whether LossTerms::indexer_loss means something (a DSA model).
   virtual bool reports_indexer_loss() const { return false; }
-  // Whether remat_policy full keeps no more than each layer's input for the
-  // backward (train::training_memory_bytes' estimate); false: the estimate
-  // counts a layer's activations whatever the policy.
-  virtual bool full_remat_keeps_layer_inputs() const { return true; }
+  // The bytes a training step's forward keeps for the backward per token of
+  // sequences of `seq` tokens under `keep` (bf16: dtype=bfloat16, which
+  // holds the streams and named residuals in 2 bytes): at or above the
+  // step's LossTerms::saved_bytes over its tokens. train::training_memory_bytes'
+  // activation estimate.
+  virtual double saved_bytes_per_token(const RematPolicy& keep, bool bf16, int64_t seq) const = 0;
 
   // The loss over whole flat buffers (grads may be null: forward only).
   // The buffers must outlive the result.

@@ -485,6 +485,37 @@ void drop(LayerSaved& S, const RematPolicy& keep) {
 
 }  // namespace
 
+double saved_bytes_per_token(const ModelConfig& c, int64_t mtp_layers, const RematPolicy& keep, bool bf16) {
+  const double held = bf16 ? 2.0 : 4.0, H = static_cast<double>(c.num_attention_heads);
+  const double qk = static_cast<double>(c.qk_nope_head_dim + c.qk_rope_head_dim),
+               vd = static_cast<double>(c.v_head_dim);
+  const double D = static_cast<double>(c.hidden_size), kvl = static_cast<double>(c.kv_lora_rank);
+  const double ql = static_cast<double>(c.q_lora_rank), rope = static_cast<double>(c.qk_rope_head_dim);
+  // Values of each kept name, as drop() keeps them, and their float32 extras.
+  auto k = [&](Residual r) { return keep.kept(r) ? 1.0 : 0.0; };
+  const double attn =
+      held * (k(R::query_wa_proj) * ql + k(R::mla_q) * ql + k(R::query_proj) * H * qk +
+              k(R::kv_wa_proj) * (kvl + rope) + k(R::mla_kv) * kvl + k(R::key_proj) * H * qk +
+              k(R::value_proj) * H * vd + std::max(k(R::attention_out), k(R::context)) * H * vd + k(R::out_proj) * D) +
+      4.0 * ((ql > 0 ? k(R::mla_q) : 0.0) + k(R::mla_kv) + k(R::context) * H);
+  double total = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers + mtp_layers; ++l) {
+    double mlp = 0;
+    if (c.is_moe_layer(l)) {
+      const double I = static_cast<double>(c.moe_intermediate_size), K = static_cast<double>(c.num_experts_per_tok);
+      const double shared = static_cast<double>(c.n_shared_experts) * I;
+      mlp = shared * (k(R::mlpwi_0) + k(R::mlpwi_1)) +
+            K * I * (std::max(k(R::moe_mlpwi_0), k(R::mlpwi_0)) + k(R::moe_mlpwi_1)) +
+            K * D * std::max(k(R::moe_mlpwo), k(R::mlpwo));
+    } else {
+      const double I = static_cast<double>(c.intermediate_size);
+      mlp = I * (k(R::mlpwi_0) + k(R::mlpwi_1));  // the products' output (mlpwo) is not kept
+    }
+    total += held * (k(R::decoder_layer_input) * static_cast<double>(c.residual_width()) + mlp) + attn;
+  }
+  return total;
+}
+
 void layer_forward(float* h, const LayerView& p, int64_t layer, const StageConfig& s, const TokenLayout& layout,
                    KvAttention* kv, LayerSaved* saved, const RematPolicy& keep, LayerStats* stats) {
   const int64_t N = layout.tokens(), W = s.cfg->residual_width();

@@ -101,6 +101,14 @@ struct LayerSaved {
   std::array<HeldFloats, kHeld> held_;
 };
 
+// The bytes LayerSaved holds per token after a forward that kept `keep`,
+// summed over the model's layers (the MTP layers' included): each kept
+// named residual's width, held at 2 bytes under `bf16` (4 otherwise), and
+// the float32 rstd and lse beside them. train::training_memory_bytes'
+// activation estimate (model::Family::saved_bytes_per_token); drop() in
+// layer.cc says what each name keeps.
+double saved_bytes_per_token(const ModelConfig& cfg, int64_t mtp_layers, const RematPolicy& keep, bool bf16);
+
 // One layer forward. h [N, D] ([N, k, D] with mHC) is updated in place (h -> h2). Under
 // ops::gemm_dtype() bf16 (MaxText's dtype=bfloat16) h is rounded to bf16 on
 // entry and h2 on exit, as MaxText's decoder layers take and give bf16

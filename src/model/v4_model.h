@@ -339,6 +339,14 @@ struct V4MtpSaved {
   std::vector<float> h0, rstd_h, h;  // the main streams, before and after hnorm [R, hc, d]
   V4HeadSaved head;                  // its own mhc_head and norm; the block's in V4Saved::layers[L]
 };
+// The bytes V4Saved holds per token of sequences of `seq` tokens after a
+// forward that kept `keep` (dtype=bfloat16: the streams and named
+// residuals at 2 bytes): every layer's, the MTP block's and the head's.
+// At or above what V4Saved::bytes() counts (the top-k lists of the
+// compressed layers are taken whole); train::training_memory_bytes'
+// activation estimate (model::Family::saved_bytes_per_token). V4Model::drop
+// says what each name keeps.
+double v4_saved_bytes_per_token(const V4Config& cfg, const RematPolicy& keep, bool bf16, int64_t seq);
 struct V4Saved {
   size_t bytes() const;
   // Set before the forward: the residuals each layer keeps. A sub-layer

@@ -58,6 +58,61 @@ size_t V4Saved::bytes() const {
   return b;
 }
 
+double v4_saved_bytes_per_token(const V4Config& c, const RematPolicy& keep, bool bf16, int64_t seq) {
+  using R = Residual;
+  const double held = bf16 ? 2.0 : 4.0, f32 = 4.0, i32 = 4.0, i64 = 8.0;
+  const double hc = static_cast<double>(c.hc_mult), d = static_cast<double>(c.hidden_size);
+  const double H = static_cast<double>(c.num_attention_heads), D = static_cast<double>(c.head_dim);
+  const double ql = static_cast<double>(c.q_lora_rank), Gr = static_cast<double>(c.o_groups * c.o_lora_rank);
+  const double K = static_cast<double>(c.num_experts_per_tok), E = static_cast<double>(c.n_routed_experts);
+  const double I = static_cast<double>(c.moe_intermediate_size), S = static_cast<double>(c.n_shared_experts) * I;
+  auto k = [&](R r) { return keep.kept(r) || c.v41() ? 1.0 : 0.0; };  // V4.1 keeps its attention whole
+  auto km = [&](R r) { return keep.kept(r) ? 1.0 : 0.0; };
+  const bool attn_whole = k(R::query_wa_proj) + k(R::mla_q) + k(R::query_proj) + k(R::kv_wa_proj) + k(R::kv_proj) +
+                              k(R::context) + k(R::attention_out) + k(R::out_proj) ==
+                          8;
+  const double attn_named =
+      held * (k(R::query_wa_proj) * ql + k(R::mla_q) * ql + k(R::query_proj) * 2 * H * D + k(R::kv_wa_proj) * D +
+              k(R::kv_proj) * D + k(R::context) * H * D + k(R::attention_out) * H * D + k(R::out_proj) * d) +
+      f32 * (k(R::mla_q) + k(R::query_proj) * H + k(R::kv_proj) + k(R::context) * H);
+  const double g = std::max(km(R::moe_mlpwi_0), km(R::mlpwi_0)), y = std::max(km(R::moe_mlpwo), km(R::mlpwo));
+  const bool moe_whole = g + km(R::moe_mlpwi_1) + y + km(R::mlpwi_0) + km(R::mlpwi_1) == 5;
+  const double moe_named =
+      held * (K * I * (g + km(R::moe_mlpwi_1)) + K * d * y + S * (km(R::mlpwi_0) + km(R::mlpwi_1)));
+  // The routing's choices and scores always stay; the rest with the MoE's unnamed residuals.
+  const double routing = K * i32 + E * f32 + (moe_whole ? K * (f32 + 2 * i32) : 0.0);
+  const double mix = f32 * (3 * d + 1 + hc + hc * hc);  // a sub-layer's input and norm rows, its mHC post and comb
+  const double window = static_cast<double>(std::min(c.sliding_window, seq));
+  double total = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers + c.num_nextn_predict_layers; ++l) {
+    double b = held * hc * d * km(R::decoder_layer_input) + attn_named + moe_named + routing;
+    if (c.v41()) b += 2 * f32 * hc;  // the weights that collapsed each sub-layer's input
+    if (c.v41() && c.engram_slot(l) >= 0)
+      b += f32 * (hc * d + static_cast<double>(c.engram_columns() * c.engram_head_dim) + (hc + 1) * d);
+    if (attn_whole) {
+      const int64_t m = c.compress_ratio(l);
+      // Each query's keys (a sequence index and an entry each): the window,
+      // and the top-k (CSA) or every complete window (HCA) of the entries.
+      const double entries = m == 0                ? 0.0
+                             : c.sparse_entries(l) ? static_cast<double>(std::min(c.index_topk, seq / m))
+                                                   : static_cast<double>(seq / m);
+      const double cw = m == 0 ? 0.0 : (m == 4 ? 2 : 1) * D;
+      b += held * (hc * d + Gr) + mix + f32 * 2 * cw + (m == 0 ? 0.0 : f32 * (D + 1) / static_cast<double>(m)) +
+           (window + entries) * (i32 + i64) + i64;
+    }
+    if (moe_whole) b += mix;
+    total += b;
+  }
+  // The head's streams and norm of every row; the MTP block's next-token
+  // embeddings and main streams, before and after their norms, and its head.
+  // The batch's ids and positions; per layer the routing bias and sizes
+  // [E], once a batch (of at least seq tokens).
+  total += 2 * i32 + static_cast<double>(c.num_hidden_layers + c.num_nextn_predict_layers) * 2 * E * f32 /
+                         static_cast<double>(std::max<int64_t>(seq, 1));
+  const double head = f32 * (hc * d + d + 1);
+  return total + head + (c.num_nextn_predict_layers > 0 ? f32 * (2 * d + 1 + 2 * hc * d + 1) + head : 0.0);
+}
+
 void V4Model::drop(V4LayerSaved& ls, const V4Saved& saved) const {
   using R = Residual;
   const RematPolicy& keep = saved.keep;

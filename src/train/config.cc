@@ -395,36 +395,14 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 
 std::unique_ptr<model::Family> model_family(const RunConfig& rc) { return rc.family(); }
 
-namespace {
-
-// A non-negative integer of a Hugging Face config (0 when absent or null).
-int64_t hf_int(const nlohmann::json& j, const char* key) {
-  return j.contains(key) && j[key].is_number_integer() ? std::max<int64_t>(0, j[key].get<int64_t>()) : 0;
-}
-
-}  // namespace
-
 int64_t training_memory_bytes(const RunConfig& rc) {
   const auto family = model_family(rc);
-  const nlohmann::json hf = family->hf_config();
   const TrainConfig& t = rc.train;
   // In double: the sizes are each bounded, their product need not fit int64.
-  const double hidden = static_cast<double>(hf_int(hf, "hidden_size"));
-  const double mlp = static_cast<double>(std::max(
-      hf_int(hf, "intermediate_size"),
-      (hf_int(hf, "num_experts_per_tok") + hf_int(hf, "n_shared_experts")) * hf_int(hf, "moe_intermediate_size")));
-  const double layers = static_cast<double>(hf_int(hf, "num_hidden_layers") + family->mtp_layers());
-  const bool full = t.remat_policy == "full" && family->full_remat_keeps_layer_inputs();
-  // mHC keeps each layer's input as k streams (hf_int: 0 when absent, i.e. 1 stream).
-  const double extra_streams = static_cast<double>(std::max<int64_t>(0, hf_int(hf, "mhc_expansion_rate") - 1));
-  // Values a token: the layer input, and without full remat ~7 x hidden +
-  // 2 x the MLP's width of named residuals; held in bf16 under
-  // dtype=bfloat16 (which rounds the activations), else float32.
-  const double value_bytes = t.dtype == "bfloat16" ? 2.0 : 4.0;
-  const double per_layer = value_bytes * ((1.0 + extra_streams) * hidden + (full ? 0.0 : 7 * hidden + 2 * mlp));
   const double tokens = static_cast<double>(t.per_device_batch_size) * static_cast<double>(t.max_target_length);
-  const double bytes = 16.0 * static_cast<double>(family->numel()) +
-                       tokens * (8.0 * static_cast<double>(family->vocab_size()) + layers * per_layer);
+  const double saved = family->saved_bytes_per_token(t.remat, t.dtype == "bfloat16", t.max_target_length);
+  const double bytes =
+      16.0 * static_cast<double>(family->numel()) + tokens * (8.0 * static_cast<double>(family->vocab_size()) + saved);
   return bytes >= 0x1p62 ? int64_t{1} << 62 : static_cast<int64_t>(bytes);
 }
 

@@ -140,14 +140,11 @@ RunConfig load_run_config(const std::string& path, const std::vector<std::string
 
 // Refuses, before anything is allocated, a run whose memory cannot fit this
 // machine (physical memory, as `generate` checks its KV cache). The estimate
-// is coarse and errs high: float32 parameters, gradients and both AdamW
-// moments (16 bytes a parameter, whole on every rank), plus one
-// micro-batch's activations: per token the logits and their gradient
-// (2 x vocab floats) and, per layer (MTP included), the layer input plus
-// ~7 x hidden + 2 x the MLP's width under any policy but full (and for a
-// family whose full policy keeps more than the layer input:
-// model::Family::full_remat_keeps_layer_inputs) values, float32 or, under
-// dtype=bfloat16, bf16.
+// errs high: float32 parameters, gradients and both AdamW moments (16
+// bytes a parameter, whole on every rank), plus one micro-batch's
+// activations: per token the logits and their gradient (2 x vocab floats)
+// and what the family's forward keeps for the backward under the run's
+// remat policy and dtype (model::Family::saved_bytes_per_token).
 int64_t training_memory_bytes(const RunConfig& rc);
 void check_training_memory(const RunConfig& rc);
 

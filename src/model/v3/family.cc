@@ -12,6 +12,7 @@
 #include "model/flops.h"
 #include "model/hf_params.h"
 #include "model/init.h"
+#include "model/layer.h"
 
 namespace ds::model {
 
@@ -86,6 +87,9 @@ class V3Family final : public Family {
     copy_tokenizer(tokenizer, out_dir);
   }
 
+  double saved_bytes_per_token(const RematPolicy& keep, bool bf16, int64_t) const override {
+    return model::saved_bytes_per_token(cfg_, mtp_, keep, bf16);
+  }
   double step_flops(int64_t batch, int64_t seq, int64_t grad_accum) const override {
     return model::step_flops(cfg_, batch, seq, mtp_, grad_accum);
   }

@@ -17,6 +17,7 @@
 #include "model/flops.h"
 #include "model/hf_params.h"
 #include "model/v41_init.h"
+#include "model/v4_model.h"
 #include "model/v4_train.h"
 
 namespace ds::model {
@@ -124,9 +125,9 @@ class V4Family final : public Family {
     return v;
   }
   double routed_bias_update_rate() const override { return rate_; }
-  // Its full remat keeps the routing's scores [tokens, E] too and its layer
-  // inputs are hc_mult streams: the estimate counts a layer's activations whole.
-  bool full_remat_keeps_layer_inputs() const override { return false; }
+  double saved_bytes_per_token(const RematPolicy& keep, bool bf16, int64_t seq) const override {
+    return v4_saved_bytes_per_token(cfg_, keep, bf16, seq);
+  }
 
   void init(float* params, uint64_t seed, float std) const override {
     auto p = V4FlatParams::over(cfg_, params);
