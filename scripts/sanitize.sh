@@ -26,6 +26,7 @@
 #
 # Environment: DEEPSEEK_JOBS (build jobs and tests run at once, default 2);
 # DEEPSEEK_DIST_STEPS (dist_mpi's run length, default 8 here, see below);
+# DEEPSEEK_DIST_SUBSET (dist_mpi's runs: sanitized here, see below);
 # DEEPSEEK_SANITIZE_CAPPED_MODELS=1 (the model tests' AVX2 reruns as well,
 # see below); DEEPSEEK_FIXTURE_TRAINER (a `deepseek` that trains
 # client_sdks' tool-calling fixture, which this build's program then exports
@@ -61,6 +62,11 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 # cases and code paths, with two fifths of the instrumented steps (the first 8
 # steps of the same runs; tests/dist_mpi_test.sh).
 export DEEPSEEK_DIST_STEPS="${DEEPSEEK_DIST_STEPS:-8}"
+# and leave out the 7 of its runs whose code paths its other runs take (its
+# json and tokens data at data=2 and at fsdp=2, kept at data=2 x fsdp=2; the
+# batch split at expert=2 with allgather, for V3 and V4; V4's synthetic rows
+# at data=2); the Release run does them all.
+export DEEPSEEK_DIST_SUBSET="${DEEPSEEK_DIST_SUBSET:-sanitized}"
 
 rm -rf "$REPORTS"
 mkdir -p "$REPORTS"
