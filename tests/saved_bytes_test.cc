@@ -42,16 +42,17 @@ std::string v41_config() {
 
 std::vector<Case> cases() {
   return {
-      {"V3", {"model_name=" + kSrc + "/configs/tiny.yml", "mtp_num_layers=1"}},
-      {"V3, two dense layers", {"model_name=" + kSrc + "/configs/tiny.yml", "first_num_dense_layers=2"}},
-      {"V3.2 (DSA)", {"model_name=" + kSrc + "/configs/tiny.yml", "use_indexer=true", "indexer_topk=4"}},
+      {"V3", {"model_name=" + kSrc + "/configs/tiny.yml", "mtp_num_layers=1"}, ""},
+      {"V3, two dense layers", {"model_name=" + kSrc + "/configs/tiny.yml", "first_num_dense_layers=2"}, ""},
+      {"V3.2 (DSA)", {"model_name=" + kSrc + "/configs/tiny.yml", "use_indexer=true", "indexer_topk=4"}, ""},
       {"V3 mHC + Engram",
        {"tokenizer_path=" + kSrc + "/tests/data/tokenizer/tiny/tokenizer.json", "per_device_batch_size=2"},
        kSrc + "/configs/train-tiny-engram.yml"},
-      {"V4", {"model_name=" + kSrc + "/configs/v4-tiny.yml"}},
+      {"V4", {"model_name=" + kSrc + "/configs/v4-tiny.yml"}, ""},
       {"V4.1",
        {"model_name=", "hf_config=" + v41_config(), "mtp_num_layers=0",
-        "tokenizer_path=" + kSrc + "/tests/data/tokenizer/tiny/tokenizer.json"}},
+        "tokenizer_path=" + kSrc + "/tests/data/tokenizer/tiny/tokenizer.json"},
+       ""},
   };
 }
 

@@ -102,7 +102,10 @@ constexpr std::string_view kV4EffortMax =
 
 std::string tools_text(Format f, const Conversation& c) {
   std::string schemas;
-  for (const auto& t : c.tools) schemas += (schemas.empty() ? "" : "\n") + python_json(t.function, false);
+  for (const auto& t : c.tools) {
+    if (!schemas.empty()) schemas += '\n';
+    schemas += python_json(t.function, false);
+  }
   const DsmlTags tags = dsml_tags(f);
   return fmt::format(fmt::runtime(f == Format::V32 ? kV32Tools : kV4Tools), fmt::arg("dsml", kDsml),
                      fmt::arg("block", tags.block), fmt::arg("invoke", tags.invoke), fmt::arg("param", tags.parameter),
