@@ -103,12 +103,12 @@ double v4_saved_bytes_per_token(const V4Config& c, const RematPolicy& keep, bool
     if (moe_whole) b += mix;
     total += b;
   }
-  // The head's streams and norm of every row; the MTP block's next-token
-  // embeddings and main streams, before and after their norms, and its head.
   // The batch's ids and positions; per layer the routing bias and sizes
   // [E], once a batch (of at least seq tokens).
   total += 2 * i32 + static_cast<double>(c.num_hidden_layers + c.num_nextn_predict_layers) * 2 * E * f32 /
                          static_cast<double>(std::max<int64_t>(seq, 1));
+  // The head's streams and norm of every row; the MTP block's next-token
+  // embeddings and main streams, before and after their norms, and its head.
   const double head = f32 * (hc * d + d + 1);
   return total + head + (c.num_nextn_predict_layers > 0 ? f32 * (2 * d + 1 + 2 * hc * d + 1) + head : 0.0);
 }
