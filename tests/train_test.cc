@@ -33,12 +33,23 @@ namespace fs = std::filesystem;
 
 const std::string kTiny = std::string(DEEPSEEK_SOURCE_DIR) + "/configs/tiny.yml";
 
-fs::path temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("ds_train_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p;
-}
+// A fresh folder for one test's runs, removed when the test is done.
+class ScratchDir : public fs::path {
+ public:
+  explicit ScratchDir(const std::string& name)
+      : fs::path(fs::temp_directory_path() / ("ds_train_test_" + name + "_" + std::to_string(::getpid()))) {
+    fs::remove_all(*this);
+    fs::create_directories(*this);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(*this, ec);
+  }
+};
+
+ScratchDir temp_dir(const std::string& name) { return ScratchDir(name); }
 
 train::RunConfig run_config(const fs::path& out, const std::vector<std::string>& extra) {
   std::vector<std::string> o = {"model_name=" + kTiny,     "base_output_directory=" + out.string(),
