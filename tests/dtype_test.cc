@@ -586,28 +586,36 @@ TEST(DType, BulkNarrowingMatchesScalar) {
 
 // find_non_finite on every dtype it scans, the elements starting at any
 // byte offset (a checkpoint may pack a one-byte tensor of odd length before
-// a bf16 one), a hit in the last element of a long run and none at all.
+// a bf16 one), finite values up to the largest, a hit in the vector body,
+// the tail, a later block or the last element, and none at all.
 TEST(FindNonFinite, AnyOffsetAnyPosition) {
   struct Case {
     DType t;
     size_t size;
-    uint32_t finite, bad;
+    uint32_t finite, largest, bad;
   };
-  for (const Case& c : {Case{DType::F32, 4, 0x3f800000u, 0x7fc00000u}, Case{DType::BF16, 2, 0x3f80u, 0xff80u},
-                        Case{DType::F16, 2, 0x3c00u, 0x7c00u}, Case{DType::F8E4M3, 1, 0x38u, 0xffu},
-                        Case{DType::F8E5M2, 1, 0x3cu, 0x7cu}})
-    for (size_t offset = 0; offset < 4; ++offset) {
-      const size_t n = 5000;
-      std::vector<unsigned char> buf(offset + n * c.size);
-      auto put = [&](size_t i, uint32_t v) { std::memcpy(buf.data() + offset + i * c.size, &v, c.size); };
-      for (size_t i = 0; i < n; ++i) put(i, c.finite);
-      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), -1) << dtype_name(c.t) << " offset " << offset;
-      put(n - 1, c.bad);
-      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), static_cast<int64_t>(n - 1))
-          << dtype_name(c.t) << " offset " << offset;
-      put(7, c.bad);
-      EXPECT_EQ(find_non_finite(buf.data() + offset, c.t, n), 7) << dtype_name(c.t) << " offset " << offset;
-    }
+  for (const Case& c : {Case{DType::F32, 4, 0x3f800000u, 0xff7fffffu, 0x7fc00000u},
+                        Case{DType::BF16, 2, 0x3f80u, 0xff7fu, 0xff80u}, Case{DType::F16, 2, 0x3c00u, 0x7bffu, 0x7c00u},
+                        Case{DType::F8E4M3, 1, 0x38u, 0xfeu, 0xffu}, Case{DType::F8E5M2, 1, 0x3cu, 0x7bu, 0x7cu}})
+    for (const size_t n : {size_t{5000}, size_t{140001}})
+      for (size_t offset = 0; offset < 4; ++offset) {
+        std::vector<unsigned char> buf(offset + n * c.size);
+        auto put = [&](size_t i, uint32_t v) { std::memcpy(buf.data() + offset + i * c.size, &v, c.size); };
+        auto find = [&] { return find_non_finite(buf.data() + offset, c.t, n); };
+        for (size_t i = 0; i < n; ++i) put(i, i % 3 ? c.finite : c.largest);
+        const std::string what = fmt::format("{} n {} offset {}", dtype_name(c.t), n, offset);
+        EXPECT_EQ(find(), -1) << what;
+        put(n - 1, c.bad);
+        EXPECT_EQ(find(), static_cast<int64_t>(n - 1)) << what;
+        if (n > 70000) {
+          put(65536 + 77, c.bad);
+          EXPECT_EQ(find(), 65536 + 77) << what;
+        }
+        put(n / 3, c.bad);
+        EXPECT_EQ(find(), static_cast<int64_t>(n / 3)) << what;
+        put(7, c.bad);
+        EXPECT_EQ(find(), 7) << what;
+      }
 }
 
 }  // namespace dtype_test

@@ -10,12 +10,14 @@
 #include "core/dtype.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "core/error.h"
+#include "core/parallel.h"
 
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "core/dtype.cc"
@@ -181,6 +183,43 @@ void E5m2ToF32(float* out, const uint8_t* in, size_t n) {
   for (; i < n; ++i) out[i] = e5m2_to_f32(in[i]);
 }
 
+// Whether any of the n elements of type U at p has every bit of mask set.
+// The bytes are loaded as bytes (a tensor need not start on its element
+// size) and reinterpreted in registers.
+template <typename U>
+bool AnyAllOnes(const unsigned char* p, size_t n, U mask) {
+  bool any = false;
+  size_t i = 0;
+#if HWY_TARGET != HWY_SCALAR  // one lane a vector: bytes cannot be regrouped
+  using D = hn::ScalableTag<U>;
+  const D d;
+  const hn::Repartition<uint8_t, D> d8;
+  const size_t N = hn::Lanes(d);
+  const auto m = hn::Set(d, mask);
+  auto hits = hn::Zero(d);
+  for (; i + 4 * N <= n; i += 4 * N) {
+    const unsigned char* q = p + i * sizeof(U);
+    const auto a = hn::And(hn::BitCast(d, hn::LoadU(d8, q)), m);
+    const auto b = hn::And(hn::BitCast(d, hn::LoadU(d8, q + N * sizeof(U))), m);
+    const auto c = hn::And(hn::BitCast(d, hn::LoadU(d8, q + 2 * N * sizeof(U))), m);
+    const auto e = hn::And(hn::BitCast(d, hn::LoadU(d8, q + 3 * N * sizeof(U))), m);
+    hits = hn::Or(hits, hn::Or(hn::Or(hn::VecFromMask(d, hn::Eq(a, m)), hn::VecFromMask(d, hn::Eq(b, m))),
+                               hn::Or(hn::VecFromMask(d, hn::Eq(c, m)), hn::VecFromMask(d, hn::Eq(e, m)))));
+  }
+  any = !hn::AllTrue(d, hn::Eq(hits, hn::Zero(d)));
+#endif
+  for (; i < n; ++i) {
+    U v;
+    std::memcpy(&v, p + i * sizeof(U), sizeof(U));
+    any |= (v & mask) == mask;
+  }
+  return any;
+}
+
+bool AnyAllOnes8(const unsigned char* p, size_t n, uint8_t mask) { return AnyAllOnes(p, n, mask); }
+bool AnyAllOnes16(const unsigned char* p, size_t n, uint16_t mask) { return AnyAllOnes(p, n, mask); }
+bool AnyAllOnes32(const unsigned char* p, size_t n, uint32_t mask) { return AnyAllOnes(p, n, mask); }
+
 }  // namespace
 }  // namespace HWY_NAMESPACE
 }  // namespace ds
@@ -198,6 +237,9 @@ HWY_EXPORT(F16ToF32);
 HWY_EXPORT(F32ToF16);
 HWY_EXPORT(E4m3ToF32);
 HWY_EXPORT(E5m2ToF32);
+HWY_EXPORT(AnyAllOnes8);
+HWY_EXPORT(AnyAllOnes16);
+HWY_EXPORT(AnyAllOnes32);
 
 size_t dtype_size(DType t) {
   switch (t) {
@@ -471,27 +513,40 @@ void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t 
 
 namespace {
 
-// Whether any of n elements has all exponent bits (mask) set; written as a
-// branch-free reduction over blocks so the compiler vectorizes it, then the
-// block with a hit is searched. Elements are read with memcpy: a
-// checkpoint's tensors need not start on their element size (a file may
-// pack a one-byte scale tensor of odd length before a bf16 one).
+// Whether any of n elements has all exponent bits (mask) set: blocks are
+// tested by the vector kernel, then the block with a hit is searched.
+// Elements are read with memcpy: a checkpoint's tensors need not start on
+// their element size (a file may pack a one-byte scale tensor of odd length
+// before a bf16 one).
+bool any_all_ones(const unsigned char* p, size_t n, uint8_t mask) { return DS_DISPATCH(AnyAllOnes8)(p, n, mask); }
+bool any_all_ones(const unsigned char* p, size_t n, uint16_t mask) { return DS_DISPATCH(AnyAllOnes16)(p, n, mask); }
+bool any_all_ones(const unsigned char* p, size_t n, uint32_t mask) { return DS_DISPATCH(AnyAllOnes32)(p, n, mask); }
+
+// The blocks are shared among the threads (a model's weights are scanned
+// once at load, and one core reads far below the memory's rate); the first
+// block with a hit is searched.
 template <typename U>
 int64_t find_all_ones(const void* data, size_t n, U mask) {
   const auto* p = static_cast<const unsigned char*>(data);
-  auto at = [p](size_t i) {
+  constexpr size_t kBlock = size_t{1} << 16;
+  const int64_t blocks = static_cast<int64_t>((n + kBlock - 1) / kBlock);
+  std::atomic<int64_t> first{blocks};
+  parallel_ranges(blocks, blocks >= 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1 && b < first.load(std::memory_order_relaxed); ++b) {
+      const size_t i0 = static_cast<size_t>(b) * kBlock;
+      if (!any_all_ones(p + i0 * sizeof(U), std::min(kBlock, n - i0), mask)) continue;
+      int64_t seen = first.load();
+      while (b < seen && !first.compare_exchange_weak(seen, b)) {
+      }
+      break;
+    }
+  });
+  if (first.load() == blocks) return -1;
+  const size_t b = static_cast<size_t>(first.load()) * kBlock, e = std::min(n, b + kBlock);
+  for (size_t i = b; i < e; ++i) {
     U v;
     std::memcpy(&v, p + i * sizeof(U), sizeof(U));
-    return v;
-  };
-  constexpr size_t kBlock = 4096;
-  for (size_t b = 0; b < n; b += kBlock) {
-    const size_t e = std::min(n, b + kBlock);
-    bool any = false;
-    for (size_t i = b; i < e; ++i) any |= (at(i) & mask) == mask;
-    if (any)
-      for (size_t i = b; i < e; ++i)
-        if ((at(i) & mask) == mask) return static_cast<int64_t>(i);
+    if ((v & mask) == mask) return static_cast<int64_t>(i);
   }
   return -1;
 }
